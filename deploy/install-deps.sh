@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the Debian packages opjit needs to build, run and test.
+# Idempotent: packages already present are skipped, and apt is not touched at
+# all when nothing is missing. Debian packages only.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libspdlog-dev libfmt-dev libsqlite3-dev nlohmann-json3-dev libtomlplusplus-dev libssl-dev
+  llvm-16-dev libclang-16-dev libclang-cpp16-dev clang-16
+  libgtest-dev libgmock-dev libbenchmark-dev
+  python3-grpcio python3-numpy python3-pytest python3-protobuf
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

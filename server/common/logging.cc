@@ -1,0 +1,41 @@
+#include "server/common/logging.h"
+
+#include <mutex>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+
+namespace opjit {
+namespace {
+
+std::mutex& Mu() {
+  static std::mutex mu;
+  return mu;
+}
+
+spdlog::level::level_enum& Level() {
+  static spdlog::level::level_enum level = spdlog::level::info;
+  return level;
+}
+
+}  // namespace
+
+std::shared_ptr<spdlog::logger> Logger(const std::string& subsystem) {
+  if (auto existing = spdlog::get(subsystem)) return existing;
+  std::lock_guard<std::mutex> lock(Mu());
+  if (auto existing = spdlog::get(subsystem)) return existing;
+  // Logs go to stderr so stdout stays free for tools that print results.
+  auto logger = spdlog::stderr_color_mt(subsystem);
+  logger->set_level(Level());
+  logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%-5l%$ [%n] %v");
+  return logger;
+}
+
+void SetLogLevel(const std::string& level) {
+  std::lock_guard<std::mutex> lock(Mu());
+  auto parsed = spdlog::level::from_str(level);
+  if (parsed == spdlog::level::off && level != "off") parsed = spdlog::level::info;
+  Level() = parsed;
+  spdlog::apply_all([parsed](const std::shared_ptr<spdlog::logger>& l) { l->set_level(parsed); });
+}
+
+}  // namespace opjit
