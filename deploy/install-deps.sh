@@ -5,7 +5,7 @@
 set -euo pipefail
 
 PKGS=(
-  build-essential cmake pkg-config git
+  build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev libsqlite3-dev nlohmann-json3-dev libtomlplusplus-dev libssl-dev
   llvm-16-dev libclang-16-dev libclang-cpp16-dev clang-16
