@@ -1,0 +1,392 @@
+// opjit: the command-line client of opjitd.
+//
+//   opjit [--server ADDR] [--json] [--timeout SECONDS] COMMAND [ARGS]
+//
+// Exit status: 0 success, 1 the server refused or failed the call (its message
+// goes to stderr), 2 bad usage.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/cpp/opjit_client.h"
+
+namespace {
+
+using opjit::client::Client;
+
+constexpr const char kUsage[] =
+    R"(usage: opjit [--server ADDR] [--json] [--timeout SECONDS] COMMAND [ARGS]
+
+Commands:
+  info                              server version, CPU target, GPU availability
+  register SPEC.json                register an op from a JSON spec (opjit.v1.OpDef)
+  ops [--namespace NS] [--all-versions]
+                                    list ops (latest versions unless --all-versions)
+  describe NAME [--version N]       show an op's full definition
+  delete NAME [--version N]         delete an op (all versions unless --version)
+  compile FILE [--entry SYM] [--lang c|c++] [--option OPT]... [--library LIB]...
+                                    compile a kernel source without registering it
+  cache stats                       compile-cache counters
+  cache clear [--memory-only]       drop cached kernels
+
+NAME may be qualified with a namespace: ns/name (default namespace "default").
+ADDR: unix:/path.sock, /path.sock or host:port. Default: $OPJIT_SERVER, else
+the daemon's default socket ($OPJIT_STATE_DIR or ~/.opjit)/opjitd.sock.
+)";
+
+struct Globals {
+  std::string server;
+  bool json = false;
+  double timeout_s = 120;
+};
+
+int UsageError(const std::string& msg) {
+  std::cerr << "opjit: " << msg << "\n\n" << kUsage;
+  return 2;
+}
+
+std::string g_address;  // for error messages
+
+int Fail(const absl::Status& s) {
+  std::cerr << "opjit: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
+  if (s.code() == absl::StatusCode::kUnavailable && !g_address.empty()) {
+    std::cerr << "opjit: is opjitd running at " << g_address
+              << "? Start it with `make run`, or pass --server / set OPJIT_SERVER\n";
+  }
+  return 1;
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  opts.preserve_proto_field_names = true;
+  opts.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
+  return out;
+}
+
+void SplitName(const std::string& qualified, std::string* ns, std::string* name) {
+  auto slash = qualified.find('/');
+  if (slash == std::string::npos) {
+    *ns = "";
+    *name = qualified;
+  } else {
+    *ns = qualified.substr(0, slash);
+    *name = qualified.substr(slash + 1);
+  }
+}
+
+// Parses "--flag value" / "--flag=value" options after the command; the rest
+// are positional. Flags in `bool_flags` take no value.
+struct Args {
+  std::vector<std::string> positional;
+  std::multimap<std::string, std::string> flags;
+  std::string Get(const std::string& k, const std::string& def = "") const {
+    auto it = flags.find(k);
+    return it == flags.end() ? def : it->second;
+  }
+  std::vector<std::string> All(const std::string& k) const {
+    std::vector<std::string> out;
+    for (auto [it, end] = flags.equal_range(k); it != end; ++it) out.push_back(it->second);
+    return out;
+  }
+  bool Has(const std::string& k) const { return flags.count(k) > 0; }
+};
+
+absl::StatusOr<Args> ParseArgs(const std::vector<std::string>& argv,
+                               const std::vector<std::string>& value_flags,
+                               const std::vector<std::string>& bool_flags) {
+  Args a;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& s = argv[i];
+    if (s.rfind("--", 0) != 0) {
+      a.positional.push_back(s);
+      continue;
+    }
+    std::string key = s, value;
+    bool has_eq = false;
+    if (auto eq = s.find('='); eq != std::string::npos) {
+      key = s.substr(0, eq);
+      value = s.substr(eq + 1);
+      has_eq = true;
+    }
+    if (std::find(bool_flags.begin(), bool_flags.end(), key) != bool_flags.end()) {
+      a.flags.emplace(key, "1");
+    } else if (std::find(value_flags.begin(), value_flags.end(), key) != value_flags.end()) {
+      if (!has_eq) {
+        if (i + 1 >= argv.size()) return absl::InvalidArgumentError(key + " needs a value");
+        value = argv[++i];
+      }
+      a.flags.emplace(key, value);
+    } else {
+      return absl::InvalidArgumentError("unknown option " + key);
+    }
+  }
+  return a;
+}
+
+int64_t ParseVersion(const Args& a) { return std::stoll(a.Get("--version", "0")); }
+
+void PrintOpSummary(const opjit::v1::OpRecord& r) {
+  const auto& op = r.op();
+  std::vector<std::string> targets;
+  for (const auto& im : op.implementations()) targets.push_back(im.target());
+  std::printf("%-10s %-28s v%-4lld %-8s in=%d out=%d attrs=%d  %s\n", op.namespace_().c_str(),
+              op.name().c_str(), static_cast<long long>(r.version()),
+              absl::StrJoin(targets, ",").c_str(), op.inputs_size(), op.outputs_size(),
+              op.attrs_size(), op.doc().substr(0, op.doc().find('\n')).c_str());
+}
+
+void PrintCompile(const opjit::v1::CompileResponse& c) {
+  std::printf("%s key %s  %s\n", c.target().c_str(), c.cache_key().substr(0, 16).c_str(),
+              c.cache_hit().empty()
+                  ? absl::StrCat("compiled in ", static_cast<int>(c.compile_ms()), " ms").c_str()
+                  : absl::StrCat(c.cache_hit(), " cache hit").c_str());
+  if (!c.diagnostics().empty()) std::fprintf(stderr, "%s", c.diagnostics().c_str());
+}
+
+int CmdInfo(Client& c, const Globals& g) {
+  auto info = c.Info();
+  if (!info.ok()) return Fail(info.status());
+  if (g.json) {
+    std::cout << ToJson(*info);
+    return 0;
+  }
+  std::printf("opjitd %s (kernel ABI %d), pid %d, up %.1f s\n", info->version().c_str(),
+              info->kernel_abi_version(), info->pid(), info->uptime_ms() / 1000.0);
+  std::printf("state dir: %s\n", info->state_dir().c_str());
+  std::printf("listening: %s\n", absl::StrJoin(info->listen(), ", ").c_str());
+  std::printf("CPU:       %s, %s\n", info->cpu().triple().c_str(), info->cpu().cpu().c_str());
+  std::printf("features:  %s\n", info->cpu().features().c_str());
+  std::printf("compiler:  %s\n", info->cpu().compiler().c_str());
+  if (info->gpu().available()) {
+    std::printf("GPU:       %s\n", absl::StrJoin(info->gpu().devices(), ", ").c_str());
+  } else {
+    std::printf("GPU:       unavailable: %s\n", info->gpu().reason().c_str());
+  }
+  std::printf("ops:       %lld version(s)\n", static_cast<long long>(info->ops()));
+  return 0;
+}
+
+int CmdRegister(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("register takes one SPEC file");
+  auto spec = opjit::client::LoadOpSpec(a.positional[0]);
+  if (!spec.ok()) return Fail(spec.status());
+  if (a.Has("--namespace")) spec->set_namespace_(a.Get("--namespace"));
+  auto resp = c.Register(*spec);
+  if (!resp.ok()) return Fail(resp.status());
+  if (g.json) {
+    std::cout << ToJson(*resp);
+    return 0;
+  }
+  const auto& r = resp->record();
+  std::printf("%s %s/%s version %lld (%s)\n", resp->created() ? "registered" : "unchanged",
+              r.op().namespace_().c_str(), r.op().name().c_str(),
+              static_cast<long long>(r.version()), r.content_hash().substr(0, 12).c_str());
+  for (const auto& comp : resp->compiled()) PrintCompile(comp);
+  return 0;
+}
+
+int CmdOps(Client& c, const Globals& g, const Args& a) {
+  auto ops = c.List(a.Get("--namespace"), a.Has("--all-versions"), false);
+  if (!ops.ok()) return Fail(ops.status());
+  if (g.json) {
+    opjit::v1::ListOpsResponse resp;
+    for (const auto& r : *ops) *resp.add_ops() = r;
+    std::cout << ToJson(resp);
+    return 0;
+  }
+  if (ops->empty()) std::printf("no ops registered\n");
+  for (const auto& r : *ops) PrintOpSummary(r);
+  return 0;
+}
+
+int CmdDescribe(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("describe takes one NAME");
+  std::string ns, name;
+  SplitName(a.positional[0], &ns, &name);
+  auto r = c.Get(ns, name, ParseVersion(a));
+  if (!r.ok()) return Fail(r.status());
+  if (g.json) {
+    std::cout << ToJson(*r);
+    return 0;
+  }
+  const auto& op = r->op();
+  std::printf("%s/%s version %lld  hash %s\n", op.namespace_().c_str(), op.name().c_str(),
+              static_cast<long long>(r->version()), r->content_hash().c_str());
+  if (!op.doc().empty()) std::printf("  %s\n", op.doc().c_str());
+  for (const auto& p : op.inputs()) {
+    std::printf("  input  %d %-12s %s\n", p.index(), p.name().c_str(), p.param_type().c_str());
+  }
+  for (const auto& p : op.outputs()) {
+    std::printf("  output %d %-12s %s\n", p.index(), p.name().c_str(), p.param_type().c_str());
+  }
+  for (const auto& at : op.attrs()) {
+    std::printf("  attr   %-14s %-9s %-9s default=%s\n", at.name().c_str(),
+                at.value_type().c_str(), at.param_type().c_str(),
+                at.default_value().empty() ? "-" : at.default_value().c_str());
+  }
+  for (const auto& df : op.dtype_formats()) {
+    std::vector<std::string> io;
+    for (int i = 0; i < df.dtypes_size(); ++i) {
+      io.push_back(absl::StrCat(df.dtypes(i), i < df.formats_size() ? "/" + df.formats(i) : ""));
+    }
+    std::printf("  dtypes (%s)\n", absl::StrJoin(io, ", ").c_str());
+  }
+  for (const auto& im : op.implementations()) {
+    std::printf("  impl   %s %s entry=%s (%zu bytes of source)\n", im.target().c_str(),
+                im.language().c_str(), im.entry().c_str(), im.source().size());
+  }
+  if (!op.backward().op().empty()) std::printf("  bprop  %s\n", op.backward().op().c_str());
+  return 0;
+}
+
+int CmdDelete(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("delete takes one NAME");
+  std::string ns, name;
+  SplitName(a.positional[0], &ns, &name);
+  auto n = c.Delete(ns, name, ParseVersion(a));
+  if (!n.ok()) return Fail(n.status());
+  if (g.json) {
+    std::printf("{\"deleted\": %d}\n", *n);
+  } else {
+    std::printf("deleted %d version(s) of %s\n", *n, a.positional[0].c_str());
+  }
+  return 0;
+}
+
+int CmdCompile(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("compile takes one FILE");
+  const std::string& file = a.positional[0];
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return Fail(absl::NotFoundError("cannot read " + file));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  opjit::v1::CompileRequest req;
+  req.set_source(ss.str());
+  req.set_file_name(std::filesystem::path(file).filename().string());
+  std::string lang = a.Get("--lang");
+  if (lang.empty()) {
+    const std::string ext = std::filesystem::path(file).extension().string();
+    lang = ext == ".c" ? "c" : ext == ".cu" ? "cuda" : "c++";
+  }
+  req.set_language(lang);
+  req.set_target(lang == "cuda" ? "GPU" : "CPU");
+  req.set_entry(a.Get("--entry"));
+  for (const auto& o : a.All("--option")) req.add_compile_options(o);
+  for (const auto& l : a.All("--library")) req.add_libraries(l);
+  auto resp = c.Compile(req);
+  if (!resp.ok()) return Fail(resp.status());
+  if (g.json) {
+    std::cout << ToJson(*resp);
+    return 0;
+  }
+  PrintCompile(*resp);
+  return 0;
+}
+
+int CmdCache(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("cache takes `stats` or `clear`");
+  if (a.positional[0] == "stats") {
+    auto s = c.CacheStats();
+    if (!s.ok()) return Fail(s.status());
+    if (g.json) {
+      std::cout << ToJson(*s);
+      return 0;
+    }
+    std::printf("memory: %llu entries, %.1f KiB, %llu hits, %llu misses\n",
+                (unsigned long long)s->memory_entries(), s->memory_bytes() / 1024.0,
+                (unsigned long long)s->memory_hits(), (unsigned long long)s->memory_misses());
+    std::printf("disk:   %llu entries, %.1f KiB, %llu hits, %llu misses, %llu corrupt\n",
+                (unsigned long long)s->disk_entries(), s->disk_bytes() / 1024.0,
+                (unsigned long long)s->disk_hits(), (unsigned long long)s->disk_misses(),
+                (unsigned long long)s->disk_corrupt());
+    std::printf("compiles: %llu (%llu failed), %.1f ms total; %llu waited on a shared compile\n",
+                (unsigned long long)s->compiles(), (unsigned long long)s->compile_failures(),
+                s->compile_ms_total(), (unsigned long long)s->single_flight_joins());
+    return 0;
+  }
+  if (a.positional[0] == "clear") {
+    auto n = c.ClearCache(a.Has("--memory-only"));
+    if (!n.ok()) return Fail(n.status());
+    if (g.json) {
+      std::printf("{\"removed\": %llu}\n", (unsigned long long)*n);
+    } else {
+      std::printf("removed %llu cache entries\n", (unsigned long long)*n);
+    }
+    return 0;
+  }
+  return UsageError("cache takes `stats` or `clear`");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Globals g;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s == "--help" || s == "-h") {
+      std::cout << kUsage;
+      return 0;
+    } else if (s == "--json") {
+      g.json = true;
+    } else if (s == "--server" || s == "--timeout") {
+      if (i + 1 >= argc) return UsageError(s + " needs a value");
+      const std::string v = argv[++i];
+      if (s == "--server") {
+        g.server = v;
+      } else {
+        g.timeout_s = std::atof(v.c_str());
+        if (g.timeout_s <= 0) return UsageError("--timeout needs a positive number of seconds");
+      }
+    } else if (s.rfind("--server=", 0) == 0) {
+      g.server = s.substr(9);
+    } else if (s.rfind("--", 0) == 0) {
+      return UsageError("unknown option " + s);
+    } else {
+      break;
+    }
+  }
+  if (i >= argc) return UsageError("no command");
+  const std::string cmd = argv[i++];
+  std::vector<std::string> rest(argv + i, argv + argc);
+  // --json is accepted after the command too, as scripts tend to put it there.
+  if (auto it = std::find(rest.begin(), rest.end(), "--json"); it != rest.end()) {
+    g.json = true;
+    rest.erase(it);
+  }
+  auto args = ParseArgs(rest, {"--namespace", "--version", "--entry", "--lang", "--option", "--library"},
+                        {"--all-versions", "--memory-only"});
+  if (!args.ok()) return UsageError(std::string(args.status().message()));
+
+  auto client = Client::Connect({.address = g.server,
+                                 .timeout = std::chrono::milliseconds(
+                                     static_cast<int64_t>(g.timeout_s * 1000))});
+  if (!client.ok()) return Fail(client.status());
+  Client& c = **client;
+  g_address = c.address();
+  try {
+    if (cmd == "info") return CmdInfo(c, g);
+    if (cmd == "register") return CmdRegister(c, g, *args);
+    if (cmd == "ops") return CmdOps(c, g, *args);
+    if (cmd == "describe") return CmdDescribe(c, g, *args);
+    if (cmd == "delete") return CmdDelete(c, g, *args);
+    if (cmd == "compile") return CmdCompile(c, g, *args);
+    if (cmd == "cache") return CmdCache(c, g, *args);
+  } catch (const std::exception& e) {  // std::stoll on a bad --version
+    return UsageError(std::string("bad argument: ") + e.what());
+  }
+  return UsageError("unknown command " + cmd);
+}

@@ -1,0 +1,183 @@
+#include "client/cpp/opjit_client.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/paths.h"
+
+namespace opjit::client {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+}  // namespace
+
+std::string NormalizeAddress(const std::string& address) {
+  if (!address.empty() && (address[0] == '/' || address[0] == '.')) return "unix:" + address;
+  return address;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  std::unique_ptr<Client> c(new Client());
+  c->address_ = NormalizeAddress(options.address.empty() ? DefaultServerAddress() : options.address);
+  c->timeout_ = options.timeout;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  c->channel_ = grpc::CreateCustomChannel(c->address_, grpc::InsecureChannelCredentials(), args);
+  if (c->channel_ == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("bad server address ", c->address_));
+  }
+  c->registry_ = v1::Registry::NewStub(c->channel_);
+  c->compiler_ = v1::Compiler::NewStub(c->channel_);
+  c->server_ = v1::Server::NewStub(c->channel_);
+  return c;
+}
+
+std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() + timeout_);
+  return ctx;
+}
+
+absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {
+  if (channel_->WaitForConnected(std::chrono::system_clock::now() + timeout)) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat("no opjitd answering at ", address_,
+                                             " (start one with `opjitd`, or set OPJIT_SERVER)"));
+}
+
+absl::StatusOr<v1::ServerInfo> Client::Info() {
+  v1::ServerInfo out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(server_->GetServerInfo(ctx.get(), v1::GetServerInfoRequest(), &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<v1::RegisterOpResponse> Client::Register(const v1::OpDef& op) {
+  v1::RegisterOpRequest req;
+  *req.mutable_op() = op;
+  v1::RegisterOpResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(registry_->RegisterOp(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<v1::OpRecord> Client::Get(const std::string& ns, const std::string& name,
+                                         int64_t version) {
+  v1::GetOpRequest req;
+  req.set_namespace_(ns);
+  req.set_name(name);
+  req.set_version(version);
+  v1::OpRecord out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(registry_->GetOp(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<std::vector<v1::OpRecord>> Client::List(const std::string& ns, bool all_versions,
+                                                       bool with_sources) {
+  v1::ListOpsRequest req;
+  req.set_namespace_(ns);
+  req.set_all_versions(all_versions);
+  req.set_with_sources(with_sources);
+  v1::ListOpsResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(registry_->ListOps(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return std::vector<v1::OpRecord>(out.ops().begin(), out.ops().end());
+}
+
+absl::StatusOr<int> Client::Delete(const std::string& ns, const std::string& name,
+                                   int64_t version) {
+  v1::DeleteOpRequest req;
+  req.set_namespace_(ns);
+  req.set_name(name);
+  req.set_version(version);
+  v1::DeleteOpResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(registry_->DeleteOp(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out.deleted();
+}
+
+absl::StatusOr<v1::CompileResponse> Client::Compile(const v1::CompileRequest& request) {
+  v1::CompileResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(compiler_->Compile(ctx.get(), request, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<v1::CacheStats> Client::CacheStats() {
+  v1::CacheStats out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(compiler_->GetCacheStats(ctx.get(), v1::GetCacheStatsRequest(), &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<uint64_t> Client::ClearCache(bool memory_only) {
+  v1::ClearCacheRequest req;
+  req.set_memory_only(memory_only);
+  v1::ClearCacheResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(compiler_->ClearCache(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out.removed();
+}
+
+absl::StatusOr<v1::OpDef> ParseOpSpec(std::string_view json, const std::string& base_dir) {
+  v1::OpDef op;
+  google::protobuf::util::JsonParseOptions opts;
+  opts.ignore_unknown_fields = false;
+  auto st = google::protobuf::util::JsonStringToMessage(std::string(json), &op, opts);
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("spec is not a valid opjit.v1.OpDef: ",
+                                                   std::string(st.message())));
+  }
+  for (int i = 0; i < op.implementations_size(); ++i) {
+    auto* impl = op.mutable_implementations(i);
+    if (impl->source_file().empty()) continue;
+    if (!impl->source().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "implementations[", i, "]: give either source or source_file, not both"));
+    }
+    std::filesystem::path p(impl->source_file());
+    if (p.is_relative()) p = std::filesystem::path(base_dir) / p;
+    std::ifstream in(p, std::ios::binary);
+    if (!in) {
+      return absl::NotFoundError(absl::StrCat("implementations[", i, "].source_file: cannot read ",
+                                              p.string()));
+    }
+    std::stringstream ss;
+    ss << in.rdbuf();
+    impl->set_source(ss.str());
+    impl->clear_source_file();
+  }
+  return op;
+}
+
+absl::StatusOr<v1::OpDef> LoadOpSpec(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read spec ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string base = std::filesystem::path(path).parent_path().string();
+  if (base.empty()) base = ".";
+  return ParseOpSpec(ss.str(), base);
+}
+
+}  // namespace opjit::client

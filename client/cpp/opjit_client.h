@@ -1,0 +1,83 @@
+// The C++ client library of opjit: a thin, synchronous wrapper over the
+// opjit.v1 gRPC services, used by the `opjit` CLI and the integration tests.
+//
+// Thread-safety: a Client may be used from many threads at once.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "opjit/v1/compile.grpc.pb.h"
+#include "opjit/v1/registry.grpc.pb.h"
+#include "opjit/v1/server.grpc.pb.h"
+
+namespace opjit::client {
+
+struct ClientOptions {
+  // "unix:/path.sock", "/path.sock" (a unix socket), or "host:port".
+  // Default: $OPJIT_SERVER, else the daemon's default socket.
+  std::string address;
+  // Deadline of each call. Default: 120 s (a cold compile can take seconds).
+  std::chrono::milliseconds timeout{120000};
+  // Largest message either way. Default: 64 MiB.
+  int max_message_bytes = 64 << 20;
+};
+
+class Client {
+ public:
+  // Creates a channel; does not contact the server (see WaitForReady).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options = {});
+
+  const std::string& address() const { return address_; }
+
+  // Blocks until the server accepts connections or `timeout` passes
+  // (UNAVAILABLE then, naming the address).
+  absl::Status WaitForReady(std::chrono::milliseconds timeout);
+
+  absl::StatusOr<v1::ServerInfo> Info();
+
+  // Registry. `ns` empty means "default"; version 0 means latest (Get) or all
+  // versions (Delete).
+  absl::StatusOr<v1::RegisterOpResponse> Register(const v1::OpDef& op);
+  absl::StatusOr<v1::OpRecord> Get(const std::string& ns, const std::string& name,
+                                   int64_t version = 0);
+  absl::StatusOr<std::vector<v1::OpRecord>> List(const std::string& ns = "",
+                                                 bool all_versions = false,
+                                                 bool with_sources = false);
+  absl::StatusOr<int> Delete(const std::string& ns, const std::string& name, int64_t version = 0);
+
+  // Compiler and cache.
+  absl::StatusOr<v1::CompileResponse> Compile(const v1::CompileRequest& request);
+  absl::StatusOr<v1::CacheStats> CacheStats();
+  absl::StatusOr<uint64_t> ClearCache(bool memory_only);
+
+ private:
+  Client() = default;
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
+
+  std::string address_;
+  std::chrono::milliseconds timeout_{0};
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Registry::Stub> registry_;
+  std::unique_ptr<v1::Compiler::Stub> compiler_;
+  std::unique_ptr<v1::Server::Stub> server_;
+};
+
+// Reads an op spec: a JSON file in protobuf's JSON mapping of opjit.v1.OpDef
+// (snake_case or lowerCamelCase keys). Each implementation's `source_file` is
+// read relative to the spec's directory into `source`. INVALID_ARGUMENT with
+// the parser's message for bad JSON or unknown fields; NOT_FOUND for a
+// missing source file.
+absl::StatusOr<v1::OpDef> LoadOpSpec(const std::string& path);
+absl::StatusOr<v1::OpDef> ParseOpSpec(std::string_view json, const std::string& base_dir);
+
+// "unix:" + path for a bare path; otherwise unchanged.
+std::string NormalizeAddress(const std::string& address);
+
+}  // namespace opjit::client

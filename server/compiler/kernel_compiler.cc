@@ -1,0 +1,386 @@
+#include "server/compiler/kernel_compiler.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/cache/disk_cache.h"
+#include "server/cache/file_digest_cache.h"
+#include "server/cache/lru_cache.h"
+#include "server/cache/single_flight.h"
+#include "server/common/logging.h"
+#include "server/common/sha256.h"
+#include "server/common/status_macros.h"
+#include "server/common/thread_pool.h"
+#include "server/compiler/cpu/cpu_compiler.h"
+#include "server/loader/loader.h"
+
+namespace opjit::compiler {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// A header the compile read, and the digest of its content then.
+struct Dependency {
+  std::string path;
+  std::string digest;
+};
+
+// What the memory cache keeps per request key.
+struct MemoryEntry {
+  std::shared_ptr<const CompiledKernel> kernel;
+  std::vector<Dependency> deps;
+};
+
+// What one compile flight produces for all its waiters.
+struct FlightResult {
+  std::shared_ptr<const MemoryEntry> entry;
+  std::string hit;  // "disk" or ""
+};
+
+constexpr char kManifestMagic[] = "opjit-manifest 1";
+constexpr char kObjectMagic[] = "OPJO1";
+
+// Manifest: the final key and each dependency, one per line: "<digest> <path>".
+std::string EncodeManifest(const std::string& final_key, const std::vector<Dependency>& deps) {
+  std::string out = absl::StrCat(kManifestMagic, "\n", final_key, "\n");
+  for (const auto& d : deps) absl::StrAppend(&out, d.digest, " ", d.path, "\n");
+  return out;
+}
+
+bool DecodeManifest(const std::string& text, std::string* final_key,
+                    std::vector<Dependency>* deps) {
+  std::istringstream in(text);
+  std::string line;
+  if (!std::getline(in, line) || line != kManifestMagic) return false;
+  if (!std::getline(in, *final_key) || final_key->size() != 64) return false;
+  while (std::getline(in, line)) {
+    auto sp = line.find(' ');
+    if (sp != 64) return false;
+    deps->push_back({line.substr(sp + 1), line.substr(0, sp)});
+  }
+  return true;
+}
+
+// Object entry: magic, compile_ms, diagnostics length, diagnostics, object.
+std::string EncodeObject(const CpuCompileOutput& out) {
+  std::string blob = kObjectMagic;
+  absl::StrAppend(&blob, "\n", out.compile_ms, "\n", out.diagnostics.size(), "\n");
+  blob += out.diagnostics;
+  blob += out.object;
+  return blob;
+}
+
+bool DecodeObject(const std::string& blob, double* compile_ms, std::string* diagnostics,
+                  std::string* object) {
+  std::istringstream in(blob);
+  std::string magic;
+  size_t diag_len = 0;
+  if (!std::getline(in, magic) || magic != kObjectMagic) return false;
+  if (!(in >> *compile_ms >> diag_len) || in.get() != '\n') return false;
+  const size_t off = static_cast<size_t>(in.tellg());
+  if (off + diag_len > blob.size()) return false;
+  *diagnostics = blob.substr(off, diag_len);
+  *object = blob.substr(off + diag_len);
+  return true;
+}
+
+std::string FinalKey(const std::string& request_key, const std::vector<Dependency>& deps) {
+  Sha256 h;
+  h.UpdateField(request_key);
+  for (const auto& d : deps) {
+    h.UpdateField(d.path);
+    h.UpdateField(d.digest);
+  }
+  return h.HexDigest();
+}
+
+}  // namespace
+
+struct KernelCompiler::Impl {
+  KernelCompilerOptions options;
+  std::unique_ptr<CpuCompiler> cpu;
+  std::unique_ptr<loader::JitLoader> loader;
+  std::unique_ptr<cache::DiskCache> disk;
+  std::unique_ptr<cache::LruCache<MemoryEntry>> memory;
+  cache::SingleFlight<FlightResult> flights;
+  // Headers are re-hashed when their stat changes, checked at most once a
+  // second per path, so a memory hit costs no syscalls.
+  cache::FileDigestCache digests{1000};
+  std::unique_ptr<ThreadPool> pool;
+  std::string toolchain_id;
+
+  std::atomic<uint64_t> compiles{0}, compile_failures{0}, joins{0};
+  std::atomic<uint64_t> compile_us_total{0};
+
+  std::string RequestKey(const CompileJob& job) const;
+  absl::StatusOr<std::vector<Dependency>> DigestDependencies(
+      const std::vector<std::string>& paths);
+  bool DependenciesUnchanged(const std::vector<Dependency>& deps);
+  absl::StatusOr<FlightResult> Produce(const CompileJob& job, const std::string& request_key);
+  absl::StatusOr<std::shared_ptr<const MemoryEntry>> LoadEntry(
+      const CompileJob& job, const std::string& final_key, const std::string& object,
+      std::string diagnostics, double compile_ms, std::vector<Dependency> deps);
+};
+
+std::string KernelCompiler::Impl::RequestKey(const CompileJob& job) const {
+  Sha256 h;
+  h.UpdateField(absl::StrCat("opjit-kernel-abi-", kKernelAbiVersion));
+  h.UpdateField(toolchain_id);
+  h.UpdateField(job.target);
+  h.UpdateField(job.language);
+  h.UpdateField(absl::StrJoin(job.options, "\x1f"));
+  h.UpdateField(absl::StrJoin(job.libraries, "\x1f"));
+  h.UpdateField(job.source);
+  // The file name appears in diagnostics and debug info, so it changes output.
+  h.UpdateField(job.file_name);
+  return h.HexDigest();
+}
+
+absl::StatusOr<std::vector<Dependency>> KernelCompiler::Impl::DigestDependencies(
+    const std::vector<std::string>& paths) {
+  std::vector<Dependency> deps;
+  deps.reserve(paths.size());
+  for (const auto& p : paths) {
+    OPJIT_ASSIGN_OR_RETURN(std::string digest, digests.Digest(p));
+    deps.push_back({p, std::move(digest)});
+  }
+  return deps;
+}
+
+bool KernelCompiler::Impl::DependenciesUnchanged(const std::vector<Dependency>& deps) {
+  for (const auto& d : deps) {
+    auto digest = digests.Digest(d.path);
+    if (!digest.ok() || *digest != d.digest) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<std::shared_ptr<const MemoryEntry>> KernelCompiler::Impl::LoadEntry(
+    const CompileJob& job, const std::string& final_key, const std::string& object,
+    std::string diagnostics, double compile_ms, std::vector<Dependency> deps) {
+  OPJIT_ASSIGN_OR_RETURN(auto loaded, loader->Load(object, final_key.substr(0, 16), job.libraries));
+  auto kernel = std::make_shared<CompiledKernel>();
+  kernel->cache_key = final_key;
+  kernel->defined_symbols = loaded->defined_symbols();
+  kernel->kernel = std::move(loaded);
+  kernel->diagnostics = std::move(diagnostics);
+  kernel->compile_ms = compile_ms;
+  auto entry = std::make_shared<MemoryEntry>();
+  entry->kernel = std::move(kernel);
+  entry->deps = std::move(deps);
+  return std::shared_ptr<const MemoryEntry>(std::move(entry));
+}
+
+absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job,
+                                                           const std::string& request_key) {
+  auto log = Logger("compiler");
+  // Disk: the manifest names the headers; if they still hash the same, the
+  // object under the final key is what a compile would produce.
+  if (auto manifest = disk->Get("manifest", request_key); manifest.ok()) {
+    std::string final_key;
+    std::vector<Dependency> deps;
+    if (DecodeManifest(*manifest, &final_key, &deps) && DependenciesUnchanged(deps) &&
+        FinalKey(request_key, deps) == final_key) {
+      if (auto blob = disk->Get("obj", final_key); blob.ok()) {
+        double compile_ms = 0;
+        std::string diagnostics, object;
+        if (DecodeObject(*blob, &compile_ms, &diagnostics, &object)) {
+          auto entry = LoadEntry(job, final_key, object, std::move(diagnostics), compile_ms,
+                                 std::move(deps));
+          if (entry.ok()) return FlightResult{*std::move(entry), "disk"};
+          if (!absl::IsInvalidArgument(entry.status()) && !absl::IsPermissionDenied(entry.status())) {
+            return entry.status();
+          }
+          log->warn("key={} cached object failed to load ({}); recompiling",
+                    final_key.substr(0, 12), entry.status().ToString());
+        } else {
+          log->warn("key={} cached object is malformed; recompiling", final_key.substr(0, 12));
+        }
+      }
+    }
+  }
+
+  CpuCompileRequest req;
+  req.language = job.language == "c" ? Language::kC : Language::kCxx;
+  req.source = job.source;
+  req.file_name = job.file_name;
+  req.options = job.options;
+  compiles.fetch_add(1);
+  auto out = cpu->Compile(req);
+  if (!out.ok()) {
+    compile_failures.fetch_add(1);
+    return out.status();
+  }
+  compile_us_total.fetch_add(static_cast<uint64_t>(out->compile_ms * 1000));
+  OPJIT_ASSIGN_OR_RETURN(auto deps, DigestDependencies(out->dependencies));
+  const std::string final_key = FinalKey(request_key, deps);
+  log->debug("key={} compiled {} in {:.1f} ms ({} headers)", final_key.substr(0, 12),
+             job.file_name, out->compile_ms, deps.size());
+  OPJIT_ASSIGN_OR_RETURN(auto entry, LoadEntry(job, final_key, out->object, out->diagnostics,
+                                               out->compile_ms, deps));
+  // Object before manifest: a manifest never names an object that was not written.
+  if (absl::Status s = disk->Put("obj", final_key, EncodeObject(*out)); !s.ok()) {
+    log->warn("key={} not cached on disk: {}", final_key.substr(0, 12), s.ToString());
+  } else if (absl::Status m = disk->Put("manifest", request_key, EncodeManifest(final_key, deps));
+             !m.ok()) {
+    log->warn("key={} manifest not cached: {}", final_key.substr(0, 12), m.ToString());
+  }
+  return FlightResult{std::move(entry), ""};
+}
+
+KernelCompiler::KernelCompiler(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+KernelCompiler::~KernelCompiler() {
+  // Finish queued compiles before the members they use go away.
+  impl_->pool.reset();
+}
+
+absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
+    const KernelCompilerOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  CpuCompilerOptions copts;
+  copts.worker_path = options.worker_path;
+  copts.num_workers = options.workers;
+  copts.timeout_ms = options.timeout_ms;
+  copts.memory_limit_bytes = options.memory_limit_bytes;
+  copts.kernel_include_dir = options.kernel_include_dir;
+  copts.extra_include_dirs = options.extra_include_dirs;
+  copts.pch_dir = options.cache_dir + "/pch";
+  OPJIT_ASSIGN_OR_RETURN(impl->cpu, CpuCompiler::Create(copts));
+  OPJIT_ASSIGN_OR_RETURN(impl->loader,
+                         loader::JitLoader::Create({.allowed_libraries = options.allowed_libraries}));
+  OPJIT_ASSIGN_OR_RETURN(impl->disk, cache::DiskCache::Create(
+                                         {.dir = options.cache_dir, .max_bytes = options.disk_bytes}));
+  impl->memory = std::make_unique<cache::LruCache<MemoryEntry>>(options.memory_entries,
+                                                                options.memory_bytes);
+  impl->toolchain_id = impl->cpu->ToolchainId();
+  impl->pool = std::make_unique<ThreadPool>(options.pool_threads, /*max_queue=*/256, "opjit-compile");
+  Logger("compiler")->info("compiler ready: {} worker(s), cache {}, toolchain {}", options.workers,
+                           options.cache_dir, impl->toolchain_id.substr(0, 80));
+  return std::unique_ptr<KernelCompiler>(new KernelCompiler(std::move(impl)));
+}
+
+void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
+  const auto t0 = Clock::now();
+  Impl* impl = impl_.get();
+  if (job.target != "CPU") {
+    done(absl::UnimplementedError(absl::StrCat(
+        "compiling for target ", job.target, " is not supported by this opjitd version")));
+    return;
+  }
+  if (job.language != "c++" && job.language != "c") {
+    done(absl::InvalidArgumentError(
+        absl::StrCat("language \"", job.language, "\" is not a CPU language (expected c++ or c)")));
+    return;
+  }
+  if (job.file_name.empty()) job.file_name = job.language == "c" ? "kernel.c" : "kernel.cc";
+  const std::string request_key = impl->RequestKey(job);
+
+  // Checks the entry symbol of a kernel against this job and answers.
+  auto finish = [t0, entry = job.entry, done](std::shared_ptr<const MemoryEntry> e,
+                                              std::string hit) {
+    if (!entry.empty() && e->kernel->kernel->Find(entry) == nullptr) {
+      const auto& syms = e->kernel->defined_symbols;
+      std::string hint;
+      for (const auto& s : syms) {
+        if (s.find(entry) != std::string::npos && s != entry) {
+          hint = absl::StrCat(" (\"", s, "\" looks like a C++-mangled ", entry,
+                              ": declare it extern \"C\")");
+        }
+      }
+      done(absl::InvalidArgumentError(absl::StrCat(
+          "entry symbol \"", entry, "\" is not defined by the source", hint,
+          "; it defines: ", syms.empty() ? "(nothing)" : absl::StrJoin(syms, ", "))));
+      return;
+    }
+    done(CompileOutcome{e->kernel, std::move(hit), MsSince(t0)});
+  };
+
+  if (auto hit = impl->memory->Get(request_key)) {
+    if (impl->DependenciesUnchanged(hit->deps)) {
+      finish(std::move(hit), "memory");
+      return;
+    }
+    impl->memory->Erase(request_key);
+  }
+
+  const bool leader =
+      impl->flights.Join(request_key, [finish, done](const absl::StatusOr<FlightResult>& r) {
+        if (!r.ok()) {
+          done(r.status());
+          return;
+        }
+        finish(r->entry, r->hit);
+      });
+  if (!leader) {
+    impl->joins.fetch_add(1);
+    return;
+  }
+  auto work = [impl, job = std::move(job), request_key]() {
+    auto result = impl->Produce(job, request_key);
+    if (result.ok()) {
+      impl->memory->Put(request_key, result->entry, result->entry->kernel->kernel->code_bytes());
+    }
+    impl->flights.Complete(request_key, result);
+  };
+  if (!impl->pool->Submit(std::move(work))) {
+    impl->flights.Complete(request_key,
+                           absl::ResourceExhaustedError(
+                               "the compile queue is full (256 waiting); retry later"));
+  }
+}
+
+absl::StatusOr<CompileOutcome> KernelCompiler::Compile(CompileJob job) {
+  std::promise<absl::StatusOr<CompileOutcome>> promise;
+  auto future = promise.get_future();
+  CompileAsync(std::move(job), [&promise](absl::StatusOr<CompileOutcome> r) {
+    promise.set_value(std::move(r));
+  });
+  return future.get();
+}
+
+KernelCacheStats KernelCompiler::Stats() const {
+  KernelCacheStats s;
+  const auto m = impl_->memory->Stats();
+  s.memory_entries = m.entries;
+  s.memory_bytes = m.bytes;
+  s.memory_hits = m.hits;
+  s.memory_misses = m.misses;
+  s.evictions = m.evictions;
+  const auto d = impl_->disk->Stats();
+  s.disk_entries = d.entries;
+  s.disk_bytes = d.bytes;
+  s.disk_hits = d.hits;
+  s.disk_misses = d.misses;
+  s.disk_corrupt = d.corrupt;
+  s.compiles = impl_->compiles.load();
+  s.compile_failures = impl_->compile_failures.load();
+  s.single_flight_joins = impl_->joins.load();
+  s.compile_ms_total = impl_->compile_us_total.load() / 1000.0;
+  return s;
+}
+
+uint64_t KernelCompiler::Clear(bool memory_only) {
+  uint64_t removed = impl_->memory->Stats().entries;
+  impl_->memory->Clear();
+  if (!memory_only) {
+    removed += impl_->disk->Stats().entries;
+    if (absl::Status s = impl_->disk->Clear(); !s.ok()) {
+      Logger("compiler")->warn("clearing the disk cache: {}", s.ToString());
+    }
+  }
+  return removed;
+}
+
+const std::string& KernelCompiler::ToolchainId() const { return impl_->toolchain_id; }
+
+}  // namespace opjit::compiler

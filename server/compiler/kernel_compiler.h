@@ -1,0 +1,125 @@
+// KernelCompiler: source in, loaded kernel out, through the content-addressed
+// cache. The path of one compile:
+//
+//   key1 = SHA-256(ABI version, toolchain id, language, options, libraries, source)
+//   memory LRU[key1] ─hit─▶ loaded kernel (headers re-verified by digest)
+//   disk manifest[key1] ─▶ header digests ─▶ final key ─▶ disk object ─▶ load
+//   miss ─▶ single-flight ─▶ compile worker (sandboxed process) ─▶ object
+//        ─▶ disk (manifest + object) ─▶ JIT load ─▶ memory LRU
+//
+// The final key hashes key1 with the path and SHA-256 of every header the
+// compile read, so editing a header invalidates what included it.
+//
+// Thread-safety: all methods are thread-safe. CompileAsync never blocks its
+// caller: work runs on an owned pool, and concurrent requests for one key share
+// one compile (single-flight).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace opjit::loader {
+class LoadedKernel;
+}
+
+namespace opjit::compiler {
+
+// opjit's kernel-ABI version: part of every cache key.
+inline constexpr int kKernelAbiVersion = 1;
+
+struct CompileJob {
+  std::string target = "CPU";    // "CPU" (GPU: later)
+  std::string language = "c++";  // "c++" | "c"
+  std::string source;
+  std::string file_name;  // shown in diagnostics; default kernel.cc / kernel.c
+  std::string entry;      // when set, the kernel must define it
+  std::vector<std::string> options;
+  std::vector<std::string> libraries;
+};
+
+// A compiled, loaded kernel. Immutable; shared by the cache and in-flight calls.
+struct CompiledKernel {
+  std::string cache_key;  // final content key (hex SHA-256)
+  std::shared_ptr<const loader::LoadedKernel> kernel;
+  std::string diagnostics;  // warnings from the compile that produced it
+  std::vector<std::string> defined_symbols;
+  double compile_ms = 0;
+};
+
+struct CompileOutcome {
+  std::shared_ptr<const CompiledKernel> kernel;
+  std::string cache_hit;  // "memory", "disk", or "" when compiled now
+  double total_ms = 0;
+};
+
+struct KernelCompilerOptions {
+  // Directory of the disk cache. Required.
+  std::string cache_dir;
+  // Compile worker binary. Default: opjit-compile-worker next to this executable.
+  std::string worker_path;
+  // Default: 2.
+  int workers = 2;
+  // Wall-clock limit of one compile. Default: 30000.
+  int timeout_ms = 30000;
+  // Address-space limit of a compile worker. Default: 2 GiB.
+  uint64_t memory_limit_bytes = 2ull << 30;
+  // Directory with custom_aot_extra.h and opjit/kernel.h. Required.
+  std::string kernel_include_dir;
+  // Extra include dirs and libraries kernels may use. Default: none.
+  std::vector<std::string> extra_include_dirs;
+  std::vector<std::string> allowed_libraries;
+  // In-memory cache bounds. Default: 512 kernels, 512 MiB of object code.
+  size_t memory_entries = 512;
+  uint64_t memory_bytes = 512ull << 20;
+  // Disk cache bound. Default: 2 GiB.
+  uint64_t disk_bytes = 2ull << 30;
+  // Threads that run compiles and loads. Default: 2.
+  int pool_threads = 2;
+};
+
+struct KernelCacheStats {
+  uint64_t memory_entries = 0, memory_bytes = 0, memory_hits = 0, memory_misses = 0;
+  uint64_t disk_entries = 0, disk_bytes = 0, disk_hits = 0, disk_misses = 0, disk_corrupt = 0;
+  uint64_t compiles = 0, compile_failures = 0, single_flight_joins = 0, evictions = 0;
+  double compile_ms_total = 0;
+};
+
+class KernelCompiler {
+ public:
+  using Callback = std::function<void(absl::StatusOr<CompileOutcome>)>;
+
+  static absl::StatusOr<std::unique_ptr<KernelCompiler>> Create(const KernelCompilerOptions& options);
+  ~KernelCompiler();
+
+  // Compiles (or finds) `job` and calls `done` exactly once, on a pool thread
+  // or, for a memory hit, on the caller's thread. Errors: INVALID_ARGUMENT
+  // (compile error with diagnostics, unknown language, missing entry symbol,
+  // compiler crash), DEADLINE_EXCEEDED (compile timeout), RESOURCE_EXHAUSTED
+  // (memory limit, or the compile queue is full), PERMISSION_DENIED (a library
+  // off the allow-list), UNIMPLEMENTED (GPU target).
+  void CompileAsync(CompileJob job, Callback done);
+
+  // Blocking form of CompileAsync, for tests and tools. Never call it from a
+  // gRPC handler.
+  absl::StatusOr<CompileOutcome> Compile(CompileJob job);
+
+  KernelCacheStats Stats() const;
+  // Drops the memory cache (and, unless memory_only, the disk cache). Kernels
+  // in use stay loaded until their last user lets go. Returns entries removed.
+  uint64_t Clear(bool memory_only);
+
+  // Toolchain identity (compiler version, triple, CPU, features).
+  const std::string& ToolchainId() const;
+
+ private:
+  struct Impl;
+  explicit KernelCompiler(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace opjit::compiler

@@ -1,0 +1,177 @@
+#include "server/config.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+
+#include <toml++/toml.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace opjit {
+namespace {
+
+absl::Status BadKey(const std::string& path, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat("config ", path, ": ", why));
+}
+
+template <typename T>
+absl::Status ReadInt(const toml::table& t, const char* key, const std::string& where, T* out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return absl::OkStatus();
+  auto v = n->value<int64_t>();
+  if (!v || *v < 0) return BadKey(absl::StrCat(where, key), "expected a non-negative integer");
+  *out = static_cast<T>(*v);
+  return absl::OkStatus();
+}
+
+absl::Status ReadString(const toml::table& t, const char* key, const std::string& where,
+                        std::string* out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return absl::OkStatus();
+  auto v = n->value<std::string>();
+  if (!v) return BadKey(absl::StrCat(where, key), "expected a string");
+  *out = *v;
+  return absl::OkStatus();
+}
+
+absl::Status ReadStrings(const toml::table& t, const char* key, const std::string& where,
+                         std::vector<std::string>* out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return absl::OkStatus();
+  const toml::array* arr = n->as_array();
+  if (arr == nullptr) return BadKey(absl::StrCat(where, key), "expected an array of strings");
+  out->clear();
+  for (const auto& e : *arr) {
+    auto v = e.value<std::string>();
+    if (!v) return BadKey(absl::StrCat(where, key), "expected an array of strings");
+    out->push_back(*v);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKeys(const toml::table& t, const std::string& where,
+                       const std::set<std::string>& known) {
+  for (const auto& [k, v] : t) {
+    if (!known.count(std::string(k.str()))) {
+      return BadKey(absl::StrCat(where, k.str()),
+                    absl::StrCat("unknown key (known: ", absl::StrJoin(known, ", "), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+#define OPJIT_CFG_TRY(expr)                \
+  do {                                     \
+    absl::Status s_ = (expr);              \
+    if (!s_.ok()) return s_;               \
+  } while (0)
+
+absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
+  toml::table root;
+  try {
+    // toml++ reports parse errors by exception; they stay inside this function.
+    root = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config ", path, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
+        e.description()));
+  }
+  OPJIT_CFG_TRY(CheckKeys(root, "",
+                          {"state_dir", "listen", "log_level", "max_message_mb", "compiler",
+                           "cache"}));
+  OPJIT_CFG_TRY(ReadString(root, "state_dir", "", &cfg->state_dir));
+  OPJIT_CFG_TRY(ReadStrings(root, "listen", "", &cfg->listen));
+  OPJIT_CFG_TRY(ReadString(root, "log_level", "", &cfg->log_level));
+  int64_t max_mb = cfg->max_message_bytes >> 20;
+  OPJIT_CFG_TRY(ReadInt(root, "max_message_mb", "", &max_mb));
+  cfg->max_message_bytes = max_mb << 20;
+  if (const toml::table* c = root["compiler"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "compiler.",
+                            {"workers", "timeout_ms", "memory_limit_mb", "threads",
+                             "extra_include_dirs", "allowed_libraries", "kernel_include_dir"}));
+    OPJIT_CFG_TRY(ReadInt(*c, "workers", "compiler.", &cfg->compile_workers));
+    OPJIT_CFG_TRY(ReadInt(*c, "timeout_ms", "compiler.", &cfg->compile_timeout_ms));
+    OPJIT_CFG_TRY(ReadInt(*c, "memory_limit_mb", "compiler.", &cfg->compile_memory_limit_mb));
+    OPJIT_CFG_TRY(ReadInt(*c, "threads", "compiler.", &cfg->compile_threads));
+    OPJIT_CFG_TRY(ReadStrings(*c, "extra_include_dirs", "compiler.", &cfg->extra_include_dirs));
+    OPJIT_CFG_TRY(ReadStrings(*c, "allowed_libraries", "compiler.", &cfg->allowed_libraries));
+    OPJIT_CFG_TRY(ReadString(*c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir));
+  }
+  if (const toml::table* c = root["cache"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "cache.", {"memory_entries", "memory_mb", "disk_mb"}));
+    OPJIT_CFG_TRY(ReadInt(*c, "memory_entries", "cache.", &cfg->cache_memory_entries));
+    OPJIT_CFG_TRY(ReadInt(*c, "memory_mb", "cache.", &cfg->cache_memory_mb));
+    OPJIT_CFG_TRY(ReadInt(*c, "disk_mb", "cache.", &cfg->cache_disk_mb));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string Usage() {
+  return "usage: opjitd [--listen ADDR]... [--state-dir DIR] [--config FILE] [--log-level LEVEL]\n"
+         "\n"
+         "  --listen ADDR     unix:/path/to.sock or host:port (port 0: any free port).\n"
+         "                    Repeatable. Default: unix:<state-dir>/opjitd.sock and 127.0.0.1:7878\n"
+         "  --state-dir DIR   registry, cache and socket live here.\n"
+         "                    Default: $OPJIT_STATE_DIR, else ~/.opjit\n"
+         "  --config FILE     TOML configuration (see deploy/opjitd.toml)\n"
+         "  --log-level L     trace, debug, info, warn, error (default info)\n";
+}
+
+absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
+  DaemonConfig cfg;
+  std::vector<std::string> flag_listen;
+  std::string flag_state_dir, flag_config, flag_log_level;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&](const char* name) -> absl::StatusOr<std::string> {
+      const std::string prefix = absl::StrCat(name, "=");
+      if (arg.rfind(prefix, 0) == 0) return arg.substr(prefix.size());
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(name, " needs a value"));
+      return std::string(argv[++i]);
+    };
+    auto is = [&](const char* name) {
+      return arg == name || arg.rfind(absl::StrCat(name, "="), 0) == 0;
+    };
+    if (arg == "--help" || arg == "-h") return absl::CancelledError(Usage());
+    absl::StatusOr<std::string> v;
+    if (is("--listen")) {
+      v = value("--listen");
+      if (v.ok()) flag_listen.push_back(*v);
+    } else if (is("--state-dir")) {
+      v = value("--state-dir");
+      if (v.ok()) flag_state_dir = *v;
+    } else if (is("--config")) {
+      v = value("--config");
+      if (v.ok()) flag_config = *v;
+    } else if (is("--log-level")) {
+      v = value("--log-level");
+      if (v.ok()) flag_log_level = *v;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", arg, "\n\n", Usage()));
+    }
+    if (!v.ok()) return v.status();
+  }
+  if (!flag_config.empty()) OPJIT_CFG_TRY(ApplyToml(flag_config, &cfg));
+  if (!flag_state_dir.empty()) cfg.state_dir = flag_state_dir;
+  if (!flag_listen.empty()) cfg.listen = flag_listen;
+  if (!flag_log_level.empty()) cfg.log_level = flag_log_level;
+  if (cfg.state_dir.empty()) cfg.state_dir = DefaultStateDir();
+  std::error_code ec;
+  cfg.state_dir = std::filesystem::absolute(cfg.state_dir, ec).lexically_normal().string();
+  while (cfg.state_dir.size() > 1 && cfg.state_dir.back() == '/') cfg.state_dir.pop_back();
+  if (cfg.listen.empty()) cfg.listen = {DefaultSocketAddress(cfg.state_dir), kDefaultTcpAddress};
+  if (cfg.compile_workers < 1) return absl::InvalidArgumentError("compiler.workers must be >= 1");
+  if (cfg.compile_threads < 1) return absl::InvalidArgumentError("compiler.threads must be >= 1");
+  if (cfg.max_message_bytes < (1 << 20)) {
+    return absl::InvalidArgumentError("max_message_mb must be >= 1");
+  }
+  return cfg;
+}
+
+}  // namespace opjit

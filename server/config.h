@@ -1,0 +1,49 @@
+// opjitd configuration: embedded defaults, then a TOML file, then flags.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/common/paths.h"
+
+namespace opjit {
+
+struct DaemonConfig {
+  // Everything the daemon keeps: registry.db, cache/, the lock file.
+  // Default: $OPJIT_STATE_DIR, else $HOME/.opjit, else /tmp/opjit-<uid>.
+  std::string state_dir;
+  // Endpoints: "unix:/path" or "host:port" (port 0 picks a free one).
+  // Default: unix:<state_dir>/opjitd.sock and 127.0.0.1:7878.
+  std::vector<std::string> listen;
+  // trace, debug, info, warn, error. Default: info.
+  std::string log_level = "info";
+  // Largest gRPC message, both directions. Default: 64 MiB.
+  int64_t max_message_bytes = 64ll << 20;
+
+  // [compiler]
+  int compile_workers = 2;
+  int compile_timeout_ms = 30000;
+  int64_t compile_memory_limit_mb = 2048;
+  int compile_threads = 2;
+  std::vector<std::string> extra_include_dirs;
+  std::vector<std::string> allowed_libraries;
+  std::string kernel_include_dir;  // Default: the installed or source-tree kernels/include
+
+  // [cache]
+  int64_t cache_memory_entries = 512;
+  int64_t cache_memory_mb = 512;
+  int64_t cache_disk_mb = 2048;
+};
+
+inline constexpr const char* kDefaultTcpAddress = "127.0.0.1:7878";
+
+// Builds the configuration from defaults, the TOML file named by --config (if
+// any) and the flags. INVALID_ARGUMENT for unknown flags or keys and bad values;
+// --help returns CANCELLED with the usage text as message.
+absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv);
+
+std::string Usage();
+
+}  // namespace opjit

@@ -1,0 +1,192 @@
+// opjitd: wires the core libraries together and serves them over gRPC.
+// Nothing here but configuration, construction order and signal handling.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/common/logging.h"
+#include "server/compiler/kernel_compiler.h"
+#include "server/config.h"
+#include "server/gpu/driver_probe.h"
+#include "server/loader/jit_loader.h"
+#include "server/registry/registry.h"
+#include "server/rpc/grpc_server.h"
+
+#ifndef OPJIT_VERSION
+#define OPJIT_VERSION "0.0.0"
+#endif
+
+namespace opjit {
+namespace {
+
+std::string ExeDir() {
+  std::error_code ec;
+  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : exe.parent_path().string();
+}
+
+// Kernel headers: the configured dir, else installed next to the binary, else
+// the source tree this binary was built from.
+std::string FindKernelIncludeDir(const DaemonConfig& cfg) {
+  if (!cfg.kernel_include_dir.empty()) return cfg.kernel_include_dir;
+  if (const char* env = std::getenv("OPJIT_KERNEL_INCLUDE_DIR"); env && *env) return env;
+  const std::string installed = ExeDir() + "/../share/opjit/include";
+  if (std::filesystem::exists(installed + "/custom_aot_extra.h")) {
+    return std::filesystem::canonical(installed).string();
+  }
+  return OPJIT_SOURCE_KERNEL_INCLUDE_DIR;
+}
+
+// Holds an exclusive lock on <state_dir>/opjitd.lock for the daemon's life, so
+// two daemons never serve one registry. Returns the fd, or an error naming the
+// holder.
+absl::StatusOr<int> LockStateDir(const std::string& state_dir) {
+  const std::string path = state_dir + "/opjitd.lock";
+  int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char buf[32] = {0};
+    ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "another opjitd (pid ", n > 0 ? std::string(buf, strcspn(buf, "\n")) : "?",
+        ") is already serving state dir ", state_dir,
+        "; stop it first or use a different --state-dir"));
+  }
+  std::string pid = absl::StrCat(getpid(), "\n");
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+    Logger("main")->warn("could not write pid to {}", path);
+  }
+  return fd;
+}
+
+// Writes the bound addresses, one per line, to <state_dir>/endpoints (atomic),
+// so tools and tests can find a port chosen by the OS.
+void WriteEndpoints(const std::string& state_dir, const std::vector<std::string>& bound) {
+  const std::string tmp = state_dir + "/endpoints.tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    for (const auto& b : bound) out << b << "\n";
+  }
+  std::rename(tmp.c_str(), (state_dir + "/endpoints").c_str());
+}
+
+int Run(int argc, char** argv) {
+  auto cfg = LoadConfig(argc, argv);
+  if (!cfg.ok()) {
+    if (cfg.status().code() == absl::StatusCode::kCancelled) {
+      std::fputs(std::string(cfg.status().message()).c_str(), stdout);
+      return 0;
+    }
+    std::fprintf(stderr, "opjitd: %s\n", std::string(cfg.status().message()).c_str());
+    return 2;
+  }
+  SetLogLevel(cfg->log_level);
+  auto log = Logger("main");
+
+  // Signals are taken synchronously by this thread (sigwait below); block them
+  // before any other thread exists so every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  std::error_code ec;
+  std::filesystem::create_directories(cfg->state_dir, ec);
+  if (ec) {
+    log->error("cannot create state dir {}: {}", cfg->state_dir, ec.message());
+    return 1;
+  }
+  chmod(cfg->state_dir.c_str(), 0700);
+  auto lock_fd = LockStateDir(cfg->state_dir);
+  if (!lock_fd.ok()) {
+    log->error("{}", lock_fd.status().message());
+    return 1;
+  }
+
+  auto registry = registry::Registry::Create({.db_path = cfg->state_dir + "/registry.db"});
+  if (!registry.ok()) {
+    log->error("registry: {}", registry.status().ToString());
+    return 1;
+  }
+
+  compiler::KernelCompilerOptions copts;
+  copts.cache_dir = cfg->state_dir + "/cache";
+  copts.worker_path = ExeDir() + "/opjit-compile-worker";
+  copts.workers = cfg->compile_workers;
+  copts.timeout_ms = cfg->compile_timeout_ms;
+  copts.memory_limit_bytes = static_cast<uint64_t>(cfg->compile_memory_limit_mb) << 20;
+  copts.kernel_include_dir = FindKernelIncludeDir(*cfg);
+  copts.extra_include_dirs = cfg->extra_include_dirs;
+  copts.allowed_libraries = cfg->allowed_libraries;
+  copts.memory_entries = cfg->cache_memory_entries;
+  copts.memory_bytes = static_cast<uint64_t>(cfg->cache_memory_mb) << 20;
+  copts.disk_bytes = static_cast<uint64_t>(cfg->cache_disk_mb) << 20;
+  copts.pool_threads = cfg->compile_threads;
+  auto compiler = compiler::KernelCompiler::Create(copts);
+  if (!compiler.ok()) {
+    log->error("compiler: {}", compiler.status().ToString());
+    return 1;
+  }
+
+  const loader::HostTarget host = loader::DetectHostTarget();
+  const gpu::GpuStatus& gpu = gpu::ProbeGpu();
+  rpc::ServerFacts facts;
+  facts.version = OPJIT_VERSION;
+  facts.kernel_abi_version = compiler::kKernelAbiVersion;
+  facts.state_dir = cfg->state_dir;
+  facts.cpu_triple = host.triple;
+  facts.cpu_name = host.cpu;
+  facts.cpu_features = host.features;
+  facts.compiler_id = (*compiler)->ToolchainId();
+  facts.gpu_available = gpu.available;
+  facts.gpu_reason = gpu.reason;
+  facts.gpu_devices = gpu.devices;
+  if (!gpu.available) log->info("GPU unavailable: {}", gpu.reason);
+
+  rpc::CoreRefs core{.registry = registry->get(), .compiler = compiler->get()};
+  auto server = rpc::GrpcServer::Start(
+      {.listen = cfg->listen, .max_message_bytes = static_cast<int>(cfg->max_message_bytes)},
+      core, facts);
+  if (!server.ok()) {
+    log->error("{}", server.status().message());
+    return 1;
+  }
+  WriteEndpoints(cfg->state_dir, (*server)->bound());
+  log->info("opjitd {} ready: state {}, {} op version(s), listening on {}", OPJIT_VERSION,
+            cfg->state_dir, (*registry)->Size(), absl::StrJoin((*server)->bound(), ", "));
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  log->info("{} received, shutting down", strsignal(sig));
+  (*server)->Shutdown(std::chrono::seconds(5));
+  (*server)->Wait();
+  server->reset();
+  compiler->reset();
+  registry->reset();
+  unlink((cfg->state_dir + "/endpoints").c_str());
+  close(*lock_fd);
+  log->info("bye");
+  return 0;
+}
+
+}  // namespace
+}  // namespace opjit
+
+int main(int argc, char** argv) { return opjit::Run(argc, argv); }

@@ -1,0 +1,258 @@
+#include "server/rpc/services.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/logging.h"
+#include "server/compiler/kernel_compiler.h"
+#include "server/registry/registry.h"
+#include "server/registry/validate.h"
+#include "server/rpc/convert.h"
+#include "server/rpc/status_util.h"
+
+namespace opjit::rpc {
+namespace {
+
+std::atomic<uint64_t> next_request_id{1};
+
+uint64_t NextRequestId() { return next_request_id.fetch_add(1, std::memory_order_relaxed); }
+
+std::string ShortKey(const std::string& key) { return key.substr(0, 12); }
+
+grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+std::string NamespaceOrDefault(const std::string& ns) { return ns.empty() ? "default" : ns; }
+
+void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& target,
+                    v1::CompileResponse* resp) {
+  const auto& k = *outcome.kernel;
+  resp->set_cache_key(k.cache_key);
+  resp->set_diagnostics(k.diagnostics);
+  resp->set_cache_hit(outcome.cache_hit);
+  resp->set_compile_ms(outcome.cache_hit.empty() ? k.compile_ms : 0);
+  resp->set_total_ms(outcome.total_ms);
+  for (const auto& s : k.defined_symbols) resp->add_defined_symbols(s);
+  resp->set_target(target);
+}
+
+compiler::CompileJob JobFromImplementation(const registry::OpDef& def,
+                                           const registry::Implementation& impl) {
+  compiler::CompileJob job;
+  job.target = registry::TargetName(impl.target);
+  job.language = impl.language;
+  job.source = impl.source;
+  job.file_name = absl::StrCat(def.name, impl.language == "c" ? ".c" : ".cc");
+  job.entry = impl.entry;
+  job.options = impl.compile_options;
+  job.libraries = impl.libraries;
+  return job;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContext* ctx,
+                                                      const v1::RegisterOpRequest* req,
+                                                      v1::RegisterOpResponse* resp) {
+  const uint64_t rid = NextRequestId();
+  auto log = Logger("rpc");
+  auto def = OpDefFromProto(req->op());
+  if (!def.ok()) return FinishNow(ctx, def.status());
+  if (absl::Status s = registry::ValidateOpDef(*def); !s.ok()) {
+    log->debug("req={} RegisterOp {}/{}: {}", rid, def->ns, def->name, s.ToString());
+    return FinishNow(ctx, s);
+  }
+
+  auto* reactor = ctx->DefaultReactor();
+  auto shared_def = std::make_shared<registry::OpDef>(*std::move(def));
+  registry::Registry* reg = core_.registry;
+  // Stores the op once its CPU implementation (if any) compiled.
+  auto store = [reactor, resp, reg, shared_def, rid, log]() {
+    auto result = reg->Register(*shared_def);
+    if (!result.ok()) {
+      log->warn("req={} RegisterOp {}/{}: {}", rid, shared_def->ns, shared_def->name,
+                result.status().ToString());
+      reactor->Finish(ToGrpcStatus(result.status()));
+      return;
+    }
+    OpRecordToProto(result->record, /*with_sources=*/false, resp->mutable_record());
+    resp->set_created(result->created);
+    log->info("req={} registered {}/{} v{}{}", rid, shared_def->ns, shared_def->name,
+              result->record.version, result->created ? "" : " (unchanged)");
+    reactor->Finish(grpc::Status::OK);
+  };
+
+  const registry::Implementation* cpu = nullptr;
+  for (const auto& impl : shared_def->implementations) {
+    if (impl.target == registry::Target::kCpu) cpu = &impl;
+  }
+  if (cpu == nullptr || core_.compiler == nullptr) {
+    store();
+    return reactor;
+  }
+  compiler::CompileJob job = JobFromImplementation(*shared_def, *cpu);
+  core_.compiler->CompileAsync(
+      std::move(job), [store, reactor, resp, shared_def, rid, log](
+                          absl::StatusOr<compiler::CompileOutcome> outcome) {
+        if (!outcome.ok()) {
+          log->debug("req={} RegisterOp {}/{}: compile: {}", rid, shared_def->ns,
+                     shared_def->name, outcome.status().ToString());
+          reactor->Finish(ToGrpcStatus(absl::Status(
+              outcome.status().code(),
+              absl::StrCat("op \"", shared_def->ns, "/", shared_def->name,
+                           "\" CPU implementation: ", outcome.status().message()))));
+          return;
+        }
+        OutcomeToProto(*outcome, "CPU", resp->add_compiled());
+        store();
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RegistryService::GetOp(grpc::CallbackServerContext* ctx,
+                                                 const v1::GetOpRequest* req,
+                                                 v1::OpRecord* resp) {
+  auto record = core_.registry->Get(NamespaceOrDefault(req->namespace_()), req->name(),
+                                    req->version());
+  if (!record.ok()) return FinishNow(ctx, record.status());
+  OpRecordToProto(*record, /*with_sources=*/true, resp);
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* RegistryService::ListOps(grpc::CallbackServerContext* ctx,
+                                                   const v1::ListOpsRequest* req,
+                                                   v1::ListOpsResponse* resp) {
+  for (const auto& record : core_.registry->List(req->namespace_(), req->all_versions())) {
+    OpRecordToProto(record, req->with_sources(), resp->add_ops());
+  }
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* RegistryService::DeleteOp(grpc::CallbackServerContext* ctx,
+                                                    const v1::DeleteOpRequest* req,
+                                                    v1::DeleteOpResponse* resp) {
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  auto deleted = core_.registry->Delete(ns, req->name(), req->version());
+  if (!deleted.ok()) return FinishNow(ctx, deleted.status());
+  resp->set_deleted(*deleted);
+  Logger("rpc")->info("deleted {}/{} ({} version(s))", ns, req->name(), *deleted);
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* ctx,
+                                                   const v1::CompileRequest* req,
+                                                   v1::CompileResponse* resp) {
+  if (core_.compiler == nullptr) {
+    return FinishNow(ctx, absl::UnavailableError("this server was started without a compiler"));
+  }
+  compiler::CompileJob job;
+  job.target = req->target().empty() ? "CPU" : req->target();
+  job.language = req->language().empty() ? "c++" : req->language();
+  job.source = req->source();
+  job.file_name = req->file_name();
+  job.entry = req->entry();
+  job.options.assign(req->compile_options().begin(), req->compile_options().end());
+  job.libraries.assign(req->libraries().begin(), req->libraries().end());
+  // Options of a bare compile get the same checks as a registered op's.
+  registry::Implementation impl;
+  auto target = registry::ParseTarget(job.target);
+  if (!target) {
+    return FinishNow(ctx, absl::InvalidArgumentError(absl::StrCat(
+                              "target: unknown \"", job.target, "\" (expected CPU or GPU)")));
+  }
+  if (absl::Status s = registry::ValidateCompileOptions(*target, job.language, job.options,
+                                                        "compile_options");
+      !s.ok()) {
+    return FinishNow(ctx, s);
+  }
+  if (job.source.empty()) {
+    return FinishNow(ctx, absl::InvalidArgumentError("source: empty; send the kernel's text"));
+  }
+  auto* reactor = ctx->DefaultReactor();
+  const std::string target_name = job.target;
+  const uint64_t rid = NextRequestId();
+  core_.compiler->CompileAsync(
+      std::move(job),
+      [reactor, resp, target_name, rid](absl::StatusOr<compiler::CompileOutcome> outcome) {
+        if (!outcome.ok()) {
+          Logger("rpc")->debug("req={} Compile: {}", rid, outcome.status().ToString());
+          reactor->Finish(ToGrpcStatus(outcome.status()));
+          return;
+        }
+        OutcomeToProto(*outcome, target_name, resp);
+        Logger("rpc")->debug("req={} Compile key={} hit={} {:.2f} ms", rid,
+                             ShortKey(outcome->kernel->cache_key), outcome->cache_hit,
+                             outcome->total_ms);
+        reactor->Finish(grpc::Status::OK);
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* CompilerService::GetCacheStats(grpc::CallbackServerContext* ctx,
+                                                         const v1::GetCacheStatsRequest*,
+                                                         v1::CacheStats* resp) {
+  if (core_.compiler == nullptr) {
+    return FinishNow(ctx, absl::UnavailableError("this server was started without a compiler"));
+  }
+  const compiler::KernelCacheStats s = core_.compiler->Stats();
+  resp->set_memory_entries(s.memory_entries);
+  resp->set_memory_bytes(s.memory_bytes);
+  resp->set_memory_hits(s.memory_hits);
+  resp->set_memory_misses(s.memory_misses);
+  resp->set_disk_entries(s.disk_entries);
+  resp->set_disk_bytes(s.disk_bytes);
+  resp->set_disk_hits(s.disk_hits);
+  resp->set_disk_misses(s.disk_misses);
+  resp->set_disk_corrupt(s.disk_corrupt);
+  resp->set_compiles(s.compiles);
+  resp->set_compile_failures(s.compile_failures);
+  resp->set_compile_ms_total(s.compile_ms_total);
+  resp->set_single_flight_joins(s.single_flight_joins);
+  resp->set_evictions(s.evictions);
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* CompilerService::ClearCache(grpc::CallbackServerContext* ctx,
+                                                      const v1::ClearCacheRequest* req,
+                                                      v1::ClearCacheResponse* resp) {
+  if (core_.compiler == nullptr) {
+    return FinishNow(ctx, absl::UnavailableError("this server was started without a compiler"));
+  }
+  resp->set_removed(core_.compiler->Clear(req->memory_only()));
+  Logger("rpc")->info("cache cleared ({} entries{})", resp->removed(),
+                      req->memory_only() ? ", memory only" : "");
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                       const v1::GetServerInfoRequest*,
+                                                       v1::ServerInfo* resp) {
+  resp->set_version(facts_.version);
+  resp->set_kernel_abi_version(facts_.kernel_abi_version);
+  auto* cpu = resp->mutable_cpu();
+  cpu->set_triple(facts_.cpu_triple);
+  cpu->set_cpu(facts_.cpu_name);
+  cpu->set_features(facts_.cpu_features);
+  cpu->set_compiler(facts_.compiler_id);
+  auto* gpu = resp->mutable_gpu();
+  gpu->set_available(facts_.gpu_available);
+  gpu->set_reason(facts_.gpu_reason);
+  for (const auto& d : facts_.gpu_devices) gpu->add_devices(d);
+  resp->set_state_dir(facts_.state_dir);
+  for (const auto& l : facts_.listen) resp->add_listen(l);
+  resp->set_uptime_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now() - started_)
+                          .count());
+  resp->set_ops(static_cast<int64_t>(core_.registry->Size()));
+  resp->set_pid(getpid());
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+}  // namespace opjit::rpc

@@ -1,0 +1,97 @@
+// gRPC services of opjitd (callback API). Each handler converts the request to
+// domain types, calls the core, converts the result, and maps absl::Status to
+// a gRPC status once, at this edge. Handlers never block on a compile: those
+// run on the compiler's pool and finish the reactor from there.
+//
+// Thread-safety: services are stateless beyond pointers to thread-safe core
+// objects, which must outlive the server.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "opjit/v1/compile.grpc.pb.h"
+#include "opjit/v1/registry.grpc.pb.h"
+#include "opjit/v1/server.grpc.pb.h"
+
+namespace opjit {
+namespace registry {
+class Registry;
+}
+namespace compiler {
+class KernelCompiler;
+}
+}  // namespace opjit
+
+namespace opjit::rpc {
+
+// What the services need from the core. Not owned.
+struct CoreRefs {
+  registry::Registry* registry = nullptr;
+  compiler::KernelCompiler* compiler = nullptr;  // may be null in tests of the registry alone
+};
+
+// Static facts reported by GetServerInfo.
+struct ServerFacts {
+  std::string version;
+  int kernel_abi_version = 0;
+  std::string state_dir;
+  std::vector<std::string> listen;
+  std::string cpu_triple, cpu_name, cpu_features, compiler_id;
+  bool gpu_available = false;
+  std::string gpu_reason;
+  std::vector<std::string> gpu_devices;
+};
+
+class RegistryService final : public v1::Registry::CallbackService {
+ public:
+  explicit RegistryService(CoreRefs core) : core_(core) {}
+  grpc::ServerUnaryReactor* RegisterOp(grpc::CallbackServerContext* ctx,
+                                       const v1::RegisterOpRequest* req,
+                                       v1::RegisterOpResponse* resp) override;
+  grpc::ServerUnaryReactor* GetOp(grpc::CallbackServerContext* ctx, const v1::GetOpRequest* req,
+                                  v1::OpRecord* resp) override;
+  grpc::ServerUnaryReactor* ListOps(grpc::CallbackServerContext* ctx,
+                                    const v1::ListOpsRequest* req,
+                                    v1::ListOpsResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteOp(grpc::CallbackServerContext* ctx,
+                                     const v1::DeleteOpRequest* req,
+                                     v1::DeleteOpResponse* resp) override;
+
+ private:
+  CoreRefs core_;
+};
+
+class CompilerService final : public v1::Compiler::CallbackService {
+ public:
+  explicit CompilerService(CoreRefs core) : core_(core) {}
+  grpc::ServerUnaryReactor* Compile(grpc::CallbackServerContext* ctx, const v1::CompileRequest* req,
+                                    v1::CompileResponse* resp) override;
+  grpc::ServerUnaryReactor* GetCacheStats(grpc::CallbackServerContext* ctx,
+                                          const v1::GetCacheStatsRequest* req,
+                                          v1::CacheStats* resp) override;
+  grpc::ServerUnaryReactor* ClearCache(grpc::CallbackServerContext* ctx,
+                                       const v1::ClearCacheRequest* req,
+                                       v1::ClearCacheResponse* resp) override;
+
+ private:
+  CoreRefs core_;
+};
+
+class ServerService final : public v1::Server::CallbackService {
+ public:
+  ServerService(CoreRefs core, ServerFacts facts)
+      : core_(core), facts_(std::move(facts)), started_(std::chrono::steady_clock::now()) {}
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest* req,
+                                          v1::ServerInfo* resp) override;
+
+ private:
+  CoreRefs core_;
+  const ServerFacts facts_;
+  const std::chrono::steady_clock::time_point started_;
+};
+
+}  // namespace opjit::rpc
