@@ -1,0 +1,40 @@
+# The two commands of opjit (see README.md):
+#   make run    install what is missing, build, start opjitd on its defaults
+#   make test   install what is missing, build, run every test
+BUILD ?= build
+JOBS ?= 2
+ARGS ?=
+
+.PHONY: all deps configure build run test test-unit test-integration bench format clean
+
+all: build
+
+deps:
+	bash deploy/install-deps.sh
+
+configure: deps
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+build: configure
+	cmake --build $(BUILD) -j$(JOBS)
+
+run: build
+	$(BUILD)/bin/opjitd $(ARGS)
+
+test: build
+	ctest --test-dir $(BUILD) --output-on-failure --timeout 600 -j$(JOBS)
+
+test-unit: build
+	ctest --test-dir $(BUILD) --output-on-failure -L unit -j$(JOBS)
+
+test-integration: build
+	ctest --test-dir $(BUILD) --output-on-failure -L integration -j$(JOBS)
+
+bench: build
+	bash bench/run.sh
+
+format:
+	find server client tests kernels bench -name '*.cc' -o -name '*.h' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD)
