@@ -282,6 +282,16 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
         absl::StrCat("language \"", job.language, "\" is not a CPU language (expected c++ or c)")));
     return;
   }
+  for (const auto& lib : job.libraries) {
+    const auto& allowed = impl->options.allowed_libraries;
+    if (std::find(allowed.begin(), allowed.end(), lib) == allowed.end()) {
+      done(absl::PermissionDeniedError(absl::StrCat(
+          "library \"", lib, "\" is not on this server's allow-list (",
+          allowed.empty() ? "empty" : absl::StrJoin(allowed, ", "),
+          "); ask the operator to add it to [compiler] allowed_libraries")));
+      return;
+    }
+  }
   if (job.file_name.empty()) job.file_name = job.language == "c" ? "kernel.c" : "kernel.cc";
   const std::string request_key = impl->RequestKey(job);
 

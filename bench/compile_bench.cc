@@ -1,0 +1,231 @@
+// Compile-path benchmarks, measured side by side in one run:
+//   - opjit cold compile of a small <cmath> kernel vs `g++ -O2 -shared -fPIC`
+//     of the same source plus dlopen, as a subprocess;
+//   - memory-cache hit; disk-cache hit in a freshly created compiler (what a
+//     restarted daemon does);
+//   - the JIT'd kernel vs the same source from `g++ -O3 -march=native`, on 16M
+//     floats and on an in-cache size.
+// Run through bench/run.sh, which turns the medians into the README's table.
+#include <dlfcn.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+
+#include "server/compiler/kernel_compiler.h"
+#include "server/loader/loader.h"
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using opjit::compiler::CompileJob;
+using opjit::compiler::KernelCompiler;
+
+const char kCmathKernel[] = R"(
+#include <cmath>
+#include <cstdint>
+extern "C" int Softplus(int nparam, void** params, int* ndims, int64_t** shapes,
+                        const char** dtypes, void* stream, void* extra) {
+  int64_t n = 1;
+  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
+  const float* x = static_cast<const float*>(params[0]);
+  float* y = static_cast<float*>(params[1]);
+  for (int64_t i = 0; i < n; ++i) y[i] = std::log1p(std::exp(x[i]));
+  return 0;
+}
+)";
+
+// Elementwise kernel used for code quality: y = a*x + b*x^2 clipped at 0.
+const char kQualityKernel[] = R"(
+#include <cstdint>
+extern "C" void Quality(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = 1.5f * x[i] + 0.25f * x[i] * x[i];
+    y[i] = v > 0.0f ? v : 0.0f;
+  }
+}
+)";
+
+std::string Dir() {
+  static const std::string dir = [] {
+    std::string tmpl = (fs::temp_directory_path() / "opjit-bench-XXXXXX").string();
+    return std::string(mkdtemp(tmpl.data()));
+  }();
+  return dir;
+}
+
+std::string BinDir() { return fs::read_symlink("/proc/self/exe").parent_path().string(); }
+
+opjit::compiler::KernelCompilerOptions Options(const std::string& cache_dir) {
+  opjit::compiler::KernelCompilerOptions o;
+  o.cache_dir = cache_dir;
+  o.worker_path = BinDir() + "/opjit-compile-worker";
+  o.kernel_include_dir = OPJIT_KERNEL_INCLUDE_DIR;
+  return o;
+}
+
+KernelCompiler& Shared() {
+  static std::unique_ptr<KernelCompiler> kc = [] {
+    auto r = KernelCompiler::Create(Options(Dir() + "/shared-cache"));
+    if (!r.ok()) {
+      fprintf(stderr, "KernelCompiler: %s\n", r.status().ToString().c_str());
+      abort();
+    }
+    return *std::move(r);
+  }();
+  return *kc;
+}
+
+int Run(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid;
+  if (posix_spawnp(&pid, args[0], nullptr, nullptr, args.data(), environ) != 0) return -1;
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+void BM_OpjitColdCompileCmath(benchmark::State& state) {
+  KernelCompiler& kc = Shared();
+  static std::atomic<int> counter{0};
+  for (auto _ : state) {
+    CompileJob job;
+    // A unique comment makes every iteration a cache miss.
+    job.source = std::string(kCmathKernel) + "// " + std::to_string(counter++) + "\n";
+    job.entry = "Softplus";
+    auto r = kc.Compile(job);
+    if (!r.ok() || !r->cache_hit.empty()) state.SkipWithError("compile failed or was a hit");
+  }
+}
+BENCHMARK(BM_OpjitColdCompileCmath)->Unit(benchmark::kMillisecond)->Iterations(10)->Repetitions(3);
+
+void BM_GccSharedDlopenCmath(benchmark::State& state) {
+  static std::atomic<int> counter{0};
+  for (auto _ : state) {
+    const std::string base = Dir() + "/gcc" + std::to_string(counter++);
+    std::ofstream(base + ".cc") << kCmathKernel;
+    if (Run({"g++", "-O2", "-shared", "-fPIC", "-o", base + ".so", base + ".cc"}) != 0) {
+      state.SkipWithError("g++ failed");
+      break;
+    }
+    void* h = dlopen((base + ".so").c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr || dlsym(h, "Softplus") == nullptr) state.SkipWithError("dlopen failed");
+    if (h) dlclose(h);
+  }
+}
+BENCHMARK(BM_GccSharedDlopenCmath)->Unit(benchmark::kMillisecond)->Iterations(10)->Repetitions(3);
+
+void BM_OpjitMemoryHit(benchmark::State& state) {
+  KernelCompiler& kc = Shared();
+  CompileJob job;
+  job.source = kCmathKernel;
+  job.entry = "Softplus";
+  if (!kc.Compile(job).ok()) state.SkipWithError("warm-up compile failed");
+  for (auto _ : state) {
+    auto r = kc.Compile(job);
+    if (!r.ok() || r->cache_hit != "memory") state.SkipWithError("not a memory hit");
+    benchmark::DoNotOptimize(r);
+  }
+}
+BENCHMARK(BM_OpjitMemoryHit)->Unit(benchmark::kMicrosecond)->Repetitions(3);
+
+// A fresh KernelCompiler over a warm cache dir: what a restarted daemon sees.
+void BM_OpjitDiskHitFreshCompiler(benchmark::State& state) {
+  const std::string cache = Dir() + "/disk-cache";
+  CompileJob job;
+  job.source = kCmathKernel;
+  job.entry = "Softplus";
+  {
+    auto kc = KernelCompiler::Create(Options(cache));
+    if (!kc.ok() || !(*kc)->Compile(job).ok()) state.SkipWithError("warm-up failed");
+  }
+  for (auto _ : state) {
+    state.PauseTiming();
+    auto kc = KernelCompiler::Create(Options(cache));
+    if (!kc.ok()) {
+      state.SkipWithError("create failed");
+      break;
+    }
+    state.ResumeTiming();
+    auto r = (*kc)->Compile(job);
+    if (!r.ok() || r->cache_hit != "disk") state.SkipWithError("not a disk hit");
+    state.PauseTiming();
+    kc->reset();
+    state.ResumeTiming();
+  }
+}
+BENCHMARK(BM_OpjitDiskHitFreshCompiler)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(10)
+    ->Repetitions(3);
+
+using QualityFn = void (*)(const float*, float*, int64_t);
+
+QualityFn JitQuality() {
+  static std::shared_ptr<const opjit::compiler::CompiledKernel> keep;
+  if (!keep) {
+    CompileJob job;
+    job.source = kQualityKernel;
+    job.entry = "Quality";
+    auto r = Shared().Compile(job);
+    if (!r.ok()) return nullptr;
+    keep = r->kernel;
+  }
+  return keep->kernel->FindAs<QualityFn>("Quality");
+}
+
+QualityFn GccQuality() {
+  static QualityFn fn = []() -> QualityFn {
+    const std::string base = Dir() + "/quality";
+    std::ofstream(base + ".cc") << kQualityKernel;
+    if (Run({"g++", "-O3", "-march=native", "-shared", "-fPIC", "-o", base + ".so", base + ".cc"}) !=
+        0) {
+      return nullptr;
+    }
+    void* h = dlopen((base + ".so").c_str(), RTLD_NOW | RTLD_LOCAL);
+    return h ? reinterpret_cast<QualityFn>(dlsym(h, "Quality")) : nullptr;
+  }();
+  return fn;
+}
+
+void RunQuality(benchmark::State& state, QualityFn fn) {
+  if (fn == nullptr) {
+    state.SkipWithError("kernel unavailable");
+    return;
+  }
+  const int64_t n = state.range(0);
+  std::vector<float> x(n), y(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 97) * 0.1f - 4.0f;
+  for (auto _ : state) {
+    fn(x.data(), y.data(), n);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * n * 8);
+}
+
+// Interleaved pairs, so both see the same machine state.
+void BM_KernelJit(benchmark::State& state) { RunQuality(state, JitQuality()); }
+void BM_KernelGccO3Native(benchmark::State& state) { RunQuality(state, GccQuality()); }
+BENCHMARK(BM_KernelJit)->Arg(16 << 10)->Arg(16 << 20)->Repetitions(5)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_KernelGccO3Native)
+    ->Arg(16 << 10)
+    ->Arg(16 << 20)
+    ->Repetitions(5)
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
