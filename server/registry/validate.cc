@@ -1,0 +1,590 @@
+#include "server/registry/validate.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "server/common/status_macros.h"
+#include "server/registry/attr_value.h"
+
+namespace opjit::registry {
+namespace {
+
+constexpr size_t kMaxNameLen = 128;
+
+bool IsAlpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
+bool IsDigit(char c) { return c >= '0' && c <= '9'; }
+
+// [A-Za-z_][A-Za-z0-9_]{0,127}; with `allow_dot`, '.' is allowed after the first.
+bool IsIdent(absl::string_view s, bool allow_dot = false) {
+  if (s.empty() || s.size() > kMaxNameLen || !IsAlpha(s[0])) return false;
+  for (char c : s.substr(1)) {
+    if (!IsAlpha(c) && !IsDigit(c) && !(allow_dot && c == '.')) return false;
+  }
+  return true;
+}
+
+bool IsValidUtf8(absl::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    size_t n;
+    uint32_t cp;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3;
+      cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= s.size()) return false;  // truncated sequence
+    for (size_t k = 1; k <= n; ++k) {
+      unsigned char cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    // Overlong encodings, surrogates and values past U+10FFFF.
+    if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) ||
+        (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) {
+      return false;
+    }
+    i += n + 1;
+  }
+  return true;
+}
+
+absl::Status Invalid(absl::string_view path, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", what));
+}
+
+std::string Q(absl::string_view s) {
+  constexpr size_t kMax = 80;
+  if (s.size() > kMax) return absl::StrCat("\"", s.substr(0, kMax), "...\"");
+  return absl::StrCat("\"", s, "\"");
+}
+
+absl::Status CheckUtf8(absl::string_view path, absl::string_view s) {
+  if (!IsValidUtf8(s)) return Invalid(path, "is not valid UTF-8");
+  return absl::OkStatus();
+}
+
+bool IsKnownFormat(const std::string& f) {
+  if (f.empty()) return true;
+  const auto& known = KnownFormats();
+  return std::find(known.begin(), known.end(), f) != known.end();
+}
+
+absl::Status CheckTensorParams(const std::vector<TensorParam>& params, const char* kind,
+                               bool is_output, std::set<std::string>* names) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const TensorParam& p = params[i];
+    std::string path = absl::StrCat(kind, "[", i, "]");
+    if (p.index != static_cast<int>(i)) {
+      return Invalid(absl::StrCat(path, ".index"),
+                     absl::StrCat("is ", p.index, ", expected ", i, " (", kind,
+                                  " are indexed 0..n-1 in order)"));
+    }
+    if (p.name.empty()) return Invalid(absl::StrCat(path, ".name"), "must not be empty");
+    if (!IsIdent(p.name)) {
+      return Invalid(absl::StrCat(path, ".name"),
+                     absl::StrCat(Q(p.name),
+                                  " is not an identifier ([A-Za-z_][A-Za-z0-9_]*, at "
+                                  "most 128 characters)"));
+    }
+    if (!names->insert(p.name).second) {
+      return Invalid(absl::StrCat(path, ".name"),
+                     absl::StrCat(Q(p.name),
+                                  " is used twice (names are unique across inputs "
+                                  "and outputs)"));
+    }
+    switch (p.param_type) {
+      case ParamType::kRequired:
+      case ParamType::kDynamic:
+        break;
+      case ParamType::kOptional:
+        if (is_output) {
+          return Invalid(absl::StrCat(path, ".param_type"),
+                         "an output cannot be optional (use required or dynamic)");
+        }
+        break;
+      default:
+        return Invalid(absl::StrCat(path, ".param_type"), "is not required, optional or dynamic");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAttrs(const std::vector<AttrDef>& attrs) {
+  std::set<std::string> names;
+  for (size_t i = 0; i < attrs.size(); ++i) {
+    const AttrDef& a = attrs[i];
+    std::string path = absl::StrCat("attrs[", i, "]");
+    if (a.name.empty()) return Invalid(absl::StrCat(path, ".name"), "must not be empty");
+    if (!IsIdent(a.name)) {
+      return Invalid(absl::StrCat(path, ".name"),
+                     absl::StrCat(Q(a.name),
+                                  " is not an identifier ([A-Za-z_][A-Za-z0-9_]*, at "
+                                  "most 128 characters)"));
+    }
+    if (!names.insert(a.name).second) {
+      return Invalid(absl::StrCat(path, ".name"), absl::StrCat(Q(a.name), " is used twice"));
+    }
+    if (a.param_type != ParamType::kRequired && a.param_type != ParamType::kOptional) {
+      return Invalid(
+          absl::StrCat(path, ".param_type"),
+          absl::StrCat("an attr must be required or optional, not ", ParamTypeName(a.param_type)));
+    }
+    if (static_cast<int>(a.value_type) < 0 ||
+        static_cast<int>(a.value_type) > static_cast<int>(ValueType::kListListFloat)) {
+      return Invalid(absl::StrCat(path, ".value_type"), "is not a known value type");
+    }
+    OPJIT_RETURN_IF_ERROR(CheckUtf8(absl::StrCat(path, ".default_value"), a.default_value));
+    if (!a.default_value.empty()) {
+      auto parsed = ParseAttrValue(a.value_type, a.default_value);
+      if (!parsed.ok()) {
+        return Invalid(
+            absl::StrCat(path, ".default_value"),
+            absl::StrCat(Q(a.default_value), " is not a valid ", ValueTypeName(a.value_type), " (",
+                         parsed.status().message(), ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDtypeFormats(const OpDef& def) {
+  if (def.dtype_formats.empty()) {
+    return Invalid("dtype_formats", "at least one (dtype, format) combination is required");
+  }
+  const size_t want = def.inputs.size() + def.outputs.size();
+  std::set<std::vector<std::pair<std::string, std::string>>> seen;
+  for (size_t i = 0; i < def.dtype_formats.size(); ++i) {
+    const DtypeFormat& df = def.dtype_formats[i];
+    std::string path = absl::StrCat("dtype_formats[", i, "]");
+    if (df.io.size() != want) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " has ", df.io.size(), " (dtype, format) pairs, but the op has ",
+                       def.inputs.size(), " inputs + ", def.outputs.size(), " outputs = ", want));
+    }
+    for (size_t k = 0; k < df.io.size(); ++k) {
+      const auto& [dtype, format] = df.io[k];
+      const bool is_input = k < def.inputs.size();
+      const std::string& pname =
+          is_input ? def.inputs[k].name : def.outputs[k - def.inputs.size()].name;
+      std::string ppath =
+          absl::StrCat(path, "[", k, "] (", is_input ? "input " : "output ", pname, ")");
+      if (!IsKnownDtype(dtype)) {
+        return Invalid(ppath, absl::StrCat("unknown dtype ", Q(dtype),
+                                           "; known dtypes: ", absl::StrJoin(KnownDtypes(), ", ")));
+      }
+      if (!IsKnownFormat(format)) {
+        return Invalid(ppath, absl::StrCat("unknown format ", Q(format),
+                                           "; known formats: ", absl::StrJoin(KnownFormats(), ", "),
+                                           " (empty means DefaultFormat)"));
+      }
+    }
+    if (!seen.insert(df.io).second) {
+      size_t first = 0;
+      while (!(def.dtype_formats[first] == df)) ++first;
+      return Invalid(path, absl::StrCat("duplicates dtype_formats[", first, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool IsMacroOption(absl::string_view opt, absl::string_view flag) {
+  // -D<macro>[=<value>] or -U<macro>.
+  if (!absl::StartsWith(opt, flag)) return false;
+  absl::string_view rest = opt.substr(flag.size());
+  size_t eq = rest.find('=');
+  absl::string_view macro = rest.substr(0, eq);
+  if (!IsIdent(macro)) return false;
+  if (eq == absl::string_view::npos) return true;
+  if (flag == "-U") return false;
+  for (char c : rest.substr(eq + 1)) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return false;
+  }
+  return true;
+}
+
+bool IsWarningOption(absl::string_view opt) {
+  if (opt == "-w") return true;
+  if (!absl::StartsWith(opt, "-W") || opt.size() == 2) return false;
+  for (char c : opt.substr(2)) {
+    if (!IsAlpha(c) && !IsDigit(c) && c != '-' && c != '=' && c != '+') return false;
+  }
+  return true;
+}
+
+bool IsBoolValued(absl::string_view opt, absl::string_view prefix) {
+  return opt == absl::StrCat(prefix, "true") || opt == absl::StrCat(prefix, "false");
+}
+
+bool IsGpuArch(absl::string_view a) {
+  absl::string_view digits;
+  if (absl::StartsWith(a, "sm_")) {
+    digits = a.substr(3);
+  } else if (absl::StartsWith(a, "compute_")) {
+    digits = a.substr(8);
+  } else {
+    return false;
+  }
+  if (!digits.empty() && digits.back() == 'a') digits.remove_suffix(1);
+  if (digits.size() < 2 || digits.size() > 3) return false;
+  return std::all_of(digits.begin(), digits.end(), IsDigit);
+}
+
+bool IsPositiveInt(absl::string_view s) {
+  return !s.empty() && s.size() <= 4 && std::all_of(s.begin(), s.end(), IsDigit) && s[0] != '0';
+}
+
+// Returns an empty string when `opt` is allowed for `language`, otherwise why not.
+std::string CheckCompileOption(const std::string& language, absl::string_view opt) {
+  if (absl::StartsWith(opt, "-D")) {
+    return IsMacroOption(opt, "-D") ? "" : "-D needs a C identifier, optionally =<value>";
+  }
+  if (absl::StartsWith(opt, "-U")) {
+    return IsMacroOption(opt, "-U") ? "" : "-U needs a C identifier";
+  }
+  if (language == "cuda") {
+    if (opt == "-std=c++17" || opt == "-std=c++20" || opt == "--std=c++17" ||
+        opt == "--std=c++20" || opt == "--use_fast_math" || opt == "-use_fast_math" ||
+        opt == "-lineinfo" || opt == "--generate-line-info" ||
+        opt == "--extra-device-vectorization" || opt == "--restrict" || opt == "-w" ||
+        opt == "--disable-warnings") {
+      return "";
+    }
+    if (absl::StartsWith(opt, "-arch=")) {
+      return IsGpuArch(opt.substr(6)) ? "" : "-arch= needs sm_NN or compute_NN";
+    }
+    if (absl::StartsWith(opt, "--gpu-architecture=")) {
+      return IsGpuArch(opt.substr(19)) ? "" : "--gpu-architecture= needs sm_NN or compute_NN";
+    }
+    for (absl::string_view p : {"--ftz=", "--prec-div=", "--prec-sqrt=", "--fmad="}) {
+      if (absl::StartsWith(opt, p)) {
+        return IsBoolValued(opt, p) ? "" : absl::StrCat(p, " needs true or false");
+      }
+    }
+    for (absl::string_view p : {"--maxrregcount=", "-maxrregcount="}) {
+      if (absl::StartsWith(opt, p)) {
+        return IsPositiveInt(opt.substr(p.size())) ? "" : absl::StrCat(p, " needs a count");
+      }
+    }
+    return "not allowed for cuda";
+  }
+  if (opt == "-O0" || opt == "-O1" || opt == "-O2" || opt == "-O3" || opt == "-ffast-math" ||
+      opt == "-fno-fast-math") {
+    return "";
+  }
+  if (absl::StartsWith(opt, "-std=")) {
+    if (language == "c++" && (opt == "-std=c++17" || opt == "-std=c++20")) return "";
+    if (language == "c" && (opt == "-std=c11" || opt == "-std=c17")) return "";
+    return language == "c" ? "allowed for c: -std=c11, -std=c17"
+                           : "allowed for c++: -std=c++17, -std=c++20";
+  }
+  if (IsWarningOption(opt)) return "";
+  return absl::StrCat("not allowed for ", language);
+}
+
+absl::Status CheckImplementations(const OpDef& def) {
+  if (def.implementations.empty()) {
+    return Invalid("implementations", "at least one implementation is required");
+  }
+  std::set<std::string> op_attrs;
+  for (const AttrDef& a : def.attrs) op_attrs.insert(a.name);
+  int first_of_target[2] = {-1, -1};
+  for (size_t i = 0; i < def.implementations.size(); ++i) {
+    const Implementation& impl = def.implementations[i];
+    std::string path = absl::StrCat("implementations[", i, "]");
+    if (impl.target != Target::kCpu && impl.target != Target::kGpu) {
+      return Invalid(absl::StrCat(path, ".target"), "is not CPU or GPU");
+    }
+    int t = impl.target == Target::kCpu ? 0 : 1;
+    if (first_of_target[t] >= 0) {
+      return Invalid(absl::StrCat(path, ".target"),
+                     absl::StrCat(TargetName(impl.target), " already has implementations[",
+                                  first_of_target[t], "] (at most one per target)"));
+    }
+    first_of_target[t] = static_cast<int>(i);
+    if (impl.target == Target::kCpu && impl.language != "c++" && impl.language != "c") {
+      return Invalid(absl::StrCat(path, ".language"),
+                     absl::StrCat(Q(impl.language), " is not a CPU language (c++ or c)"));
+    }
+    if (impl.target == Target::kGpu && impl.language != "cuda") {
+      return Invalid(absl::StrCat(path, ".language"),
+                     absl::StrCat(Q(impl.language), " is not a GPU language (cuda)"));
+    }
+    if (!IsIdent(impl.entry)) {
+      return Invalid(absl::StrCat(path, ".entry"),
+                     absl::StrCat(Q(impl.entry),
+                                  " is not a C identifier ([A-Za-z_][A-Za-z0-9_]*, "
+                                  "at most 128 characters)"));
+    }
+    if (impl.source.empty()) return Invalid(absl::StrCat(path, ".source"), "must not be empty");
+    if (impl.source.size() > kMaxSourceBytes) {
+      return Invalid(
+          absl::StrCat(path, ".source"),
+          absl::StrCat("is ", impl.source.size(), " bytes; the limit is ", kMaxSourceBytes));
+    }
+    OPJIT_RETURN_IF_ERROR(CheckUtf8(absl::StrCat(path, ".source"), impl.source));
+    for (size_t k = 0; k < impl.compile_options.size(); ++k) {
+      const std::string& opt = impl.compile_options[k];
+      std::string opath = absl::StrCat(path, ".compile_options[", k, "]");
+      OPJIT_RETURN_IF_ERROR(CheckUtf8(opath, opt));
+      std::string why = CheckCompileOption(impl.language, opt);
+      if (!why.empty()) {
+        return Invalid(opath, absl::StrCat("option ", Q(opt), " is refused: ", why,
+                                           " (see the allow-list in server/registry/validate.h)"));
+      }
+    }
+    for (size_t k = 0; k < impl.libraries.size(); ++k) {
+      std::string lpath = absl::StrCat(path, ".libraries[", k, "]");
+      if (impl.libraries[k].empty()) return Invalid(lpath, "must not be empty");
+      OPJIT_RETURN_IF_ERROR(CheckUtf8(lpath, impl.libraries[k]));
+    }
+    if (!impl.attr_names.empty()) {
+      std::string apath = absl::StrCat(path, ".attr_names");
+      std::set<std::string> names;
+      for (size_t k = 0; k < impl.attr_names.size(); ++k) {
+        if (!names.insert(impl.attr_names[k]).second) {
+          return Invalid(absl::StrCat(apath, "[", k, "]"),
+                         absl::StrCat(Q(impl.attr_names[k]), " is listed twice"));
+        }
+      }
+      std::string context = absl::StrCat(" (op attrs: [", absl::StrJoin(op_attrs, ", "), "]; ",
+                                         TargetName(impl.target), " implementation reads: [",
+                                         absl::StrJoin(names, ", "), "])");
+      for (const std::string& n : names) {
+        if (!op_attrs.count(n)) {
+          return Invalid(
+              apath, absl::StrCat("the ", TargetName(impl.target), " implementation reads attr ",
+                                  Q(n), ", which the op does not declare", context));
+        }
+      }
+      for (const std::string& n : op_attrs) {
+        if (!names.count(n)) {
+          return Invalid(apath, absl::StrCat("the ", TargetName(impl.target),
+                                             " implementation does not read attr ", Q(n),
+                                             ", which the op declares (every target must read the "
+                                             "same attrs)",
+                                             context));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+const AttrDef* FindAttr(const OpDef& def, const std::string& name) {
+  for (const AttrDef& a : def.attrs) {
+    if (a.name == name) return &a;
+  }
+  return nullptr;
+}
+
+absl::Status CheckInputIndex(const std::string& path, int index, const OpDef& def) {
+  if (index < 0 || static_cast<size_t>(index) >= def.inputs.size()) {
+    return Invalid(path, absl::StrCat("input ", index, " is out of range; the op has ",
+                                      def.inputs.size(), " inputs"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOutputRules(const OpDef& def) {
+  if (def.output_rules.empty()) {
+    if (def.inputs.empty()) {
+      return Invalid("output_rules",
+                     "is empty, so every output takes the shape of input 0, but the op has no "
+                     "inputs; give one rule per output");
+    }
+    return absl::OkStatus();
+  }
+  if (def.output_rules.size() != def.outputs.size()) {
+    return Invalid("output_rules",
+                   absl::StrCat("has ", def.output_rules.size(), " rules, but the op has ",
+                                def.outputs.size(), " outputs (give one per output, or none)"));
+  }
+  for (size_t i = 0; i < def.output_rules.size(); ++i) {
+    const OutputRule& r = def.output_rules[i];
+    std::string path = absl::StrCat("output_rules[", i, "]");
+    switch (r.kind) {
+      case OutputRule::Kind::kSameAsInput:
+        OPJIT_RETURN_IF_ERROR(CheckInputIndex(absl::StrCat(path, ".input"), r.input, def));
+        break;
+      case OutputRule::Kind::kBroadcast:
+        if (r.inputs.empty() && def.inputs.empty()) {
+          return Invalid(absl::StrCat(path, ".inputs"),
+                         "is empty (broadcast all inputs), but the op has no inputs");
+        }
+        for (size_t k = 0; k < r.inputs.size(); ++k) {
+          OPJIT_RETURN_IF_ERROR(
+              CheckInputIndex(absl::StrCat(path, ".inputs[", k, "]"), r.inputs[k], def));
+        }
+        break;
+      case OutputRule::Kind::kReduce: {
+        OPJIT_RETURN_IF_ERROR(CheckInputIndex(absl::StrCat(path, ".input"), r.input, def));
+        const AttrDef* axis = FindAttr(def, r.axis_attr);
+        if (axis == nullptr) {
+          return Invalid(absl::StrCat(path, ".axis_attr"),
+                         absl::StrCat(Q(r.axis_attr), " is not an attr of the op"));
+        }
+        if (axis->value_type != ValueType::kInt && axis->value_type != ValueType::kListInt) {
+          return Invalid(
+              absl::StrCat(path, ".axis_attr"),
+              absl::StrCat("attr ", Q(r.axis_attr), " is ", ValueTypeName(axis->value_type),
+                           "; reduce axes need int or listInt"));
+        }
+        if (!r.keep_dim_attr.empty()) {
+          const AttrDef* keep = FindAttr(def, r.keep_dim_attr);
+          if (keep == nullptr) {
+            return Invalid(absl::StrCat(path, ".keep_dim_attr"),
+                           absl::StrCat(Q(r.keep_dim_attr), " is not an attr of the op"));
+          }
+          if (keep->value_type != ValueType::kBool) {
+            return Invalid(absl::StrCat(path, ".keep_dim_attr"),
+                           absl::StrCat("attr ", Q(r.keep_dim_attr), " is ",
+                                        ValueTypeName(keep->value_type), "; expected bool"));
+          }
+        }
+        break;
+      }
+      case OutputRule::Kind::kExplicit:
+        if (!IsKnownDtype(r.dtype)) {
+          return Invalid(absl::StrCat(path, ".dtype"),
+                         absl::StrCat(r.dtype.empty() ? "an explicit rule needs a dtype"
+                                                      : absl::StrCat("unknown dtype ", Q(r.dtype)),
+                                      "; known dtypes: ", absl::StrJoin(KnownDtypes(), ", ")));
+        }
+        for (size_t k = 0; k < r.shape.size(); ++k) {
+          if (r.shape[k] < 0) {
+            return Invalid(absl::StrCat(path, ".shape[", k, "]"),
+                           absl::StrCat("is ", r.shape[k], "; explicit dims must be >= 0"));
+          }
+        }
+        break;
+      case OutputRule::Kind::kInferShape:
+        break;
+      default:
+        return Invalid(absl::StrCat(path, ".kind"), "is not a known rule kind");
+    }
+    if (r.kind != OutputRule::Kind::kExplicit && !r.dtype.empty() && !IsKnownDtype(r.dtype)) {
+      return Invalid(absl::StrCat(path, ".dtype"),
+                     absl::StrCat("unknown dtype ", Q(r.dtype),
+                                  "; known dtypes: ", absl::StrJoin(KnownDtypes(), ", ")));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBackward(const OpDef& def) {
+  const Backward& b = def.backward;
+  if (!b.op.empty()) {
+    if (!IsValidOpName(b.op)) {
+      return Invalid("backward.op", absl::StrCat(Q(b.op), " is not a valid op name"));
+    }
+    if (b.op == def.name) {
+      return Invalid("backward.op", "an op cannot be its own backward");
+    }
+  }
+  std::set<std::string> io;
+  std::set<std::string> outputs;
+  for (const auto& p : def.inputs) io.insert(p.name);
+  for (const auto& p : def.outputs) {
+    io.insert(p.name);
+    outputs.insert(p.name);
+  }
+  std::set<std::string> seen;
+  for (size_t i = 0; i < b.save_for_backward.size(); ++i) {
+    const std::string& n = b.save_for_backward[i];
+    std::string path = absl::StrCat("backward.save_for_backward[", i, "]");
+    if (!io.count(n)) {
+      return Invalid(path, absl::StrCat(Q(n), " is not an input or output of the op"));
+    }
+    if (!seen.insert(n).second) return Invalid(path, absl::StrCat(Q(n), " is listed twice"));
+  }
+  seen.clear();
+  for (size_t i = 0; i < b.non_differentiable.size(); ++i) {
+    const std::string& n = b.non_differentiable[i];
+    std::string path = absl::StrCat("backward.non_differentiable[", i, "]");
+    if (!outputs.count(n)) {
+      return Invalid(path, absl::StrCat(Q(n), " is not an output of the op"));
+    }
+    if (!seen.insert(n).second) return Invalid(path, absl::StrCat(Q(n), " is listed twice"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const std::vector<std::string>& KnownFormats() {
+  static const std::vector<std::string>* const kFormats =
+      new std::vector<std::string>{"DefaultFormat", "ND", "NCHW", "NHWC", "NCDHW"};
+  return *kFormats;
+}
+
+bool IsValidOpName(const std::string& name) { return IsIdent(name, /*allow_dot=*/true); }
+
+bool IsValidNamespace(const std::string& ns) {
+  if (ns.empty() || ns.size() > 64) return false;
+  return std::all_of(ns.begin(), ns.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || IsDigit(c) || c == '_' || c == '-';
+  });
+}
+
+absl::Status ValidateCompileOptions(Target target, const std::string& language,
+                                    const std::vector<std::string>& options,
+                                    const std::string& field) {
+  const bool cpu_lang = language == "c++" || language == "c";
+  if ((target == Target::kCpu && !cpu_lang) || (target == Target::kGpu && language != "cuda")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "language: \"", language, "\" is not a ", TargetName(target), " language (expected ",
+        target == Target::kCpu ? "c++ or c" : "cuda", ")"));
+  }
+  for (size_t k = 0; k < options.size(); ++k) {
+    std::string why = CheckCompileOption(language, options[k]);
+    if (!why.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", k, "]: option \"", options[k],
+                                                     "\" is refused: ", why));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOpDef(const OpDef& def) {
+  if (!IsValidNamespace(def.ns)) {
+    return Invalid("ns", absl::StrCat(Q(def.ns), " is not a valid namespace ([a-z0-9_-]{1,64})"));
+  }
+  if (!IsValidOpName(def.name)) {
+    return Invalid("name", absl::StrCat(Q(def.name),
+                                        " is not a valid op name ([A-Za-z_][A-Za-z0-9_.]{0,127})"));
+  }
+  if (def.outputs.empty()) return Invalid("outputs", "an op needs at least one output");
+  std::set<std::string> io_names;
+  OPJIT_RETURN_IF_ERROR(CheckTensorParams(def.inputs, "inputs", /*is_output=*/false, &io_names));
+  OPJIT_RETURN_IF_ERROR(CheckTensorParams(def.outputs, "outputs", /*is_output=*/true, &io_names));
+  OPJIT_RETURN_IF_ERROR(CheckAttrs(def.attrs));
+  OPJIT_RETURN_IF_ERROR(CheckDtypeFormats(def));
+  OPJIT_RETURN_IF_ERROR(CheckImplementations(def));
+  OPJIT_RETURN_IF_ERROR(CheckOutputRules(def));
+  OPJIT_RETURN_IF_ERROR(CheckBackward(def));
+  if (def.doc.size() > kMaxDocBytes) {
+    return Invalid("doc",
+                   absl::StrCat("is ", def.doc.size(), " bytes; the limit is ", kMaxDocBytes));
+  }
+  OPJIT_RETURN_IF_ERROR(CheckUtf8("doc", def.doc));
+  return absl::OkStatus();
+}
+
+}  // namespace opjit::registry

@@ -1,0 +1,115 @@
+// Validation of op definitions at registration.
+//
+// ValidateOpDef() checks every rule below and returns the first violation as
+// INVALID_ARGUMENT. Each message begins with the path of the offending field
+// (`name`, `inputs[1].name`, `attrs[0].default_value`, `dtype_formats[2][1]`,
+// `implementations[1].compile_options[0]`, `output_rules[0].axis_attr`,
+// `backward.non_differentiable[0]`, ...), then says what was expected.
+//
+// Rules
+//
+//  Names
+//   - `ns` matches [a-z0-9_-]{1,64}.
+//   - `name` matches [A-Za-z_][A-Za-z0-9_.]{0,127}.
+//  Inputs and outputs
+//   - At least one output; inputs may be empty.
+//   - inputs[i].index == i and outputs[i].index == i (0..n-1, in order).
+//   - Every name is an identifier, [A-Za-z_][A-Za-z0-9_]{0,127}, and names are
+//     unique across inputs and outputs together.
+//   - Inputs may be required, optional or dynamic; outputs required or dynamic
+//     (never optional).
+//  Attrs
+//   - Names are identifiers as above and unique among attrs.
+//   - param_type is required or optional (never dynamic).
+//   - A non-empty default_value parses as the attr's value_type (see
+//     attr_value.h for the text forms). A required attr may have a default; the
+//     default is used when a call leaves the attr out.
+//  dtype_formats
+//   - At least one combination.
+//   - Each has exactly one (dtype, format) pair per input and per output.
+//   - dtype is one of KnownDtypes(): float16 float32 float64 int8 int16 int32
+//     int64 uint8 uint16 uint32 uint64 bool.
+//   - format is one of DefaultFormat, ND, NCHW, NHWC, NCDHW, or empty (which
+//     means DefaultFormat; it is kept as given, not rewritten).
+//   - No combination appears twice.
+//  Implementations
+//   - At least one, and at most one per target.
+//   - language: "c++" or "c" for CPU, "cuda" for GPU (exact spellings).
+//   - entry is a C identifier, [A-Za-z_][A-Za-z0-9_]{0,127}.
+//   - source is non-empty and at most 1 MiB.
+//   - Every compile option is on the allow-list below; anything else (-I, -L,
+//     -l, -o, -include, -fplugin, -Xclang, -Wl,..., -fopenmp, ...) is refused.
+//       CPU (c++ and c):
+//         -D<macro>[=<value>]  -U<macro>   (<macro> a C identifier)
+//         -O0 -O1 -O2 -O3
+//         -ffast-math -fno-fast-math
+//         -std=c++17 -std=c++20 (c++)      -std=c11 -std=c17 (c)
+//         -w  -W<warning>                  (<warning> of [A-Za-z0-9_=+-], so no -Wl, -Wa, -Wp)
+//       GPU (cuda, NVRTC spellings):
+//         -D<macro>[=<value>]  -U<macro>
+//         -std=c++17 -std=c++20 (also --std=)
+//         --use_fast_math (also -use_fast_math)
+//         -arch=<a> --gpu-architecture=<a> (<a>: sm_NN, sm_NNa, compute_NN, compute_NNa)
+//         --ftz= --prec-div= --prec-sqrt= --fmad= (each =true or =false)
+//         -lineinfo --generate-line-info
+//         --maxrregcount=<N> (also -maxrregcount=)
+//         --extra-device-vectorization --restrict -w --disable-warnings
+//     A -D value must not contain control characters.
+//   - Every entry of libraries is non-empty (the server's allow-list is checked
+//     later, by the compiler).
+//   - attr_names, when non-empty, has no duplicates and equals the set of the
+//     op's attr names (so all implementations read the same attrs).
+//  output_rules
+//   - Empty (every output is kSameAsInput(0), which needs at least one input),
+//     or exactly one rule per output.
+//   - Input indexes (`input`, `inputs[j]`) are in range where the kind uses
+//     them: kSameAsInput and kReduce use `input`, kBroadcast uses `inputs`
+//     (empty: all inputs, so the op needs at least one).
+//   - kReduce: axis_attr names an attr of value_type int or listInt;
+//     keep_dim_attr, if set, names a bool attr.
+//   - kExplicit: dtype is a known dtype and every dim of shape is >= 0.
+//   - For the other kinds, dtype (an override) is empty or a known dtype.
+//  Backward
+//   - backward.op, if set, is a valid op name and differs from the op's name.
+//   - save_for_backward names existing inputs or outputs; non_differentiable
+//     names existing outputs; neither repeats a name.
+//  Text
+//   - doc is at most 64 KiB.
+//   - Every free-text field (source, doc, defaults, options, libraries) is
+//     valid UTF-8, so the canonical JSON form is exact.
+//
+// Thread-safe (pure functions).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/registry/op_def.h"
+
+namespace opjit::registry {
+
+// Limits, exposed for clients and tests.
+inline constexpr size_t kMaxSourceBytes = 1 << 20;  // 1 MiB
+inline constexpr size_t kMaxDocBytes = 64 << 10;    // 64 KiB
+
+// OK when `def` satisfies every rule above; otherwise INVALID_ARGUMENT naming
+// the first offending field.
+absl::Status ValidateOpDef(const OpDef& def);
+
+// Checks `options` against the compile-option allow-list above for `language`
+// ("c++", "c" or "cuda"), as ValidateOpDef does for an implementation; `field`
+// prefixes the message, e.g. "compile_options". Used by the bare compile call.
+absl::Status ValidateCompileOptions(Target target, const std::string& language,
+                                    const std::vector<std::string>& options,
+                                    const std::string& field);
+
+// The formats a dtype_format pair may name, "DefaultFormat" first.
+const std::vector<std::string>& KnownFormats();
+
+// Whether `name` matches [A-Za-z_][A-Za-z0-9_.]{0,127}, the op-name rule.
+bool IsValidOpName(const std::string& name);
+// Whether `ns` matches [a-z0-9_-]{1,64}, the namespace rule.
+bool IsValidNamespace(const std::string& ns);
+
+}  // namespace opjit::registry
