@@ -237,6 +237,18 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   return FlightResult{std::move(entry), ""};
 }
 
+CompileJob JobForImplementation(const registry::OpDef& def, const registry::Implementation& impl) {
+  CompileJob job;
+  job.target = registry::TargetName(impl.target);
+  job.language = impl.language;
+  job.source = impl.source;
+  job.file_name = absl::StrCat(def.name, impl.language == "c" ? ".c" : ".cc");
+  job.entry = impl.entry;
+  job.options = impl.compile_options;
+  job.libraries = impl.libraries;
+  return job;
+}
+
 KernelCompiler::KernelCompiler(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 KernelCompiler::~KernelCompiler() {
   // Finish queued compiles before the members they use go away.

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/registry/op_def.h"
 
 namespace opjit::loader {
 class LoadedKernel;
@@ -41,6 +42,10 @@ struct CompileJob {
   std::vector<std::string> options;
   std::vector<std::string> libraries;
 };
+
+// The job that compiles an op's implementation; registration and execution
+// use the same one, so execution finds what registration compiled.
+CompileJob JobForImplementation(const registry::OpDef& def, const registry::Implementation& impl);
 
 // A compiled, loaded kernel. Immutable; shared by the cache and in-flight calls.
 struct CompiledKernel {

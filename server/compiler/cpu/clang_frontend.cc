@@ -1,0 +1,588 @@
+// The only translation unit of the CPU compiler that includes clang and LLVM
+// headers (they take ~30 s and 1 GB to compile; keep them here).
+//
+// One compile:
+//   driver (fixed flags + user options) -> cc1 arguments (cached per argv)
+//   -> CompilerInvocation -> EmitLLVMOnlyAction (parses, runs the -O pipeline)
+//   -> lower llvm.global_ctors/dtors into __opjit_run_ctors/__opjit_run_dtors
+//   -> clang::EmitBackendOutput with DisableLLVMPasses (codegen only, with
+//      clang's own TargetMachine setup) -> object bytes in memory.
+// Every file read goes through SandboxFileSystem, an allow-list in front of the
+// real file system.
+
+#include "server/compiler/cpu/clang_frontend.h"
+
+#include <stdio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "clang/Basic/Diagnostic.h"
+#include "clang/Basic/DiagnosticOptions.h"
+#include "clang/Basic/TargetInfo.h"
+#include "clang/Basic/Version.h"
+#include "clang/CodeGen/BackendUtil.h"
+#include "clang/CodeGen/CodeGenAction.h"
+#include "clang/Driver/Compilation.h"
+#include "clang/Driver/Driver.h"
+#include "clang/Driver/Job.h"
+#include "clang/Frontend/CompilerInstance.h"
+#include "clang/Frontend/CompilerInvocation.h"
+#include "clang/Frontend/FrontendActions.h"
+#include "clang/Frontend/TextDiagnosticPrinter.h"
+#include "clang/Frontend/Utils.h"
+#include "clang/Lex/HeaderSearchOptions.h"
+#include "clang/Lex/PreprocessorOptions.h"
+#include "llvm/ADT/SmallString.h"
+#include "llvm/ADT/StringMap.h"
+#include "llvm/IR/Constants.h"
+#include "llvm/IR/DiagnosticHandler.h"
+#include "llvm/IR/DiagnosticInfo.h"
+#include "llvm/IR/DiagnosticPrinter.h"
+#include "llvm/IR/Function.h"
+#include "llvm/IR/GlobalVariable.h"
+#include "llvm/IR/IRBuilder.h"
+#include "llvm/IR/LLVMContext.h"
+#include "llvm/IR/Module.h"
+#include "llvm/Support/ErrorHandling.h"
+#include "llvm/Support/FileSystem.h"
+#include "llvm/Support/Host.h"
+#include "llvm/Support/MemoryBuffer.h"
+#include "llvm/Support/Path.h"
+#include "llvm/Support/TargetSelect.h"
+#include "llvm/Support/VirtualFileSystem.h"
+#include "llvm/Support/raw_ostream.h"
+
+namespace opjit::compiler {
+namespace {
+
+FatalErrorCallback g_on_fatal = nullptr;
+
+void OnLlvmFatalError(void* /*user_data*/, const char* reason, bool /*gen_crash_diag*/) {
+  if (g_on_fatal != nullptr) g_on_fatal(reason != nullptr ? reason : "", false);
+  _exit(70);
+}
+
+void OnLlvmBadAlloc(void* /*user_data*/, const char* reason, bool /*gen_crash_diag*/) {
+  if (g_on_fatal != nullptr) g_on_fatal(reason != nullptr ? reason : "", true);
+  _exit(71);
+}
+
+// Lexically normalised absolute path: `path` made absolute against `cwd`, with
+// "." and ".." removed (no file system access).
+std::string NormalizePath(llvm::StringRef path, llvm::StringRef cwd) {
+  llvm::SmallString<256> p(path);
+  if (!llvm::sys::path::is_absolute(p)) {
+    llvm::SmallString<256> abs(cwd);
+    llvm::sys::path::append(abs, p);
+    p = abs;
+  }
+  llvm::sys::path::remove_dots(p, /*remove_dot_dot=*/true);
+  llvm::sys::path::native(p);
+  std::string out(p.str());
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  return out;
+}
+
+bool IsUnder(llvm::StringRef path, llvm::StringRef dir) {
+  if (!path.startswith(dir)) return false;
+  return path.size() == dir.size() || path[dir.size()] == '/' || dir == "/";
+}
+
+// An allow-list file system: answers "no such file" for every path outside
+// the allowed directories and files, checking both the lexically normalised
+// path and its real path (symlinks must not escape). `exact` paths (the
+// directories that hold the main file and the PCH) may be stat'ed but nothing
+// below them is allowed through them.
+class SandboxFileSystem : public llvm::vfs::ProxyFileSystem {
+ public:
+  SandboxFileSystem(llvm::IntrusiveRefCntPtr<llvm::vfs::FileSystem> fs,
+                    const std::vector<std::string>& dirs, const std::vector<std::string>& files,
+                    const std::vector<std::string>& exact)
+      : ProxyFileSystem(std::move(fs)) {
+    for (const std::string& d : dirs) {
+      std::string n = NormalizePath(d, "/");
+      dirs_.push_back(n);
+      llvm::SmallString<256> real;
+      if (!llvm::sys::fs::real_path(n, real)) real_dirs_.push_back(std::string(real.str()));
+    }
+    for (const std::string& f : files) {
+      std::string n = NormalizePath(f, "/");
+      files_.insert(n);
+      llvm::SmallString<256> real;
+      if (!llvm::sys::fs::real_path(n, real)) files_.insert(std::string(real.str()));
+    }
+    for (const std::string& e : exact) exact_.insert(NormalizePath(e, "/"));
+  }
+
+  llvm::ErrorOr<llvm::vfs::Status> status(const llvm::Twine& path) override {
+    if (!Allowed(path)) return std::make_error_code(std::errc::no_such_file_or_directory);
+    return ProxyFileSystem::status(path);
+  }
+  llvm::ErrorOr<std::unique_ptr<llvm::vfs::File>> openFileForRead(
+      const llvm::Twine& path) override {
+    if (!Allowed(path, /*stat_only=*/false)) {
+      return std::make_error_code(std::errc::no_such_file_or_directory);
+    }
+    return ProxyFileSystem::openFileForRead(path);
+  }
+  llvm::vfs::directory_iterator dir_begin(const llvm::Twine& dir, std::error_code& ec) override {
+    if (!Allowed(dir, /*stat_only=*/false)) {
+      ec = std::make_error_code(std::errc::no_such_file_or_directory);
+      return {};
+    }
+    return ProxyFileSystem::dir_begin(dir, ec);
+  }
+  std::error_code getRealPath(const llvm::Twine& path,
+                              llvm::SmallVectorImpl<char>& output) const override {
+    if (!const_cast<SandboxFileSystem*>(this)->Allowed(path)) {
+      return std::make_error_code(std::errc::no_such_file_or_directory);
+    }
+    return ProxyFileSystem::getRealPath(path, output);
+  }
+
+ private:
+  bool Allowed(const llvm::Twine& path_twine, bool stat_only = true) {
+    llvm::SmallString<256> storage;
+    llvm::StringRef raw = path_twine.toStringRef(storage);
+    std::string key = (stat_only ? "s:" : "o:") + raw.str();
+    auto it = cache_.find(key);
+    if (it != cache_.end()) return it->second;
+    bool ok = Decide(raw, stat_only);
+    cache_[key] = ok;
+    return ok;
+  }
+
+  bool Decide(llvm::StringRef raw, bool stat_only) {
+    llvm::ErrorOr<std::string> cwd = getUnderlyingFS().getCurrentWorkingDirectory();
+    std::string path = NormalizePath(raw, cwd ? *cwd : std::string("/"));
+    if (stat_only && exact_.count(path) != 0) return true;
+    bool lexical_ok = files_.count(path) != 0 ||
+                      std::any_of(dirs_.begin(), dirs_.end(),
+                                  [&](const std::string& d) { return IsUnder(path, d); });
+    if (!lexical_ok) return false;
+    llvm::SmallString<256> real;
+    // A path that does not resolve does not exist; refusing it costs nothing.
+    if (llvm::sys::fs::real_path(path, real)) return false;
+    llvm::StringRef r = real.str();
+    return files_.count(r.str()) != 0 ||
+           std::any_of(real_dirs_.begin(), real_dirs_.end(),
+                       [&](const std::string& d) { return IsUnder(r, d); });
+  }
+
+  std::vector<std::string> dirs_;
+  std::vector<std::string> real_dirs_;
+  std::set<std::string> files_;
+  std::set<std::string> exact_;
+  std::map<std::string, bool> cache_;
+};
+
+// Records every file clang read, system headers and PCH inputs included.
+class DependencyRecorder : public clang::DependencyCollector {
+ public:
+  bool needSystemDependencies() override { return true; }
+};
+
+// Routes LLVM backend diagnostics (inline asm errors, ...) into the
+// diagnostics text instead of stderr, and counts errors.
+class BackendDiagnostics : public llvm::DiagnosticHandler {
+ public:
+  BackendDiagnostics(llvm::raw_ostream& os, int* errors) : os_(os), errors_(errors) {}
+  bool handleDiagnostics(const llvm::DiagnosticInfo& di) override {
+    if (di.getSeverity() == llvm::DS_Remark || di.getSeverity() == llvm::DS_Note) return true;
+    if (di.getSeverity() == llvm::DS_Error) ++*errors_;
+    os_ << (di.getSeverity() == llvm::DS_Error ? "error: " : "warning: ");
+    llvm::DiagnosticPrinterRawOStream printer(os_);
+    di.print(printer);
+    os_ << "\n";
+    return true;
+  }
+
+ private:
+  llvm::raw_ostream& os_;
+  int* errors_;
+};
+
+// Replaces the `array_name` global (llvm.global_ctors or llvm.global_dtors)
+// with an exported `void fn_name(void)` that calls each entry in the order the
+// ELF runtime would: constructors by ascending priority, destructors by
+// descending priority and reverse order. Always defines `fn_name`.
+void LowerStructors(llvm::Module& m, llvm::StringRef array_name, llvm::StringRef fn_name,
+                    bool destructors) {
+  struct Entry {
+    uint64_t priority;
+    size_t index;
+    llvm::Constant* fn;
+  };
+  std::vector<Entry> entries;
+  if (llvm::GlobalVariable* gv = m.getNamedGlobal(array_name)) {
+    if (gv->hasInitializer()) {
+      if (auto* array = llvm::dyn_cast<llvm::ConstantArray>(gv->getInitializer())) {
+        for (unsigned i = 0; i < array->getNumOperands(); ++i) {
+          auto* cs = llvm::dyn_cast<llvm::ConstantStruct>(array->getOperand(i));
+          if (cs == nullptr || cs->getNumOperands() < 2) continue;
+          auto* prio = llvm::dyn_cast<llvm::ConstantInt>(cs->getOperand(0));
+          llvm::Constant* fn = cs->getOperand(1);
+          if (prio == nullptr || llvm::isa<llvm::ConstantPointerNull>(fn)) continue;
+          entries.push_back({prio->getZExtValue(), i, fn});
+        }
+      }
+    }
+    gv->eraseFromParent();
+  }
+  std::stable_sort(entries.begin(), entries.end(), [&](const Entry& a, const Entry& b) {
+    if (destructors) {
+      return a.priority != b.priority ? a.priority > b.priority : a.index > b.index;
+    }
+    return a.priority < b.priority;
+  });
+  llvm::LLVMContext& ctx = m.getContext();
+  auto* fn_type = llvm::FunctionType::get(llvm::Type::getVoidTy(ctx), /*isVarArg=*/false);
+  llvm::Function* runner =
+      llvm::Function::Create(fn_type, llvm::GlobalValue::ExternalLinkage, fn_name, m);
+  runner->setVisibility(llvm::GlobalValue::DefaultVisibility);
+  // Keep unwind info so an exception thrown by a static constructor can
+  // propagate to the loader.
+  runner->setUWTableKind(llvm::UWTableKind::Default);
+  llvm::IRBuilder<> b(llvm::BasicBlock::Create(ctx, "entry", runner));
+  for (const Entry& e : entries) {
+    if (auto* f = llvm::dyn_cast<llvm::Function>(e.fn->stripPointerCasts())) {
+      b.CreateCall(f->getFunctionType(), f);
+    } else {
+      b.CreateCall(fn_type, e.fn);
+    }
+  }
+  b.CreateRetVoid();
+}
+
+bool IsUserOptionAllowed(const std::string& o) {
+  llvm::StringRef s(o);
+  if (s.startswith("-D") || s.startswith("-U")) return s.size() > 2;
+  if (s == "-O0" || s == "-O1" || s == "-O2" || s == "-O3" || s == "-ffast-math" ||
+      s == "-fno-fast-math" || s == "-w") {
+    return true;
+  }
+  if (s.startswith("-std=")) return true;
+  if (s.startswith("-W") && s.size() > 2) {
+    // -Wl, -Wp, -Wa pass arguments to other tools: never.
+    return s.find(',') == llvm::StringRef::npos;
+  }
+  return false;
+}
+
+}  // namespace
+
+void InitializeLlvm(FatalErrorCallback on_fatal) {
+  g_on_fatal = on_fatal;
+  llvm::install_fatal_error_handler(OnLlvmFatalError, nullptr);
+  llvm::install_bad_alloc_error_handler(OnLlvmBadAlloc, nullptr);
+  llvm::InitializeNativeTarget();
+  llvm::InitializeNativeTargetAsmPrinter();
+  llvm::InitializeNativeTargetAsmParser();
+}
+
+struct ClangFrontend::Impl {
+  std::string clang_path;
+  ipc::Hello hello;
+  // Driver output per driver argv: running the driver probes the GCC
+  // installation, which costs more than looking it up.
+  std::map<std::vector<std::string>, std::vector<std::string>> cc1_cache;
+
+  // The outcome of one frontend run.
+  struct Attempt {
+    bool setup_failed = false;  // BeginSourceFile failed (PCH unusable, ...)
+    bool ok = false;
+    std::string diagnostics;
+    std::string object;
+    std::vector<std::string> dependencies;
+  };
+
+  // The driver command line. Compiles load `pch_path` when it is not empty;
+  // a PCH build (`for_pch`) writes `pch_path` instead, from the prelude.
+  // Both share every flag but the input and the action, as PCH use requires.
+  std::vector<std::string> DriverArgs(const ipc::WorkerRequest& req, bool for_pch,
+                                      const std::string& pch_path) const {
+    bool cxx = for_pch || req.language == ipc::Language::kCxx;
+    std::vector<std::string> a = {clang_path};
+    if (for_pch) {
+      a.insert(a.end(), {"-x", "c++-header"});
+    } else {
+      a.insert(a.end(), {"-c", "-x", cxx ? "c++" : "c"});
+    }
+    a.insert(a.end(), {"-O3", "-march=native", "-fPIC", cxx ? "-std=c++17" : "-std=c17"});
+    const std::vector<std::string>& opts = for_pch ? req.pch_options : req.options;
+    a.insert(a.end(), opts.begin(), opts.end());
+    for (const std::string& d : req.include_dirs) a.insert(a.end(), {"-I", d});
+    if (!for_pch && !pch_path.empty()) a.insert(a.end(), {"-include-pch", pch_path});
+    if (for_pch) {
+      a.insert(a.end(), {req.prelude_path, "-o", pch_path});
+    } else {
+      a.push_back(req.file_name);
+    }
+    return a;
+  }
+
+  // Runs the driver for `argv` and returns the cc1 arguments (without
+  // "-cc1"). Driver errors go to `diags`.
+  bool Cc1Args(const std::vector<std::string>& argv, clang::DiagnosticsEngine& diags,
+               std::vector<std::string>* out) {
+    auto it = cc1_cache.find(argv);
+    if (it != cc1_cache.end()) {
+      *out = it->second;
+      return true;
+    }
+    clang::driver::Driver driver(clang_path, llvm::sys::getDefaultTargetTriple(), diags);
+    driver.setCheckInputsExist(false);
+    std::vector<const char*> cargv;
+    for (const std::string& s : argv) cargv.push_back(s.c_str());
+    std::unique_ptr<clang::driver::Compilation> c(driver.BuildCompilation(cargv));
+    if (!c || c->containsError() || diags.hasErrorOccurred()) return false;
+    for (const clang::driver::Command& cmd : c->getJobs()) {
+      const llvm::opt::ArgStringList& args = cmd.getArguments();
+      if (args.empty() || llvm::StringRef(args[0]) != "-cc1") continue;
+      out->assign(args.begin() + 1, args.end());
+      if (cc1_cache.size() > 256) cc1_cache.clear();
+      cc1_cache[argv] = *out;
+      return true;
+    }
+    return false;
+  }
+
+  // Builds the invocation for `argv`; errors are written to `diag_os`.
+  std::shared_ptr<clang::CompilerInvocation> MakeInvocation(const std::vector<std::string>& argv,
+                                                            llvm::raw_ostream& diag_os) {
+    llvm::IntrusiveRefCntPtr<clang::DiagnosticOptions> opts(new clang::DiagnosticOptions);
+    opts->ShowColors = false;
+    clang::TextDiagnosticPrinter printer(diag_os, opts.get());
+    clang::DiagnosticsEngine diags(new clang::DiagnosticIDs, opts, &printer,
+                                   /*ShouldOwnClient=*/false);
+    std::vector<std::string> cc1;
+    if (!Cc1Args(argv, diags, &cc1)) {
+      if (!diags.hasErrorOccurred()) diag_os << "error: the clang driver produced no compile job\n";
+      return nullptr;
+    }
+    std::vector<const char*> cargs;
+    for (const std::string& s : cc1) cargs.push_back(s.c_str());
+    auto inv = std::make_shared<clang::CompilerInvocation>();
+    if (!clang::CompilerInvocation::CreateFromArgs(*inv, cargs, diags, clang_path.c_str()) ||
+        diags.hasErrorOccurred()) {
+      return nullptr;
+    }
+    // The driver asks for a leaky, fast exit; a long-lived worker must free.
+    inv->getFrontendOpts().DisableFree = false;
+    inv->getDiagnosticOpts().ShowColors = false;
+    return inv;
+  }
+
+  // Sets up a CompilerInstance reading through the sandbox.
+  std::shared_ptr<DependencyRecorder> Prepare(clang::CompilerInstance& ci,
+                                              std::shared_ptr<clang::CompilerInvocation> inv,
+                                              llvm::raw_ostream& diag_os,
+                                              const std::vector<std::string>& extra_files) {
+    ci.setInvocation(inv);
+    ci.setVerboseOutputStream(std::make_unique<llvm::raw_null_ostream>());
+    ci.createDiagnostics(new clang::TextDiagnosticPrinter(diag_os, &inv->getDiagnosticOpts()),
+                         /*ShouldOwnClient=*/true);
+    std::vector<std::string> dirs;
+    for (const auto& e : inv->getHeaderSearchOpts().UserEntries) dirs.push_back(e.Path);
+    dirs.push_back(inv->getHeaderSearchOpts().ResourceDir + "/include");
+    std::vector<std::string> exact = {"/"};
+    for (const std::string& f : extra_files) {
+      exact.push_back(std::string(llvm::sys::path::parent_path(f)));
+    }
+    llvm::IntrusiveRefCntPtr<llvm::vfs::FileSystem> fs(
+        new SandboxFileSystem(llvm::vfs::getRealFileSystem(), dirs, extra_files, exact));
+    ci.createFileManager(fs);
+    auto deps = std::make_shared<DependencyRecorder>();
+    ci.addDependencyCollector(deps);
+    return deps;
+  }
+
+  std::vector<std::string> CleanDependencies(const std::vector<std::string>& raw,
+                                             const ipc::WorkerRequest& req) const {
+    std::set<std::string> out;
+    for (const std::string& d : raw) {
+      if (d == req.file_name) continue;  // the in-memory main file
+      std::string n = NormalizePath(d, "/");
+      llvm::SmallString<256> real;
+      if (!llvm::sys::fs::real_path(n, real)) n = std::string(real.str());
+      if (n == req.pch_path || n == req.prelude_path) continue;
+      out.insert(n);
+    }
+    return {out.begin(), out.end()};
+  }
+
+  Attempt Compile(const ipc::WorkerRequest& req, const std::string& pch_path) {
+    Attempt at;
+    llvm::raw_string_ostream diag_os(at.diagnostics);
+    std::shared_ptr<clang::CompilerInvocation> inv =
+        MakeInvocation(DriverArgs(req, /*for_pch=*/false, pch_path), diag_os);
+    if (inv == nullptr) return at;
+    inv->getPreprocessorOpts().addRemappedFile(
+        req.file_name, llvm::MemoryBuffer::getMemBufferCopy(req.source, req.file_name).release());
+    std::vector<std::string> extra_files;
+    if (!pch_path.empty()) extra_files = {pch_path, req.prelude_path};
+
+    clang::CompilerInstance ci;
+    std::shared_ptr<DependencyRecorder> deps = Prepare(ci, inv, diag_os, extra_files);
+    if (!ci.createTarget()) return at;
+    llvm::LLVMContext ctx;
+    clang::EmitLLVMOnlyAction action(&ctx);
+    const clang::FrontendInputFile& input = inv->getFrontendOpts().Inputs[0];
+    if (!action.BeginSourceFile(ci, input)) {
+      at.setup_failed = true;
+      return at;
+    }
+    if (llvm::Error e = action.Execute()) {
+      diag_os << "error: " << llvm::toString(std::move(e)) << "\n";
+      action.EndSourceFile();
+      return at;
+    }
+    action.EndSourceFile();
+    std::unique_ptr<llvm::Module> module = action.takeModule();
+    if (ci.getDiagnostics().hasErrorOccurred() || module == nullptr) return at;
+
+    LowerStructors(*module, "llvm.global_ctors", "__opjit_run_ctors", /*destructors=*/false);
+    LowerStructors(*module, "llvm.global_dtors", "__opjit_run_dtors", /*destructors=*/true);
+
+    // Code generation only: the -O pipeline already ran inside the action.
+    int backend_errors = 0;
+    ctx.setDiagnosticHandler(std::make_unique<BackendDiagnostics>(diag_os, &backend_errors));
+    clang::CodeGenOptions& cg = ci.getCodeGenOpts();
+    cg.DisableLLVMPasses = true;
+    llvm::SmallVector<char, 0> object;
+    clang::EmitBackendOutput(ci.getDiagnostics(), ci.getHeaderSearchOpts(), cg, ci.getTargetOpts(),
+                             ci.getLangOpts(), module->getDataLayoutStr(), module.get(),
+                             clang::Backend_EmitObj,
+                             std::make_unique<llvm::raw_svector_ostream>(object));
+    if (backend_errors > 0 || ci.getDiagnostics().hasErrorOccurred()) return at;
+    at.ok = true;
+    at.object.assign(object.begin(), object.end());
+    at.dependencies = CleanDependencies(deps->getDependencies(), req);
+    return at;
+  }
+
+  // Builds the PCH at req.pch_path (tmp file + rename). Returns false and sets
+  // `*error` when it cannot.
+  bool BuildPch(const ipc::WorkerRequest& req, std::string* error) {
+    std::string diagnostics;
+    llvm::raw_string_ostream diag_os(diagnostics);
+    std::string tmp = req.pch_path + ".tmp." + std::to_string(getpid());
+    std::shared_ptr<clang::CompilerInvocation> inv =
+        MakeInvocation(DriverArgs(req, /*for_pch=*/true, tmp), diag_os);
+    bool ok = false;
+    if (inv != nullptr) {
+      clang::CompilerInstance ci;
+      Prepare(ci, inv, diag_os, {req.prelude_path});
+      clang::GeneratePCHAction action;
+      ok = ci.ExecuteAction(action) && !ci.getDiagnostics().hasErrorOccurred();
+    }
+    if (ok && ::rename(tmp.c_str(), req.pch_path.c_str()) != 0) {
+      diag_os << "error: cannot rename " << tmp << " to " << req.pch_path << "\n";
+      ok = false;
+    }
+    if (!ok) {
+      ::unlink(tmp.c_str());
+      *error = diagnostics.empty() ? "building the PCH failed" : diagnostics;
+    }
+    return ok;
+  }
+};
+
+ClangFrontend::ClangFrontend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ClangFrontend::~ClangFrontend() = default;
+
+std::unique_ptr<ClangFrontend> ClangFrontend::Create(const std::string& clang_path,
+                                                     std::string* error) {
+  auto impl = std::make_unique<Impl>();
+  impl->clang_path = clang_path;
+  // Ask the driver once for the fixed flags, to learn the target it picks.
+  ipc::WorkerRequest probe;
+  probe.file_name = "probe.cc";
+  std::string diagnostics;
+  llvm::raw_string_ostream diag_os(diagnostics);
+  std::vector<std::string> argv = impl->DriverArgs(probe, /*for_pch=*/false, "");
+  std::shared_ptr<clang::CompilerInvocation> inv = impl->MakeInvocation(argv, diag_os);
+  if (inv == nullptr) {
+    *error = "the clang driver failed for " + clang_path + ": " + diagnostics;
+    return nullptr;
+  }
+  ipc::Hello& h = impl->hello;
+  h.clang_version = clang::getClangFullVersion();
+  h.triple = inv->getTargetOpts().Triple;
+  h.cpu = inv->getTargetOpts().CPU;
+  h.features = inv->getTargetOpts().FeaturesAsWritten;
+  std::sort(h.features.begin(), h.features.end());
+  h.features.erase(std::unique(h.features.begin(), h.features.end()), h.features.end());
+  for (size_t i = 1; i + 1 < argv.size(); ++i) {  // without the clang path and input
+    if (!h.fixed_flags.empty()) h.fixed_flags += ' ';
+    h.fixed_flags += argv[i];
+  }
+  h.fixed_flags += " [c: -std=c17]";
+  return std::unique_ptr<ClangFrontend>(new ClangFrontend(std::move(impl)));
+}
+
+const ipc::Hello& ClangFrontend::Describe() const { return impl_->hello; }
+
+ipc::WorkerResponse ClangFrontend::Handle(const ipc::WorkerRequest& req) {
+  ipc::WorkerResponse resp;
+  for (const std::string& o : req.options) {
+    if (!IsUserOptionAllowed(o)) {
+      resp.kind = ipc::ResponseKind::kBadRequest;
+      resp.diagnostics = "option '" + o + "' is not allowed";
+      return resp;
+    }
+  }
+  if (req.file_name.empty() || req.file_name.find('/') != std::string::npos) {
+    resp.kind = ipc::ResponseKind::kBadRequest;
+    resp.diagnostics = "file name must be a bare name";
+    return resp;
+  }
+  if (req.mode == ipc::RequestMode::kBuildPch) {
+    std::string error;
+    resp.kind =
+        impl_->BuildPch(req, &error) ? ipc::ResponseKind::kOk : ipc::ResponseKind::kCompileError;
+    resp.diagnostics = error;
+    return resp;
+  }
+
+  bool use_pch = req.language == ipc::Language::kCxx && !req.pch_path.empty();
+  if (use_pch && !llvm::sys::fs::exists(req.pch_path)) {
+    std::string error;
+    if (!impl_->BuildPch(req, &error)) {
+      use_pch = false;
+      resp.pch_note = "building the PCH failed: " + error;
+    }
+  }
+  Impl::Attempt at = impl_->Compile(req, use_pch ? req.pch_path : "");
+  if (use_pch && at.setup_failed) {
+    // Stale or foreign PCH: rebuild it once, then give up on it.
+    std::string error;
+    resp.pch_note = "the PCH could not be loaded: " + at.diagnostics;
+    if (impl_->BuildPch(req, &error)) {
+      at = impl_->Compile(req, req.pch_path);
+    }
+    if (at.setup_failed) {
+      use_pch = false;
+      at = impl_->Compile(req, "");
+    } else {
+      resp.pch_note.clear();
+    }
+  }
+  resp.pch_used = use_pch;
+  resp.diagnostics = std::move(at.diagnostics);
+  if (!at.ok) {
+    resp.kind = ipc::ResponseKind::kCompileError;
+    return resp;
+  }
+  resp.kind = ipc::ResponseKind::kOk;
+  resp.object = std::move(at.object);
+  resp.dependencies = std::move(at.dependencies);
+  return resp;
+}
+
+}  // namespace opjit::compiler

@@ -1,0 +1,142 @@
+// The CPU kernel compiler: C/C++ source -> ELF relocatable object bytes for
+// the host, compiled by clang 16 in a pool of sandboxed worker processes
+// (`opjit-compile-worker`), so that a compiler crash, hang or memory bomb
+// fails only the request that caused it.
+//
+// No LLVM or clang header is included here; the daemon links this library
+// without LLVM. The object is meant for LLVM ORC (see server/loader): static
+// constructors are not left in .init_array but gathered into an exported
+// `void __opjit_run_ctors(void)` (and `__opjit_run_dtors` for
+// __attribute__((destructor))), which every object defines.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+
+namespace opjit::compiler {
+
+enum class Language { kC, kCxx };
+
+struct CpuCompileRequest {
+  Language language = Language::kCxx;
+  std::string source;
+  // Shown in diagnostics. A bare file name; a directory part is dropped.
+  std::string file_name = "kernel.cc";
+  // User options, already validated by the registry: -D -U -O0..3 -ffast-math
+  // -fno-fast-math -std=... -W... -w. Anything else is INVALID_ARGUMENT.
+  std::vector<std::string> options;
+  // Must be a subset of CpuCompilerOptions::extra_include_dirs, else
+  // INVALID_ARGUMENT. Searched after kernel_include_dir, in this order.
+  std::vector<std::string> extra_include_dirs;
+};
+
+struct CpuCompileOutput {
+  std::string object;       // ELF relocatable for the host (x86-64, PIC)
+  std::string diagnostics;  // warnings, clang's text format, no colours
+  // Absolute real paths of every file the compile read (headers, including
+  // the PCH's inputs), sorted, unique; without the main source.
+  std::vector<std::string> dependencies;
+  double compile_ms = 0;  // time inside the worker
+};
+
+struct CpuCompilerOptions {
+  // The opjit-compile-worker binary. Default: next to /proc/self/exe, else
+  // $OPJIT_COMPILE_WORKER.
+  std::string worker_path;
+  // Worker processes, started lazily (one at Create). Default: 2.
+  int num_workers = 2;
+  // Wall clock per compile, from the moment a worker takes it; then SIGKILL.
+  int timeout_ms = 30000;
+  // RLIMIT_AS of each worker. Default: 2 GiB.
+  uint64_t memory_limit_bytes = 2ull << 30;
+  // opjit's kernel headers (custom_aot_extra.h); always on the include path.
+  std::string kernel_include_dir;
+  // Extra include directories a request may name (from the server config).
+  std::vector<std::string> extra_include_dirs;
+  // Where the prelude PCH is built and kept; empty = no PCH.
+  std::string pch_dir;
+};
+
+// Thread-safe. Compile() blocks the calling thread until a worker is free and
+// has answered. Destroy only after every Compile() call has returned.
+class CpuCompiler {
+ public:
+  // Starts one worker (to learn the toolchain) and, when pch_dir is set,
+  // makes sure the default PCH exists. Errors: UNAVAILABLE when no worker
+  // starts; INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<CpuCompiler>> Create(const CpuCompilerOptions& options);
+  ~CpuCompiler();
+  CpuCompiler(const CpuCompiler&) = delete;
+  CpuCompiler& operator=(const CpuCompiler&) = delete;
+
+  // Compiles `request`. Errors:
+  //   INVALID_ARGUMENT  "compile failed:\n" + clang diagnostics; or the
+  //                     compiler crashed on this source; or bad options/dirs;
+  //   DEADLINE_EXCEEDED the compile ran past timeout_ms;
+  //   RESOURCE_EXHAUSTED the compiler ran out of memory;
+  //   UNAVAILABLE       no worker could be started.
+  absl::StatusOr<CpuCompileOutput> Compile(const CpuCompileRequest& request);
+
+  // Everything about the toolchain that changes output bytes, for cache keys:
+  // clang version, target triple, host CPU name, sorted target features,
+  // fixed flags, the object ABI version and the PCH prelude's hash. Stable
+  // across runs on one machine.
+  const std::string& ToolchainId() const { return toolchain_id_; }
+
+  struct Stats {
+    uint64_t compiles = 0;         // Compile() calls that reached a worker
+    uint64_t failures = 0;         // of those, calls that returned an error
+    uint64_t crashes = 0;          // workers that died on a request
+    uint64_t timeouts = 0;         // workers killed at the deadline
+    uint64_t worker_restarts = 0;  // workers started to replace a dead one
+  };
+  Stats GetStats() const;
+
+ private:
+  struct Worker;
+  class Spawner;
+
+  explicit CpuCompiler(const CpuCompilerOptions& options);
+
+  // Takes an idle worker or starts one (at most num_workers live).
+  absl::StatusOr<std::unique_ptr<Worker>> Acquire();
+  // Returns a healthy worker to the idle pool.
+  void Release(std::unique_ptr<Worker> worker);
+  // Kills and reaps a worker that is not coming back.
+  void Discard(std::unique_ptr<Worker> worker);
+  absl::StatusOr<std::unique_ptr<Worker>> StartWorker();
+  // Runs one encoded request on `*worker`. On return `*worker` is null when
+  // the worker died or was killed (it is then reaped and counted).
+  absl::StatusOr<CpuCompileOutput> Run(std::unique_ptr<Worker>* worker, const std::string& payload,
+                                       const std::string& file_name);
+  // The PCH file for prelude 0 (small) or 1 (large) and a request's options.
+  std::string PchPathFor(int prelude, const std::vector<std::string>& pch_options) const;
+
+  // Constant after Create().
+  CpuCompilerOptions options_;
+  std::string kernel_include_dir_;               // normalised
+  std::vector<std::string> allowed_extra_dirs_;  // normalised
+  std::string worker_path_;
+  std::string base_id_;  // the toolchain without the PCH prelude
+  std::string toolchain_id_;
+  std::string prelude_paths_[2];  // small, large; empty: PCH disabled
+  std::unique_ptr<Spawner> spawner_;
+
+  mutable std::mutex mu_;
+  std::condition_variable idle_cv_;
+  std::deque<std::unique_ptr<Worker>> idle_ ABSL_GUARDED_BY(mu_);
+  int live_ ABSL_GUARDED_BY(mu_) = 0;  // idle + busy + starting
+  int dead_ ABSL_GUARDED_BY(mu_) = 0;  // died, not yet replaced
+  Stats stats_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> warned_pch_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace opjit::compiler

@@ -1,0 +1,110 @@
+// The wire protocol between opjit's CPU compiler (the daemon side) and its
+// sandboxed compile workers (`opjit-compile-worker`). Both ends include this
+// header; it has no LLVM or clang dependency.
+//
+// Transport: a SOCK_STREAM socketpair. Each message is one frame: a 4-byte
+// little-endian payload length, then the payload. A payload starts with a
+// one-byte MessageKind, followed by the fields of that message in a fixed
+// order (integers little-endian, strings as u32 length + bytes, string lists as
+// u32 count + strings).
+//
+// Exchange: the worker sends one Hello when it is ready; then, for each
+// WorkerRequest the daemon sends, the worker answers with one WorkerResponse.
+// A worker that hits an LLVM fatal error or runs out of memory sends a
+// WorkerResponse with the matching kind and exits.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace opjit::compiler::ipc {
+
+// Bumped whenever a message layout changes; both ends must agree.
+inline constexpr uint32_t kProtocolVersion = 1;
+// Frames larger than this are refused (an object file is far smaller).
+inline constexpr uint32_t kMaxFrameBytes = 512u << 20;
+
+enum class MessageKind : uint8_t { kHello = 1, kRequest = 2, kResponse = 3 };
+
+// Sent once by a worker after startup.
+struct Hello {
+  uint32_t protocol_version = kProtocolVersion;
+  int32_t pid = 0;
+  std::string clang_version;          // clang::getClangFullVersion()
+  std::string triple;                 // the target triple of the compile job
+  std::string cpu;                    // -target-cpu the driver chose for -march=native
+  std::vector<std::string> features;  // -target-feature list, sorted
+  std::string fixed_flags;            // the fixed driver flags, space-separated
+};
+
+enum class RequestMode : uint8_t {
+  kCompile = 1,   // compile `source` to an object
+  kBuildPch = 2,  // (re)build the PCH at pch_path from prelude_path; no source
+};
+
+enum class Language : uint8_t { kC = 1, kCxx = 2 };
+
+struct WorkerRequest {
+  RequestMode mode = RequestMode::kCompile;
+  Language language = Language::kCxx;
+  std::string source;
+  std::string file_name;                  // a bare file name, no directory
+  std::vector<std::string> options;       // validated user options
+  std::vector<std::string> include_dirs;  // -I dirs in order, all allowed for reading
+  // Empty: no PCH. Otherwise the PCH to load (C++ only); the worker builds it
+  // from prelude_path with `pch_options` when it is missing or stale.
+  std::string pch_path;
+  std::string prelude_path;
+  std::vector<std::string> pch_options;  // the user options the PCH is built with
+};
+
+enum class ResponseKind : uint8_t {
+  kOk = 1,
+  kCompileError = 2,  // diagnostics explain it
+  kFatalError = 3,    // LLVM fatal error; `diagnostics` holds its message; worker exits
+  kOutOfMemory = 4,   // allocation failed under the memory limit; worker exits
+  kBadRequest = 5,    // the request could not be decoded or set up; `diagnostics` says why
+};
+
+struct WorkerResponse {
+  ResponseKind kind = ResponseKind::kOk;
+  std::string object;
+  std::string diagnostics;
+  std::vector<std::string> dependencies;
+  double compile_ms = 0;
+  // Non-empty when the PCH could not be used; the compile still ran without it.
+  std::string pch_note;
+  bool pch_used = false;
+};
+
+// Encoders return a whole payload (without the length prefix).
+std::string Encode(const Hello& m);
+std::string Encode(const WorkerRequest& m);
+std::string Encode(const WorkerResponse& m);
+
+// Decoders return INVALID_ARGUMENT for a malformed or truncated payload, or a
+// payload of another kind.
+absl::StatusOr<Hello> DecodeHello(const std::string& payload);
+absl::StatusOr<WorkerRequest> DecodeRequest(const std::string& payload);
+absl::StatusOr<WorkerResponse> DecodeResponse(const std::string& payload);
+
+// Returns the kind byte of `payload`, or 0 when it is empty.
+uint8_t PeekKind(const std::string& payload);
+
+// Writes one frame to `fd`, waiting at most until `deadline`
+// (absl::InfiniteFuture() for no limit). Never raises SIGPIPE.
+// Errors: DEADLINE_EXCEEDED, UNAVAILABLE (peer gone or I/O error).
+absl::Status WriteFrame(int fd, const std::string& payload, absl::Time deadline);
+
+// Reads one frame from `fd` into `*payload`, waiting at most until `deadline`.
+// Errors: DEADLINE_EXCEEDED; OUT_OF_RANGE when the peer closed the stream
+// before a frame began (clean EOF); UNAVAILABLE on I/O errors, a frame cut
+// short, or a frame over kMaxFrameBytes.
+absl::Status ReadFrame(int fd, std::string* payload, absl::Time deadline);
+
+}  // namespace opjit::compiler::ipc

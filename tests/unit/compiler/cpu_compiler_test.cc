@@ -1,0 +1,575 @@
+#include "server/compiler/cpu/cpu_compiler.h"
+
+#include <dlfcn.h>
+#include <elf.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+
+namespace opjit::compiler {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kWorker[] = OPJIT_BINARY_DIR "/bin/opjit-compile-worker";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A fresh directory per test, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "opjit-cc-test-XXXXXX").string();
+    path_ = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Minimal ELF64 reader: the symbol table of a relocatable object.
+struct Symbol {
+  std::string name;
+  bool defined;
+  bool global;
+};
+
+std::vector<Symbol> Symbols(const std::string& obj) {
+  std::vector<Symbol> out;
+  if (obj.size() < sizeof(Elf64_Ehdr)) return out;
+  Elf64_Ehdr eh;
+  std::memcpy(&eh, obj.data(), sizeof eh);
+  auto section = [&](size_t i) {
+    Elf64_Shdr sh;
+    std::memcpy(&sh, obj.data() + eh.e_shoff + i * eh.e_shentsize, sizeof sh);
+    return sh;
+  };
+  for (size_t i = 0; i < eh.e_shnum; ++i) {
+    Elf64_Shdr sh = section(i);
+    if (sh.sh_type != SHT_SYMTAB) continue;
+    Elf64_Shdr strtab = section(sh.sh_link);
+    for (size_t off = 0; off + sizeof(Elf64_Sym) <= sh.sh_size; off += sizeof(Elf64_Sym)) {
+      Elf64_Sym sym;
+      std::memcpy(&sym, obj.data() + sh.sh_offset + off, sizeof sym);
+      out.push_back({std::string(obj.data() + strtab.sh_offset + sym.st_name),
+                     sym.st_shndx != SHN_UNDEF, ELF64_ST_BIND(sym.st_info) == STB_GLOBAL});
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> SectionNames(const std::string& obj) {
+  std::vector<std::string> out;
+  Elf64_Ehdr eh;
+  std::memcpy(&eh, obj.data(), sizeof eh);
+  auto section = [&](size_t i) {
+    Elf64_Shdr sh;
+    std::memcpy(&sh, obj.data() + eh.e_shoff + i * eh.e_shentsize, sizeof sh);
+    return sh;
+  };
+  Elf64_Shdr names = section(eh.e_shstrndx);
+  for (size_t i = 0; i < eh.e_shnum; ++i) {
+    out.push_back(std::string(obj.data() + names.sh_offset + section(i).sh_name));
+  }
+  return out;
+}
+
+bool HasSymbol(const std::string& obj, const std::string& name, bool defined) {
+  for (const Symbol& s : Symbols(obj)) {
+    if (s.name == name && s.defined == defined) return true;
+  }
+  return false;
+}
+
+constexpr char kStdKernel[] = R"(#include <cmath>
+#include <cstring>
+#include <vector>
+#include <string>
+#include <algorithm>
+#include <cstdint>
+
+extern "C" int Kernel(int nparam, void** params, int* ndims, int64_t** shapes,
+                      const char** dtypes, void* stream, void* extra) {
+  const float* x = static_cast<const float*>(params[0]);
+  float* y = static_cast<float*>(params[1]);
+  int64_t n = shapes[0][0];
+  std::vector<float> tmp(x, x + n);
+  std::sort(tmp.begin(), tmp.end());
+  if (std::string(dtypes[0]) != "float32") return 1;
+  for (int64_t i = 0; i < n; ++i) y[i] = std::exp(tmp[i]);
+  std::memset(extra, 0, 0);
+  return 0;
+}
+)";
+
+constexpr char kCmathKernel[] = R"(#include <cmath>
+#include <cstdint>
+extern "C" int Kernel(int nparam, void** params, int* ndims, int64_t** shapes,
+                      const char** dtypes, void* stream, void* extra) {
+  const float* x = static_cast<const float*>(params[0]);
+  float* y = static_cast<float*>(params[1]);
+  for (int64_t i = 0; i < shapes[0][0]; ++i) y[i] = std::tanh(x[i]) * std::exp(x[i]);
+  return 0;
+}
+)";
+
+class CpuCompilerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // One PCH directory for the suite, as the daemon shares one across runs.
+    pch_dir_ = new TempDir();
+  }
+  static void TearDownTestSuite() {
+    delete pch_dir_;
+    pch_dir_ = nullptr;
+  }
+
+  void SetUp() override {
+    kernel_dir_ = tmp_.path() + "/kernels";
+    extra_dir_ = tmp_.path() + "/extra";
+    fs::create_directories(kernel_dir_);
+    fs::create_directories(extra_dir_);
+    std::ofstream(kernel_dir_ + "/custom_aot_extra.h") << "#pragma once\nclass AotExtra;\n";
+    std::ofstream(extra_dir_ + "/mylib.h") << "#pragma once\ninline int MyLib() { return 7; }\n";
+  }
+
+  CpuCompilerOptions Options(bool pch = true) const {
+    CpuCompilerOptions o;
+    o.worker_path = kWorker;
+    o.num_workers = 2;
+    o.kernel_include_dir = kernel_dir_;
+    o.extra_include_dirs = {extra_dir_};
+    if (pch) o.pch_dir = pch_dir_->path();
+    return o;
+  }
+
+  std::unique_ptr<CpuCompiler> Make(const CpuCompilerOptions& o) {
+    absl::StatusOr<std::unique_ptr<CpuCompiler>> c = CpuCompiler::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  static CpuCompileRequest Cxx(std::string source) {
+    CpuCompileRequest r;
+    r.source = std::move(source);
+    return r;
+  }
+
+  static TempDir* pch_dir_;
+  TempDir tmp_;
+  std::string kernel_dir_;
+  std::string extra_dir_;
+};
+
+TempDir* CpuCompilerTest::pch_dir_ = nullptr;
+
+TEST_F(CpuCompilerTest, CompilesCxxKernelWithStandardHeaders) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  CpuCompileRequest r = Cxx(std::string("#include \"custom_aot_extra.h\"\n") + kStdKernel);
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const std::string& obj = out->object;
+  ASSERT_GE(obj.size(), sizeof(Elf64_Ehdr));
+  EXPECT_EQ(obj.substr(0, 4),
+            "\x7f"
+            "ELF");
+  Elf64_Ehdr eh;
+  std::memcpy(&eh, obj.data(), sizeof eh);
+  EXPECT_EQ(eh.e_type, ET_REL);
+  EXPECT_EQ(eh.e_machine, EM_X86_64);
+  EXPECT_TRUE(HasSymbol(obj, "expf", /*defined=*/false));
+  EXPECT_TRUE(HasSymbol(obj, "Kernel", /*defined=*/true));
+  EXPECT_TRUE(HasSymbol(obj, "__opjit_run_ctors", /*defined=*/true));
+  EXPECT_TRUE(HasSymbol(obj, "__opjit_run_dtors", /*defined=*/true));
+  bool has_cmath = false, has_kernel_header = false;
+  for (const std::string& d : out->dependencies) {
+    EXPECT_EQ(d[0], '/') << d;
+    EXPECT_EQ(d.find("/../"), std::string::npos) << d;
+    if (absl::EndsWith(d, "/cmath")) has_cmath = true;
+    if (absl::EndsWith(d, "/custom_aot_extra.h")) has_kernel_header = true;
+    EXPECT_FALSE(absl::EndsWith(d, ".pch")) << d;
+    EXPECT_FALSE(absl::EndsWith(d, "kernel.cc")) << d;
+  }
+  EXPECT_TRUE(has_cmath);
+  EXPECT_TRUE(has_kernel_header);
+  EXPECT_TRUE(std::is_sorted(out->dependencies.begin(), out->dependencies.end()));
+  EXPECT_GT(out->compile_ms, 0);
+}
+
+TEST_F(CpuCompilerTest, CompilesCKernel) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  CpuCompileRequest r;
+  r.language = Language::kC;
+  r.file_name = "kernel.c";
+  r.source = R"(#include <math.h>
+#include <stdint.h>
+int Kernel(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+           void* stream, void* extra) {
+  float* y = (float*)params[1];
+  for (int64_t i = 0; i < shapes[0][0]; ++i) y[i] = sqrtf((float)i);
+  return 0;
+}
+)";
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(HasSymbol(out->object, "Kernel", /*defined=*/true));
+  bool has_math = false;
+  for (const std::string& d : out->dependencies) has_math |= absl::EndsWith(d, "/math.h");
+  EXPECT_TRUE(has_math);
+}
+
+TEST_F(CpuCompilerTest, SyntaxErrorGivesLocationAndCaret) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<CpuCompileOutput> out =
+      c->Compile(Cxx("int f() {\n  int x = 1;\n    y = 2;\n  return x;\n}\n"));
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  std::string msg(out.status().message());
+  EXPECT_TRUE(absl::StartsWith(msg, "compile failed:\n")) << msg;
+  EXPECT_TRUE(absl::StrContains(msg, "kernel.cc:3:5: error:")) << msg;
+  EXPECT_TRUE(absl::StrContains(msg, "\n    ^")) << msg;
+  EXPECT_FALSE(absl::StrContains(msg, "\x1b[")) << "no colours";
+  // The worker survives a compile error.
+  EXPECT_TRUE(c->Compile(Cxx("int g() { return 1; }\n")).ok());
+  EXPECT_EQ(c->GetStats().crashes, 0u);
+}
+
+TEST_F(CpuCompilerTest, WarningsComeBackOnSuccess) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  CpuCompileRequest r = Cxx("int f() {\n  int unused = 3;\n  return 0;\n}\n");
+  r.options = {"-Wall"};
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(absl::StrContains(out->diagnostics, "kernel.cc:2:7: warning: unused variable"))
+      << out->diagnostics;
+}
+
+TEST_F(CpuCompilerTest, UserOptionsApply) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  CpuCompileRequest r =
+      Cxx("#include <cmath>\n#if VALUE != 42\n#error wrong\n#endif\n"
+          "#ifndef __FAST_MATH__\n#error no fast math\n#endif\n"
+          "extern \"C\" float F(float x) { return std::exp(x) * VALUE; }\n");
+  r.options = {"-DVALUE=42", "-O2", "-ffast-math", "-std=c++20", "-Wextra"};
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  r.options = {"-DVALUE=41"};
+  out = c->Compile(r);
+  ASSERT_FALSE(out.ok());
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "error: wrong"));
+}
+
+TEST_F(CpuCompilerTest, RefusesOptionsAndDirectoriesOutsideTheConfig) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  for (const char* bad : {"-I/etc", "-Wl,-rpath", "-Wp,-include,/etc/passwd", "-include",
+                          "-fplugin=x.so", "-o/tmp/x"}) {
+    CpuCompileRequest r = Cxx("int f() { return 0; }\n");
+    r.options = {bad};
+    absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  CpuCompileRequest r = Cxx("#include \"mylib.h\"\nint f() { return MyLib(); }\n");
+  r.extra_include_dirs = {"/etc"};
+  EXPECT_EQ(c->Compile(r).status().code(), absl::StatusCode::kInvalidArgument);
+  r.extra_include_dirs = {extra_dir_};
+  EXPECT_TRUE(c->Compile(r).ok());
+  r.extra_include_dirs = {};
+  EXPECT_EQ(c->Compile(r).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CpuCompilerTest, ForbiddenIncludesAreNotFoundAndNotQuoted) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  fs::create_symlink("/etc/hostname", extra_dir_ + "/leak.h");
+  fs::create_directory_symlink("/etc", extra_dir_ + "/etcdir");
+  struct Case {
+    std::string include;
+    std::string file;
+  };
+  std::vector<Case> cases = {
+      {"\"/etc/passwd\"", "/etc/passwd"},
+      {"\"../../../../../etc/hostname\"", "/etc/hostname"},
+      {"<../../../../../../etc/hostname>", "/etc/hostname"},
+      {"</proc/self/environ>", "/proc/self/environ"},
+      {"\"leak.h\"", "/etc/hostname"},
+      {"\"etcdir/passwd\"", "/etc/passwd"},
+  };
+  for (const Case& k : cases) {
+    CpuCompileRequest r = Cxx(absl::StrCat("#include ", k.include, "\nint x;\n"));
+    r.extra_include_dirs = {extra_dir_};
+    absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+    ASSERT_FALSE(out.ok()) << k.include;
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+    std::string msg(out.status().message());
+    EXPECT_TRUE(absl::StrContains(msg, "file not found")) << msg;
+    std::string content = ReadFile(k.file);
+    for (absl::string_view line :
+         absl::StrSplit(content, absl::ByAnyChar(std::string("\n\0", 2)))) {
+      if (line.size() < 4) continue;
+      EXPECT_FALSE(absl::StrContains(msg, line)) << k.include << " leaked: " << line;
+    }
+  }
+  // __has_include must not probe outside either.
+  CpuCompileRequest r = Cxx("#if __has_include(\"/etc/passwd\")\n#error leak\n#endif\nint x;\n");
+  EXPECT_TRUE(c->Compile(r).ok());
+}
+
+TEST_F(CpuCompilerTest, CrashIsReportedAndTheNextCompileWorks) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx("#pragma clang __debug crash\nint x;\n"));
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "the compiler crashed (signal "))
+      << out.status();
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "while compiling kernel.cc"));
+
+  out = c->Compile(Cxx("#pragma clang __debug llvm_fatal_error\nint x;\n"));
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "the compiler crashed")) << out.status();
+
+  for (int i = 0; i < 3; ++i) {
+    out = c->Compile(Cxx(kCmathKernel));
+    ASSERT_TRUE(out.ok()) << out.status();
+  }
+  CpuCompiler::Stats st = c->GetStats();
+  EXPECT_EQ(st.crashes, 2u);
+  EXPECT_GE(st.worker_restarts, 1u);
+  EXPECT_EQ(st.compiles, 5u);
+  EXPECT_EQ(st.failures, 2u);
+}
+
+// 2^k copies of a token sequence through nested macros: slow and hungry.
+std::string MacroBomb(int levels, const std::string& unit) {
+  std::string s = absl::StrCat("#define A0 ", unit, "\n");
+  for (int i = 1; i <= levels; ++i)
+    absl::StrAppend(&s, "#define A", i, " A", i - 1, " A", i - 1, "\n");
+  absl::StrAppend(&s, "int table[] = { A", levels, " 0 };\n");
+  return s;
+}
+
+TEST_F(CpuCompilerTest, TimeoutKillsTheCompileAndTheNextOneWorks) {
+  CpuCompilerOptions o = Options(/*pch=*/false);
+  o.timeout_ms = 300;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(MacroBomb(24, "1,")));
+  double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kDeadlineExceeded) << out.status();
+  EXPECT_EQ(out.status().message(), "compile exceeded the 300 ms limit");
+  EXPECT_LT(ms, 5000);
+  out = c->Compile(Cxx("int f() { return 1; }\n"));
+  EXPECT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(c->GetStats().timeouts, 1u);
+}
+
+TEST_F(CpuCompilerTest, MemoryLimitGivesResourceExhausted) {
+  CpuCompilerOptions o = Options(/*pch=*/false);
+  o.memory_limit_bytes = 1ull << 30;
+  o.timeout_ms = 60000;
+  o.num_workers = 1;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(MacroBomb(28, "1,")));
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kResourceExhausted) << out.status();
+  EXPECT_TRUE(c->Compile(Cxx("int f() { return 1; }\n")).ok());
+}
+
+TEST_F(CpuCompilerTest, StaticConstructorsAreLoweredToRunCtors) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(R"(
+#include <vector>
+extern int Seed();
+struct Table { std::vector<int> v; Table() : v(Seed(), 1) {} };
+Table table;
+__attribute__((constructor(200))) static void Early() { Seed(); }
+__attribute__((destructor)) static void Late() { Seed(); }
+extern "C" int Size() { return (int)table.v.size(); }
+)"));
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::vector<std::string> sections = SectionNames(out->object);
+  for (const std::string& s : sections) {
+    EXPECT_FALSE(absl::StartsWith(s, ".init_array")) << s;
+    EXPECT_FALSE(absl::StartsWith(s, ".fini_array")) << s;
+    EXPECT_FALSE(absl::StartsWith(s, ".ctors")) << s;
+  }
+  EXPECT_TRUE(HasSymbol(out->object, "__opjit_run_ctors", /*defined=*/true));
+  EXPECT_TRUE(HasSymbol(out->object, "__opjit_run_dtors", /*defined=*/true));
+  EXPECT_TRUE(HasSymbol(out->object, "__cxa_atexit", /*defined=*/false));
+}
+
+TEST_F(CpuCompilerTest, ToolchainIdIsStable) {
+  auto a = Make(Options());
+  auto b = Make(Options());
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(a->ToolchainId(), b->ToolchainId());
+  EXPECT_TRUE(absl::StrContains(a->ToolchainId(), "16.")) << a->ToolchainId();
+  EXPECT_TRUE(absl::StrContains(a->ToolchainId(), "x86_64")) << a->ToolchainId();
+  auto no_pch = Make(Options(/*pch=*/false));
+  ASSERT_NE(no_pch, nullptr);
+  EXPECT_NE(a->ToolchainId(), no_pch->ToolchainId());
+}
+
+TEST_F(CpuCompilerTest, ConcurrentCompilesShareTwoWorkers) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  std::vector<absl::StatusOr<CpuCompileOutput>> results(4, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      CpuCompileRequest r = Cxx(absl::StrCat("#include <cmath>\nextern \"C\" float F", i,
+                                             "(float x) { return std::sin(x) * ", i, "; }\n"));
+      results[i] = c->Compile(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    EXPECT_TRUE(HasSymbol(results[i]->object, absl::StrCat("F", i), /*defined=*/true));
+  }
+  EXPECT_EQ(c->GetStats().compiles, 4u);
+  EXPECT_EQ(c->GetStats().failures, 0u);
+}
+
+TEST_F(CpuCompilerTest, PchIsReusedRebuiltWhenCorruptAndKeyedByOptions) {
+  TempDir pch;
+  CpuCompilerOptions o = Options();
+  o.pch_dir = pch.path();
+  auto pch_files = [&] {
+    std::vector<fs::path> out;
+    for (const auto& e : fs::directory_iterator(pch.path())) {
+      if (e.path().extension() == ".pch") out.push_back(e.path());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  {
+    auto c = Make(o);
+    ASSERT_NE(c, nullptr);
+  }
+  std::vector<fs::path> pchs = pch_files();
+  ASSERT_EQ(pchs.size(), 2u) << "the small and the large prelude";
+  std::vector<fs::file_time_type> mtimes;
+  for (const fs::path& p : pchs) mtimes.push_back(fs::last_write_time(p));
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  for (size_t i = 0; i < pchs.size(); ++i) {
+    EXPECT_EQ(fs::last_write_time(pchs[i]), mtimes[i]) << "reused, not rebuilt";
+  }
+
+  for (const fs::path& p : pchs) std::ofstream(p, std::ios::trunc) << "garbage";
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(kCmathKernel));
+  ASSERT_TRUE(out.ok()) << out.status();
+  out = c->Compile(Cxx(kStdKernel));
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (const fs::path& p : pchs) EXPECT_GT(fs::file_size(p), 1000u) << p << " rebuilt";
+
+  CpuCompileRequest r = Cxx(kCmathKernel);
+  r.options = {"-O2", "-DBLOCK=4", "-Wall"};
+  out = c->Compile(r);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(pch_files().size(), 3u) << "-O2 gets its own PCH; -D and -W do not";
+}
+
+double TimeMs(const std::function<void()>& fn) {
+  auto start = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+TEST_F(CpuCompilerTest, MeasureColdCompileTimes) {
+  auto with_pch = Make(Options());
+  auto without_pch = Make(Options(/*pch=*/false));
+  ASSERT_NE(with_pch, nullptr);
+  ASSERT_NE(without_pch, nullptr);
+  // Warm the workers (process start is not part of a compile).
+  ASSERT_TRUE(with_pch->Compile(Cxx("int w;\n")).ok());
+  ASSERT_TRUE(without_pch->Compile(Cxx("int w;\n")).ok());
+  constexpr int kRuns = 5;
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<double> pch_ms, nopch_ms, worker_pch_ms, gxx_ms;
+  for (int i = 0; i < kRuns; ++i) {
+    // A different source each time: no cache anywhere can help.
+    std::string src = absl::StrCat(kCmathKernel, "int unique_", i, ";\n");
+    absl::StatusOr<CpuCompileOutput> out;
+    pch_ms.push_back(TimeMs([&] { out = with_pch->Compile(Cxx(src)); }));
+    ASSERT_TRUE(out.ok()) << out.status();
+    worker_pch_ms.push_back(out->compile_ms);
+    nopch_ms.push_back(TimeMs([&] { out = without_pch->Compile(Cxx(src)); }));
+    ASSERT_TRUE(out.ok()) << out.status();
+    std::string cc = tmp_.path() + "/k" + std::to_string(i) + ".cc";
+    std::string so = tmp_.path() + "/k" + std::to_string(i) + ".so";
+    std::ofstream(cc) << src;
+    std::string cmd = absl::StrCat("g++ -O2 -shared -fPIC -o ", so, " ", cc, " 2>/dev/null");
+    bool ok = true;
+    gxx_ms.push_back(TimeMs([&] {
+      ok = std::system(cmd.c_str()) == 0;
+      void* h = ok ? ::dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL) : nullptr;
+      ok = ok && h != nullptr;
+      if (h) ::dlclose(h);
+    }));
+    if (!ok) gxx_ms.back() = -1;
+  }
+  std::vector<double> aot_ms;
+  for (int i = 0; i < kRuns; ++i) {
+    std::string src =
+        absl::StrCat("#include \"custom_aot_extra.h\"\n#include <vector>\n#include <string>\n",
+                     kCmathKernel, "int unique_aot_", i, ";\n");
+    absl::StatusOr<CpuCompileOutput> out = with_pch->Compile(Cxx(src));
+    ASSERT_TRUE(out.ok()) << out.status();
+    aot_ms.push_back(out->compile_ms);
+  }
+  std::printf("[ MEASURE  ] kernel with <string>/<vector> (large prelude): worker %.1f ms\n",
+              median(aot_ms));
+  std::printf(
+      "[ MEASURE  ] cold <cmath> kernel, median of %d: with PCH %.1f ms (worker %.1f ms), "
+      "without PCH %.1f ms, g++ -O2 -shared -fPIC + dlopen %.1f ms; ratio PCH/g++ = %.2f\n",
+      kRuns, median(pch_ms), median(worker_pch_ms), median(nopch_ms), median(gxx_ms),
+      median(pch_ms) / median(gxx_ms));
+}
+
+}  // namespace
+}  // namespace opjit::compiler
