@@ -1,0 +1,176 @@
+#include "server/exec/aot_extra_impl.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace opjit::exec {
+namespace {
+
+using registry::AttrValue;
+
+template <typename To, typename From>
+std::vector<To> ConvertList(const std::vector<From>& from) {
+  return std::vector<To>(from.begin(), from.end());
+}
+
+template <typename To, typename From>
+std::vector<std::vector<To>> ConvertNested(const std::vector<std::vector<From>>& from) {
+  std::vector<std::vector<To>> out;
+  out.reserve(from.size());
+  for (const auto& row : from) out.push_back(ConvertList<To>(row));
+  return out;
+}
+
+}  // namespace
+
+const char* AttrValueTypeName(const AttrValue& value) {
+  static constexpr const char* kNames[] = {"bool",        "int",          "float",    "str",
+                                           "listInt",     "listFloat",    "listBool", "listStr",
+                                           "listListInt", "listListFloat"};
+  static_assert(std::size(kNames) == std::variant_size_v<AttrValue>);
+  return kNames[value.index()];
+}
+
+AotExtraImpl::AotExtraImpl(std::map<std::string, AttrValue> attrs) : attrs_(std::move(attrs)) {}
+
+AotExtraImpl::~AotExtraImpl() = default;
+
+std::vector<std::string> AotExtraImpl::TakeErrors() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(errors_, {});
+}
+
+absl::Status AotExtraImpl::TakeStatus(const std::string& what) {
+  std::vector<std::string> errors = TakeErrors();
+  if (errors.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, ": ", absl::StrJoin(errors, "; ")));
+}
+
+const AttrValue* AotExtraImpl::Lookup(const std::string& name, const char* as) const {
+  auto it = attrs_.find(name);
+  if (it != attrs_.end()) return &it->second;
+  std::lock_guard<std::mutex> lock(mu_);
+  errors_.push_back(absl::StrCat("kernel read attr '", name, "' as ", as,
+                                 " but the op instance has no such attr"));
+  return nullptr;
+}
+
+void AotExtraImpl::RecordMismatch(const std::string& name, const char* as,
+                                  const AttrValue& v) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  errors_.push_back(
+      absl::StrCat("kernel read attr '", name, "' as ", as, " but it is ", AttrValueTypeName(v)));
+}
+
+bool AotExtraImpl::HasAttrImpl(const std::string& name) const { return attrs_.count(name) != 0; }
+
+bool AotExtraImpl::GetAttrBool(const std::string& name) const {
+  const char* as = "bool";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return false;
+  if (const auto* b = std::get_if<bool>(v)) return *b;
+  RecordMismatch(name, as, *v);
+  return false;
+}
+
+int64_t AotExtraImpl::GetAttrInt(const std::string& name) const {
+  const char* as = "int64_t";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return 0;
+  if (const auto* i = std::get_if<int64_t>(v)) return *i;
+  RecordMismatch(name, as, *v);
+  return 0;
+}
+
+float AotExtraImpl::GetAttrFloat(const std::string& name) const {
+  const char* as = "float";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return 0.0f;
+  if (const auto* d = std::get_if<double>(v)) return static_cast<float>(*d);
+  if (const auto* i = std::get_if<int64_t>(v)) return static_cast<float>(*i);
+  RecordMismatch(name, as, *v);
+  return 0.0f;
+}
+
+double AotExtraImpl::GetAttrDouble(const std::string& name) const {
+  const char* as = "double";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return 0.0;
+  if (const auto* d = std::get_if<double>(v)) return *d;
+  if (const auto* i = std::get_if<int64_t>(v)) return static_cast<double>(*i);
+  RecordMismatch(name, as, *v);
+  return 0.0;
+}
+
+std::string AotExtraImpl::GetAttrStr(const std::string& name) const {
+  const char* as = "std::string";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return {};
+  if (const auto* s = std::get_if<std::string>(v)) return *s;
+  RecordMismatch(name, as, *v);
+  return {};
+}
+
+std::vector<int64_t> AotExtraImpl::GetAttrListInt(const std::string& name) const {
+  const char* as = "std::vector<int64_t>";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return {};
+  if (const auto* l = std::get_if<std::vector<int64_t>>(v)) return *l;
+  RecordMismatch(name, as, *v);
+  return {};
+}
+
+std::vector<float> AotExtraImpl::GetAttrListFloat(const std::string& name) const {
+  const char* as = "std::vector<float>";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return {};
+  if (const auto* l = std::get_if<std::vector<double>>(v)) return ConvertList<float>(*l);
+  if (const auto* l = std::get_if<std::vector<int64_t>>(v)) return ConvertList<float>(*l);
+  RecordMismatch(name, as, *v);
+  return {};
+}
+
+std::vector<bool> AotExtraImpl::GetAttrListBool(const std::string& name) const {
+  const char* as = "std::vector<bool>";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return {};
+  if (const auto* l = std::get_if<std::vector<bool>>(v)) return *l;
+  RecordMismatch(name, as, *v);
+  return {};
+}
+
+std::vector<std::string> AotExtraImpl::GetAttrListStr(const std::string& name) const {
+  const char* as = "std::vector<std::string>";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return {};
+  if (const auto* l = std::get_if<std::vector<std::string>>(v)) return *l;
+  RecordMismatch(name, as, *v);
+  return {};
+}
+
+std::vector<std::vector<int64_t>> AotExtraImpl::GetAttrListListInt(const std::string& name) const {
+  const char* as = "std::vector<std::vector<int64_t>>";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return {};
+  if (const auto* l = std::get_if<std::vector<std::vector<int64_t>>>(v)) return *l;
+  RecordMismatch(name, as, *v);
+  return {};
+}
+
+std::vector<std::vector<float>> AotExtraImpl::GetAttrListListFloat(const std::string& name) const {
+  const char* as = "std::vector<std::vector<float>>";
+  const AttrValue* v = Lookup(name, as);
+  if (v == nullptr) return {};
+  if (const auto* l = std::get_if<std::vector<std::vector<double>>>(v)) {
+    return ConvertNested<float>(*l);
+  }
+  if (const auto* l = std::get_if<std::vector<std::vector<int64_t>>>(v)) {
+    return ConvertNested<float>(*l);
+  }
+  RecordMismatch(name, as, *v);
+  return {};
+}
+
+}  // namespace opjit::exec

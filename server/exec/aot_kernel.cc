@@ -1,0 +1,258 @@
+#include "server/exec/aot_kernel.h"
+
+#include <cstdlib>
+#include <exception>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/common/logging.h"
+#include "server/common/status_macros.h"
+
+namespace opjit::exec {
+namespace {
+
+constexpr size_t kWorkspaceAlignment = 64;
+
+// The argument arrays of one aot call. Shapes are copied, so a kernel that
+// writes through `shapes` cannot change the instance's descriptors.
+class CallArgs {
+ public:
+  // `desc` must outlive the call: dtypes point into it.
+  void Add(void* data, const TensorDesc& desc) { Add(data, desc.dtype.c_str(), desc.shape); }
+  void Add(void* data, const char* dtype, std::vector<int64_t> shape) {
+    params_.push_back(data);
+    ndims_.push_back(static_cast<int>(shape.size()));
+    shapes_.push_back(std::move(shape));
+    dtypes_.push_back(dtype);
+  }
+  void AddAll(const std::vector<TensorDesc>& descs) {
+    for (const TensorDesc& d : descs) Add(nullptr, d);
+  }
+  // Pointers into shapes_; call after the last Add.
+  void Finish() {
+    shape_ptrs_.clear();
+    for (auto& s : shapes_) shape_ptrs_.push_back(s.data());
+  }
+  int nparam() const { return static_cast<int>(params_.size()); }
+  void** params() { return params_.data(); }
+  int* ndims() { return ndims_.data(); }
+  int64_t** shapes() { return shape_ptrs_.data(); }
+  const char** dtypes() { return dtypes_.data(); }
+
+ private:
+  std::vector<void*> params_;
+  std::vector<int> ndims_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<int64_t*> shape_ptrs_;
+  std::vector<const char*> dtypes_;
+};
+
+// Calls `call` and turns an escaping C++ exception into INTERNAL.
+template <typename F>
+absl::Status CatchKernelExceptions(const std::string& what, F&& call) {
+  try {
+    call();
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(what, " threw an exception: ", e.what()));
+  } catch (...) {
+    return absl::InternalError(absl::StrCat(what, " threw a non-standard exception"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t NumElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+absl::Status CheckTensors(const char* kind, const std::vector<HostTensor>& got,
+                          const std::vector<TensorDesc>& want) {
+  if (got.size() != want.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected ", want.size(), " ", kind, "s, got ", got.size()));
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!(got[i].desc == want[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kind, " ", i, ": expected ", DescString(want[i]), ", got ", DescString(got[i].desc)));
+    }
+    if (got[i].data == nullptr && NumElements(got[i].desc.shape) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(kind, " ", i, " has no data"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+}  // namespace
+
+std::string DescString(const TensorDesc& desc) {
+  return absl::StrCat(desc.dtype, "[", absl::StrJoin(desc.shape, ","), "]");
+}
+
+AotKernelInstance::AotKernelInstance(std::shared_ptr<const loader::LoadedKernel> kernel,
+                                     std::string entry, std::vector<TensorDesc> inputs,
+                                     std::map<std::string, registry::AttrValue> attrs,
+                                     AotKernelOptions options)
+    : kernel_(std::move(kernel)),
+      entry_(std::move(entry)),
+      inputs_(std::move(inputs)),
+      options_(options),
+      extra_(std::move(attrs)) {}
+
+AotKernelInstance::~AotKernelInstance() {
+  // The kernel data's destructor is kernel code: run it while kernel_ still
+  // holds the code.
+  extra_.DestructKernelData();
+}
+
+absl::StatusOr<std::unique_ptr<AotKernelInstance>> AotKernelInstance::Create(
+    std::shared_ptr<const loader::LoadedKernel> kernel, const std::string& entry,
+    std::vector<TensorDesc> inputs, std::vector<TensorDesc> outputs,
+    std::map<std::string, registry::AttrValue> attrs, AotKernelOptions options) {
+  if (kernel == nullptr) return absl::InvalidArgumentError("no kernel given");
+  void* fn = kernel->Find(entry);
+  if (fn == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "entry symbol '", entry, "' not found; the object defines: ",
+        kernel->defined_symbols().empty() ? "nothing"
+                                          : absl::StrJoin(kernel->defined_symbols(), ", ")));
+  }
+  std::unique_ptr<AotKernelInstance> instance(new AotKernelInstance(
+      std::move(kernel), entry, std::move(inputs), std::move(attrs), options));
+  instance->fn_ = reinterpret_cast<EntryFn>(fn);
+  instance->init_ = instance->kernel_->FindAs<InitFn>(entry + "Init");
+  instance->infer_shape_ = instance->kernel_->FindAs<InferShapeFn>(entry + "InferShape");
+
+  if (!outputs.empty()) {
+    std::lock_guard<std::mutex> call_lock(instance->call_mu_);
+    OPJIT_RETURN_IF_ERROR(instance->RunInitLocked(outputs));
+  }
+  return instance;
+}
+
+absl::Status AotKernelInstance::RunInitLocked(const std::vector<TensorDesc>& outputs) const {
+  absl::Status status;
+  if (init_ != nullptr) {
+    CallArgs args;
+    args.AddAll(inputs_);
+    args.AddAll(outputs);
+    args.Finish();
+    int rc = 0;
+    status = CatchKernelExceptions(
+        entry_ + " Init", [&] { rc = init_(args.ndims(), args.shapes(), args.dtypes(), &extra_); });
+    if (status.ok()) status = extra_.TakeStatus(entry_ + " Init");
+    if (status.ok() && rc != 0) {
+      status = absl::InvalidArgumentError(absl::StrCat(entry_, " Init returned ", rc));
+    }
+  }
+  std::lock_guard<std::mutex> lock(state_mu_);
+  init_done_ = true;
+  init_status_ = status;
+  outputs_ = outputs;
+  workspace_ = extra_.WorkSpace();
+  if (!status.ok()) Logger("exec")->debug("{}", status.ToString());
+  return status;
+}
+
+std::vector<TensorDesc> AotKernelInstance::outputs() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return outputs_;
+}
+
+std::vector<size_t> AotKernelInstance::workspace_sizes() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return workspace_;
+}
+
+absl::StatusOr<std::vector<int64_t>> AotKernelInstance::InferShape() const {
+  if (infer_shape_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("kernel ", entry_, " defines no ", entry_, "InferShape"));
+  }
+  std::lock_guard<std::mutex> call_lock(call_mu_);
+  CallArgs args;
+  args.AddAll(inputs_);
+  args.Finish();
+  std::vector<int64_t> shape;
+  OPJIT_RETURN_IF_ERROR(CatchKernelExceptions(
+      entry_ + " InferShape", [&] { shape = infer_shape_(args.ndims(), args.shapes(), &extra_); }));
+  OPJIT_RETURN_IF_ERROR(extra_.TakeStatus(entry_ + " InferShape"));
+  bool unknown_rank = shape.size() == 1 && shape[0] == -2;
+  for (int64_t d : shape) {
+    if (d < -1 && !unknown_rank) {
+      return absl::InvalidArgumentError(absl::StrCat(entry_, " InferShape returned [",
+                                                     absl::StrJoin(shape, ","),
+                                                     "]: dims must be >= -1, or [-2]"));
+    }
+  }
+  return shape;
+}
+
+absl::Status AotKernelInstance::Run(const std::vector<HostTensor>& inputs,
+                                    const std::vector<HostTensor>& outputs) const {
+  OPJIT_RETURN_IF_ERROR(CheckTensors("input", inputs, inputs_));
+
+  // Deferred Init: the first Run brings the outputs.
+  bool done;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    done = init_done_;
+  }
+  if (!done) {
+    std::lock_guard<std::mutex> call_lock(call_mu_);
+    bool still_pending;
+    {
+      std::lock_guard<std::mutex> lock(state_mu_);
+      still_pending = !init_done_;
+    }
+    if (still_pending) {
+      std::vector<TensorDesc> descs;
+      for (const HostTensor& t : outputs) descs.push_back(t.desc);
+      RunInitLocked(descs).IgnoreError();  // kept in init_status_
+    }
+  }
+  // init_done_ is set: outputs_, workspace_ and init_status_ no longer change.
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    OPJIT_RETURN_IF_ERROR(init_status_);
+  }
+  OPJIT_RETURN_IF_ERROR(CheckTensors("output", outputs, outputs_));
+
+  std::vector<std::unique_ptr<void, FreeDeleter>> workspaces;
+  workspaces.reserve(workspace_.size());
+  CallArgs args;
+  for (const HostTensor& t : inputs) args.Add(t.data, t.desc);
+  for (const HostTensor& t : outputs) args.Add(t.data, t.desc);
+  for (size_t size : workspace_) {
+    size_t rounded = (std::max<size_t>(size, 1) + kWorkspaceAlignment - 1) / kWorkspaceAlignment *
+                     kWorkspaceAlignment;
+    void* p = std::aligned_alloc(kWorkspaceAlignment, rounded);
+    if (p == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("kernel ", entry_, ": cannot allocate a workspace of ", size, " bytes"));
+    }
+    workspaces.emplace_back(p);
+    args.Add(p, "uint8", {static_cast<int64_t>(size)});
+  }
+  args.Finish();
+
+  std::unique_lock<std::mutex> call_lock(call_mu_, std::defer_lock);
+  if (options_.serialize_runs) call_lock.lock();
+  int rc = 0;
+  void* extra = static_cast<AotExtra*>(&extra_);
+  OPJIT_RETURN_IF_ERROR(CatchKernelExceptions("kernel " + entry_, [&] {
+    rc = fn_(args.nparam(), args.params(), args.ndims(), args.shapes(), args.dtypes(),
+             /*stream=*/nullptr, extra);
+  }));
+  OPJIT_RETURN_IF_ERROR(extra_.TakeStatus("kernel " + entry_));
+  if (rc != 0) return absl::AbortedError(absl::StrCat("kernel ", entry_, " returned ", rc));
+  return absl::OkStatus();
+}
+
+}  // namespace opjit::exec

@@ -1,0 +1,137 @@
+// Calling MindSpore-aot-style CPU kernels (kernels/include/custom_aot_extra.h)
+// on host buffers.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/exec/aot_extra_impl.h"
+#include "server/loader/loader.h"
+#include "server/registry/op_def.h"
+
+namespace opjit::exec {
+
+// The dtype and shape of one tensor argument.
+struct TensorDesc {
+  std::string dtype;           // "float32", "int64", ...
+  std::vector<int64_t> shape;  // empty: a scalar
+  bool operator==(const TensorDesc&) const = default;
+};
+
+// "float32[2,3]".
+std::string DescString(const TensorDesc& desc);
+
+// A tensor in host memory; the caller owns `data`.
+struct HostTensor {
+  void* data = nullptr;
+  TensorDesc desc;
+};
+
+struct AotKernelOptions {
+  // Serialise Run calls on one instance. Aot kernels commonly keep mutable
+  // state in their KernelData, and MindSpore never runs one kernel instance on
+  // two threads at once. Set to false only for kernels known to be reentrant.
+  // Default: true.
+  bool serialize_runs = true;
+};
+
+// One instance of an aot kernel: a (loaded object, entry, input shapes and
+// dtypes, attrs) tuple, with its own AotExtra (attrs, workspaces, kernel data).
+// `<entry>Init` runs once per instance; `<entry>InferShape` is optional.
+//
+// Thread-safety: Run and InferShape are const and may be called from many
+// threads (share instances as shared_ptr<const AotKernelInstance>). With serialize_runs
+// (the default) the calls are serialised per instance; otherwise they run
+// concurrently, which is safe only if the kernel is reentrant. Init and
+// InferShape are always serialised.
+class AotKernelInstance {
+ public:
+  // Resolves `entry`, `<entry>Init` and `<entry>InferShape` in `kernel`.
+  //
+  // Init runs here, with the shapes and dtypes of `inputs` then `outputs`,
+  // unless `outputs` is empty (output shapes not known yet: the caller calls
+  // InferShape() first). Then Init runs at the first Run, with the outputs
+  // that Run passes, and its error is returned by that Run and every later
+  // one; the outputs of later Runs must match.
+  //
+  // Errors: INVALID_ARGUMENT when `entry` is not defined ("entry symbol 'Foo'
+  // not found; the object defines: a, b, c"), when Init returns non-zero ("Foo
+  // Init returned 3") or reads an attr wrongly; INTERNAL when Init throws.
+  static absl::StatusOr<std::unique_ptr<AotKernelInstance>> Create(
+      std::shared_ptr<const loader::LoadedKernel> kernel, const std::string& entry,
+      std::vector<TensorDesc> inputs, std::vector<TensorDesc> outputs,
+      std::map<std::string, registry::AttrValue> attrs, AotKernelOptions options = {});
+
+  // Deletes the kernel's KernelData (its vtable lives in the kernel's code),
+  // then releases the kernel.
+  ~AotKernelInstance();
+  AotKernelInstance(const AotKernelInstance&) = delete;
+  AotKernelInstance& operator=(const AotKernelInstance&) = delete;
+
+  bool has_init() const { return init_ != nullptr; }
+  bool has_infer_shape() const { return infer_shape_ != nullptr; }
+
+  // The output shape from the kernel's InferShape for the instance's inputs:
+  // -1 for an unknown dimension, {-2} for an unknown rank.
+  // FAILED_PRECONDITION if the kernel has no InferShape; INVALID_ARGUMENT if it
+  // read an attr wrongly or returned a malformed shape; INTERNAL if it threw.
+  absl::StatusOr<std::vector<int64_t>> InferShape() const;
+
+  // Calls the kernel: params = inputs, outputs, then one fresh 64-byte-aligned
+  // buffer per workspace size the kernel set in Init. Descriptors must match
+  // the instance's inputs (and outputs, once known).
+  // Errors: INVALID_ARGUMENT for mismatched tensors or a wrong attr read;
+  // ABORTED when the kernel returns non-zero ("kernel Foo returned 7");
+  // INTERNAL when it throws; RESOURCE_EXHAUSTED when a workspace cannot be
+  // allocated; Init's error when a deferred Init failed.
+  absl::Status Run(const std::vector<HostTensor>& inputs,
+                   const std::vector<HostTensor>& outputs) const;
+
+  const std::string& entry() const { return entry_; }
+  const std::vector<TensorDesc>& inputs() const { return inputs_; }
+  // Empty until known (see Create).
+  std::vector<TensorDesc> outputs() const;
+  // Sizes in bytes of the workspaces the kernel asked for in Init.
+  std::vector<size_t> workspace_sizes() const;
+  const std::shared_ptr<const loader::LoadedKernel>& kernel() const { return kernel_; }
+
+ private:
+  using EntryFn = int (*)(int, void**, int*, int64_t**, const char**, void*, void*);
+  using InitFn = int (*)(int*, int64_t**, const char**, AotExtra*);
+  using InferShapeFn = std::vector<int64_t> (*)(int*, int64_t**, AotExtra*);
+
+  AotKernelInstance(std::shared_ptr<const loader::LoadedKernel> kernel, std::string entry,
+                    std::vector<TensorDesc> inputs,
+                    std::map<std::string, registry::AttrValue> attrs, AotKernelOptions options);
+
+  // Runs Init with inputs_ + `outputs`; sets init_done_ and init_status_.
+  absl::Status RunInitLocked(const std::vector<TensorDesc>& outputs) const;
+
+  // Declared first: destroyed last, after extra_ dropped the kernel data.
+  const std::shared_ptr<const loader::LoadedKernel> kernel_;
+  const std::string entry_;
+  const std::vector<TensorDesc> inputs_;
+  const AotKernelOptions options_;
+  EntryFn fn_ = nullptr;
+  InitFn init_ = nullptr;
+  InferShapeFn infer_shape_ = nullptr;
+  // Mutable: the kernel gets a non-const AotExtra*; its state is the kernel's.
+  mutable AotExtraImpl extra_;
+
+  // Held around Init and InferShape, and around Run when serialize_runs.
+  mutable std::mutex call_mu_;
+  // Guards the fields below; taken briefly, never across a kernel call.
+  mutable std::mutex state_mu_;
+  mutable bool init_done_ = false;           // GUARDED_BY(state_mu_)
+  mutable absl::Status init_status_;         // GUARDED_BY(state_mu_)
+  mutable std::vector<TensorDesc> outputs_;  // GUARDED_BY(state_mu_); fixed once init_done_
+  mutable std::vector<size_t> workspace_;    // GUARDED_BY(state_mu_); fixed once init_done_
+};
+
+}  // namespace opjit::exec

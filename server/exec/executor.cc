@@ -1,0 +1,493 @@
+#include "server/exec/executor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/cache/lru_cache.h"
+#include "server/common/logging.h"
+#include "server/common/status_macros.h"
+#include "server/common/thread_pool.h"
+#include "server/compiler/kernel_compiler.h"
+#include "server/exec/shape_rules.h"
+#include "server/registry/attr_value.h"
+#include "server/registry/registry.h"
+#include "server/tensor/region_manager.h"
+#include "server/tensor/tensor_ref.h"
+
+namespace opjit::exec {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using registry::OpDef;
+using registry::ParamType;
+
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+std::string OpName(const OpDef& def) { return absl::StrCat(def.ns, "/", def.name); }
+
+uint64_t Align64(uint64_t x) { return (x + 63) & ~uint64_t{63}; }
+
+std::string ParamNames(const std::vector<registry::TensorParam>& params) {
+  std::vector<std::string> names;
+  for (const auto& p : params) names.push_back(p.name);
+  return absl::StrJoin(names, ", ");
+}
+
+std::string ComboString(const registry::DtypeFormat& df, size_t n_inputs) {
+  std::vector<std::string> in, out;
+  for (size_t i = 0; i < df.io.size(); ++i) (i < n_inputs ? in : out).push_back(df.io[i].first);
+  return absl::StrCat("(", absl::StrJoin(in, ", "), ") -> (", absl::StrJoin(out, ", "), ")");
+}
+
+// The call checked against its op definition.
+struct Checked {
+  std::shared_ptr<const registry::OpRecord> record;
+  const registry::Implementation* impl = nullptr;
+  std::map<std::string, registry::AttrValue> attrs;
+  std::vector<TensorDesc> flat_inputs;
+  std::vector<registry::TensorParam> input_params;  // one per flat input
+  std::vector<Shape> first_shapes;  // per declared input (empty if absent)
+  std::vector<bool> present;        // per declared input
+  std::vector<std::string> output_dtypes;
+};
+
+absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) {
+  const std::string op = OpName(def);
+  if (call.inputs.size() != def.inputs.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "op ", op, " takes ", def.inputs.size(), " input(s) (", ParamNames(def.inputs), "), got ",
+        call.inputs.size(), "; an absent optional input is an empty entry"));
+  }
+  std::vector<std::string> group_dtype(def.inputs.size());
+  for (size_t i = 0; i < def.inputs.size(); ++i) {
+    const auto& param = def.inputs[i];
+    const auto& group = call.inputs[i];
+    const std::string what = absl::StrCat("input ", i, " (", param.name, ")");
+    if (param.param_type == ParamType::kRequired && group.size() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " is required: give exactly one tensor, got ", group.size()));
+    }
+    if (param.param_type == ParamType::kOptional && group.size() > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " is optional: give zero or one tensor, got ", group.size()));
+    }
+    if (param.param_type == ParamType::kDynamic && group.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " is dynamic: give one or more tensors, got none"));
+    }
+    c->present.push_back(!group.empty());
+    c->first_shapes.push_back(group.empty() ? Shape{} : group[0].desc.shape);
+    for (size_t k = 0; k < group.size(); ++k) {
+      const TensorDesc& d = group[k].desc;
+      if (!registry::IsKnownDtype(d.dtype)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": unknown dtype \"", d.dtype, "\" (known: ",
+                         absl::StrJoin(registry::KnownDtypes(), ", "), ")"));
+      }
+      if (k > 0 && d.dtype != group[0].desc.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": the tensors of a dynamic input share one dtype; tensor ", k, " is ", d.dtype,
+            ", tensor 0 is ", group[0].desc.dtype));
+      }
+      c->flat_inputs.push_back(d);
+      c->input_params.push_back(param);
+    }
+    if (!group.empty()) group_dtype[i] = group[0].desc.dtype;
+  }
+  // The first dtype_format whose input dtypes match gives the output dtypes.
+  const size_t n_in = def.inputs.size();
+  for (const auto& df : def.dtype_formats) {
+    bool match = true;
+    for (size_t i = 0; i < n_in && match; ++i) {
+      if (c->present[i] && df.io[i].first != group_dtype[i]) match = false;
+    }
+    if (!match) continue;
+    for (size_t j = 0; j < def.outputs.size(); ++j) c->output_dtypes.push_back(df.io[n_in + j].first);
+    return absl::OkStatus();
+  }
+  std::vector<std::string> got, accepted;
+  for (size_t i = 0; i < n_in; ++i) got.push_back(c->present[i] ? group_dtype[i] : "absent");
+  for (const auto& df : def.dtype_formats) accepted.push_back(ComboString(df, n_in));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "op ", op, " does not accept input dtypes (", absl::StrJoin(got, ", "),
+      "); accepted combinations: ", absl::StrJoin(accepted, "; ")));
+}
+
+absl::Status CheckAttrs(const ForwardCall& call, const OpDef& def, Checked* c) {
+  const std::string op = OpName(def);
+  for (const auto& [name, arg] : call.attrs) {
+    auto it = std::find_if(def.attrs.begin(), def.attrs.end(),
+                           [&](const registry::AttrDef& a) { return a.name == name; });
+    if (it == def.attrs.end()) {
+      std::vector<std::string> names;
+      for (const auto& a : def.attrs) names.push_back(a.name);
+      return absl::InvalidArgumentError(absl::StrCat("op ", op, " has no attr \"", name, "\" (",
+                                                     names.empty() ? "it has no attrs" : "attrs: ",
+                                                     absl::StrJoin(names, ", "), ")"));
+    }
+    absl::StatusOr<registry::AttrValue> v =
+        arg.is_text ? registry::ParseAttrValue(it->value_type, arg.text)
+                    : registry::CoerceAttrValue(it->value_type, arg.value);
+    if (!v.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("attr ", name, " (",
+                                                     registry::ValueTypeName(it->value_type),
+                                                     "): ", v.status().message()));
+    }
+    c->attrs[name] = *std::move(v);
+  }
+  for (const auto& a : def.attrs) {
+    if (c->attrs.count(a.name)) continue;
+    if (!a.default_value.empty()) {
+      auto v = registry::ParseAttrValue(a.value_type, a.default_value);
+      if (!v.ok()) return absl::InternalError("stored default no longer parses: " + a.name);
+      c->attrs[a.name] = *std::move(v);
+    } else if (a.param_type == ParamType::kRequired) {
+      return absl::InvalidArgumentError(absl::StrCat("op ", op, " needs attr \"", a.name, "\" (",
+                                                     registry::ValueTypeName(a.value_type), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string InstanceKey(const std::string& kernel_key, const std::string& entry,
+                        const std::vector<TensorDesc>& inputs,
+                        const std::map<std::string, registry::AttrValue>& attrs) {
+  std::string key = absl::StrCat(kernel_key, "|", entry);
+  for (const auto& d : inputs) absl::StrAppend(&key, "|", DescString(d));
+  for (const auto& [name, v] : attrs) absl::StrAppend(&key, "|", name, "=", registry::FormatAttrValue(v));
+  return key;
+}
+
+}  // namespace
+
+struct Executor::Impl {
+  ExecutorOptions options;
+  registry::Registry* registry = nullptr;
+  compiler::KernelCompiler* compiler = nullptr;
+  tensor::RegionManager* regions = nullptr;
+  std::unique_ptr<cache::LruCache<AotKernelInstance>> instances;
+  std::unique_ptr<ThreadPool> pool;
+  std::atomic<uint64_t> calls{0}, failures{0}, inline_runs{0}, pool_runs{0}, rejected{0};
+  std::atomic<uint64_t> instance_hits{0};
+
+  absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Instance(
+      const Checked& c, const compiler::CompiledKernel& kernel);
+  absl::StatusOr<std::vector<TensorDesc>> OutputDescs(const Checked& c,
+                                                      const AotKernelInstance& inst);
+  // Resolves tensors, places outputs and runs the kernel. Runs on the thread
+  // that decided where the call runs.
+  absl::StatusOr<ForwardResult> Execute(const ForwardCall& call, const Checked& c,
+                                        std::shared_ptr<const AotKernelInstance> inst,
+                                        Clock::time_point t0);
+};
+
+absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Executor::Impl::Instance(
+    const Checked& c, const compiler::CompiledKernel& kernel) {
+  const std::string& entry = c.impl->entry;
+  const std::string key = InstanceKey(kernel.cache_key, entry, c.flat_inputs, c.attrs);
+  if (auto hit = instances->Get(key)) {
+    instance_hits.fetch_add(1);
+    return hit;
+  }
+  const OpDef& def = c.record->def;
+  bool infer = false;
+  for (const auto& r : def.output_rules) infer |= r.kind == registry::OutputRule::Kind::kInferShape;
+  // Output shapes from declarative rules are known now, so Init can run at
+  // creation; with the kernel's InferShape they are known only after it.
+  std::vector<TensorDesc> outputs;
+  if (!infer) {
+    for (size_t j = 0; j < def.outputs.size(); ++j) {
+      registry::OutputRule rule;  // default: same as input 0
+      if (!def.output_rules.empty()) rule = def.output_rules[j];
+      OPJIT_ASSIGN_OR_RETURN(Shape shape, ApplyShapeRule(rule, static_cast<int>(j), c.first_shapes,
+                                                         c.present, c.attrs));
+      outputs.push_back({rule.dtype.empty() ? c.output_dtypes[j] : rule.dtype, std::move(shape)});
+    }
+  }
+  AotKernelOptions opts;
+  // A kernel with Init may keep state in its kernel data; calls into one
+  // instance are serialised then. Without Init, calls run concurrently.
+  opts.serialize_runs = kernel.kernel->Find(entry + "Init") != nullptr;
+  OPJIT_ASSIGN_OR_RETURN(auto created,
+                         AotKernelInstance::Create(kernel.kernel, entry, c.flat_inputs,
+                                                   std::move(outputs), c.attrs, opts));
+  std::shared_ptr<const AotKernelInstance> inst(std::move(created));
+  instances->Put(key, inst, 1);
+  return inst;
+}
+
+absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const Checked& c,
+                                                                    const AotKernelInstance& inst) {
+  std::vector<TensorDesc> known = inst.outputs();
+  if (!known.empty()) return known;
+  const OpDef& def = c.record->def;
+  std::vector<TensorDesc> out;
+  std::optional<Shape> inferred;
+  for (size_t j = 0; j < def.outputs.size(); ++j) {
+    const registry::OutputRule& rule = def.output_rules[j];
+    Shape shape;
+    if (rule.kind == registry::OutputRule::Kind::kInferShape) {
+      if (!inferred) {
+        auto s = inst.InferShape();
+        if (!s.ok()) {
+          return absl::Status(s.status().code(),
+                              absl::StrCat("op ", OpName(def), ": ", s.status().message()));
+        }
+        inferred = *std::move(s);
+      }
+      shape = *inferred;
+    } else {
+      OPJIT_ASSIGN_OR_RETURN(shape, ApplyShapeRule(rule, static_cast<int>(j), c.first_shapes,
+                                                   c.present, c.attrs));
+    }
+    out.push_back({rule.dtype.empty() ? c.output_dtypes[j] : rule.dtype, std::move(shape)});
+  }
+  return out;
+}
+
+absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, const Checked& c,
+                                                      std::shared_ptr<const AotKernelInstance> inst,
+                                                      Clock::time_point t0) {
+  const OpDef& def = c.record->def;
+  OPJIT_ASSIGN_OR_RETURN(std::vector<TensorDesc> out_descs, OutputDescs(c, *inst));
+
+  // Inputs: every reference is checked against its region before a pointer exists.
+  std::vector<HostTensor> inputs;
+  std::vector<tensor::TensorView> views;  // keeps regions mapped until we return
+  size_t flat = 0;
+  for (size_t i = 0; i < call.inputs.size(); ++i) {
+    for (size_t k = 0; k < call.inputs[i].size(); ++k, ++flat) {
+      const TensorArg& arg = call.inputs[i][k];
+      const std::string what = absl::StrCat("inputs[", i, "]",
+                                            call.inputs[i].size() > 1 ? absl::StrCat("[", k, "]") : "",
+                                            " (", def.inputs[i].name, ")");
+      OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(arg.desc.dtype, arg.desc.shape));
+      if (arg.in_shm) {
+        OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, arg.region));
+        OPJIT_ASSIGN_OR_RETURN(
+            auto view, tensor::Resolve(std::move(region),
+                                       {arg.region, arg.offset, arg.desc.dtype, arg.desc.shape}, what));
+        inputs.push_back({view.data, arg.desc});
+        views.push_back(std::move(view));
+      } else {
+        if (arg.inline_bytes.size() != nbytes) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              what, ": ", arg.inline_bytes.size(), " inline bytes, but ", DescString(arg.desc),
+              " needs ", nbytes));
+        }
+        // The request's bytes are this call's private copy; kernels get void*.
+        inputs.push_back({const_cast<char*>(arg.inline_bytes.data()), arg.desc});
+      }
+    }
+  }
+
+  // Outputs.
+  const size_t n_out = out_descs.size();
+  if (!call.outputs.empty() && call.outputs.size() != 1 && call.outputs.size() != n_out) {
+    return absl::InvalidArgumentError(absl::StrCat("give one output placement per output (", n_out,
+                                                   "), one for all, or none; got ",
+                                                   call.outputs.size()));
+  }
+  ForwardResult result;
+  result.version = c.record->version;
+  result.outputs.resize(n_out);
+  std::vector<HostTensor> outputs(n_out);
+  std::vector<tensor::TensorView> out_views;
+  uint64_t alloc_cursor = 0;
+  uint64_t inline_out = 0;
+  std::shared_ptr<const tensor::Region> alloc_region;
+  for (size_t j = 0; j < n_out; ++j) {
+    OutputPlacement place;
+    if (call.outputs.size() == 1) place = call.outputs[0];
+    if (call.outputs.size() == n_out) place = call.outputs[j];
+    const std::string what = absl::StrCat("outputs[", j, "] (", def.outputs[j].name, ")");
+    OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(out_descs[j].dtype, out_descs[j].shape));
+    OutputResult& r = result.outputs[j];
+    r.desc = out_descs[j];
+    outputs[j].desc = out_descs[j];
+    switch (place.kind) {
+      case OutputPlacement::Kind::kInline:
+        inline_out += nbytes;
+        if (inline_out > options.max_inline_output_bytes) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "op ", OpName(def), ": the outputs need ", inline_out,
+              "+ bytes inline, over the server's ", options.max_inline_output_bytes,
+              "-byte message limit; place them in shared memory (alloc_in or shm)"));
+        }
+        r.inline_bytes.resize(nbytes);
+        outputs[j].data = r.inline_bytes.data();
+        break;
+      case OutputPlacement::Kind::kShm:
+      case OutputPlacement::Kind::kAllocIn: {
+        if (place.kind == OutputPlacement::Kind::kShm && call.outputs.size() == 1 && n_out > 1) {
+          return absl::InvalidArgumentError(
+              "one fixed shm placement cannot hold several outputs; use alloc_in or one per output");
+        }
+        OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, place.region));
+        uint64_t offset = place.offset;
+        if (place.kind == OutputPlacement::Kind::kAllocIn) {
+          if (alloc_region != region) {
+            alloc_region = region;
+            alloc_cursor = Align64(place.offset);
+          }
+          offset = alloc_cursor;
+          alloc_cursor = Align64(alloc_cursor + nbytes);
+        }
+        OPJIT_ASSIGN_OR_RETURN(
+            auto view, tensor::Resolve(std::move(region),
+                                       {place.region, offset, out_descs[j].dtype, out_descs[j].shape},
+                                       what));
+        for (const auto& in : views) {
+          if (tensor::Overlaps(view, in)) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(what, " overlaps an input in region \"", place.region, "\""));
+          }
+        }
+        for (const auto& other : out_views) {
+          if (tensor::Overlaps(view, other)) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(what, " overlaps another output in region \"", place.region, "\""));
+          }
+        }
+        r.in_shm = true;
+        r.region = place.region;
+        r.offset = offset;
+        outputs[j].data = view.data;
+        out_views.push_back(std::move(view));
+        break;
+      }
+    }
+  }
+
+  if (Clock::now() > call.deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("op ", OpName(def), ": the deadline passed before the kernel started"));
+  }
+  const auto k0 = Clock::now();
+  absl::Status run = inst->Run(inputs, outputs);
+  result.kernel_ms = MsSince(k0);
+  if (!run.ok()) {
+    return absl::Status(run.code(), absl::StrCat("op ", OpName(def), ": ", run.message()));
+  }
+  if (Clock::now() > call.deadline) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "op ", OpName(def), ": the kernel finished after the deadline (it ran ",
+        static_cast<int64_t>(result.kernel_ms), " ms); its outputs were dropped"));
+  }
+  result.server_ms = MsSince(t0);
+  return result;
+}
+
+Executor::Executor(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Executor::~Executor() { impl_->pool.reset(); }
+
+absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const ExecutorOptions& options,
+                                                           registry::Registry* registry,
+                                                           compiler::KernelCompiler* compiler,
+                                                           tensor::RegionManager* regions) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->registry = registry;
+  impl->compiler = compiler;
+  impl->regions = regions;
+  impl->instances = std::make_unique<cache::LruCache<AotKernelInstance>>(
+      options.instance_cache_entries, options.instance_cache_entries);
+  impl->pool = std::make_unique<ThreadPool>(options.pool_threads, options.max_queue, "opjit-exec");
+  return std::unique_ptr<Executor>(new Executor(std::move(impl)));
+}
+
+void Executor::ForwardAsync(ForwardCall call, Callback done) {
+  const auto t0 = Clock::now();
+  Impl* impl = impl_.get();
+  impl->calls.fetch_add(1);
+  auto fail = [impl, done](absl::Status s) {
+    impl->failures.fetch_add(1);
+    done(std::move(s));
+  };
+
+  auto record = impl->registry->GetShared(call.ns, call.op, call.version);
+  if (!record.ok()) return fail(record.status());
+  auto checked = std::make_shared<Checked>();
+  checked->record = *std::move(record);
+  const OpDef& def = checked->record->def;
+  if (call.target == registry::Target::kGpu) {
+    return fail(absl::UnavailableError(absl::StrCat("op ", OpName(def), " on GPU: ",
+                                                    impl->options.gpu_unavailable_reason)));
+  }
+  for (const auto& im : def.implementations) {
+    if (im.target == call.target) checked->impl = &im;
+  }
+  if (checked->impl == nullptr) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "op ", OpName(def), " v", checked->record->version, " has no ",
+        registry::TargetName(call.target), " implementation")));
+  }
+  if (absl::Status s = CheckInputs(call, def, checked.get()); !s.ok()) return fail(s);
+  if (absl::Status s = CheckAttrs(call, def, checked.get()); !s.ok()) return fail(s);
+
+  uint64_t input_bytes = 0;
+  for (const auto& d : checked->flat_inputs) {
+    auto n = tensor::ByteSize(d.dtype, d.shape);
+    if (!n.ok()) return fail(n.status());
+    input_bytes += *n;
+  }
+  const bool run_inline = input_bytes <= impl->options.inline_max_bytes;
+
+  auto shared_call = std::make_shared<ForwardCall>(std::move(call));
+  impl->compiler->CompileAsync(
+      compiler::JobForImplementation(def, *checked->impl),
+      [impl, checked, shared_call, done, fail, t0,
+       run_inline](absl::StatusOr<compiler::CompileOutcome> compiled) {
+        if (!compiled.ok()) return fail(compiled.status());
+        auto inst = impl->Instance(*checked, *compiled->kernel);
+        if (!inst.ok()) {
+          return fail(absl::Status(inst.status().code(),
+                                   absl::StrCat("op ", OpName(checked->record->def), ": ",
+                                                inst.status().message())));
+        }
+        auto run = [impl, checked, shared_call, done, fail, t0,
+                    inst = *std::move(inst)](bool on_pool) {
+          auto r = impl->Execute(*shared_call, *checked, inst, t0);
+          if (!r.ok()) return fail(r.status());
+          r->ran_inline = !on_pool;
+          (on_pool ? impl->pool_runs : impl->inline_runs).fetch_add(1);
+          done(*std::move(r));
+        };
+        if (run_inline) return run(false);
+        if (!impl->pool->Submit([run] { run(true); })) {
+          impl->rejected.fetch_add(1);
+          fail(absl::ResourceExhaustedError(absl::StrCat(
+              "the execution queue is full (", impl->options.max_queue,
+              " calls waiting); retry with backoff")));
+        }
+      });
+}
+
+absl::StatusOr<ForwardResult> Executor::Forward(ForwardCall call) {
+  std::promise<absl::StatusOr<ForwardResult>> promise;
+  auto future = promise.get_future();
+  ForwardAsync(std::move(call), [&promise](absl::StatusOr<ForwardResult> r) {
+    promise.set_value(std::move(r));
+  });
+  return future.get();
+}
+
+ExecutorStats Executor::Stats() const {
+  ExecutorStats s;
+  s.calls = impl_->calls.load();
+  s.failures = impl_->failures.load();
+  s.inline_runs = impl_->inline_runs.load();
+  s.pool_runs = impl_->pool_runs.load();
+  s.rejected = impl_->rejected.load();
+  s.instances = impl_->instances->Stats().entries;
+  s.instance_hits = impl_->instance_hits.load();
+  return s;
+}
+
+}  // namespace opjit::exec

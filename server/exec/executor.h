@@ -1,0 +1,156 @@
+// Executor: runs an op's forward. The path of one call:
+//
+//   registry: the op version  ─▶ checks: input count (optional, dynamic),
+//   dtypes against dtype_formats (the match gives the output dtypes), attrs
+//   (types, required, defaults) ─▶ compiler: the kernel (a memory-cache hit
+//   for registered ops) ─▶ kernel instance (Init once per op version, input
+//   shapes/dtypes and attrs; cached) ─▶ output shapes (rule or InferShape)
+//   ─▶ tensors: inputs resolved and bounds-checked in their regions, outputs
+//   placed ─▶ the kernel runs, inline or on the pool.
+//
+// Where a kernel runs: calls whose inputs total at most
+// Options::inline_max_bytes run on the calling thread (the gRPC handler); a
+// hop to a pool thread costs ~30 µs here, more than a small kernel. Bigger
+// calls run on the execution pool, whose bounded queue answers
+// RESOURCE_EXHAUSTED when full, so a slow kernel never holds a gRPC thread.
+//
+// Deadlines: a call whose deadline has passed before its kernel starts fails
+// with DEADLINE_EXCEEDED and the kernel never runs. A kernel that has started
+// runs to completion (it is native code in this process and cannot be
+// interrupted safely); its result is then dropped if the deadline passed.
+//
+// Thread-safety: all methods are thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/exec/aot_kernel.h"
+#include "server/registry/op_def.h"
+
+namespace opjit::registry {
+class Registry;
+}
+namespace opjit::compiler {
+class KernelCompiler;
+}
+namespace opjit::tensor {
+class RegionManager;
+}
+
+namespace opjit::exec {
+
+// One input tensor of a call: in a shared-memory region, or inline bytes
+// owned by the caller (alive until `done` runs).
+struct TensorArg {
+  TensorDesc desc;
+  bool in_shm = false;
+  std::string region;  // in_shm
+  uint64_t offset = 0;  // in_shm
+  std::string_view inline_bytes;  // !in_shm
+};
+
+struct OutputPlacement {
+  enum class Kind { kInline, kShm, kAllocIn };
+  Kind kind = Kind::kInline;
+  std::string region;   // kShm, kAllocIn
+  uint64_t offset = 0;  // kShm: exactly here; kAllocIn: at or after here
+};
+
+// An attr value from a caller: text parsed by the declared value_type, or a
+// typed value checked (and widened, int -> float) against it.
+struct AttrArg {
+  bool is_text = false;
+  std::string text;
+  registry::AttrValue value;
+};
+
+struct ForwardCall {
+  std::string ns = "default";
+  std::string op;
+  int64_t version = 0;  // 0: latest
+  registry::Target target = registry::Target::kCpu;
+  std::vector<std::vector<TensorArg>> inputs;  // one entry per declared input
+  std::map<std::string, AttrArg> attrs;
+  // One per output, one for all outputs, or none (all inline).
+  std::vector<OutputPlacement> outputs;
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  uint64_t request_id = 0;  // for logs
+};
+
+struct OutputResult {
+  TensorDesc desc;
+  bool in_shm = false;
+  std::string region;
+  uint64_t offset = 0;
+  std::string inline_bytes;  // !in_shm
+};
+
+struct ForwardResult {
+  std::vector<OutputResult> outputs;
+  int64_t version = 0;
+  double kernel_ms = 0;
+  double server_ms = 0;
+  bool ran_inline = false;
+};
+
+struct ExecutorOptions {
+  // Execution pool threads. Default: 2.
+  int pool_threads = 2;
+  // Calls queued for the pool beyond which RESOURCE_EXHAUSTED. Default: 64.
+  size_t max_queue = 64;
+  // Calls with at most this many input bytes run inline. Default: 256 KiB.
+  uint64_t inline_max_bytes = 256 << 10;
+  // Inline output bytes of one call beyond which it is refused before the
+  // kernel runs (RESOURCE_EXHAUSTED): the gRPC message limit. Default: 64 MiB.
+  uint64_t max_inline_output_bytes = 64ull << 20;
+  // Kernel instances kept (each ran Init once). Default: 1024.
+  size_t instance_cache_entries = 1024;
+  // Why GPU execution is unavailable, for the UNAVAILABLE message.
+  std::string gpu_unavailable_reason = "GPU execution is not available";
+};
+
+struct ExecutorStats {
+  uint64_t calls = 0, failures = 0, inline_runs = 0, pool_runs = 0, rejected = 0;
+  uint64_t instances = 0, instance_hits = 0;
+};
+
+class Executor {
+ public:
+  using Callback = std::function<void(absl::StatusOr<ForwardResult>)>;
+
+  // None of the pointers is owned; all must outlive the executor.
+  static absl::StatusOr<std::unique_ptr<Executor>> Create(const ExecutorOptions& options,
+                                                          registry::Registry* registry,
+                                                          compiler::KernelCompiler* compiler,
+                                                          tensor::RegionManager* regions);
+  ~Executor();
+
+  // Runs `call` and calls `done` once, on this thread (inline runs and early
+  // errors) or on a pool thread. Errors: NOT_FOUND (op, version, region),
+  // INVALID_ARGUMENT (counts, dtypes, attrs, tensor bounds, placement; the
+  // kernel read an attr with the wrong type), ABORTED (the kernel returned
+  // non-zero), INTERNAL (the kernel threw), UNAVAILABLE (GPU),
+  // RESOURCE_EXHAUSTED (queue full), DEADLINE_EXCEEDED.
+  void ForwardAsync(ForwardCall call, Callback done);
+
+  // Blocking form, for tests, tools and benchmarks.
+  absl::StatusOr<ForwardResult> Forward(ForwardCall call);
+
+  ExecutorStats Stats() const;
+
+ private:
+  struct Impl;
+  explicit Executor(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace opjit::exec
