@@ -57,7 +57,7 @@ absl::Status CheckKeys(const toml::table& t, const std::string& where,
                        const std::set<std::string>& known) {
   for (const auto& [k, v] : t) {
     if (!known.count(std::string(k.str()))) {
-      return BadKey(absl::StrCat(where, k.str()),
+      return BadKey(absl::StrCat(where, std::string(k.str())),
                     absl::StrCat("unknown key (known: ", absl::StrJoin(known, ", "), ")"));
     }
   }
@@ -78,11 +78,11 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
   } catch (const toml::parse_error& e) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config ", path, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
-        e.description()));
+        std::string(e.description())));
   }
   OPJIT_CFG_TRY(CheckKeys(root, "",
                           {"state_dir", "listen", "log_level", "max_message_mb", "compiler",
-                           "cache"}));
+                           "cache", "exec", "shm"}));
   OPJIT_CFG_TRY(ReadString(root, "state_dir", "", &cfg->state_dir));
   OPJIT_CFG_TRY(ReadStrings(root, "listen", "", &cfg->listen));
   OPJIT_CFG_TRY(ReadString(root, "log_level", "", &cfg->log_level));
@@ -100,6 +100,17 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
     OPJIT_CFG_TRY(ReadStrings(*c, "extra_include_dirs", "compiler.", &cfg->extra_include_dirs));
     OPJIT_CFG_TRY(ReadStrings(*c, "allowed_libraries", "compiler.", &cfg->allowed_libraries));
     OPJIT_CFG_TRY(ReadString(*c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir));
+  }
+  if (const toml::table* c = root["exec"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "exec.", {"threads", "queue", "inline_max_bytes"}));
+    OPJIT_CFG_TRY(ReadInt(*c, "threads", "exec.", &cfg->exec_threads));
+    OPJIT_CFG_TRY(ReadInt(*c, "queue", "exec.", &cfg->exec_queue));
+    OPJIT_CFG_TRY(ReadInt(*c, "inline_max_bytes", "exec.", &cfg->inline_max_bytes));
+  }
+  if (const toml::table* c = root["shm"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "shm.", {"quota_mb", "lease_ms"}));
+    OPJIT_CFG_TRY(ReadInt(*c, "quota_mb", "shm.", &cfg->shm_quota_mb));
+    OPJIT_CFG_TRY(ReadInt(*c, "lease_ms", "shm.", &cfg->lease_ms));
   }
   if (const toml::table* c = root["cache"].as_table()) {
     OPJIT_CFG_TRY(CheckKeys(*c, "cache.", {"memory_entries", "memory_mb", "disk_mb"}));

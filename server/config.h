@@ -31,6 +31,15 @@ struct DaemonConfig {
   std::vector<std::string> allowed_libraries;
   std::string kernel_include_dir;  // Default: the installed or source-tree kernels/include
 
+  // [exec]
+  int exec_threads = 2;                 // execution pool threads
+  int64_t exec_queue = 64;              // calls waiting for the pool, then RESOURCE_EXHAUSTED
+  int64_t inline_max_bytes = 256 << 10; // calls with at most this many input bytes run inline
+
+  // [shm]
+  int64_t shm_quota_mb = 4096;  // shared memory per namespace
+  int64_t lease_ms = 300000;    // a client's regions are released unless renewed within this
+
   // [cache]
   int64_t cache_memory_entries = 512;
   int64_t cache_memory_mb = 512;

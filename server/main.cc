@@ -11,17 +11,23 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <condition_variable>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/common/logging.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/common/sha256.h"
 #include "server/config.h"
+#include "server/exec/executor.h"
 #include "server/gpu/driver_probe.h"
-#include "server/loader/jit_loader.h"
+#include "server/loader/loader.h"
 #include "server/registry/registry.h"
 #include "server/rpc/grpc_server.h"
+#include "server/tensor/region_manager.h"
 
 #ifndef OPJIT_VERSION
 #define OPJIT_VERSION "0.0.0"
@@ -116,7 +122,7 @@ int Run(int argc, char** argv) {
   chmod(cfg->state_dir.c_str(), 0700);
   auto lock_fd = LockStateDir(cfg->state_dir);
   if (!lock_fd.ok()) {
-    log->error("{}", lock_fd.status().message());
+    log->error("{}", std::string(lock_fd.status().message()));
     return 1;
   }
 
@@ -160,16 +166,59 @@ int Run(int argc, char** argv) {
   facts.gpu_devices = gpu.devices;
   if (!gpu.available) log->info("GPU unavailable: {}", gpu.reason);
 
-  rpc::CoreRefs core{.registry = registry->get(), .compiler = compiler->get()};
+  // Daemon-created shm objects carry a tag of the state dir, so a restart can
+  // remove the orphans of its previous run without touching other daemons'.
+  tensor::RegionManagerOptions ropts;
+  ropts.instance_tag = Sha256Hex(cfg->state_dir).substr(0, 12);
+  ropts.namespace_quota_bytes = static_cast<uint64_t>(cfg->shm_quota_mb) << 20;
+  ropts.default_lease_ms = cfg->lease_ms;
+  auto regions = tensor::RegionManager::Create(ropts);
+  if (!regions.ok()) {
+    log->error("shared memory: {}", regions.status().ToString());
+    return 1;
+  }
+
+  exec::ExecutorOptions eopts;
+  eopts.pool_threads = cfg->exec_threads;
+  eopts.max_queue = cfg->exec_queue;
+  eopts.inline_max_bytes = cfg->inline_max_bytes;
+  eopts.max_inline_output_bytes = cfg->max_message_bytes - (1 << 20);
+  eopts.gpu_unavailable_reason = gpu.reason;
+  auto executor = exec::Executor::Create(eopts, registry->get(), compiler->get(), regions->get());
+  if (!executor.ok()) {
+    log->error("executor: {}", executor.status().ToString());
+    return 1;
+  }
+
+  // Releases the regions of clients whose lease lapsed.
+  std::mutex reaper_mu;
+  std::condition_variable reaper_cv;
+  bool reaper_stop = false;
+  std::thread reaper([&] {
+    std::unique_lock<std::mutex> lock(reaper_mu);
+    while (!reaper_cv.wait_for(lock, std::chrono::seconds(1), [&] { return reaper_stop; })) {
+      const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
+      if (int n = (*regions)->ExpireLeases(now); n > 0) {
+        Logger("tensor")->info("released {} region(s) whose lease lapsed", n);
+      }
+    }
+  });
+
+  rpc::CoreRefs core{.registry = registry->get(),
+                     .compiler = compiler->get(),
+                     .regions = regions->get(),
+                     .executor = executor->get()};
   auto server = rpc::GrpcServer::Start(
       {.listen = cfg->listen, .max_message_bytes = static_cast<int>(cfg->max_message_bytes)},
       core, facts);
   if (!server.ok()) {
-    log->error("{}", server.status().message());
+    log->error("{}", std::string(server.status().message()));
     return 1;
   }
   WriteEndpoints(cfg->state_dir, (*server)->bound());
-  log->info("opjitd {} ready: state {}, {} op version(s), listening on {}", OPJIT_VERSION,
+  log->info("opjitd {} ready: state {}, {} op(s), listening on {}", OPJIT_VERSION,
             cfg->state_dir, (*registry)->Size(), absl::StrJoin((*server)->bound(), ", "));
 
   int sig = 0;
@@ -178,6 +227,14 @@ int Run(int argc, char** argv) {
   (*server)->Shutdown(std::chrono::seconds(5));
   (*server)->Wait();
   server->reset();
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu);
+    reaper_stop = true;
+  }
+  reaper_cv.notify_all();
+  reaper.join();
+  executor->reset();
+  regions->reset();
   compiler->reset();
   registry->reset();
   unlink((cfg->state_dir + "/endpoints").c_str());

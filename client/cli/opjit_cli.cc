@@ -4,7 +4,10 @@
 //
 // Exit status: 0 success, 1 the server refused or failed the call (its message
 // goes to stderr), 2 bad usage.
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -18,7 +21,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/cpp/npy.h"
 #include "client/cpp/opjit_client.h"
+#include "client/cpp/shm_region.h"
 
 namespace {
 
@@ -36,6 +41,11 @@ Commands:
   delete NAME [--version N]         delete an op (all versions unless --version)
   compile FILE [--entry SYM] [--lang c|c++] [--option OPT]... [--library LIB]...
                                     compile a kernel source without registering it
+  run OP --in X.npy [--in ...] [--attr NAME=VALUE]... [--out Y.npy]...
+       [--version N] [--transport auto|shm|inline]
+                                    run an op's forward on .npy files; one --in per
+                                    declared input (a,b.npy for a dynamic input,
+                                    "none" for an absent optional one)
   cache stats                       compile-cache counters
   cache clear [--memory-only]       drop cached kernels
 
@@ -175,7 +185,7 @@ int CmdInfo(Client& c, const Globals& g) {
   } else {
     std::printf("GPU:       unavailable: %s\n", info->gpu().reason().c_str());
   }
-  std::printf("ops:       %lld version(s)\n", static_cast<long long>(info->ops()));
+  std::printf("ops:       %lld\n", static_cast<long long>(info->ops()));
   return 0;
 }
 
@@ -296,6 +306,138 @@ int CmdCompile(Client& c, const Globals& g, const Args& a) {
   return 0;
 }
 
+std::vector<std::string> SplitComma(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    size_t comma = s.find(',', start);
+    out.push_back(s.substr(start, comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+int CmdRun(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("run takes one OP");
+  std::string ns, name;
+  SplitName(a.positional[0], &ns, &name);
+  opjit::v1::ForwardRequest req;
+  req.set_namespace_(ns);
+  req.set_op(name);
+  req.set_version(ParseVersion(a));
+
+  // Read every input first: a bad file fails before anything reaches the server.
+  std::vector<std::vector<opjit::client::NpyArray>> groups;
+  uint64_t total = 0;
+  for (const auto& spec : a.All("--in")) {
+    std::vector<opjit::client::NpyArray> group;
+    if (spec != "none") {
+      for (const auto& path : SplitComma(spec)) {
+        auto arr = opjit::client::ReadNpy(path);
+        if (!arr.ok()) {
+          return Fail(absl::Status(arr.status().code(), absl::StrCat(path, ": ", arr.status().message())));
+        }
+        total += arr->data.size();
+        group.push_back(*std::move(arr));
+      }
+    }
+    groups.push_back(std::move(group));
+  }
+  for (const auto& kv : a.All("--attr")) {
+    auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) return UsageError("--attr takes NAME=VALUE, got " + kv);
+    (*req.mutable_attrs())[kv.substr(0, eq)] = opjit::client::TextAttr(kv.substr(eq + 1));
+  }
+
+  std::string transport = a.Get("--transport", "auto");
+  if (transport == "auto") transport = c.address().rfind("unix:", 0) == 0 ? "shm" : "inline";
+  if (transport != "shm" && transport != "inline") {
+    return UsageError("--transport takes auto, shm or inline");
+  }
+
+  // With shm: one region holds the inputs, and the server places the outputs
+  // after them (room for twice the inputs); reading them back is a memcpy.
+  std::unique_ptr<opjit::client::ShmMapping> mapping;
+  const std::string region = absl::StrCat("cli-", getpid());
+  uint64_t outputs_at = 0;
+  if (transport == "shm") {
+    const uint64_t size = 2 * total + (groups.size() + 8) * 64 + (1 << 20);
+    auto info = c.CreateRegion(ns, region, size);
+    if (!info.ok()) return Fail(info.status());
+    auto m = opjit::client::ShmMapping::Open(info->shm_key(), info->byte_size());
+    if (!m.ok()) return Fail(m.status());
+    mapping = *std::move(m);
+  }
+  uint64_t cursor = 0;
+  for (auto& group : groups) {
+    auto* arg = req.add_inputs();
+    for (auto& arr : group) {
+      if (mapping) {
+        std::memcpy(mapping->data() + cursor, arr.data.data(), arr.data.size());
+        *arg->add_tensors() = opjit::client::ShmTensor(arr.dtype, arr.shape, region, cursor);
+        cursor = (cursor + arr.data.size() + 63) / 64 * 64;
+      } else {
+        *arg->add_tensors() = opjit::client::InlineTensor(arr.dtype, arr.shape, arr.data);
+      }
+    }
+  }
+  if (mapping) {
+    outputs_at = cursor;
+    req.add_outputs()->mutable_alloc_in()->set_region(region);
+    req.mutable_outputs(0)->mutable_alloc_in()->set_offset(outputs_at);
+  }
+  auto resp = c.Forward(req);
+  if (mapping) (void)c.UnregisterRegion(ns, region);
+  if (!resp.ok()) return Fail(resp.status());
+
+  const auto outs = a.All("--out");
+  if (outs.size() > static_cast<size_t>(resp->outputs_size())) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "the op has ", resp->outputs_size(), " output(s) but ", outs.size(), " --out were given")));
+  }
+  for (int j = 0; j < resp->outputs_size(); ++j) {
+    const auto& t = resp->outputs(j);
+    opjit::client::NpyArray arr;
+    arr.dtype = t.dtype();
+    arr.shape.assign(t.shape().begin(), t.shape().end());
+    if (t.has_shm()) {
+      uint64_t n = 1;
+      for (int64_t d : arr.shape) n *= static_cast<uint64_t>(d);
+      auto elem = opjit::client::NpyDtypeSize(arr.dtype);
+      if (!elem.ok()) return Fail(elem.status());
+      n *= *elem;
+      if (!mapping || t.shm().offset() + n > mapping->size()) {
+        return Fail(absl::InternalError("the server placed an output outside the region"));
+      }
+      arr.data.assign(reinterpret_cast<const char*>(mapping->data()) + t.shm().offset(), n);
+    } else {
+      arr.data = t.inline_data();
+    }
+    if (j < static_cast<int>(outs.size())) {
+      if (absl::Status s = opjit::client::WriteNpy(outs[j], arr); !s.ok()) return Fail(s);
+    }
+    if (!g.json) {
+      std::printf("output %d: %s %s%s\n", j, arr.dtype.c_str(), ShapeString(t.shape()).c_str(),
+                  j < static_cast<int>(outs.size()) ? (" -> " + outs[j]).c_str() : "");
+    }
+  }
+  if (g.json) {
+    std::printf("{\"version\": %lld, \"kernel_ms\": %.3f, \"server_ms\": %.3f, \"outputs\": %d}\n",
+                static_cast<long long>(resp->version()), resp->kernel_ms(), resp->server_ms(),
+                resp->outputs_size());
+  } else {
+    std::printf("%s v%lld: kernel %.3f ms, server %.3f ms (%s)\n", a.positional[0].c_str(),
+                static_cast<long long>(resp->version()), resp->kernel_ms(), resp->server_ms(),
+                transport.c_str());
+  }
+  return 0;
+}
+
 int CmdCache(Client& c, const Globals& g, const Args& a) {
   if (a.positional.size() != 1) return UsageError("cache takes `stats` or `clear`");
   if (a.positional[0] == "stats") {
@@ -367,7 +509,8 @@ int main(int argc, char** argv) {
     g.json = true;
     rest.erase(it);
   }
-  auto args = ParseArgs(rest, {"--namespace", "--version", "--entry", "--lang", "--option", "--library"},
+  auto args = ParseArgs(rest, {"--namespace", "--version", "--entry", "--lang", "--option", "--library", "--in",
+                         "--out", "--attr", "--transport"},
                         {"--all-versions", "--memory-only"});
   if (!args.ok()) return UsageError(std::string(args.status().message()));
 
@@ -385,6 +528,7 @@ int main(int argc, char** argv) {
     if (cmd == "delete") return CmdDelete(c, g, *args);
     if (cmd == "compile") return CmdCompile(c, g, *args);
     if (cmd == "cache") return CmdCache(c, g, *args);
+    if (cmd == "run") return CmdRun(c, g, *args);
   } catch (const std::exception& e) {  // std::stoll on a bad --version
     return UsageError(std::string("bad argument: ") + e.what());
   }

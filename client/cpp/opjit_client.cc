@@ -1,6 +1,8 @@
 #include "client/cpp/opjit_client.h"
 
+#include <cstdio>
 #include <filesystem>
+#include <random>
 #include <fstream>
 #include <sstream>
 
@@ -39,6 +41,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   c->registry_ = v1::Registry::NewStub(c->channel_);
   c->compiler_ = v1::Compiler::NewStub(c->channel_);
   c->server_ = v1::Server::NewStub(c->channel_);
+  c->memory_ = v1::Memory::NewStub(c->channel_);
+  c->executor_ = v1::Executor::NewStub(c->channel_);
+  {
+    std::random_device rd;
+    char buf[17];
+    snprintf(buf, sizeof(buf), "%08x%08x", rd(), rd());
+    c->client_id_ = std::string("cpp-") + buf;
+  }
   return c;
 }
 
@@ -137,6 +147,116 @@ absl::StatusOr<uint64_t> Client::ClearCache(bool memory_only) {
   absl::Status s = FromGrpc(compiler_->ClearCache(ctx.get(), req, &out));
   if (!s.ok()) return s;
   return out.removed();
+}
+
+absl::StatusOr<v1::RegionInfo> Client::CreateRegion(const std::string& ns,
+                                                    const std::string& name, uint64_t byte_size,
+                                                    int64_t lease_ms) {
+  v1::CreateRegionRequest req;
+  req.set_namespace_(ns);
+  req.set_name(name);
+  req.set_byte_size(byte_size);
+  req.set_client_id(client_id_);
+  req.set_lease_ms(lease_ms);
+  v1::RegionInfo out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(memory_->CreateRegion(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<v1::RegionInfo> Client::RegisterRegion(const std::string& ns,
+                                                      const std::string& name,
+                                                      const std::string& shm_key, uint64_t offset,
+                                                      uint64_t byte_size, int64_t lease_ms) {
+  v1::RegisterRegionRequest req;
+  req.set_namespace_(ns);
+  req.set_name(name);
+  req.set_shm_key(shm_key);
+  req.set_offset(offset);
+  req.set_byte_size(byte_size);
+  req.set_client_id(client_id_);
+  req.set_lease_ms(lease_ms);
+  v1::RegionInfo out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(memory_->RegisterRegion(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::Status Client::UnregisterRegion(const std::string& ns, const std::string& name) {
+  v1::UnregisterRegionRequest req;
+  req.set_namespace_(ns);
+  req.set_name(name);
+  v1::UnregisterRegionResponse out;
+  auto ctx = NewContext();
+  return FromGrpc(memory_->UnregisterRegion(ctx.get(), req, &out));
+}
+
+absl::StatusOr<std::vector<v1::RegionInfo>> Client::ListRegions(const std::string& ns) {
+  v1::ListRegionsRequest req;
+  req.set_namespace_(ns);
+  v1::ListRegionsResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(memory_->ListRegions(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return std::vector<v1::RegionInfo>(out.regions().begin(), out.regions().end());
+}
+
+absl::StatusOr<int64_t> Client::RenewLease(const std::string& ns, int64_t lease_ms) {
+  v1::RenewLeaseRequest req;
+  req.set_namespace_(ns);
+  req.set_client_id(client_id_);
+  req.set_lease_ms(lease_ms);
+  v1::RenewLeaseResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(memory_->RenewLease(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out.lease_expires_unix_ms();
+}
+
+absl::StatusOr<int> Client::ReleaseRegions(const std::string& ns) {
+  v1::ReleaseClientRequest req;
+  req.set_namespace_(ns);
+  req.set_client_id(client_id_);
+  v1::ReleaseClientResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(memory_->ReleaseClient(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out.released();
+}
+
+absl::StatusOr<v1::ForwardResponse> Client::Forward(const v1::ForwardRequest& request) {
+  v1::ForwardResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(executor_->Forward(ctx.get(), request, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+v1::Tensor InlineTensor(const std::string& dtype, const std::vector<int64_t>& shape,
+                        std::string_view bytes) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_inline_data(std::string(bytes));
+  return t;
+}
+
+v1::Tensor ShmTensor(const std::string& dtype, const std::vector<int64_t>& shape,
+                     const std::string& region, uint64_t offset) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  t.mutable_shm()->set_region(region);
+  t.mutable_shm()->set_offset(offset);
+  return t;
+}
+
+v1::AttrValue TextAttr(const std::string& text) {
+  v1::AttrValue v;
+  v.set_text(text);
+  return v;
 }
 
 absl::StatusOr<v1::OpDef> ParseOpSpec(std::string_view json, const std::string& base_dir) {

@@ -14,6 +14,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "opjit/v1/compile.grpc.pb.h"
+#include "opjit/v1/exec.grpc.pb.h"
+#include "opjit/v1/memory.grpc.pb.h"
 #include "opjit/v1/registry.grpc.pb.h"
 #include "opjit/v1/server.grpc.pb.h"
 
@@ -57,6 +59,23 @@ class Client {
   absl::StatusOr<v1::CacheStats> CacheStats();
   absl::StatusOr<uint64_t> ClearCache(bool memory_only);
 
+  // Shared memory. `client_id` owns the lease; empty: this Client's own id.
+  absl::StatusOr<v1::RegionInfo> CreateRegion(const std::string& ns, const std::string& name,
+                                              uint64_t byte_size, int64_t lease_ms = 0);
+  absl::StatusOr<v1::RegionInfo> RegisterRegion(const std::string& ns, const std::string& name,
+                                                const std::string& shm_key, uint64_t offset,
+                                                uint64_t byte_size, int64_t lease_ms = 0);
+  absl::Status UnregisterRegion(const std::string& ns, const std::string& name);
+  absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions(const std::string& ns);
+  absl::StatusOr<int64_t> RenewLease(const std::string& ns, int64_t lease_ms = 0);
+  absl::StatusOr<int> ReleaseRegions(const std::string& ns);
+
+  // Runs an op's forward.
+  absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request);
+
+  // The id this client's regions are leased under (random per Client).
+  const std::string& client_id() const { return client_id_; }
+
  private:
   Client() = default;
   std::unique_ptr<grpc::ClientContext> NewContext() const;
@@ -67,7 +86,20 @@ class Client {
   std::unique_ptr<v1::Registry::Stub> registry_;
   std::unique_ptr<v1::Compiler::Stub> compiler_;
   std::unique_ptr<v1::Server::Stub> server_;
+  std::unique_ptr<v1::Memory::Stub> memory_;
+  std::unique_ptr<v1::Executor::Stub> executor_;
+  std::string client_id_;
 };
+
+// Tensor helpers for building requests.
+// An inline tensor holding a copy of `bytes`.
+v1::Tensor InlineTensor(const std::string& dtype, const std::vector<int64_t>& shape,
+                        std::string_view bytes);
+// A tensor in a registered region.
+v1::Tensor ShmTensor(const std::string& dtype, const std::vector<int64_t>& shape,
+                     const std::string& region, uint64_t offset);
+// A text attr value, parsed by the server as the attr's declared type.
+v1::AttrValue TextAttr(const std::string& text);
 
 // Reads an op spec: a JSON file in protobuf's JSON mapping of opjit.v1.OpDef
 // (snake_case or lowerCamelCase keys). Each implementation's `source_file` is

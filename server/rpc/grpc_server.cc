@@ -86,6 +86,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   self->services_.push_back(std::make_unique<RegistryService>(core));
   self->services_.push_back(std::make_unique<CompilerService>(core));
   self->services_.push_back(std::make_unique<ServerService>(core, facts));
+  if (core.regions != nullptr) self->services_.push_back(std::make_unique<MemoryService>(core));
+  if (core.executor != nullptr) self->services_.push_back(std::make_unique<ExecutorService>(core));
   for (auto& service : self->services_) builder.RegisterService(service.get());
 
   self->server_ = builder.BuildAndStart();

@@ -43,19 +43,6 @@ void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& 
   resp->set_target(target);
 }
 
-compiler::CompileJob JobFromImplementation(const registry::OpDef& def,
-                                           const registry::Implementation& impl) {
-  compiler::CompileJob job;
-  job.target = registry::TargetName(impl.target);
-  job.language = impl.language;
-  job.source = impl.source;
-  job.file_name = absl::StrCat(def.name, impl.language == "c" ? ".c" : ".cc");
-  job.entry = impl.entry;
-  job.options = impl.compile_options;
-  job.libraries = impl.libraries;
-  return job;
-}
-
 }  // namespace
 
 grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContext* ctx,
@@ -97,7 +84,7 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
     store();
     return reactor;
   }
-  compiler::CompileJob job = JobFromImplementation(*shared_def, *cpu);
+  compiler::CompileJob job = compiler::JobForImplementation(*shared_def, *cpu);
   core_.compiler->CompileAsync(
       std::move(job), [store, reactor, resp, shared_def, rid, log](
                           absl::StatusOr<compiler::CompileOutcome> outcome) {

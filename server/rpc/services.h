@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "opjit/v1/compile.grpc.pb.h"
+#include "opjit/v1/exec.grpc.pb.h"
+#include "opjit/v1/memory.grpc.pb.h"
 #include "opjit/v1/registry.grpc.pb.h"
 #include "opjit/v1/server.grpc.pb.h"
 
@@ -23,6 +25,12 @@ class Registry;
 namespace compiler {
 class KernelCompiler;
 }
+namespace exec {
+class Executor;
+}
+namespace tensor {
+class RegionManager;
+}
 }  // namespace opjit
 
 namespace opjit::rpc {
@@ -31,6 +39,8 @@ namespace opjit::rpc {
 struct CoreRefs {
   registry::Registry* registry = nullptr;
   compiler::KernelCompiler* compiler = nullptr;  // may be null in tests of the registry alone
+  tensor::RegionManager* regions = nullptr;
+  exec::Executor* executor = nullptr;
 };
 
 // Static facts reported by GetServerInfo.
@@ -75,6 +85,42 @@ class CompilerService final : public v1::Compiler::CallbackService {
   grpc::ServerUnaryReactor* ClearCache(grpc::CallbackServerContext* ctx,
                                        const v1::ClearCacheRequest* req,
                                        v1::ClearCacheResponse* resp) override;
+
+ private:
+  CoreRefs core_;
+};
+
+class MemoryService final : public v1::Memory::CallbackService {
+ public:
+  explicit MemoryService(CoreRefs core) : core_(core) {}
+  grpc::ServerUnaryReactor* CreateRegion(grpc::CallbackServerContext* ctx,
+                                         const v1::CreateRegionRequest* req,
+                                         v1::RegionInfo* resp) override;
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* ctx,
+                                           const v1::RegisterRegionRequest* req,
+                                           v1::RegionInfo* resp) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                             const v1::UnregisterRegionRequest* req,
+                                             v1::UnregisterRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx,
+                                        const v1::ListRegionsRequest* req,
+                                        v1::ListRegionsResponse* resp) override;
+  grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
+                                       const v1::RenewLeaseRequest* req,
+                                       v1::RenewLeaseResponse* resp) override;
+  grpc::ServerUnaryReactor* ReleaseClient(grpc::CallbackServerContext* ctx,
+                                          const v1::ReleaseClientRequest* req,
+                                          v1::ReleaseClientResponse* resp) override;
+
+ private:
+  CoreRefs core_;
+};
+
+class ExecutorService final : public v1::Executor::CallbackService {
+ public:
+  explicit ExecutorService(CoreRefs core) : core_(core) {}
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
+                                    v1::ForwardResponse* resp) override;
 
  private:
   CoreRefs core_;

@@ -1,0 +1,20 @@
+// arith3: three outputs from two inputs: x + y, x * y, x / y (float32).
+#include <cstdint>
+
+extern "C" int Arith3(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                      void* stream, void* extra) {
+  (void)nparam, (void)dtypes, (void)stream, (void)extra;
+  int64_t n = 1;
+  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
+  const float* x = static_cast<const float*>(params[0]);
+  const float* y = static_cast<const float*>(params[1]);
+  float* sum = static_cast<float*>(params[2]);
+  float* prod = static_cast<float*>(params[3]);
+  float* quot = static_cast<float*>(params[4]);
+  for (int64_t i = 0; i < n; ++i) {
+    sum[i] = x[i] + y[i];
+    prod[i] = x[i] * y[i];
+    quot[i] = x[i] / y[i];
+  }
+  return 0;
+}

@@ -1,0 +1,90 @@
+#include "client/cpp/shm_region.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <regex>
+#include <string>
+
+namespace opjit::client {
+namespace {
+
+bool ShmExists(const std::string& key) {
+  struct stat st;
+  return ::stat(("/dev/shm" + key).c_str(), &st) == 0;
+}
+
+std::string TestKey() {
+  auto key = ShmMapping::RandomKey("opjit-npy-test." + std::to_string(::getpid()));
+  EXPECT_TRUE(key.ok()) << key.status();
+  return key.ok() ? *key : "";
+}
+
+TEST(ShmMappingTest, RandomKeyIsUnguessableHex) {
+  auto a = ShmMapping::RandomKey("client");
+  auto b = ShmMapping::RandomKey("client");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(std::regex_match(*a, std::regex("/client\\.[0-9a-f]{32}"))) << *a;
+  EXPECT_NE(*a, *b);
+  EXPECT_EQ(ShmMapping::RandomKey("").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmMapping::RandomKey("a/b").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ShmMappingTest, CreateOpenShareBytesAndCreatorUnlinks) {
+  const std::string key = TestKey();
+  auto created = ShmMapping::Create(key, 10000);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_TRUE((*created)->owns_key());
+  EXPECT_EQ((*created)->size(), 10000u);
+  struct stat st;
+  ASSERT_EQ(::stat(("/dev/shm" + key).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(ShmMapping::Create(key, 10).status().code(), absl::StatusCode::kAlreadyExists);
+
+  {
+    auto opened = ShmMapping::Open(key, 10000);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    EXPECT_FALSE((*opened)->owns_key());
+    (*created)->data()[9999] = 17;
+    EXPECT_EQ((*opened)->data()[9999], 17);
+    auto span = (*opened)->As<float>(4, 3);
+    ASSERT_TRUE(span.ok()) << span.status();
+    (*span)[2] = 1.5f;
+    float f;
+    std::memcpy(&f, (*created)->data() + 12, sizeof(f));
+    EXPECT_EQ(f, 1.5f);
+  }
+  EXPECT_TRUE(ShmExists(key));  // Open() never unlinks.
+  auto small = ShmMapping::Open(key, 10001);
+  EXPECT_EQ(small.status().code(), absl::StatusCode::kInvalidArgument);
+  created->reset();
+  EXPECT_FALSE(ShmExists(key));
+  EXPECT_EQ(ShmMapping::Open(key, 10).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ShmMappingTest, AsChecksBoundsAlignmentAndOverflow) {
+  auto m = ShmMapping::Create(TestKey(), 64);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE((*m)->As<uint32_t>(0, 16).ok());
+  EXPECT_TRUE((*m)->As<uint32_t>(64, 0).ok());
+  EXPECT_EQ((*m)->As<uint32_t>(0, 17).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->As<uint32_t>(4, 16).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->As<uint32_t>(2, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->As<uint8_t>(65, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->As<uint64_t>(8, SIZE_MAX).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*m)->As<uint8_t>(UINT64_MAX, 2).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ShmMappingTest, RejectsBadKeysAndSizes) {
+  for (const std::string& key :
+       {std::string("x"), std::string("/a/b"), std::string("/"), std::string("")}) {
+    EXPECT_EQ(ShmMapping::Create(key, 10).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ShmMapping::Open(key, 10).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(ShmMapping::Create(TestKey(), 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace opjit::client
