@@ -82,7 +82,7 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
   }
   OPJIT_CFG_TRY(CheckKeys(root, "",
                           {"state_dir", "listen", "log_level", "max_message_mb", "compiler",
-                           "cache", "exec", "shm"}));
+                           "cache", "exec", "shm", "autograd"}));
   OPJIT_CFG_TRY(ReadString(root, "state_dir", "", &cfg->state_dir));
   OPJIT_CFG_TRY(ReadStrings(root, "listen", "", &cfg->listen));
   OPJIT_CFG_TRY(ReadString(root, "log_level", "", &cfg->log_level));
@@ -111,6 +111,11 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
     OPJIT_CFG_TRY(CheckKeys(*c, "shm.", {"quota_mb", "lease_ms"}));
     OPJIT_CFG_TRY(ReadInt(*c, "quota_mb", "shm.", &cfg->shm_quota_mb));
     OPJIT_CFG_TRY(ReadInt(*c, "lease_ms", "shm.", &cfg->lease_ms));
+  }
+  if (const toml::table* c = root["autograd"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "autograd.", {"context_ttl_ms", "context_mb"}));
+    OPJIT_CFG_TRY(ReadInt(*c, "context_ttl_ms", "autograd.", &cfg->context_ttl_ms));
+    OPJIT_CFG_TRY(ReadInt(*c, "context_mb", "autograd.", &cfg->context_mb));
   }
   if (const toml::table* c = root["cache"].as_table()) {
     OPJIT_CFG_TRY(CheckKeys(*c, "cache.", {"memory_entries", "memory_mb", "disk_mb"}));

@@ -40,6 +40,10 @@ struct DaemonConfig {
   int64_t shm_quota_mb = 4096;  // shared memory per namespace
   int64_t lease_ms = 300000;    // a client's regions are released unless renewed within this
 
+  // [autograd]
+  int64_t context_ttl_ms = 600000;  // a backward context unused this long is released
+  int64_t context_mb = 1024;        // saved tensors per namespace
+
   // [cache]
   int64_t cache_memory_entries = 512;
   int64_t cache_memory_mb = 512;

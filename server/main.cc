@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "server/common/logging.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/autograd/autograd.h"
 #include "server/common/sha256.h"
 #include "server/config.h"
 #include "server/exec/executor.h"
@@ -190,7 +191,17 @@ int Run(int argc, char** argv) {
     return 1;
   }
 
-  // Releases the regions of clients whose lease lapsed.
+  auto autograd = autograd::Autograd::Create(
+      {.ttl_ms = cfg->context_ttl_ms,
+       .namespace_bytes = static_cast<uint64_t>(cfg->context_mb) << 20,
+       .gradcheck_threads = 1},
+      registry->get(), executor->get());
+  if (!autograd.ok()) {
+    log->error("autograd: {}", autograd.status().ToString());
+    return 1;
+  }
+
+  // Releases the regions of clients whose lease lapsed, and idle contexts.
   std::mutex reaper_mu;
   std::condition_variable reaper_cv;
   bool reaper_stop = false;
@@ -203,13 +214,17 @@ int Run(int argc, char** argv) {
       if (int n = (*regions)->ExpireLeases(now); n > 0) {
         Logger("tensor")->info("released {} region(s) whose lease lapsed", n);
       }
+      if (int n = (*autograd)->ExpireContexts(std::chrono::steady_clock::now()); n > 0) {
+        Logger("autograd")->info("released {} backward context(s) past their TTL", n);
+      }
     }
   });
 
   rpc::CoreRefs core{.registry = registry->get(),
                      .compiler = compiler->get(),
                      .regions = regions->get(),
-                     .executor = executor->get()};
+                     .executor = executor->get(),
+                     .autograd = autograd->get()};
   auto server = rpc::GrpcServer::Start(
       {.listen = cfg->listen, .max_message_bytes = static_cast<int>(cfg->max_message_bytes)},
       core, facts);
@@ -233,6 +248,7 @@ int Run(int argc, char** argv) {
   }
   reaper_cv.notify_all();
   reaper.join();
+  autograd->reset();
   executor->reset();
   regions->reset();
   compiler->reset();

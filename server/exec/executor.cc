@@ -379,6 +379,28 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, c
         "op ", OpName(def), ": the kernel finished after the deadline (it ran ",
         static_cast<int64_t>(result.kernel_ms), " ms); its outputs were dropped"));
   }
+  // Copies for a backward context, taken before the caller's buffers can change.
+  if (!call.save_inputs.empty() || !call.save_outputs.empty()) {
+    result.saved_inputs.resize(call.inputs.size());
+    size_t f = 0;
+    for (size_t i = 0; i < call.inputs.size(); ++i) {
+      const bool save = i < call.save_inputs.size() && call.save_inputs[i];
+      for (size_t k = 0; k < call.inputs[i].size(); ++k, ++f) {
+        if (!save) continue;
+        auto n = tensor::ByteSize(inputs[f].desc.dtype, inputs[f].desc.shape);
+        result.saved_inputs[i].push_back(
+            {inputs[f].desc, std::string(static_cast<const char*>(inputs[f].data), n.value_or(0))});
+      }
+    }
+    result.saved_outputs.resize(n_out);
+    for (size_t j = 0; j < n_out; ++j) {
+      if (j >= call.save_outputs.size() || !call.save_outputs[j]) continue;
+      auto n = tensor::ByteSize(outputs[j].desc.dtype, outputs[j].desc.shape);
+      result.saved_outputs[j] = {outputs[j].desc, std::string(static_cast<const char*>(outputs[j].data),
+                                                             n.value_or(0))};
+    }
+  }
+  result.record = c.record;
   result.server_ms = MsSince(t0);
   return result;
 }

@@ -84,6 +84,16 @@ struct ForwardCall {
   std::vector<OutputPlacement> outputs;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   uint64_t request_id = 0;  // for logs
+  // For autograd: copy these declared inputs / outputs into the result after
+  // the kernel ran (empty: none).
+  std::vector<bool> save_inputs;
+  std::vector<bool> save_outputs;
+};
+
+// A tensor copied out of a call, owned by whoever keeps it (autograd contexts).
+struct SavedTensor {
+  TensorDesc desc;
+  std::string bytes;
 };
 
 struct OutputResult {
@@ -100,6 +110,12 @@ struct ForwardResult {
   double kernel_ms = 0;
   double server_ms = 0;
   bool ran_inline = false;
+  // Per declared input / output: the copies asked for by save_inputs /
+  // save_outputs (an empty group when not asked for or absent).
+  std::vector<std::vector<SavedTensor>> saved_inputs;
+  std::vector<SavedTensor> saved_outputs;
+  // The op version's record, for callers that need its definition.
+  std::shared_ptr<const registry::OpRecord> record;
 };
 
 struct ExecutorOptions {

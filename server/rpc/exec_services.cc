@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
+#include "server/autograd/autograd.h"
 #include "server/exec/executor.h"
 #include "server/rpc/services.h"
 #include "server/rpc/status_util.h"
@@ -93,6 +94,79 @@ absl::StatusOr<exec::OutputPlacement> PlacementFromProto(const v1::OutputPlaceme
   return absl::InvalidArgumentError(absl::StrCat("outputs[", j, "]: unknown placement"));
 }
 
+absl::StatusOr<exec::TensorArg> TensorFromProto(const v1::Tensor& t, const std::string& what) {
+  exec::TensorArg arg;
+  arg.desc.dtype = t.dtype();
+  arg.desc.shape.assign(t.shape().begin(), t.shape().end());
+  for (int64_t d : arg.desc.shape) {
+    if (d < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": negative dim ", d, " in the shape"));
+  }
+  if (t.has_shm()) {
+    arg.in_shm = true;
+    arg.region = t.shm().region();
+    arg.offset = t.shm().offset();
+  } else {
+    arg.inline_bytes = t.inline_data();
+  }
+  return arg;
+}
+
+absl::StatusOr<std::vector<std::vector<exec::TensorArg>>> InputsFromProto(
+    const google::protobuf::RepeatedPtrField<v1::InputArg>& inputs) {
+  std::vector<std::vector<exec::TensorArg>> out;
+  for (int i = 0; i < inputs.size(); ++i) {
+    std::vector<exec::TensorArg> group;
+    for (int k = 0; k < inputs[i].tensors_size(); ++k) {
+      auto arg = TensorFromProto(inputs[i].tensors(k), absl::StrCat("inputs[", i, "][", k, "]"));
+      if (!arg.ok()) return arg.status();
+      group.push_back(*std::move(arg));
+    }
+    out.push_back(std::move(group));
+  }
+  return out;
+}
+
+absl::StatusOr<std::map<std::string, exec::AttrArg>> AttrsFromProto(
+    const google::protobuf::Map<std::string, v1::AttrValue>& attrs) {
+  std::map<std::string, exec::AttrArg> out;
+  for (const auto& [name, v] : attrs) {
+    exec::AttrArg arg;
+    if (v.value_case() == v1::AttrValue::kText) {
+      arg.is_text = true;
+      arg.text = v.text();
+    } else {
+      auto typed = TypedAttr(v);
+      if (!typed.ok()) return absl::InvalidArgumentError(absl::StrCat("attrs[", name, "]: not set"));
+      arg.value = *std::move(typed);
+    }
+    out[name] = std::move(arg);
+  }
+  return out;
+}
+
+std::chrono::steady_clock::time_point SteadyDeadline(const grpc::CallbackServerContext& ctx) {
+  const auto deadline = ctx.deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    const auto left = deadline - std::chrono::system_clock::now();
+    if (left < std::chrono::hours(24 * 365)) {
+      return std::chrono::steady_clock::now() +
+             std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
+    }
+  }
+  return std::chrono::steady_clock::time_point::max();
+}
+
+void OutputToProto(exec::OutputResult& o, v1::Tensor* t) {
+  t->set_dtype(o.desc.dtype);
+  for (int64_t d : o.desc.shape) t->add_shape(d);
+  if (o.in_shm) {
+    t->mutable_shm()->set_region(o.region);
+    t->mutable_shm()->set_offset(o.offset);
+  } else {
+    t->set_inline_data(std::move(o.inline_bytes));
+  }
+}
+
 // Builds the domain call. The returned call points into `req` (inline bytes),
 // which outlives it: the request lives until the reactor finishes.
 absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
@@ -109,56 +183,18 @@ absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
     }
     call.target = *t;
   }
-  for (int i = 0; i < req.inputs_size(); ++i) {
-    std::vector<exec::TensorArg> group;
-    for (int k = 0; k < req.inputs(i).tensors_size(); ++k) {
-      const v1::Tensor& t = req.inputs(i).tensors(k);
-      exec::TensorArg arg;
-      arg.desc.dtype = t.dtype();
-      arg.desc.shape.assign(t.shape().begin(), t.shape().end());
-      for (int64_t d : arg.desc.shape) {
-        if (d < 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("inputs[", i, "][", k, "]: negative dim ", d, " in the shape"));
-        }
-      }
-      if (t.has_shm()) {
-        arg.in_shm = true;
-        arg.region = t.shm().region();
-        arg.offset = t.shm().offset();
-      } else {
-        arg.inline_bytes = t.inline_data();
-      }
-      group.push_back(std::move(arg));
-    }
-    call.inputs.push_back(std::move(group));
-  }
-  for (const auto& [name, v] : req.attrs()) {
-    exec::AttrArg arg;
-    if (v.value_case() == v1::AttrValue::kText) {
-      arg.is_text = true;
-      arg.text = v.text();
-    } else {
-      auto typed = TypedAttr(v);
-      if (!typed.ok()) return absl::InvalidArgumentError(absl::StrCat("attrs[", name, "]: not set"));
-      arg.value = *std::move(typed);
-    }
-    call.attrs[name] = std::move(arg);
-  }
+  auto inputs = InputsFromProto(req.inputs());
+  if (!inputs.ok()) return inputs.status();
+  call.inputs = *std::move(inputs);
+  auto attrs = AttrsFromProto(req.attrs());
+  if (!attrs.ok()) return attrs.status();
+  call.attrs = *std::move(attrs);
   for (int j = 0; j < req.outputs_size(); ++j) {
     auto p = PlacementFromProto(req.outputs(j), j);
     if (!p.ok()) return p.status();
     call.outputs.push_back(*std::move(p));
   }
-  // The client's deadline, on the steady clock the executor uses.
-  const auto deadline = ctx.deadline();
-  if (deadline != std::chrono::system_clock::time_point::max()) {
-    const auto left = deadline - std::chrono::system_clock::now();
-    if (left < std::chrono::hours(24 * 365)) {
-      call.deadline = std::chrono::steady_clock::now() +
-                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
-    }
-  }
+  call.deadline = SteadyDeadline(ctx);
   call.request_id = next_forward_id.fetch_add(1, std::memory_order_relaxed);
   return call;
 }
@@ -223,27 +259,120 @@ grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* 
   auto* reactor = ctx->DefaultReactor();
   const uint64_t rid = call->request_id;
   const std::string op = absl::StrCat(call->ns, "/", call->op);
-  core_.executor->ForwardAsync(
-      *std::move(call), [reactor, resp, rid, op](absl::StatusOr<exec::ForwardResult> r) {
+  std::vector<bool> requires_grad(req->requires_grad().begin(), req->requires_grad().end());
+  core_.autograd->ForwardAsync(
+      *std::move(call), std::move(requires_grad),
+      [reactor, resp, rid, op](absl::StatusOr<autograd::GradForwardResult> r) {
         if (!r.ok()) {
           Logger("rpc")->debug("req=f{} Forward {}: {}", rid, op, r.status().ToString());
           reactor->Finish(ToGrpcStatus(r.status()));
           return;
         }
-        for (auto& o : r->outputs) {
-          v1::Tensor* t = resp->add_outputs();
-          t->set_dtype(o.desc.dtype);
-          for (int64_t d : o.desc.shape) t->add_shape(d);
-          if (o.in_shm) {
-            t->mutable_shm()->set_region(o.region);
-            t->mutable_shm()->set_offset(o.offset);
-          } else {
-            t->set_inline_data(std::move(o.inline_bytes));
-          }
+        for (auto& o : r->forward.outputs) OutputToProto(o, resp->add_outputs());
+        resp->set_kernel_ms(r->forward.kernel_ms);
+        resp->set_server_ms(r->forward.server_ms);
+        resp->set_version(r->forward.version);
+        resp->set_context_id(r->context_id);
+        reactor->Finish(grpc::Status::OK);
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext* ctx,
+                                                    const v1::BackwardRequest* req,
+                                                    v1::BackwardResponse* resp) {
+  autograd::BackwardCall call;
+  call.ns = Ns(req->namespace_());
+  call.context_id = req->context_id();
+  for (int j = 0; j < req->grad_outputs_size(); ++j) {
+    const v1::Tensor& t = req->grad_outputs(j);
+    if (t.dtype().empty()) {
+      call.grad_outputs.push_back(std::nullopt);
+      continue;
+    }
+    auto arg = TensorFromProto(t, absl::StrCat("grad_outputs[", j, "]"));
+    if (!arg.ok()) return Finish(ctx, arg.status());
+    call.grad_outputs.push_back(*std::move(arg));
+  }
+  call.retain_context = req->retain_context();
+  call.create_graph = req->create_graph();
+  for (int j = 0; j < req->outputs_size(); ++j) {
+    auto p = PlacementFromProto(req->outputs(j), j);
+    if (!p.ok()) return Finish(ctx, p.status());
+    call.outputs.push_back(*std::move(p));
+  }
+  call.deadline = SteadyDeadline(*ctx);
+  auto* reactor = ctx->DefaultReactor();
+  core_.autograd->BackwardAsync(
+      std::move(call), [reactor, resp](absl::StatusOr<autograd::BackwardResult> r) {
+        if (!r.ok()) {
+          reactor->Finish(ToGrpcStatus(r.status()));
+          return;
+        }
+        for (auto& group : r->grad_inputs) {
+          v1::InputArg* arg = resp->add_grad_inputs();
+          for (auto& o : group) OutputToProto(o, arg->add_tensors());
         }
         resp->set_kernel_ms(r->kernel_ms);
         resp->set_server_ms(r->server_ms);
-        resp->set_version(r->version);
+        resp->set_context_id(r->context_id);
+        reactor->Finish(grpc::Status::OK);
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ExecutorService::ReleaseContext(grpc::CallbackServerContext* ctx,
+                                                          const v1::ReleaseContextRequest* req,
+                                                          v1::ReleaseContextResponse*) {
+  return Finish(ctx, core_.autograd->Release(Ns(req->namespace_()), req->context_id()));
+}
+
+grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext* ctx,
+                                                     const v1::GradCheckRequest* req,
+                                                     v1::GradCheckResponse* resp) {
+  autograd::GradCheckCall call;
+  call.ns = Ns(req->namespace_());
+  call.op = req->op();
+  call.version = req->version();
+  auto inputs = InputsFromProto(req->inputs());
+  if (!inputs.ok()) return Finish(ctx, inputs.status());
+  call.inputs = *std::move(inputs);
+  auto attrs = AttrsFromProto(req->attrs());
+  if (!attrs.ok()) return Finish(ctx, attrs.status());
+  call.attrs = *std::move(attrs);
+  if (req->random_shape_size() > 0) {
+    call.random_shape.assign(req->random_shape().begin(), req->random_shape().end());
+    for (int64_t d : call.random_shape) {
+      if (d < 0 || d > 4096) {
+        return Finish(ctx, absl::InvalidArgumentError(
+                               "random_shape dims must be in [0, 4096] (gradcheck runs 2 forwards per element)"));
+      }
+    }
+  }
+  call.seed = req->seed();
+  call.eps = req->eps();
+  call.atol = req->atol();
+  call.rtol = req->rtol();
+  auto* reactor = ctx->DefaultReactor();
+  core_.autograd->GradCheckAsync(
+      std::move(call), [reactor, resp](absl::StatusOr<autograd::GradCheckResult> r) {
+        if (!r.ok()) {
+          reactor->Finish(ToGrpcStatus(r.status()));
+          return;
+        }
+        resp->set_passed(r->passed);
+        resp->set_dtype(r->dtype);
+        resp->set_message(r->message);
+        for (const auto& gi : r->inputs) {
+          auto* out = resp->add_inputs();
+          out->set_name(gi.name);
+          out->set_max_abs_error(gi.max_abs_error);
+          out->set_max_rel_error(gi.max_rel_error);
+          out->set_passed(gi.passed);
+          out->set_worst_index(gi.worst_index);
+          out->set_analytic(gi.analytic);
+          out->set_numeric(gi.numeric);
+        }
         reactor->Finish(grpc::Status::OK);
       });
   return reactor;

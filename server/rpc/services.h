@@ -31,6 +31,9 @@ class Executor;
 namespace tensor {
 class RegionManager;
 }
+namespace autograd {
+class Autograd;
+}
 }  // namespace opjit
 
 namespace opjit::rpc {
@@ -41,6 +44,7 @@ struct CoreRefs {
   compiler::KernelCompiler* compiler = nullptr;  // may be null in tests of the registry alone
   tensor::RegionManager* regions = nullptr;
   exec::Executor* executor = nullptr;
+  autograd::Autograd* autograd = nullptr;
 };
 
 // Static facts reported by GetServerInfo.
@@ -121,6 +125,15 @@ class ExecutorService final : public v1::Executor::CallbackService {
   explicit ExecutorService(CoreRefs core) : core_(core) {}
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
                                     v1::ForwardResponse* resp) override;
+  grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* ctx,
+                                     const v1::BackwardRequest* req,
+                                     v1::BackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* ReleaseContext(grpc::CallbackServerContext* ctx,
+                                           const v1::ReleaseContextRequest* req,
+                                           v1::ReleaseContextResponse* resp) override;
+  grpc::ServerUnaryReactor* GradCheck(grpc::CallbackServerContext* ctx,
+                                      const v1::GradCheckRequest* req,
+                                      v1::GradCheckResponse* resp) override;
 
  private:
   CoreRefs core_;

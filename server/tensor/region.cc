@@ -32,6 +32,12 @@ class ScopedFd {
   int fd_;
 };
 
+// strerror() is not thread-safe; this is.
+std::string ErrnoText(int err) {
+  char buf[128];
+  return ::strerror_r(err, buf, sizeof(buf));  // GNU strerror_r: returns the text.
+}
+
 uint64_t PageSize() {
   long page = ::sysconf(_SC_PAGESIZE);
   return page > 0 ? static_cast<uint64_t>(page) : 4096;
@@ -105,7 +111,8 @@ absl::StatusOr<std::unique_ptr<Region>> Region::CreateShm(const std::string& shm
 
 absl::StatusOr<std::unique_ptr<Region>> Region::MapExisting(const std::string& shm_key,
                                                             uint64_t offset, uint64_t byte_size,
-                                                            RegionInfo info) {
+                                                            RegionInfo info,
+                                                            std::optional<uid_t> required_uid) {
   if (byte_size == 0) return absl::InvalidArgumentError("region size must be > 0 bytes");
   uint64_t end;
   if (__builtin_add_overflow(offset, byte_size, &end) ||
@@ -128,6 +135,11 @@ absl::StatusOr<std::unique_ptr<Region>> Region::MapExisting(const std::string& s
   if (!S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", shm_key, "' is not a shared memory object"));
+  }
+  if (required_uid.has_value() && st.st_uid != *required_uid) {
+    // Do not say who owns it: that is not the caller's business.
+    return absl::PermissionDeniedError(
+        absl::StrCat("shared memory object '", shm_key, "' is not owned by the caller"));
   }
   const uint64_t object_size = static_cast<uint64_t>(st.st_size);
   if (end > object_size) {
@@ -171,10 +183,10 @@ absl::StatusOr<std::unique_ptr<Region>> Region::MapExisting(const std::string& s
 Region::~Region() {
   if (map_base_ != nullptr && ::munmap(map_base_, map_length_) != 0) {
     Logger("tensor")->error("munmap of region '{}' ({}) failed: {}", info_.name, info_.shm_key,
-                            std::strerror(errno));
+                            ErrnoText(errno));
   }
   if (unlink_on_destroy_ && ::shm_unlink(info_.shm_key.c_str()) != 0 && errno != ENOENT) {
-    Logger("tensor")->warn("shm_unlink {} failed: {}", info_.shm_key, std::strerror(errno));
+    Logger("tensor")->warn("shm_unlink {} failed: {}", info_.shm_key, ErrnoText(errno));
   }
 }
 

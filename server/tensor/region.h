@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -56,11 +57,12 @@ class Region {
   // Maps [offset, offset + byte_size) of the existing shm object `shm_key`
   // read-write. The window must lie within the object (INVALID_ARGUMENT naming
   // the sizes); a missing key gives NOT_FOUND, no permission PERMISSION_DENIED.
-  // Never unlinks the key. `info`'s shm_key, offset, byte_size and
-  // daemon_owned are overwritten.
-  static absl::StatusOr<std::unique_ptr<Region>> MapExisting(const std::string& shm_key,
-                                                             uint64_t offset, uint64_t byte_size,
-                                                             RegionInfo info);
+  // With `required_uid` set, the object must be owned by that uid
+  // (PERMISSION_DENIED otherwise). Never unlinks the key. `info`'s shm_key,
+  // offset, byte_size and daemon_owned are overwritten.
+  static absl::StatusOr<std::unique_ptr<Region>> MapExisting(
+      const std::string& shm_key, uint64_t offset, uint64_t byte_size, RegionInfo info,
+      std::optional<uid_t> required_uid = std::nullopt);
 
   ~Region();
   Region(const Region&) = delete;

@@ -89,6 +89,12 @@ absl::StatusOr<std::string> RandomHex() {
   return out;
 }
 
+// strerror() is not thread-safe; this is.
+std::string ErrnoText(int err) {
+  char buf[128];
+  return ::strerror_r(err, buf, sizeof(buf));  // GNU strerror_r: returns the text.
+}
+
 int64_t NowUnixMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -101,13 +107,13 @@ int UnlinkOrphans(const std::string& tag) {
   const std::string prefix = absl::StrCat("opjit.", tag, ".");
   DIR* dir = ::opendir(std::string(kShmDir).c_str());
   if (dir == nullptr) {
-    Logger("tensor")->warn("cannot scan {} for leftover regions: {}", kShmDir,
-                           std::strerror(errno));
+    Logger("tensor")->warn("cannot scan {} for leftover regions: {}", kShmDir, ErrnoText(errno));
     return 0;
   }
   int removed = 0;
   const uid_t uid = ::geteuid();
-  while (struct dirent* ent = ::readdir(dir)) {
+  // readdir is safe here: no other thread uses this DIR stream.
+  while (struct dirent* ent = ::readdir(dir)) {  // NOLINT(concurrency-mt-unsafe)
     std::string_view name(ent->d_name);
     if (name.size() != prefix.size() + kRandomHexDigits ||
         name.substr(0, prefix.size()) != prefix) {
@@ -125,7 +131,7 @@ int UnlinkOrphans(const std::string& tag) {
     if (::shm_unlink(key.c_str()) == 0) {
       ++removed;
     } else if (errno != ENOENT) {
-      Logger("tensor")->warn("cannot unlink leftover region {}: {}", key, std::strerror(errno));
+      Logger("tensor")->warn("cannot unlink leftover region {}: {}", key, ErrnoText(errno));
     }
   }
   ::closedir(dir);
@@ -193,14 +199,16 @@ absl::StatusOr<int64_t> RegionManager::Reserve(const std::string& ns, const std:
   }
   OPJIT_ASSIGN_OR_RETURN(int64_t lease, EffectiveLeaseMs(lease_ms));
   absl::MutexLock lock(&mu_);
-  auto [space_it, inserted] = namespaces_.try_emplace(ns);
+  const auto emplaced = namespaces_.try_emplace(ns);
+  const auto space_it = emplaced.first;
+  const bool inserted = emplaced.second;
   Namespace& space = space_it->second;
   // Refusals must not leave an empty namespace behind.
-  auto refuse = [&](absl::Status status) {
+  auto refuse = [&](absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (inserted) namespaces_.erase(space_it);
     return status;
   };
-  if (space.regions.count(name) != 0 || space.pending.count(name) != 0) {
+  if (space.regions.contains(name) || space.pending.contains(name)) {
     return refuse(absl::AlreadyExistsError(
         absl::StrCat("region '", name, "' is already registered in namespace '", ns, "'")));
   }
@@ -279,7 +287,8 @@ absl::StatusOr<RegionInfo> RegionManager::CreateRegion(const std::string& ns,
 
 absl::StatusOr<RegionInfo> RegionManager::RegisterRegion(
     const std::string& ns, const std::string& owner, const std::string& name,
-    const std::string& shm_key, uint64_t offset, uint64_t byte_size, int64_t lease_ms) {
+    const std::string& shm_key, uint64_t offset, uint64_t byte_size, int64_t lease_ms,
+    std::optional<uid_t> caller_uid) {
   OPJIT_RETURN_IF_ERROR(ValidateShmKey(shm_key));
   OPJIT_ASSIGN_OR_RETURN(int64_t lease, Reserve(ns, owner, name, byte_size, lease_ms));
   RegionInfo info;
@@ -287,7 +296,7 @@ absl::StatusOr<RegionInfo> RegionManager::RegisterRegion(
   info.name = name;
   info.owner = owner;
   absl::StatusOr<std::unique_ptr<Region>> region =
-      Region::MapExisting(shm_key, offset, byte_size, std::move(info));
+      Region::MapExisting(shm_key, offset, byte_size, std::move(info), caller_uid);
   if (!region.ok()) {
     // Prefix the region name so the client sees which registration failed.
     region = absl::Status(region.status().code(),
@@ -322,7 +331,7 @@ std::shared_ptr<const Region> RegionManager::EraseLocked(
   // Unlink at once, so no new client can map a name that is gone; the memory
   // is freed when the last mapping (ours in flight, or a client's) goes.
   if (info.daemon_owned && ::shm_unlink(info.shm_key.c_str()) != 0 && errno != ENOENT) {
-    Logger("tensor")->warn("shm_unlink {} failed: {}", info.shm_key, std::strerror(errno));
+    Logger("tensor")->warn("shm_unlink {} failed: {}", info.shm_key, ErrnoText(errno));
   }
   return region;
 }

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -112,9 +113,16 @@ class RegionManager {
   // works. NOT_FOUND if the key does not exist, PERMISSION_DENIED if the
   // daemon cannot open it read-write. Other errors as for CreateRegion. The
   // daemon never unlinks a registered object.
+  //
+  // `caller_uid`: the uid of the connected client (SO_PEERCRED), where known.
+  // When set, the object must be owned by that uid (PERMISSION_DENIED
+  // otherwise), so a client cannot have the daemon map, and its kernels read
+  // or overwrite, another user's object that the daemon happens to be able to
+  // open.
   absl::StatusOr<RegionInfo> RegisterRegion(const std::string& ns, const std::string& owner,
                                             const std::string& name, const std::string& shm_key,
-                                            uint64_t offset, uint64_t byte_size, int64_t lease_ms);
+                                            uint64_t offset, uint64_t byte_size, int64_t lease_ms,
+                                            std::optional<uid_t> caller_uid = std::nullopt);
 
   // Returns the region `name` of `ns` for one call to use; hold it for the
   // whole call. NOT_FOUND "region 'x' is not registered in namespace 'y'".

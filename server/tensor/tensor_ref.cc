@@ -79,6 +79,7 @@ absl::StatusOr<uint64_t> DtypeSize(const std::string& dtype) {
     if (e.name == dtype) return e.size;
   }
   std::vector<std::string> names;
+  names.reserve(kDtypes.size());
   for (const DtypeEntry& e : kDtypes) names.emplace_back(e.name);
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", Clip(dtype),
                                                  "'; known dtypes: ", absl::StrJoin(names, ", ")));

@@ -1,0 +1,49 @@
+// square: y = x * x (the seed's intended op; it must not read y before writing it).
+#include <cstdint>
+
+extern "C" int Square(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                      void* stream, void* extra) {
+  (void)nparam, (void)dtypes, (void)stream, (void)extra;
+  int64_t n = 1;
+  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
+  const float* x = static_cast<const float*>(params[0]);
+  float* y = static_cast<float*>(params[1]);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * x[i];
+  return 0;
+}
+
+// The bprop (MindSpore convention): inputs (x, y, dy), output dx = 2 * x * dy.
+// y is not saved (save_for_backward lists only x), so it arrives absent and
+// params holds x, dy, dx.
+extern "C" int SquareGrad(int nparam, void** params, int* ndims, int64_t** shapes,
+                          const char** dtypes, void* stream, void* extra) {
+  (void)dtypes, (void)stream, (void)extra;
+  int64_t n = 1;
+  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
+  const float* x = static_cast<const float*>(params[0]);
+  const float* dy = static_cast<const float*>(params[nparam - 2]);
+  float* dx = static_cast<float*>(params[nparam - 1]);
+  for (int64_t i = 0; i < n; ++i) dx[i] = 2.0f * x[i] * dy[i];
+  return 0;
+}
+
+// The bprop of SquareGrad, for double backward: inputs (x, y, dy, dx, ddx)
+// with y and dx absent; outputs (d_x, d_y, d_dy) = (2 * dy * ddx, 0, 2 * x * ddx).
+extern "C" int SquareGradGrad(int nparam, void** params, int* ndims, int64_t** shapes,
+                              const char** dtypes, void* stream, void* extra) {
+  (void)nparam, (void)dtypes, (void)stream, (void)extra;
+  int64_t n = 1;
+  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
+  const float* x = static_cast<const float*>(params[0]);
+  const float* dy = static_cast<const float*>(params[1]);
+  const float* ddx = static_cast<const float*>(params[2]);
+  float* gx = static_cast<float*>(params[3]);
+  float* gy = static_cast<float*>(params[4]);
+  float* gdy = static_cast<float*>(params[5]);
+  for (int64_t i = 0; i < n; ++i) {
+    gx[i] = 2.0f * dy[i] * ddx[i];
+    gy[i] = 0.0f;
+    gdy[i] = 2.0f * x[i] * ddx[i];
+  }
+  return 0;
+}

@@ -1,0 +1,48 @@
+// tanh forward and its bprop, which uses the saved forward output:
+// dx = dy * (1 - y^2).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+int64_t Numel(int* ndims, int64_t** shapes, int i) {
+  int64_t n = 1;
+  for (int d = 0; d < ndims[i]; ++d) n *= shapes[i][d];
+  return n;
+}
+}  // namespace
+
+extern "C" int Tanh(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
+                    void* stream, void* extra) {
+  (void)nparam, (void)stream, (void)extra;
+  const int64_t n = Numel(ndims, shapes, 0);
+  if (std::strcmp(dtypes[0], "float64") == 0) {
+    const double* x = static_cast<const double*>(params[0]);
+    double* y = static_cast<double*>(params[1]);
+    for (int64_t i = 0; i < n; ++i) y[i] = std::tanh(x[i]);
+  } else {
+    const float* x = static_cast<const float*>(params[0]);
+    float* y = static_cast<float*>(params[1]);
+    for (int64_t i = 0; i < n; ++i) y[i] = std::tanh(x[i]);
+  }
+  return 0;
+}
+
+// Inputs (x, y, dy) with x absent (only y is saved): params = y, dy, dx.
+extern "C" int TanhGrad(int nparam, void** params, int* ndims, int64_t** shapes,
+                        const char** dtypes, void* stream, void* extra) {
+  (void)nparam, (void)stream, (void)extra;
+  const int64_t n = Numel(ndims, shapes, 0);
+  if (std::strcmp(dtypes[0], "float64") == 0) {
+    const double* y = static_cast<const double*>(params[0]);
+    const double* dy = static_cast<const double*>(params[1]);
+    double* dx = static_cast<double*>(params[2]);
+    for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * (1.0 - y[i] * y[i]);
+  } else {
+    const float* y = static_cast<const float*>(params[0]);
+    const float* dy = static_cast<const float*>(params[1]);
+    float* dx = static_cast<float*>(params[2]);
+    for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * (1.0f - y[i] * y[i]);
+  }
+  return 0;
+}

@@ -1,0 +1,605 @@
+#include "server/autograd/autograd.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <random>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/common/logging.h"
+#include "server/common/status_macros.h"
+#include "server/common/thread_pool.h"
+#include "server/registry/registry.h"
+#include "server/tensor/tensor_ref.h"
+
+namespace opjit::autograd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using exec::SavedTensor;
+using exec::TensorArg;
+
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+std::string RandomId() {
+  unsigned char buf[16];
+  if (getrandom(buf, sizeof(buf), 0) != sizeof(buf)) {
+    std::random_device rd;
+    for (auto& b : buf) b = static_cast<unsigned char>(rd());
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : buf) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  return out;
+}
+
+bool Contains(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+// What a forward with requires_grad leaves for its backward.
+struct Context {
+  std::string id;
+  std::string ns;
+  std::shared_ptr<const registry::OpRecord> record;
+  std::vector<bool> requires_grad;                 // per declared input
+  std::vector<std::vector<SavedTensor>> inputs;    // per declared input
+  std::vector<SavedTensor> outputs;                // per output
+  std::vector<exec::TensorDesc> output_descs;      // per output, always
+  std::vector<size_t> input_counts;                // tensors per declared input
+  std::map<std::string, exec::AttrArg> attrs;      // the forward's attrs
+  uint64_t bytes = 0;
+  Clock::time_point last_used;
+};
+
+TensorArg ArgOf(const SavedTensor& t) {
+  TensorArg a;
+  a.desc = t.desc;
+  a.inline_bytes = t.bytes;
+  return a;
+}
+
+// Element access in double for the floating dtypes gradcheck supports.
+double HalfToDouble(uint16_t h) {
+  const int exp = (h >> 10) & 0x1f;
+  const int mant = h & 0x3ff;
+  double v;
+  if (exp == 0) {
+    v = std::ldexp(mant, -24);
+  } else if (exp == 31) {
+    v = mant ? NAN : INFINITY;
+  } else {
+    v = std::ldexp(mant + 1024, exp - 25);
+  }
+  return (h & 0x8000) ? -v : v;
+}
+
+uint16_t DoubleToHalf(double d) {
+  float f = static_cast<float>(d);
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = (x >> 16) & 0x8000;
+  const int32_t exp = static_cast<int32_t>((x >> 23) & 0xff) - 127 + 15;
+  uint32_t mant = x & 0x7fffff;
+  if (exp >= 31) return sign | 0x7c00;
+  if (exp <= 0) {
+    if (exp < -10) return sign;
+    mant |= 0x800000;
+    return sign | static_cast<uint16_t>(mant >> (14 - exp));
+  }
+  return sign | static_cast<uint16_t>(exp << 10) | static_cast<uint16_t>(mant >> 13);
+}
+
+double Get(const std::string& dtype, const std::string& bytes, size_t i) {
+  if (dtype == "float64") {
+    double v;
+    std::memcpy(&v, bytes.data() + 8 * i, 8);
+    return v;
+  }
+  if (dtype == "float32") {
+    float v;
+    std::memcpy(&v, bytes.data() + 4 * i, 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, bytes.data() + 2 * i, 2);
+  return HalfToDouble(h);
+}
+
+void Set(const std::string& dtype, std::string* bytes, size_t i, double v) {
+  if (dtype == "float64") {
+    std::memcpy(bytes->data() + 8 * i, &v, 8);
+  } else if (dtype == "float32") {
+    float f = static_cast<float>(v);
+    std::memcpy(bytes->data() + 4 * i, &f, 4);
+  } else {
+    uint16_t h = DoubleToHalf(v);
+    std::memcpy(bytes->data() + 2 * i, &h, 2);
+  }
+}
+
+bool IsFloat(const std::string& dtype) {
+  return dtype == "float16" || dtype == "float32" || dtype == "float64";
+}
+
+}  // namespace
+
+struct Autograd::Impl {
+  AutogradOptions options;
+  registry::Registry* registry = nullptr;
+  exec::Executor* executor = nullptr;
+  std::unique_ptr<ThreadPool> pool;  // gradcheck
+
+  mutable std::mutex mu;
+  std::unordered_map<std::string, std::shared_ptr<Context>> contexts;  // GUARDED_BY(mu)
+  std::map<std::string, uint64_t> ns_bytes;                            // GUARDED_BY(mu)
+
+  absl::Status Keep(std::shared_ptr<Context> ctx) {
+    std::lock_guard<std::mutex> lock(mu);
+    uint64_t& used = ns_bytes[ctx->ns];
+    if (used + ctx->bytes > options.namespace_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "namespace \"", ctx->ns, "\" holds ", used, " bytes of backward contexts; keeping ",
+          ctx->bytes, " more would pass its bound of ", options.namespace_bytes,
+          ". Run or release pending backwards (ReleaseContext), or forward without requires_grad"));
+    }
+    used += ctx->bytes;
+    contexts[ctx->id] = std::move(ctx);
+    return absl::OkStatus();
+  }
+
+  void DropLocked(const std::string& id) {
+    auto it = contexts.find(id);
+    if (it == contexts.end()) return;
+    ns_bytes[it->second->ns] -= it->second->bytes;
+    contexts.erase(it);
+  }
+
+  absl::StatusOr<std::shared_ptr<Context>> Take(const std::string& ns, const std::string& id,
+                                                bool retain) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = contexts.find(id);
+    if (it == contexts.end() || it->second->ns != ns) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no backward context \"", id, "\" in namespace \"", ns,
+          "\": run the forward with requires_grad on an input first (a context is kept only "
+          "then), and note that a context is released after one backward unless "
+          "retain_context is set, and after ", options.ttl_ms / 1000, " s unused"));
+    }
+    std::shared_ptr<Context> ctx = it->second;
+    ctx->last_used = Clock::now();
+    if (!retain) DropLocked(id);
+    return ctx;
+  }
+};
+
+Autograd::Autograd(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Autograd::~Autograd() { impl_->pool.reset(); }
+
+absl::StatusOr<std::unique_ptr<Autograd>> Autograd::Create(const AutogradOptions& options,
+                                                           registry::Registry* registry,
+                                                           exec::Executor* executor) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->registry = registry;
+  impl->executor = executor;
+  impl->pool = std::make_unique<ThreadPool>(options.gradcheck_threads, 16, "opjit-gradchk");
+  return std::unique_ptr<Autograd>(new Autograd(std::move(impl)));
+}
+
+void Autograd::ForwardAsync(exec::ForwardCall call, std::vector<bool> requires_grad,
+                            ForwardCallback done) {
+  const bool any = std::find(requires_grad.begin(), requires_grad.end(), true) != requires_grad.end();
+  if (!any) {
+    impl_->executor->ForwardAsync(std::move(call), [done](absl::StatusOr<exec::ForwardResult> r) {
+      if (!r.ok()) return done(r.status());
+      done(GradForwardResult{*std::move(r), ""});
+    });
+    return;
+  }
+  auto record = impl_->registry->GetShared(call.ns, call.op, call.version);
+  if (!record.ok()) return done(record.status());
+  const registry::OpDef& def = (*record)->def;
+  if (requires_grad.size() != def.inputs.size()) {
+    return done(absl::InvalidArgumentError(absl::StrCat(
+        "requires_grad has ", requires_grad.size(), " flag(s); op ", def.ns, "/", def.name,
+        " has ", def.inputs.size(), " declared input(s): give one per input, or none")));
+  }
+  if (def.backward.op.empty()) {
+    return done(absl::FailedPreconditionError(absl::StrCat(
+        "op ", def.ns, "/", def.name, " has no backward op, so no input can require a grad; "
+        "register it with backward.op naming its bprop")));
+  }
+  // Save what the bprop reads: save_for_backward, or everything.
+  const auto& save = def.backward.save_for_backward;
+  call.save_inputs.resize(def.inputs.size());
+  for (size_t i = 0; i < def.inputs.size(); ++i) {
+    call.save_inputs[i] = save.empty() || Contains(save, def.inputs[i].name);
+  }
+  call.save_outputs.resize(def.outputs.size());
+  for (size_t j = 0; j < def.outputs.size(); ++j) {
+    call.save_outputs[j] = save.empty() || Contains(save, def.outputs[j].name);
+  }
+  auto ctx = std::make_shared<Context>();
+  ctx->id = RandomId();
+  ctx->ns = call.ns;
+  ctx->record = *record;
+  ctx->requires_grad = std::move(requires_grad);
+  ctx->attrs = call.attrs;
+  for (const auto& group : call.inputs) ctx->input_counts.push_back(group.size());
+  Impl* impl = impl_.get();
+  impl->executor->ForwardAsync(
+      std::move(call), [impl, ctx, done](absl::StatusOr<exec::ForwardResult> r) {
+        if (!r.ok()) return done(r.status());
+        ctx->record = r->record;  // the version that ran
+        ctx->inputs = std::move(r->saved_inputs);
+        ctx->outputs = std::move(r->saved_outputs);
+        for (const auto& o : r->outputs) ctx->output_descs.push_back(o.desc);
+        for (const auto& g : ctx->inputs) {
+          for (const auto& t : g) ctx->bytes += t.bytes.size();
+        }
+        for (const auto& t : ctx->outputs) ctx->bytes += t.bytes.size();
+        ctx->last_used = Clock::now();
+        if (absl::Status s = impl->Keep(ctx); !s.ok()) return done(s);
+        Logger("autograd")->debug("context {} kept for {}/{} ({} bytes)", ctx->id.substr(0, 8),
+                                  ctx->ns, ctx->record->def.name, ctx->bytes);
+        done(GradForwardResult{*std::move(r), ctx->id});
+      });
+}
+
+void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
+  const auto t0 = Clock::now();
+  Impl* impl = impl_.get();
+  auto taken = impl->Take(call.ns, call.context_id, call.retain_context);
+  if (!taken.ok()) return done(taken.status());
+  std::shared_ptr<Context> ctx = *std::move(taken);
+  const registry::OpDef& fdef = ctx->record->def;
+  const size_t n_out = fdef.outputs.size();
+  if (call.grad_outputs.size() > n_out) {
+    return done(absl::InvalidArgumentError(absl::StrCat(
+        "op ", fdef.ns, "/", fdef.name, " has ", n_out, " output(s) but ",
+        call.grad_outputs.size(), " grad_outputs were given")));
+  }
+  auto bprop = impl->registry->GetShared(ctx->ns, fdef.backward.op, 0);
+  if (!bprop.ok()) {
+    return done(absl::FailedPreconditionError(absl::StrCat(
+        "the backward op \"", fdef.backward.op, "\" of ", fdef.ns, "/", fdef.name,
+        " is not registered: ", bprop.status().message())));
+  }
+  const registry::OpDef& bdef = (*bprop)->def;
+  const size_t n_in = fdef.inputs.size();
+  if (bdef.inputs.size() != n_in + 2 * n_out || bdef.outputs.size() != n_in) {
+    return done(absl::FailedPreconditionError(absl::StrCat(
+        "bprop ", bdef.name, " must take (forward inputs, forward outputs, output grads) = ",
+        n_in + 2 * n_out, " inputs and give one grad per forward input (", n_in,
+        "); it declares ", bdef.inputs.size(), " inputs and ", bdef.outputs.size(), " outputs")));
+  }
+
+  // Zero buffers for missing grads live as long as the call.
+  auto zeros = std::make_shared<std::vector<std::string>>();
+  zeros->reserve(n_out);
+  exec::ForwardCall bcall;
+  bcall.ns = ctx->ns;
+  bcall.op = bdef.name;
+  bcall.version = (*bprop)->version;
+  bcall.deadline = call.deadline;
+  bcall.outputs = call.outputs;
+  for (size_t i = 0; i < n_in; ++i) {
+    std::vector<TensorArg> group;
+    if (i < ctx->inputs.size()) {
+      for (const auto& t : ctx->inputs[i]) group.push_back(ArgOf(t));
+    }
+    bcall.inputs.push_back(std::move(group));
+  }
+  for (size_t j = 0; j < n_out; ++j) {
+    std::vector<TensorArg> group;
+    if (j < ctx->outputs.size() && !ctx->outputs[j].desc.dtype.empty()) {
+      group.push_back(ArgOf(ctx->outputs[j]));
+    }
+    bcall.inputs.push_back(std::move(group));
+  }
+  for (size_t j = 0; j < n_out; ++j) {
+    std::vector<TensorArg> group;
+    const bool nondiff = Contains(fdef.backward.non_differentiable, fdef.outputs[j].name);
+    const bool given = j < call.grad_outputs.size() && call.grad_outputs[j].has_value();
+    if (given && !nondiff) {
+      const TensorArg& g = *call.grad_outputs[j];
+      if (g.desc.shape != ctx->output_descs[j].shape || g.desc.dtype != ctx->output_descs[j].dtype) {
+        return done(absl::InvalidArgumentError(absl::StrCat(
+            "grad_outputs[", j, "] (", fdef.outputs[j].name, ") is ", exec::DescString(g.desc),
+            " but the output was ", exec::DescString(ctx->output_descs[j]))));
+      }
+      group.push_back(g);
+    } else if (fdef.backward.materialize_grads) {
+      const auto& desc = ctx->output_descs[j];
+      auto n = tensor::ByteSize(desc.dtype, desc.shape);
+      if (!n.ok()) return done(n.status());
+      zeros->emplace_back(*n, '\0');
+      TensorArg z;
+      z.desc = desc;
+      z.inline_bytes = zeros->back();
+      group.push_back(z);
+    }
+    bcall.inputs.push_back(std::move(group));
+  }
+  // The bprop sees the forward's attrs that it declares.
+  for (const auto& [name, arg] : ctx->attrs) {
+    for (const auto& a : bdef.attrs) {
+      if (a.name == name) bcall.attrs[name] = arg;
+    }
+  }
+  std::vector<bool> bprop_grad;
+  if (call.create_graph) bprop_grad.assign(bdef.inputs.size(), true);
+
+  auto finish = [ctx, zeros, done, t0](absl::StatusOr<GradForwardResult> r) {
+    if (!r.ok()) {
+      return done(absl::Status(r.status().code(),
+                               absl::StrCat("backward of ", ctx->ns, "/", ctx->record->def.name,
+                                            ": ", r.status().message())));
+    }
+    BackwardResult out;
+    out.kernel_ms = r->forward.kernel_ms;
+    out.context_id = r->context_id;
+    out.grad_inputs.resize(ctx->requires_grad.size());
+    for (size_t i = 0; i < ctx->requires_grad.size(); ++i) {
+      if (!ctx->requires_grad[i] || i >= r->forward.outputs.size()) continue;
+      if (ctx->input_counts[i] == 0) continue;  // an absent optional input has no grad
+      out.grad_inputs[i].push_back(std::move(r->forward.outputs[i]));
+    }
+    out.server_ms = MsSince(t0);
+    done(std::move(out));
+  };
+  if (call.create_graph) {
+    ForwardAsync(std::move(bcall), std::move(bprop_grad), finish);
+  } else {
+    impl->executor->ForwardAsync(std::move(bcall), [finish](absl::StatusOr<exec::ForwardResult> r) {
+      if (!r.ok()) return finish(r.status());
+      finish(GradForwardResult{*std::move(r), ""});
+    });
+  }
+}
+
+absl::Status Autograd::Release(const std::string& ns, const std::string& context_id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->contexts.find(context_id);
+  if (it == impl_->contexts.end() || it->second->ns != ns) {
+    return absl::NotFoundError(
+        absl::StrCat("no backward context \"", context_id, "\" in namespace \"", ns, "\""));
+  }
+  impl_->DropLocked(context_id);
+  return absl::OkStatus();
+}
+
+int Autograd::ExpireContexts(Clock::time_point now) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<std::string> expired;
+  for (const auto& [id, ctx] : impl_->contexts) {
+    if (now - ctx->last_used > std::chrono::milliseconds(impl_->options.ttl_ms)) expired.push_back(id);
+  }
+  for (const auto& id : expired) impl_->DropLocked(id);
+  return static_cast<int>(expired.size());
+}
+
+size_t Autograd::LiveContexts() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->contexts.size();
+}
+
+namespace {
+
+// Blocking helpers for gradcheck, which runs on its own pool thread.
+absl::StatusOr<GradForwardResult> ForwardNow(Autograd* ag, exec::ForwardCall call,
+                                             std::vector<bool> rg) {
+  std::promise<absl::StatusOr<GradForwardResult>> p;
+  auto f = p.get_future();
+  ag->ForwardAsync(std::move(call), std::move(rg),
+                   [&p](absl::StatusOr<GradForwardResult> r) { p.set_value(std::move(r)); });
+  return f.get();
+}
+
+absl::StatusOr<BackwardResult> BackwardNow(Autograd* ag, BackwardCall call) {
+  std::promise<absl::StatusOr<BackwardResult>> p;
+  auto f = p.get_future();
+  ag->BackwardAsync(std::move(call),
+                    [&p](absl::StatusOr<BackwardResult> r) { p.set_value(std::move(r)); });
+  return f.get();
+}
+
+}  // namespace
+
+void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
+  auto shared = std::make_shared<GradCheckCall>(std::move(call));
+  auto work = [this, shared, done] {
+    const GradCheckCall& c = *shared;
+    auto record = impl_->registry->GetShared(c.ns, c.op, c.version);
+    if (!record.ok()) return done(record.status());
+    const registry::OpDef& def = (*record)->def;
+    const size_t n_in = def.inputs.size();
+
+    // The inputs: given, or random in the widest floating dtype the op takes.
+    std::vector<std::vector<SavedTensor>> inputs(n_in);
+    std::string dtype;
+    if (!c.inputs.empty()) {
+      if (c.inputs.size() != n_in) {
+        return done(absl::InvalidArgumentError(
+            absl::StrCat("give one input group per declared input (", n_in, ")")));
+      }
+      for (size_t i = 0; i < n_in; ++i) {
+        for (const auto& t : c.inputs[i]) {
+          if (t.in_shm) {
+            return done(absl::InvalidArgumentError("gradcheck takes inline inputs only"));
+          }
+          inputs[i].push_back({t.desc, std::string(t.inline_bytes)});
+          if (IsFloat(t.desc.dtype) && dtype.empty()) dtype = t.desc.dtype;
+        }
+      }
+    } else {
+      for (const char* want : {"float64", "float32", "float16"}) {
+        for (const auto& df : def.dtype_formats) {
+          bool all = true;
+          for (size_t i = 0; i < n_in; ++i) all &= df.io[i].first == want;
+          if (all && dtype.empty()) dtype = want;
+        }
+      }
+      if (dtype.empty()) {
+        return done(absl::InvalidArgumentError(absl::StrCat(
+            "op ", def.name, " has no dtype combination with all-floating inputs to check")));
+      }
+      std::mt19937_64 rng(c.seed);
+      std::uniform_real_distribution<double> mag(0.5, 1.5);
+      for (size_t i = 0; i < n_in; ++i) {
+        const int count = def.inputs[i].param_type == registry::ParamType::kOptional ? 0
+                          : def.inputs[i].param_type == registry::ParamType::kDynamic ? 2
+                                                                                       : 1;
+        for (int k = 0; k < count; ++k) {
+          SavedTensor t;
+          t.desc = {dtype, c.random_shape};
+          auto n = tensor::ByteSize(dtype, c.random_shape);
+          if (!n.ok()) return done(n.status());
+          t.bytes.assign(*n, '\0');
+          const size_t elems = *n / registry::DtypeSize(dtype);
+          for (size_t e = 0; e < elems; ++e) Set(dtype, &t.bytes, e, (rng() & 1 ? 1 : -1) * mag(rng));
+          inputs[i].push_back(std::move(t));
+        }
+      }
+    }
+    const double eps = c.eps > 0 ? c.eps : dtype == "float64" ? 1e-6 : dtype == "float16" ? 1e-2 : 1e-3;
+    const double atol = c.atol > 0 ? c.atol : dtype == "float64" ? 1e-5 : dtype == "float16" ? 1e-1 : 1e-3;
+    const double rtol = c.rtol > 0 ? c.rtol : dtype == "float64" ? 1e-4 : dtype == "float16" ? 5e-2 : 1e-2;
+
+    auto make_call = [&](const std::vector<std::vector<SavedTensor>>& in) {
+      exec::ForwardCall f;
+      f.ns = c.ns;
+      f.op = c.op;
+      f.version = (*record)->version;
+      f.attrs = c.attrs;
+      for (const auto& g : in) {
+        std::vector<TensorArg> group;
+        for (const auto& t : g) group.push_back(ArgOf(t));
+        f.inputs.push_back(std::move(group));
+      }
+      return f;
+    };
+    std::vector<bool> rg(n_in);
+    for (size_t i = 0; i < n_in; ++i) {
+      rg[i] = !inputs[i].empty() && IsFloat(inputs[i][0].desc.dtype);
+    }
+    auto fwd = ForwardNow(this, make_call(inputs), rg);
+    if (!fwd.ok()) return done(fwd.status());
+    if (fwd->context_id.empty()) {
+      return done(absl::FailedPreconditionError("no input of the op can take a grad"));
+    }
+    // A random cotangent v per differentiable output: checks J^T v.
+    std::mt19937_64 rng(c.seed + 1);
+    std::uniform_real_distribution<double> vdist(-1.0, 1.0);
+    std::vector<SavedTensor> v;
+    std::vector<double> vscale;
+    BackwardCall bc;
+    bc.ns = c.ns;
+    bc.context_id = fwd->context_id;
+    for (size_t j = 0; j < fwd->forward.outputs.size(); ++j) {
+      const auto& o = fwd->forward.outputs[j];
+      SavedTensor t{o.desc, std::string(o.inline_bytes.size(), '\0')};
+      const bool diff = IsFloat(o.desc.dtype) &&
+                        !Contains(def.backward.non_differentiable, def.outputs[j].name);
+      if (diff) {
+        const size_t elems = o.inline_bytes.size() / registry::DtypeSize(o.desc.dtype);
+        for (size_t e = 0; e < elems; ++e) Set(o.desc.dtype, &t.bytes, e, vdist(rng));
+      }
+      v.push_back(std::move(t));
+    }
+    for (const auto& t : v) bc.grad_outputs.push_back(ArgOf(t));
+    auto bwd = BackwardNow(this, bc);
+    if (!bwd.ok()) return done(bwd.status());
+
+    // <f(x), v> in double.
+    auto dot = [&](const std::vector<std::vector<SavedTensor>>& in) -> absl::StatusOr<double> {
+      auto r = impl_->executor->Forward(make_call(in));
+      if (!r.ok()) return r.status();
+      double s = 0;
+      for (size_t j = 0; j < r->outputs.size(); ++j) {
+        const auto& o = r->outputs[j];
+        if (!IsFloat(o.desc.dtype)) continue;
+        const size_t elems = o.inline_bytes.size() / registry::DtypeSize(o.desc.dtype);
+        for (size_t e = 0; e < elems; ++e) {
+          s += Get(o.desc.dtype, o.inline_bytes, e) * Get(v[j].desc.dtype, v[j].bytes, e);
+        }
+      }
+      return s;
+    };
+
+    GradCheckResult result;
+    result.dtype = dtype;
+    for (size_t i = 0; i < n_in; ++i) {
+      for (size_t k = 0; k < inputs[i].size(); ++k) {
+        if (!rg[i]) continue;
+        GradCheckInput gi;
+        gi.name = inputs[i].size() > 1 ? absl::StrCat(def.inputs[i].name, "[", k, "]")
+                                        : def.inputs[i].name;
+        const auto& grads = bwd->grad_inputs[i];
+        if (k >= grads.size()) {
+          gi.passed = false;
+          result.message = absl::StrCat("the backward gave no grad for ", gi.name);
+          result.inputs.push_back(gi);
+          continue;
+        }
+        const std::string& analytic = grads[k].inline_bytes;
+        const std::string& idtype = inputs[i][k].desc.dtype;
+        const size_t elems = inputs[i][k].bytes.size() / registry::DtypeSize(idtype);
+        for (size_t e = 0; e < elems; ++e) {
+          auto in = inputs;
+          const double x0 = Get(idtype, inputs[i][k].bytes, e);
+          Set(idtype, &in[i][k].bytes, e, x0 + eps);
+          auto plus = dot(in);
+          Set(idtype, &in[i][k].bytes, e, x0 - eps);
+          auto minus = dot(in);
+          if (!plus.ok()) return done(plus.status());
+          if (!minus.ok()) return done(minus.status());
+          // The step actually taken, after rounding to the dtype.
+          const double h = Get(idtype, in[i][k].bytes, e);
+          Set(idtype, &in[i][k].bytes, e, x0 + eps);
+          const double step = Get(idtype, in[i][k].bytes, e) - h;
+          const double numeric = (*plus - *minus) / step;
+          const double a = Get(grads[k].desc.dtype, analytic, e);
+          const double abs_err = std::fabs(a - numeric);
+          const double rel_err = abs_err / std::max(std::fabs(numeric), 1e-12);
+          if (abs_err > atol + rtol * std::fabs(numeric)) gi.passed = false;
+          if (abs_err > gi.max_abs_error || gi.worst_index < 0) {
+            gi.worst_index = static_cast<int64_t>(e);
+            gi.analytic = a;
+            gi.numeric = numeric;
+          }
+          gi.max_abs_error = std::max(gi.max_abs_error, abs_err);
+          gi.max_rel_error = std::max(gi.max_rel_error, rel_err);
+        }
+        result.passed &= gi.passed;
+        result.inputs.push_back(gi);
+      }
+    }
+    if (result.message.empty()) {
+      result.message = result.passed
+                           ? absl::StrCat("backward matches central differences (eps ", eps,
+                                          ", atol ", atol, ", rtol ", rtol, ")")
+                           : absl::StrCat("backward differs from central differences (eps ", eps,
+                                          ", atol ", atol, ", rtol ", rtol, ")");
+    }
+    done(std::move(result));
+  };
+  if (!impl_->pool->Submit(std::move(work))) {
+    done(absl::ResourceExhaustedError("too many gradchecks are queued; retry later"));
+  }
+}
+
+}  // namespace opjit::autograd
