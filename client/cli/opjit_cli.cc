@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -46,6 +47,14 @@ Commands:
                                     run an op's forward on .npy files; one --in per
                                     declared input (a,b.npy for a dynamic input,
                                     "none" for an absent optional one)
+  grad OP --in X.npy [--in ...] [--attr NAME=VALUE]... --grad-out DY.npy [--grad-out ...]
+       [--out DX.npy]... [--no-grad INDEX]...
+                                    forward with requires_grad, then backward: writes
+                                    one input grad per --out (inputs in --no-grad get none)
+  gradcheck OP [--in X.npy ...] [--attr NAME=VALUE]... [--shape 4,3] [--seed N]
+       [--eps E] [--atol A] [--rtol R]
+                                    compare the op's backward with central finite
+                                    differences; exit 0 pass, 3 mismatch, 1 error
   cache stats                       compile-cache counters
   cache clear [--memory-only]       drop cached kernels
 
@@ -322,6 +331,44 @@ std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// Reads the --in files into groups (see run); "none" is an absent input.
+absl::StatusOr<std::vector<std::vector<opjit::client::NpyArray>>> ReadInputs(const Args& a) {
+  std::vector<std::vector<opjit::client::NpyArray>> groups;
+  for (const auto& spec : a.All("--in")) {
+    std::vector<opjit::client::NpyArray> group;
+    if (spec != "none") {
+      for (const auto& path : SplitComma(spec)) {
+        auto arr = opjit::client::ReadNpy(path);
+        if (!arr.ok()) {
+          return absl::Status(arr.status().code(), absl::StrCat(path, ": ", arr.status().message()));
+        }
+        group.push_back(*std::move(arr));
+      }
+    }
+    groups.push_back(std::move(group));
+  }
+  return groups;
+}
+
+absl::Status AddAttrs(const Args& a, google::protobuf::Map<std::string, opjit::v1::AttrValue>* attrs) {
+  for (const auto& kv : a.All("--attr")) {
+    auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return absl::InvalidArgumentError("--attr takes NAME=VALUE, got " + kv);
+    }
+    (*attrs)[kv.substr(0, eq)] = opjit::client::TextAttr(kv.substr(eq + 1));
+  }
+  return absl::OkStatus();
+}
+
+opjit::client::NpyArray FromTensor(const opjit::v1::Tensor& t) {
+  opjit::client::NpyArray arr;
+  arr.dtype = t.dtype();
+  arr.shape.assign(t.shape().begin(), t.shape().end());
+  arr.data = t.inline_data();
+  return arr;
+}
+
 int CmdRun(Client& c, const Globals& g, const Args& a) {
   if (a.positional.size() != 1) return UsageError("run takes one OP");
   std::string ns, name;
@@ -332,26 +379,15 @@ int CmdRun(Client& c, const Globals& g, const Args& a) {
   req.set_version(ParseVersion(a));
 
   // Read every input first: a bad file fails before anything reaches the server.
-  std::vector<std::vector<opjit::client::NpyArray>> groups;
+  auto read = ReadInputs(a);
+  if (!read.ok()) return Fail(read.status());
+  auto& groups = *read;
   uint64_t total = 0;
-  for (const auto& spec : a.All("--in")) {
-    std::vector<opjit::client::NpyArray> group;
-    if (spec != "none") {
-      for (const auto& path : SplitComma(spec)) {
-        auto arr = opjit::client::ReadNpy(path);
-        if (!arr.ok()) {
-          return Fail(absl::Status(arr.status().code(), absl::StrCat(path, ": ", arr.status().message())));
-        }
-        total += arr->data.size();
-        group.push_back(*std::move(arr));
-      }
-    }
-    groups.push_back(std::move(group));
+  for (const auto& group : groups) {
+    for (const auto& arr : group) total += arr.data.size();
   }
-  for (const auto& kv : a.All("--attr")) {
-    auto eq = kv.find('=');
-    if (eq == std::string::npos || eq == 0) return UsageError("--attr takes NAME=VALUE, got " + kv);
-    (*req.mutable_attrs())[kv.substr(0, eq)] = opjit::client::TextAttr(kv.substr(eq + 1));
+  if (absl::Status s = AddAttrs(a, req.mutable_attrs()); !s.ok()) {
+    return UsageError(std::string(s.message()));
   }
 
   std::string transport = a.Get("--transport", "auto");
@@ -438,6 +474,108 @@ int CmdRun(Client& c, const Globals& g, const Args& a) {
   return 0;
 }
 
+int CmdGrad(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("grad takes one OP");
+  std::string ns, name;
+  SplitName(a.positional[0], &ns, &name);
+  auto groups = ReadInputs(a);
+  if (!groups.ok()) return Fail(groups.status());
+  opjit::v1::ForwardRequest req;
+  req.set_namespace_(ns);
+  req.set_op(name);
+  req.set_version(ParseVersion(a));
+  if (absl::Status s = AddAttrs(a, req.mutable_attrs()); !s.ok()) return UsageError(std::string(s.message()));
+  std::set<int> no_grad;
+  for (const auto& i : a.All("--no-grad")) no_grad.insert(std::stoi(i));
+  for (size_t i = 0; i < groups->size(); ++i) {
+    auto* arg = req.add_inputs();
+    for (const auto& arr : (*groups)[i]) {
+      *arg->add_tensors() = opjit::client::InlineTensor(arr.dtype, arr.shape, arr.data);
+    }
+    req.add_requires_grad(!no_grad.count(static_cast<int>(i)));
+  }
+  auto fwd = c.Forward(req);
+  if (!fwd.ok()) return Fail(fwd.status());
+  if (fwd->context_id().empty()) {
+    return Fail(absl::FailedPreconditionError("no input requires a grad, so there is no backward"));
+  }
+  opjit::v1::BackwardRequest breq;
+  breq.set_namespace_(ns);
+  breq.set_context_id(fwd->context_id());
+  for (const auto& path : a.All("--grad-out")) {
+    if (path == "none") {
+      breq.add_grad_outputs();
+      continue;
+    }
+    auto arr = opjit::client::ReadNpy(path);
+    if (!arr.ok()) return Fail(absl::Status(arr.status().code(), absl::StrCat(path, ": ", arr.status().message())));
+    *breq.add_grad_outputs() = opjit::client::InlineTensor(arr->dtype, arr->shape, arr->data);
+  }
+  auto bwd = c.Backward(breq);
+  if (!bwd.ok()) return Fail(bwd.status());
+  const auto outs = a.All("--out");
+  for (int i = 0; i < bwd->grad_inputs_size(); ++i) {
+    const auto& group = bwd->grad_inputs(i);
+    if (group.tensors_size() == 0) {
+      if (!g.json) std::printf("grad %d: none (no grad required)\n", i);
+      continue;
+    }
+    const auto arr = FromTensor(group.tensors(0));
+    if (i < static_cast<int>(outs.size()) && outs[i] != "none") {
+      if (absl::Status s = opjit::client::WriteNpy(outs[i], arr); !s.ok()) return Fail(s);
+    }
+    if (!g.json) {
+      std::printf("grad %d: %s %s%s\n", i, arr.dtype.c_str(), ShapeString(group.tensors(0).shape()).c_str(),
+                  i < static_cast<int>(outs.size()) ? (" -> " + outs[i]).c_str() : "");
+    }
+  }
+  if (g.json) std::cout << ToJson(*bwd);
+  return 0;
+}
+
+int CmdGradCheck(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("gradcheck takes one OP");
+  std::string ns, name;
+  SplitName(a.positional[0], &ns, &name);
+  auto groups = ReadInputs(a);
+  if (!groups.ok()) return Fail(groups.status());
+  opjit::v1::GradCheckRequest req;
+  req.set_namespace_(ns);
+  req.set_op(name);
+  req.set_version(ParseVersion(a));
+  if (absl::Status s = AddAttrs(a, req.mutable_attrs()); !s.ok()) return UsageError(std::string(s.message()));
+  for (const auto& group : *groups) {
+    auto* arg = req.add_inputs();
+    for (const auto& arr : group) {
+      *arg->add_tensors() = opjit::client::InlineTensor(arr.dtype, arr.shape, arr.data);
+    }
+  }
+  if (a.Has("--shape")) {
+    for (const auto& d : SplitComma(a.Get("--shape"))) req.add_random_shape(std::stoll(d));
+  }
+  req.set_seed(std::stoull(a.Get("--seed", "0")));
+  req.set_eps(std::stod(a.Get("--eps", "0")));
+  req.set_atol(std::stod(a.Get("--atol", "0")));
+  req.set_rtol(std::stod(a.Get("--rtol", "0")));
+  auto r = c.GradCheck(req);
+  if (!r.ok()) return Fail(r.status());
+  if (g.json) {
+    std::cout << ToJson(*r);
+  } else {
+    std::printf("gradcheck %s (%s): %s\n", a.positional[0].c_str(), r->dtype().c_str(),
+                r->passed() ? "PASS" : "FAIL");
+    std::printf("  %-12s %-12s %-12s %-6s %s\n", "input", "max abs err", "max rel err", "ok",
+                "worst (analytic vs numeric)");
+    for (const auto& in : r->inputs()) {
+      std::printf("  %-12s %-12.3g %-12.3g %-6s [%lld] %.6g vs %.6g\n", in.name().c_str(),
+                  in.max_abs_error(), in.max_rel_error(), in.passed() ? "yes" : "NO",
+                  static_cast<long long>(in.worst_index()), in.analytic(), in.numeric());
+    }
+    std::printf("  %s\n", r->message().c_str());
+  }
+  return r->passed() ? 0 : 3;
+}
+
 int CmdCache(Client& c, const Globals& g, const Args& a) {
   if (a.positional.size() != 1) return UsageError("cache takes `stats` or `clear`");
   if (a.positional[0] == "stats") {
@@ -510,7 +648,8 @@ int main(int argc, char** argv) {
     rest.erase(it);
   }
   auto args = ParseArgs(rest, {"--namespace", "--version", "--entry", "--lang", "--option", "--library", "--in",
-                         "--out", "--attr", "--transport"},
+                         "--out", "--attr", "--transport", "--grad-out", "--no-grad", "--shape", "--seed",
+                         "--eps", "--atol", "--rtol"},
                         {"--all-versions", "--memory-only"});
   if (!args.ok()) return UsageError(std::string(args.status().message()));
 
@@ -529,6 +668,8 @@ int main(int argc, char** argv) {
     if (cmd == "compile") return CmdCompile(c, g, *args);
     if (cmd == "cache") return CmdCache(c, g, *args);
     if (cmd == "run") return CmdRun(c, g, *args);
+    if (cmd == "grad") return CmdGrad(c, g, *args);
+    if (cmd == "gradcheck") return CmdGradCheck(c, g, *args);
   } catch (const std::exception& e) {  // std::stoll on a bad --version
     return UsageError(std::string("bad argument: ") + e.what());
   }

@@ -96,8 +96,9 @@ struct PyValue {
   std::string str;
   int64_t integer = 0;
   bool boolean = false;
-  std::vector<PyValue> items;                        // kTuple, kList.
-  std::vector<std::pair<PyValue, PyValue>> entries;  // kDict.
+  std::vector<PyValue> items;  // kTuple, kList.
+  std::vector<PyValue> keys;   // kDict, with values[i] for keys[i].
+  std::vector<PyValue> values;
 };
 
 class PyLiteralParser {
@@ -251,7 +252,8 @@ class PyLiteralParser {
       if (pos_ >= text_.size() || text_[pos_] != ':') return Fail("expected ':'");
       ++pos_;
       if (!ParseValue(depth + 1, &value)) return false;
-      out->entries.emplace_back(std::move(key), std::move(value));
+      out->keys.push_back(std::move(key));
+      out->values.push_back(std::move(value));
       SkipSpace();
       if (pos_ < text_.size() && text_[pos_] == ',') {
         ++pos_;
@@ -350,6 +352,7 @@ uint64_t ReadLe(std::string_view bytes, size_t at, int n) {
 absl::StatusOr<uint64_t> NpyDtypeSize(std::string_view dtype) {
   if (const DtypeInfo* info = FindDtype(dtype)) return info->size;
   std::vector<std::string> names;
+  names.reserve(kDtypes.size());
   for (const DtypeInfo& d : kDtypes) names.emplace_back(d.name);
   return Invalid(absl::StrCat("unknown dtype '", Clip(dtype),
                               "'; known dtypes: ", absl::StrJoin(names, ", ")));
@@ -399,7 +402,9 @@ absl::StatusOr<NpyArray> ParseNpy(std::string_view bytes) {
   const PyValue* descr = nullptr;
   const PyValue* fortran = nullptr;
   const PyValue* shape = nullptr;
-  for (const auto& [key, value] : dict->entries) {
+  for (size_t i = 0; i < dict->keys.size(); ++i) {
+    const PyValue& key = dict->keys[i];
+    const PyValue& value = dict->values[i];
     if (key.kind != PyValue::kStr) return Invalid("malformed .npy header: a key is not a string");
     const PyValue** slot = key.str == "descr"           ? &descr
                            : key.str == "fortran_order" ? &fortran

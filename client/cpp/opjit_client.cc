@@ -234,6 +234,31 @@ absl::StatusOr<v1::ForwardResponse> Client::Forward(const v1::ForwardRequest& re
   return out;
 }
 
+absl::StatusOr<v1::BackwardResponse> Client::Backward(const v1::BackwardRequest& request) {
+  v1::BackwardResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(executor_->Backward(ctx.get(), request, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::Status Client::ReleaseContext(const std::string& ns, const std::string& context_id) {
+  v1::ReleaseContextRequest req;
+  req.set_namespace_(ns);
+  req.set_context_id(context_id);
+  v1::ReleaseContextResponse out;
+  auto ctx = NewContext();
+  return FromGrpc(executor_->ReleaseContext(ctx.get(), req, &out));
+}
+
+absl::StatusOr<v1::GradCheckResponse> Client::GradCheck(const v1::GradCheckRequest& request) {
+  v1::GradCheckResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(executor_->GradCheck(ctx.get(), request, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
 v1::Tensor InlineTensor(const std::string& dtype, const std::vector<int64_t>& shape,
                         std::string_view bytes) {
   v1::Tensor t;

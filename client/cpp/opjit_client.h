@@ -72,6 +72,10 @@ class Client {
 
   // Runs an op's forward.
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request);
+  // Autograd: backward on a context kept by a forward with requires_grad.
+  absl::StatusOr<v1::BackwardResponse> Backward(const v1::BackwardRequest& request);
+  absl::Status ReleaseContext(const std::string& ns, const std::string& context_id);
+  absl::StatusOr<v1::GradCheckResponse> GradCheck(const v1::GradCheckRequest& request);
 
   // The id this client's regions are leased under (random per Client).
   const std::string& client_id() const { return client_id_; }

@@ -23,6 +23,14 @@ uint64_t NextRequestId() { return next_request_id.fetch_add(1, std::memory_order
 
 std::string ShortKey(const std::string& key) { return key.substr(0, 12); }
 
+// The first line of a status, for logs: compile diagnostics quote the
+// client's source, which does not belong in the daemon's log.
+std::string Brief(const absl::Status& s) {
+  std::string text = s.ToString();
+  auto nl = text.find('\n');
+  return nl == std::string::npos ? text : text.substr(0, nl) + " [...]";
+}
+
 grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
@@ -90,7 +98,7 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
                           absl::StatusOr<compiler::CompileOutcome> outcome) {
         if (!outcome.ok()) {
           log->debug("req={} RegisterOp {}/{}: compile: {}", rid, shared_def->ns,
-                     shared_def->name, outcome.status().ToString());
+                     shared_def->name, Brief(outcome.status()));
           reactor->Finish(ToGrpcStatus(absl::Status(
               outcome.status().code(),
               absl::StrCat("op \"", shared_def->ns, "/", shared_def->name,
@@ -169,7 +177,7 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
       std::move(job),
       [reactor, resp, target_name, rid](absl::StatusOr<compiler::CompileOutcome> outcome) {
         if (!outcome.ok()) {
-          Logger("rpc")->debug("req={} Compile: {}", rid, outcome.status().ToString());
+          Logger("rpc")->debug("req={} Compile: {}", rid, Brief(outcome.status()));
           reactor->Finish(ToGrpcStatus(outcome.status()));
           return;
         }

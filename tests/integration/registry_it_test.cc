@@ -301,7 +301,8 @@ TEST_F(RegistryIT, InfoHealthAndTcp) {
   auto channel = grpc::CreateChannel(d.address(), grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
   grpc::ClientContext ctx;
-  grpc::ByteBuffer request, response;
+  grpc::Slice empty("");
+  grpc::ByteBuffer request(&empty, 1), response;
   grpc::Status status;
   std::mutex mu;
   std::condition_variable cv;

@@ -21,7 +21,9 @@ const std::vector<std::string> kDtypes = {"float16", "float32", "float64", "int8
                                           "uint16",  "uint32",  "uint64",  "bool"};
 
 NpyArray MakeArray(const std::string& dtype, std::vector<int64_t> shape, uint32_t seed = 1) {
-  NpyArray a{.dtype = dtype, .shape = std::move(shape)};
+  NpyArray a;
+  a.dtype = dtype;
+  a.shape = std::move(shape);
   uint64_t n = *NpyDtypeSize(dtype);
   for (int64_t d : a.shape) n *= static_cast<uint64_t>(d);
   std::mt19937 rng(seed);
@@ -220,9 +222,9 @@ TEST(NpyTest, ValidateAndSerializeRejectInvalidArrays) {
   bad.data.pop_back();
   EXPECT_EQ(ValidateNpyArray(bad).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SerializeNpy(bad), "");
-  EXPECT_EQ(ValidateNpyArray(NpyArray{.dtype = "complex64"}).code(),
+  EXPECT_EQ(ValidateNpyArray(NpyArray{.dtype = "complex64", .shape = {}, .data = ""}).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ValidateNpyArray(NpyArray{.dtype = "int8", .shape = {-1}}).code(),
+  EXPECT_EQ(ValidateNpyArray(NpyArray{.dtype = "int8", .shape = {-1}, .data = ""}).code(),
             absl::StatusCode::kInvalidArgument);
   TempDir dir;
   EXPECT_EQ(WriteNpy(dir.path() + "/x.npy", bad).code(), absl::StatusCode::kInvalidArgument);

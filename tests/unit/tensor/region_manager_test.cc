@@ -169,6 +169,13 @@ TEST_F(RegionManagerTest, RegistersClientRegionWindow) {
   EXPECT_EQ(manager_->RegisterRegion("ns", "bob", "zero", shm.key(), 0, 0, 0).status().code(),
             absl::StatusCode::kInvalidArgument);
 
+  // With the caller's uid known, only its own objects may be registered.
+  EXPECT_TRUE(manager_->RegisterRegion("ns", "bob", "mine", shm.key(), 0, 16, 0, ::geteuid()).ok());
+  auto foreign =
+      manager_->RegisterRegion("ns", "bob", "theirs", shm.key(), 0, 16, 0, ::geteuid() + 1);
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kPermissionDenied) << foreign.status();
+  ASSERT_TRUE(manager_->Unregister("ns", "mine").ok());
+
   auto missing = manager_->RegisterRegion("ns", "bob", "m", ClientKey("missing"), 0, 10, 0);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
   for (const std::string& key :
@@ -179,7 +186,7 @@ TEST_F(RegionManagerTest, RegistersClientRegionWindow) {
   }
   // Failed registrations leave no trace.
   EXPECT_EQ(manager_->List("ns").size(), 2u);
-  EXPECT_EQ(manager_->GetStats().registered, 2u);
+  EXPECT_EQ(manager_->GetStats().registered, 3u);
 }
 
 TEST_F(RegionManagerTest, AcquireAfterUnregisterIsNotFoundButOldHoldersStillRead) {

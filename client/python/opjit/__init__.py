@@ -1,0 +1,36 @@
+"""opjit: the Python client of the opjitd JIT kernel service.
+
+    import numpy as np, opjit
+    client = opjit.Client()                      # $OPJIT_SERVER or the default socket
+    client.register("kernels/examples/leaky_relu.json")
+    y = client.op("leaky_relu")(np.array([-1., 2.], np.float32), alpha=0.1)
+
+See client/python/README.md for the tour: CustomRegOp, shared-memory tensors,
+autograd (Tensor, Function, gradcheck), DLPack and errors.
+"""
+
+from opjit.errors import (OpjitError, InvalidArgument, NotFound, AlreadyExists, PermissionDenied,
+                          FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded,
+                          Unimplemented, Internal, Cancelled, Aborted, OutOfRange, DataLoss,
+                          Unauthenticated, Unknown)
+from opjit.client import Client, ShmUnavailableError, default_address, load_spec
+from opjit.regop import CustomRegOp, DataType
+from opjit.autograd import (Tensor, tensor, Function, FunctionCtx, no_grad, enable_grad,
+                            is_grad_enabled, grad)
+from opjit.op import Op, gradcheck, GradCheckResult, GradCheckInput
+from opjit._tensors import from_dlpack, DTYPES
+
+PyLayer = Function  # Paddle's name
+PyLayerContext = FunctionCtx
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client", "Op", "CustomRegOp", "DataType", "Tensor", "tensor", "Function", "FunctionCtx",
+    "PyLayer", "PyLayerContext", "no_grad", "enable_grad", "is_grad_enabled", "grad",
+    "gradcheck", "GradCheckResult", "GradCheckInput", "from_dlpack", "load_spec",
+    "default_address", "DTYPES", "OpjitError", "InvalidArgument", "NotFound", "AlreadyExists",
+    "PermissionDenied", "FailedPrecondition", "ResourceExhausted", "Unavailable",
+    "DeadlineExceeded", "Unimplemented", "Internal", "Cancelled", "Aborted", "OutOfRange",
+    "DataLoss", "Unauthenticated", "Unknown", "ShmUnavailableError",
+]

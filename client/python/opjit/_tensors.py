@@ -1,0 +1,226 @@
+"""numpy <-> opjit.v1.Tensor conversions, dtypes, attrs and DLPack."""
+
+import json
+import numbers
+
+import numpy as np
+
+from opjit._proto import exec_pb2
+from opjit.errors import InvalidArgument
+
+# opjit dtype name -> numpy dtype (native byte order).
+DTYPES = {
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
+    "bool": np.dtype(np.bool_),
+}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+HAS_DLPACK = hasattr(np, "from_dlpack")
+
+
+def dtype_name(dt):
+    """The opjit name of a numpy dtype; InvalidArgument if opjit has none."""
+    dt = np.dtype(dt)
+    name = _NAMES.get(dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt)
+    if name is None:
+        raise InvalidArgument("dtype %s is not supported by opjit (supported: %s)"
+                              % (dt, " ".join(DTYPES)))
+    return name
+
+
+def numpy_dtype(name):
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgument("the server returned unknown dtype %r" % name) from None
+
+
+def from_dlpack(x):
+    """An ndarray over the memory of any object with ``__dlpack__`` (zero copy).
+
+    CPU tensors only (numpy's limit). Needs numpy >= 1.22.
+    """
+    if not HAS_DLPACK:
+        raise NotImplementedError(
+            "opjit.from_dlpack needs numpy >= 1.22 (np.from_dlpack); this is numpy %s"
+            % np.__version__)
+    return np.from_dlpack(x)
+
+
+def as_ndarray(x, what="input"):
+    """Turns an input value into an ndarray (never copies an ndarray)."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif hasattr(x, "__opjit_array__"):
+        arr = x.__opjit_array__()
+    elif hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)):
+        arr = from_dlpack(x)
+    else:
+        arr = np.asarray(x)
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "<" and not _little()):
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    dtype_name(arr.dtype)  # raises for unsupported dtypes
+    return arr
+
+
+def _little():
+    import sys
+    return sys.byteorder == "little"
+
+
+def inline_tensor(arr):
+    t = exec_pb2.Tensor(dtype=dtype_name(arr.dtype), shape=list(arr.shape))
+    t.inline_data = np.ascontiguousarray(arr).tobytes()
+    return t
+
+
+def array_from_inline(t):
+    dt = numpy_dtype(t.dtype)
+    shape = tuple(t.shape)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(t.inline_data) != n * dt.itemsize:
+        raise InvalidArgument("the server returned %d bytes for %s %s"
+                              % (len(t.inline_data), t.dtype, list(shape)))
+    # A writable copy, like the shared-memory path's writable views.
+    return np.frombuffer(t.inline_data, dtype=dt, count=n).reshape(shape).copy()
+
+
+# ---- attributes -------------------------------------------------------------
+
+def _is_int(v):
+    return isinstance(v, (numbers.Integral, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_bool(v):
+    return isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v):
+    return isinstance(v, (numbers.Real, np.floating, np.integer)) and not _is_bool(v)
+
+
+def attr_value(name, value, value_type=""):
+    """A Python value as an opjit.v1.AttrValue, typed by the op's value_type when known."""
+    V = exec_pb2.AttrValue
+    if isinstance(value, V):
+        return value
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        if value_type == "bool":
+            return V(b=bool(value))
+        if value_type == "int":
+            if not _is_int(value):
+                raise TypeError
+            return V(i=int(value))
+        if value_type == "float":
+            if not _is_real(value):
+                raise TypeError
+            return V(f=float(value))
+        if value_type == "str":
+            if not isinstance(value, str):
+                raise TypeError
+            return V(s=value)
+        if value_type == "listInt":
+            return V(ints=exec_pb2.IntList(values=[_int(x) for x in value]))
+        if value_type == "listFloat":
+            return V(floats=exec_pb2.FloatList(values=[_real(x) for x in value]))
+        if value_type == "listBool":
+            return V(bools=exec_pb2.BoolList(values=[bool(x) for x in value]))
+        if value_type == "listStr":
+            return V(strs=exec_pb2.StringList(values=[_str(x) for x in value]))
+        if value_type == "listListInt":
+            return V(int_lists=exec_pb2.IntListList(
+                values=[exec_pb2.IntList(values=[_int(x) for x in row]) for row in value]))
+        if value_type == "listListFloat":
+            return V(float_lists=exec_pb2.FloatListList(
+                values=[exec_pb2.FloatList(values=[_real(x) for x in row]) for row in value]))
+    except (TypeError, ValueError):
+        raise InvalidArgument("attrs[%s]: %r is not a %s" % (name, value, value_type)) from None
+    return _infer_attr(name, value)
+
+
+def _int(x):
+    if not _is_int(x):
+        raise TypeError
+    return int(x)
+
+
+def _real(x):
+    if not _is_real(x):
+        raise TypeError
+    return float(x)
+
+
+def _str(x):
+    if not isinstance(x, str):
+        raise TypeError
+    return x
+
+
+def _infer_attr(name, value):
+    """Types a value by its Python type (for attrs the op does not declare)."""
+    V = exec_pb2.AttrValue
+    if _is_bool(value):
+        return V(b=bool(value))
+    if _is_int(value):
+        return V(i=int(value))
+    if _is_real(value):
+        return V(f=float(value))
+    if isinstance(value, str):
+        return V(s=value)
+    if isinstance(value, list):
+        if all(_is_bool(x) for x in value) and value:
+            return V(bools=exec_pb2.BoolList(values=[bool(x) for x in value]))
+        if all(_is_int(x) for x in value):
+            return V(ints=exec_pb2.IntList(values=[int(x) for x in value]))
+        if all(_is_real(x) for x in value):
+            return V(floats=exec_pb2.FloatList(values=[float(x) for x in value]))
+        if all(isinstance(x, str) for x in value):
+            return V(strs=exec_pb2.StringList(values=value))
+        if all(isinstance(x, (list, tuple)) for x in value):
+            rows = [list(r) for r in value]
+            if all(_is_int(x) for r in rows for x in r):
+                return V(int_lists=exec_pb2.IntListList(
+                    values=[exec_pb2.IntList(values=[int(x) for x in r]) for r in rows]))
+            if all(_is_real(x) for r in rows for x in r):
+                return V(float_lists=exec_pb2.FloatListList(
+                    values=[exec_pb2.FloatList(values=[float(x) for x in r]) for r in rows]))
+    raise InvalidArgument("attrs[%s]: cannot pass a value of type %s" % (name, type(value).__name__))
+
+
+def default_text(value):
+    """A Python default value as the registry's text form ("0.01", "[1, 2]", "true")."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if _is_bool(value):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return json.dumps(_plain(value))
+    return str(value)
+
+
+def _plain(v):
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if _is_bool(v):
+        return bool(v)
+    if _is_int(v):
+        return int(v)
+    if _is_real(v):
+        return float(v)
+    return v

@@ -1,0 +1,442 @@
+"""Client-side autograd: Tensor, the backward engine, Function (PyLayer), no_grad.
+
+Two kinds of graph node exist:
+
+* ``OpNode``: a call to a daemon op that has a registered bprop. The forward
+  left a context on the server (``ForwardResponse.context_id``); its backward
+  is the ``Backward`` RPC.
+* ``FunctionNode``: a ``Function`` subclass; its ``backward`` runs here, in
+  Python, and calls daemon ops itself (Paddle PyLayer / torch.autograd.Function).
+
+``Tensor.backward`` walks the graph from the tensor in topological order,
+hands each node the gradients of its outputs, and accumulates the gradients
+that reach leaf tensors with ``requires_grad`` into their ``.grad`` (a numpy
+array). An input with ``stop_gradient`` (``requires_grad=False``) gets no
+gradient; a node none of whose inputs needs one is never recorded, so its
+backward never runs.
+"""
+
+import threading
+
+import numpy as np
+
+from opjit import _tensors as T
+from opjit.errors import FailedPrecondition, InvalidArgument
+
+__all__ = ["Tensor", "tensor", "no_grad", "enable_grad", "is_grad_enabled", "Function",
+           "FunctionCtx", "grad"]
+
+_state = threading.local()
+
+
+def is_grad_enabled():
+    return getattr(_state, "enabled", True)
+
+
+class _GradMode:
+    def __init__(self, enabled):
+        self._enabled = enabled
+
+    def __enter__(self):
+        self._prev = is_grad_enabled()
+        _state.enabled = self._enabled
+
+    def __exit__(self, *exc):
+        _state.enabled = self._prev
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            with _GradMode(self._enabled):
+                return fn(*a, **k)
+        return wrapper
+
+
+def no_grad():
+    """Context manager (or decorator): calls inside record no graph."""
+    return _GradMode(False)
+
+
+def enable_grad():
+    return _GradMode(True)
+
+
+class Tensor:
+    """A numpy array with autograd state.
+
+    Attributes:
+      data: the ndarray (may be a view over shared memory; see Client).
+      requires_grad: whether gradients flow to (or through) it.
+      grad: the accumulated gradient, an ndarray, or None.
+      grad_fn: the node that produced it (None for leaves).
+    ``stop_gradient`` is Paddle's spelling of ``not requires_grad``.
+    """
+
+    __array_priority__ = 100
+
+    def __init__(self, data, requires_grad=False, dtype=None):
+        if isinstance(data, Tensor):
+            data = data.data
+        arr = T.as_ndarray(data if dtype is None else np.asarray(data, dtype=dtype))
+        self.data = arr
+        self.requires_grad = bool(requires_grad)
+        self.grad = None
+        self.grad_fn = None
+        self._output_index = 0
+
+    # -- Paddle spelling
+    @property
+    def stop_gradient(self):
+        return not self.requires_grad
+
+    @stop_gradient.setter
+    def stop_gradient(self, value):
+        self.requires_grad = not value
+
+    @property
+    def is_leaf(self):
+        return self.grad_fn is None
+
+    def requires_grad_(self, value=True):
+        self.requires_grad = bool(value)
+        return self
+
+    def detach(self):
+        """A new leaf Tensor over the same data, outside any graph."""
+        return Tensor(self.data)
+
+    def numpy(self):
+        return self.data
+
+    def item(self):
+        return self.data.item()
+
+    def tolist(self):
+        return self.data.tolist()
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def size(self):
+        return self.data.size
+
+    @property
+    def nbytes(self):
+        return self.data.nbytes
+
+    def __len__(self):
+        return len(self.data)
+
+    def __array__(self, dtype=None):
+        return self.data if dtype is None else self.data.astype(dtype)
+
+    def __opjit_array__(self):
+        return self.data
+
+    def __dlpack__(self, stream=None):
+        return self.data.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.data.__dlpack_device__()
+
+    def __repr__(self):
+        extra = ""
+        if self.grad_fn is not None:
+            extra = ", grad_fn=<%s>" % self.grad_fn.name()
+        elif self.requires_grad:
+            extra = ", requires_grad=True"
+        return "opjit.Tensor(%s%s)" % (np.array2string(self.data, separator=", "), extra)
+
+    def zero_grad(self):
+        self.grad = None
+
+    clear_grad = zero_grad
+
+    def backward(self, grad_tensor=None, retain_graph=False):
+        """Backpropagates from this tensor.
+
+        grad_tensor: d(loss)/d(self); default ones (so ``y.backward()`` on any
+        shape is the gradient of ``y.sum()``). Gradients accumulate into
+        ``.grad`` of leaf tensors that require them. A tensor that needs no
+        gradient makes this a no-op (Paddle's rule: backward is not run).
+        retain_graph: keep the graph (and server contexts) for another backward.
+        """
+        if self.grad_fn is None and not self.requires_grad:
+            return
+        if grad_tensor is None:
+            g = np.ones_like(self.data)
+        else:
+            g = _as_grad(grad_tensor, self)
+        _run_backward([(self, g)], retain_graph=retain_graph)
+
+
+def tensor(data, requires_grad=False, dtype=None):
+    """opjit.Tensor(data) with ``requires_grad``; ``data`` may be any array-like or DLPack object."""
+    return Tensor(data, requires_grad=requires_grad, dtype=dtype)
+
+
+def _as_grad(g, like):
+    if g is None:
+        return None
+    if isinstance(g, Tensor):
+        g = g.data
+    g = T.as_ndarray(g)
+    if like is not None and g.shape != like.shape:
+        raise InvalidArgument("gradient of shape %s for a tensor of shape %s"
+                              % (g.shape, like.shape))
+    return g
+
+
+# ---- graph nodes ---------------------------------------------------------------
+
+class Node:
+    """A recorded call. `inputs` holds, per input slot, a Tensor, None or a list of those."""
+
+    def __init__(self, inputs, out_meta):
+        self.inputs = inputs
+        self.out_meta = out_meta  # (shape, dtype) per output
+        self.released = False
+
+    def name(self):
+        return type(self).__name__
+
+    def apply(self, grads, retain_graph):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _edges(node):
+    """(slot, k, tensor) for every input tensor of node."""
+    for i, v in enumerate(node.inputs):
+        if isinstance(v, (list, tuple)):
+            for k, t in enumerate(v):
+                if isinstance(t, Tensor):
+                    yield i, k, t
+        elif isinstance(v, Tensor):
+            yield i, None, v
+
+
+def _run_backward(roots, retain_graph=False, capture=None):
+    """roots: (tensor, grad ndarray). capture: {id(tensor): None} to collect, not accumulate."""
+    # Discover the graph and count each node's consumers.
+    deps = {}
+    order = []
+    stack = [t.grad_fn for t, _ in roots if t.grad_fn is not None]
+    seen = set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        order.append(n)
+        deps.setdefault(id(n), 0)
+        for _, _, t in _edges(n):
+            if t.grad_fn is not None:
+                deps[id(t.grad_fn)] = deps.get(id(t.grad_fn), 0) + 1
+                stack.append(t.grad_fn)
+    buffers = {id(n): [None] * len(n.out_meta) for n in order}
+    nodes = {id(n): n for n in order}
+
+    def deliver(t, g):
+        if g is None:
+            return
+        if t.grad_fn is not None:
+            buf = buffers[id(t.grad_fn)]
+            i = t._output_index
+            buf[i] = g if buf[i] is None else buf[i] + g
+        elif t.requires_grad:
+            if capture is not None:
+                if id(t) in capture:
+                    prev = capture[id(t)]
+                    capture[id(t)] = g if prev is None else prev + g
+            else:
+                t.grad = g.copy() if t.grad is None else t.grad + g
+
+    for t, g in roots:
+        deliver(t, g)
+
+    ready = [n for n in order if deps[id(n)] == 0]
+    while ready:
+        n = ready.pop()
+        grads = buffers.pop(id(n))
+        if any(g is not None for g in grads):
+            if n.released:
+                raise FailedPrecondition(
+                    "trying to backward through %s a second time: its saved tensors were freed "
+                    "(pass retain_graph=True to the first backward)" % n.name())
+            in_grads = n.apply(grads, retain_graph)
+            if not retain_graph:
+                n.released = True
+        else:
+            in_grads = None
+        for i, k, t in _edges(n):
+            g = None
+            if in_grads is not None:
+                gi = in_grads[i]
+                g = gi[k] if k is not None and isinstance(gi, (list, tuple)) else gi
+                if k is not None and not isinstance(gi, (list, tuple)):
+                    g = None
+            if g is not None and t.requires_grad:
+                deliver(t, _as_grad(g, t))
+            if t.grad_fn is not None:
+                deps[id(t.grad_fn)] -= 1
+                if deps[id(t.grad_fn)] == 0:
+                    ready.append(nodes[id(t.grad_fn)])
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=False):
+    """The gradients of `outputs` w.r.t. `inputs` (torch.autograd.grad), without touching .grad.
+
+    Returns one ndarray (or None) per input.
+    """
+    if isinstance(outputs, Tensor):
+        outputs = [outputs]
+    if isinstance(inputs, Tensor):
+        inputs = [inputs]
+    if grad_outputs is None or isinstance(grad_outputs, (Tensor, np.ndarray)):
+        grad_outputs = [grad_outputs] * len(outputs) if grad_outputs is None else [grad_outputs]
+    roots = []
+    for o, g in zip(outputs, grad_outputs):
+        if o.grad_fn is None and not o.requires_grad:
+            continue
+        roots.append((o, np.ones_like(o.data) if g is None else _as_grad(g, o)))
+    capture = {id(t): None for t in inputs}
+    _run_backward(roots, retain_graph=retain_graph, capture=capture)
+    return [capture[id(t)] for t in inputs]
+
+
+# ---- Function (PyLayer) ----------------------------------------------------------
+
+class FunctionCtx:
+    """What forward hands to backward (Paddle's PyLayerContext).
+
+    Non-tensor values can be set as attributes (``ctx.scale = 2``).
+    """
+
+    def __init__(self):
+        self._saved = ()
+        self._non_diff = set()
+        self.materialize_grads = True
+        self.needs_input_grad = ()
+
+    def save_for_backward(self, *tensors):
+        """Keeps tensors for backward (call it in forward)."""
+        self._saved = tuple(tensors)
+
+    def saved_tensor(self):
+        """The tensors given to save_for_backward, as a tuple."""
+        if self._saved is None:
+            raise FailedPrecondition("the saved tensors were freed by an earlier backward "
+                                     "(use retain_graph=True)")
+        return self._saved
+
+    @property
+    def saved_tensors(self):
+        return self.saved_tensor()
+
+    def mark_non_differentiable(self, *outputs):
+        """Marks outputs (the objects forward returns) as having no gradient."""
+        self._non_diff.update(id(o) for o in outputs)
+
+    def set_materialize_grads(self, value):
+        """False: missing output gradients reach backward as None instead of zeros."""
+        self.materialize_grads = bool(value)
+
+
+class FunctionNode(Node):
+    def __init__(self, cls, ctx, inputs, out_meta):
+        super().__init__(inputs, out_meta)
+        self.cls = cls
+        self.ctx = ctx
+
+    def name(self):
+        return self.cls.__name__ + "Backward"
+
+    def apply(self, grads, retain_graph):
+        args = []
+        for g, (shape, dtype) in zip(grads, self.out_meta):
+            if g is None and self.ctx.materialize_grads:
+                g = np.zeros(shape, dtype)
+            args.append(None if g is None else Tensor(g))
+        with no_grad():
+            result = self.cls.backward(self.ctx, *args)
+        if not isinstance(result, (tuple, list)):
+            result = (result,)
+        n_in = len(self.inputs)
+        if len(result) != n_in:
+            raise InvalidArgument("%s.backward returned %d gradient(s); forward had %d tensor "
+                                  "input(s)" % (self.cls.__name__, len(result), n_in))
+        out = []
+        for t, g in zip(self.inputs, result):
+            if g is None or not t.requires_grad:
+                out.append(None)
+            else:
+                out.append(g.data if isinstance(g, Tensor) else T.as_ndarray(g))
+        if not retain_graph:
+            self.ctx._saved = None
+        return out
+
+
+class Function:
+    """Custom forward/backward with PyLayer / torch.autograd.Function semantics.
+
+    Subclass it with static ``forward(ctx, *args, **kwargs)`` and
+    ``backward(ctx, *grads)``; run it with ``apply``. forward runs with grad
+    recording off, and may call daemon ops; backward receives one gradient per
+    tensor output of forward and returns one per tensor input of forward
+    (None allowed). Inputs that need no gradient get None whatever backward
+    returns, and when no input needs one, no node is recorded and backward
+    never runs.
+    """
+
+    @staticmethod
+    def forward(ctx, *args, **kwargs):
+        raise NotImplementedError("Function subclasses must define forward(ctx, ...)")
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("Function subclasses must define backward(ctx, *grads)")
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        tensor_inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, Tensor)]
+        needs = is_grad_enabled() and any(t.requires_grad for t in tensor_inputs)
+        ctx = FunctionCtx()
+        ctx.needs_input_grad = tuple(t.requires_grad for t in tensor_inputs)
+        with no_grad():
+            result = cls.forward(ctx, *args, **kwargs)
+        single = not isinstance(result, (tuple, list))
+        items = [result] if single else list(result)
+        outs, metas, tensor_slots = [], [], []
+        for o in items:
+            if isinstance(o, (Tensor, np.ndarray)):
+                t = Tensor(o.data if isinstance(o, Tensor) else o)
+                t._non_diff = id(o) in ctx._non_diff
+                tensor_slots.append(t)
+                metas.append((t.shape, t.dtype))
+                outs.append(t)
+            else:
+                outs.append(o)
+        if not tensor_slots:
+            raise TypeError("%s.forward must return at least one Tensor" % cls.__name__)
+        if needs:
+            node = FunctionNode(cls, ctx, tensor_inputs, metas)
+            for k, t in enumerate(tensor_slots):
+                if not t._non_diff:
+                    t.grad_fn = node
+                    t._output_index = k
+                    t.requires_grad = True
+        for t in tensor_slots:
+            del t._non_diff
+        return outs[0] if single else type(result)(outs) if isinstance(result, tuple) else outs

@@ -1,0 +1,409 @@
+"""The opjit client: registry, compiler, tensors and calls over gRPC."""
+
+import atexit
+import ipaddress
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+import weakref
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from opjit._proto import (compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc, memory_pb2_grpc,
+                          op_pb2, registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
+from opjit._shm import ShmPool, ShmUnavailable
+from opjit.errors import InvalidArgument, NotFound, OpjitError, error_from_rpc
+
+_log = logging.getLogger("opjit")
+
+_MAX_MESSAGE = 256 << 20
+
+
+def default_address():
+    """$OPJIT_SERVER, else the daemon's default socket (as opjitd and the CLI pick it)."""
+    addr = os.environ.get("OPJIT_SERVER")
+    if addr:
+        return normalize_address(addr)
+    state = os.environ.get("OPJIT_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".opjit")
+    return "unix:" + os.path.join(state, "opjitd.sock")
+
+
+def normalize_address(addr):
+    """Bare paths become unix: addresses; host:port and unix: stay as they are."""
+    addr = str(addr)
+    if addr.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return addr
+    if addr.startswith(("/", "./", "../", "~")) or addr.endswith(".sock"):
+        return "unix:" + os.path.expanduser(addr)
+    return addr
+
+
+def is_local_address(addr):
+    """True when the server can share this host's /dev/shm: a unix socket or loopback TCP."""
+    if addr.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = addr
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if host.startswith(prefix):
+            host = host[len(prefix):]
+    if host.startswith("["):
+        host = host[1:host.find("]")]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _call(fn, request, timeout=None):
+    try:
+        return fn(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise error_from_rpc(e) from None
+
+
+def load_spec(spec, base_dir=None):
+    """An opjit.v1.OpDef from a dict, a JSON file path, JSON text, a builder or an OpDef.
+
+    ``source_file`` of each implementation is read (relative to ``base_dir``,
+    else the spec file's directory, else the current directory) into
+    ``source``, as the CLI does.
+    """
+    if isinstance(spec, op_pb2.OpDef):
+        op = op_pb2.OpDef()
+        op.CopyFrom(spec)
+    else:
+        if hasattr(spec, "get_op_info"):
+            spec = spec.get_op_info()
+        if isinstance(spec, (str, os.PathLike)) and not str(spec).lstrip().startswith("{"):
+            path = os.fspath(spec)
+            try:
+                with open(path, "r", encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise NotFound("cannot read spec %s: %s" % (path, e.strerror)) from None
+            if base_dir is None:
+                base_dir = os.path.dirname(os.path.abspath(path))
+            spec = text
+        if isinstance(spec, (str, bytes)):
+            try:
+                spec = json.loads(spec)
+            except ValueError as e:
+                raise InvalidArgument("spec is not valid JSON: %s" % e) from None
+        if not isinstance(spec, dict):
+            raise InvalidArgument("a spec is a dict, a JSON file path, a CustomRegOp or an OpDef; "
+                                  "got %s" % type(spec).__name__)
+        op = op_pb2.OpDef()
+        try:
+            json_format.ParseDict(spec, op, ignore_unknown_fields=False)
+        except json_format.ParseError as e:
+            raise InvalidArgument("spec is not a valid opjit.v1.OpDef: %s" % e) from None
+    base = base_dir if base_dir is not None else os.getcwd()
+    for i, impl in enumerate(op.implementations):
+        if not impl.source_file:
+            continue
+        if impl.source:
+            raise InvalidArgument("implementations[%d]: give either source or source_file, "
+                                  "not both" % i)
+        path = impl.source_file
+        if not os.path.isabs(path):
+            path = os.path.join(base, path)
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                impl.source = f.read()
+        except OSError:
+            raise NotFound("implementations[%d].source_file: cannot read %s" % (i, path)) from None
+        impl.ClearField("source_file")
+    return op
+
+
+def _split_name(name, namespace):
+    if "/" in name:
+        ns, name = name.split("/", 1)
+        return ns, name
+    return namespace or "", name
+
+
+class Client:
+    """A connection to opjitd.
+
+    Args:
+      addr: "unix:/path.sock", a bare socket path, or "host:port". Default:
+        $OPJIT_SERVER, else unix:$OPJIT_STATE_DIR/opjitd.sock, else
+        unix:~/.opjit/opjitd.sock.
+      namespace: the namespace for ops and regions ("" = the server's "default").
+      transport: "auto" (shared memory when the server is on this host and a
+        region can be created and mapped, else inline bytes), "shm" (shared
+        memory or an error), or "inline".
+      timeout: seconds per call (None: no deadline).
+      copy_outputs: return outputs as private copies instead of views over the
+        shared memory (views are the default; they are zero-copy and keep their
+        block allocated while alive).
+      region_bytes: size of each shared-memory region (grown when a call needs more).
+      lease_ms: lease asked for the regions; a daemon thread renews it.
+
+    Thread-safe; one Client per process is enough. Use as a context manager or
+    call close(); at interpreter exit open clients are closed.
+    """
+
+    def __init__(self, addr=None, namespace="", transport="auto", timeout=None,
+                 copy_outputs=False, region_bytes=16 << 20, lease_ms=60000):
+        if transport not in ("auto", "shm", "inline"):
+            raise InvalidArgument('transport must be "auto", "shm" or "inline"')
+        self.address = normalize_address(addr) if addr else default_address()
+        self.namespace = namespace or ""
+        self.timeout = timeout
+        self.copy_outputs = copy_outputs
+        self.client_id = "py-%s-%d-%s" % (
+            "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:32], os.getpid(),
+            uuid.uuid4().hex[:12])
+        self._channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+        ])
+        self._server = server_pb2_grpc.ServerStub(self._channel)
+        self._registry = registry_pb2_grpc.RegistryStub(self._channel)
+        self._compiler = compile_pb2_grpc.CompilerStub(self._channel)
+        self._memory = memory_pb2_grpc.MemoryStub(self._channel)
+        self._executor = exec_pb2_grpc.ExecutorStub(self._channel)
+        self._lock = threading.Lock()
+        self._pools = {}
+        self._region_bytes = region_bytes
+        self._lease_ms = lease_ms
+        if transport == "auto" and not is_local_address(self.address):
+            transport = "inline"
+        self._transport = transport
+        self._shm_failure = None if transport != "inline" else "transport is inline"
+        self._closed = False
+        self._stop = threading.Event()
+        self._renewer = None
+        self._dead_contexts = []
+        _live_clients.add(self)
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    def close(self):
+        """Releases this client's regions (ReleaseClient) and closes the channel.
+
+        Output arrays that are still alive stay valid (their mapping is kept).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._flush_contexts()
+        for pool in list(self._pools.values()):
+            pool.close()
+        self._channel.close()
+        _live_clients.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return "opjit.Client(%r, transport=%r)" % (self.address, self.transport)
+
+    @property
+    def transport(self):
+        """"shm" or "inline": what tensors use now."""
+        return "inline" if self._shm_failure else "shm"
+
+    @property
+    def shm_fallback_reason(self):
+        """Why shared memory is not used (None when it is)."""
+        return self._shm_failure
+
+    def wait_ready(self, timeout=10.0):
+        """Blocks until the server answers (Unavailable after `timeout` seconds)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise error_from_rpc_timeout(self.address, timeout) from None
+        return self
+
+    # ---- server, registry, compiler -----------------------------------------------
+
+    def info(self):
+        """opjit.v1.ServerInfo: version, CPU target, GPU availability, listen addresses."""
+        return _call(self._server.GetServerInfo, server_pb2.GetServerInfoRequest(), self.timeout)
+
+    def register(self, spec, base_dir=None):
+        """Registers an op; returns opjit.v1.RegisterOpResponse (.record.version, .created).
+
+        spec: a dict in protobuf's JSON mapping of OpDef (snake_case or
+        lowerCamelCase keys), a path to a JSON spec file, a CustomRegOp
+        builder, or an OpDef. ``source_file`` is read relative to `base_dir`
+        (default: the spec file's directory, or the current directory).
+        """
+        op = load_spec(spec, base_dir)
+        if self.namespace and not op.namespace:
+            op.namespace = self.namespace
+        return _call(self._registry.RegisterOp, registry_pb2.RegisterOpRequest(op=op), self.timeout)
+
+    def compile(self, source, entry=None, language="c++", options=(), libraries=(),
+                target="CPU", file_name=None):
+        """Compiles without registering; returns opjit.v1.CompileResponse.
+
+        A compile error raises InvalidArgument carrying clang's diagnostics.
+        """
+        req = compile_pb2.CompileRequest(target=target, language=language, source=source,
+                                         entry=entry or "", file_name=file_name or "",
+                                         compile_options=list(options), libraries=list(libraries))
+        return _call(self._compiler.Compile, req, self.timeout)
+
+    def cache_stats(self):
+        return _call(self._compiler.GetCacheStats, compile_pb2.GetCacheStatsRequest(), self.timeout)
+
+    def ops(self, namespace=None, all_versions=False, with_sources=False):
+        """A list of opjit.v1.OpRecord (latest versions unless all_versions)."""
+        ns = self.namespace if namespace is None else namespace
+        resp = _call(self._registry.ListOps, registry_pb2.ListOpsRequest(
+            namespace=ns, all_versions=all_versions, with_sources=with_sources), self.timeout)
+        return list(resp.ops)
+
+    def describe(self, name, version=0):
+        """opjit.v1.OpRecord of `name` ("ns/name" works); the latest unless `version`."""
+        ns, n = _split_name(name, self.namespace)
+        return _call(self._registry.GetOp, registry_pb2.GetOpRequest(
+            namespace=ns, name=n, version=version), self.timeout)
+
+    def delete(self, name, version=0):
+        """Deletes every version (or one); returns how many were removed."""
+        ns, n = _split_name(name, self.namespace)
+        return _call(self._registry.DeleteOp, registry_pb2.DeleteOpRequest(
+            namespace=ns, name=n, version=version), self.timeout).deleted
+
+    def op(self, name, version=0, target=None):
+        """A callable for the registered op `name` (see Op)."""
+        from opjit.op import Op
+        return Op(self, name, version=version, target=target)
+
+    # ---- memory -------------------------------------------------------------------
+
+    def _pool(self, namespace):
+        """The region pool of `namespace`, or None when tensors go inline."""
+        if self._shm_failure:
+            return None
+        with self._lock:
+            pool = self._pools.get(namespace)
+            if pool is None:
+                pool = ShmPool(self._memory, namespace, self.client_id, lease_ms=self._lease_ms,
+                               region_bytes=self._region_bytes,
+                               timeout=self.timeout if self.timeout else 30.0)
+                self._pools[namespace] = pool
+                self._start_renewer()
+            return pool
+
+    def _shm_failed(self, why):
+        if self._transport == "shm":
+            raise ShmUnavailableError(why)
+        if not self._shm_failure:
+            _log.info("opjit: using inline tensors for %s: %s", self.address, why)
+            self._shm_failure = why
+
+    def _start_renewer(self):
+        if self._renewer is not None:
+            return
+        ref = weakref.ref(self)
+        period = max(self._lease_ms / 3000.0, 0.05)
+        stop = self._stop
+
+        def loop():
+            while not stop.wait(period):
+                c = ref()
+                if c is None:
+                    return
+                try:
+                    c._flush_contexts()
+                    for pool in list(c._pools.values()):
+                        pool.renew()
+                except Exception as e:  # daemon restarting etc.: the next call sees it
+                    _log.debug("opjit: lease renewal failed: %s", e)
+                del c
+
+        self._renewer = threading.Thread(target=loop, name="opjit-lease", daemon=True)
+        self._renewer.start()
+
+    def empty(self, shape, dtype=np.float32):
+        """An uninitialised array in this client's shared memory.
+
+        Fill it in place and pass it to ops: it travels without any copy. With
+        inline transport this is a plain np.empty.
+        """
+        pool = self._pool(self.namespace)
+        if pool is not None:
+            try:
+                return pool.empty(shape, dtype)
+            except ShmUnavailable as e:
+                if e.permanent:
+                    self._shm_failed(str(e))
+        return np.empty(shape, dtype)
+
+    def asarray(self, x, dtype=None):
+        """A copy of `x` in shared memory (see empty())."""
+        x = np.asarray(x, dtype=dtype)
+        out = self.empty(x.shape, x.dtype)
+        np.copyto(out, x)
+        return out
+
+    def shm_stats(self):
+        """Regions, bytes and live blocks of this client's pools."""
+        out = {"regions": 0, "bytes": 0, "blocks": 0, "used_bytes": 0}
+        for pool in list(self._pools.values()):
+            for k, v in pool.stats().items():
+                out[k] += v
+        return out
+
+    # ---- contexts -------------------------------------------------------------------
+
+    def release_context(self, context_id, namespace=None):
+        """Drops a backward context kept by a forward with requires_grad."""
+        ns = self.namespace if namespace is None else namespace
+        _call(self._executor.ReleaseContext, exec_pb2.ReleaseContextRequest(
+            namespace=ns, context_id=context_id), self.timeout)
+
+    def _forget_context(self, namespace, context_id):
+        # Called from finalizers: queue, never call the server here.
+        self._dead_contexts.append((namespace, context_id))
+
+    def _flush_contexts(self):
+        while self._dead_contexts:
+            ns, cid = self._dead_contexts.pop()
+            try:
+                self._executor.ReleaseContext(exec_pb2.ReleaseContextRequest(
+                    namespace=ns, context_id=cid), timeout=5.0)
+            except grpc.RpcError:
+                pass  # already used, expired, or an older server
+
+
+class ShmUnavailableError(OpjitError):
+    """transport="shm" was asked for, but shared memory cannot be used."""
+    default_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def error_from_rpc_timeout(addr, timeout):
+    from opjit.errors import Unavailable
+    return Unavailable("no opjitd answered on %s within %.1f s" % (addr, timeout))
+
+
+_live_clients = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    for c in list(_live_clients):
+        try:
+            c.close()
+        except Exception:
+            pass

@@ -1,0 +1,218 @@
+// Backward end to end: the seed scenarios (MindSpore bprop, Paddle PyLayer
+// semantics), double backward and gradcheck, through the real opjitd.
+#include <cmath>
+#include <cstring>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "client/cpp/npy.h"
+#include "tests/integration/daemon_harness.h"
+
+namespace opjit::testing {
+namespace {
+
+using client::InlineTensor;
+
+template <typename T>
+std::string Bytes(const std::vector<T>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+std::vector<float> Floats(const std::string& bytes) {
+  std::vector<float> out(bytes.size() / 4);
+  std::memcpy(out.data(), bytes.data(), out.size() * 4);
+  return out;
+}
+
+class AutogradIT : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<Daemon>(tmp_.path() + "/state");
+    ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
+    c_ = daemon_->NewClient();
+  }
+  void Register(const std::string& example) {
+    auto spec = client::LoadOpSpec(SourceDir() + "/kernels/examples/" + example + ".json");
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    auto r = c_->Register(*spec);
+    ASSERT_TRUE(r.ok()) << example << ": " << r.status();
+  }
+  v1::ForwardRequest Call(const std::string& op, const std::vector<std::vector<float>>& inputs,
+                          const std::vector<bool>& requires_grad) {
+    v1::ForwardRequest req;
+    req.set_op(op);
+    for (const auto& x : inputs) {
+      *req.add_inputs()->add_tensors() =
+          InlineTensor("float32", {static_cast<int64_t>(x.size())}, Bytes(x));
+    }
+    for (bool b : requires_grad) req.add_requires_grad(b);
+    return req;
+  }
+  v1::BackwardRequest Grad(const std::string& context, const std::vector<std::vector<float>>& dys) {
+    v1::BackwardRequest req;
+    req.set_context_id(context);
+    for (const auto& dy : dys) {
+      if (dy.empty()) {
+        req.add_grad_outputs();  // missing
+      } else {
+        *req.add_grad_outputs() = InlineTensor("float32", {static_cast<int64_t>(dy.size())}, Bytes(dy));
+      }
+    }
+    return req;
+  }
+
+  TempDir tmp_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<client::Client> c_;
+};
+
+TEST_F(AutogradIT, SquareWithBpropOp) {
+  Register("square_grad");
+  Register("square");
+  auto fwd = c_->Forward(Call("square", {{1, 4, 9}}, {true}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_EQ(Floats(fwd->outputs(0).inline_data()), (std::vector<float>{1, 16, 81}));
+  ASSERT_FALSE(fwd->context_id().empty());
+  auto bwd = c_->Backward(Grad(fwd->context_id(), {{1, 1, 1}}));
+  ASSERT_TRUE(bwd.ok()) << bwd.status();
+  ASSERT_EQ(bwd->grad_inputs_size(), 1);
+  EXPECT_EQ(Floats(bwd->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{2, 8, 18}));
+
+  // The context is gone after its backward.
+  auto again = c_->Backward(Grad(fwd->context_id(), {{1, 1, 1}}));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+}
+
+TEST_F(AutogradIT, TanhUsesTheSavedOutput) {
+  Register("tanh_grad");
+  Register("tanh");
+  std::vector<float> x = {-1.0f, 0.0f, 0.5f, 2.0f};
+  auto fwd = c_->Forward(Call("tanh", {x}, {true}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  auto bwd = c_->Backward(Grad(fwd->context_id(), {{1, 2, 3, 4}}));
+  ASSERT_TRUE(bwd.ok()) << bwd.status();
+  auto dx = Floats(bwd->grad_inputs(0).tensors(0).inline_data());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float y = std::tanh(x[i]);
+    EXPECT_NEAR(dx[i], (i + 1) * (1 - y * y), 1e-6) << i;
+  }
+}
+
+TEST_F(AutogradIT, ThreeOutputsTwoGradsAndStopGradient) {
+  Register("arith3_grad");
+  Register("arith3");
+  std::vector<float> x = {1, 2}, y = {4, 5};
+  auto fwd = c_->Forward(Call("arith3", {x, y}, {true, true}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  // d(sum) = 1, d(prod) = 1, d(quot) missing -> zero-filled.
+  auto bwd = c_->Backward(Grad(fwd->context_id(), {{1, 1}, {1, 1}, {}}));
+  ASSERT_TRUE(bwd.ok()) << bwd.status();
+  ASSERT_EQ(bwd->grad_inputs_size(), 2);
+  EXPECT_EQ(Floats(bwd->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{5, 6}));
+  EXPECT_EQ(Floats(bwd->grad_inputs(1).tensors(0).inline_data()), (std::vector<float>{2, 3}));
+
+  // y with requires_grad false gets no grad.
+  fwd = c_->Forward(Call("arith3", {x, y}, {true, false}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  bwd = c_->Backward(Grad(fwd->context_id(), {{0, 0}, {0, 0}, {1, 1}}));
+  ASSERT_TRUE(bwd.ok()) << bwd.status();
+  EXPECT_EQ(bwd->grad_inputs(0).tensors_size(), 1);
+  EXPECT_EQ(bwd->grad_inputs(1).tensors_size(), 0);
+  EXPECT_FLOAT_EQ(Floats(bwd->grad_inputs(0).tensors(0).inline_data())[0], 0.25f);
+}
+
+TEST_F(AutogradIT, NoInputRequiresGradMeansNoContextAndNoBackward) {
+  Register("square_grad");
+  Register("square");
+  auto fwd = c_->Forward(Call("square", {{1, 2}}, {false}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_TRUE(fwd->context_id().empty());
+  auto plain = c_->Forward(Call("square", {{1, 2}}, {}));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(plain->context_id().empty());
+  auto bwd = c_->Backward(Grad("0123456789abcdef", {{1, 1}}));
+  EXPECT_EQ(bwd.status().code(), absl::StatusCode::kFailedPrecondition) << bwd.status();
+  EXPECT_NE(bwd.status().message().find("requires_grad"), std::string::npos) << bwd.status();
+}
+
+TEST_F(AutogradIT, RetainAndDoubleBackward) {
+  Register("square_grad_grad");
+  Register("square_grad");
+  Register("square");
+  auto fwd = c_->Forward(Call("square", {{3}}, {true}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  auto req = Grad(fwd->context_id(), {{2}});
+  req.set_retain_context(true);
+  req.set_create_graph(true);
+  auto first = c_->Backward(req);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(Floats(first->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{12}));
+  ASSERT_FALSE(first->context_id().empty());
+  // d/dx of (dx = 2 * x * dy) with ddx = 1: grad_x = 2 * dy = 4, grad_dy = 2 * x = 6.
+  auto second = c_->Backward(Grad(first->context_id(), {{1}}));
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->grad_inputs_size(), 3);
+  EXPECT_EQ(Floats(second->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{4}));
+  EXPECT_EQ(second->grad_inputs(1).tensors_size(), 0);  // y was absent
+  EXPECT_EQ(Floats(second->grad_inputs(2).tensors(0).inline_data()), (std::vector<float>{6}));
+  // The retained forward context still works.
+  auto third = c_->Backward(Grad(fwd->context_id(), {{1}}));
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(Floats(third->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{6}));
+}
+
+TEST_F(AutogradIT, GradCheckPassesForCorrectBackwardsAndCatchesAWrongOne) {
+  Register("tanh_grad");
+  Register("tanh");
+  Register("arith3_grad");
+  Register("arith3");
+  for (const std::string op : {"tanh", "arith3"}) {
+    auto check = daemon_->Cli({"gradcheck", op, "--shape", "3,2", "--json"});
+    EXPECT_EQ(check.exit_code, 0) << op << check.out << check.err;
+    EXPECT_NE(check.out.find("\"passed\": true"), std::string::npos) << check.out;
+  }
+  // tanh (float64 available): the check runs in the widest dtype.
+  v1::GradCheckRequest req;
+  req.set_op("tanh");
+  auto r = c_->GradCheck(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->dtype(), "float64");
+  EXPECT_LT(r->inputs(0).max_abs_error(), 1e-6);
+
+  // A bprop that forgets the factor 2 fails the check.
+  auto bad = client::LoadOpSpec(SourceDir() + "/kernels/examples/square_grad.json");
+  ASSERT_TRUE(bad.ok());
+  bad->set_name("half_grad");
+  bad->mutable_backward()->Clear();
+  auto* src = bad->mutable_implementations(0)->mutable_source();
+  const auto pos = src->find("dx[i] = 2.0f * x[i] * dy[i];");
+  ASSERT_NE(pos, std::string::npos);
+  src->replace(pos, 28, "dx[i] = x[i] * dy[i];       ");
+  ASSERT_TRUE(c_->Register(*bad).ok());
+  auto sq = client::LoadOpSpec(SourceDir() + "/kernels/examples/square.json");
+  ASSERT_TRUE(sq.ok());
+  sq->set_name("square_bad");
+  sq->mutable_backward()->set_op("half_grad");
+  ASSERT_TRUE(c_->Register(*sq).ok());
+  auto fail = daemon_->Cli({"gradcheck", "square_bad"});
+  EXPECT_EQ(fail.exit_code, 3) << fail.out << fail.err;
+  EXPECT_NE(fail.out.find("FAIL"), std::string::npos) << fail.out;
+}
+
+TEST_F(AutogradIT, CliGrad) {
+  Register("square_grad");
+  Register("square");
+  const std::string dir = tmp_.path();
+  ASSERT_TRUE(client::WriteNpy(dir + "/x.npy", {"float32", {3}, Bytes(std::vector<float>{1, 4, 9})}).ok());
+  ASSERT_TRUE(client::WriteNpy(dir + "/dy.npy", {"float32", {3}, Bytes(std::vector<float>{1, 1, 1})}).ok());
+  auto r = daemon_->Cli({"grad", "square", "--in", dir + "/x.npy", "--grad-out", dir + "/dy.npy",
+                         "--out", dir + "/dx.npy"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto dx = client::ReadNpy(dir + "/dx.npy");
+  ASSERT_TRUE(dx.ok()) << dx.status();
+  EXPECT_EQ(Floats(dx->data), (std::vector<float>{2, 8, 18}));
+}
+
+}  // namespace
+}  // namespace opjit::testing
