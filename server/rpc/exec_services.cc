@@ -229,7 +229,7 @@ grpc::ServerUnaryReactor* MemoryService::UnregisterRegion(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* MemoryService::ListRegions(grpc::CallbackServerContext* ctx,
                                                      const v1::ListRegionsRequest* req,
                                                      v1::ListRegionsResponse* resp) {
-  for (const auto& info : core_.regions->List(req->namespace_())) {
+  for (const auto& info : core_.regions->List(Ns(req->namespace_()))) {
     InfoToProto(info, resp->add_regions());
   }
   return Finish(ctx, absl::OkStatus());
