@@ -23,6 +23,9 @@ def medians(path):
     out, errors = {}, {}
     for b in data["benchmarks"]:
         name = b.get("run_name", b["name"])
+        # "BM_X/16384/iterations:10/repeats:3" -> "BM_X/16384"
+        name = "/".join(p for p in name.split("/")
+                        if not p.startswith(("iterations:", "repeats:")))
         if b.get("error_occurred"):
             errors[name] = b.get("error_message", "failed")
             continue

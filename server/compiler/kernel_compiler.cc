@@ -1,5 +1,7 @@
 #include "server/compiler/kernel_compiler.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -28,11 +30,23 @@ double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-// A header the compile read, and the digest of its content then.
+// A header the compile read, the digest of its content then, and its stat
+// stamp (size, mtime in ns) when it was hashed.
 struct Dependency {
   std::string path;
   std::string digest;
+  int64_t size = -1;
+  int64_t mtime_ns = -1;
 };
+
+// The (size, mtime) stamp of `path`; false if it cannot be stat'ed.
+bool Stamp(const std::string& path, int64_t* size, int64_t* mtime_ns) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) return false;
+  *size = st.st_size;
+  *mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return true;
+}
 
 // What the memory cache keeps per request key.
 struct MemoryEntry {
@@ -46,13 +60,16 @@ struct FlightResult {
   std::string hit;  // "disk" or ""
 };
 
-constexpr char kManifestMagic[] = "opjit-manifest 1";
+constexpr char kManifestMagic[] = "opjit-manifest 2";
 constexpr char kObjectMagic[] = "OPJO1";
 
-// Manifest: the final key and each dependency, one per line: "<digest> <path>".
+// Manifest: the final key and each dependency, one per line:
+// "<digest> <size> <mtime_ns> <path>".
 std::string EncodeManifest(const std::string& final_key, const std::vector<Dependency>& deps) {
   std::string out = absl::StrCat(kManifestMagic, "\n", final_key, "\n");
-  for (const auto& d : deps) absl::StrAppend(&out, d.digest, " ", d.path, "\n");
+  for (const auto& d : deps) {
+    absl::StrAppend(&out, d.digest, " ", d.size, " ", d.mtime_ns, " ", d.path, "\n");
+  }
   return out;
 }
 
@@ -63,9 +80,13 @@ bool DecodeManifest(const std::string& text, std::string* final_key,
   if (!std::getline(in, line) || line != kManifestMagic) return false;
   if (!std::getline(in, *final_key) || final_key->size() != 64) return false;
   while (std::getline(in, line)) {
-    auto sp = line.find(' ');
-    if (sp != 64) return false;
-    deps->push_back({line.substr(sp + 1), line.substr(0, sp)});
+    std::istringstream fields(line);
+    Dependency d;
+    if (!(fields >> d.digest >> d.size >> d.mtime_ns) || d.digest.size() != 64) return false;
+    fields.get();  // the space before the path, which may itself hold spaces
+    std::getline(fields, d.path);
+    if (d.path.empty()) return false;
+    deps->push_back(std::move(d));
   }
   return true;
 }
@@ -124,7 +145,10 @@ struct KernelCompiler::Impl {
   std::string RequestKey(const CompileJob& job) const;
   absl::StatusOr<std::vector<Dependency>> DigestDependencies(
       const std::vector<std::string>& paths);
-  bool DependenciesUnchanged(const std::vector<Dependency>& deps);
+  // `stamps`: trust a file whose size and mtime match the recorded stamp
+  // (disk hits, where the digest memo is cold); otherwise ask the digest memo,
+  // which answers without syscalls for a second after it last looked.
+  bool DependenciesUnchanged(const std::vector<Dependency>& deps, bool stamps);
   absl::StatusOr<FlightResult> Produce(const CompileJob& job, const std::string& request_key);
   absl::StatusOr<std::shared_ptr<const MemoryEntry>> LoadEntry(
       const CompileJob& job, const std::string& final_key, const std::string& object,
@@ -150,14 +174,26 @@ absl::StatusOr<std::vector<Dependency>> KernelCompiler::Impl::DigestDependencies
   std::vector<Dependency> deps;
   deps.reserve(paths.size());
   for (const auto& p : paths) {
-    OPJIT_ASSIGN_OR_RETURN(std::string digest, digests.Digest(p));
-    deps.push_back({p, std::move(digest)});
+    Dependency d;
+    d.path = p;
+    // Stamp first: if the file changes while it is hashed, the stamp is stale
+    // and the next lookup rehashes instead of trusting it.
+    if (!Stamp(p, &d.size, &d.mtime_ns)) d.size = d.mtime_ns = -1;
+    OPJIT_ASSIGN_OR_RETURN(d.digest, digests.Digest(p));
+    deps.push_back(std::move(d));
   }
   return deps;
 }
 
-bool KernelCompiler::Impl::DependenciesUnchanged(const std::vector<Dependency>& deps) {
+bool KernelCompiler::Impl::DependenciesUnchanged(const std::vector<Dependency>& deps,
+                                                 bool stamps) {
   for (const auto& d : deps) {
+    // Same size and mtime as when it was hashed: trusted without rereading
+    // (as ccache's direct mode does); otherwise the content decides.
+    int64_t size, mtime_ns;
+    if (stamps && d.size >= 0 && Stamp(d.path, &size, &mtime_ns) && size == d.size && mtime_ns == d.mtime_ns) {
+      continue;
+    }
     auto digest = digests.Digest(d.path);
     if (!digest.ok() || *digest != d.digest) return false;
   }
@@ -188,7 +224,7 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   if (auto manifest = disk->Get("manifest", request_key); manifest.ok()) {
     std::string final_key;
     std::vector<Dependency> deps;
-    if (DecodeManifest(*manifest, &final_key, &deps) && DependenciesUnchanged(deps) &&
+    if (DecodeManifest(*manifest, &final_key, &deps) && DependenciesUnchanged(deps, true) &&
         FinalKey(request_key, deps) == final_key) {
       if (auto blob = disk->Get("obj", final_key); blob.ok()) {
         double compile_ms = 0;
@@ -328,7 +364,7 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
   };
 
   if (auto hit = impl->memory->Get(request_key)) {
-    if (impl->DependenciesUnchanged(hit->deps)) {
+    if (impl->DependenciesUnchanged(hit->deps, false)) {
       finish(std::move(hit), "memory");
       return;
     }

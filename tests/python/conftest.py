@@ -96,9 +96,15 @@ def opjitd_binary():
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory):
     # A short path: unix socket paths are limited to 107 bytes.
+    binary = opjitd_binary()
     state = tempfile.mkdtemp(prefix="opjit-py-")
-    d = Daemon(opjitd_binary(), state)
-    d.start()
+    d = Daemon(binary, state)
+    try:
+        d.start()
+    except Exception:
+        import shutil
+        shutil.rmtree(state, ignore_errors=True)
+        raise
     yield d
     d.stop()
     if d.proc.returncode not in (0, -signal.SIGTERM):

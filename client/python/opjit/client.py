@@ -379,7 +379,10 @@ class Client:
 
     def _flush_contexts(self):
         while self._dead_contexts:
-            ns, cid = self._dead_contexts.pop()
+            try:
+                ns, cid = self._dead_contexts.pop()
+            except IndexError:  # another thread took the last one
+                return
             try:
                 self._executor.ReleaseContext(exec_pb2.ReleaseContextRequest(
                     namespace=ns, context_id=cid), timeout=5.0)

@@ -87,7 +87,7 @@ class _Staging:
             self.reserved = None
 
 
-def run_call(client, namespace, fn):
+def run_call(client, namespace, fn, inline=False):
     """Runs fn(staging) -> response with shared-memory fallbacks.
 
     * CreateRegion refused or the mapping failed: switch the client to inline
@@ -97,7 +97,6 @@ def run_call(client, namespace, fn):
       predict): run again with inline outputs.
     """
     inline_outputs = False
-    inline = False
     for attempt in range(4):
         staging = _Staging(client, namespace, inline_outputs, inline)
         try:
@@ -263,6 +262,8 @@ class Op:
         return inputs, groups, pb_attrs
 
     def __call__(self, *args, **kwargs):
+        if self.client._dead_contexts:
+            self.client._flush_contexts()  # contexts of graphs dropped without backward
         version = kwargs.pop("version", self.version)
         target = kwargs.pop("target", self.target)
         requires_grad = kwargs.pop("requires_grad", None)
@@ -490,4 +491,5 @@ def gradcheck(client_or_op, op_name=None, inputs=None, attrs=None, atol=0.0, rto
             req.attrs[k].CopyFrom(v)
         return client._executor.GradCheck(req, timeout=client.timeout)
 
-    return GradCheckResult(run_call(client, op.namespace, go))
+    # The server perturbs the inputs itself, so GradCheck takes inline tensors only.
+    return GradCheckResult(run_call(client, op.namespace, go, inline=True))
