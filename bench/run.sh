@@ -9,5 +9,9 @@ OUT=bench/out
 mkdir -p "$OUT"
 "$BUILD/bin/compile_bench" --benchmark_format=console \
   --benchmark_out="$OUT/compile.json" --benchmark_out_format=json
-/usr/bin/python3 bench/report.py "$OUT/compile.json" > bench/results.md
+# Call overhead and data path: starts its own opjitd from "$BUILD/bin".
+# A failure is recorded in its JSON, which the report shows.
+rm -f "$OUT/call.json"  # never report a previous run's numbers
+"$BUILD/bin/call_bench" "$OUT/call.json" || echo "call_bench exited $?" >&2
+/usr/bin/python3 bench/report.py "$OUT/compile.json" "$OUT/call.json" > bench/results.md
 cat bench/results.md

@@ -2,7 +2,6 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <random>
 #include <fstream>
 #include <sstream>
 
@@ -11,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/paths.h"
+#include "server/common/random.h"
 
 namespace opjit::client {
 namespace {
@@ -43,12 +43,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   c->server_ = v1::Server::NewStub(c->channel_);
   c->memory_ = v1::Memory::NewStub(c->channel_);
   c->executor_ = v1::Executor::NewStub(c->channel_);
-  {
-    std::random_device rd;
-    char buf[17];
-    snprintf(buf, sizeof(buf), "%08x%08x", rd(), rd());
-    c->client_id_ = std::string("cpp-") + buf;
-  }
+  auto id = RandomHex128();
+  if (!id.ok()) return id.status();
+  c->client_id_ = "cpp-" + id->substr(0, 16);
   return c;
 }
 

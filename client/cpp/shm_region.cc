@@ -1,5 +1,7 @@
 #include "client/cpp/shm_region.h"
 
+#include "server/common/random.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -104,23 +106,9 @@ absl::StatusOr<std::string> ShmMapping::RandomKey(const std::string& prefix) {
     return absl::InvalidArgumentError(absl::StrCat("shm key prefix '", prefix.substr(0, 64),
                                                    "' must match [A-Za-z0-9_.-]{1,64}"));
   }
-  unsigned char bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, "getrandom");
-    }
-    got += static_cast<size_t>(n);
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string key = "/" + prefix + ".";
-  for (unsigned char b : bytes) {
-    key.push_back(kHex[b >> 4]);
-    key.push_back(kHex[b & 0xf]);
-  }
-  return key;
+  auto hex = RandomHex128();
+  if (!hex.ok()) return hex.status();
+  return "/" + prefix + "." + *hex;
 }
 
 ShmMapping::~ShmMapping() {

@@ -1,7 +1,5 @@
 #include "server/autograd/autograd.h"
 
-#include <sys/random.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/common/logging.h"
+#include "server/common/random.h"
 #include "server/common/status_macros.h"
 #include "server/common/thread_pool.h"
 #include "server/registry/registry.h"
@@ -30,20 +29,6 @@ double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-std::string RandomId() {
-  unsigned char buf[16];
-  if (getrandom(buf, sizeof(buf), 0) != sizeof(buf)) {
-    std::random_device rd;
-    for (auto& b : buf) b = static_cast<unsigned char>(rd());
-  }
-  static const char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : buf) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
-}
 
 bool Contains(const std::vector<std::string>& v, const std::string& s) {
   return std::find(v.begin(), v.end(), s) != v.end();
@@ -233,7 +218,9 @@ void Autograd::ForwardAsync(exec::ForwardCall call, std::vector<bool> requires_g
     call.save_outputs[j] = save.empty() || Contains(save, def.outputs[j].name);
   }
   auto ctx = std::make_shared<Context>();
-  ctx->id = RandomId();
+  auto id = RandomHex128();
+  if (!id.ok()) return done(id.status());
+  ctx->id = *std::move(id);
   ctx->ns = call.ns;
   ctx->record = *record;
   ctx->requires_grad = std::move(requires_grad);

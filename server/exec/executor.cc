@@ -509,6 +509,7 @@ ExecutorStats Executor::Stats() const {
   s.rejected = impl_->rejected.load();
   s.instances = impl_->instances->Stats().entries;
   s.instance_hits = impl_->instance_hits.load();
+  s.queued = impl_->pool->queued();
   return s;
 }
 

@@ -137,6 +137,7 @@ struct ExecutorOptions {
 struct ExecutorStats {
   uint64_t calls = 0, failures = 0, inline_runs = 0, pool_runs = 0, rejected = 0;
   uint64_t instances = 0, instance_hits = 0;
+  uint64_t queued = 0;  // calls waiting for the pool now
 };
 
 class Executor {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "server/registry/json_kind.h"
 #include "server/common/status_macros.h"
 
 namespace opjit::registry {
@@ -80,27 +81,6 @@ absl::StatusOr<double> ParseFloat(absl::string_view s) {
   return v;
 }
 
-const char* JsonKind(const Json& j) {
-  switch (j.type()) {
-    case Json::value_t::null:
-      return "null";
-    case Json::value_t::object:
-      return "an object";
-    case Json::value_t::array:
-      return "a list";
-    case Json::value_t::string:
-      return "a string";
-    case Json::value_t::boolean:
-      return "a bool";
-    case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned:
-      return "an int";
-    case Json::value_t::number_float:
-      return "a float";
-    default:
-      return "an unsupported value";
-  }
-}
 
 // Element readers for JSON lists; `where` is the element's position, e.g. "[1]".
 absl::StatusOr<int64_t> JsonInt(const Json& j, const std::string& where) {
@@ -118,32 +98,32 @@ absl::StatusOr<int64_t> JsonInt(const Json& j, const std::string& where) {
         absl::StrCat("element ", where, " is a float (", j.dump(), "), expected an int"));
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("element ", where, " is ", JsonKind(j), ", expected an int"));
+      absl::StrCat("element ", where, " is ", JsonKindName(j), ", expected an int"));
 }
 
 absl::StatusOr<double> JsonFloat(const Json& j, const std::string& where) {
   if (j.is_number()) return j.get<double>();
   return absl::InvalidArgumentError(
-      absl::StrCat("element ", where, " is ", JsonKind(j), ", expected a float"));
+      absl::StrCat("element ", where, " is ", JsonKindName(j), ", expected a float"));
 }
 
 absl::StatusOr<bool> JsonBool(const Json& j, const std::string& where) {
   if (j.is_boolean()) return j.get<bool>();
   return absl::InvalidArgumentError(
-      absl::StrCat("element ", where, " is ", JsonKind(j), ", expected a bool"));
+      absl::StrCat("element ", where, " is ", JsonKindName(j), ", expected a bool"));
 }
 
 absl::StatusOr<std::string> JsonStr(const Json& j, const std::string& where) {
   if (j.is_string()) return j.get<std::string>();
   return absl::InvalidArgumentError(
-      absl::StrCat("element ", where, " is ", JsonKind(j), ", expected a string"));
+      absl::StrCat("element ", where, " is ", JsonKindName(j), ", expected a string"));
 }
 
 template <typename T, typename Reader>
 absl::StatusOr<std::vector<T>> JsonList(const Json& j, const std::string& where, Reader read) {
   if (!j.is_array()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("element ", where, " is ", JsonKind(j), ", expected a list"));
+        absl::StrCat("element ", where, " is ", JsonKindName(j), ", expected a list"));
   }
   std::vector<T> out;
   out.reserve(j.size());
@@ -163,7 +143,7 @@ absl::StatusOr<AttrValue> ParseList(ValueType type, absl::string_view text, Read
   }
   if (!j.is_array()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("expected ", ValueTypeName(type), ", got ", JsonKind(j), " ", Quote(text)));
+        absl::StrCat("expected ", ValueTypeName(type), ", got ", JsonKindName(j), " ", Quote(text)));
   }
   auto list = JsonList<T>(j, "", read);
   if (!list.ok()) {

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/registry/json_kind.h"
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
 
@@ -40,31 +41,10 @@ absl::Status Bad(const std::string& path, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(path, ": ", what));
 }
 
-const char* Kind(const Json& j) {
-  switch (j.type()) {
-    case Json::value_t::null:
-      return "null";
-    case Json::value_t::object:
-      return "an object";
-    case Json::value_t::array:
-      return "an array";
-    case Json::value_t::string:
-      return "a string";
-    case Json::value_t::boolean:
-      return "a bool";
-    case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned:
-      return "an integer";
-    case Json::value_t::number_float:
-      return "a float";
-    default:
-      return "an unsupported value";
-  }
-}
 
 absl::Status Expect(const Json& j, const std::string& path, bool ok, const char* want) {
   if (ok) return absl::OkStatus();
-  return Bad(path, absl::StrCat("expected ", want, ", got ", Kind(j)));
+  return Bad(path, absl::StrCat("expected ", want, ", got ", JsonKindName(j)));
 }
 
 // Reads the members of an object, refusing keys not in `known`.

@@ -8,11 +8,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
+#include "server/autograd/autograd.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/exec/executor.h"
 #include "server/registry/registry.h"
 #include "server/registry/validate.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/status_util.h"
+#include "server/tensor/region_manager.h"
 
 namespace opjit::rpc {
 namespace {
@@ -247,6 +250,9 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
                           .count());
   resp->set_ops(static_cast<int64_t>(core_.registry->Size()));
   resp->set_pid(getpid());
+  if (core_.executor != nullptr) resp->set_exec_queued(core_.executor->Stats().queued);
+  if (core_.autograd != nullptr) resp->set_backward_contexts(core_.autograd->LiveContexts());
+  if (core_.regions != nullptr) resp->set_regions(core_.regions->GetStats().regions);
   return FinishNow(ctx, absl::OkStatus());
 }
 

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
+#include "server/common/random.h"
 #include "server/common/status_macros.h"
 
 namespace opjit::tensor {
@@ -67,27 +68,6 @@ absl::Status ValidateShmKey(const std::string& key) {
   return absl::OkStatus();
 }
 
-// 128 random bits from the kernel's CSPRNG as 32 lowercase hex digits.
-absl::StatusOr<std::string> RandomHex() {
-  unsigned char bytes[kRandomHexDigits / 2];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, "getrandom");
-    }
-    got += static_cast<size_t>(n);
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(kRandomHexDigits);
-  for (unsigned char b : bytes) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 0xf]);
-  }
-  return out;
-}
 
 // strerror() is not thread-safe; this is.
 std::string ErrnoText(int err) {
@@ -267,7 +247,7 @@ absl::StatusOr<RegionInfo> RegionManager::CreateRegion(const std::string& ns,
   // A 128-bit name collides only if the random source is broken; retry a
   // couple of times rather than fail on a freak.
   for (int attempt = 0; attempt < 3; ++attempt) {
-    absl::StatusOr<std::string> hex = RandomHex();
+    absl::StatusOr<std::string> hex = RandomHex128();
     if (!hex.ok()) {
       region = hex.status();
       break;

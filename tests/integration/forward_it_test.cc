@@ -387,6 +387,83 @@ TEST_F(ForwardIT, EightConcurrentClients) {
   EXPECT_EQ(good.load(), 8) << daemon_->Log();
 }
 
+// With one pool thread and a queue of one: a slow kernel occupies the pool,
+// a second big call waits in the queue, a third is refused, a small op still
+// runs inline, and a queued call whose deadline passes never runs its kernel.
+TEST_F(ForwardIT, SlowKernelsQueueDeadlinesAndBackpressure) {
+  daemon_.reset();
+  const std::string cfg = tmp_.path() + "/pool.toml";
+  std::ofstream(cfg) << "[exec]\nthreads = 1\nqueue = 1\n";
+  daemon_ = std::make_unique<Daemon>(tmp_.path() + "/state3",
+                                     std::vector<std::string>{"--config", cfg});
+  ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
+  c_ = daemon_->NewClient();
+  Register("leaky_relu");
+  // runs[1] = 1 says "started"; the kernel then waits until the client sets
+  // x[1] != 0, and counts its completed runs in runs[0].
+  RegisterSource("gate", "Gate", R"(
+#include <cstdint>
+extern "C" int Gate(int, void** params, int*, int64_t**, const char**, void*, void*) {
+  volatile float* x = static_cast<volatile float*>(params[0]);
+  volatile float* runs = static_cast<volatile float*>(params[1]);
+  runs[1] = 1.0f;
+  for (long spins = 0; x[1] == 0.0f; ++spins) {
+    if (spins > 4000000000L) return 9;
+  }
+  runs[0] = runs[0] + 1.0f;
+  return 0;
+}
+)");
+  const int64_t n = 1 << 17;  // 512 KiB of input: over the inline limit, so it runs on the pool
+  auto info = c_->CreateRegion("", "gate", 4 << 20);
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto map = client::ShmMapping::Open(info->shm_key(), info->byte_size());
+  ASSERT_TRUE(map.ok());
+  volatile float* x = reinterpret_cast<volatile float*>((*map)->data());
+  volatile float* runs = reinterpret_cast<volatile float*>((*map)->data() + (2 << 20));
+  x[1] = 0.0f;
+  runs[0] = runs[1] = 0.0f;
+  auto gate = Call("gate");
+  *gate.add_inputs()->add_tensors() = ShmTensor("float32", {n}, "gate", 0);
+  gate.add_outputs()->mutable_shm()->set_region("gate");
+  gate.mutable_outputs(0)->mutable_shm()->set_offset(2 << 20);
+  auto queue_depth = [&] { return c_->Info()->exec_queued(); };
+
+  absl::StatusOr<v1::ForwardResponse> first, queued;
+  std::thread t1([&] { first = daemon_->NewClient()->Forward(gate); });
+  while (runs[1] != 1.0f) std::this_thread::yield();  // the pool thread is busy
+  const auto t2_start = std::chrono::steady_clock::now();
+  std::thread t2([&] {
+    auto c = client::Client::Connect({.address = daemon_->address(),
+                                      .timeout = std::chrono::milliseconds(1000)});
+    queued = (*c)->Forward(gate);
+  });
+  while (queue_depth() != 1) std::this_thread::yield();  // the second call waits
+
+  auto third = c_->Forward(gate);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+
+  // Small ops still run inline while the pool is stuck.
+  auto small = Call("leaky_relu");
+  *small.add_inputs()->add_tensors() = InlineTensor("float32", {2}, Bytes(std::vector<float>{-1, 1}));
+  auto r = c_->Forward(small);
+  EXPECT_TRUE(r.ok()) << r.status();
+
+  t2.join();  // its 1 s deadline passes while it waits behind the first call
+  EXPECT_EQ(queued.status().code(), absl::StatusCode::kDeadlineExceeded) << queued.status();
+  // The server's copy of that deadline counts from when the call arrived,
+  // a little after the client's: let it pass too before the pool moves on.
+  std::this_thread::sleep_until(t2_start + std::chrono::milliseconds(1300));
+  x[1] = 1.0f;  // release the first call
+  t1.join();
+  ASSERT_TRUE(first.ok()) << first.status();
+  while (queue_depth() != 0) std::this_thread::yield();
+  auto after = c_->Forward(gate);
+  ASSERT_TRUE(after.ok()) << after.status();
+  // The first call and this one ran; the expired one was dropped unrun.
+  EXPECT_EQ(runs[0], 2.0f) << "the expired call's kernel must not run";
+}
+
 TEST_F(ForwardIT, CliRunsNpyFiles) {
   Register("arith3");
   client::NpyArray x{"float32", {3}, Bytes(std::vector<float>{1, 2, 3})};

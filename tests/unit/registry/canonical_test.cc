@@ -119,7 +119,7 @@ TEST(CanonicalTest, FromJsonErrorsNameThePath) {
       {"not json", "not valid JSON"},
       {"[]", "expected an object"},
       {R"({"nmae": "x"})", "nmae: unknown key"},
-      {R"({"name": 3})", "name: expected a string, got an integer"},
+      {R"({"name": 3})", "name: expected a string, got an int"},
       {R"({"inputs": [{"index": "0"}]})", "inputs[0].index: expected an integer"},
       {R"({"inputs": [{"index": 99999999999}]})", "inputs[0].index: integer out of range"},
       {R"({"outputs": [{"param_type": "sometimes"}]})",

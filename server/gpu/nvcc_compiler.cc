@@ -1,0 +1,255 @@
+#include "server/gpu/nvcc_compiler.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/common/logging.h"
+#include "server/common/status_macros.h"
+
+extern char** environ;
+
+namespace opjit::gpu {
+namespace {
+
+struct RunResult {
+  int exit_code = -1;  // when the process exited
+  int signal = 0;      // when a signal ended it
+  bool timed_out = false;
+  std::string output;  // stdout and stderr, interleaved
+};
+
+// Runs argv[0] with `argv` in a new process group, stdout+stderr into one
+// pipe, stdin from /dev/null. Kills the group at the deadline.
+absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_ms) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0)
+    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 2);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr,
+                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  posix_spawnattr_setpgroup(&attr, 0);
+  sigset_t none, all;
+  sigemptyset(&none);
+  sigfillset(&all);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  std::vector<char*> cargv;
+  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, cargv[0], &actions, &attr, cargv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  close(fds[1]);
+  if (rc != 0) {
+    close(fds[0]);
+    return absl::UnavailableError(
+        absl::StrCat("could not start ", argv[0], ": ", std::strerror(rc)));
+  }
+
+  RunResult result;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  char buf[65536];
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          deadline - std::chrono::steady_clock::now())
+                          .count();
+    if (left <= 0) {
+      result.timed_out = true;
+      kill(-pid, SIGKILL);
+      break;
+    }
+    pollfd p{fds[0], POLLIN, 0};
+    const int n = poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+    if (n < 0 && errno != EINTR) break;
+    if (n <= 0) continue;
+    const ssize_t got = read(fds[0], buf, sizeof(buf));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) break;  // EOF: every process holding the pipe is gone
+    if (result.output.size() < (4u << 20)) result.output.append(buf, static_cast<size_t>(got));
+  }
+  close(fds[0]);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  // nvcc's children (cicc, ptxas, gcc) are in the same group; make sure none
+  // outlives a killed or crashed nvcc.
+  if (result.timed_out || WIFSIGNALED(status)) kill(-pid, SIGKILL);
+  if (WIFEXITED(status)) result.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) result.signal = WTERMSIG(status);
+  return result;
+}
+
+struct Arch {
+  int sm = 0;
+  std::string suffix;  // "", "a" or "f"
+  bool operator<(const Arch& o) const { return sm != o.sm ? sm < o.sm : suffix < o.suffix; }
+  bool operator==(const Arch& o) const { return sm == o.sm && suffix == o.suffix; }
+};
+
+// "sm_90" -> {90, ""}; "sm_90a" -> {90, "a"}.
+absl::StatusOr<Arch> ParseArch(const std::string& arch) {
+  Arch a;
+  size_t i = 3;
+  if (arch.rfind("sm_", 0) == 0) {
+    while (i < arch.size() && i < 7 && std::isdigit(static_cast<unsigned char>(arch[i]))) {
+      a.sm = a.sm * 10 + (arch[i++] - '0');
+    }
+    a.suffix = arch.substr(i);
+  }
+  if (i == 3 || (!a.suffix.empty() && a.suffix != "a" && a.suffix != "f")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid GPU arch '", arch, "': expected sm_NN, e.g. sm_90"));
+  }
+  return a;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
+  const auto start = std::chrono::steady_clock::now();
+  if (request.archs.empty()) return absl::InvalidArgumentError("NvccRequest.archs is empty");
+  std::vector<Arch> archs;
+  for (const std::string& a : request.archs) {
+    OPJIT_ASSIGN_OR_RETURN(Arch parsed, ParseArch(a));
+    archs.push_back(parsed);
+  }
+  std::sort(archs.begin(), archs.end());
+  archs.erase(std::unique(archs.begin(), archs.end()), archs.end());
+
+  const std::string nvcc = request.cuda_root + "/bin/nvcc";
+  if (access(nvcc.c_str(), X_OK) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("nvcc not found at ", nvcc, "; install the CUDA toolkit"));
+  }
+  std::string tmp_root = request.tmp_dir;
+  if (tmp_root.empty()) {
+    const char* t = std::getenv("TMPDIR");
+    tmp_root = t != nullptr && *t != '\0' ? t : "/tmp";
+  }
+  std::string tmpl = tmp_root + "/opjit-nvcc-XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("mkdtemp in ", tmp_root, ": ", std::strerror(errno)));
+  }
+  const std::string dir = tmpl;
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+
+  // The source keeps its file name (without directories), so diagnostics read
+  // "kernel.cu(3): error: ...".
+  std::string name = std::filesystem::path(request.file_name).filename().string();
+  if (name.empty() || name == "." || name == "..") name = "kernel.cu";
+  if (name.size() < 3 || name.compare(name.size() - 3, 3, ".cu") != 0) name += ".cu";
+  const std::string src = dir + "/" + name;
+  const std::string out = dir + "/k.so";
+  {
+    std::ofstream f(src, std::ios::binary);
+    f.write(request.source.data(), static_cast<std::streamsize>(request.source.size()));
+    if (!f) return absl::InternalError(absl::StrCat("could not write ", src));
+  }
+
+  std::vector<std::string> argv = {nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3"};
+  for (const Arch& a : archs) {
+    argv.push_back(
+        absl::StrCat("--generate-code=arch=compute_", a.sm, a.suffix, ",code=sm_", a.sm, a.suffix));
+  }
+  // Generic PTX of the lowest arch, so GPUs newer than every CUBIN still run it.
+  argv.push_back(absl::StrCat("--generate-code=arch=compute_", archs.front().sm, ",code=compute_",
+                              archs.front().sm));
+  if (!request.kernel_include_dir.empty()) argv.push_back("-I" + request.kernel_include_dir);
+  for (const std::string& d : request.extra_include_dirs) argv.push_back("-I" + d);
+  argv.insert(argv.end(), request.options.begin(), request.options.end());
+  argv.insert(argv.end(), {"-o", out, src});
+
+  auto log = Logger("gpu");
+  log->debug("nvcc: {}", absl::StrJoin(argv, " "));
+  OPJIT_ASSIGN_OR_RETURN(RunResult r, Run(argv, request.timeout_ms));
+  // Paths of the temp dir mean nothing to the client.
+  std::string diagnostics = r.output;
+  for (size_t p = 0; (p = diagnostics.find(dir + "/", p)) != std::string::npos;)
+    diagnostics.erase(p, dir.size() + 1);
+
+  if (r.timed_out) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("nvcc ran past ", request.timeout_ms, " ms and was killed\n", diagnostics));
+  }
+  if (r.signal != 0) {
+    return absl::InternalError(absl::StrCat("nvcc died of signal ", r.signal, "\n", diagnostics));
+  }
+  if (r.exit_code != 0)
+    return absl::InvalidArgumentError(absl::StrCat("compile failed:\n", diagnostics));
+
+  NvccOutput result;
+  result.shared_object = ReadFile(out);
+  if (result.shared_object.size() < 64) {
+    return absl::InternalError(
+        absl::StrCat("nvcc succeeded but wrote no shared object\n", diagnostics));
+  }
+  result.diagnostics = std::move(diagnostics);
+  result.compile_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  log->debug("nvcc compiled {} ({} bytes) in {:.0f} ms", name, result.shared_object.size(),
+             result.compile_ms);
+  return result;
+}
+
+absl::StatusOr<std::string> NvccToolchainId(const std::string& cuda_root) {
+  const std::string nvcc = cuda_root + "/bin/nvcc";
+  if (access(nvcc.c_str(), X_OK) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("nvcc not found at ", nvcc, "; install the CUDA toolkit"));
+  }
+  OPJIT_ASSIGN_OR_RETURN(RunResult r, Run({nvcc, "--version"}, 30000));
+  if (r.exit_code != 0)
+    return absl::UnavailableError(absl::StrCat("nvcc --version failed:\n", r.output));
+  // The last line: "Build cuda_13.0.r13.0/compiler.36424714_0"; the release line
+  // before it has the version. Keep both.
+  std::string id = "nvcc";
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("release") != std::string::npos || line.rfind("Build ", 0) == 0)
+      absl::StrAppend(&id, ";", line);
+  }
+  // The host compiler changes the host code in the .so.
+  absl::StatusOr<RunResult> host = Run({"/usr/bin/env", "gcc", "--version"}, 30000);
+  if (host.ok() && host->exit_code == 0) {
+    absl::StrAppend(&id, ";host=", host->output.substr(0, host->output.find('\n')));
+  }
+  return id;
+}
+
+}  // namespace opjit::gpu

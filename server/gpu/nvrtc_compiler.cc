@@ -1,0 +1,350 @@
+#include "server/gpu/nvrtc_compiler.h"
+
+#include <dlfcn.h>
+#include <nvrtc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/common/logging.h"
+#include "server/common/status_macros.h"
+
+namespace opjit::gpu {
+
+// NVRTC entry points, typed from <nvrtc.h> and resolved with dlsym.
+struct NvrtcCompiler::Api {
+  void* handle = nullptr;
+  decltype(&::nvrtcGetErrorString) GetErrorString = nullptr;
+  decltype(&::nvrtcVersion) Version = nullptr;
+  decltype(&::nvrtcGetNumSupportedArchs) GetNumSupportedArchs = nullptr;
+  decltype(&::nvrtcGetSupportedArchs) GetSupportedArchs = nullptr;
+  decltype(&::nvrtcCreateProgram) CreateProgram = nullptr;
+  decltype(&::nvrtcDestroyProgram) DestroyProgram = nullptr;
+  decltype(&::nvrtcCompileProgram) CompileProgram = nullptr;
+  decltype(&::nvrtcGetPTXSize) GetPTXSize = nullptr;
+  decltype(&::nvrtcGetPTX) GetPTX = nullptr;
+  decltype(&::nvrtcGetCUBINSize) GetCUBINSize = nullptr;
+  decltype(&::nvrtcGetCUBIN) GetCUBIN = nullptr;
+  decltype(&::nvrtcGetProgramLogSize) GetProgramLogSize = nullptr;
+  decltype(&::nvrtcGetProgramLog) GetProgramLog = nullptr;
+  decltype(&::nvrtcAddNameExpression) AddNameExpression = nullptr;
+  decltype(&::nvrtcGetLoweredName) GetLoweredName = nullptr;
+};
+
+namespace {
+
+struct ParsedArch {
+  int sm = 0;
+  std::string suffix;  // "", "a" or "f"
+};
+
+// "sm_90" -> {90, ""}, "sm_90a" -> {90, "a"}.
+absl::StatusOr<ParsedArch> ParseArch(const std::string& arch) {
+  auto bad = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid GPU arch '", arch, "': expected sm_NN, e.g. sm_90"));
+  };
+  if (arch.size() < 5 || arch.compare(0, 3, "sm_") != 0) return bad();
+  size_t i = 3;
+  ParsedArch p;
+  while (i < arch.size() && arch[i] >= '0' && arch[i] <= '9' && i < 7) {
+    p.sm = p.sm * 10 + (arch[i] - '0');
+    ++i;
+  }
+  if (i == 3) return bad();
+  p.suffix = arch.substr(i);
+  if (!p.suffix.empty() && p.suffix != "a" && p.suffix != "f") return bad();
+  return p;
+}
+
+absl::StatusOr<int> ArchNumber(const std::string& arch) {
+  OPJIT_ASSIGN_OR_RETURN(ParsedArch p, ParseArch(arch));
+  return p.sm;
+}
+
+bool HasStdOption(const std::vector<std::string>& options) {
+  for (const std::string& o : options) {
+    if (o.rfind("-std", 0) == 0 || o.rfind("--std", 0) == 0) return true;
+  }
+  return false;
+}
+
+std::string Trim(std::string s) {
+  while (!s.empty() &&
+         (s.back() == '\0' || s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) {
+    s.pop_back();
+  }
+  return s;
+}
+
+// Destroys an nvrtcProgram when it goes out of scope.
+class ProgramGuard {
+ public:
+  ProgramGuard(const NvrtcCompiler::Api* api, nvrtcProgram prog) : api_(api), prog_(prog) {}
+  ~ProgramGuard() {
+    if (prog_ != nullptr) api_->DestroyProgram(&prog_);
+  }
+  ProgramGuard(const ProgramGuard&) = delete;
+  ProgramGuard& operator=(const ProgramGuard&) = delete;
+
+ private:
+  const NvrtcCompiler::Api* api_;
+  nvrtcProgram prog_;
+};
+
+// What one NVRTC compile (one target) produced.
+struct CompileResult {
+  std::string cubin;  // empty for a compute_NN target
+  std::string ptx;
+  std::string log;
+  std::map<std::string, std::string> lowered_names;
+};
+
+}  // namespace
+
+NvrtcCompiler::~NvrtcCompiler() = default;
+// The library stays loaded for the life of the process: NVRTC keeps
+// process-wide state, and dlclose buys nothing for a daemon.
+
+absl::StatusOr<std::unique_ptr<NvrtcCompiler>> NvrtcCompiler::Create(const NvrtcOptions& options) {
+  auto log = Logger("gpu");
+  std::vector<std::string> candidates;
+  if (!options.nvrtc_path.empty()) {
+    candidates.push_back(options.nvrtc_path);
+  } else {
+    // The toolkit's own NVRTC first, so that it matches the headers under
+    // cuda_root/include; then whatever the dynamic loader finds.
+    candidates = {options.cuda_root + "/lib64/libnvrtc.so.13",
+                  options.cuda_root + "/lib64/libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so"};
+  }
+  void* handle = nullptr;
+  std::vector<std::string> errors;
+  for (const std::string& c : candidates) {
+    handle = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle != nullptr) break;
+    const char* e = dlerror();
+    errors.push_back(e != nullptr ? e : c + ": unknown error");
+  }
+  if (handle == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("NVRTC (libnvrtc.so) could not be loaded: ", absl::StrJoin(errors, "; "),
+                     "; install the CUDA toolkit"));
+  }
+
+  std::unique_ptr<NvrtcCompiler> c(new NvrtcCompiler());
+  c->options_ = options;
+  c->api_ = std::make_unique<Api>();
+  Api& api = *c->api_;
+  api.handle = handle;
+  std::vector<std::string> missing;
+  auto resolve = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(handle, name));
+    if (fn == nullptr) missing.push_back(name);
+  };
+  resolve(api.GetErrorString, "nvrtcGetErrorString");
+  resolve(api.Version, "nvrtcVersion");
+  resolve(api.GetNumSupportedArchs, "nvrtcGetNumSupportedArchs");
+  resolve(api.GetSupportedArchs, "nvrtcGetSupportedArchs");
+  resolve(api.CreateProgram, "nvrtcCreateProgram");
+  resolve(api.DestroyProgram, "nvrtcDestroyProgram");
+  resolve(api.CompileProgram, "nvrtcCompileProgram");
+  resolve(api.GetPTXSize, "nvrtcGetPTXSize");
+  resolve(api.GetPTX, "nvrtcGetPTX");
+  resolve(api.GetCUBINSize, "nvrtcGetCUBINSize");
+  resolve(api.GetCUBIN, "nvrtcGetCUBIN");
+  resolve(api.GetProgramLogSize, "nvrtcGetProgramLogSize");
+  resolve(api.GetProgramLog, "nvrtcGetProgramLog");
+  resolve(api.AddNameExpression, "nvrtcAddNameExpression");
+  resolve(api.GetLoweredName, "nvrtcGetLoweredName");
+  if (!missing.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("NVRTC (libnvrtc.so) could not be loaded: the library lacks ",
+                     absl::StrJoin(missing, ", "), " (too old?); install the CUDA toolkit"));
+  }
+
+  Dl_info info{};
+  c->library_path_ =
+      dladdr(reinterpret_cast<void*>(api.CompileProgram), &info) != 0 && info.dli_fname
+          ? info.dli_fname
+          : candidates.front();
+  if (api.Version(&c->major_, &c->minor_) != NVRTC_SUCCESS) {
+    return absl::UnavailableError("NVRTC (libnvrtc.so) could not be loaded: nvrtcVersion failed");
+  }
+  int n = 0;
+  if (api.GetNumSupportedArchs(&n) == NVRTC_SUCCESS && n > 0) {
+    c->supported_archs_.resize(n);
+    if (api.GetSupportedArchs(c->supported_archs_.data()) != NVRTC_SUCCESS)
+      c->supported_archs_.clear();
+  }
+  if (options.archs.empty()) return absl::InvalidArgumentError("NvrtcOptions.archs is empty");
+  for (const std::string& a : options.archs) OPJIT_RETURN_IF_ERROR(c->CheckArch(a));
+
+  c->toolchain_id_ =
+      absl::StrCat(c->Version(), ";lib=", c->library_path_, ";cuda_root=", options.cuda_root,
+                   ";include=", absl::StrJoin(options.extra_include_dirs, ":"),
+                   ";archs=", absl::StrJoin(options.archs, ","));
+  log->info("NVRTC {}.{} loaded from {}; default archs {}", c->major_, c->minor_, c->library_path_,
+            absl::StrJoin(options.archs, ","));
+  return c;
+}
+
+std::string NvrtcCompiler::Version() const { return absl::StrCat("nvrtc ", major_, ".", minor_); }
+
+absl::Status NvrtcCompiler::CheckArch(const std::string& arch) const {
+  OPJIT_ASSIGN_OR_RETURN(ParsedArch p, ParseArch(arch));
+  if (!supported_archs_.empty() &&
+      std::find(supported_archs_.begin(), supported_archs_.end(), p.sm) == supported_archs_.end()) {
+    std::vector<std::string> names;
+    for (int s : supported_archs_) names.push_back(absl::StrCat("sm_", s));
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPU arch ", arch, " is not supported by ", Version(),
+                     " (supported: ", absl::StrJoin(names, " "), ")"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Maps a failed NVRTC call to a status naming the call.
+absl::Status NvrtcError(const NvrtcCompiler::Api& api, nvrtcResult r, const char* call,
+                        const std::string& log) {
+  const char* name = api.GetErrorString(r);
+  std::string what =
+      absl::StrCat(call, " failed: ", name != nullptr ? name : "unknown NVRTC error");
+  if (!log.empty()) absl::StrAppend(&what, "\n", log);
+  switch (r) {
+    case NVRTC_ERROR_COMPILATION:
+      return absl::InvalidArgumentError(absl::StrCat("compile failed:\n", log));
+    case NVRTC_ERROR_INVALID_OPTION:
+    case NVRTC_ERROR_NAME_EXPRESSION_NOT_VALID:
+    case NVRTC_ERROR_INVALID_INPUT:
+      return absl::InvalidArgumentError(what);
+    case NVRTC_ERROR_OUT_OF_MEMORY:
+      return absl::ResourceExhaustedError(what);
+    default:
+      return absl::InternalError(what);
+  }
+}
+
+absl::StatusOr<CompileResult> CompileOne(const NvrtcCompiler::Api& api,
+                                         const GpuCompileRequest& request,
+                                         const std::vector<std::string>& options,
+                                         const std::string& target, bool want_cubin) {
+  nvrtcProgram prog = nullptr;
+  nvrtcResult r = api.CreateProgram(&prog, request.source.c_str(), request.file_name.c_str(), 0,
+                                    nullptr, nullptr);
+  if (r != NVRTC_SUCCESS) return NvrtcError(api, r, "nvrtcCreateProgram", "");
+  ProgramGuard guard(&api, prog);
+  for (const std::string& e : request.name_expressions) {
+    r = api.AddNameExpression(prog, e.c_str());
+    if (r != NVRTC_SUCCESS) return NvrtcError(api, r, "nvrtcAddNameExpression", "");
+  }
+  std::vector<const char*> argv;
+  std::string arch_opt = "--gpu-architecture=" + target;
+  argv.push_back(arch_opt.c_str());
+  for (const std::string& o : options) argv.push_back(o.c_str());
+  const nvrtcResult compiled = api.CompileProgram(prog, static_cast<int>(argv.size()), argv.data());
+
+  CompileResult out;
+  size_t log_size = 0;
+  if (api.GetProgramLogSize(prog, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+    std::string log(log_size, '\0');
+    if (api.GetProgramLog(prog, log.data()) == NVRTC_SUCCESS) out.log = Trim(std::move(log));
+  }
+  if (compiled != NVRTC_SUCCESS) return NvrtcError(api, compiled, "nvrtcCompileProgram", out.log);
+
+  size_t size = 0;
+  r = api.GetPTXSize(prog, &size);
+  if (r != NVRTC_SUCCESS) return NvrtcError(api, r, "nvrtcGetPTXSize", "");
+  out.ptx.assign(size, '\0');
+  r = api.GetPTX(prog, out.ptx.data());
+  if (r != NVRTC_SUCCESS) return NvrtcError(api, r, "nvrtcGetPTX", "");
+  while (!out.ptx.empty() && out.ptx.back() == '\0') out.ptx.pop_back();  // size counts the NUL
+
+  if (want_cubin) {
+    r = api.GetCUBINSize(prog, &size);
+    if (r != NVRTC_SUCCESS) return NvrtcError(api, r, "nvrtcGetCUBINSize", "");
+    if (size == 0) return absl::InternalError(absl::StrCat("NVRTC produced no CUBIN for ", target));
+    out.cubin.assign(size, '\0');
+    r = api.GetCUBIN(prog, out.cubin.data());
+    if (r != NVRTC_SUCCESS) return NvrtcError(api, r, "nvrtcGetCUBIN", "");
+  }
+  for (const std::string& e : request.name_expressions) {
+    const char* lowered = nullptr;
+    r = api.GetLoweredName(prog, e.c_str(), &lowered);
+    if (r != NVRTC_SUCCESS || lowered == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("name expression '", e, "' names no __global__ function or variable"));
+    }
+    out.lowered_names[e] = lowered;
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest& request) const {
+  const auto start = std::chrono::steady_clock::now();
+  auto log = Logger("gpu");
+  std::vector<std::string> archs = request.archs.empty() ? options_.archs : request.archs;
+  for (const std::string& a : archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
+  // Lowest first; the lowest one also gives the PTX.
+  std::stable_sort(archs.begin(), archs.end(), [](const std::string& a, const std::string& b) {
+    return *ArchNumber(a) < *ArchNumber(b);
+  });
+  archs.erase(std::unique(archs.begin(), archs.end()), archs.end());
+
+  std::vector<std::string> options;
+  options.push_back("-I" + options_.cuda_root + "/include");
+  for (const std::string& d : options_.extra_include_dirs) options.push_back("-I" + d);
+  if (!HasStdOption(request.options)) options.push_back("--std=c++17");
+  options.insert(options.end(), request.options.begin(), request.options.end());
+
+  GpuCompileOutput out;
+  std::vector<std::pair<std::string, std::string>> logs;  // target -> log
+  for (size_t i = 0; i < archs.size(); ++i) {
+    OPJIT_ASSIGN_OR_RETURN(CompileResult r, CompileOne(*api_, request, options, archs[i], true));
+    out.cubins[archs[i]] = std::move(r.cubin);
+    if (i == 0) {
+      out.lowered_names = std::move(r.lowered_names);
+      // A plain sm_NN compile emits PTX for .target sm_NN, byte for byte what
+      // a compute_NN compile emits (checked with NVRTC 13.0), so it saves a
+      // compile. Arch-specific targets (sm_90a) need the generic one.
+      if (ParseArch(archs[i])->suffix.empty()) {
+        out.ptx = std::move(r.ptx);
+        out.ptx_arch = "compute_" + std::to_string(*ArchNumber(archs[i]));
+      }
+    }
+    if (!r.log.empty()) logs.emplace_back(archs[i], std::move(r.log));
+  }
+  if (out.ptx.empty()) {
+    const std::string target = "compute_" + std::to_string(*ArchNumber(archs[0]));
+    OPJIT_ASSIGN_OR_RETURN(CompileResult r, CompileOne(*api_, request, options, target, false));
+    out.ptx = std::move(r.ptx);
+    out.ptx_arch = target;
+    if (!r.log.empty()) logs.emplace_back(target, std::move(r.log));
+  }
+  // Warnings come once per arch and are usually the same: keep each distinct
+  // log once, labelled by arch only when they differ.
+  bool all_same = true;
+  for (const auto& [target, text] : logs) all_same = all_same && text == logs.front().second;
+  if (all_same && !logs.empty()) {
+    out.diagnostics = logs.front().second;
+  } else {
+    for (const auto& [target, text] : logs)
+      absl::StrAppend(&out.diagnostics, "[", target, "]\n", text, "\n");
+  }
+  out.compile_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  log->debug("nvrtc compiled {} for {} in {:.1f} ms", request.file_name, absl::StrJoin(archs, ","),
+             out.compile_ms);
+  if (!out.diagnostics.empty())
+    log->trace("nvrtc log for {}:\n{}", request.file_name, out.diagnostics);
+  return out;
+}
+
+}  // namespace opjit::gpu

@@ -1,0 +1,113 @@
+// The GPU kernel compiler: CUDA C++ source -> one CUBIN per SM arch plus
+// forward-compatible PTX, compiled by NVRTC.
+//
+// NVRTC (libnvrtc.so) is opened with dlopen by Create(), never linked, so the
+// daemon starts on hosts without a CUDA toolkit; no CUDA header is included
+// here.
+//
+// Isolation: NVRTC runs inside the calling process. A crash or a runaway
+// compile inside NVRTC takes the daemon with it, and a compile cannot be
+// interrupted. Follow-up: run NVRTC in the compile-worker processes that the
+// CPU compiler already uses (server/compiler/cpu), with the same limits.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace opjit::gpu {
+
+struct NvrtcOptions {
+  // The toolkit whose include/ holds cuda_fp16.h etc. Default: /usr/local/cuda.
+  std::string cuda_root = "/usr/local/cuda";
+  // Real architectures compiled to CUBIN when a request names none, each
+  // "sm_NN" (or "sm_NNa"/"sm_NNf"). Default: sm_80, sm_90.
+  std::vector<std::string> archs = {"sm_80", "sm_90"};
+  // Always on the include path, after <cuda_root>/include (e.g. opjit's
+  // kernels/include).
+  std::vector<std::string> extra_include_dirs;
+  // libnvrtc to dlopen. Default (empty): libnvrtc.so.13, libnvrtc.so, then
+  // <cuda_root>/lib64/libnvrtc.so.
+  std::string nvrtc_path;
+};
+
+struct GpuCompileRequest {
+  std::string source;
+  // Shown in diagnostics ("kernel.cu(3): error: ...").
+  std::string file_name = "kernel.cu";
+  // User options, already validated by the registry: -D -U --use_fast_math
+  // -std= ... Passed to NVRTC as they are.
+  std::vector<std::string> options;
+  // Kernels to look up by C++ name, e.g. "axpy<float>"; each must name a
+  // __global__ function or a __device__/__constant__ variable.
+  std::vector<std::string> name_expressions;
+  // Real archs to compile for; empty: NvrtcOptions::archs.
+  std::vector<std::string> archs;
+};
+
+struct GpuCompileOutput {
+  std::map<std::string, std::string> cubins;  // arch ("sm_90") -> CUBIN ELF bytes
+  // PTX for the lowest requested arch's virtual arch (compute_NN); the driver
+  // JIT-compiles it for newer GPUs that have no CUBIN here.
+  std::string ptx;
+  std::string ptx_arch;                              // e.g. "compute_80"
+  std::map<std::string, std::string> lowered_names;  // name expression -> mangled name
+  std::string diagnostics;  // NVRTC's log of a successful compile (warnings), may be empty
+  double compile_ms = 0;    // wall time of all the NVRTC compiles of this request
+};
+
+// Thread-safe: Compile() may run on many threads at once (each call uses its
+// own nvrtcProgram objects, which NVRTC allows). Compile() blocks for the
+// whole compile (about 0.1 s per arch for a small kernel).
+class NvrtcCompiler {
+ public:
+  // Opens NVRTC and checks the default archs. Errors: UNAVAILABLE "NVRTC
+  // (libnvrtc.so) could not be loaded: ...; install the CUDA toolkit" when no
+  // library opens or it lacks entry points; INVALID_ARGUMENT for an arch that
+  // is malformed or that this NVRTC does not support.
+  static absl::StatusOr<std::unique_ptr<NvrtcCompiler>> Create(const NvrtcOptions& options);
+  ~NvrtcCompiler();
+  NvrtcCompiler(const NvrtcCompiler&) = delete;
+  NvrtcCompiler& operator=(const NvrtcCompiler&) = delete;
+
+  // Compiles `request` once per arch (CUBIN) and takes the PTX from the
+  // lowest arch's compile (or one more compute_NN compile when that arch has
+  // an "a"/"f" suffix, whose PTX is not forward-compatible). Adds
+  // -I<cuda_root>/include, the extra include dirs, and --std=c++17 unless the
+  // request gives -std=/--std=. Errors:
+  //   INVALID_ARGUMENT "compile failed:\n" + NVRTC's log (lines such as
+  //                    "kernel.cu(3): error: ..."); a bad arch or option; a
+  //                    name expression that names nothing;
+  //   RESOURCE_EXHAUSTED NVRTC ran out of memory;
+  //   INTERNAL         any other NVRTC failure.
+  absl::StatusOr<GpuCompileOutput> Compile(const GpuCompileRequest& request) const;
+
+  // "nvrtc 13.0".
+  std::string Version() const;
+  // Everything about the toolchain that changes output bytes apart from the
+  // source and the request: NVRTC version, the library path, cuda_root, the
+  // extra include dirs and the default archs. For cache keys; stable across
+  // runs on one machine.
+  const std::string& ToolchainId() const { return toolchain_id_; }
+  // The SM versions this NVRTC can target (e.g. 75, 80, ..., 121).
+  const std::vector<int>& SupportedArchs() const { return supported_archs_; }
+
+  struct Api;  // the resolved NVRTC entry points (nvrtc_compiler.cc)
+
+ private:
+  NvrtcCompiler() = default;
+  absl::Status CheckArch(const std::string& arch) const;
+
+  // Constant after Create().
+  NvrtcOptions options_;
+  std::unique_ptr<Api> api_;
+  int major_ = 0, minor_ = 0;
+  std::vector<int> supported_archs_;
+  std::string library_path_;
+  std::string toolchain_id_;
+};
+
+}  // namespace opjit::gpu
