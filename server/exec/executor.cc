@@ -171,6 +171,8 @@ struct Executor::Impl {
   compiler::KernelCompiler* compiler = nullptr;
   tensor::RegionManager* regions = nullptr;
   std::unique_ptr<cache::LruCache<AotKernelInstance>> instances;
+  // The compiled kernel of each op version and target (see ForwardAsync).
+  std::unique_ptr<cache::LruCache<compiler::CompiledKernel>> op_kernels;
   std::unique_ptr<ThreadPool> pool;
   std::atomic<uint64_t> calls{0}, failures{0}, inline_runs{0}, pool_runs{0}, rejected{0};
   std::atomic<uint64_t> instance_hits{0};
@@ -420,6 +422,8 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const ExecutorOptions
   impl->regions = regions;
   impl->instances = std::make_unique<cache::LruCache<AotKernelInstance>>(
       options.instance_cache_entries, options.instance_cache_entries);
+  impl->op_kernels = std::make_unique<cache::LruCache<compiler::CompiledKernel>>(
+      options.instance_cache_entries, options.instance_cache_entries);
   impl->pool = std::make_unique<ThreadPool>(options.pool_threads, options.max_queue, "opjit-exec");
   return std::unique_ptr<Executor>(new Executor(std::move(impl)));
 }
@@ -461,33 +465,47 @@ void Executor::ForwardAsync(ForwardCall call, Callback done) {
   }
   const bool run_inline = input_bytes <= impl->options.inline_max_bytes;
 
+  const registry::Target call_target = call.target;
   auto shared_call = std::make_shared<ForwardCall>(std::move(call));
+  // Continues once the kernel is at hand: instance, then run inline or on the pool.
+  auto with_kernel = [impl, checked, shared_call, done, fail, t0,
+                      run_inline](std::shared_ptr<const compiler::CompiledKernel> kernel) {
+    auto inst = impl->Instance(*checked, *kernel);
+    if (!inst.ok()) {
+      return fail(absl::Status(inst.status().code(),
+                               absl::StrCat("op ", OpName(checked->record->def), ": ",
+                                            inst.status().message())));
+    }
+    auto run = [impl, checked, shared_call, done, fail, t0,
+                inst = *std::move(inst)](bool on_pool) {
+      auto r = impl->Execute(*shared_call, *checked, inst, t0);
+      if (!r.ok()) return fail(r.status());
+      r->ran_inline = !on_pool;
+      (on_pool ? impl->pool_runs : impl->inline_runs).fetch_add(1);
+      done(*std::move(r));
+    };
+    if (run_inline) return run(false);
+    if (!impl->pool->Submit([run] { run(true); })) {
+      impl->rejected.fetch_add(1);
+      fail(absl::ResourceExhaustedError(absl::StrCat(
+          "the execution queue is full (", impl->options.max_queue,
+          " calls waiting); retry with backoff")));
+    }
+  };
+
+  // An op version is immutable, so the kernel it compiled to is remembered
+  // per version: the hot path skips the compile cache's key hashing and
+  // header checks. (Headers edited under a running daemon reach a registered
+  // op when it is registered again, as a new version.)
+  const std::string op_key = absl::StrCat(checked->record->content_hash, "|",
+                                          registry::TargetName(call_target));
+  if (auto kernel = impl->op_kernels->Get(op_key)) return with_kernel(std::move(kernel));
   impl->compiler->CompileAsync(
       compiler::JobForImplementation(def, *checked->impl),
-      [impl, checked, shared_call, done, fail, t0,
-       run_inline](absl::StatusOr<compiler::CompileOutcome> compiled) {
+      [impl, op_key, with_kernel, fail](absl::StatusOr<compiler::CompileOutcome> compiled) {
         if (!compiled.ok()) return fail(compiled.status());
-        auto inst = impl->Instance(*checked, *compiled->kernel);
-        if (!inst.ok()) {
-          return fail(absl::Status(inst.status().code(),
-                                   absl::StrCat("op ", OpName(checked->record->def), ": ",
-                                                inst.status().message())));
-        }
-        auto run = [impl, checked, shared_call, done, fail, t0,
-                    inst = *std::move(inst)](bool on_pool) {
-          auto r = impl->Execute(*shared_call, *checked, inst, t0);
-          if (!r.ok()) return fail(r.status());
-          r->ran_inline = !on_pool;
-          (on_pool ? impl->pool_runs : impl->inline_runs).fetch_add(1);
-          done(*std::move(r));
-        };
-        if (run_inline) return run(false);
-        if (!impl->pool->Submit([run] { run(true); })) {
-          impl->rejected.fetch_add(1);
-          fail(absl::ResourceExhaustedError(absl::StrCat(
-              "the execution queue is full (", impl->options.max_queue,
-              " calls waiting); retry with backoff")));
-        }
+        impl->op_kernels->Put(op_key, compiled->kernel, 1);
+        with_kernel(compiled->kernel);
       });
 }
 
