@@ -40,8 +40,10 @@ Commands:
                                     list ops (latest versions unless --all-versions)
   describe NAME [--version N]       show an op's full definition
   delete NAME [--version N]         delete an op (all versions unless --version)
-  compile FILE [--entry SYM] [--lang c|c++] [--option OPT]... [--library LIB]...
+  compile FILE [--entry SYM] [--lang c|c++|cuda] [--option OPT]... [--library LIB]...
+       [--name-expr EXPR]... [--arch sm_NN]... [--aot]
                                     compile a kernel source without registering it
+                                    (.cu: NVRTC to CUBIN+PTX, or nvcc with --aot)
   run OP --in X.npy [--in ...] [--attr NAME=VALUE]... [--out Y.npy]...
        [--version N] [--transport auto|shm|inline]
                                     run an op's forward on .npy files; one --in per
@@ -168,7 +170,8 @@ void PrintOpSummary(const opjit::v1::OpRecord& r) {
 }
 
 void PrintCompile(const opjit::v1::CompileResponse& c) {
-  std::printf("%s key %s  %s\n", c.target().c_str(), c.cache_key().substr(0, 16).c_str(),
+  std::printf("%s key %s%s  %s\n", c.target().c_str(), c.cache_key().substr(0, 16).c_str(),
+              c.archs_size() ? absl::StrCat(" (", absl::StrJoin(c.archs(), ", "), ")").c_str() : "",
               c.cache_hit().empty()
                   ? absl::StrCat("compiled in ", static_cast<int>(c.compile_ms()), " ms").c_str()
                   : absl::StrCat(c.cache_hit(), " cache hit").c_str());
@@ -305,6 +308,9 @@ int CmdCompile(Client& c, const Globals& g, const Args& a) {
   req.set_entry(a.Get("--entry"));
   for (const auto& o : a.All("--option")) req.add_compile_options(o);
   for (const auto& l : a.All("--library")) req.add_libraries(l);
+  for (const auto& e : a.All("--name-expr")) req.add_name_expressions(e);
+  for (const auto& arch : a.All("--arch")) req.add_archs(arch);
+  req.set_aot_shared_object(a.Has("--aot"));
   auto resp = c.Compile(req);
   if (!resp.ok()) return Fail(resp.status());
   if (g.json) {
@@ -649,8 +655,8 @@ int main(int argc, char** argv) {
   }
   auto args = ParseArgs(rest, {"--namespace", "--version", "--entry", "--lang", "--option", "--library", "--in",
                          "--out", "--attr", "--transport", "--grad-out", "--no-grad", "--shape", "--seed",
-                         "--eps", "--atol", "--rtol"},
-                        {"--all-versions", "--memory-only"});
+                         "--eps", "--atol", "--rtol", "--name-expr", "--arch"},
+                        {"--all-versions", "--memory-only", "--aot"});
   if (!args.ok()) return UsageError(std::string(args.status().message()));
 
   auto client = Client::Connect({.address = g.server,

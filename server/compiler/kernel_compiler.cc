@@ -6,10 +6,12 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <mutex>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "server/cache/disk_cache.h"
 #include "server/cache/file_digest_cache.h"
 #include "server/cache/lru_cache.h"
@@ -19,6 +21,8 @@
 #include "server/common/status_macros.h"
 #include "server/common/thread_pool.h"
 #include "server/compiler/cpu/cpu_compiler.h"
+#include "server/gpu/nvcc_compiler.h"
+#include "server/gpu/nvrtc_compiler.h"
 #include "server/loader/loader.h"
 
 namespace opjit::compiler {
@@ -114,6 +118,74 @@ bool DecodeObject(const std::string& blob, double* compile_ms, std::string* diag
   return true;
 }
 
+void PutField(std::string* out, std::string_view v) {
+  absl::StrAppend(out, v.size(), ":");
+  out->append(v);
+}
+
+bool GetField(std::string_view* in, std::string* v) {
+  auto colon = in->find(':');
+  if (colon == std::string_view::npos || colon > 20) return false;
+  size_t n = 0;
+  for (size_t i = 0; i < colon; ++i) {
+    if ((*in)[i] < '0' || (*in)[i] > '9') return false;
+    n = n * 10 + ((*in)[i] - '0');
+  }
+  if (colon + 1 + n > in->size()) return false;
+  v->assign(in->substr(colon + 1, n));
+  in->remove_prefix(colon + 1 + n);
+  return true;
+}
+
+constexpr char kGpuMagic[] = "OPJG1";
+
+// A GPU binary as one blob: fields as "<len>:<bytes>".
+std::string EncodeGpu(const GpuBinary& g, double compile_ms, const std::string& diagnostics) {
+  std::string out = kGpuMagic;
+  PutField(&out, absl::StrCat(compile_ms));
+  PutField(&out, diagnostics);
+  PutField(&out, g.ptx);
+  PutField(&out, g.ptx_arch);
+  PutField(&out, g.shared_object);
+  PutField(&out, absl::StrCat(g.cubins.size()));
+  for (const auto& [arch, bin] : g.cubins) {
+    PutField(&out, arch);
+    PutField(&out, bin);
+  }
+  PutField(&out, absl::StrCat(g.lowered_names.size()));
+  for (const auto& [expr, name] : g.lowered_names) {
+    PutField(&out, expr);
+    PutField(&out, name);
+  }
+  PutField(&out, absl::StrJoin(g.archs, ","));
+  return out;
+}
+
+bool DecodeGpu(std::string_view in, GpuBinary* g, double* compile_ms, std::string* diagnostics) {
+  if (in.substr(0, sizeof(kGpuMagic) - 1) != kGpuMagic) return false;
+  in.remove_prefix(sizeof(kGpuMagic) - 1);
+  std::string ms, count, archs;
+  if (!GetField(&in, &ms) || !GetField(&in, diagnostics) || !GetField(&in, &g->ptx) ||
+      !GetField(&in, &g->ptx_arch) || !GetField(&in, &g->shared_object) || !GetField(&in, &count)) {
+    return false;
+  }
+  *compile_ms = std::atof(ms.c_str());
+  for (int i = 0, n = std::atoi(count.c_str()); i < n; ++i) {
+    std::string arch, bin;
+    if (!GetField(&in, &arch) || !GetField(&in, &bin)) return false;
+    g->cubins[arch] = std::move(bin);
+  }
+  if (!GetField(&in, &count)) return false;
+  for (int i = 0, n = std::atoi(count.c_str()); i < n; ++i) {
+    std::string expr, name;
+    if (!GetField(&in, &expr) || !GetField(&in, &name)) return false;
+    g->lowered_names[expr] = std::move(name);
+  }
+  if (!GetField(&in, &archs)) return false;
+  if (!archs.empty()) g->archs = absl::StrSplit(archs, ',');
+  return in.empty();
+}
+
 std::string FinalKey(const std::string& request_key, const std::vector<Dependency>& deps) {
   Sha256 h;
   h.UpdateField(request_key);
@@ -139,10 +211,17 @@ struct KernelCompiler::Impl {
   std::unique_ptr<ThreadPool> pool;
   std::string toolchain_id;
 
+  // GPU compilers, created on first use: a host without the CUDA toolkit
+  // still compiles for the CPU.
+  std::mutex gpu_mu;
+  std::unique_ptr<gpu::NvrtcCompiler> nvrtc;  // GUARDED_BY(gpu_mu) until set
+  absl::Status nvrtc_status;                  // GUARDED_BY(gpu_mu)
+  std::string nvcc_id;                        // GUARDED_BY(gpu_mu)
+
   std::atomic<uint64_t> compiles{0}, compile_failures{0}, joins{0};
   std::atomic<uint64_t> compile_us_total{0};
 
-  std::string RequestKey(const CompileJob& job) const;
+  std::string RequestKey(const CompileJob& job, const std::string& gpu_toolchain) const;
   absl::StatusOr<std::vector<Dependency>> DigestDependencies(
       const std::vector<std::string>& paths);
   // `stamps`: trust a file whose size and mtime match the recorded stamp
@@ -150,15 +229,25 @@ struct KernelCompiler::Impl {
   // which answers without syscalls for a second after it last looked.
   bool DependenciesUnchanged(const std::vector<Dependency>& deps, bool stamps);
   absl::StatusOr<FlightResult> Produce(const CompileJob& job, const std::string& request_key);
+  absl::StatusOr<FlightResult> ProduceGpu(const CompileJob& job, const std::string& request_key);
+  absl::StatusOr<gpu::NvrtcCompiler*> Nvrtc();
+  // The GPU toolchain's identity for cache keys ("" for CPU jobs).
+  absl::StatusOr<std::string> GpuToolchainId(const CompileJob& job);
   absl::StatusOr<std::shared_ptr<const MemoryEntry>> LoadEntry(
       const CompileJob& job, const std::string& final_key, const std::string& object,
       std::string diagnostics, double compile_ms, std::vector<Dependency> deps);
 };
 
-std::string KernelCompiler::Impl::RequestKey(const CompileJob& job) const {
+std::string KernelCompiler::Impl::RequestKey(const CompileJob& job,
+                                            const std::string& gpu_toolchain) const {
   Sha256 h;
   h.UpdateField(absl::StrCat("opjit-kernel-abi-", kKernelAbiVersion));
-  h.UpdateField(toolchain_id);
+  h.UpdateField(job.target == "GPU" ? gpu_toolchain : toolchain_id);
+  if (job.target == "GPU") {
+    h.UpdateField(absl::StrJoin(job.archs.empty() ? options.gpu_archs : job.archs, ","));
+    h.UpdateField(absl::StrJoin(job.name_expressions, "\x1f"));
+    h.UpdateField(job.aot_shared_object ? "nvcc-aot" : "nvrtc");
+  }
   h.UpdateField(job.target);
   h.UpdateField(job.language);
   h.UpdateField(absl::StrJoin(job.options, "\x1f"));
@@ -218,6 +307,7 @@ absl::StatusOr<std::shared_ptr<const MemoryEntry>> KernelCompiler::Impl::LoadEnt
 
 absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job,
                                                            const std::string& request_key) {
+  if (job.target == "GPU") return ProduceGpu(job, request_key);
   auto log = Logger("compiler");
   // Disk: the manifest names the headers; if they still hash the same, the
   // object under the final key is what a compile would produce.
@@ -282,7 +372,126 @@ CompileJob JobForImplementation(const registry::OpDef& def, const registry::Impl
   job.entry = impl.entry;
   job.options = impl.compile_options;
   job.libraries = impl.libraries;
+  if (impl.target == registry::Target::kGpu) {
+    job.file_name = absl::StrCat(def.name, ".cu");
+    if (impl.launch.grid.empty()) {
+      job.aot_shared_object = true;
+    } else {
+      job.name_expressions = {impl.launch.kernel.empty() ? impl.entry : impl.launch.kernel};
+      job.archs = impl.launch.archs;
+      job.entry.clear();  // a GPU kernel's name is checked through its lowered name
+    }
+  }
   return job;
+}
+
+size_t GpuBinary::bytes() const {
+  size_t n = ptx.size() + shared_object.size();
+  for (const auto& [arch, bin] : cubins) n += bin.size();
+  return n;
+}
+
+absl::StatusOr<gpu::NvrtcCompiler*> KernelCompiler::Impl::Nvrtc() {
+  std::lock_guard<std::mutex> lock(gpu_mu);
+  if (nvrtc) return nvrtc.get();
+  if (!nvrtc_status.ok()) return nvrtc_status;
+  gpu::NvrtcOptions o;
+  o.cuda_root = options.cuda_root;
+  o.archs = options.gpu_archs;
+  o.extra_include_dirs = {options.kernel_include_dir};
+  auto created = gpu::NvrtcCompiler::Create(o);
+  if (!created.ok()) {
+    nvrtc_status = created.status();
+    return nvrtc_status;
+  }
+  nvrtc = *std::move(created);
+  Logger("compiler")->info("GPU compiler ready: {}", nvrtc->Version());
+  return nvrtc.get();
+}
+
+absl::StatusOr<std::string> KernelCompiler::Impl::GpuToolchainId(const CompileJob& job) {
+  if (job.target != "GPU") return std::string();
+  if (job.aot_shared_object) {
+    std::lock_guard<std::mutex> lock(gpu_mu);
+    if (nvcc_id.empty()) {
+      OPJIT_ASSIGN_OR_RETURN(nvcc_id, gpu::NvccToolchainId(options.cuda_root));
+    }
+    return nvcc_id;
+  }
+  OPJIT_ASSIGN_OR_RETURN(gpu::NvrtcCompiler * c, Nvrtc());
+  return c->ToolchainId();
+}
+
+absl::StatusOr<FlightResult> KernelCompiler::Impl::ProduceGpu(const CompileJob& job,
+                                                              const std::string& request_key) {
+  auto log = Logger("compiler");
+  auto entry_of = [&](GpuBinary g, double ms, std::string diag) {
+    auto kernel = std::make_shared<CompiledKernel>();
+    kernel->cache_key = request_key;
+    kernel->gpu = std::make_shared<const GpuBinary>(std::move(g));
+    kernel->diagnostics = std::move(diag);
+    kernel->compile_ms = ms;
+    auto entry = std::make_shared<MemoryEntry>();
+    entry->kernel = std::move(kernel);
+    return std::shared_ptr<const MemoryEntry>(std::move(entry));
+  };
+  if (auto blob = disk->Get("gpu", request_key); blob.ok()) {
+    GpuBinary g;
+    double ms = 0;
+    std::string diag;
+    if (DecodeGpu(*blob, &g, &ms, &diag)) return FlightResult{entry_of(std::move(g), ms, diag), "disk"};
+    log->warn("key={} cached GPU binary is malformed; recompiling", request_key.substr(0, 12));
+  }
+  const std::vector<std::string> archs = job.archs.empty() ? options.gpu_archs : job.archs;
+  GpuBinary g;
+  g.archs = archs;
+  double ms = 0;
+  std::string diag;
+  compiles.fetch_add(1);
+  if (job.aot_shared_object) {
+    gpu::NvccRequest req;
+    req.source = job.source;
+    req.file_name = job.file_name;
+    req.options = job.options;
+    req.archs = archs;
+    req.cuda_root = options.cuda_root;
+    req.kernel_include_dir = options.kernel_include_dir;
+    req.extra_include_dirs = options.extra_include_dirs;
+    auto out = gpu::CompileAotSharedObject(req);
+    if (!out.ok()) {
+      compile_failures.fetch_add(1);
+      return out.status();
+    }
+    g.shared_object = std::move(out->shared_object);
+    ms = out->compile_ms;
+    diag = std::move(out->diagnostics);
+  } else {
+    OPJIT_ASSIGN_OR_RETURN(gpu::NvrtcCompiler * c, Nvrtc());
+    gpu::GpuCompileRequest req;
+    req.source = job.source;
+    req.file_name = job.file_name;
+    req.options = job.options;
+    req.name_expressions = job.name_expressions;
+    req.archs = archs;
+    auto out = c->Compile(req);
+    if (!out.ok()) {
+      compile_failures.fetch_add(1);
+      return out.status();
+    }
+    g.cubins = std::move(out->cubins);
+    g.ptx = std::move(out->ptx);
+    g.ptx_arch = std::move(out->ptx_arch);
+    g.lowered_names = std::move(out->lowered_names);
+    ms = out->compile_ms;
+    diag = std::move(out->diagnostics);
+  }
+  compile_us_total.fetch_add(static_cast<uint64_t>(ms * 1000));
+  if (absl::Status s = disk->Put("gpu", request_key, EncodeGpu(g, ms, diag)); !s.ok()) {
+    log->warn("key={} GPU binary not cached on disk: {}", request_key.substr(0, 12), s.ToString());
+  }
+  log->debug("key={} compiled {} for {} in {:.1f} ms", request_key.substr(0, 12), job.file_name,
+             absl::StrJoin(archs, ","), ms);
+  return FlightResult{entry_of(std::move(g), ms, std::move(diag)), ""};
 }
 
 KernelCompiler::KernelCompiler(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -320,12 +529,17 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
 void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
   const auto t0 = Clock::now();
   Impl* impl = impl_.get();
-  if (job.target != "CPU") {
-    done(absl::UnimplementedError(absl::StrCat(
-        "compiling for target ", job.target, " is not supported by this opjitd version")));
+  if (job.target != "CPU" && job.target != "GPU") {
+    done(absl::InvalidArgumentError(
+        absl::StrCat("target \"", job.target, "\" is not CPU or GPU")));
     return;
   }
-  if (job.language != "c++" && job.language != "c") {
+  if (job.target == "GPU" && job.language != "cuda") {
+    done(absl::InvalidArgumentError(
+        absl::StrCat("language \"", job.language, "\" is not a GPU language (expected cuda)")));
+    return;
+  }
+  if (job.target == "CPU" && job.language != "c++" && job.language != "c") {
     done(absl::InvalidArgumentError(
         absl::StrCat("language \"", job.language, "\" is not a CPU language (expected c++ or c)")));
     return;
@@ -340,13 +554,20 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
       return;
     }
   }
-  if (job.file_name.empty()) job.file_name = job.language == "c" ? "kernel.c" : "kernel.cc";
-  const std::string request_key = impl->RequestKey(job);
+  if (job.file_name.empty()) {
+    job.file_name = job.language == "c" ? "kernel.c" : job.language == "cuda" ? "kernel.cu" : "kernel.cc";
+  }
+  auto gpu_toolchain = impl->GpuToolchainId(job);
+  if (!gpu_toolchain.ok()) {
+    done(gpu_toolchain.status());
+    return;
+  }
+  const std::string request_key = impl->RequestKey(job, *gpu_toolchain);
 
   // Checks the entry symbol of a kernel against this job and answers.
   auto finish = [t0, entry = job.entry, done](std::shared_ptr<const MemoryEntry> e,
                                               std::string hit) {
-    if (!entry.empty() && e->kernel->kernel->Find(entry) == nullptr) {
+    if (!entry.empty() && e->kernel->kernel != nullptr && e->kernel->kernel->Find(entry) == nullptr) {
       const auto& syms = e->kernel->defined_symbols;
       std::string hint;
       for (const auto& s : syms) {
@@ -386,7 +607,9 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
   auto work = [impl, job = std::move(job), request_key]() {
     auto result = impl->Produce(job, request_key);
     if (result.ok()) {
-      impl->memory->Put(request_key, result->entry, result->entry->kernel->kernel->code_bytes());
+      const CompiledKernel& k = *result->entry->kernel;
+      impl->memory->Put(request_key, result->entry,
+                        k.kernel ? k.kernel->code_bytes() : k.gpu->bytes());
     }
     impl->flights.Complete(request_key, result);
   };

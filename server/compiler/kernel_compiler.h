@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,6 +42,21 @@ struct CompileJob {
   std::string entry;      // when set, the kernel must define it
   std::vector<std::string> options;
   std::vector<std::string> libraries;
+  // GPU: NVRTC name expressions (lowered names come back), target archs
+  // (empty: the server's), or an aot .cu file for nvcc instead of NVRTC.
+  std::vector<std::string> name_expressions;
+  std::vector<std::string> archs;
+  bool aot_shared_object = false;
+};
+
+// What a GPU compile produced (nothing is loaded: that needs a device).
+struct GpuBinary {
+  std::map<std::string, std::string> cubins;  // arch -> CUBIN
+  std::string ptx, ptx_arch;                  // forward-compatible PTX
+  std::map<std::string, std::string> lowered_names;
+  std::string shared_object;                  // aot .cu built by nvcc
+  std::vector<std::string> archs;
+  size_t bytes() const;
 };
 
 // The job that compiles an op's implementation; registration and execution
@@ -50,7 +66,8 @@ CompileJob JobForImplementation(const registry::OpDef& def, const registry::Impl
 // A compiled, loaded kernel. Immutable; shared by the cache and in-flight calls.
 struct CompiledKernel {
   std::string cache_key;  // final content key (hex SHA-256)
-  std::shared_ptr<const loader::LoadedKernel> kernel;
+  std::shared_ptr<const loader::LoadedKernel> kernel;  // CPU
+  std::shared_ptr<const GpuBinary> gpu;               // GPU
   std::string diagnostics;  // warnings from the compile that produced it
   std::vector<std::string> defined_symbols;
   double compile_ms = 0;
@@ -85,6 +102,10 @@ struct KernelCompilerOptions {
   uint64_t disk_bytes = 2ull << 30;
   // Threads that run compiles and loads. Default: 2.
   int pool_threads = 2;
+  // GPU: the CUDA toolkit and the archs compiled when a job names none.
+  // Default: /usr/local/cuda; sm_80 and sm_90.
+  std::string cuda_root = "/usr/local/cuda";
+  std::vector<std::string> gpu_archs = {"sm_80", "sm_90"};
 };
 
 struct KernelCacheStats {
@@ -106,7 +127,9 @@ class KernelCompiler {
   // (compile error with diagnostics, unknown language, missing entry symbol,
   // compiler crash), DEADLINE_EXCEEDED (compile timeout), RESOURCE_EXHAUSTED
   // (memory limit, or the compile queue is full), PERMISSION_DENIED (a library
-  // off the allow-list), UNIMPLEMENTED (GPU target).
+  // off the allow-list), UNAVAILABLE (GPU target without NVRTC or nvcc).
+  // GPU jobs compile with NVRTC (or nvcc for aot .cu files) and are cached
+  // the same way; their key holds the NVRTC/nvcc identity and the archs.
   void CompileAsync(CompileJob job, Callback done);
 
   // Blocking form of CompileAsync, for tests and tools. Never call it from a

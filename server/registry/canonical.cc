@@ -217,6 +217,18 @@ std::string ToJson(const OpDef& def) {
     ji["compile_options"] = StringsJson(impl.compile_options);
     ji["libraries"] = StringsJson(impl.libraries);
     ji["attr_names"] = StringsJson(impl.attr_names);
+    // Written only when set, so the canonical form (and content hash) of
+    // definitions without one is what it was before launch specs existed.
+    if (!impl.launch.empty()) {
+      Json jl = Json::object();
+      jl["kernel"] = impl.launch.kernel;
+      jl["grid"] = StringsJson(impl.launch.grid);
+      jl["block"] = StringsJson(impl.launch.block);
+      jl["shared_mem"] = impl.launch.shared_mem;
+      jl["args"] = StringsJson(impl.launch.args);
+      jl["archs"] = StringsJson(impl.launch.archs);
+      ji["launch"] = std::move(jl);
+    }
     impls.push_back(std::move(ji));
   }
   j["implementations"] = std::move(impls);
@@ -286,7 +298,8 @@ absl::StatusOr<OpDef> FromJson(std::string_view text) {
       ReadArray(j, "", "implementations", [&](const Json& e, const std::string& p) {
         OPJIT_RETURN_IF_ERROR(CheckObject(e, p,
                                           {"target", "language", "source", "entry",
-                                           "compile_options", "libraries", "attr_names"}));
+                                           "compile_options", "libraries", "attr_names",
+                                           "launch"}));
         Implementation impl;
         OPJIT_RETURN_IF_ERROR(ReadEnum(e, p, "target", &ParseTarget, "CPU or GPU", &impl.target));
         OPJIT_RETURN_IF_ERROR(ReadString(e, p, "language", &impl.language));
@@ -295,6 +308,18 @@ absl::StatusOr<OpDef> FromJson(std::string_view text) {
         OPJIT_RETURN_IF_ERROR(ReadStrings(e, p, "compile_options", &impl.compile_options));
         OPJIT_RETURN_IF_ERROR(ReadStrings(e, p, "libraries", &impl.libraries));
         OPJIT_RETURN_IF_ERROR(ReadStrings(e, p, "attr_names", &impl.attr_names));
+        if (e.contains("launch")) {
+          const Json& l = e["launch"];
+          const std::string lp = p + ".launch";
+          OPJIT_RETURN_IF_ERROR(CheckObject(
+              l, lp, {"kernel", "grid", "block", "shared_mem", "args", "archs"}));
+          OPJIT_RETURN_IF_ERROR(ReadString(l, lp, "kernel", &impl.launch.kernel));
+          OPJIT_RETURN_IF_ERROR(ReadStrings(l, lp, "grid", &impl.launch.grid));
+          OPJIT_RETURN_IF_ERROR(ReadStrings(l, lp, "block", &impl.launch.block));
+          OPJIT_RETURN_IF_ERROR(ReadString(l, lp, "shared_mem", &impl.launch.shared_mem));
+          OPJIT_RETURN_IF_ERROR(ReadStrings(l, lp, "args", &impl.launch.args));
+          OPJIT_RETURN_IF_ERROR(ReadStrings(l, lp, "archs", &impl.launch.archs));
+        }
         def.implementations.push_back(std::move(impl));
         return absl::OkStatus();
       }));

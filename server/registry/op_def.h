@@ -74,6 +74,21 @@ struct DtypeFormat {
   bool operator==(const DtypeFormat&) const = default;
 };
 
+// How to launch an NVRTC-compiled GPU kernel (see opjit.v1.GpuLaunch).
+// Empty grid: the source is a MindSpore aot .cu file compiled by nvcc.
+struct GpuLaunch {
+  std::string kernel;  // name expression; empty: the implementation's entry
+  std::vector<std::string> grid, block;
+  std::string shared_mem;
+  std::vector<std::string> args;
+  std::vector<std::string> archs;
+  bool empty() const {
+    return kernel.empty() && grid.empty() && block.empty() && shared_mem.empty() && args.empty() &&
+           archs.empty();
+  }
+  bool operator==(const GpuLaunch&) const = default;
+};
+
 // The implementation of an op for one target.
 struct Implementation {
   Target target = Target::kCpu;
@@ -87,6 +102,7 @@ struct Implementation {
   // Attr names this implementation reads. Empty: all of the op's attrs. When
   // given, the set must equal the op's attr names (checked at registration).
   std::vector<std::string> attr_names;
+  GpuLaunch launch;  // GPU only
   bool operator==(const Implementation&) const = default;
 };
 

@@ -9,10 +9,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "server/common/status_macros.h"
+#include "server/gpu/launch_spec.h"
 #include "server/registry/attr_value.h"
 
 namespace opjit::registry {
 namespace {
+
+absl::Status ValidateLaunch(const OpDef& def, const Implementation& impl, const std::string& path);
 
 constexpr size_t kMaxNameLen = 128;
 
@@ -339,6 +342,7 @@ absl::Status CheckImplementations(const OpDef& def) {
           absl::StrCat("is ", impl.source.size(), " bytes; the limit is ", kMaxSourceBytes));
     }
     OPJIT_RETURN_IF_ERROR(CheckUtf8(absl::StrCat(path, ".source"), impl.source));
+    OPJIT_RETURN_IF_ERROR(ValidateLaunch(def, impl, path));
     for (size_t k = 0; k < impl.compile_options.size(); ++k) {
       const std::string& opt = impl.compile_options[k];
       std::string opath = absl::StrCat(path, ".compile_options[", k, "]");
@@ -523,6 +527,43 @@ absl::Status CheckBackward(const OpDef& def) {
     }
     if (!seen.insert(n).second) return Invalid(path, absl::StrCat(Q(n), " is listed twice"));
   }
+  return absl::OkStatus();
+}
+
+// A GPU implementation with a launch spec is an NVRTC kernel; its
+// expressions may name the op's tensors and its int and float attrs.
+absl::Status ValidateLaunch(const OpDef& def, const Implementation& impl, const std::string& path) {
+  const GpuLaunch& l = impl.launch;
+  if (l.empty()) return absl::OkStatus();
+  const std::string lpath = absl::StrCat(path, ".launch");
+  if (impl.target != Target::kGpu) return Invalid(lpath, "is for GPU implementations only");
+  if (l.grid.empty() || l.block.empty()) {
+    return Invalid(lpath, "needs grid and block (1 to 3 expressions each)");
+  }
+  for (size_t k = 0; k < l.archs.size(); ++k) {
+    const std::string& a = l.archs[k];
+    bool ok = a.size() >= 5 && a.size() <= 7 && a.rfind("sm_", 0) == 0;
+    for (size_t c = 3; ok && c < a.size(); ++c) {
+      ok = IsDigit(a[c]) || (c + 1 == a.size() && a[c] == 'a');
+    }
+    if (!ok) {
+      return Invalid(absl::StrCat(lpath, ".archs[", k, "]"), absl::StrCat(Q(a), " is not sm_NN"));
+    }
+  }
+  gpu::LaunchSpec spec;
+  spec.kernel = l.kernel.empty() ? impl.entry : l.kernel;
+  spec.grid = l.grid;
+  spec.block = l.block;
+  spec.shared_mem = l.shared_mem.empty() ? "0" : l.shared_mem;
+  spec.args = l.args;
+  std::vector<std::string> ins, outs, attrs;
+  for (const auto& p : def.inputs) ins.push_back(p.name);
+  for (const auto& p : def.outputs) outs.push_back(p.name);
+  for (const auto& a : def.attrs) {
+    if (a.value_type == ValueType::kInt || a.value_type == ValueType::kFloat) attrs.push_back(a.name);
+  }
+  absl::Status s = gpu::ValidateLaunchSpec(spec, ins, outs, attrs);
+  if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ".", s.message()));
   return absl::OkStatus();
 }
 

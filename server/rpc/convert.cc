@@ -117,6 +117,15 @@ absl::StatusOr<registry::OpDef> OpDefFromProto(const v1::OpDef& proto) {
     impl.compile_options.assign(im.compile_options().begin(), im.compile_options().end());
     impl.libraries.assign(im.libraries().begin(), im.libraries().end());
     impl.attr_names.assign(im.attr_names().begin(), im.attr_names().end());
+    if (im.has_launch()) {
+      const auto& l = im.launch();
+      impl.launch.kernel = l.kernel();
+      impl.launch.grid.assign(l.grid().begin(), l.grid().end());
+      impl.launch.block.assign(l.block().begin(), l.block().end());
+      impl.launch.shared_mem = l.shared_mem();
+      impl.launch.args.assign(l.args().begin(), l.args().end());
+      impl.launch.archs.assign(l.archs().begin(), l.archs().end());
+    }
     def.implementations.push_back(std::move(impl));
   }
   for (int i = 0; i < proto.output_rules_size(); ++i) {
@@ -187,6 +196,15 @@ void OpDefToProto(const registry::OpDef& def, v1::OpDef* proto) {
     for (const auto& o : im.compile_options) out->add_compile_options(o);
     for (const auto& l : im.libraries) out->add_libraries(l);
     for (const auto& n : im.attr_names) out->add_attr_names(n);
+    if (!im.launch.empty()) {
+      auto* l = out->mutable_launch();
+      l->set_kernel(im.launch.kernel);
+      for (const auto& e : im.launch.grid) l->add_grid(e);
+      for (const auto& e : im.launch.block) l->add_block(e);
+      l->set_shared_mem(im.launch.shared_mem);
+      for (const auto& e : im.launch.args) l->add_args(e);
+      for (const auto& e : im.launch.archs) l->add_archs(e);
+    }
   }
   for (const auto& r : def.output_rules) {
     auto* out = proto->add_output_rules();

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -52,6 +53,14 @@ void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& 
   resp->set_total_ms(outcome.total_ms);
   for (const auto& s : k.defined_symbols) resp->add_defined_symbols(s);
   resp->set_target(target);
+  if (k.gpu) {
+    for (const auto& a : k.gpu->archs) resp->add_archs(a);
+    resp->set_ptx_arch(k.gpu->ptx_arch);
+    for (const auto& [expr, name] : k.gpu->lowered_names) (*resp->mutable_lowered_names())[expr] = name;
+    resp->set_binary_bytes(k.gpu->bytes());
+  } else if (k.kernel) {
+    resp->set_binary_bytes(k.kernel->code_bytes());
+  }
 }
 
 }  // namespace
@@ -87,30 +96,42 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
     reactor->Finish(grpc::Status::OK);
   };
 
-  const registry::Implementation* cpu = nullptr;
+  // Every implementation is compiled before the op is stored (GPU ones to
+  // CUBIN/PTX, or a shared object for aot .cu files), one after another.
+  auto jobs = std::make_shared<std::vector<std::pair<std::string, compiler::CompileJob>>>();
   for (const auto& impl : shared_def->implementations) {
-    if (impl.target == registry::Target::kCpu) cpu = &impl;
+    jobs->emplace_back(registry::TargetName(impl.target),
+                       compiler::JobForImplementation(*shared_def, impl));
   }
-  if (cpu == nullptr || core_.compiler == nullptr) {
+  if (jobs->empty() || core_.compiler == nullptr) {
     store();
     return reactor;
   }
-  compiler::CompileJob job = compiler::JobForImplementation(*shared_def, *cpu);
-  core_.compiler->CompileAsync(
-      std::move(job), [store, reactor, resp, shared_def, rid, log](
-                          absl::StatusOr<compiler::CompileOutcome> outcome) {
-        if (!outcome.ok()) {
-          log->debug("req={} RegisterOp {}/{}: compile: {}", rid, shared_def->ns,
-                     shared_def->name, Brief(outcome.status()));
-          reactor->Finish(ToGrpcStatus(absl::Status(
-              outcome.status().code(),
-              absl::StrCat("op \"", shared_def->ns, "/", shared_def->name,
-                           "\" CPU implementation: ", outcome.status().message()))));
-          return;
-        }
-        OutcomeToProto(*outcome, "CPU", resp->add_compiled());
-        store();
-      });
+  compiler::KernelCompiler* kc = core_.compiler;
+  auto next = std::make_shared<std::function<void(size_t)>>();
+  *next = [kc, jobs, next, store, reactor, resp, shared_def, rid, log](size_t i) {
+    if (i == jobs->size()) {
+      store();
+      *next = nullptr;  // break the cycle
+      return;
+    }
+    const std::string target = (*jobs)[i].first;
+    kc->CompileAsync((*jobs)[i].second, [=](absl::StatusOr<compiler::CompileOutcome> outcome) {
+      if (!outcome.ok()) {
+        log->debug("req={} RegisterOp {}/{}: compile: {}", rid, shared_def->ns, shared_def->name,
+                   Brief(outcome.status()));
+        reactor->Finish(ToGrpcStatus(absl::Status(
+            outcome.status().code(), absl::StrCat("op \"", shared_def->ns, "/", shared_def->name,
+                                                  "\" ", target, " implementation: ",
+                                                  outcome.status().message()))));
+        *next = nullptr;
+        return;
+      }
+      OutcomeToProto(*outcome, target, resp->add_compiled());
+      (*next)(i + 1);
+    });
+  };
+  (*next)(0);
   return reactor;
 }
 
@@ -158,6 +179,10 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   job.entry = req->entry();
   job.options.assign(req->compile_options().begin(), req->compile_options().end());
   job.libraries.assign(req->libraries().begin(), req->libraries().end());
+  job.name_expressions.assign(req->name_expressions().begin(), req->name_expressions().end());
+  job.archs.assign(req->archs().begin(), req->archs().end());
+  job.aot_shared_object = req->aot_shared_object();
+  if (req->language().empty() && job.target == "GPU") job.language = "cuda";
   // Options of a bare compile get the same checks as a registered op's.
   registry::Implementation impl;
   auto target = registry::ParseTarget(job.target);
