@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_join.h"
 #include "server/common/logging.h"
 #include "server/compiler/kernel_compiler.h"
@@ -103,6 +104,10 @@ int Run(int argc, char** argv) {
     return 2;
   }
   SetLogLevel(cfg->log_level);
+  // Debian's abseil is built with mutex deadlock detection on, which keeps a
+  // global lock graph updated on every absl::Mutex acquisition; the lock
+  // order here is fixed and tested, so skip that per-call cost.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   auto log = Logger("main");
 
   // Signals are taken synchronously by this thread (sigwait below); block them
