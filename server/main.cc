@@ -189,7 +189,7 @@ int Run(int argc, char** argv) {
   eopts.max_queue = cfg->exec_queue;
   eopts.inline_max_bytes = cfg->inline_max_bytes;
   eopts.max_inline_output_bytes = cfg->max_message_bytes - (1 << 20);
-  eopts.gpu_unavailable_reason = gpu.reason;
+  eopts.scratch_dir = cfg->state_dir + "/cache/gpu-load";
   auto executor = exec::Executor::Create(eopts, registry->get(), compiler->get(), regions->get());
   if (!executor.ok()) {
     log->error("executor: {}", executor.status().ToString());

@@ -11,6 +11,7 @@
 #include "server/common/status_macros.h"
 #include "server/common/thread_pool.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/exec/gpu_runner.h"
 #include "server/exec/shape_rules.h"
 #include "server/registry/attr_value.h"
 #include "server/registry/registry.h"
@@ -173,18 +174,22 @@ struct Executor::Impl {
   std::unique_ptr<cache::LruCache<AotKernelInstance>> instances;
   // The compiled kernel of each op version and target (see ForwardAsync).
   std::unique_ptr<cache::LruCache<compiler::CompiledKernel>> op_kernels;
+  std::unique_ptr<GpuRunner> gpu_runner;
   std::unique_ptr<ThreadPool> pool;
   std::atomic<uint64_t> calls{0}, failures{0}, inline_runs{0}, pool_runs{0}, rejected{0};
   std::atomic<uint64_t> instance_hits{0};
 
   absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Instance(
       const Checked& c, const compiler::CompiledKernel& kernel);
+  // `inst` is null for GPU kernels, whose outputs follow declarative rules.
   absl::StatusOr<std::vector<TensorDesc>> OutputDescs(const Checked& c,
-                                                      const AotKernelInstance& inst);
-  // Resolves tensors, places outputs and runs the kernel. Runs on the thread
-  // that decided where the call runs.
+                                                      const AotKernelInstance* inst);
+  // Resolves tensors, places outputs and runs the kernel: the CPU instance
+  // `inst`, or else the GPU kernel `gpu_kernel`. Runs on the thread that
+  // decided where the call runs.
   absl::StatusOr<ForwardResult> Execute(const ForwardCall& call, const Checked& c,
                                         std::shared_ptr<const AotKernelInstance> inst,
+                                        std::shared_ptr<const compiler::CompiledKernel> gpu_kernel,
                                         Clock::time_point t0);
 };
 
@@ -224,18 +229,26 @@ absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Executor::Impl::Instanc
 }
 
 absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const Checked& c,
-                                                                    const AotKernelInstance& inst) {
-  std::vector<TensorDesc> known = inst.outputs();
-  if (!known.empty()) return known;
+                                                                    const AotKernelInstance* inst) {
+  if (inst != nullptr) {
+    std::vector<TensorDesc> known = inst->outputs();
+    if (!known.empty()) return known;
+  }
   const OpDef& def = c.record->def;
   std::vector<TensorDesc> out;
   std::optional<Shape> inferred;
   for (size_t j = 0; j < def.outputs.size(); ++j) {
-    const registry::OutputRule& rule = def.output_rules[j];
+    registry::OutputRule rule;  // default: same as input 0
+    if (!def.output_rules.empty()) rule = def.output_rules[j];
     Shape shape;
     if (rule.kind == registry::OutputRule::Kind::kInferShape) {
+      if (inst == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "op ", OpName(def), ": output ", j, " takes its shape from the kernel's InferShape, "
+            "which GPU implementations do not have; give it a declarative output rule"));
+      }
       if (!inferred) {
-        auto s = inst.InferShape();
+        auto s = inst->InferShape();
         if (!s.ok()) {
           return absl::Status(s.status().code(),
                               absl::StrCat("op ", OpName(def), ": ", s.status().message()));
@@ -252,11 +265,11 @@ absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const Checke
   return out;
 }
 
-absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, const Checked& c,
-                                                      std::shared_ptr<const AotKernelInstance> inst,
-                                                      Clock::time_point t0) {
+absl::StatusOr<ForwardResult> Executor::Impl::Execute(
+    const ForwardCall& call, const Checked& c, std::shared_ptr<const AotKernelInstance> inst,
+    std::shared_ptr<const compiler::CompiledKernel> gpu_kernel, Clock::time_point t0) {
   const OpDef& def = c.record->def;
-  OPJIT_ASSIGN_OR_RETURN(std::vector<TensorDesc> out_descs, OutputDescs(c, *inst));
+  OPJIT_ASSIGN_OR_RETURN(std::vector<TensorDesc> out_descs, OutputDescs(c, inst.get()));
 
   // Inputs: every reference is checked against its region before a pointer exists.
   std::vector<HostTensor> inputs;
@@ -371,7 +384,14 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, c
         absl::StrCat("op ", OpName(def), ": the deadline passed before the kernel started"));
   }
   const auto k0 = Clock::now();
-  absl::Status run = inst->Run(inputs, outputs);
+  absl::Status run;
+  if (inst != nullptr) {
+    run = inst->Run(inputs, outputs);
+  } else {
+    std::vector<std::string> input_names;
+    for (const auto& p : c.input_params) input_names.push_back(p.name);
+    run = gpu_runner->Run(def, *c.impl, *gpu_kernel, c.attrs, inputs, input_names, outputs);
+  }
   result.kernel_ms = MsSince(k0);
   if (!run.ok()) {
     return absl::Status(run.code(), absl::StrCat("op ", OpName(def), ": ", run.message()));
@@ -424,6 +444,7 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const ExecutorOptions
       options.instance_cache_entries, options.instance_cache_entries);
   impl->op_kernels = std::make_unique<cache::LruCache<compiler::CompiledKernel>>(
       options.instance_cache_entries, options.instance_cache_entries);
+  impl->gpu_runner = std::make_unique<GpuRunner>(options.scratch_dir);
   impl->pool = std::make_unique<ThreadPool>(options.pool_threads, options.max_queue, "opjit-exec");
   return std::unique_ptr<Executor>(new Executor(std::move(impl)));
 }
@@ -443,8 +464,10 @@ void Executor::ForwardAsync(ForwardCall call, Callback done) {
   checked->record = *std::move(record);
   const OpDef& def = checked->record->def;
   if (call.target == registry::Target::kGpu) {
-    return fail(absl::UnavailableError(absl::StrCat("op ", OpName(def), " on GPU: ",
-                                                    impl->options.gpu_unavailable_reason)));
+    if (absl::Status gpu = GpuRunner::Available(); !gpu.ok()) {
+      return fail(absl::UnavailableError(
+          absl::StrCat("op ", OpName(def), " on GPU: ", gpu.message())));
+    }
   }
   for (const auto& im : def.implementations) {
     if (im.target == call.target) checked->impl = &im;
@@ -470,6 +493,22 @@ void Executor::ForwardAsync(ForwardCall call, Callback done) {
   // Continues once the kernel is at hand: instance, then run inline or on the pool.
   auto with_kernel = [impl, checked, shared_call, done, fail, t0,
                       run_inline](std::shared_ptr<const compiler::CompiledKernel> kernel) {
+    if (kernel->gpu) {
+      // Device work (copies, launch, sync) always runs on the pool.
+      auto run = [impl, checked, shared_call, done, fail, t0, kernel] {
+        auto r = impl->Execute(*shared_call, *checked, nullptr, kernel, t0);
+        if (!r.ok()) return fail(r.status());
+        impl->pool_runs.fetch_add(1);
+        done(*std::move(r));
+      };
+      if (!impl->pool->Submit(run)) {
+        impl->rejected.fetch_add(1);
+        fail(absl::ResourceExhaustedError(absl::StrCat(
+            "the execution queue is full (", impl->options.max_queue,
+            " calls waiting); retry with backoff")));
+      }
+      return;
+    }
     auto inst = impl->Instance(*checked, *kernel);
     if (!inst.ok()) {
       return fail(absl::Status(inst.status().code(),
@@ -478,7 +517,7 @@ void Executor::ForwardAsync(ForwardCall call, Callback done) {
     }
     auto run = [impl, checked, shared_call, done, fail, t0,
                 inst = *std::move(inst)](bool on_pool) {
-      auto r = impl->Execute(*shared_call, *checked, inst, t0);
+      auto r = impl->Execute(*shared_call, *checked, inst, nullptr, t0);
       if (!r.ok()) return fail(r.status());
       r->ran_inline = !on_pool;
       (on_pool ? impl->pool_runs : impl->inline_runs).fetch_add(1);

@@ -130,8 +130,9 @@ struct ExecutorOptions {
   uint64_t max_inline_output_bytes = 64ull << 20;
   // Kernel instances kept (each ran Init once). Default: 1024.
   size_t instance_cache_entries = 1024;
-  // Why GPU execution is unavailable, for the UNAVAILABLE message.
-  std::string gpu_unavailable_reason = "GPU execution is not available";
+  // Where aot shared objects for the GPU are written while being loaded.
+  // Default: /tmp.
+  std::string scratch_dir = "/tmp";
 };
 
 struct ExecutorStats {
