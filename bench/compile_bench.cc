@@ -22,6 +22,7 @@
 #include <benchmark/benchmark.h>
 
 #include "server/compiler/kernel_compiler.h"
+#include "server/gpu/nvrtc_compiler.h"
 #include "server/loader/loader.h"
 
 extern char** environ;
@@ -171,6 +172,59 @@ BENCHMARK(BM_OpjitDiskHitFreshCompiler)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(10)
     ->Repetitions(3);
+
+// NVRTC (compile only; there is no GPU here): raw NVRTC against opjit's
+// cold compile of the same source for the same archs, and a cache hit.
+const char kSaxpy[] = R"(
+extern "C" __global__ void saxpy(float a, const float* x, float* y, long long n) {
+  long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i < n) y[i] = a * x[i] + y[i];
+}
+)";
+
+void BM_NvrtcRaw(benchmark::State& state) {
+  static std::atomic<int> counter{0};
+  auto nvrtc = opjit::gpu::NvrtcCompiler::Create({});
+  if (!nvrtc.ok()) {
+    state.SkipWithError(std::string(nvrtc.status().message()).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    opjit::gpu::GpuCompileRequest req;
+    req.source = std::string(kSaxpy) + "// " + std::to_string(counter++) + "\n";
+    req.name_expressions = {"saxpy"};
+    if (!(*nvrtc)->Compile(req).ok()) state.SkipWithError("NVRTC compile failed");
+  }
+}
+BENCHMARK(BM_NvrtcRaw)->Unit(benchmark::kMillisecond)->Iterations(6)->Repetitions(3);
+
+CompileJob GpuJob(const std::string& source) {
+  CompileJob job;
+  job.target = "GPU";
+  job.language = "cuda";
+  job.source = source;
+  job.name_expressions = {"saxpy"};
+  return job;
+}
+
+void BM_OpjitNvrtcCold(benchmark::State& state) {
+  static std::atomic<int> counter{0};
+  for (auto _ : state) {
+    auto r = Shared().Compile(GpuJob(std::string(kSaxpy) + "// " + std::to_string(counter++) + "\n"));
+    if (!r.ok() || !r->cache_hit.empty()) state.SkipWithError("GPU compile failed or was a hit");
+  }
+}
+BENCHMARK(BM_OpjitNvrtcCold)->Unit(benchmark::kMillisecond)->Iterations(6)->Repetitions(3);
+
+void BM_OpjitNvrtcMemoryHit(benchmark::State& state) {
+  const CompileJob job = GpuJob(kSaxpy);
+  if (!Shared().Compile(job).ok()) state.SkipWithError("warm-up GPU compile failed");
+  for (auto _ : state) {
+    auto r = Shared().Compile(job);
+    if (!r.ok() || r->cache_hit != "memory") state.SkipWithError("not a memory hit");
+  }
+}
+BENCHMARK(BM_OpjitNvrtcMemoryHit)->Unit(benchmark::kMicrosecond)->Repetitions(3);
 
 using QualityFn = void (*)(const float*, float*, int64_t);
 

@@ -71,6 +71,11 @@ def main():
     print(f"| memory-cache hit | {fmt(get('BM_OpjitMemoryHit'))} | | | ≤ 50 µs |")
     print(f"| disk-cache hit, freshly created compiler | "
           f"{fmt(get('BM_OpjitDiskHitFreshCompiler'))} | | | ≤ 2 ms |")
+    print("\n## NVRTC (compile only, no GPU here; sm_80 + sm_90 CUBIN and PTX)\n")
+    print("| what | opjit | raw NVRTC | ratio | goal |")
+    print("|---|---|---|---|---|")
+    print(row("cold compile of a small kernel", "BM_OpjitNvrtcCold", "BM_NvrtcRaw", "≤ 1.1×"))
+    print(f"| memory-cache hit | {fmt(get('BM_OpjitNvrtcMemoryHit'))} | | | ≤ 1 ms |")
     print("\n## Kernel quality (JIT vs `g++ -O3 -march=native`, same source)\n")
     print("| size | JIT | g++ | ratio | goal |")
     print("|---|---|---|---|---|")

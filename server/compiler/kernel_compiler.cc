@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <tuple>
 #include <mutex>
 #include <sstream>
 
@@ -62,6 +63,9 @@ struct MemoryEntry {
 struct FlightResult {
   std::shared_ptr<const MemoryEntry> entry;
   std::string hit;  // "disk" or ""
+  // Disk writes of a fresh compile, in order: (kind, key, bytes). They run
+  // after the waiters have their answer; fsync is not on their critical path.
+  std::vector<std::tuple<std::string, std::string, std::string>> persist;
 };
 
 constexpr char kManifestMagic[] = "opjit-manifest 2";
@@ -354,13 +358,10 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   OPJIT_ASSIGN_OR_RETURN(auto entry, LoadEntry(job, final_key, out->object, out->diagnostics,
                                                out->compile_ms, deps));
   // Object before manifest: a manifest never names an object that was not written.
-  if (absl::Status s = disk->Put("obj", final_key, EncodeObject(*out)); !s.ok()) {
-    log->warn("key={} not cached on disk: {}", final_key.substr(0, 12), s.ToString());
-  } else if (absl::Status m = disk->Put("manifest", request_key, EncodeManifest(final_key, deps));
-             !m.ok()) {
-    log->warn("key={} manifest not cached: {}", final_key.substr(0, 12), m.ToString());
-  }
-  return FlightResult{std::move(entry), ""};
+  FlightResult result{std::move(entry), ""};
+  result.persist.emplace_back("obj", final_key, EncodeObject(*out));
+  result.persist.emplace_back("manifest", request_key, EncodeManifest(final_key, deps));
+  return result;
 }
 
 CompileJob JobForImplementation(const registry::OpDef& def, const registry::Implementation& impl) {
@@ -486,12 +487,12 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::ProduceGpu(const CompileJob& 
     diag = std::move(out->diagnostics);
   }
   compile_us_total.fetch_add(static_cast<uint64_t>(ms * 1000));
-  if (absl::Status s = disk->Put("gpu", request_key, EncodeGpu(g, ms, diag)); !s.ok()) {
-    log->warn("key={} GPU binary not cached on disk: {}", request_key.substr(0, 12), s.ToString());
-  }
   log->debug("key={} compiled {} for {} in {:.1f} ms", request_key.substr(0, 12), job.file_name,
              absl::StrJoin(archs, ","), ms);
-  return FlightResult{entry_of(std::move(g), ms, std::move(diag)), ""};
+  std::string blob = EncodeGpu(g, ms, diag);
+  FlightResult result{entry_of(std::move(g), ms, std::move(diag)), ""};
+  result.persist.emplace_back("gpu", request_key, std::move(blob));
+  return result;
 }
 
 KernelCompiler::KernelCompiler(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -611,7 +612,16 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
       impl->memory->Put(request_key, result->entry,
                         k.kernel ? k.kernel->code_bytes() : k.gpu->bytes());
     }
+    std::vector<std::tuple<std::string, std::string, std::string>> persist;
+    if (result.ok()) persist = std::move(result->persist);
     impl->flights.Complete(request_key, result);
+    for (const auto& [kind, key, bytes] : persist) {
+      if (absl::Status s = impl->disk->Put(kind, key, bytes); !s.ok()) {
+        Logger("compiler")->warn("key={} not cached on disk ({}): {}", key.substr(0, 12), kind,
+                                 s.ToString());
+        break;  // keep the object-before-manifest order
+      }
+    }
   };
   if (!impl->pool->Submit(std::move(work))) {
     impl->flights.Complete(request_key,
