@@ -68,18 +68,18 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
   for (size_t i = 0; i < def.inputs.size(); ++i) {
     const auto& param = def.inputs[i];
     const auto& group = call.inputs[i];
-    const std::string what = absl::StrCat("input ", i, " (", param.name, ")");
+    auto what = [&] { return absl::StrCat("input ", i, " (", param.name, ")"); };
     if (param.param_type == ParamType::kRequired && group.size() != 1) {
       return absl::InvalidArgumentError(
-          absl::StrCat(what, " is required: give exactly one tensor, got ", group.size()));
+          absl::StrCat(what(), " is required: give exactly one tensor, got ", group.size()));
     }
     if (param.param_type == ParamType::kOptional && group.size() > 1) {
       return absl::InvalidArgumentError(
-          absl::StrCat(what, " is optional: give zero or one tensor, got ", group.size()));
+          absl::StrCat(what(), " is optional: give zero or one tensor, got ", group.size()));
     }
     if (param.param_type == ParamType::kDynamic && group.empty()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(what, " is dynamic: give one or more tensors, got none"));
+          absl::StrCat(what(), " is dynamic: give one or more tensors, got none"));
     }
     c->present.push_back(!group.empty());
     c->first_shapes.push_back(group.empty() ? Shape{} : group[0].desc.shape);
@@ -87,12 +87,12 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
       const TensorDesc& d = group[k].desc;
       if (!registry::IsKnownDtype(d.dtype)) {
         return absl::InvalidArgumentError(
-            absl::StrCat(what, ": unknown dtype \"", d.dtype, "\" (known: ",
+            absl::StrCat(what(), ": unknown dtype \"", d.dtype, "\" (known: ",
                          absl::StrJoin(registry::KnownDtypes(), ", "), ")"));
       }
       if (k > 0 && d.dtype != group[0].desc.dtype) {
         return absl::InvalidArgumentError(absl::StrCat(
-            what, ": the tensors of a dynamic input share one dtype; tensor ", k, " is ", d.dtype,
+            what(), ": the tensors of a dynamic input share one dtype; tensor ", k, " is ", d.dtype,
             ", tensor 0 is ", group[0].desc.dtype));
       }
       c->flat_inputs.push_back(d);
@@ -178,6 +178,16 @@ struct Executor::Impl {
   std::unique_ptr<ThreadPool> pool;
   std::atomic<uint64_t> calls{0}, failures{0}, inline_runs{0}, pool_runs{0}, rejected{0};
   std::atomic<uint64_t> instance_hits{0};
+
+  // Queues `task` on the execution pool, or answers RESOURCE_EXHAUSTED.
+  template <typename Fail>
+  void SubmitOrRefuse(std::function<void()> task, const Fail& fail) {
+    if (pool->Submit(std::move(task))) return;
+    rejected.fetch_add(1);
+    fail(absl::ResourceExhaustedError(absl::StrCat("the execution queue is full (",
+                                                   options.max_queue,
+                                                   " calls waiting); retry with backoff")));
+  }
 
   absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Instance(
       const Checked& c, const compiler::CompiledKernel& kernel);
@@ -278,21 +288,24 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(
   for (size_t i = 0; i < call.inputs.size(); ++i) {
     for (size_t k = 0; k < call.inputs[i].size(); ++k, ++flat) {
       const TensorArg& arg = call.inputs[i][k];
-      const std::string what = absl::StrCat("inputs[", i, "]",
-                                            call.inputs[i].size() > 1 ? absl::StrCat("[", k, "]") : "",
-                                            " (", def.inputs[i].name, ")");
+      // Named only for messages; not built on the hot path.
+      auto what = [&] {
+        return absl::StrCat("inputs[", i, "]",
+                            call.inputs[i].size() > 1 ? absl::StrCat("[", k, "]") : "", " (",
+                            def.inputs[i].name, ")");
+      };
       OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(arg.desc.dtype, arg.desc.shape));
       if (arg.in_shm) {
         OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, arg.region));
         OPJIT_ASSIGN_OR_RETURN(
             auto view, tensor::Resolve(std::move(region),
-                                       {arg.region, arg.offset, arg.desc.dtype, arg.desc.shape}, what));
+                                       {arg.region, arg.offset, arg.desc.dtype, arg.desc.shape}, what()));
         inputs.push_back({view.data, arg.desc});
         views.push_back(std::move(view));
       } else {
         if (arg.inline_bytes.size() != nbytes) {
           return absl::InvalidArgumentError(absl::StrCat(
-              what, ": ", arg.inline_bytes.size(), " inline bytes, but ", DescString(arg.desc),
+              what(), ": ", arg.inline_bytes.size(), " inline bytes, but ", DescString(arg.desc),
               " needs ", nbytes));
         }
         // The request's bytes are this call's private copy; kernels get void*.
@@ -320,7 +333,7 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(
     OutputPlacement place;
     if (call.outputs.size() == 1) place = call.outputs[0];
     if (call.outputs.size() == n_out) place = call.outputs[j];
-    const std::string what = absl::StrCat("outputs[", j, "] (", def.outputs[j].name, ")");
+    auto what = [&] { return absl::StrCat("outputs[", j, "] (", def.outputs[j].name, ")"); };
     OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(out_descs[j].dtype, out_descs[j].shape));
     OutputResult& r = result.outputs[j];
     r.desc = out_descs[j];
@@ -356,17 +369,17 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(
         OPJIT_ASSIGN_OR_RETURN(
             auto view, tensor::Resolve(std::move(region),
                                        {place.region, offset, out_descs[j].dtype, out_descs[j].shape},
-                                       what));
+                                       what()));
         for (const auto& in : views) {
           if (tensor::Overlaps(view, in)) {
             return absl::InvalidArgumentError(
-                absl::StrCat(what, " overlaps an input in region \"", place.region, "\""));
+                absl::StrCat(what(), " overlaps an input in region \"", place.region, "\""));
           }
         }
         for (const auto& other : out_views) {
           if (tensor::Overlaps(view, other)) {
             return absl::InvalidArgumentError(
-                absl::StrCat(what, " overlaps another output in region \"", place.region, "\""));
+                absl::StrCat(what(), " overlaps another output in region \"", place.region, "\""));
           }
         }
         r.in_shm = true;
@@ -501,13 +514,7 @@ void Executor::ForwardAsync(ForwardCall call, Callback done) {
         impl->pool_runs.fetch_add(1);
         done(*std::move(r));
       };
-      if (!impl->pool->Submit(run)) {
-        impl->rejected.fetch_add(1);
-        fail(absl::ResourceExhaustedError(absl::StrCat(
-            "the execution queue is full (", impl->options.max_queue,
-            " calls waiting); retry with backoff")));
-      }
-      return;
+      return impl->SubmitOrRefuse(run, fail);
     }
     auto inst = impl->Instance(*checked, *kernel);
     if (!inst.ok()) {
@@ -524,12 +531,7 @@ void Executor::ForwardAsync(ForwardCall call, Callback done) {
       done(*std::move(r));
     };
     if (run_inline) return run(false);
-    if (!impl->pool->Submit([run] { run(true); })) {
-      impl->rejected.fetch_add(1);
-      fail(absl::ResourceExhaustedError(absl::StrCat(
-          "the execution queue is full (", impl->options.max_queue,
-          " calls waiting); retry with backoff")));
-    }
+    impl->SubmitOrRefuse([run] { run(true); }, fail);
   };
 
   // An op version is immutable, so the kernel it compiled to is remembered
