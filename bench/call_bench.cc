@@ -423,8 +423,8 @@ struct OverheadConfig {
   std::string transport;  // "unix" | "tcp"
   std::string opjit_address, echo_address;
   int clients = 1;
-  int rounds = 25;   // one batch of each side per round
-  int batch = 200;   // calls per client per batch
+  int rounds = 250;  // one batch of each side per round
+  int batch = 20;    // calls per client per batch: short, so the sides see the same machine state
   int warmup = 300;  // calls per client per side, untimed
 };
 
@@ -855,8 +855,8 @@ int Main(int argc, char** argv) {
       cfg.echo_address = transport == "unix" ? echo.unix_address : echo.tcp_address;
       cfg.clients = clients;
       if (clients > 1) {
-        cfg.rounds = 20;
-        cfg.batch = 100;
+        cfg.rounds = 80;
+        cfg.batch = 25;
         cfg.warmup = 100;
       }
       const bool hist = transport == "unix" && clients == 1;

@@ -4,6 +4,7 @@
 #include <exception>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/common/logging.h"
@@ -14,25 +15,28 @@ namespace {
 
 constexpr size_t kWorkspaceAlignment = 64;
 
-// The argument arrays of one aot call. Shapes are copied, so a kernel that
-// writes through `shapes` cannot change the instance's descriptors.
+// The argument arrays of one aot call. Shapes are copied (into one flat
+// buffer), so a kernel that writes through `shapes` cannot change anyone's
+// descriptors. Small calls allocate nothing.
 class CallArgs {
  public:
-  // `desc` must outlive the call: dtypes point into it.
-  void Add(void* data, const TensorDesc& desc) { Add(data, desc.dtype.c_str(), desc.shape); }
-  void Add(void* data, const char* dtype, std::vector<int64_t> shape) {
+  // `total_dims` bounds the dims of all tensors added, so pointers into the
+  // dims buffer stay valid.
+  explicit CallArgs(size_t total_dims) { dims_.reserve(total_dims); }
+  // `dtype` must outlive the call.
+  void Add(void* data, const char* dtype, const std::vector<int64_t>& shape) {
+    Add(data, dtype, shape.data(), shape.size());
+  }
+  void Add(void* data, const char* dtype, const int64_t* shape, size_t ndim) {
     params_.push_back(data);
-    ndims_.push_back(static_cast<int>(shape.size()));
-    shapes_.push_back(std::move(shape));
+    ndims_.push_back(static_cast<int>(ndim));
+    const size_t at = dims_.size();
+    dims_.insert(dims_.end(), shape, shape + ndim);
+    shape_ptrs_.push_back(dims_.data() + at);
     dtypes_.push_back(dtype);
   }
   void AddAll(const std::vector<TensorDesc>& descs) {
-    for (const TensorDesc& d : descs) Add(nullptr, d);
-  }
-  // Pointers into shapes_; call after the last Add.
-  void Finish() {
-    shape_ptrs_.clear();
-    for (auto& s : shapes_) shape_ptrs_.push_back(s.data());
+    for (const TensorDesc& d : descs) Add(nullptr, d.dtype.c_str(), d.shape);
   }
   int nparam() const { return static_cast<int>(params_.size()); }
   void** params() { return params_.data(); }
@@ -40,12 +44,19 @@ class CallArgs {
   int64_t** shapes() { return shape_ptrs_.data(); }
   const char** dtypes() { return dtypes_.data(); }
 
+  static size_t Dims(const std::vector<TensorDesc>& descs) {
+    size_t n = 0;
+    for (const TensorDesc& d : descs) n += d.shape.size();
+    return n;
+  }
+
  private:
-  std::vector<void*> params_;
-  std::vector<int> ndims_;
-  std::vector<std::vector<int64_t>> shapes_;
-  std::vector<int64_t*> shape_ptrs_;
-  std::vector<const char*> dtypes_;
+  static constexpr size_t kInline = 8;
+  absl::InlinedVector<void*, kInline> params_;
+  absl::InlinedVector<int, kInline> ndims_;
+  absl::InlinedVector<int64_t, 4 * kInline> dims_;
+  absl::InlinedVector<int64_t*, kInline> shape_ptrs_;
+  absl::InlinedVector<const char*, kInline> dtypes_;
 };
 
 // Calls `call` and turns an escaping C++ exception into INTERNAL.
@@ -67,7 +78,7 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
   return n;
 }
 
-absl::Status CheckTensors(const char* kind, const std::vector<HostTensor>& got,
+absl::Status CheckTensors(const char* kind, absl::Span<const HostTensor> got,
                           const std::vector<TensorDesc>& want) {
   if (got.size() != want.size()) {
     return absl::InvalidArgumentError(
@@ -101,6 +112,7 @@ AotKernelInstance::AotKernelInstance(std::shared_ptr<const loader::LoadedKernel>
                                      AotKernelOptions options)
     : kernel_(std::move(kernel)),
       entry_(std::move(entry)),
+      what_("kernel " + entry_),
       inputs_(std::move(inputs)),
       options_(options),
       extra_(std::move(attrs)) {}
@@ -139,10 +151,9 @@ absl::StatusOr<std::unique_ptr<AotKernelInstance>> AotKernelInstance::Create(
 absl::Status AotKernelInstance::RunInitLocked(const std::vector<TensorDesc>& outputs) const {
   absl::Status status;
   if (init_ != nullptr) {
-    CallArgs args;
+    CallArgs args(CallArgs::Dims(inputs_) + CallArgs::Dims(outputs));
     args.AddAll(inputs_);
     args.AddAll(outputs);
-    args.Finish();
     int rc = 0;
     status = CatchKernelExceptions(
         entry_ + " Init", [&] { rc = init_(args.ndims(), args.shapes(), args.dtypes(), &extra_); });
@@ -151,18 +162,20 @@ absl::Status AotKernelInstance::RunInitLocked(const std::vector<TensorDesc>& out
       status = absl::InvalidArgumentError(absl::StrCat(entry_, " Init returned ", rc));
     }
   }
-  std::lock_guard<std::mutex> lock(state_mu_);
-  init_done_ = true;
-  init_status_ = status;
-  outputs_ = outputs;
-  workspace_ = extra_.WorkSpace();
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    init_status_ = status;
+    outputs_ = outputs;
+    workspace_ = extra_.WorkSpace();
+  }
+  init_done_.store(true, std::memory_order_release);
   if (!status.ok()) Logger("exec")->debug("{}", status.ToString());
   return status;
 }
 
-std::vector<TensorDesc> AotKernelInstance::outputs() const {
-  std::lock_guard<std::mutex> lock(state_mu_);
-  return outputs_;
+const std::vector<TensorDesc>& AotKernelInstance::outputs() const {
+  static const std::vector<TensorDesc> kUnknown;
+  return init_done_.load(std::memory_order_acquire) ? outputs_ : kUnknown;
 }
 
 std::vector<size_t> AotKernelInstance::workspace_sizes() const {
@@ -176,9 +189,8 @@ absl::StatusOr<std::vector<int64_t>> AotKernelInstance::InferShape() const {
         absl::StrCat("kernel ", entry_, " defines no ", entry_, "InferShape"));
   }
   std::lock_guard<std::mutex> call_lock(call_mu_);
-  CallArgs args;
+  CallArgs args(CallArgs::Dims(inputs_));
   args.AddAll(inputs_);
-  args.Finish();
   std::vector<int64_t> shape;
   OPJIT_RETURN_IF_ERROR(CatchKernelExceptions(
       entry_ + " InferShape", [&] { shape = infer_shape_(args.ndims(), args.shapes(), &extra_); }));
@@ -194,41 +206,31 @@ absl::StatusOr<std::vector<int64_t>> AotKernelInstance::InferShape() const {
   return shape;
 }
 
-absl::Status AotKernelInstance::Run(const std::vector<HostTensor>& inputs,
-                                    const std::vector<HostTensor>& outputs) const {
+absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
+                                    absl::Span<const HostTensor> outputs) const {
   OPJIT_RETURN_IF_ERROR(CheckTensors("input", inputs, inputs_));
 
   // Deferred Init: the first Run brings the outputs.
-  bool done;
-  {
-    std::lock_guard<std::mutex> lock(state_mu_);
-    done = init_done_;
-  }
-  if (!done) {
+  if (!init_done_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> call_lock(call_mu_);
-    bool still_pending;
-    {
-      std::lock_guard<std::mutex> lock(state_mu_);
-      still_pending = !init_done_;
-    }
-    if (still_pending) {
+    if (!init_done_.load(std::memory_order_acquire)) {
       std::vector<TensorDesc> descs;
       for (const HostTensor& t : outputs) descs.push_back(t.desc);
       RunInitLocked(descs).IgnoreError();  // kept in init_status_
     }
   }
-  // init_done_ is set: outputs_, workspace_ and init_status_ no longer change.
-  {
-    std::lock_guard<std::mutex> lock(state_mu_);
-    OPJIT_RETURN_IF_ERROR(init_status_);
-  }
+  // init_done_ is set: outputs_, workspace_ and init_status_ no longer change,
+  // so they are read without the lock from here on.
+  OPJIT_RETURN_IF_ERROR(init_status_);
   OPJIT_RETURN_IF_ERROR(CheckTensors("output", outputs, outputs_));
 
-  std::vector<std::unique_ptr<void, FreeDeleter>> workspaces;
-  workspaces.reserve(workspace_.size());
-  CallArgs args;
-  for (const HostTensor& t : inputs) args.Add(t.data, t.desc);
-  for (const HostTensor& t : outputs) args.Add(t.data, t.desc);
+  absl::InlinedVector<std::unique_ptr<void, FreeDeleter>, 2> workspaces;
+  size_t dims = workspace_.size();
+  for (const HostTensor& t : inputs) dims += t.desc.shape.size();
+  for (const HostTensor& t : outputs) dims += t.desc.shape.size();
+  CallArgs args(dims);
+  for (const HostTensor& t : inputs) args.Add(t.data, t.desc.dtype.c_str(), t.desc.shape);
+  for (const HostTensor& t : outputs) args.Add(t.data, t.desc.dtype.c_str(), t.desc.shape);
   for (size_t size : workspace_) {
     size_t rounded = (std::max<size_t>(size, 1) + kWorkspaceAlignment - 1) / kWorkspaceAlignment *
                      kWorkspaceAlignment;
@@ -238,20 +240,20 @@ absl::Status AotKernelInstance::Run(const std::vector<HostTensor>& inputs,
           absl::StrCat("kernel ", entry_, ": cannot allocate a workspace of ", size, " bytes"));
     }
     workspaces.emplace_back(p);
-    args.Add(p, "uint8", {static_cast<int64_t>(size)});
+    const int64_t dim = static_cast<int64_t>(size);
+    args.Add(p, "uint8", &dim, 1);
   }
-  args.Finish();
 
   std::unique_lock<std::mutex> call_lock(call_mu_, std::defer_lock);
   if (options_.serialize_runs) call_lock.lock();
   int rc = 0;
   void* extra = static_cast<AotExtra*>(&extra_);
-  OPJIT_RETURN_IF_ERROR(CatchKernelExceptions("kernel " + entry_, [&] {
+  OPJIT_RETURN_IF_ERROR(CatchKernelExceptions(what_, [&] {
     rc = fn_(args.nparam(), args.params(), args.ndims(), args.shapes(), args.dtypes(),
              /*stream=*/nullptr, extra);
   }));
-  OPJIT_RETURN_IF_ERROR(extra_.TakeStatus("kernel " + entry_));
-  if (rc != 0) return absl::AbortedError(absl::StrCat("kernel ", entry_, " returned ", rc));
+  OPJIT_RETURN_IF_ERROR(extra_.TakeStatus(what_));
+  if (rc != 0) return absl::AbortedError(absl::StrCat(what_, " returned ", rc));
   return absl::OkStatus();
 }
 

@@ -2,6 +2,7 @@
 // on host buffers.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "absl/status/statusor.h"
 #include "server/exec/aot_extra_impl.h"
 #include "server/loader/loader.h"
@@ -90,13 +92,13 @@ class AotKernelInstance {
   // ABORTED when the kernel returns non-zero ("kernel Foo returned 7");
   // INTERNAL when it throws; RESOURCE_EXHAUSTED when a workspace cannot be
   // allocated; Init's error when a deferred Init failed.
-  absl::Status Run(const std::vector<HostTensor>& inputs,
-                   const std::vector<HostTensor>& outputs) const;
+  absl::Status Run(absl::Span<const HostTensor> inputs,
+                   absl::Span<const HostTensor> outputs) const;
 
   const std::string& entry() const { return entry_; }
   const std::vector<TensorDesc>& inputs() const { return inputs_; }
-  // Empty until known (see Create).
-  std::vector<TensorDesc> outputs() const;
+  // Empty until known (see Create); fixed once known.
+  const std::vector<TensorDesc>& outputs() const;
   // Sizes in bytes of the workspaces the kernel asked for in Init.
   std::vector<size_t> workspace_sizes() const;
   const std::shared_ptr<const loader::LoadedKernel>& kernel() const { return kernel_; }
@@ -116,6 +118,7 @@ class AotKernelInstance {
   // Declared first: destroyed last, after extra_ dropped the kernel data.
   const std::shared_ptr<const loader::LoadedKernel> kernel_;
   const std::string entry_;
+  const std::string what_;  // "kernel <entry>", for messages
   const std::vector<TensorDesc> inputs_;
   const AotKernelOptions options_;
   EntryFn fn_ = nullptr;
@@ -126,12 +129,14 @@ class AotKernelInstance {
 
   // Held around Init and InferShape, and around Run when serialize_runs.
   mutable std::mutex call_mu_;
-  // Guards the fields below; taken briefly, never across a kernel call.
+  // Set (release) once Init ran or was found absent; the fields below are
+  // written under state_mu_ before it is set, and never change after, so
+  // readers that saw it set (acquire) read them without the lock.
+  mutable std::atomic<bool> init_done_{false};
   mutable std::mutex state_mu_;
-  mutable bool init_done_ = false;           // GUARDED_BY(state_mu_)
-  mutable absl::Status init_status_;         // GUARDED_BY(state_mu_)
-  mutable std::vector<TensorDesc> outputs_;  // GUARDED_BY(state_mu_); fixed once init_done_
-  mutable std::vector<size_t> workspace_;    // GUARDED_BY(state_mu_); fixed once init_done_
+  mutable absl::Status init_status_;
+  mutable std::vector<TensorDesc> outputs_;
+  mutable std::vector<size_t> workspace_;
 };
 
 }  // namespace opjit::exec

@@ -4,7 +4,9 @@
 #include <atomic>
 #include <future>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "absl/strings/str_join.h"
 #include "server/cache/lru_cache.h"
 #include "server/common/logging.h"
@@ -45,26 +47,42 @@ std::string ComboString(const registry::DtypeFormat& df, size_t n_inputs) {
   return absl::StrCat("(", absl::StrJoin(in, ", "), ") -> (", absl::StrJoin(out, ", "), ")");
 }
 
-// The call checked against its op definition.
+// The call checked against its op definition. Pointers point into the call
+// and the op's record, which outlive it.
 struct Checked {
   std::shared_ptr<const registry::OpRecord> record;
   const registry::Implementation* impl = nullptr;
   std::map<std::string, registry::AttrValue> attrs;
-  std::vector<TensorDesc> flat_inputs;
-  std::vector<registry::TensorParam> input_params;  // one per flat input
-  std::vector<Shape> first_shapes;  // per declared input (empty if absent)
-  std::vector<bool> present;        // per declared input
-  std::vector<std::string> output_dtypes;
+  absl::InlinedVector<const TensorDesc*, 4> flat_inputs;
+  absl::InlinedVector<const registry::TensorParam*, 4> input_params;  // one per flat input
+  std::vector<bool> present;                                          // per declared input
+  absl::InlinedVector<const std::string*, 4> output_dtypes;           // into the op's def
+  uint64_t input_bytes = 0;
 };
 
+// The shape of each declared input's first tensor (empty if absent), for
+// declarative output rules.
+std::vector<Shape> FirstShapes(const ForwardCall& call) {
+  std::vector<Shape> shapes;
+  shapes.reserve(call.inputs.size());
+  for (const auto& group : call.inputs) shapes.push_back(group.empty() ? Shape{} : group[0].desc.shape);
+  return shapes;
+}
+
+std::vector<TensorDesc> FlatInputDescs(const Checked& c) {
+  std::vector<TensorDesc> descs;
+  descs.reserve(c.flat_inputs.size());
+  for (const TensorDesc* d : c.flat_inputs) descs.push_back(*d);
+  return descs;
+}
+
 absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) {
-  const std::string op = OpName(def);
   if (call.inputs.size() != def.inputs.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "op ", op, " takes ", def.inputs.size(), " input(s) (", ParamNames(def.inputs), "), got ",
-        call.inputs.size(), "; an absent optional input is an empty entry"));
+        "op ", OpName(def), " takes ", def.inputs.size(), " input(s) (", ParamNames(def.inputs),
+        "), got ", call.inputs.size(), "; an absent optional input is an empty entry"));
   }
-  std::vector<std::string> group_dtype(def.inputs.size());
+  std::vector<const std::string*> group_dtype(def.inputs.size(), nullptr);
   for (size_t i = 0; i < def.inputs.size(); ++i) {
     const auto& param = def.inputs[i];
     const auto& group = call.inputs[i];
@@ -82,7 +100,6 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
           absl::StrCat(what(), " is dynamic: give one or more tensors, got none"));
     }
     c->present.push_back(!group.empty());
-    c->first_shapes.push_back(group.empty() ? Shape{} : group[0].desc.shape);
     for (size_t k = 0; k < group.size(); ++k) {
       const TensorDesc& d = group[k].desc;
       if (!registry::IsKnownDtype(d.dtype)) {
@@ -95,40 +112,57 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
             what(), ": the tensors of a dynamic input share one dtype; tensor ", k, " is ", d.dtype,
             ", tensor 0 is ", group[0].desc.dtype));
       }
-      c->flat_inputs.push_back(d);
-      c->input_params.push_back(param);
+      OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(d.dtype, d.shape));
+      c->input_bytes += nbytes;
+      c->flat_inputs.push_back(&d);
+      c->input_params.push_back(&param);
     }
-    if (!group.empty()) group_dtype[i] = group[0].desc.dtype;
+    if (!group.empty()) group_dtype[i] = &group[0].desc.dtype;
   }
   // The first dtype_format whose input dtypes match gives the output dtypes.
   const size_t n_in = def.inputs.size();
   for (const auto& df : def.dtype_formats) {
     bool match = true;
     for (size_t i = 0; i < n_in && match; ++i) {
-      if (c->present[i] && df.io[i].first != group_dtype[i]) match = false;
+      if (c->present[i] && df.io[i].first != *group_dtype[i]) match = false;
     }
     if (!match) continue;
-    for (size_t j = 0; j < def.outputs.size(); ++j) c->output_dtypes.push_back(df.io[n_in + j].first);
+    for (size_t j = 0; j < def.outputs.size(); ++j) c->output_dtypes.push_back(&df.io[n_in + j].first);
     return absl::OkStatus();
   }
   std::vector<std::string> got, accepted;
-  for (size_t i = 0; i < n_in; ++i) got.push_back(c->present[i] ? group_dtype[i] : "absent");
+  for (size_t i = 0; i < n_in; ++i) got.push_back(c->present[i] ? *group_dtype[i] : "absent");
   for (const auto& df : def.dtype_formats) accepted.push_back(ComboString(df, n_in));
   return absl::InvalidArgumentError(absl::StrCat(
-      "op ", op, " does not accept input dtypes (", absl::StrJoin(got, ", "),
+      "op ", OpName(def), " does not accept input dtypes (", absl::StrJoin(got, ", "),
       "); accepted combinations: ", absl::StrJoin(accepted, "; ")));
 }
 
-absl::Status CheckAttrs(const ForwardCall& call, const OpDef& def, Checked* c) {
-  const std::string op = OpName(def);
+// The op's attr defaults, parsed once per op version.
+absl::StatusOr<std::map<std::string, registry::AttrValue>> ParseDefaults(const OpDef& def) {
+  std::map<std::string, registry::AttrValue> defaults;
+  for (const auto& a : def.attrs) {
+    if (a.default_value.empty()) continue;
+    auto v = registry::ParseAttrValue(a.value_type, a.default_value);
+    if (!v.ok()) {
+      return absl::InternalError(absl::StrCat("op ", OpName(def), ": the stored default of attr ",
+                                              a.name, " no longer parses: ", v.status().message()));
+    }
+    defaults.emplace(a.name, *std::move(v));
+  }
+  return defaults;
+}
+
+absl::Status CheckAttrs(const ForwardCall& call, const OpDef& def,
+                        const std::map<std::string, registry::AttrValue>& defaults, Checked* c) {
   for (const auto& [name, arg] : call.attrs) {
     auto it = std::find_if(def.attrs.begin(), def.attrs.end(),
                            [&](const registry::AttrDef& a) { return a.name == name; });
     if (it == def.attrs.end()) {
       std::vector<std::string> names;
       for (const auto& a : def.attrs) names.push_back(a.name);
-      return absl::InvalidArgumentError(absl::StrCat("op ", op, " has no attr \"", name, "\" (",
-                                                     names.empty() ? "it has no attrs" : "attrs: ",
+      return absl::InvalidArgumentError(absl::StrCat("op ", OpName(def), " has no attr \"", name,
+                                                     "\" (", names.empty() ? "it has no attrs" : "attrs: ",
                                                      absl::StrJoin(names, ", "), ")"));
     }
     absl::StatusOr<registry::AttrValue> v =
@@ -143,26 +177,92 @@ absl::Status CheckAttrs(const ForwardCall& call, const OpDef& def, Checked* c) {
   }
   for (const auto& a : def.attrs) {
     if (c->attrs.count(a.name)) continue;
-    if (!a.default_value.empty()) {
-      auto v = registry::ParseAttrValue(a.value_type, a.default_value);
-      if (!v.ok()) return absl::InternalError("stored default no longer parses: " + a.name);
-      c->attrs[a.name] = *std::move(v);
+    if (auto d = defaults.find(a.name); d != defaults.end()) {
+      c->attrs.emplace(a.name, d->second);
     } else if (a.param_type == ParamType::kRequired) {
-      return absl::InvalidArgumentError(absl::StrCat("op ", op, " needs attr \"", a.name, "\" (",
-                                                     registry::ValueTypeName(a.value_type), ")"));
+      return absl::InvalidArgumentError(absl::StrCat("op ", OpName(def), " needs attr \"", a.name,
+                                                     "\" (", registry::ValueTypeName(a.value_type), ")"));
     }
   }
   return absl::OkStatus();
 }
 
-std::string InstanceKey(const std::string& kernel_key, const std::string& entry,
-                        const std::vector<TensorDesc>& inputs,
+// Binary cache keys: exact, and cheap to build on every call.
+void AppendBytes(std::string* key, const void* p, size_t n) {
+  key->append(static_cast<const char*>(p), n);
+}
+template <typename T>
+void AppendPod(std::string* key, T v) {
+  AppendBytes(key, &v, sizeof v);
+}
+void AppendKeyValue(std::string* key, bool v) { AppendPod<uint8_t>(key, v); }
+void AppendKeyValue(std::string* key, int64_t v) { AppendPod(key, v); }
+void AppendKeyValue(std::string* key, double v) { AppendPod(key, v); }
+void AppendKeyValue(std::string* key, const std::string& v) {
+  AppendPod<uint64_t>(key, v.size());
+  key->append(v);
+}
+void AppendKeyValue(std::string* key, const std::vector<bool>& v) {
+  AppendPod<uint64_t>(key, v.size());
+  for (bool b : v) AppendPod<uint8_t>(key, b);
+}
+template <typename T>
+void AppendKeyValue(std::string* key, const std::vector<T>& v) {
+  AppendPod<uint64_t>(key, v.size());
+  for (const T& x : v) AppendKeyValue(key, x);
+}
+
+// Identifies a kernel instance: the loaded code (the instance holds it, so
+// the address is not reused while the entry lives), the entry, the input
+// dtypes and shapes, and the attrs.
+std::string InstanceKey(const loader::LoadedKernel* kernel, const std::string& entry,
+                        absl::Span<const TensorDesc* const> inputs,
                         const std::map<std::string, registry::AttrValue>& attrs) {
-  std::string key = absl::StrCat(kernel_key, "|", entry);
-  for (const auto& d : inputs) absl::StrAppend(&key, "|", DescString(d));
-  for (const auto& [name, v] : attrs) absl::StrAppend(&key, "|", name, "=", registry::FormatAttrValue(v));
+  std::string key;
+  key.reserve(128);
+  AppendPod(&key, kernel);
+  AppendKeyValue(&key, entry);
+  for (const TensorDesc* d : inputs) {
+    AppendKeyValue(&key, d->dtype);
+    AppendKeyValue(&key, d->shape);
+  }
+  for (const auto& [name, v] : attrs) {
+    AppendKeyValue(&key, name);
+    AppendPod<uint8_t>(&key, static_cast<uint8_t>(v.index()));
+    std::visit([&key](const auto& x) { AppendKeyValue(&key, x); }, v);
+  }
   return key;
 }
+
+// What the executor keeps per op version and target once the kernel is at
+// hand, so a call of a cached op skips the compile cache (its key hashing
+// and header checks) and the parsing of attr defaults. (Headers edited under
+// a running daemon reach a registered op when it is registered again, as a
+// new version.)
+struct OpPlan {
+  std::shared_ptr<const registry::OpRecord> record;
+  const registry::Implementation* impl = nullptr;  // in record
+  std::shared_ptr<const compiler::CompiledKernel> kernel;
+  std::map<std::string, registry::AttrValue> defaults;
+};
+
+// The plan cache key: the record's address (the plan holds the record, so
+// the address is not reused while the entry lives) and the target. Short
+// enough for the small-string buffer.
+std::string PlanKey(const registry::OpRecord* record, registry::Target target) {
+  std::string key;
+  AppendPod(&key, record);
+  AppendPod(&key, static_cast<uint8_t>(target));
+  return key;
+}
+
+// One call in flight.
+struct CallState {
+  ForwardCall call;
+  Checked checked;
+  Executor::Callback done;
+  Clock::time_point t0;
+};
 
 }  // namespace
 
@@ -172,31 +272,41 @@ struct Executor::Impl {
   compiler::KernelCompiler* compiler = nullptr;
   tensor::RegionManager* regions = nullptr;
   std::unique_ptr<cache::LruCache<AotKernelInstance>> instances;
-  // The compiled kernel of each op version and target (see ForwardAsync).
-  std::unique_ptr<cache::LruCache<compiler::CompiledKernel>> op_kernels;
+  std::unique_ptr<cache::LruCache<OpPlan>> plans;
   std::unique_ptr<GpuRunner> gpu_runner;
   std::unique_ptr<ThreadPool> pool;
   std::atomic<uint64_t> calls{0}, failures{0}, inline_runs{0}, pool_runs{0}, rejected{0};
   std::atomic<uint64_t> instance_hits{0};
 
-  // Queues `task` on the execution pool, or answers RESOURCE_EXHAUSTED.
-  template <typename Fail>
-  void SubmitOrRefuse(std::function<void()> task, const Fail& fail) {
-    if (pool->Submit(std::move(task))) return;
-    rejected.fetch_add(1);
-    fail(absl::ResourceExhaustedError(absl::StrCat("the execution queue is full (",
-                                                   options.max_queue,
-                                                   " calls waiting); retry with backoff")));
+  void Fail(CallState& st, absl::Status s) {
+    failures.fetch_add(1, std::memory_order_relaxed);
+    st.done(std::move(s));
   }
 
-  absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Instance(
-      const Checked& c, const compiler::CompiledKernel& kernel);
-  // `inst` is null for GPU kernels, whose outputs follow declarative rules.
-  absl::StatusOr<std::vector<TensorDesc>> OutputDescs(const Checked& c,
+  // Queues `task` on the execution pool, or answers RESOURCE_EXHAUSTED.
+  void SubmitOrRefuse(std::function<void()> task, const std::shared_ptr<CallState>& st) {
+    if (pool->Submit(std::move(task))) return;
+    rejected.fetch_add(1);
+    Fail(*st, absl::ResourceExhaustedError(absl::StrCat("the execution queue is full (",
+                                                        options.max_queue,
+                                                        " calls waiting); retry with backoff")));
+  }
+
+  // The call's op version is checked; runs it with `plan`.
+  void Dispatch(std::shared_ptr<CallState> st, std::shared_ptr<const OpPlan> plan);
+  // Runs on the thread that decided where the call runs, then answers.
+  void RunAndAnswer(CallState& st, std::shared_ptr<const AotKernelInstance> inst,
+                    std::shared_ptr<const compiler::CompiledKernel> gpu_kernel, bool on_pool);
+
+  absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Instance(const ForwardCall& call,
+                                                                    const Checked& c,
+                                                                    const OpPlan& plan);
+  // Output descriptors from rules or the kernel's InferShape. `inst` is null
+  // for GPU kernels, whose outputs follow declarative rules.
+  absl::StatusOr<std::vector<TensorDesc>> OutputDescs(const ForwardCall& call, const Checked& c,
                                                       const AotKernelInstance* inst);
   // Resolves tensors, places outputs and runs the kernel: the CPU instance
-  // `inst`, or else the GPU kernel `gpu_kernel`. Runs on the thread that
-  // decided where the call runs.
+  // `inst`, or else the GPU kernel `gpu_kernel`.
   absl::StatusOr<ForwardResult> Execute(const ForwardCall& call, const Checked& c,
                                         std::shared_ptr<const AotKernelInstance> inst,
                                         std::shared_ptr<const compiler::CompiledKernel> gpu_kernel,
@@ -204,11 +314,11 @@ struct Executor::Impl {
 };
 
 absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Executor::Impl::Instance(
-    const Checked& c, const compiler::CompiledKernel& kernel) {
+    const ForwardCall& call, const Checked& c, const OpPlan& plan) {
   const std::string& entry = c.impl->entry;
-  const std::string key = InstanceKey(kernel.cache_key, entry, c.flat_inputs, c.attrs);
+  const std::string key = InstanceKey(plan.kernel->kernel.get(), entry, c.flat_inputs, c.attrs);
   if (auto hit = instances->Get(key)) {
-    instance_hits.fetch_add(1);
+    instance_hits.fetch_add(1, std::memory_order_relaxed);
     return hit;
   }
   const OpDef& def = c.record->def;
@@ -218,33 +328,32 @@ absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Executor::Impl::Instanc
   // creation; with the kernel's InferShape they are known only after it.
   std::vector<TensorDesc> outputs;
   if (!infer) {
+    const std::vector<Shape> first_shapes = FirstShapes(call);
     for (size_t j = 0; j < def.outputs.size(); ++j) {
       registry::OutputRule rule;  // default: same as input 0
       if (!def.output_rules.empty()) rule = def.output_rules[j];
-      OPJIT_ASSIGN_OR_RETURN(Shape shape, ApplyShapeRule(rule, static_cast<int>(j), c.first_shapes,
+      OPJIT_ASSIGN_OR_RETURN(Shape shape, ApplyShapeRule(rule, static_cast<int>(j), first_shapes,
                                                          c.present, c.attrs));
-      outputs.push_back({rule.dtype.empty() ? c.output_dtypes[j] : rule.dtype, std::move(shape)});
+      outputs.push_back({rule.dtype.empty() ? *c.output_dtypes[j] : rule.dtype, std::move(shape)});
     }
   }
   AotKernelOptions opts;
   // A kernel with Init may keep state in its kernel data; calls into one
   // instance are serialised then. Without Init, calls run concurrently.
-  opts.serialize_runs = kernel.kernel->Find(entry + "Init") != nullptr;
+  opts.serialize_runs = plan.kernel->kernel->Find(entry + "Init") != nullptr;
   OPJIT_ASSIGN_OR_RETURN(auto created,
-                         AotKernelInstance::Create(kernel.kernel, entry, c.flat_inputs,
+                         AotKernelInstance::Create(plan.kernel->kernel, entry, FlatInputDescs(c),
                                                    std::move(outputs), c.attrs, opts));
   std::shared_ptr<const AotKernelInstance> inst(std::move(created));
   instances->Put(key, inst, 1);
   return inst;
 }
 
-absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const Checked& c,
+absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const ForwardCall& call,
+                                                                    const Checked& c,
                                                                     const AotKernelInstance* inst) {
-  if (inst != nullptr) {
-    std::vector<TensorDesc> known = inst->outputs();
-    if (!known.empty()) return known;
-  }
   const OpDef& def = c.record->def;
+  const std::vector<Shape> first_shapes = FirstShapes(call);
   std::vector<TensorDesc> out;
   std::optional<Shape> inferred;
   for (size_t j = 0; j < def.outputs.size(); ++j) {
@@ -267,10 +376,10 @@ absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const Checke
       }
       shape = *inferred;
     } else {
-      OPJIT_ASSIGN_OR_RETURN(shape, ApplyShapeRule(rule, static_cast<int>(j), c.first_shapes,
+      OPJIT_ASSIGN_OR_RETURN(shape, ApplyShapeRule(rule, static_cast<int>(j), first_shapes,
                                                    c.present, c.attrs));
     }
-    out.push_back({rule.dtype.empty() ? c.output_dtypes[j] : rule.dtype, std::move(shape)});
+    out.push_back({rule.dtype.empty() ? *c.output_dtypes[j] : rule.dtype, std::move(shape)});
   }
   return out;
 }
@@ -279,10 +388,18 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(
     const ForwardCall& call, const Checked& c, std::shared_ptr<const AotKernelInstance> inst,
     std::shared_ptr<const compiler::CompiledKernel> gpu_kernel, Clock::time_point t0) {
   const OpDef& def = c.record->def;
-  OPJIT_ASSIGN_OR_RETURN(std::vector<TensorDesc> out_descs, OutputDescs(c, inst.get()));
+  // An instance whose Init ran knows its outputs; otherwise rules or InferShape.
+  std::vector<TensorDesc> computed;
+  const std::vector<TensorDesc>* known = inst != nullptr ? &inst->outputs() : nullptr;
+  if (known == nullptr || known->empty()) {
+    OPJIT_ASSIGN_OR_RETURN(computed, OutputDescs(call, c, inst.get()));
+    known = &computed;
+  }
+  const std::vector<TensorDesc>& out_descs = *known;
+  const bool has_deadline = call.deadline != Clock::time_point::max();
 
   // Inputs: every reference is checked against its region before a pointer exists.
-  std::vector<HostTensor> inputs;
+  absl::InlinedVector<HostTensor, 4> inputs;
   std::vector<tensor::TensorView> views;  // keeps regions mapped until we return
   size_t flat = 0;
   for (size_t i = 0; i < call.inputs.size(); ++i) {
@@ -324,7 +441,7 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(
   ForwardResult result;
   result.version = c.record->version;
   result.outputs.resize(n_out);
-  std::vector<HostTensor> outputs(n_out);
+  absl::InlinedVector<HostTensor, 4> outputs(n_out);
   std::vector<tensor::TensorView> out_views;
   uint64_t alloc_cursor = 0;
   uint64_t inline_out = 0;
@@ -392,7 +509,7 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(
     }
   }
 
-  if (Clock::now() > call.deadline) {
+  if (has_deadline && Clock::now() > call.deadline) {
     return absl::DeadlineExceededError(
         absl::StrCat("op ", OpName(def), ": the deadline passed before the kernel started"));
   }
@@ -402,14 +519,14 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(
     run = inst->Run(inputs, outputs);
   } else {
     std::vector<std::string> input_names;
-    for (const auto& p : c.input_params) input_names.push_back(p.name);
+    for (const registry::TensorParam* p : c.input_params) input_names.push_back(p->name);
     run = gpu_runner->Run(def, *c.impl, *gpu_kernel, c.attrs, inputs, input_names, outputs);
   }
   result.kernel_ms = MsSince(k0);
   if (!run.ok()) {
     return absl::Status(run.code(), absl::StrCat("op ", OpName(def), ": ", run.message()));
   }
-  if (Clock::now() > call.deadline) {
+  if (has_deadline && Clock::now() > call.deadline) {
     return absl::DeadlineExceededError(absl::StrCat(
         "op ", OpName(def), ": the kernel finished after the deadline (it ran ",
         static_cast<int64_t>(result.kernel_ms), " ms); its outputs were dropped"));
@@ -455,99 +572,101 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const ExecutorOptions
   impl->regions = regions;
   impl->instances = std::make_unique<cache::LruCache<AotKernelInstance>>(
       options.instance_cache_entries, options.instance_cache_entries);
-  impl->op_kernels = std::make_unique<cache::LruCache<compiler::CompiledKernel>>(
-      options.instance_cache_entries, options.instance_cache_entries);
+  impl->plans = std::make_unique<cache::LruCache<OpPlan>>(options.instance_cache_entries,
+                                                          options.instance_cache_entries);
   impl->gpu_runner = std::make_unique<GpuRunner>(options.scratch_dir);
   impl->pool = std::make_unique<ThreadPool>(options.pool_threads, options.max_queue, "opjit-exec");
   return std::unique_ptr<Executor>(new Executor(std::move(impl)));
 }
 
 void Executor::ForwardAsync(ForwardCall call, Callback done) {
-  const auto t0 = Clock::now();
   Impl* impl = impl_.get();
-  impl->calls.fetch_add(1);
-  auto fail = [impl, done](absl::Status s) {
-    impl->failures.fetch_add(1);
-    done(std::move(s));
-  };
+  impl->calls.fetch_add(1, std::memory_order_relaxed);
+  auto st = std::make_shared<CallState>();
+  st->t0 = Clock::now();
+  st->call = std::move(call);
+  st->done = std::move(done);
+  const ForwardCall& c = st->call;
+  Checked& checked = st->checked;
 
-  auto record = impl->registry->GetShared(call.ns, call.op, call.version);
-  if (!record.ok()) return fail(record.status());
-  auto checked = std::make_shared<Checked>();
-  checked->record = *std::move(record);
-  const OpDef& def = checked->record->def;
-  if (call.target == registry::Target::kGpu) {
+  auto record = impl->registry->GetShared(c.ns, c.op, c.version);
+  if (!record.ok()) return impl->Fail(*st, record.status());
+  checked.record = *std::move(record);
+  const OpDef& def = checked.record->def;
+  if (c.target == registry::Target::kGpu) {
     if (absl::Status gpu = GpuRunner::Available(); !gpu.ok()) {
-      return fail(absl::UnavailableError(
-          absl::StrCat("op ", OpName(def), " on GPU: ", gpu.message())));
+      return impl->Fail(*st, absl::UnavailableError(
+                                 absl::StrCat("op ", OpName(def), " on GPU: ", gpu.message())));
     }
   }
+  if (absl::Status s = CheckInputs(c, def, &checked); !s.ok()) return impl->Fail(*st, s);
+
+  // A cached op version: its plan has the kernel and the parsed defaults.
+  const std::string plan_key = PlanKey(checked.record.get(), c.target);
+  if (std::shared_ptr<const OpPlan> plan = impl->plans->Get(plan_key)) {
+    checked.impl = plan->impl;
+    if (absl::Status s = CheckAttrs(c, def, plan->defaults, &checked); !s.ok()) {
+      return impl->Fail(*st, s);
+    }
+    return impl->Dispatch(std::move(st), std::move(plan));
+  }
+
+  // First call of this version on this target: check, compile (usually a
+  // compile-cache hit: registration compiled it), then remember the plan.
   for (const auto& im : def.implementations) {
-    if (im.target == call.target) checked->impl = &im;
+    if (im.target == c.target) checked.impl = &im;
   }
-  if (checked->impl == nullptr) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "op ", OpName(def), " v", checked->record->version, " has no ",
-        registry::TargetName(call.target), " implementation")));
+  if (checked.impl == nullptr) {
+    return impl->Fail(*st, absl::InvalidArgumentError(absl::StrCat(
+                               "op ", OpName(def), " v", checked.record->version, " has no ",
+                               registry::TargetName(c.target), " implementation")));
   }
-  if (absl::Status s = CheckInputs(call, def, checked.get()); !s.ok()) return fail(s);
-  if (absl::Status s = CheckAttrs(call, def, checked.get()); !s.ok()) return fail(s);
-
-  uint64_t input_bytes = 0;
-  for (const auto& d : checked->flat_inputs) {
-    auto n = tensor::ByteSize(d.dtype, d.shape);
-    if (!n.ok()) return fail(n.status());
-    input_bytes += *n;
+  auto defaults = ParseDefaults(def);
+  if (!defaults.ok()) return impl->Fail(*st, defaults.status());
+  if (absl::Status s = CheckAttrs(c, def, *defaults, &checked); !s.ok()) {
+    return impl->Fail(*st, s);
   }
-  const bool run_inline = input_bytes <= impl->options.inline_max_bytes;
-
-  const registry::Target call_target = call.target;
-  auto shared_call = std::make_shared<ForwardCall>(std::move(call));
-  // Continues once the kernel is at hand: instance, then run inline or on the pool.
-  auto with_kernel = [impl, checked, shared_call, done, fail, t0,
-                      run_inline](std::shared_ptr<const compiler::CompiledKernel> kernel) {
-    if (kernel->gpu) {
-      // Device work (copies, launch, sync) always runs on the pool.
-      auto run = [impl, checked, shared_call, done, fail, t0, kernel] {
-        auto r = impl->Execute(*shared_call, *checked, nullptr, kernel, t0);
-        if (!r.ok()) return fail(r.status());
-        impl->pool_runs.fetch_add(1);
-        done(*std::move(r));
-      };
-      return impl->SubmitOrRefuse(run, fail);
-    }
-    auto inst = impl->Instance(*checked, *kernel);
-    if (!inst.ok()) {
-      return fail(absl::Status(inst.status().code(),
-                               absl::StrCat("op ", OpName(checked->record->def), ": ",
-                                            inst.status().message())));
-    }
-    auto run = [impl, checked, shared_call, done, fail, t0,
-                inst = *std::move(inst)](bool on_pool) {
-      auto r = impl->Execute(*shared_call, *checked, inst, nullptr, t0);
-      if (!r.ok()) return fail(r.status());
-      r->ran_inline = !on_pool;
-      (on_pool ? impl->pool_runs : impl->inline_runs).fetch_add(1);
-      done(*std::move(r));
-    };
-    if (run_inline) return run(false);
-    impl->SubmitOrRefuse([run] { run(true); }, fail);
-  };
-
-  // An op version is immutable, so the kernel it compiled to is remembered
-  // per version: the hot path skips the compile cache's key hashing and
-  // header checks. (Headers edited under a running daemon reach a registered
-  // op when it is registered again, as a new version.)
-  const std::string op_key = absl::StrCat(checked->record->content_hash, "|",
-                                          registry::TargetName(call_target));
-  if (auto kernel = impl->op_kernels->Get(op_key)) return with_kernel(std::move(kernel));
+  auto plan = std::make_shared<OpPlan>();
+  plan->record = checked.record;
+  plan->impl = checked.impl;
+  plan->defaults = *std::move(defaults);
   impl->compiler->CompileAsync(
-      compiler::JobForImplementation(def, *checked->impl),
-      [impl, op_key, with_kernel, fail](absl::StatusOr<compiler::CompileOutcome> compiled) {
-        if (!compiled.ok()) return fail(compiled.status());
-        impl->op_kernels->Put(op_key, compiled->kernel, 1);
-        with_kernel(compiled->kernel);
+      compiler::JobForImplementation(def, *checked.impl),
+      [impl, st, plan, plan_key](absl::StatusOr<compiler::CompileOutcome> compiled) {
+        if (!compiled.ok()) return impl->Fail(*st, compiled.status());
+        plan->kernel = compiled->kernel;
+        impl->plans->Put(plan_key, plan, 1);
+        impl->Dispatch(st, plan);
       });
+}
+
+void Executor::Impl::Dispatch(std::shared_ptr<CallState> st, std::shared_ptr<const OpPlan> plan) {
+  if (plan->kernel->gpu) {
+    // Device work (copies, launch, sync) always runs on the pool.
+    auto kernel = plan->kernel;
+    return SubmitOrRefuse([this, st, kernel] { RunAndAnswer(*st, nullptr, kernel, true); }, st);
+  }
+  auto inst = Instance(st->call, st->checked, *plan);
+  if (!inst.ok()) {
+    return Fail(*st, absl::Status(inst.status().code(),
+                                  absl::StrCat("op ", OpName(st->checked.record->def), ": ",
+                                               inst.status().message())));
+  }
+  if (st->checked.input_bytes <= options.inline_max_bytes) {
+    return RunAndAnswer(*st, *std::move(inst), nullptr, /*on_pool=*/false);
+  }
+  SubmitOrRefuse([this, st, inst = *std::move(inst)] { RunAndAnswer(*st, inst, nullptr, true); },
+                 st);
+}
+
+void Executor::Impl::RunAndAnswer(CallState& st, std::shared_ptr<const AotKernelInstance> inst,
+                                  std::shared_ptr<const compiler::CompiledKernel> gpu_kernel,
+                                  bool on_pool) {
+  auto r = Execute(st.call, st.checked, std::move(inst), std::move(gpu_kernel), st.t0);
+  if (!r.ok()) return Fail(st, r.status());
+  r->ran_inline = !on_pool;
+  (on_pool ? pool_runs : inline_runs).fetch_add(1, std::memory_order_relaxed);
+  st.done(*std::move(r));
 }
 
 absl::StatusOr<ForwardResult> Executor::Forward(ForwardCall call) {

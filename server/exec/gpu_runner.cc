@@ -86,9 +86,9 @@ absl::StatusOr<void*> GpuRunner::SharedObjectFor(const compiler::CompiledKernel&
 absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implementation& impl,
                             const compiler::CompiledKernel& kernel,
                             const std::map<std::string, registry::AttrValue>& attrs,
-                            const std::vector<HostTensor>& inputs,
+                            absl::Span<const HostTensor> inputs,
                             const std::vector<std::string>& input_names,
-                            const std::vector<HostTensor>& outputs) {
+                            absl::Span<const HostTensor> outputs) {
   if (!kernel.gpu) return absl::InternalError("not a GPU kernel");
   OPJIT_ASSIGN_OR_RETURN(gpu::Device * device, DefaultDevice());
   OPJIT_ASSIGN_OR_RETURN(gpu::Stream stream, gpu::Stream::Create(*device));

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/exec/aot_kernel.h"
 #include "server/registry/op_def.h"
@@ -41,9 +42,9 @@ class GpuRunner {
   absl::Status Run(const registry::OpDef& def, const registry::Implementation& impl,
                    const compiler::CompiledKernel& kernel,
                    const std::map<std::string, registry::AttrValue>& attrs,
-                   const std::vector<HostTensor>& inputs,
+                   absl::Span<const HostTensor> inputs,
                    const std::vector<std::string>& input_names,
-                   const std::vector<HostTensor>& outputs);
+                   absl::Span<const HostTensor> outputs);
 
  private:
   absl::StatusOr<std::shared_ptr<gpu::Module>> ModuleFor(const compiler::CompiledKernel& kernel);

@@ -258,13 +258,14 @@ grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* 
   if (!call.ok()) return Finish(ctx, call.status());
   auto* reactor = ctx->DefaultReactor();
   const uint64_t rid = call->request_id;
-  const std::string op = absl::StrCat(call->ns, "/", call->op);
   std::vector<bool> requires_grad(req->requires_grad().begin(), req->requires_grad().end());
+  // `req` outlives the reactor; names for the log are built only on error.
   core_.autograd->ForwardAsync(
       *std::move(call), std::move(requires_grad),
-      [reactor, resp, rid, op](absl::StatusOr<autograd::GradForwardResult> r) {
+      [reactor, req, resp, rid](absl::StatusOr<autograd::GradForwardResult> r) {
         if (!r.ok()) {
-          Logger("rpc")->debug("req=f{} Forward {}: {}", rid, op, r.status().ToString());
+          Logger("rpc")->debug("req=f{} Forward {}/{}: {}", rid, Ns(req->namespace_()), req->op(),
+                               r.status().ToString());
           reactor->Finish(ToGrpcStatus(r.status()));
           return;
         }
