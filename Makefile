@@ -30,7 +30,10 @@ test-unit: build
 test-integration: build
 	ctest --test-dir $(BUILD) --output-on-failure -L integration -j$(JOBS)
 
+# Benchmarks against their peers (PyTorch, g++, a bare gRPC echo, memcpy);
+# writes bench/results.md and bench/plots/. About 10 minutes.
 bench: build
+	bash deploy/install-deps.sh --bench
 	bash bench/run.sh
 
 format:

@@ -14,6 +14,8 @@
 //
 //   call_bench OUT.json [OPJITD]
 //
+// CALL_BENCH_PIN=1 pins the servers to CPU 1 and the client to CPU 0.
+//
 // Starts its own opjitd (OPJITD, default: next to this binary) in a temp
 // state dir, writes the results to OUT.json and a summary to stdout. A row
 // that fails is recorded as {"error": "..."}; no number is ever made up.
@@ -24,6 +26,7 @@
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -64,6 +67,14 @@ constexpr int kTinyFloats = 16;
 constexpr char kEchoMethod[] = "/opjit.bench.Echo/Echo";
 // The daemon's (and the inline client's) message limit, so 64 MiB inline fits.
 constexpr int kBigMessageMb = 600;
+
+// Pins the calling thread (and what it spawns or forks from now on) to `cpu`.
+bool PinTo(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return sched_setaffinity(0, sizeof set, &set) == 0;
+}
 
 double UsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
@@ -752,13 +763,18 @@ int Main(int argc, char** argv) {
       echo_mode_env != nullptr && std::string(echo_mode_env) == "inprocess";
   ForkedEcho forked_echo;
   std::optional<std::string> echo_error;
+  // CALL_BENCH_PIN=1: the servers (opjitd and the echo) on CPU 1, the client
+  // on CPU 0, so both servers see the same placement; lower variance than the
+  // default (the scheduler's choice), for comparing builds.
+  const bool pin = std::getenv("CALL_BENCH_PIN") != nullptr && PinTo(1);
   if (!echo_in_process) echo_error = forked_echo.Start(dir);
 
   json result;
   result["machine"] = {{"cores", std::thread::hardware_concurrency()},
                        {"cpu", CpuModel()},
                        {"loadavg_start", LoadAvg()}};
-  result["config"] = {{"max_message_mb", kBigMessageMb}, {"tiny_floats", kTinyFloats}};
+  result["config"] = {
+      {"max_message_mb", kBigMessageMb}, {"tiny_floats", kTinyFloats}, {"pinned", pin}};
 
   std::unique_ptr<DaemonProcess> daemon;
   // Stops both servers, writes the JSON and removes the temp dir.
@@ -794,6 +810,7 @@ int Main(int argc, char** argv) {
     }
   }
   result["config"]["max_message_mb_applied"] = config_ok;
+  if (pin) PinTo(0);  // the client's threads, created from here on
 
   EchoServer in_process_echo;
   if (echo_in_process) echo_error = StartEcho(dir, &in_process_echo);

@@ -3,8 +3,9 @@
 //     of the same source plus dlopen, as a subprocess;
 //   - memory-cache hit; disk-cache hit in a freshly created compiler (what a
 //     restarted daemon does);
-//   - the JIT'd kernel vs the same source from `g++ -O3 -march=native`, on 16M
-//     floats and on an in-cache size.
+//   - the JIT'd kernel vs the same source from `g++ -O3 -march=native`: an
+//     elementwise op and a row reduction (16K and 16M floats), and a small
+//     matmul (64x64 and 256x256).
 // Run through bench/run.sh, which turns the medians into the README's table.
 #include <dlfcn.h>
 #include <spawn.h>
@@ -15,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,16 +49,58 @@ extern "C" int Softplus(int nparam, void** params, int* ndims, int64_t** shapes,
 }
 )";
 
-// Elementwise kernel used for code quality: y = a*x + b*x^2 clipped at 0.
-const char kQualityKernel[] = R"(
+// Kernel quality: the same sources built by the JIT and by g++. One
+// signature, (in0, in1, out, n), so one harness runs all three.
+struct QualityKernel {
+  const char* name;
+  const char* source;
+  // Elements of in0, in1 and out for size n.
+  int64_t (*in_elems)(int64_t n);
+  int64_t (*out_elems)(int64_t n);
+};
+
+const char kElementwiseKernel[] = R"(
 #include <cstdint>
-extern "C" void Quality(const float* x, float* y, int64_t n) {
+// y = 1.5 x + 0.25 x^2, clipped at 0
+extern "C" void Elementwise(const float* x, const float*, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     float v = 1.5f * x[i] + 0.25f * x[i] * x[i];
     y[i] = v > 0.0f ? v : 0.0f;
   }
 }
 )";
+
+const char kReductionKernel[] = R"(
+#include <cstdint>
+// Row sums of an [n/256, 256] matrix: the last-axis reduce of reduce_sum.
+extern "C" void Reduction(const float* x, const float*, float* y, int64_t n) {
+  const int64_t cols = 256, rows = n / cols;
+  for (int64_t r = 0; r < rows; ++r) {
+    float s = 0.0f;
+    for (int64_t c = 0; c < cols; ++c) s += x[r * cols + c];
+    y[r] = s;
+  }
+}
+)";
+
+const char kMatmulKernel[] = R"(
+#include <cstdint>
+// C = A B for n x n row-major matrices (i-k-j order).
+extern "C" void Matmul(const float* a, const float* b, float* c, int64_t n) {
+  for (int64_t i = 0; i < n * n; ++i) c[i] = 0.0f;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < n; ++k) {
+      const float aik = a[i * n + k];
+      for (int64_t j = 0; j < n; ++j) c[i * n + j] += aik * b[k * n + j];
+    }
+}
+)";
+
+const QualityKernel kQualityKernels[] = {
+    {"Elementwise", kElementwiseKernel, [](int64_t n) { return n; }, [](int64_t n) { return n; }},
+    {"Reduction", kReductionKernel, [](int64_t n) { return n; }, [](int64_t n) { return n / 256; }},
+    {"Matmul", kMatmulKernel, [](int64_t n) { return n * n; }, [](int64_t n) { return n * n; }},
+};
 
 std::string Dir() {
   static const std::string dir = [] {
@@ -226,59 +270,83 @@ void BM_OpjitNvrtcMemoryHit(benchmark::State& state) {
 }
 BENCHMARK(BM_OpjitNvrtcMemoryHit)->Unit(benchmark::kMicrosecond)->Repetitions(3);
 
-using QualityFn = void (*)(const float*, float*, int64_t);
+using QualityFn = void (*)(const float*, const float*, float*, int64_t);
 
-QualityFn JitQuality() {
-  static std::shared_ptr<const opjit::compiler::CompiledKernel> keep;
-  if (!keep) {
+const QualityKernel& Kernel(const std::string& name) {
+  for (const auto& k : kQualityKernels) {
+    if (name == k.name) return k;
+  }
+  abort();
+}
+
+QualityFn JitQuality(const std::string& name) {
+  static std::map<std::string, std::shared_ptr<const opjit::compiler::CompiledKernel>> keep;
+  auto& kept = keep[name];
+  if (!kept) {
     CompileJob job;
-    job.source = kQualityKernel;
-    job.entry = "Quality";
+    job.source = Kernel(name).source;
+    job.entry = name;
     auto r = Shared().Compile(job);
     if (!r.ok()) return nullptr;
-    keep = r->kernel;
+    kept = r->kernel;
   }
-  return keep->kernel->FindAs<QualityFn>("Quality");
+  return kept->kernel->FindAs<QualityFn>(name);
 }
 
-QualityFn GccQuality() {
-  static QualityFn fn = []() -> QualityFn {
-    const std::string base = Dir() + "/quality";
-    std::ofstream(base + ".cc") << kQualityKernel;
-    if (Run({"g++", "-O3", "-march=native", "-shared", "-fPIC", "-o", base + ".so", base + ".cc"}) !=
-        0) {
-      return nullptr;
-    }
+QualityFn GccQuality(const std::string& name) {
+  static std::map<std::string, QualityFn> built;
+  if (auto it = built.find(name); it != built.end()) return it->second;
+  QualityFn fn = nullptr;
+  const std::string base = Dir() + "/quality-" + name;
+  std::ofstream(base + ".cc") << Kernel(name).source;
+  if (Run({"g++", "-O3", "-march=native", "-shared", "-fPIC", "-o", base + ".so", base + ".cc"}) ==
+      0) {
     void* h = dlopen((base + ".so").c_str(), RTLD_NOW | RTLD_LOCAL);
-    return h ? reinterpret_cast<QualityFn>(dlsym(h, "Quality")) : nullptr;
-  }();
-  return fn;
+    if (h != nullptr) fn = reinterpret_cast<QualityFn>(dlsym(h, name.c_str()));
+  }
+  return built[name] = fn;
 }
 
-void RunQuality(benchmark::State& state, QualityFn fn) {
+void RunQuality(benchmark::State& state, const std::string& name, QualityFn fn) {
   if (fn == nullptr) {
     state.SkipWithError("kernel unavailable");
     return;
   }
+  const QualityKernel& k = Kernel(name);
   const int64_t n = state.range(0);
-  std::vector<float> x(n), y(n);
-  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 97) * 0.1f - 4.0f;
+  std::vector<float> a(k.in_elems(n)), b(k.in_elems(n)), out(k.out_elems(n));
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i] = static_cast<float>(i % 97) * 0.1f - 4.0f;
+    b[i] = static_cast<float>(i % 89) * 0.05f - 2.0f;
+  }
   for (auto _ : state) {
-    fn(x.data(), y.data(), n);
+    fn(a.data(), b.data(), out.data(), n);
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(state.iterations() * n * 8);
 }
 
-// Interleaved pairs, so both see the same machine state.
-void BM_KernelJit(benchmark::State& state) { RunQuality(state, JitQuality()); }
-void BM_KernelGccO3Native(benchmark::State& state) { RunQuality(state, GccQuality()); }
-BENCHMARK(BM_KernelJit)->Arg(16 << 10)->Arg(16 << 20)->Repetitions(5)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_KernelGccO3Native)
-    ->Arg(16 << 10)
-    ->Arg(16 << 20)
-    ->Repetitions(5)
-    ->Unit(benchmark::kMicrosecond);
+// bench/run.sh runs with --benchmark_enable_random_interleaving, so the
+// repetitions of the JIT and g++ sides alternate and see the same machine.
+void BM_KernelJit(benchmark::State& state, const char* name) {
+  RunQuality(state, name, JitQuality(name));
+}
+void BM_KernelGccO3Native(benchmark::State& state, const char* name) {
+  RunQuality(state, name, GccQuality(name));
+}
+#define OPJIT_QUALITY(kind, small, large)                                                     \
+  BENCHMARK_CAPTURE(BM_KernelJit, kind, #kind)                                                \
+      ->Arg(small)                                                                            \
+      ->Arg(large)                                                                            \
+      ->Repetitions(5)                                                                        \
+      ->Unit(benchmark::kMicrosecond);                                                        \
+  BENCHMARK_CAPTURE(BM_KernelGccO3Native, kind, #kind)                                        \
+      ->Arg(small)                                                                            \
+      ->Arg(large)                                                                            \
+      ->Repetitions(5)                                                                        \
+      ->Unit(benchmark::kMicrosecond)
+OPJIT_QUALITY(Elementwise, 16 << 10, 16 << 20);
+OPJIT_QUALITY(Reduction, 16 << 10, 16 << 20);
+OPJIT_QUALITY(Matmul, 64, 256);
 
 }  // namespace
 

@@ -1,14 +1,18 @@
-"""Turns benchmark JSON into bench/results.md: medians and ratios.
+"""Turns the benchmark results of one bench/run.sh run into bench/results.md.
 
-    report.py COMPILE.json [CALL.json]
+    /usr/bin/python3 bench/report.py --out bench/out [--seconds N] > bench/results.md
 
-COMPILE.json is compile_bench's Google Benchmark JSON; CALL.json, when given,
-is call_bench's output (call overhead and data path)."""
+Reads from the --out directory: compile.json and exec.json (Google Benchmark),
+call.json (call_bench), py.json (py_bench.py), plots.md (plots.py's image
+links) and NAME.failed (a benchmark that exited non-zero). Every number comes
+from those files; a missing or failed result is printed as the failure it
+was, never as a number.
+"""
+import argparse
 import datetime
 import json
 import os
 import platform
-import sys
 
 
 def cpu_model():
@@ -22,89 +26,84 @@ def cpu_model():
     return platform.processor() or "unknown CPU"
 
 
-def medians(path):
-    with open(path) as f:
-        data = json.load(f)
-    out, errors = {}, {}
-    for b in data["benchmarks"]:
+class Results:
+    """The files of one run, and the failures met while reading them."""
+
+    def __init__(self, out):
+        self.out = out
+        self.failures = []  # (what, why)
+        for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+            if name.endswith(".failed"):
+                with open(os.path.join(out, name)) as f:
+                    self.failures.append((name[:-len(".failed")], f.read().strip()))
+
+    def json(self, name):
+        path = os.path.join(self.out, name)
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            self.failures.append((name, f"no readable results ({e})"))
+            return None
+
+    def text(self, name):
+        try:
+            with open(os.path.join(self.out, name)) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def fail(self, what, why):
+        self.failures.append((what, why))
+
+
+def gbench_medians(data, res, source):
+    """{benchmark name: median real time in ms} of a Google Benchmark JSON."""
+    out = {}
+    if data is None:
+        return out
+    for b in data.get("benchmarks", []):
         name = b.get("run_name", b["name"])
-        # "BM_X/16384/iterations:10/repeats:3" -> "BM_X/16384"
+        # "BM_X/arg/iterations:10/repeats:3" -> "BM_X/arg"
         name = "/".join(p for p in name.split("/")
                         if not p.startswith(("iterations:", "repeats:")))
         if b.get("error_occurred"):
-            errors[name] = b.get("error_message", "failed")
+            res.fail(f"{source}: {name}", b.get("error_message", "failed"))
             continue
         if b.get("aggregate_name") == "median":
-            unit = b.get("time_unit", "ns")
-            scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
-            out[name] = b["real_time"] * scale  # milliseconds
-    return out, errors
+            scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[b.get("time_unit", "ns")]
+            out[name] = b["real_time"] * scale
+    return out
 
 
-def fmt(ms):
-    if ms is None:
-        return "failed"
-    if ms < 1:
-        return f"{ms * 1000:.1f} µs"
-    return f"{ms:.1f} ms"
+def num(d, *keys):
+    """d[k1][k2]... as a float, or None when a level failed or lacks it."""
+    for k in keys:
+        if not isinstance(d, dict) or "error" in d:
+            return None
+        d = d.get(k)
+    return float(d) if isinstance(d, (int, float)) and not isinstance(d, bool) else None
 
 
-def main():
-    med, errors = medians(sys.argv[1])
-
-    def get(name):
-        return med.get(name)
-
-    def row(what, a, b, target):
-        ra, rb = get(a), get(b)
-        ratio = f"{ra / rb:.2f}×" if ra and rb else "n/a"
-        return f"| {what} | {fmt(ra)} | {fmt(rb)} | {ratio} | {target} |"
-
-    print("# opjit benchmark results\n")
-    print(f"Machine: {os.cpu_count()} cores, {cpu_model()}. "
-          f"Date: {datetime.date.today().isoformat()}. Medians of 3–5 repetitions.\n")
-    print("## Compile (in-process KernelCompiler, sandboxed worker)\n")
-    print("| what | opjit | peer | ratio | goal |")
-    print("|---|---|---|---|---|")
-    print(row("cold compile, `<cmath>` kernel vs `g++ -O2 -shared -fPIC` + dlopen",
-              "BM_OpjitColdCompileCmath", "BM_GccSharedDlopenCmath", "≤ 0.4×"))
-    print(f"| memory-cache hit | {fmt(get('BM_OpjitMemoryHit'))} | | | ≤ 50 µs |")
-    print(f"| disk-cache hit, freshly created compiler | "
-          f"{fmt(get('BM_OpjitDiskHitFreshCompiler'))} | | | ≤ 2 ms |")
-    print("\n## NVRTC (compile only, no GPU here; sm_80 + sm_90 CUBIN and PTX)\n")
-    print("| what | opjit | raw NVRTC | ratio | goal |")
-    print("|---|---|---|---|---|")
-    print(row("cold compile of a small kernel", "BM_OpjitNvrtcCold", "BM_NvrtcRaw", "≤ 1.1×"))
-    print(f"| memory-cache hit | {fmt(get('BM_OpjitNvrtcMemoryHit'))} | | | ≤ 1 ms |")
-    print("\n## Kernel quality (JIT vs `g++ -O3 -march=native`, same source)\n")
-    print("| size | JIT | g++ | ratio | goal |")
-    print("|---|---|---|---|---|")
-    for n, label in ((16 << 10, "16K floats (in cache)"), (16 << 20, "16M floats")):
-        print(row(label, f"BM_KernelJit/{n}", f"BM_KernelGccO3Native/{n}", "≤ 1.05×"))
-    if errors:
-        print("\n## Failures\n")
-        for k, v in errors.items():
-            print(f"- `{k}`: {v}")
-    if len(sys.argv) > 2:
-        call_report(sys.argv[2])
+def error_of(d):
+    return d.get("error") if isinstance(d, dict) else None
 
 
-def num(d, key):
-    """d[key] as a float, or None when the row failed or lacks it."""
-    if not isinstance(d, dict) or "error" in d:
-        return None
-    v = d.get(key)
-    return float(v) if isinstance(v, (int, float)) else None
-
-
-def us(v):
-    return "failed" if v is None else f"{v:.0f} µs"
-
-
-def ms(v):
+def t_ms(v):
+    """A time given in ms, in a readable unit."""
     if v is None:
         return "failed"
-    return f"{v * 1000:.0f} µs" if v < 1 else f"{v:.1f} ms"
+    if v < 1:
+        return f"{v * 1000:.1f} µs"
+    if v >= 1000:
+        return f"{v / 1000:.1f} s"
+    return f"{v:.1f} ms"
+
+
+def t_us(v):
+    if v is None:
+        return "failed"
+    return f"{v / 1000:.1f} ms" if v >= 1000 else f"{v:.0f} µs"
 
 
 def gbs(v):
@@ -112,131 +111,237 @@ def gbs(v):
 
 
 def ratio(a, b):
-    return f"{a / b:.2f}×" if a is not None and b else "n/a"
+    if a is None or not b:
+        return "n/a"
+    r = a / b
+    return f"{r:.2f}×" if r >= 0.1 else f"{r:.2g}× (1/{b / a:,.0f})"
 
 
-def call_report(path):
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        print(f"\n## Call path\n\ncall_bench produced no readable JSON ({e}).")
+def compile_section(med, py, res):
+    def row(what, a, b, goal):
+        ra, rb = med.get(a), med.get(b)
+        return f"| {what} | {t_ms(ra)} | {t_ms(rb)} | {ratio(ra, rb)} | {goal} |"
+
+    print("## Compile\n")
+    print("opjit's `KernelCompiler` in-process (the sandboxed clang worker, as the "
+          "daemon runs it), against `g++` and `dlopen` as a subprocess, on a small kernel "
+          "that includes `<cmath>`.\n")
+    print("| what | opjit | peer | ratio | goal |")
+    print("|---|---|---|---|---|")
+    print(row("cold compile vs `g++ -O2 -shared -fPIC` + dlopen",
+              "BM_OpjitColdCompileCmath", "BM_GccSharedDlopenCmath", "≤ 0.4×"))
+    print(f"| memory-cache hit | {t_ms(med.get('BM_OpjitMemoryHit'))} | | | ≤ 50 µs |")
+    print(f"| disk-cache hit, freshly created compiler | "
+          f"{t_ms(med.get('BM_OpjitDiskHitFreshCompiler'))} | | | ≤ 2 ms |")
+
+    print("\nThe same kind of op through the whole system: `Compile` RPCs from the Python "
+          "client to a running opjitd, against PyTorch's "
+          "`torch.utils.cpp_extension.load_inline` of an equivalent op (softplus over a "
+          "float32 tensor, `<cmath>`; Debian's python3-torch, ninja, "
+          "`-O3 -march=native` like opjit's default).\n")
+    tc = py.get("torch_compile") if isinstance(py, dict) else None
+    if not isinstance(tc, dict) or "error" in tc:
+        why = error_of(tc) or "py_bench produced no torch_compile section"
+        res.fail("torch_compile", why)
+        print(f"Not run: {why}\n")
         return
-    failures = []
-    if "error" in data:
-        failures.append(("call_bench", data["error"]))
-    if "config_error" in data:
-        failures.append(("opjitd with max_message_mb", data["config_error"]))
-    cfg = data.get("config", {})
-    machine = data.get("machine", {})
+    torch_cold = num(tc, "cold_s", "median")
+    torch_second = num(tc, "second_process_s", "median")
+    ms = lambda k: num(tc, k, "median")  # noqa: E731
+    print("| what | opjit (daemon, Python client) | torch load_inline | ratio |")
+    print("|---|---|---|---|")
+    cold = ms("opjit_daemon_cold_ms")
+    print(f"| cold compile | {t_ms(cold)} | "
+          f"{t_ms(None if torch_cold is None else torch_cold * 1e3)} | "
+          f"{ratio(cold, None if torch_cold is None else torch_cold * 1e3)} |")
+    restart = ms("opjit_daemon_disk_hit_after_restart_ms")
+    print(f"| again in a second process (opjit: a restarted daemon, disk cache) | "
+          f"{t_ms(restart)} | {t_ms(None if torch_second is None else torch_second * 1e3)} | "
+          f"{ratio(restart, None if torch_second is None else torch_second * 1e3)} |")
+    print(f"| again in the same process (memory cache) | {t_ms(ms('opjit_daemon_hit_ms'))} "
+          f"| | |")
+    imp = num(tc, "import_torch_s", "median")
+    print(f"\n`import torch` itself takes {t_ms(None if imp is None else imp * 1e3)} and is "
+          "not counted. opjit's daemon times include the RPC.")
+    if tc.get("note"):
+        print(f" {tc['note']}")
+    for k in ("opjit_daemon_cold_ms", "opjit_daemon_hit_ms",
+              "opjit_daemon_disk_hit_after_restart_ms", "cold_s", "second_process_s"):
+        if error_of(tc.get(k)):
+            res.fail(f"torch_compile.{k}", error_of(tc.get(k)))
+    print()
 
-    rows = data.get("call_overhead", [])
-    print("\n## Call overhead (cached tiny op vs bare gRPC echo)\n")
-    print(f"`leaky_relu` on {cfg.get('tiny_floats', 16)} float32, inline in and out "
-          f"({cfg.get('request_bytes', '?')}-byte request), through the C++ client's "
-          f"synchronous `Forward`, against a callback-API generic gRPC echo of a "
-          f"{cfg.get('echo_payload_bytes', '?')}-byte payload "
-          f"(echo server: {cfg.get('echo_server', 'in-process')}). The sides alternate in batches "
-          f"on the same machine state; each client has its own channel and "
-          f"connection. Per-call latency; calls/s over all clients. "
-          f"\"opjitd no-op\" is `ListRegions` on an empty namespace (the daemon's "
-          f"own RPC floor); `server_ms` is the time inside the executor, as the "
-          f"response reports it.\n")
-    print("| transport | clients | opjit p50 | opjit p99 | opjit calls/s | echo p50 "
-          "| echo p99 | echo calls/s | ratio p50 | goal | opjitd no-op p50 "
-          "| server_ms p50 |")
+
+def nvrtc_section(med):
+    print("## NVRTC (compile only: no GPU here; sm_80 + sm_90 CUBIN and PTX)\n")
+    print("| what | opjit | raw NVRTC | ratio | goal |")
+    print("|---|---|---|---|---|")
+    a, b = med.get("BM_OpjitNvrtcCold"), med.get("BM_NvrtcRaw")
+    print(f"| cold compile of a small kernel | {t_ms(a)} | {t_ms(b)} | {ratio(a, b)} | ≤ 1.1× |")
+    print(f"| memory-cache hit | {t_ms(med.get('BM_OpjitNvrtcMemoryHit'))} | | | ≤ 1 ms |\n")
+
+
+def quality_section(med):
+    print("## Kernel quality (JIT vs `g++ -O3 -march=native`, same source)\n")
+    print("| kernel | size | JIT | g++ | ratio | goal |")
+    print("|---|---|---|---|---|---|")
+    rows = (("elementwise", "Elementwise", 16 << 10, "16K floats (in cache)"),
+            ("elementwise", "Elementwise", 16 << 20, "16M floats"),
+            ("row reduction", "Reduction", 16 << 10, "16K floats"),
+            ("row reduction", "Reduction", 16 << 20, "16M floats"),
+            ("matmul", "Matmul", 64, "64×64"),
+            ("matmul", "Matmul", 256, "256×256"))
+    for what, kind, n, size in rows:
+        a = med.get(f"BM_KernelJit/{kind}/{n}")
+        b = med.get(f"BM_KernelGccO3Native/{kind}/{n}")
+        print(f"| {what} | {size} | {t_ms(a)} | {t_ms(b)} | {ratio(a, b)} | ≤ 1.05× |")
+    print()
+
+
+def call_section(call, exec_med, res):
+    if call is None:
+        print("## Call overhead and data path\n\ncall_bench produced no results (see Failures).\n")
+        return
+    if "error" in call:
+        res.fail("call_bench", call["error"])
+    if "config_error" in call:
+        res.fail("opjitd with max_message_mb", call["config_error"])
+    cfg = call.get("config", {})
+    in_process = exec_med.get("BM_ExecutorForwardTiny")
+    print("## Call overhead (cached tiny op)\n")
+    print(f"`leaky_relu` on 16 float32, inline in and out ({cfg.get('request_bytes', '?')}-byte "
+          "request), through the C++ client's synchronous `Forward`, against a bare "
+          f"callback-API gRPC echo of a {cfg.get('echo_payload_bytes', '?')}-byte payload "
+          f"(echo server: {cfg.get('echo_server', '?')}). The sides alternate in short batches "
+          "so they see the same machine state; each client has its own channel and "
+          "connection. Per-call latency; calls/s over all clients. \"no-op\" is opjitd's "
+          "`ListRegions` on an empty namespace (the daemon's own RPC floor); `server` is the "
+          "time inside the executor as the response reports it. The same call in-process "
+          f"through `Executor::ForwardAsync`, no RPC at all (exec_bench): "
+          f"**{t_ms(in_process)}** median.\n")
+    print("| transport | clients | opjit p50 | opjit p99 | opjit calls/s | echo p50 | echo p99 "
+          "| echo calls/s | ratio p50 | goal | no-op p50 | server p50 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in call.get("call_overhead", []):
         o, e, n = r.get("opjit", {}), r.get("echo", {}), r.get("opjit_noop", {})
-        for side, d in (("opjit", o), ("echo", e), ("opjitd no-op", n)):
-            if isinstance(d, dict) and "error" in d:
-                failures.append((f"{side}, {r.get('transport')}, {r.get('clients')} clients",
-                                 d["error"]))
+        for side, d in (("opjit", o), ("echo", e), ("no-op", n)):
+            if error_of(d):
+                res.fail(f"call overhead, {side}, {r.get('transport')}, {r.get('clients')} "
+                         "clients", error_of(d))
         goal = "≤ 1.2×" if r.get("transport") == "unix" and r.get("clients") == 1 else ""
-        cps = lambda d: "failed" if num(d, "calls_per_s") is None else f"{num(d, 'calls_per_s'):,.0f}"
+        cps = lambda d: "failed" if num(d, "calls_per_s") is None else f"{num(d, 'calls_per_s'):,.0f}"  # noqa: E731,E501
         server = num(o, "server_ms_p50")
-        print(f"| {r.get('transport')} | {r.get('clients')} | {us(num(o, 'p50_us'))} "
-              f"| {us(num(o, 'p99_us'))} | {cps(o)} | {us(num(e, 'p50_us'))} "
-              f"| {us(num(e, 'p99_us'))} | {cps(e)} "
+        print(f"| {r.get('transport')} | {r.get('clients')} | {t_us(num(o, 'p50_us'))} "
+              f"| {t_us(num(o, 'p99_us'))} | {cps(o)} | {t_us(num(e, 'p50_us'))} "
+              f"| {t_us(num(e, 'p99_us'))} | {cps(e)} "
               f"| {ratio(num(o, 'p50_us'), num(e, 'p50_us'))} | {goal} "
-              f"| {us(num(n, 'p50_us'))} "
-              f"| {'failed' if server is None else f'{server * 1000:.0f} µs'} |")
+              f"| {t_us(num(n, 'p50_us'))} | {t_ms(server)} |")
 
+    reps = next((int(num(r.get("shm"), "reps")) for r in call.get("data_path", [])
+                 if num(r.get("shm"), "reps")), "?")
     print("\n## Data path (`leaky_relu`, float32)\n")
-    print("Shared memory: input and output in one daemon-created region, output "
-          "placed at a fixed offset; call time against the kernel's own time "
-          "(`kernel_ms`). Inline: the same bytes in the request and the response "
-          f"(daemon and client at max_message_mb = {cfg.get('max_message_mb', '?')}), "
-          "next to a bare gRPC echo of a message of the same size. memcpy: "
-          "in-process, pre-faulted buffers, the physical floor. GB/s is input bytes "
-          "per second (each moves that many in and out). Medians of "
-          f"{rows_reps(data)} calls after one untimed call.\n")
+    print("Shared memory: input and output in one daemon-created region, output placed at a "
+          "fixed offset; the call against the kernel's own time (`kernel_ms`). Inline: the "
+          "same bytes in the request and the response (daemon and client at "
+          f"max_message_mb = {cfg.get('max_message_mb', '?')}), next to a bare gRPC echo of a "
+          "message of the same size. memcpy: in-process, pre-faulted buffers, the physical "
+          "floor. GB/s is input bytes per second (each call moves that many in and out). "
+          f"Medians of {reps} calls after one untimed call.\n")
     print("| size | shm call | kernel | call / kernel | goal | shm GB/s | inline call "
           "| inline GB/s | gRPC echo, same bytes | memcpy | memcpy GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in data.get("data_path", []):
+    for r in call.get("data_path", []):
         size = r.get("size_mib")
         shm, inl, mc = r.get("shm", {}), r.get("inline"), r.get("memcpy", {})
         for what, d in (("shm", shm), ("inline", inl), ("memcpy", mc)):
-            if isinstance(d, dict) and "error" in d:
-                failures.append((f"{what}, {size} MiB", d["error"]))
+            if error_of(d):
+                res.fail(f"data path, {what}, {size} MiB", error_of(d))
         if inl is None:
             inline_cells = "not run (over 64 MiB) | | "
         else:
             echo = inl.get("echo", {}) if isinstance(inl, dict) else {}
-            if isinstance(echo, dict) and "error" in echo:
-                failures.append((f"inline echo, {size} MiB", echo["error"]))
-            inline_cells = (f"{ms(num(inl, 'call_ms'))} | {gbs(num(inl, 'gb_per_s'))} "
-                            f"| {ms(num(echo, 'call_ms'))}")
+            if error_of(echo):
+                res.fail(f"data path, inline echo, {size} MiB", error_of(echo))
+            inline_cells = (f"{t_ms(num(inl, 'call_ms'))} | {gbs(num(inl, 'gb_per_s'))} "
+                            f"| {t_ms(num(echo, 'call_ms'))}")
         goal = "≤ 1.1×" if size == 256 else ""
-        print(f"| {size} MiB | {ms(num(shm, 'call_ms'))} | {ms(num(shm, 'kernel_ms'))} "
+        print(f"| {size} MiB | {t_ms(num(shm, 'call_ms'))} | {t_ms(num(shm, 'kernel_ms'))} "
               f"| {ratio(num(shm, 'call_ms'), num(shm, 'kernel_ms'))} | {goal} "
               f"| {gbs(num(shm, 'gb_per_s'))} | {inline_cells} "
-              f"| {ms(num(mc, 'ms'))} | {gbs(num(mc, 'gb_per_s'))} |")
+              f"| {t_ms(num(mc, 'ms'))} | {gbs(num(mc, 'gb_per_s'))} |")
+    m = call.get("machine", {})
+    print(f"\ncall_bench ran {call.get('total_s', 0):.0f} s; 1-minute load average "
+          f"{m.get('loadavg_start')} at its start, {m.get('loadavg_end')} at its end.\n")
 
+
+def autograd_section(py, res):
+    print("## Autograd (tanh forward + backward, float32, per call)\n")
+    ag = py.get("autograd") if isinstance(py, dict) else None
+    if not isinstance(ag, dict) or "error" in ag:
+        why = error_of(ag) or "py_bench produced no autograd section"
+        res.fail("autograd", why)
+        print(f"Not run: {why}\n")
+        return
+    print("Through the Python client (`/usr/bin/python3`, tensors in shared memory): "
+          "**registered bprop** is `y = tanh(x); y.backward(g)` with the op's server-side "
+          "bprop `tanh_grad` (one Forward and one Backward RPC); **opjit.Function** is a "
+          "Paddle-PyLayer-style Function whose forward and backward each call a daemon op. "
+          "Against a `torch.autograd.Function` with the same math (torch "
+          f"{py.get('machine', {}).get('torch_version')}, {ag.get('torch_num_threads')} "
+          "thread(s)) and plain numpy, the floor. Every variant's gradient is checked "
+          "against numpy. The variants alternate in batches.\n")
+    names = (("opjit_bprop", "opjit, registered bprop"), ("opjit_function", "opjit.Function"),
+             ("torch_function", "torch.autograd.Function"), ("numpy", "numpy"))
+    print("| elements | variant | p50 | p99 | calls | p50 vs torch |")
+    print("|---|---|---|---|---|---|")
+    for n in ag.get("sizes", []):
+        group = ag.get(f"n_{n}", {})
+        torch_p50 = num(group.get("torch_function"), "p50_us")
+        for key, label in names:
+            d = group.get(key)
+            if error_of(d):
+                res.fail(f"autograd, {key}, n={n}", error_of(d))
+            p50 = num(d, "p50_us")
+            print(f"| {n:,} | {label} | {t_us(p50)} | {t_us(num(d, 'p99_us'))} "
+                  f"| {d.get('n_calls', '') if isinstance(d, dict) else ''} "
+                  f"| {ratio(p50, torch_p50)} |")
     print()
-    print(histogram(data.get("histogram_unix_1"), path))
-    load = (machine.get("loadavg_start"), machine.get("loadavg_end"))
-    print(f"\ncall_bench ran {data.get('total_s', 0):.0f} s; 1-minute load average "
-          f"{load[0]} at its start, {load[1]} at its end (other work on these "
-          f"{machine.get('cores', '?')} cores shows up in every number).")
-    if failures:
-        print("\n### Call path failures\n")
-        for what, err in failures:
-            print(f"- {what}: {err}")
 
 
-def rows_reps(data):
-    for r in data.get("data_path", []):
-        n = num(r.get("shm", {}), "reps")
-        if n:
-            return int(n)
-    return "?"
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--seconds", type=int, default=None)
+    args = ap.parse_args()
+    res = Results(args.out)
+    compile_med = gbench_medians(res.json("compile.json"), res, "compile_bench")
+    exec_med = gbench_medians(res.json("exec.json"), res, "exec_bench")
+    call = res.json("call.json")
+    py = res.json("py.json") or {}
 
+    print("# opjit benchmark results\n")
+    took = f" The run took {args.seconds / 60:.1f} minutes." if args.seconds else ""
+    print(f"Machine: {os.cpu_count()} cores, {cpu_model()}. Date: "
+          f"{datetime.date.today().isoformat()}. Reproduce with `make bench` (or "
+          f"`bash bench/run.sh` on a build).{took} Medians; every ratio compares two "
+          "sides measured in the same run. These cores are shared and noisy, so compare "
+          "ratios rather than absolute times across runs.\n")
+    compile_section(compile_med, py, res)
+    nvrtc_section(compile_med)
+    quality_section(compile_med)
+    call_section(call, exec_med, res)
+    autograd_section(py, res)
 
-def histogram(h, json_path):
-    """Writes bench/call_latency.png when matplotlib is there; says so either way."""
-    if not h:
-        return "Latency histogram: no data (a side of the 1-client unix run failed)."
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return ("Latency histogram: skipped (matplotlib is not installed for "
-                "/usr/bin/python3); the bins are in the JSON as `histogram_unix_1`.")
-    edges = h["edges_us"]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for name in ("opjit", "echo"):
-        ax.stairs(h[name], edges, label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("latency per call, µs (1 client, unix socket)")
-    ax.set_ylabel("calls")
-    ax.legend()
-    fig.tight_layout()
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "call_latency.png")
-    fig.savefig(out, dpi=100)
-    return "![latency histogram, 1 client, unix](call_latency.png)"
+    print("## Plots\n")
+    plots = res.text("plots.md").strip()
+    print(plots if plots else "plots.py wrote nothing (see Failures).")
+    print()
+    print("## Failures\n")
+    if res.failures:
+        for what, why in res.failures:
+            print(f"- **{what}**: {why}")
+    else:
+        print("None: every benchmark ran.")
 
 
 if __name__ == "__main__":

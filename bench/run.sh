@@ -1,17 +1,46 @@
 #!/usr/bin/env bash
-# Runs opjit's benchmarks and writes bench/results.md (medians and ratios,
-# every pair measured side by side in the same run).
-#   bash bench/run.sh            (or: make bench)
-set -euo pipefail
+# Runs every opjit benchmark side by side and writes bench/results.md (medians
+# and ratios) with its latency plots in bench/plots/. About 10 minutes here.
+#
+#   make bench          installs the benchmark extras (deploy/install-deps.sh
+#                       --bench: PyTorch, matplotlib), builds, runs this
+#   bash bench/run.sh   with an existing build in $BUILD (default build/)
+#
+# A benchmark that fails does not stop the others: its failure (exit status,
+# error text) is what the report shows in its place. Raw results stay in
+# bench/out/ (JSON), so `python3 bench/report.py` can be re-run on them.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 OUT=bench/out
-mkdir -p "$OUT"
-"$BUILD/bin/compile_bench" --benchmark_format=console \
+PLOTS=bench/plots
+PY=/usr/bin/python3  # Debian's interpreter: grpcio, numpy, torch, matplotlib
+mkdir -p "$OUT" "$PLOTS"
+# Never report a previous run's numbers.
+rm -f "$OUT"/*.json "$OUT"/*.failed "$OUT"/*.md "$PLOTS"/*.png
+start=$(date +%s)
+
+# run NAME COMMAND...: runs one benchmark; records a non-zero exit.
+run() {
+  local name=$1
+  shift
+  echo "== $name: $*" >&2
+  "$@"
+  local rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "$name exited with status $rc" | tee "$OUT/$name.failed" >&2
+  fi
+}
+
+# In-process parts (Google Benchmark). Random interleaving alternates the
+# repetitions of every benchmark, so each pair sees the same machine state.
+run compile "$BUILD/bin/compile_bench" --benchmark_enable_random_interleaving=true \
   --benchmark_out="$OUT/compile.json" --benchmark_out_format=json
-# Call overhead and data path: starts its own opjitd from "$BUILD/bin".
-# A failure is recorded in its JSON, which the report shows.
-rm -f "$OUT/call.json"  # never report a previous run's numbers
-"$BUILD/bin/call_bench" "$OUT/call.json" || echo "call_bench exited $?" >&2
-/usr/bin/python3 bench/report.py "$OUT/compile.json" "$OUT/call.json" > bench/results.md
+run exec "$BUILD/bin/exec_bench" --benchmark_out="$OUT/exec.json" --benchmark_out_format=json
+# Whole-system runs: each starts its own opjitd from $BUILD/bin.
+run call "$BUILD/bin/call_bench" "$OUT/call.json"
+run py "$PY" bench/py_bench.py "$OUT/py.json" --build "$BUILD"
+run plots "$PY" bench/plots.py "$PLOTS" "$OUT/py.json" "$OUT/call.json" >"$OUT/plots.md"
+
+"$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
 cat bench/results.md

@@ -2,6 +2,10 @@
 # Installs the Debian packages opjit needs to build, run and test.
 # Idempotent: packages already present are skipped, and apt is not touched at
 # all when nothing is missing. Debian packages only.
+#
+#   deploy/install-deps.sh           build, run and test
+#   deploy/install-deps.sh --bench   also the peers and plots of bench/
+#                                    (PyTorch, pybind11, matplotlib: ~1 GB)
 set -euo pipefail
 
 PKGS=(
@@ -12,6 +16,11 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-grpcio python3-numpy python3-pytest python3-protobuf
 )
+if [ "${1:-}" = "--bench" ]; then
+  # torch.utils.cpp_extension.load_inline needs libtorch's headers, pybind11
+  # and ninja; plots need matplotlib.
+  PKGS+=(python3-torch libtorch-dev pybind11-dev python3-matplotlib)
+fi
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -1,4 +1,5 @@
 // Memory and Executor services: proto <-> tensor/exec domain types.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 
@@ -258,23 +259,33 @@ grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* 
   if (!call.ok()) return Finish(ctx, call.status());
   auto* reactor = ctx->DefaultReactor();
   const uint64_t rid = call->request_id;
-  std::vector<bool> requires_grad(req->requires_grad().begin(), req->requires_grad().end());
   // `req` outlives the reactor; names for the log are built only on error.
+  auto answer = [reactor, req, resp, rid](const absl::Status& status, exec::ForwardResult* r,
+                                          const std::string& context_id) {
+    if (!status.ok()) {
+      Logger("rpc")->debug("req=f{} Forward {}/{}: {}", rid, Ns(req->namespace_()), req->op(),
+                           status.ToString());
+      return reactor->Finish(ToGrpcStatus(status));
+    }
+    for (auto& o : r->outputs) OutputToProto(o, resp->add_outputs());
+    resp->set_kernel_ms(r->kernel_ms);
+    resp->set_server_ms(r->server_ms);
+    resp->set_version(r->version);
+    resp->set_context_id(context_id);
+    reactor->Finish(grpc::Status::OK);
+  };
+  const auto& flags = req->requires_grad();
+  if (std::find(flags.begin(), flags.end(), true) == flags.end()) {
+    // No input requires a grad: a plain forward, no backward context.
+    core_.executor->ForwardAsync(*std::move(call), [answer](absl::StatusOr<exec::ForwardResult> r) {
+      answer(r.status(), r.ok() ? &*r : nullptr, "");
+    });
+    return reactor;
+  }
   core_.autograd->ForwardAsync(
-      *std::move(call), std::move(requires_grad),
-      [reactor, req, resp, rid](absl::StatusOr<autograd::GradForwardResult> r) {
-        if (!r.ok()) {
-          Logger("rpc")->debug("req=f{} Forward {}/{}: {}", rid, Ns(req->namespace_()), req->op(),
-                               r.status().ToString());
-          reactor->Finish(ToGrpcStatus(r.status()));
-          return;
-        }
-        for (auto& o : r->forward.outputs) OutputToProto(o, resp->add_outputs());
-        resp->set_kernel_ms(r->forward.kernel_ms);
-        resp->set_server_ms(r->forward.server_ms);
-        resp->set_version(r->forward.version);
-        resp->set_context_id(r->context_id);
-        reactor->Finish(grpc::Status::OK);
+      *std::move(call), std::vector<bool>(flags.begin(), flags.end()),
+      [answer](absl::StatusOr<autograd::GradForwardResult> r) {
+        answer(r.status(), r.ok() ? &r->forward : nullptr, r.ok() ? r->context_id : "");
       });
   return reactor;
 }

@@ -1,0 +1,719 @@
+#!/usr/bin/env python3
+"""Python-side benchmarks of opjit against PyTorch (and numpy as the floor).
+
+    /usr/bin/python3 bench/py_bench.py OUT.json [--build build]
+
+Starts its own opjitd (BUILD/bin/opjitd, a state dir in a temp directory,
+listening on a unix socket there), stops it at exit, and writes OUT.json:
+
+* "torch_compile": PyTorch's load_inline of a softplus op (fresh subprocess,
+  empty build dir; then fresh subprocesses on the same build dir) next to
+  opjitd's Compile of the same kernel in the aot ABI (cold, memory hit, disk
+  hit after a daemon restart).
+* "autograd": forward+backward of tanh per call at 1k and 1M float32
+  elements: opjit with a registered bprop, an opjit.Function, a
+  torch.autograd.Function, and plain numpy. The variants alternate in batches.
+* "machine": cores, CPU, date, versions, load average.
+
+Every number comes from this run; a section (or sub-section) that fails holds
+{"error": "..."} instead of numbers.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+
+import numpy as np
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+EXAMPLES = os.path.join(REPO, "kernels", "examples")
+MAX_SAMPLES = 2000          # raw latencies kept per variant
+SUBPROCESS_TIMEOUT_S = 180  # per load_inline subprocess
+TORCH_EXT_NAME = "opjit_bench_softplus"
+# opjitd compiles with clang -O3 -march=native unless told otherwise
+# (server/compiler/cpu/clang_frontend.cc); torch's build gets the same.
+TORCH_CFLAGS = ["-O3", "-march=native"]
+
+# The opjit benchmark kernel (bench/compile_bench.cc, kCmathKernel), aot ABI.
+OPJIT_SOFTPLUS = r'''
+#include <cmath>
+#include <cstdint>
+extern "C" int Softplus(int nparam, void** params, int* ndims, int64_t** shapes,
+                        const char** dtypes, void* stream, void* extra) {
+  int64_t n = 1;
+  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
+  const float* x = static_cast<const float*>(params[0]);
+  float* y = static_cast<float*>(params[1]);
+  for (int64_t i = 0; i < n; ++i) y[i] = std::log1p(std::exp(x[i]));
+  return 0;
+}
+'''
+
+# The same op as a PyTorch C++ extension.
+TORCH_SOFTPLUS = r'''
+#include <torch/extension.h>
+#include <cmath>
+#include <cstdint>
+torch::Tensor softplus(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "softplus: float32 only");
+  torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty_like(xc);
+  const int64_t n = xc.numel();
+  const float* px = xc.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) py[i] = std::log1p(std::exp(px[i]));
+  return y;
+}
+'''
+
+
+# ---- small helpers -------------------------------------------------------------------
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def timing(samples, **extra):
+    """{"median": .., "samples": [..]} plus extra keys."""
+    out = {"median": median(samples), "samples": list(samples)}
+    out.update(extra)
+    return out
+
+
+def err(e):
+    if isinstance(e, BaseException):
+        text = "%s: %s" % (type(e).__name__, e)
+    else:
+        text = str(e)
+    return {"error": text.strip()[:2000]}
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def loadavg():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def mtime_ns(path):
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+# ---- the daemon ------------------------------------------------------------------------
+
+class Daemon:
+    """One opjitd on TMP/state, stopped with SIGTERM (then waited for)."""
+
+    def __init__(self, build, tmp, opjit):
+        self.binary = os.path.join(build, "bin", "opjitd")
+        self.state = os.path.join(tmp, "state")
+        self.socket = os.path.join(self.state, "opjitd.sock")
+        self.address = "unix:" + self.socket
+        self.log_path = os.path.join(tmp, "opjitd.log")
+        self.opjit = opjit
+        self.proc = None
+        self.exits = []
+
+    def start(self, timeout=30.0):
+        os.makedirs(self.state, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [self.binary, "--state-dir", self.state, "--listen", self.address,
+                 "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.proc = None
+                raise RuntimeError("opjitd exited with %s before answering; log:\n%s"
+                                   % (code, self.log_tail()))
+            if os.path.exists(self.socket):
+                try:
+                    with self.opjit.Client(self.address, timeout=2) as c:
+                        c.info()
+                    return self
+                except Exception as e:  # not listening yet
+                    last = e
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("opjitd did not answer on %s within %.0f s (%s); log:\n%s"
+                           % (self.address, timeout, last, self.log_tail()))
+
+    def stop(self):
+        p, self.proc = self.proc, None
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.exits.append(p.returncode)
+        return p.returncode
+
+    def log_tail(self, n=3000):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+# ---- torch load_inline in a child process ------------------------------------------------
+
+def torch_child(build_dir):
+    """Helper mode: import torch, load_inline the softplus op, check it; JSON on stdout."""
+    out = {}
+    t0 = time.perf_counter()
+    import torch
+    from torch.utils.cpp_extension import load_inline
+    t1 = time.perf_counter()
+    out["import_torch_s"] = t1 - t0
+    out["torch_version"] = torch.__version__
+    mod = load_inline(name=TORCH_EXT_NAME, cpp_sources=[TORCH_SOFTPLUS], functions=["softplus"],
+                      build_directory=build_dir, extra_cflags=TORCH_CFLAGS, verbose=False)
+    t2 = time.perf_counter()
+    out["load_inline_s"] = t2 - t1
+    x = np.linspace(-20.0, 20.0, 4099, dtype=np.float32)
+    y = mod.softplus(torch.from_numpy(x)).numpy()
+    want = np.log1p(np.exp(x))
+    abs_err = float(np.max(np.abs(y.astype(np.float64) - want.astype(np.float64))))
+    out["max_abs_err"] = abs_err
+    out["result_ok"] = bool(np.allclose(y, want, rtol=1e-5, atol=1e-6))
+    print("PY_BENCH_CHILD " + json.dumps(out), flush=True)
+
+
+def run_child(build_dir, env):
+    """Runs the helper mode in a fresh /usr/bin/python3; returns its dict (raises on failure)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-child", build_dir]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         start_new_session=True, text=True)
+    def kill_group():
+        # The child runs in its own session. SIGTERM first: ninja puts each
+        # compiler in a process group of its own and only takes those down
+        # itself when it is signalled (a SIGKILL would orphan them).
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        p.communicate()
+
+    try:
+        stdout, stderr = p.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_group()
+        raise RuntimeError("load_inline subprocess ran past %d s" % SUBPROCESS_TIMEOUT_S)
+    except BaseException:  # SIGTERM/SIGINT of this script: take the build down too
+        kill_group()
+        raise
+    for line in stdout.splitlines():
+        if line.startswith("PY_BENCH_CHILD "):
+            return json.loads(line[len("PY_BENCH_CHILD "):])
+    raise RuntimeError("load_inline subprocess exited %s: %s"
+                       % (p.returncode, (stderr or stdout).strip()[-1500:]))
+
+
+def bench_torch_load_inline(tmp, res):
+    """Fills res with cold_s, second_process_s, import_torch_s, note (or errors)."""
+    ext_dir = os.path.join(tmp, "torch_extensions")
+    build_dir = os.path.join(ext_dir, "softplus_build")
+    os.makedirs(build_dir)
+    env = dict(os.environ)
+    env["TORCH_EXTENSIONS_DIR"] = ext_dir
+    res["extra_cflags"] = TORCH_CFLAGS
+    res["subprocess_timeout_s"] = SUBPROCESS_TIMEOUT_S
+    imports = []
+    checks = []
+
+    def files():
+        return {name: mtime_ns(os.path.join(build_dir, name))
+                for name in ("main.cpp", "main.o", TORCH_EXT_NAME + ".so")}
+
+    try:
+        r = run_child(build_dir, env)
+        imports.append(r["import_torch_s"])
+        checks.append(r)
+        if not r["result_ok"]:
+            raise RuntimeError("load_inline softplus does not match numpy (max abs err %g)"
+                               % r["max_abs_err"])
+        res["cold_s"] = timing([r["load_inline_s"]])
+        res["torch_version"] = r["torch_version"]
+    except Exception as e:
+        res["cold_s"] = err(e)
+        res["second_process_s"] = {"error": "skipped: the cold load_inline failed"}
+        if imports:
+            res["import_torch_s"] = timing(imports)
+        return
+
+    second, rebuilt = [], []
+    try:
+        for _ in range(2):
+            before = files()
+            r = run_child(build_dir, env)
+            after = files()
+            imports.append(r["import_torch_s"])
+            checks.append(r)
+            if not r["result_ok"]:
+                raise RuntimeError("load_inline softplus does not match numpy (max abs err %g)"
+                                   % r["max_abs_err"])
+            second.append(r["load_inline_s"])
+            rebuilt.append({name: (before[name] is None or after[name] is None
+                                   or after[name] != before[name]) for name in before})
+        res["second_process_s"] = timing(second, rewritten=rebuilt)
+    except Exception as e:
+        res["second_process_s"] = err(e)
+    res["import_torch_s"] = timing(imports)
+    res["max_abs_err_vs_numpy"] = max(c["max_abs_err"] for c in checks)
+
+    # ninja's own record: one line per build of main.o.
+    try:
+        with open(os.path.join(build_dir, ".ninja_log")) as f:
+            res["ninja_log_main_o_builds"] = sum(
+                1 for line in f if not line.startswith("#") and line.split("\t")[3:4] == ["main.o"])
+    except OSError as e:
+        res["ninja_log_main_o_builds"] = err(e)
+    if second:
+        cold = res["cold_s"]["median"]
+        n_rebuilt = sum(1 for r in rebuilt if r["main.o"])
+        res["main_o_rebuilt_in_second_process"] = [r["main.o"] for r in rebuilt]
+        if n_rebuilt:
+            res["note"] = (
+                "main.o was rebuilt in %d of %d second-process runs (its mtime changed; "
+                "ninja's log lists %s builds of it over the %d processes): "
+                "torch %s's load_inline rewrites <build_directory>/main.cpp on every call, "
+                "so the file is newer than main.o and ninja recompiles and relinks even "
+                "though the source is identical; the build directory is no cache across "
+                "processes (second-process median %.1f s vs cold %.1f s)."
+                % (n_rebuilt, len(rebuilt), res.get("ninja_log_main_o_builds"), 1 + len(second),
+                   res.get("torch_version", "?"), median(second),
+                   cold))
+        else:
+            res["note"] = ("main.o was not rebuilt in the second-process runs (mtime "
+                           "unchanged): ninja found the build up to date.")
+
+
+# ---- compiles through the daemon -----------------------------------------------------------
+
+def bench_opjit_compile(client_factory, daemon, res):
+    """opjit_daemon_cold_ms, _hit_ms and _disk_hit_after_restart_ms, each failing alone."""
+    res["opjit_compile_options"] = []  # the server's defaults
+    client = client_factory()
+    # The daemon's first compile (compiler start-up): recorded, not in the cold median.
+    try:
+        t0 = time.perf_counter()
+        r = client.compile(OPJIT_SOFTPLUS + "// warm-up %s\n" % uuid.uuid4().hex,
+                           entry="Softplus", language="c++")
+        res["opjit_daemon_first_compile_ms"] = {
+            "ms": (time.perf_counter() - t0) * 1e3, "cache_hit": r.cache_hit,
+            "server_compile_ms": r.compile_ms}
+    except Exception as e:
+        res["opjit_daemon_first_compile_ms"] = err(e)
+
+    try:
+        samples, server_total, server_compile, hits = [], [], [], []
+        for i in range(5):
+            src = OPJIT_SOFTPLUS + "// cold %d %s\n" % (i, uuid.uuid4().hex)
+            t0 = time.perf_counter()
+            r = client.compile(src, entry="Softplus", language="c++")
+            samples.append((time.perf_counter() - t0) * 1e3)
+            if r.cache_hit:
+                raise RuntimeError("a uniquely commented source was a %r cache hit" % r.cache_hit)
+            if "Softplus" not in r.defined_symbols:
+                raise RuntimeError("compiled object lacks Softplus (defines %s)"
+                                   % list(r.defined_symbols))
+            server_total.append(r.total_ms)
+            server_compile.append(r.compile_ms)
+            hits.append(r.cache_hit)
+        res["opjit_daemon_cold_ms"] = timing(samples, server_total_ms=server_total,
+                                             server_compile_ms=server_compile, cache_hit=hits)
+    except Exception as e:
+        res["opjit_daemon_cold_ms"] = err(e)
+
+    try:
+        first = client.compile(OPJIT_SOFTPLUS, entry="Softplus", language="c++")
+        samples, server_total, kinds = [], [], set()
+        for _ in range(5):  # warm-up
+            client.compile(OPJIT_SOFTPLUS, entry="Softplus", language="c++")
+        for _ in range(50):
+            t0 = time.perf_counter()
+            r = client.compile(OPJIT_SOFTPLUS, entry="Softplus", language="c++")
+            samples.append((time.perf_counter() - t0) * 1e3)
+            server_total.append(r.total_ms)
+            kinds.add(r.cache_hit)
+            if r.cache_key != first.cache_key:
+                raise RuntimeError("cache key changed between identical compiles")
+        if kinds != {"memory"}:
+            raise RuntimeError("expected only memory hits, got cache_hit values %s"
+                               % sorted(kinds))
+        res["opjit_daemon_hit_ms"] = timing(samples, server_total_ms=server_total,
+                                            cache_hit=sorted(kinds))
+    except Exception as e:
+        res["opjit_daemon_hit_ms"] = err(e)
+    client.close()
+
+    # Restart the daemon on the same state dir: the compile should be a disk hit.
+    samples, server_total, kinds = [], [], []
+    try:
+        for _ in range(3):
+            daemon.stop()
+            daemon.start()
+            c = client_factory()
+            c.info()  # connect first: time the compile, not the channel set-up
+            t0 = time.perf_counter()
+            r = c.compile(OPJIT_SOFTPLUS, entry="Softplus", language="c++")
+            samples.append((time.perf_counter() - t0) * 1e3)
+            server_total.append(r.total_ms)
+            kinds.append(r.cache_hit)
+            c.close()
+        out = timing(samples, server_total_ms=server_total, cache_hit=kinds)
+        if any(k != "disk" for k in kinds):
+            out["warning"] = "not every compile after a restart was a disk hit"
+        res["opjit_daemon_disk_hit_after_restart_ms"] = out
+    except Exception as e:
+        res["opjit_daemon_disk_hit_after_restart_ms"] = err(e)
+
+
+# ---- autograd ------------------------------------------------------------------------------
+
+def percentile(xs, q):
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+def bench_autograd(opjit, client, res, torch):
+    client.register(os.path.join(EXAMPLES, "tanh_grad.json"))
+    client.register(os.path.join(EXAMPLES, "tanh.json"))
+    tanh = client.op("tanh")
+    tanh_grad = client.op("tanh_grad")
+
+    class OpjitTanh(opjit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = tanh(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            y, = ctx.saved_tensor()
+            # tanh_grad's inputs are (x optional, y, dy); x is not needed.
+            return tanh_grad(y=y, dy=dy)
+
+    def opjit_bprop(arr, g, _):
+        x = opjit.tensor(arr, requires_grad=True)
+        y = tanh(x)
+        y.backward(g)
+        return x.grad
+
+    def opjit_function(arr, g, _):
+        x = opjit.tensor(arr, requires_grad=True)
+        z = OpjitTanh.apply(x)
+        z.backward(g)
+        return x.grad
+
+    def numpy_variant(arr, g, _):
+        y = np.tanh(arr)
+        return g * (1.0 - y * y)
+
+    variants = [("opjit_bprop", opjit_bprop), ("opjit_function", opjit_function)]
+    if torch is not None:
+        class TorchTanh(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                y = torch.tanh(x)
+                ctx.save_for_backward(y)
+                return y
+
+            @staticmethod
+            def backward(ctx, dy):
+                y, = ctx.saved_tensors
+                return dy * (1 - y * y)
+
+        def torch_function(arr, g, g_torch):
+            x = torch.from_numpy(arr).requires_grad_()
+            z = TorchTanh.apply(x)
+            z.backward(g_torch)
+            return x.grad
+
+        variants.append(("torch_function", torch_function))
+    variants.append(("numpy", numpy_variant))
+
+    res["torch_num_threads"] = torch.get_num_threads() if torch is not None else None
+    res["grad_check"] = {"rtol": 1e-5, "atol": 1e-6, "reference": "numpy float32: "
+                         "g * (1 - tanh(x)^2)"}
+    res["timed"] = ("one call: wrap x, forward, backward(g), read x.grad; "
+                    "variants alternate in batches, the order rotating each round")
+    if torch is None:
+        res["torch_function_skipped"] = "torch is not importable"
+
+    rng = np.random.default_rng(1234)
+    plan = [(1000, 10, 20, 10), (1_000_000, 3, 10, 3)]  # n, batch, rounds, warm-up calls
+    res["sizes"] = [p[0] for p in plan]
+    for n, batch, rounds, warmup in plan:
+        arr = rng.standard_normal(n).astype(np.float32)
+        g = rng.uniform(-1.5, 1.5, n).astype(np.float32)
+        y_ref = np.tanh(arr)
+        ref = g * (1.0 - y_ref * y_ref)
+        g_torch = torch.from_numpy(g) if torch is not None else None
+        out = {}
+        live = []
+
+        def check(name, gx):
+            if gx is None:
+                raise RuntimeError("x.grad is None after backward")
+            if hasattr(gx, "detach"):
+                gx = gx.detach().numpy()
+            gx = np.asarray(gx)
+            if gx.shape != ref.shape or gx.dtype != np.float32:
+                raise RuntimeError("gradient has shape %s dtype %s, want %s float32"
+                                   % (gx.shape, gx.dtype, ref.shape))
+            if not np.allclose(gx, ref, rtol=1e-5, atol=1e-6):
+                raise RuntimeError("gradient mismatch vs numpy: max abs err %g"
+                                   % float(np.max(np.abs(gx.astype(np.float64) - ref))))
+            return float(np.max(np.abs(gx.astype(np.float64) - ref)))
+
+        for name, fn in variants:
+            try:
+                for _ in range(warmup):
+                    gx = fn(arr, g, g_torch)
+                out[name] = {"max_abs_err_warmup": check(name, gx)}
+                del gx
+                live.append((name, fn))
+            except Exception as e:
+                out[name] = err(e)
+        samples = {name: [] for name, _ in live}
+        failed = {}
+        for rnd in range(rounds):
+            k = rnd % len(live) if live else 0
+            for name, fn in live[k:] + live[:k]:
+                if name in failed:
+                    continue
+                try:
+                    for _ in range(batch):
+                        t0 = time.perf_counter_ns()
+                        gx = fn(arr, g, g_torch)
+                        samples[name].append((time.perf_counter_ns() - t0) / 1e3)
+                    if rnd == rounds - 1:
+                        out[name]["max_abs_err_last"] = check(name, gx)
+                    del gx
+                except Exception as e:
+                    failed[name] = e
+        for name, _ in live:
+            if name in failed:
+                out[name] = err(failed[name])
+                continue
+            s = samples[name]
+            out[name].update({
+                "p50_us": percentile(s, 50), "p99_us": percentile(s, 99),
+                "mean_us": float(np.mean(s)), "min_us": float(np.min(s)),
+                "n_calls": len(s), "samples_us": [round(v, 2) for v in s[:MAX_SAMPLES]]})
+        res["n_%d" % n] = out
+
+
+# ---- main ------------------------------------------------------------------------------
+
+def machine_info(torch):
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "torch_version": torch.__version__ if torch is not None else None,
+        "numpy_version": np.__version__,
+        "loadavg_start": loadavg(),
+    }
+
+
+def fmt_ms(d, key="median"):
+    if not isinstance(d, dict) or "error" in d or d.get(key) is None:
+        return "failed (%s)" % (d.get("error", "?")[:80] if isinstance(d, dict) else "?")
+    return "%.2f ms" % d[key]
+
+
+def fmt_s(d):
+    if not isinstance(d, dict) or "error" in d or d.get("median") is None:
+        return "failed (%s)" % (d.get("error", "?")[:80] if isinstance(d, dict) else "?")
+    return "%.1f s" % d["median"]
+
+
+def summary(result):
+    lines = []
+    tc = result.get("torch_compile", {})
+    if "error" in tc:
+        lines.append("torch_compile: failed: %s" % tc["error"][:200])
+    else:
+        lines.append("compile, softplus:")
+        lines.append("  torch load_inline cold            %s (import torch %s)"
+                     % (fmt_s(tc.get("cold_s")), fmt_s(tc.get("import_torch_s"))))
+        lines.append("  torch load_inline 2nd process     %s" % fmt_s(tc.get("second_process_s")))
+        if tc.get("note"):
+            lines.append("    note: " + tc["note"])
+        lines.append("  opjitd compile cold (client)      %s" % fmt_ms(tc.get("opjit_daemon_cold_ms")))
+        lines.append("  opjitd compile memory hit         %s" % fmt_ms(tc.get("opjit_daemon_hit_ms")))
+        d = tc.get("opjit_daemon_disk_hit_after_restart_ms")
+        lines.append("  opjitd compile after restart      %s%s" % (
+            fmt_ms(d), " (cache_hit %s)" % d.get("cache_hit") if isinstance(d, dict)
+            and "cache_hit" in d else ""))
+    ag = result.get("autograd", {})
+    if "error" in ag:
+        lines.append("autograd: failed: %s" % ag["error"][:200])
+    else:
+        for n in ag.get("sizes", []):
+            lines.append("autograd tanh fwd+bwd, n=%d (p50 / p99 per call):" % n)
+            for name, v in ag.get("n_%d" % n, {}).items():
+                if "error" in v:
+                    lines.append("  %-15s failed: %s" % (name, v["error"][:160]))
+                else:
+                    lines.append("  %-15s %10.1f us / %10.1f us  (%d calls)"
+                                 % (name, v["p50_us"], v["p99_us"], v["n_calls"]))
+    return "\n".join(lines)
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--torch-child":
+        torch_child(sys.argv[2])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", help="output JSON")
+    ap.add_argument("--build", default=os.path.join(REPO, "build"), help="build directory")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep the temp directory")
+    args = ap.parse_args()
+    build = os.path.abspath(args.build)
+
+    # SIGTERM/SIGINT unwind through the finally below, which stops the daemon.
+    def on_signal(signum, _frame):
+        print("py_bench: signal %d: stopping opjitd and any build, writing no JSON" % signum,
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    started = time.monotonic()
+    try:
+        import torch
+    except Exception as e:  # ImportError, or a broken install
+        torch = None
+        torch_error = "cannot import torch: %s: %s" % (type(e).__name__, e)
+    result = {"machine": machine_info(torch)}
+    tmp = tempfile.mkdtemp(prefix="opjit-py-bench-")
+    result["config"] = {"build": build, "opjitd": os.path.join(build, "bin", "opjitd")}
+    daemon = None
+    opjit = None
+    try:
+        try:
+            sys.path.insert(0, os.path.join(build, "python"))
+            import opjit as opjit_mod
+            opjit = opjit_mod
+        except Exception as e:
+            opjit_error = err("cannot import opjit from %s/python: %s: %s"
+                              % (build, type(e).__name__, e))
+        daemon_error = None
+        if opjit is not None:
+            daemon = Daemon(build, tmp, opjit)
+            try:
+                daemon.start()
+            except Exception as e:
+                daemon_error = err(e)
+        else:
+            daemon_error = opjit_error
+
+        def client_factory():
+            return opjit.Client(daemon.address, timeout=120)
+
+        # 1. autograd
+        if daemon_error:
+            result["autograd"] = daemon_error
+        else:
+            ag = {}
+            client = client_factory()
+            try:
+                bench_autograd(opjit, client, ag, torch)
+                ag["client_transport"] = client.transport
+                result["autograd"] = ag
+            except Exception as e:
+                traceback.print_exc()
+                result["autograd"] = err(e)
+            finally:
+                client.close()
+
+        # 2. compiles: the daemon's, then torch's (subprocesses)
+        tc = {}
+        result["torch_compile"] = tc
+        if daemon_error:
+            for k in ("opjit_daemon_cold_ms", "opjit_daemon_hit_ms",
+                      "opjit_daemon_disk_hit_after_restart_ms"):
+                tc[k] = daemon_error
+        else:
+            try:
+                bench_opjit_compile(client_factory, daemon, tc)
+            except Exception as e:
+                traceback.print_exc()
+                tc["opjit_daemon_error"] = err(e)["error"]
+        if daemon is not None:
+            daemon.stop()  # idle during torch's build anyway; keeps the machine quiet
+        if torch is None:
+            tc["cold_s"] = {"error": torch_error}
+            tc["second_process_s"] = {"error": torch_error}
+        else:
+            try:
+                bench_torch_load_inline(tmp, tc)
+            except Exception as e:
+                traceback.print_exc()
+                tc["cold_s"] = tc.get("cold_s") or err(e)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+            result["opjitd_exit_codes"] = daemon.exits
+        if args.keep_tmp:
+            print("temp directory kept: %s" % tmp, file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result["machine"]["loadavg_end"] = loadavg()
+    result["total_s"] = time.monotonic() - started
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print(summary(result))
+    print("total %.0f s; wrote %s" % (result["total_s"], args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
