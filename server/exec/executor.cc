@@ -47,18 +47,38 @@ std::string ComboString(const registry::DtypeFormat& df, size_t n_inputs) {
   return absl::StrCat("(", absl::StrJoin(in, ", "), ") -> (", absl::StrJoin(out, ", "), ")");
 }
 
-// The call checked against its op definition. Pointers point into the call
-// and the op's record, which outlive it.
+struct OpPlan;
+
+// What checking a call against its op version found. It depends only on the
+// call's shape (namespace, op, version, target, input dtypes and shapes,
+// attrs), so it is shared by every later call of the same shape while the
+// registry is unchanged (see ShapeKey). Pointers point into `record`.
 struct Checked {
   std::shared_ptr<const registry::OpRecord> record;
   const registry::Implementation* impl = nullptr;
   std::map<std::string, registry::AttrValue> attrs;
-  absl::InlinedVector<const TensorDesc*, 4> flat_inputs;
   absl::InlinedVector<const registry::TensorParam*, 4> input_params;  // one per flat input
   std::vector<bool> present;                                          // per declared input
-  absl::InlinedVector<const std::string*, 4> output_dtypes;           // into the op's def
+  absl::InlinedVector<const std::string*, 4> output_dtypes;
   uint64_t input_bytes = 0;
+  // Set once the kernel is at hand, before the entry is shared.
+  std::shared_ptr<const OpPlan> plan;
+  uint64_t registry_generation = 0;
+  // The CPU kernel instance; not owned: the instance cache decides its life
+  // (kernel data is destroyed on eviction), and an expired one is looked up
+  // again.
+  std::weak_ptr<const AotKernelInstance> instance;
 };
+
+// Per call: the call's input descriptors, flattened (dynamic groups
+// expanded), pointing into the call.
+using FlatInputs = absl::InlinedVector<const TensorDesc*, 4>;
+
+void Flatten(const ForwardCall& call, FlatInputs* flat) {
+  for (const auto& group : call.inputs) {
+    for (const TensorArg& arg : group) flat->push_back(&arg.desc);
+  }
+}
 
 // The shape of each declared input's first tensor (empty if absent), for
 // declarative output rules.
@@ -69,10 +89,10 @@ std::vector<Shape> FirstShapes(const ForwardCall& call) {
   return shapes;
 }
 
-std::vector<TensorDesc> FlatInputDescs(const Checked& c) {
+std::vector<TensorDesc> FlatInputDescs(const FlatInputs& flat) {
   std::vector<TensorDesc> descs;
-  descs.reserve(c.flat_inputs.size());
-  for (const TensorDesc* d : c.flat_inputs) descs.push_back(*d);
+  descs.reserve(flat.size());
+  for (const TensorDesc* d : flat) descs.push_back(*d);
   return descs;
 }
 
@@ -114,7 +134,6 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
       }
       OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(d.dtype, d.shape));
       c->input_bytes += nbytes;
-      c->flat_inputs.push_back(&d);
       c->input_params.push_back(&param);
     }
     if (!group.empty()) group_dtype[i] = &group[0].desc.dtype;
@@ -256,10 +275,45 @@ std::string PlanKey(const registry::OpRecord* record, registry::Target target) {
   return key;
 }
 
+// The call-shape cache key: everything Checked depends on besides the
+// registry's contents. Tensor placement, offsets and bytes are not in it.
+std::string ShapeKey(const ForwardCall& call) {
+  std::string key;
+  key.reserve(96);
+  AppendKeyValue(&key, call.ns);
+  AppendKeyValue(&key, call.op);
+  AppendPod(&key, call.version);
+  AppendPod(&key, static_cast<uint8_t>(call.target));
+  AppendPod<uint64_t>(&key, call.inputs.size());
+  for (const auto& group : call.inputs) {
+    AppendPod<uint64_t>(&key, group.size());
+    for (const TensorArg& arg : group) {
+      AppendKeyValue(&key, arg.desc.dtype);
+      AppendKeyValue(&key, arg.desc.shape);
+    }
+  }
+  for (const auto& [name, arg] : call.attrs) {
+    AppendKeyValue(&key, name);
+    AppendPod<uint8_t>(&key, arg.is_text);
+    if (arg.is_text) {
+      AppendKeyValue(&key, arg.text);
+    } else {
+      AppendPod<uint8_t>(&key, static_cast<uint8_t>(arg.value.index()));
+      std::visit([&key](const auto& x) { AppendKeyValue(&key, x); }, arg.value);
+    }
+  }
+  return key;
+}
+
 // One call in flight.
 struct CallState {
   ForwardCall call;
-  Checked checked;
+  FlatInputs flat_inputs;
+  // Being filled on the first call of a shape (then published); shared
+  // read-only from the call-shape cache after.
+  std::shared_ptr<Checked> building;
+  std::shared_ptr<const Checked> checked;
+  std::string shape_key;  // set while building
   Executor::Callback done;
   Clock::time_point t0;
 };
@@ -273,6 +327,7 @@ struct Executor::Impl {
   tensor::RegionManager* regions = nullptr;
   std::unique_ptr<cache::LruCache<AotKernelInstance>> instances;
   std::unique_ptr<cache::LruCache<OpPlan>> plans;
+  std::unique_ptr<cache::LruCache<Checked>> shapes;  // by ShapeKey
   std::unique_ptr<GpuRunner> gpu_runner;
   std::unique_ptr<ThreadPool> pool;
   std::atomic<uint64_t> calls{0}, failures{0}, inline_runs{0}, pool_runs{0}, rejected{0};
@@ -292,13 +347,19 @@ struct Executor::Impl {
                                                         " calls waiting); retry with backoff")));
   }
 
-  // The call's op version is checked; runs it with `plan`.
+  // A call of a shape seen before: runs it with what was found then, if
+  // still current. False: take the full path.
+  bool TryCachedShape(std::shared_ptr<CallState>& st);
+  // The call's op version is checked (st->building); runs it with `plan`.
   void Dispatch(std::shared_ptr<CallState> st, std::shared_ptr<const OpPlan> plan);
+  // Runs the checked call with its kernel instance (CPU) or kernel (GPU).
+  void Run(std::shared_ptr<CallState> st, std::shared_ptr<const AotKernelInstance> inst);
   // Runs on the thread that decided where the call runs, then answers.
   void RunAndAnswer(CallState& st, std::shared_ptr<const AotKernelInstance> inst,
                     std::shared_ptr<const compiler::CompiledKernel> gpu_kernel, bool on_pool);
 
   absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Instance(const ForwardCall& call,
+                                                                    const FlatInputs& flat,
                                                                     const Checked& c,
                                                                     const OpPlan& plan);
   // Output descriptors from rules or the kernel's InferShape. `inst` is null
@@ -314,9 +375,9 @@ struct Executor::Impl {
 };
 
 absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Executor::Impl::Instance(
-    const ForwardCall& call, const Checked& c, const OpPlan& plan) {
+    const ForwardCall& call, const FlatInputs& flat, const Checked& c, const OpPlan& plan) {
   const std::string& entry = c.impl->entry;
-  const std::string key = InstanceKey(plan.kernel->kernel.get(), entry, c.flat_inputs, c.attrs);
+  const std::string key = InstanceKey(plan.kernel->kernel.get(), entry, flat, c.attrs);
   if (auto hit = instances->Get(key)) {
     instance_hits.fetch_add(1, std::memory_order_relaxed);
     return hit;
@@ -342,7 +403,7 @@ absl::StatusOr<std::shared_ptr<const AotKernelInstance>> Executor::Impl::Instanc
   // instance are serialised then. Without Init, calls run concurrently.
   opts.serialize_runs = plan.kernel->kernel->Find(entry + "Init") != nullptr;
   OPJIT_ASSIGN_OR_RETURN(auto created,
-                         AotKernelInstance::Create(plan.kernel->kernel, entry, FlatInputDescs(c),
+                         AotKernelInstance::Create(plan.kernel->kernel, entry, FlatInputDescs(flat),
                                                    std::move(outputs), c.attrs, opts));
   std::shared_ptr<const AotKernelInstance> inst(std::move(created));
   instances->Put(key, inst, 1);
@@ -574,6 +635,8 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const ExecutorOptions
       options.instance_cache_entries, options.instance_cache_entries);
   impl->plans = std::make_unique<cache::LruCache<OpPlan>>(options.instance_cache_entries,
                                                           options.instance_cache_entries);
+  impl->shapes = std::make_unique<cache::LruCache<Checked>>(options.instance_cache_entries,
+                                                            options.instance_cache_entries);
   impl->gpu_runner = std::make_unique<GpuRunner>(options.scratch_dir);
   impl->pool = std::make_unique<ThreadPool>(options.pool_threads, options.max_queue, "opjit-exec");
   return std::unique_ptr<Executor>(new Executor(std::move(impl)));
@@ -586,11 +649,17 @@ void Executor::ForwardAsync(ForwardCall call, Callback done) {
   st->t0 = Clock::now();
   st->call = std::move(call);
   st->done = std::move(done);
-  const ForwardCall& c = st->call;
-  Checked& checked = st->checked;
+  Flatten(st->call, &st->flat_inputs);
+  if (impl->TryCachedShape(st)) return;
 
+  // The full path: look the op version up and check the call against it.
+  const ForwardCall& c = st->call;
+  const uint64_t generation = impl->registry->generation();
   auto record = impl->registry->GetShared(c.ns, c.op, c.version);
   if (!record.ok()) return impl->Fail(*st, record.status());
+  st->building = std::make_shared<Checked>();
+  Checked& checked = *st->building;
+  checked.registry_generation = generation;
   checked.record = *std::move(record);
   const OpDef& def = checked.record->def;
   if (c.target == registry::Target::kGpu) {
@@ -640,29 +709,61 @@ void Executor::ForwardAsync(ForwardCall call, Callback done) {
       });
 }
 
+bool Executor::Impl::TryCachedShape(std::shared_ptr<CallState>& st) {
+  const ForwardCall& c = st->call;
+  if (c.target == registry::Target::kGpu && !GpuRunner::Available().ok()) return false;
+  st->shape_key = ShapeKey(c);
+  std::shared_ptr<const Checked> hit = shapes->Get(st->shape_key);
+  if (hit == nullptr || hit->registry_generation != registry->generation()) return false;
+  std::shared_ptr<const AotKernelInstance> inst;
+  if (!hit->plan->kernel->gpu) {
+    inst = hit->instance.lock();
+    if (inst == nullptr) return false;  // evicted: look it up (or create it) again
+  }
+  st->checked = std::move(hit);
+  Run(std::move(st), std::move(inst));
+  return true;
+}
+
 void Executor::Impl::Dispatch(std::shared_ptr<CallState> st, std::shared_ptr<const OpPlan> plan) {
-  if (plan->kernel->gpu) {
+  Checked& checked = *st->building;
+  checked.plan = plan;
+  std::shared_ptr<const AotKernelInstance> inst;
+  if (!plan->kernel->gpu) {
+    auto created = Instance(st->call, st->flat_inputs, checked, *plan);
+    if (!created.ok()) {
+      return Fail(*st, absl::Status(created.status().code(),
+                                    absl::StrCat("op ", OpName(checked.record->def), ": ",
+                                                 created.status().message())));
+    }
+    inst = *std::move(created);
+    checked.instance = inst;
+  }
+  // Checked is complete: share it with later calls of this shape.
+  st->checked = std::move(st->building);
+  shapes->Put(st->shape_key, st->checked, 1);
+  Run(std::move(st), std::move(inst));
+}
+
+void Executor::Impl::Run(std::shared_ptr<CallState> st,
+                         std::shared_ptr<const AotKernelInstance> inst) {
+  const Checked& checked = *st->checked;
+  if (checked.plan->kernel->gpu) {
     // Device work (copies, launch, sync) always runs on the pool.
-    auto kernel = plan->kernel;
+    auto kernel = checked.plan->kernel;
     return SubmitOrRefuse([this, st, kernel] { RunAndAnswer(*st, nullptr, kernel, true); }, st);
   }
-  auto inst = Instance(st->call, st->checked, *plan);
-  if (!inst.ok()) {
-    return Fail(*st, absl::Status(inst.status().code(),
-                                  absl::StrCat("op ", OpName(st->checked.record->def), ": ",
-                                               inst.status().message())));
+  if (checked.input_bytes <= options.inline_max_bytes) {
+    return RunAndAnswer(*st, std::move(inst), nullptr, /*on_pool=*/false);
   }
-  if (st->checked.input_bytes <= options.inline_max_bytes) {
-    return RunAndAnswer(*st, *std::move(inst), nullptr, /*on_pool=*/false);
-  }
-  SubmitOrRefuse([this, st, inst = *std::move(inst)] { RunAndAnswer(*st, inst, nullptr, true); },
+  SubmitOrRefuse([this, st, inst = std::move(inst)] { RunAndAnswer(*st, inst, nullptr, true); },
                  st);
 }
 
 void Executor::Impl::RunAndAnswer(CallState& st, std::shared_ptr<const AotKernelInstance> inst,
                                   std::shared_ptr<const compiler::CompiledKernel> gpu_kernel,
                                   bool on_pool) {
-  auto r = Execute(st.call, st.checked, std::move(inst), std::move(gpu_kernel), st.t0);
+  auto r = Execute(st.call, *st.checked, std::move(inst), std::move(gpu_kernel), st.t0);
   if (!r.ok()) return Fail(st, r.status());
   r->ran_inline = !on_pool;
   (on_pool ? pool_runs : inline_runs).fetch_add(1, std::memory_order_relaxed);

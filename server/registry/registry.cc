@@ -88,6 +88,7 @@ absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def) {
     absl::MutexLock lock(&mu_);
     ops_[key].versions[record->version] = std::move(record);
   }
+  generation_.fetch_add(1, std::memory_order_acq_rel);
   log->info("registered {}/{} version {} ({})", key.first, key.second, result.record.version,
             ShortHash(result.record.content_hash));
   return result;
@@ -166,6 +167,7 @@ absl::StatusOr<int> Registry::Delete(const std::string& ns, const std::string& n
       if (it->second.versions.empty()) ops_.erase(it);
     }
   }
+  generation_.fetch_add(1, std::memory_order_acq_rel);
   Logger("registry")
       ->info("deleted {}/{} {} ({} versions)", ns, name,
              version == 0 ? std::string("all versions") : absl::StrCat("version ", version), count);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -82,6 +83,11 @@ class Registry {
   // Number of ops (not versions) in the registry.
   size_t Size() const;
 
+  // Changes (increases) whenever a version is added or deleted, after the
+  // change is visible to Get. Anything derived from lookups made while it
+  // had one value is current as long as it still has it.
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
+
  private:
   using Key = std::pair<std::string, std::string>;  // (ns, name)
   struct OpEntry {
@@ -104,6 +110,7 @@ class Registry {
   // Highest version ever assigned per op, including deleted ones. Written only
   // with write_mu_ held.
   std::map<Key, int64_t> high_water_ ABSL_GUARDED_BY(write_mu_);
+  std::atomic<uint64_t> generation_{1};
 };
 
 }  // namespace opjit::registry

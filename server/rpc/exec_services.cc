@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
 #include "server/autograd/autograd.h"
@@ -95,12 +96,16 @@ absl::StatusOr<exec::OutputPlacement> PlacementFromProto(const v1::OutputPlaceme
   return absl::InvalidArgumentError(absl::StrCat("outputs[", j, "]: unknown placement"));
 }
 
-absl::StatusOr<exec::TensorArg> TensorFromProto(const v1::Tensor& t, const std::string& what) {
+// `what` names the tensor in messages; called only on error.
+absl::StatusOr<exec::TensorArg> TensorFromProto(const v1::Tensor& t,
+                                                absl::FunctionRef<std::string()> what) {
   exec::TensorArg arg;
   arg.desc.dtype = t.dtype();
   arg.desc.shape.assign(t.shape().begin(), t.shape().end());
   for (int64_t d : arg.desc.shape) {
-    if (d < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": negative dim ", d, " in the shape"));
+    if (d < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what(), ": negative dim ", d, " in the shape"));
+    }
   }
   if (t.has_shm()) {
     arg.in_shm = true;
@@ -115,10 +120,13 @@ absl::StatusOr<exec::TensorArg> TensorFromProto(const v1::Tensor& t, const std::
 absl::StatusOr<std::vector<std::vector<exec::TensorArg>>> InputsFromProto(
     const google::protobuf::RepeatedPtrField<v1::InputArg>& inputs) {
   std::vector<std::vector<exec::TensorArg>> out;
+  out.reserve(inputs.size());
   for (int i = 0; i < inputs.size(); ++i) {
     std::vector<exec::TensorArg> group;
+    group.reserve(inputs[i].tensors_size());
     for (int k = 0; k < inputs[i].tensors_size(); ++k) {
-      auto arg = TensorFromProto(inputs[i].tensors(k), absl::StrCat("inputs[", i, "][", k, "]"));
+      auto arg = TensorFromProto(inputs[i].tensors(k),
+                                 [&] { return absl::StrCat("inputs[", i, "][", k, "]"); });
       if (!arg.ok()) return arg.status();
       group.push_back(*std::move(arg));
     }
@@ -302,7 +310,7 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
       call.grad_outputs.push_back(std::nullopt);
       continue;
     }
-    auto arg = TensorFromProto(t, absl::StrCat("grad_outputs[", j, "]"));
+    auto arg = TensorFromProto(t, [&] { return absl::StrCat("grad_outputs[", j, "]"); });
     if (!arg.ok()) return Finish(ctx, arg.status());
     call.grad_outputs.push_back(*std::move(arg));
   }

@@ -122,6 +122,47 @@ TEST_F(ForwardIT, LeakyReluFloat32AndFloat16WithAlpha) {
   EXPECT_EQ(Values<uint16_t>(r->outputs(0).inline_data()), (std::vector<uint16_t>{Half(-1.0f), Half(4.0f)}));
 }
 
+// Repeated calls of one shape reuse what the first call checked; a new or
+// deleted version must still be seen by the very next call.
+TEST_F(ForwardIT, RepeatedCallsFollowNewAndDeletedVersions) {
+  Register("leaky_relu");
+  std::vector<float> x = {-2.0f, 3.0f};
+  auto req = Call("leaky_relu");
+  *req.add_inputs()->add_tensors() = InlineTensor("float32", {2}, Bytes(x));
+  for (int i = 0; i < 3; ++i) {
+    auto r = c_->Forward(req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->version(), 1);
+    EXPECT_FLOAT_EQ(Values<float>(r->outputs(0).inline_data())[0], -0.02f);  // default 0.01
+  }
+  // Version 2: the same op with another default alpha.
+  auto spec = client::LoadOpSpec(Example("leaky_relu"));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  spec->mutable_attrs(0)->set_default_value("0.5");
+  auto reg = c_->Register(*spec);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  auto r = c_->Forward(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->version(), 2);
+  EXPECT_FLOAT_EQ(Values<float>(r->outputs(0).inline_data())[0], -1.0f);
+  // Pinned to version 1, then version 2 deleted: back to 1 as the latest.
+  req.set_version(1);
+  r = c_->Forward(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FLOAT_EQ(Values<float>(r->outputs(0).inline_data())[0], -0.02f);
+  req.set_version(0);
+  auto del = c_->Delete("", "leaky_relu", 2);
+  ASSERT_TRUE(del.ok()) << del.status();
+  r = c_->Forward(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->version(), 1);
+  EXPECT_FLOAT_EQ(Values<float>(r->outputs(0).inline_data())[0], -0.02f);
+  // Deleting the last version makes the next call NOT_FOUND.
+  ASSERT_TRUE(c_->Delete("", "leaky_relu", 0).ok());
+  r = c_->Forward(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+}
+
 TEST_F(ForwardIT, SharedMemoryInputsAndOutputs) {
   Register("leaky_relu");
   auto info = c_->CreateRegion("", "buf", 1 << 20);
