@@ -31,7 +31,7 @@ test-integration: build
 	ctest --test-dir $(BUILD) --output-on-failure -L integration -j$(JOBS)
 
 # Benchmarks against their peers (PyTorch, g++, a bare gRPC echo, memcpy);
-# writes bench/results.md and bench/plots/. About 10 minutes.
+# writes bench/results.md and bench/plots/. 3–4 minutes here.
 bench: build
 	bash deploy/install-deps.sh --bench
 	bash bench/run.sh

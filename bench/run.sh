@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every opjit benchmark side by side and writes bench/results.md (medians
-# and ratios) with its latency plots in bench/plots/. About 10 minutes here.
+# and ratios) with its latency plots in bench/plots/. 3–4 minutes here.
 #
 #   make bench          installs the benchmark extras (deploy/install-deps.sh
 #                       --bench: PyTorch, matplotlib), builds, runs this
