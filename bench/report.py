@@ -246,7 +246,7 @@ def call_section(call, exec_med, res):
           f"max_message_mb = {cfg.get('max_message_mb', '?')}), next to a bare gRPC echo of a "
           "message of the same size. memcpy: in-process, pre-faulted buffers, the physical "
           "floor. GB/s is input bytes per second (each call moves that many in and out). "
-          f"Medians of {reps} calls after one untimed call.\n")
+          f"Medians of {reps} calls after one untimed call (3 for 256 MiB inline).\n")
     print("| size | shm call | kernel | call / kernel | goal | shm GB/s | inline call "
           "| inline GB/s | gRPC echo, same bytes | memcpy | memcpy GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
