@@ -719,6 +719,7 @@ bool Executor::Impl::TryCachedShape(std::shared_ptr<CallState>& st) {
   if (!hit->plan->kernel->gpu) {
     inst = hit->instance.lock();
     if (inst == nullptr) return false;  // evicted: look it up (or create it) again
+    instance_hits.fetch_add(1, std::memory_order_relaxed);
   }
   st->checked = std::move(hit);
   Run(std::move(st), std::move(inst));
