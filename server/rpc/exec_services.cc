@@ -17,14 +17,6 @@ namespace {
 
 std::atomic<uint64_t> next_forward_id{1};
 
-grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::Status& status) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
-std::string Ns(const std::string& ns) { return ns.empty() ? "default" : ns; }
-
 void InfoToProto(const tensor::RegionInfo& info, v1::RegionInfo* out) {
   out->set_namespace_(info.ns);
   out->set_name(info.name);
@@ -181,7 +173,7 @@ void OutputToProto(exec::OutputResult& o, v1::Tensor* t) {
 absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
                                                 const grpc::CallbackServerContext& ctx) {
   exec::ForwardCall call;
-  call.ns = Ns(req.namespace_());
+  call.ns = NamespaceOrDefault(req.namespace_());
   call.op = req.op();
   call.version = req.version();
   if (!req.target().empty()) {
@@ -213,65 +205,65 @@ absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
 grpc::ServerUnaryReactor* MemoryService::CreateRegion(grpc::CallbackServerContext* ctx,
                                                       const v1::CreateRegionRequest* req,
                                                       v1::RegionInfo* resp) {
-  auto info = core_.regions->CreateRegion(Ns(req->namespace_()), req->client_id(), req->name(),
+  auto info = core_.regions->CreateRegion(NamespaceOrDefault(req->namespace_()), req->client_id(), req->name(),
                                           req->byte_size(), req->lease_ms());
   if (info.ok()) InfoToProto(*info, resp);
-  return Finish(ctx, info.status());
+  return FinishNow(ctx, info.status());
 }
 
 grpc::ServerUnaryReactor* MemoryService::RegisterRegion(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterRegionRequest* req,
                                                         v1::RegionInfo* resp) {
-  auto info = core_.regions->RegisterRegion(Ns(req->namespace_()), req->client_id(), req->name(),
+  auto info = core_.regions->RegisterRegion(NamespaceOrDefault(req->namespace_()), req->client_id(), req->name(),
                                             req->shm_key(), req->offset(), req->byte_size(),
                                             req->lease_ms());
   if (info.ok()) InfoToProto(*info, resp);
-  return Finish(ctx, info.status());
+  return FinishNow(ctx, info.status());
 }
 
 grpc::ServerUnaryReactor* MemoryService::UnregisterRegion(grpc::CallbackServerContext* ctx,
                                                           const v1::UnregisterRegionRequest* req,
                                                           v1::UnregisterRegionResponse*) {
-  return Finish(ctx, core_.regions->Unregister(Ns(req->namespace_()), req->name()));
+  return FinishNow(ctx, core_.regions->Unregister(NamespaceOrDefault(req->namespace_()), req->name()));
 }
 
 grpc::ServerUnaryReactor* MemoryService::ListRegions(grpc::CallbackServerContext* ctx,
                                                      const v1::ListRegionsRequest* req,
                                                      v1::ListRegionsResponse* resp) {
-  for (const auto& info : core_.regions->List(Ns(req->namespace_()))) {
+  for (const auto& info : core_.regions->List(NamespaceOrDefault(req->namespace_()))) {
     InfoToProto(info, resp->add_regions());
   }
-  return Finish(ctx, absl::OkStatus());
+  return FinishNow(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* MemoryService::RenewLease(grpc::CallbackServerContext* ctx,
                                                     const v1::RenewLeaseRequest* req,
                                                     v1::RenewLeaseResponse* resp) {
-  auto expiry = core_.regions->Renew(Ns(req->namespace_()), req->client_id(), req->lease_ms());
+  auto expiry = core_.regions->Renew(NamespaceOrDefault(req->namespace_()), req->client_id(), req->lease_ms());
   if (expiry.ok()) resp->set_lease_expires_unix_ms(*expiry);
-  return Finish(ctx, expiry.status());
+  return FinishNow(ctx, expiry.status());
 }
 
 grpc::ServerUnaryReactor* MemoryService::ReleaseClient(grpc::CallbackServerContext* ctx,
                                                        const v1::ReleaseClientRequest* req,
                                                        v1::ReleaseClientResponse* resp) {
-  auto n = core_.regions->ReleaseOwner(Ns(req->namespace_()), req->client_id());
+  auto n = core_.regions->ReleaseOwner(NamespaceOrDefault(req->namespace_()), req->client_id());
   if (n.ok()) resp->set_released(*n);
-  return Finish(ctx, n.status());
+  return FinishNow(ctx, n.status());
 }
 
 grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* ctx,
                                                    const v1::ForwardRequest* req,
                                                    v1::ForwardResponse* resp) {
   auto call = CallFromProto(*req, *ctx);
-  if (!call.ok()) return Finish(ctx, call.status());
+  if (!call.ok()) return FinishNow(ctx, call.status());
   auto* reactor = ctx->DefaultReactor();
   const uint64_t rid = call->request_id;
   // `req` outlives the reactor; names for the log are built only on error.
   auto answer = [reactor, req, resp, rid](const absl::Status& status, exec::ForwardResult* r,
                                           const std::string& context_id) {
     if (!status.ok()) {
-      Logger("rpc")->debug("req=f{} Forward {}/{}: {}", rid, Ns(req->namespace_()), req->op(),
+      Logger("rpc")->debug("req=f{} Forward {}/{}: {}", rid, NamespaceOrDefault(req->namespace_()), req->op(),
                            status.ToString());
       return reactor->Finish(ToGrpcStatus(status));
     }
@@ -302,7 +294,7 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
                                                     const v1::BackwardRequest* req,
                                                     v1::BackwardResponse* resp) {
   autograd::BackwardCall call;
-  call.ns = Ns(req->namespace_());
+  call.ns = NamespaceOrDefault(req->namespace_());
   call.context_id = req->context_id();
   for (int j = 0; j < req->grad_outputs_size(); ++j) {
     const v1::Tensor& t = req->grad_outputs(j);
@@ -311,14 +303,14 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
       continue;
     }
     auto arg = TensorFromProto(t, [&] { return absl::StrCat("grad_outputs[", j, "]"); });
-    if (!arg.ok()) return Finish(ctx, arg.status());
+    if (!arg.ok()) return FinishNow(ctx, arg.status());
     call.grad_outputs.push_back(*std::move(arg));
   }
   call.retain_context = req->retain_context();
   call.create_graph = req->create_graph();
   for (int j = 0; j < req->outputs_size(); ++j) {
     auto p = PlacementFromProto(req->outputs(j), j);
-    if (!p.ok()) return Finish(ctx, p.status());
+    if (!p.ok()) return FinishNow(ctx, p.status());
     call.outputs.push_back(*std::move(p));
   }
   call.deadline = SteadyDeadline(*ctx);
@@ -344,27 +336,27 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* ExecutorService::ReleaseContext(grpc::CallbackServerContext* ctx,
                                                           const v1::ReleaseContextRequest* req,
                                                           v1::ReleaseContextResponse*) {
-  return Finish(ctx, core_.autograd->Release(Ns(req->namespace_()), req->context_id()));
+  return FinishNow(ctx, core_.autograd->Release(NamespaceOrDefault(req->namespace_()), req->context_id()));
 }
 
 grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext* ctx,
                                                      const v1::GradCheckRequest* req,
                                                      v1::GradCheckResponse* resp) {
   autograd::GradCheckCall call;
-  call.ns = Ns(req->namespace_());
+  call.ns = NamespaceOrDefault(req->namespace_());
   call.op = req->op();
   call.version = req->version();
   auto inputs = InputsFromProto(req->inputs());
-  if (!inputs.ok()) return Finish(ctx, inputs.status());
+  if (!inputs.ok()) return FinishNow(ctx, inputs.status());
   call.inputs = *std::move(inputs);
   auto attrs = AttrsFromProto(req->attrs());
-  if (!attrs.ok()) return Finish(ctx, attrs.status());
+  if (!attrs.ok()) return FinishNow(ctx, attrs.status());
   call.attrs = *std::move(attrs);
   if (req->random_shape_size() > 0) {
     call.random_shape.assign(req->random_shape().begin(), req->random_shape().end());
     for (int64_t d : call.random_shape) {
       if (d < 0 || d > 4096) {
-        return Finish(ctx, absl::InvalidArgumentError(
+        return FinishNow(ctx, absl::InvalidArgumentError(
                                "random_shape dims must be in [0, 4096] (gradcheck runs 2 forwards per element)"));
       }
     }

@@ -35,14 +35,6 @@ std::string Brief(const absl::Status& s) {
   return nl == std::string::npos ? text : text.substr(0, nl) + " [...]";
 }
 
-grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl::Status& status) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
-std::string NamespaceOrDefault(const std::string& ns) { return ns.empty() ? "default" : ns; }
-
 void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& target,
                     v1::CompileResponse* resp) {
   const auto& k = *outcome.kernel;
