@@ -22,6 +22,7 @@
 #include "client/cpp/opjit_client.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/exec/executor.h"
+#include "server/runner/in_process_runner.h"
 #include "server/registry/registry.h"
 #include "server/rpc/convert.h"
 #include "server/tensor/region_manager.h"
@@ -47,6 +48,7 @@ struct Stack {
   std::unique_ptr<registry::Registry> registry;
   std::unique_ptr<compiler::KernelCompiler> compiler;
   std::unique_ptr<tensor::RegionManager> regions;
+  std::unique_ptr<runner::KernelRunner> kernel_runner;
   std::unique_ptr<exec::Executor> executor;
 
   Stack() {
@@ -70,7 +72,11 @@ struct Stack {
     if (!rm.ok()) Die("regions", rm.status());
     regions = *std::move(rm);
 
-    auto ex = exec::Executor::Create({}, registry.get(), compiler.get(), regions.get());
+    auto rr = runner::InProcessRunner::Create({});
+    if (!rr.ok()) Die("runner", rr.status());
+    kernel_runner = *std::move(rr);
+    auto ex = exec::Executor::Create({}, registry.get(), compiler.get(), regions.get(),
+                                     kernel_runner.get());
     if (!ex.ok()) Die("executor", ex.status());
     executor = *std::move(ex);
 
@@ -84,6 +90,7 @@ struct Stack {
   }
   ~Stack() {
     executor.reset();
+    kernel_runner.reset();
     regions.reset();
     compiler.reset();
     registry.reset();

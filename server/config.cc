@@ -102,10 +102,21 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
     OPJIT_CFG_TRY(ReadString(*c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir));
   }
   if (const toml::table* c = root["exec"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "exec.", {"threads", "queue", "inline_max_bytes"}));
+    OPJIT_CFG_TRY(CheckKeys(*c, "exec.",
+                            {"threads", "queue", "inline_max_bytes", "isolation", "workers",
+                             "worker_idle_ms", "kernel_timeout_ms", "worker_memory_mb",
+                             "worker_user", "worker_spin_us", "quarantine_after"}));
     OPJIT_CFG_TRY(ReadInt(*c, "threads", "exec.", &cfg->exec_threads));
     OPJIT_CFG_TRY(ReadInt(*c, "queue", "exec.", &cfg->exec_queue));
     OPJIT_CFG_TRY(ReadInt(*c, "inline_max_bytes", "exec.", &cfg->inline_max_bytes));
+    OPJIT_CFG_TRY(ReadString(*c, "isolation", "exec.", &cfg->isolation));
+    OPJIT_CFG_TRY(ReadInt(*c, "workers", "exec.", &cfg->exec_workers));
+    OPJIT_CFG_TRY(ReadInt(*c, "worker_idle_ms", "exec.", &cfg->worker_idle_ms));
+    OPJIT_CFG_TRY(ReadInt(*c, "kernel_timeout_ms", "exec.", &cfg->kernel_timeout_ms));
+    OPJIT_CFG_TRY(ReadInt(*c, "worker_memory_mb", "exec.", &cfg->worker_memory_mb));
+    OPJIT_CFG_TRY(ReadString(*c, "worker_user", "exec.", &cfg->worker_user));
+    OPJIT_CFG_TRY(ReadInt(*c, "worker_spin_us", "exec.", &cfg->worker_spin_us));
+    OPJIT_CFG_TRY(ReadInt(*c, "quarantine_after", "exec.", &cfg->quarantine_after));
   }
   if (const toml::table* c = root["shm"].as_table()) {
     OPJIT_CFG_TRY(CheckKeys(*c, "shm.", {"quota_mb", "lease_ms"}));
@@ -130,19 +141,22 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
 
 std::string Usage() {
   return "usage: opjitd [--listen ADDR]... [--state-dir DIR] [--config FILE] [--log-level LEVEL]\n"
+         "              [--isolation process|in-daemon]\n"
          "\n"
          "  --listen ADDR     unix:/path/to.sock or host:port (port 0: any free port).\n"
          "                    Repeatable. Default: unix:<state-dir>/opjitd.sock and 127.0.0.1:7878\n"
          "  --state-dir DIR   registry, cache and socket live here.\n"
          "                    Default: $OPJIT_STATE_DIR, else ~/.opjit\n"
          "  --config FILE     TOML configuration (see deploy/opjitd.toml)\n"
-         "  --log-level L     trace, debug, info, warn, error (default info)\n";
+         "  --log-level L     trace, debug, info, warn, error (default info)\n"
+         "  --isolation M     where kernels run: process (sandboxed executor processes, the\n"
+         "                    default) or in-daemon (inside opjitd; unsafe, trusted users only)\n";
 }
 
 absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
   DaemonConfig cfg;
   std::vector<std::string> flag_listen;
-  std::string flag_state_dir, flag_config, flag_log_level;
+  std::string flag_state_dir, flag_config, flag_log_level, flag_isolation;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     auto value = [&](const char* name) -> absl::StatusOr<std::string> {
@@ -165,6 +179,9 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
     } else if (is("--config")) {
       v = value("--config");
       if (v.ok()) flag_config = *v;
+    } else if (is("--isolation")) {
+      v = value("--isolation");
+      if (v.ok()) flag_isolation = *v;
     } else if (is("--log-level")) {
       v = value("--log-level");
       if (v.ok()) flag_log_level = *v;
@@ -177,6 +194,15 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
   if (!flag_state_dir.empty()) cfg.state_dir = flag_state_dir;
   if (!flag_listen.empty()) cfg.listen = flag_listen;
   if (!flag_log_level.empty()) cfg.log_level = flag_log_level;
+  if (!flag_isolation.empty()) cfg.isolation = flag_isolation;
+  if (cfg.isolation != "process" && cfg.isolation != "in-daemon") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "exec.isolation must be \"process\" or \"in-daemon\", not \"", cfg.isolation, "\""));
+  }
+  if (cfg.exec_workers < 1) return absl::InvalidArgumentError("exec.workers must be >= 1");
+  if (cfg.kernel_timeout_ms < 1) {
+    return absl::InvalidArgumentError("exec.kernel_timeout_ms must be >= 1");
+  }
   if (cfg.state_dir.empty()) cfg.state_dir = DefaultStateDir();
   std::error_code ec;
   cfg.state_dir = std::filesystem::absolute(cfg.state_dir, ec).lexically_normal().string();

@@ -35,6 +35,17 @@ struct DaemonConfig {
   int exec_threads = 2;                 // execution pool threads
   int64_t exec_queue = 64;              // calls waiting for the pool, then RESOURCE_EXHAUSTED
   int64_t inline_max_bytes = 256 << 10; // calls with at most this many input bytes run inline
+  // Where kernels run: "process" (sandboxed opjit-exec-worker processes, one
+  // pool per namespace) or "in-daemon" (inside opjitd: unsafe, for a trusted
+  // single user).
+  std::string isolation = "process";
+  int exec_workers = 2;                  // executor processes per namespace, at most
+  int64_t worker_idle_ms = 60000;        // an idle executor process is stopped after this
+  int64_t kernel_timeout_ms = 60000;     // a kernel running longer is killed (DEADLINE_EXCEEDED)
+  int64_t worker_memory_mb = 4096;       // private memory of an executor process (RLIMIT_DATA)
+  std::string worker_user = "nobody";    // started as root, executors drop to this user ("" keeps root)
+  int64_t worker_spin_us = 50;           // busy-wait before sleeping, on both ends of a call
+  int quarantine_after = 3;              // crashes in a row that quarantine a kernel
 
   // [shm]
   int64_t shm_quota_mb = 4096;  // shared memory per namespace

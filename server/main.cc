@@ -1,6 +1,7 @@
 // opjitd: wires the core libraries together and serves them over gRPC.
 // Nothing here but configuration, construction order and signal handling.
 #include <fcntl.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -27,6 +28,8 @@
 #include "server/exec/executor.h"
 #include "server/gpu/driver_probe.h"
 #include "server/loader/loader.h"
+#include "server/runner/in_process_runner.h"
+#include "server/runner/process_runner.h"
 #include "server/registry/registry.h"
 #include "server/rpc/grpc_server.h"
 #include "server/tensor/region_manager.h"
@@ -46,6 +49,32 @@ std::string ExeDir() {
 
 // Kernel headers: the configured dir, else installed next to the binary, else
 // the source tree this binary was built from.
+// The process runner's options from the [exec] config.
+runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
+                                                      const runner::KernelHostOptions& host) {
+  runner::ProcessRunnerOptions o;
+  o.worker_path = ExeDir() + "/opjit-exec-worker";
+  o.workers_per_namespace = cfg.exec_workers;
+  o.idle_ms = cfg.worker_idle_ms;
+  o.kernel_timeout_ms = cfg.kernel_timeout_ms;
+  o.memory_bytes = static_cast<uint64_t>(cfg.worker_memory_mb) << 20;
+  o.spin_us = cfg.worker_spin_us;
+  o.quarantine_after = cfg.quarantine_after;
+  o.arena_bytes = static_cast<uint64_t>(cfg.max_message_bytes) * 5 / 2;
+  o.host = host;
+  // Started as root, executors run as an unprivileged user.
+  if (::geteuid() == 0 && !cfg.worker_user.empty()) {
+    if (const passwd* pw = ::getpwnam(cfg.worker_user.c_str())) {
+      o.uid = pw->pw_uid;
+      o.gid = pw->pw_gid;
+    } else {
+      Logger("runner")->warn("exec.worker_user \"{}\" does not exist; executors keep root",
+                             cfg.worker_user);
+    }
+  }
+  return o;
+}
+
 std::string FindKernelIncludeDir(const DaemonConfig& cfg) {
   if (!cfg.kernel_include_dir.empty()) return cfg.kernel_include_dir;
   if (const char* env = std::getenv("OPJIT_KERNEL_INCLUDE_DIR"); env && *env) return env;
@@ -184,13 +213,41 @@ int Run(int argc, char** argv) {
     return 1;
   }
 
+  // Where user code runs: sandboxed executor processes, or (trusted single
+  // user) this process.
+  std::unique_ptr<runner::KernelRunner> kernel_runner;
+  runner::KernelHostOptions hopts;
+  hopts.allowed_libraries = cfg->allowed_libraries;
+  hopts.scratch_dir = cfg->state_dir + "/cache/gpu-load";
+  {
+    std::error_code ec;
+    std::filesystem::create_directories(hopts.scratch_dir, ec);
+  }
+  if (cfg->isolation == "in-daemon") {
+    log->warn("exec.isolation = in-daemon: kernels run inside opjitd, unconfined; a crashing "
+              "kernel stops the daemon. Use only for a trusted single user.");
+    auto r = runner::InProcessRunner::Create(hopts);
+    if (!r.ok()) {
+      log->error("runner: {}", r.status().ToString());
+      return 1;
+    }
+    kernel_runner = *std::move(r);
+  } else {
+    auto r = runner::ProcessRunner::Create(ProcessRunnerOptionsFrom(*cfg, hopts));
+    if (!r.ok()) {
+      log->error("runner: {}", r.status().ToString());
+      return 1;
+    }
+    kernel_runner = *std::move(r);
+  }
+
   exec::ExecutorOptions eopts;
   eopts.pool_threads = cfg->exec_threads;
   eopts.max_queue = cfg->exec_queue;
   eopts.inline_max_bytes = cfg->inline_max_bytes;
   eopts.max_inline_output_bytes = cfg->max_message_bytes - (1 << 20);
-  eopts.scratch_dir = cfg->state_dir + "/cache/gpu-load";
-  auto executor = exec::Executor::Create(eopts, registry->get(), compiler->get(), regions->get());
+  auto executor = exec::Executor::Create(eopts, registry->get(), compiler->get(), regions->get(),
+                                         kernel_runner.get());
   if (!executor.ok()) {
     log->error("executor: {}", executor.status().ToString());
     return 1;
@@ -219,6 +276,7 @@ int Run(int argc, char** argv) {
       if (int n = (*regions)->ExpireLeases(now); n > 0) {
         Logger("tensor")->info("released {} region(s) whose lease lapsed", n);
       }
+      kernel_runner->Maintain();
       if (int n = (*autograd)->ExpireContexts(std::chrono::steady_clock::now()); n > 0) {
         Logger("autograd")->info("released {} backward context(s) past their TTL", n);
       }
@@ -255,6 +313,7 @@ int Run(int argc, char** argv) {
   reaper.join();
   autograd->reset();
   executor->reset();
+  kernel_runner.reset();
   regions->reset();
   compiler->reset();
   registry->reset();

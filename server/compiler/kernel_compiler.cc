@@ -1,5 +1,6 @@
 #include "server/compiler/kernel_compiler.h"
 
+#include <dlfcn.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -22,9 +23,9 @@
 #include "server/common/status_macros.h"
 #include "server/common/thread_pool.h"
 #include "server/compiler/cpu/cpu_compiler.h"
+#include "server/compiler/elf_symbols.h"
 #include "server/gpu/nvcc_compiler.h"
 #include "server/gpu/nvrtc_compiler.h"
-#include "server/loader/loader.h"
 
 namespace opjit::compiler {
 namespace {
@@ -57,7 +58,16 @@ bool Stamp(const std::string& path, int64_t* size, int64_t* mtime_ns) {
 struct MemoryEntry {
   std::shared_ptr<const CompiledKernel> kernel;
   std::vector<Dependency> deps;
+  // CPU: every global symbol the object defines (weak ones too), sorted:
+  // what an entry must be one of.
+  std::vector<std::string> findable;
 };
+
+// Symbols the CPU loader itself provides to every kernel (server/loader).
+bool ProvidedByLoader(const std::string& sym) {
+  return sym == "__dso_handle" || sym == "_GLOBAL_OFFSET_TABLE_" || sym == "__cxa_atexit" ||
+         sym == "atexit";
+}
 
 // What one compile flight produces for all its waiters.
 struct FlightResult {
@@ -205,7 +215,6 @@ std::string FinalKey(const std::string& request_key, const std::vector<Dependenc
 struct KernelCompiler::Impl {
   KernelCompilerOptions options;
   std::unique_ptr<CpuCompiler> cpu;
-  std::unique_ptr<loader::JitLoader> loader;
   std::unique_ptr<cache::DiskCache> disk;
   std::unique_ptr<cache::LruCache<MemoryEntry>> memory;
   cache::SingleFlight<FlightResult> flights;
@@ -237,7 +246,7 @@ struct KernelCompiler::Impl {
   absl::StatusOr<gpu::NvrtcCompiler*> Nvrtc();
   // The GPU toolchain's identity for cache keys ("" for CPU jobs).
   absl::StatusOr<std::string> GpuToolchainId(const CompileJob& job);
-  absl::StatusOr<std::shared_ptr<const MemoryEntry>> LoadEntry(
+  absl::StatusOr<std::shared_ptr<const MemoryEntry>> CpuEntry(
       const CompileJob& job, const std::string& final_key, const std::string& object,
       std::string diagnostics, double compile_ms, std::vector<Dependency> deps);
 };
@@ -246,13 +255,14 @@ std::string KernelCompiler::Impl::RequestKey(const CompileJob& job,
                                             const std::string& gpu_toolchain) const {
   Sha256 h;
   h.UpdateField(absl::StrCat("opjit-kernel-abi-", kKernelAbiVersion));
-  h.UpdateField(job.target == "GPU" ? gpu_toolchain : toolchain_id);
-  if (job.target == "GPU") {
+  const bool gpu = job.target == registry::Target::kGpu;
+  h.UpdateField(gpu ? gpu_toolchain : toolchain_id);
+  if (gpu) {
     h.UpdateField(absl::StrJoin(job.archs.empty() ? options.gpu_archs : job.archs, ","));
     h.UpdateField(absl::StrJoin(job.name_expressions, "\x1f"));
     h.UpdateField(job.aot_shared_object ? "nvcc-aot" : "nvrtc");
   }
-  h.UpdateField(job.target);
+  h.UpdateField(registry::TargetName(job.target));
   h.UpdateField(job.language);
   h.UpdateField(absl::StrJoin(job.options, "\x1f"));
   h.UpdateField(absl::StrJoin(job.libraries, "\x1f"));
@@ -293,25 +303,48 @@ bool KernelCompiler::Impl::DependenciesUnchanged(const std::vector<Dependency>& 
   return true;
 }
 
-absl::StatusOr<std::shared_ptr<const MemoryEntry>> KernelCompiler::Impl::LoadEntry(
+absl::StatusOr<std::shared_ptr<const MemoryEntry>> KernelCompiler::Impl::CpuEntry(
     const CompileJob& job, const std::string& final_key, const std::string& object,
     std::string diagnostics, double compile_ms, std::vector<Dependency> deps) {
-  OPJIT_ASSIGN_OR_RETURN(auto loaded, loader->Load(object, final_key.substr(0, 16), job.libraries));
+  // The object is checked, never linked here: user code runs only where a
+  // kernel runner loads it.
+  OPJIT_ASSIGN_OR_RETURN(ElfSymbols symbols, ReadElfSymbols(object));
+  if (job.libraries.empty()) {
+    // Everything it uses must come from the C/C++ runtime the runners
+    // offer (the same libraries this process links), or the first call
+    // would fail to link. With extra libraries the runner decides.
+    std::vector<std::string> missing;
+    for (const auto& sym : symbols.undefined) {
+      if (!ProvidedByLoader(sym) && ::dlsym(RTLD_DEFAULT, sym.c_str()) == nullptr) {
+        missing.push_back(sym);
+      }
+    }
+    if (!missing.empty()) {
+      if (missing.size() > 8) missing.resize(8);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the kernel uses undefined symbol(s) ", absl::StrJoin(missing, ", "),
+          " (not in the C/C++ runtime and no library was named; define them, or name an "
+          "allowed library)"));
+    }
+  }
   auto kernel = std::make_shared<CompiledKernel>();
+  kernel->target = registry::Target::kCpu;
   kernel->cache_key = final_key;
-  kernel->defined_symbols = loaded->defined_symbols();
-  kernel->kernel = std::move(loaded);
+  kernel->object = object;
+  kernel->libraries = job.libraries;
+  kernel->defined_symbols = std::move(symbols.exported);
   kernel->diagnostics = std::move(diagnostics);
   kernel->compile_ms = compile_ms;
   auto entry = std::make_shared<MemoryEntry>();
   entry->kernel = std::move(kernel);
   entry->deps = std::move(deps);
+  entry->findable = std::move(symbols.defined);
   return std::shared_ptr<const MemoryEntry>(std::move(entry));
 }
 
 absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job,
                                                            const std::string& request_key) {
-  if (job.target == "GPU") return ProduceGpu(job, request_key);
+  if (job.target == registry::Target::kGpu) return ProduceGpu(job, request_key);
   auto log = Logger("compiler");
   // Disk: the manifest names the headers; if they still hash the same, the
   // object under the final key is what a compile would produce.
@@ -324,13 +357,13 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
         double compile_ms = 0;
         std::string diagnostics, object;
         if (DecodeObject(*blob, &compile_ms, &diagnostics, &object)) {
-          auto entry = LoadEntry(job, final_key, object, std::move(diagnostics), compile_ms,
-                                 std::move(deps));
+          auto entry = CpuEntry(job, final_key, object, std::move(diagnostics), compile_ms,
+                                std::move(deps));
           if (entry.ok()) return FlightResult{*std::move(entry), "disk"};
           if (!absl::IsInvalidArgument(entry.status()) && !absl::IsPermissionDenied(entry.status())) {
             return entry.status();
           }
-          log->warn("key={} cached object failed to load ({}); recompiling",
+          log->warn("key={} cached object failed its checks ({}); recompiling",
                     final_key.substr(0, 12), entry.status().ToString());
         } else {
           log->warn("key={} cached object is malformed; recompiling", final_key.substr(0, 12));
@@ -355,8 +388,8 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   const std::string final_key = FinalKey(request_key, deps);
   log->debug("key={} compiled {} in {:.1f} ms ({} headers)", final_key.substr(0, 12),
              job.file_name, out->compile_ms, deps.size());
-  OPJIT_ASSIGN_OR_RETURN(auto entry, LoadEntry(job, final_key, out->object, out->diagnostics,
-                                               out->compile_ms, deps));
+  OPJIT_ASSIGN_OR_RETURN(auto entry, CpuEntry(job, final_key, out->object, out->diagnostics,
+                                              out->compile_ms, deps));
   // Object before manifest: a manifest never names an object that was not written.
   FlightResult result{std::move(entry), ""};
   result.persist.emplace_back("obj", final_key, EncodeObject(*out));
@@ -366,15 +399,18 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
 
 CompileJob JobForImplementation(const registry::OpDef& def, const registry::Implementation& impl) {
   CompileJob job;
-  job.target = registry::TargetName(impl.target);
+  job.target = impl.target;
   job.language = impl.language;
   job.source = impl.source;
-  job.file_name = absl::StrCat(def.name, impl.language == "c" ? ".c" : ".cc");
+  // Not the op's name: the file name is part of the cache key, and a renamed
+  // copy of the same source must hit what is cached. `opjit compile` uses the
+  // same names, so it warms the cache for registration.
+  job.file_name = impl.language == "c" ? "kernel.c" : "kernel.cc";
   job.entry = impl.entry;
   job.options = impl.compile_options;
   job.libraries = impl.libraries;
   if (impl.target == registry::Target::kGpu) {
-    job.file_name = absl::StrCat(def.name, ".cu");
+    job.file_name = "kernel.cu";
     if (impl.launch.grid.empty()) {
       job.aot_shared_object = true;
     } else {
@@ -411,7 +447,7 @@ absl::StatusOr<gpu::NvrtcCompiler*> KernelCompiler::Impl::Nvrtc() {
 }
 
 absl::StatusOr<std::string> KernelCompiler::Impl::GpuToolchainId(const CompileJob& job) {
-  if (job.target != "GPU") return std::string();
+  if (job.target != registry::Target::kGpu) return std::string();
   if (job.aot_shared_object) {
     std::lock_guard<std::mutex> lock(gpu_mu);
     if (nvcc_id.empty()) {
@@ -428,6 +464,7 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::ProduceGpu(const CompileJob& 
   auto log = Logger("compiler");
   auto entry_of = [&](GpuBinary g, double ms, std::string diag) {
     auto kernel = std::make_shared<CompiledKernel>();
+    kernel->target = registry::Target::kGpu;
     kernel->cache_key = request_key;
     kernel->gpu = std::make_shared<const GpuBinary>(std::move(g));
     kernel->diagnostics = std::move(diag);
@@ -514,8 +551,6 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
   copts.extra_include_dirs = options.extra_include_dirs;
   copts.pch_dir = options.cache_dir + "/pch";
   OPJIT_ASSIGN_OR_RETURN(impl->cpu, CpuCompiler::Create(copts));
-  OPJIT_ASSIGN_OR_RETURN(impl->loader,
-                         loader::JitLoader::Create({.allowed_libraries = options.allowed_libraries}));
   OPJIT_ASSIGN_OR_RETURN(impl->disk, cache::DiskCache::Create(
                                          {.dir = options.cache_dir, .max_bytes = options.disk_bytes}));
   impl->memory = std::make_unique<cache::LruCache<MemoryEntry>>(options.memory_entries,
@@ -530,17 +565,13 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
 void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
   const auto t0 = Clock::now();
   Impl* impl = impl_.get();
-  if (job.target != "CPU" && job.target != "GPU") {
-    done(absl::InvalidArgumentError(
-        absl::StrCat("target \"", job.target, "\" is not CPU or GPU")));
-    return;
-  }
-  if (job.target == "GPU" && job.language != "cuda") {
+  const bool gpu = job.target == registry::Target::kGpu;
+  if (gpu && job.language != "cuda") {
     done(absl::InvalidArgumentError(
         absl::StrCat("language \"", job.language, "\" is not a GPU language (expected cuda)")));
     return;
   }
-  if (job.target == "CPU" && job.language != "c++" && job.language != "c") {
+  if (!gpu && job.language != "c++" && job.language != "c") {
     done(absl::InvalidArgumentError(
         absl::StrCat("language \"", job.language, "\" is not a CPU language (expected c++ or c)")));
     return;
@@ -568,7 +599,8 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
   // Checks the entry symbol of a kernel against this job and answers.
   auto finish = [t0, entry = job.entry, done](std::shared_ptr<const MemoryEntry> e,
                                               std::string hit) {
-    if (!entry.empty() && e->kernel->kernel != nullptr && e->kernel->kernel->Find(entry) == nullptr) {
+    if (!entry.empty() && e->kernel->target == registry::Target::kCpu &&
+        !std::binary_search(e->findable.begin(), e->findable.end(), entry)) {
       const auto& syms = e->kernel->defined_symbols;
       std::string hint;
       for (const auto& s : syms) {
@@ -609,8 +641,7 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
     auto result = impl->Produce(job, request_key);
     if (result.ok()) {
       const CompiledKernel& k = *result->entry->kernel;
-      impl->memory->Put(request_key, result->entry,
-                        k.kernel ? k.kernel->code_bytes() : k.gpu->bytes());
+      impl->memory->Put(request_key, result->entry, k.binary_bytes());
     }
     std::vector<std::tuple<std::string, std::string, std::string>> persist;
     if (result.ok()) persist = std::move(result->persist);

@@ -1,11 +1,15 @@
-// KernelCompiler: source in, loaded kernel out, through the content-addressed
-// cache. The path of one compile:
+// KernelCompiler: source in, compiled artifact out, through the
+// content-addressed cache. The path of one compile:
 //
 //   key1 = SHA-256(ABI version, toolchain id, language, options, libraries, source)
-//   memory LRU[key1] ─hit─▶ loaded kernel (headers re-verified by digest)
-//   disk manifest[key1] ─▶ header digests ─▶ final key ─▶ disk object ─▶ load
+//   memory LRU[key1] ─hit─▶ artifact (headers re-verified by digest)
+//   disk manifest[key1] ─▶ header digests ─▶ final key ─▶ disk object
 //   miss ─▶ single-flight ─▶ compile worker (sandboxed process) ─▶ object
-//        ─▶ disk (manifest + object) ─▶ JIT load ─▶ memory LRU
+//        ─▶ symbol checks ─▶ disk (manifest + object) ─▶ memory LRU
+//
+// Nothing here loads or runs user code: an artifact is bytes (an ELF object
+// for the CPU, CUBIN/PTX or a shared object for the GPU). Kernel runners
+// (server/runner) load them, in sandboxed executor processes by default.
 //
 // The final key hashes key1 with the path and SHA-256 of every header the
 // compile read, so editing a header invalidates what included it.
@@ -25,20 +29,18 @@
 #include "absl/status/statusor.h"
 #include "server/registry/op_def.h"
 
-namespace opjit::loader {
-class LoadedKernel;
-}
-
 namespace opjit::compiler {
 
 // opjit's kernel-ABI version: part of every cache key.
 inline constexpr int kKernelAbiVersion = 1;
 
 struct CompileJob {
-  std::string target = "CPU";    // "CPU" (GPU: later)
-  std::string language = "c++";  // "c++" | "c"
+  registry::Target target = registry::Target::kCpu;
+  std::string language = "c++";  // "c++" | "c" (CPU), "cuda" (GPU)
   std::string source;
-  std::string file_name;  // shown in diagnostics; default kernel.cc / kernel.c
+  // Shown in diagnostics; default kernel.cc / kernel.c / kernel.cu. Part of
+  // the key (it appears in diagnostics and debug info).
+  std::string file_name;
   std::string entry;      // when set, the kernel must define it
   std::vector<std::string> options;
   std::vector<std::string> libraries;
@@ -63,14 +65,21 @@ struct GpuBinary {
 // use the same one, so execution finds what registration compiled.
 CompileJob JobForImplementation(const registry::OpDef& def, const registry::Implementation& impl);
 
-// A compiled, loaded kernel. Immutable; shared by the cache and in-flight calls.
+// A compiled kernel: the artifact a runner loads. Immutable; shared by the
+// cache and in-flight calls. Exactly one of `object` (CPU) and `gpu` (GPU)
+// is set, as `target` says.
 struct CompiledKernel {
+  registry::Target target = registry::Target::kCpu;
   std::string cache_key;  // final content key (hex SHA-256)
-  std::shared_ptr<const loader::LoadedKernel> kernel;  // CPU
-  std::shared_ptr<const GpuBinary> gpu;               // GPU
+  std::string object;     // CPU: ELF relocatable object for the host
+  std::vector<std::string> libraries;  // CPU: allowed libraries it links against
+  std::shared_ptr<const GpuBinary> gpu;  // GPU
   std::string diagnostics;  // warnings from the compile that produced it
+  // CPU: the strong global functions and data the object defines, sorted.
   std::vector<std::string> defined_symbols;
   double compile_ms = 0;
+
+  size_t binary_bytes() const { return gpu ? gpu->bytes() : object.size(); }
 };
 
 struct CompileOutcome {

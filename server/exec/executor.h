@@ -14,10 +14,15 @@
 // calls run on the execution pool, whose bounded queue answers
 // RESOURCE_EXHAUSTED when full, so a slow kernel never holds a gRPC thread.
 //
+// Where kernels run is the KernelRunner's business (server/runner): in
+// sandboxed executor processes by default, or in this process. The executor
+// hands it tensor locations, never raw pointers. Checks live in checks.h,
+// tensor placement in placement.h; this file dispatches.
+//
 // Deadlines: a call whose deadline has passed before its kernel starts fails
-// with DEADLINE_EXCEEDED and the kernel never runs. A kernel that has started
-// runs to completion (it is native code in this process and cannot be
-// interrupted safely); its result is then dropped if the deadline passed.
+// with DEADLINE_EXCEEDED and the kernel never runs. A kernel that runs past
+// it is stopped by the process runner (its worker is killed); in-daemon it
+// runs to completion and its result is dropped.
 //
 // Thread-safety: all methods are thread-safe.
 #pragma once
@@ -33,7 +38,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/exec/aot_kernel.h"
+#include "server/runner/aot_kernel.h"
 #include "server/registry/op_def.h"
 
 namespace opjit::registry {
@@ -47,6 +52,10 @@ class RegionManager;
 }
 
 namespace opjit::exec {
+
+using runner::DescString;
+using runner::HostTensor;
+using runner::TensorDesc;
 
 // One input tensor of a call: in a shared-memory region, or inline bytes
 // owned by the caller (alive until `done` runs).
@@ -130,9 +139,6 @@ struct ExecutorOptions {
   uint64_t max_inline_output_bytes = 64ull << 20;
   // Kernel instances kept (each ran Init once). Default: 1024.
   size_t instance_cache_entries = 1024;
-  // Where aot shared objects for the GPU are written while being loaded.
-  // Default: /tmp.
-  std::string scratch_dir = "/tmp";
 };
 
 struct ExecutorStats {
@@ -149,15 +155,17 @@ class Executor {
   static absl::StatusOr<std::unique_ptr<Executor>> Create(const ExecutorOptions& options,
                                                           registry::Registry* registry,
                                                           compiler::KernelCompiler* compiler,
-                                                          tensor::RegionManager* regions);
+                                                          tensor::RegionManager* regions,
+                                                          runner::KernelRunner* runner);
   ~Executor();
 
   // Runs `call` and calls `done` once, on this thread (inline runs and early
   // errors) or on a pool thread. Errors: NOT_FOUND (op, version, region),
   // INVALID_ARGUMENT (counts, dtypes, attrs, tensor bounds, placement; the
   // kernel read an attr with the wrong type), ABORTED (the kernel returned
-  // non-zero), INTERNAL (the kernel threw), UNAVAILABLE (GPU),
-  // RESOURCE_EXHAUSTED (queue full), DEADLINE_EXCEEDED.
+  // non-zero, or its worker died), INTERNAL (the kernel threw), UNAVAILABLE
+  // (GPU), RESOURCE_EXHAUSTED (queue full, kernel out of memory),
+  // DEADLINE_EXCEEDED, FAILED_PRECONDITION (the kernel is quarantined).
   void ForwardAsync(ForwardCall call, Callback done);
 
   // Blocking form, for tests, tools and benchmarks.

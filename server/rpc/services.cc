@@ -49,10 +49,8 @@ void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& 
     for (const auto& a : k.gpu->archs) resp->add_archs(a);
     resp->set_ptx_arch(k.gpu->ptx_arch);
     for (const auto& [expr, name] : k.gpu->lowered_names) (*resp->mutable_lowered_names())[expr] = name;
-    resp->set_binary_bytes(k.gpu->bytes());
-  } else if (k.kernel) {
-    resp->set_binary_bytes(k.kernel->code_bytes());
   }
+  resp->set_binary_bytes(k.binary_bytes());
 }
 
 }  // namespace
@@ -164,7 +162,13 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
     return FinishNow(ctx, absl::UnavailableError("this server was started without a compiler"));
   }
   compiler::CompileJob job;
-  job.target = req->target().empty() ? "CPU" : req->target();
+  const std::string target_name = req->target().empty() ? "CPU" : req->target();
+  auto target = registry::ParseTarget(target_name);
+  if (!target) {
+    return FinishNow(ctx, absl::InvalidArgumentError(absl::StrCat(
+                              "target: unknown \"", target_name, "\" (expected CPU or GPU)")));
+  }
+  job.target = *target;
   job.language = req->language().empty() ? "c++" : req->language();
   job.source = req->source();
   job.file_name = req->file_name();
@@ -174,14 +178,8 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   job.name_expressions.assign(req->name_expressions().begin(), req->name_expressions().end());
   job.archs.assign(req->archs().begin(), req->archs().end());
   job.aot_shared_object = req->aot_shared_object();
-  if (req->language().empty() && job.target == "GPU") job.language = "cuda";
+  if (req->language().empty() && job.target == registry::Target::kGpu) job.language = "cuda";
   // Options of a bare compile get the same checks as a registered op's.
-  registry::Implementation impl;
-  auto target = registry::ParseTarget(job.target);
-  if (!target) {
-    return FinishNow(ctx, absl::InvalidArgumentError(absl::StrCat(
-                              "target: unknown \"", job.target, "\" (expected CPU or GPU)")));
-  }
   if (absl::Status s = registry::ValidateCompileOptions(*target, job.language, job.options,
                                                         "compile_options");
       !s.ok()) {
@@ -191,7 +189,6 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
     return FinishNow(ctx, absl::InvalidArgumentError("source: empty; send the kernel's text"));
   }
   auto* reactor = ctx->DefaultReactor();
-  const std::string target_name = job.target;
   const uint64_t rid = NextRequestId();
   core_.compiler->CompileAsync(
       std::move(job),

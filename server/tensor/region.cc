@@ -1,5 +1,6 @@
 #include "server/tensor/region.h"
 
+#include <atomic>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -27,6 +28,11 @@ class ScopedFd {
   ScopedFd(const ScopedFd&) = delete;
   ScopedFd& operator=(const ScopedFd&) = delete;
   int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
 
  private:
   int fd_;
@@ -94,6 +100,7 @@ absl::StatusOr<std::unique_ptr<Region>> Region::CreateShm(const std::string& shm
     return fail(ShmError(e, "map", shm_key));
   }
   std::unique_ptr<Region> region(new Region());
+  region->fd_ = fd.release();
   region->map_base_ = base;
   region->map_length_ = static_cast<size_t>(byte_size);
   region->data_ = static_cast<uint8_t*>(base);
@@ -165,6 +172,7 @@ absl::StatusOr<std::unique_ptr<Region>> Region::MapExisting(const std::string& s
     return ShmError(e, "map", shm_key);
   }
   std::unique_ptr<Region> region(new Region());
+  region->fd_ = fd.release();
   region->map_base_ = base;
   region->map_length_ = static_cast<size_t>(map_length);
   region->data_ = static_cast<uint8_t*>(base) + delta;
@@ -180,7 +188,13 @@ absl::StatusOr<std::unique_ptr<Region>> Region::MapExisting(const std::string& s
   return region;
 }
 
+Region::Region() {
+  static std::atomic<uint64_t> next_serial{1};
+  serial_ = next_serial.fetch_add(1, std::memory_order_relaxed);
+}
+
 Region::~Region() {
+  if (fd_ >= 0) ::close(fd_);
   if (map_base_ != nullptr && ::munmap(map_base_, map_length_) != 0) {
     Logger("tensor")->error("munmap of region '{}' ({}) failed: {}", info_.name, info_.shm_key,
                             ErrnoText(errno));

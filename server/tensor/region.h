@@ -81,8 +81,17 @@ class Region {
   dev_t object_device() const { return dev_; }
   ino_t object_inode() const { return ino_; }
 
+  // An open read-write descriptor of the shm object, for handing the region
+  // to an executor process (SCM_RIGHTS), which maps the same window. Owned
+  // by the region.
+  int fd() const { return fd_; }
+  // Unique in this process and never reused: executor processes cache their
+  // mappings by it, so a name registered again is never confused with the
+  // old region.
+  uint64_t serial() const { return serial_; }
+
  private:
-  Region() = default;
+  Region();
 
   void* map_base_ = nullptr;  // What mmap returned (page-aligned).
   size_t map_length_ = 0;     // What was mapped: delta + byte_size.
@@ -91,6 +100,8 @@ class Region {
   dev_t dev_ = 0;
   ino_t ino_ = 0;
   bool unlink_on_destroy_ = false;
+  int fd_ = -1;
+  uint64_t serial_ = 0;
 };
 
 }  // namespace opjit::tensor

@@ -1,6 +1,6 @@
-// Tests of opjit::exec::AotKernelInstance: MindSpore-aot kernels called on
+// Tests of opjit::runner::AotKernelInstance: MindSpore-aot kernels called on
 // host buffers through the loader.
-#include "server/exec/aot_kernel.h"
+#include "server/runner/aot_kernel.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 
 #include "tests/unit/loader/test_kernels.h"
 
-namespace opjit::exec {
+namespace opjit::runner {
 namespace {
 
 using ::opjit::testing::CompileKernel;
@@ -462,4 +462,4 @@ TEST_F(AotKernelTest, ConcurrentRuns) {
 }
 
 }  // namespace
-}  // namespace opjit::exec
+}  // namespace opjit::runner

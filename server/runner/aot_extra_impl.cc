@@ -1,11 +1,11 @@
-#include "server/exec/aot_extra_impl.h"
+#include "server/runner/aot_extra_impl.h"
 
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-namespace opjit::exec {
+namespace opjit::runner {
 namespace {
 
 using registry::AttrValue;
@@ -173,4 +173,4 @@ std::vector<std::vector<float>> AotExtraImpl::GetAttrListListFloat(const std::st
   return {};
 }
 
-}  // namespace opjit::exec
+}  // namespace opjit::runner

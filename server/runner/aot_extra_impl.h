@@ -11,7 +11,7 @@
 #include "custom_aot_extra.h"
 #include "server/registry/op_def.h"
 
-namespace opjit::exec {
+namespace opjit::runner {
 
 // Attribute access for one kernel instance. A kernel's read of a missing
 // attribute or one of another type must not take the daemon down: the getter
@@ -67,4 +67,4 @@ class AotExtraImpl final : public AotExtra {
 // The registry's name of the type an AttrValue holds ("int", "listFloat", ...).
 const char* AttrValueTypeName(const registry::AttrValue& value);
 
-}  // namespace opjit::exec
+}  // namespace opjit::runner

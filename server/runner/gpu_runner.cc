@@ -1,4 +1,4 @@
-#include "server/exec/gpu_runner.h"
+#include "server/runner/gpu_runner.h"
 
 #include <dlfcn.h>
 #include <unistd.h>
@@ -10,12 +10,12 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
-#include "server/exec/aot_extra_impl.h"
+#include "server/runner/aot_extra_impl.h"
 #include "server/gpu/cuda_driver.h"
 #include "server/gpu/launch_spec.h"
 #include "server/tensor/tensor_ref.h"
 
-namespace opjit::exec {
+namespace opjit::runner {
 namespace {
 
 using AotEntry = int (*)(int, void**, int*, int64_t**, const char**, void*, void*);
@@ -54,7 +54,7 @@ absl::StatusOr<std::shared_ptr<gpu::Module>> GpuRunner::ModuleFor(
   OPJIT_ASSIGN_OR_RETURN(auto module, gpu::Module::Load(*device, image));
   std::shared_ptr<gpu::Module> shared(std::move(module));
   modules_[kernel.cache_key] = shared;
-  Logger("exec")->info("loaded GPU module {} for {} ({})", kernel.cache_key.substr(0, 12), arch,
+  Logger("runner")->info("loaded GPU module {} for {} ({})", kernel.cache_key.substr(0, 12), arch,
                        cubin != kernel.gpu->cubins.end() ? "CUBIN" : "PTX");
   return shared;
 }
@@ -213,4 +213,4 @@ absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implemen
   return stream.Synchronize();
 }
 
-}  // namespace opjit::exec
+}  // namespace opjit::runner

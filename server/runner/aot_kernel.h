@@ -13,27 +13,12 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "absl/status/statusor.h"
-#include "server/exec/aot_extra_impl.h"
+#include "server/runner/aot_extra_impl.h"
 #include "server/loader/loader.h"
 #include "server/registry/op_def.h"
+#include "server/runner/kernel_runner.h"
 
-namespace opjit::exec {
-
-// The dtype and shape of one tensor argument.
-struct TensorDesc {
-  std::string dtype;           // "float32", "int64", ...
-  std::vector<int64_t> shape;  // empty: a scalar
-  bool operator==(const TensorDesc&) const = default;
-};
-
-// "float32[2,3]".
-std::string DescString(const TensorDesc& desc);
-
-// A tensor in host memory; the caller owns `data`.
-struct HostTensor {
-  void* data = nullptr;
-  TensorDesc desc;
-};
+namespace opjit::runner {
 
 struct AotKernelOptions {
   // Serialise Run calls on one instance. Aot kernels commonly keep mutable
@@ -139,4 +124,4 @@ class AotKernelInstance {
   mutable std::vector<size_t> workspace_;
 };
 
-}  // namespace opjit::exec
+}  // namespace opjit::runner

@@ -1,7 +1,9 @@
-#include "server/exec/aot_kernel.h"
+#include "server/runner/aot_kernel.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <new>
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
@@ -10,7 +12,7 @@
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 
-namespace opjit::exec {
+namespace opjit::runner {
 namespace {
 
 constexpr size_t kWorkspaceAlignment = 64;
@@ -64,6 +66,9 @@ template <typename F>
 absl::Status CatchKernelExceptions(const std::string& what, F&& call) {
   try {
     call();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, " ran out of memory (the executor's memory limit)"));
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(what, " threw an exception: ", e.what()));
   } catch (...) {
@@ -169,7 +174,7 @@ absl::Status AotKernelInstance::RunInitLocked(const std::vector<TensorDesc>& out
     workspace_ = extra_.WorkSpace();
   }
   init_done_.store(true, std::memory_order_release);
-  if (!status.ok()) Logger("exec")->debug("{}", status.ToString());
+  if (!status.ok()) Logger("runner")->debug("{}", status.ToString());
   return status;
 }
 
@@ -239,6 +244,9 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
       return absl::ResourceExhaustedError(
           absl::StrCat("kernel ", entry_, ": cannot allocate a workspace of ", size, " bytes"));
     }
+    // Zero-filled: a workspace never hands the kernel (or, through a buggy
+    // kernel, its caller) bytes left over from earlier calls.
+    std::memset(p, 0, rounded);
     workspaces.emplace_back(p);
     const int64_t dim = static_cast<int64_t>(size);
     args.Add(p, "uint8", &dim, 1);
@@ -257,4 +265,4 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
   return absl::OkStatus();
 }
 
-}  // namespace opjit::exec
+}  // namespace opjit::runner

@@ -19,14 +19,14 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "server/compiler/kernel_compiler.h"
-#include "server/exec/aot_kernel.h"
+#include "server/runner/aot_kernel.h"
 #include "server/registry/op_def.h"
 
 namespace opjit::gpu {
 class Module;
 }
 
-namespace opjit::exec {
+namespace opjit::runner {
 
 class GpuRunner {
  public:
@@ -56,4 +56,4 @@ class GpuRunner {
   std::map<std::string, void*> shared_objects_;                 // GUARDED_BY(mu_), dlopen handles
 };
 
-}  // namespace opjit::exec
+}  // namespace opjit::runner

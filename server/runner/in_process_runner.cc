@@ -1,0 +1,52 @@
+#include "server/runner/in_process_runner.h"
+
+#include <chrono>
+
+#include "absl/container/inlined_vector.h"
+#include "absl/strings/str_cat.h"
+#include "server/common/status_macros.h"
+#include "server/tensor/region.h"
+
+namespace opjit::runner {
+namespace {
+
+class InProcessInstance : public KernelInstance {
+ public:
+  explicit InProcessInstance(std::unique_ptr<HostInstance> inst) : inst_(std::move(inst)) {}
+
+  absl::StatusOr<std::vector<int64_t>> InferShape() override { return inst_->InferShape(); }
+
+  absl::Status Run(const RunArgs& args) override {
+    absl::InlinedVector<HostTensor, 4> in, out;
+    for (const TensorLoc& t : args.inputs) in.push_back(ToHost(t));
+    for (const TensorLoc& t : args.outputs) out.push_back(ToHost(t));
+    // A started kernel cannot be stopped in this process: it runs to the end.
+    return inst_->Run(in, out);
+  }
+
+ private:
+  std::unique_ptr<HostInstance> inst_;
+};
+
+}  // namespace
+
+HostTensor ToHost(const TensorLoc& loc) {
+  HostTensor t;
+  t.desc = loc.desc;
+  t.data = loc.region != nullptr ? static_cast<void*>(loc.region->data() + loc.offset)
+                                 : static_cast<void*>(loc.data);
+  return t;
+}
+
+absl::StatusOr<std::unique_ptr<InProcessRunner>> InProcessRunner::Create(
+    const KernelHostOptions& options) {
+  OPJIT_ASSIGN_OR_RETURN(auto host, KernelHost::Create(options));
+  return std::unique_ptr<InProcessRunner>(new InProcessRunner(std::move(host)));
+}
+
+absl::StatusOr<std::shared_ptr<KernelInstance>> InProcessRunner::Instance(const InstanceSpec& spec) {
+  OPJIT_ASSIGN_OR_RETURN(auto inst, host_->NewInstance(spec));
+  return std::shared_ptr<KernelInstance>(new InProcessInstance(std::move(inst)));
+}
+
+}  // namespace opjit::runner

@@ -1,0 +1,62 @@
+// KernelHost: loads compiled kernels into the calling process and runs them
+// on host pointers. This is where user code executes: in an
+// opjit-exec-worker (process isolation) or, in "in-daemon" mode, in opjitd.
+//
+// Thread-safety: all methods are thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "server/runner/kernel_runner.h"
+
+namespace opjit::runner {
+
+struct KernelHostOptions {
+  // Shared libraries kernels may link against (the compiler's allow-list).
+  // Default: none.
+  std::vector<std::string> allowed_libraries;
+  // Where aot GPU shared objects are written while being loaded. Default: /tmp.
+  std::string scratch_dir = "/tmp";
+  // Loaded CPU objects kept for new instances. Default: 256.
+  size_t loaded_kernels = 256;
+};
+
+// One instance living in this process. Run and InferShape are thread-safe.
+class HostInstance {
+ public:
+  virtual ~HostInstance() = default;
+  virtual absl::StatusOr<std::vector<int64_t>> InferShape() = 0;
+  virtual absl::Status Run(absl::Span<const HostTensor> inputs,
+                           absl::Span<const HostTensor> outputs) = 0;
+};
+
+class KernelHost {
+ public:
+  // INTERNAL when the JIT cannot be set up.
+  static absl::StatusOr<std::unique_ptr<KernelHost>> Create(const KernelHostOptions& options);
+  ~KernelHost();
+
+  // Loads spec.kernel (once per cache key while cached) and makes an
+  // instance; Init runs now when spec.outputs is set. Errors: the loader's
+  // (INVALID_ARGUMENT for a link error, PERMISSION_DENIED for a library off
+  // the allow-list), AotKernelInstance::Create's, UNAVAILABLE for a GPU
+  // kernel without a GPU.
+  absl::StatusOr<std::unique_ptr<HostInstance>> NewInstance(const InstanceSpec& spec);
+
+  struct Stats {
+    uint64_t loads = 0;     // objects linked
+    uint64_t loaded = 0;    // objects cached now
+  };
+  Stats GetStats() const;
+
+ private:
+  struct Impl;
+  explicit KernelHost(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace opjit::runner

@@ -1,0 +1,133 @@
+// The seam between the executor and wherever kernels run.
+//
+// The executor checks a call, places its tensors and then asks a
+// KernelRunner for a KernelInstance (one per op version, input shapes and
+// dtypes, and attrs: MindSpore's Init runs once per instance) and runs it on
+// tensor locations, never on raw pointers. Two runners implement it:
+//
+//   InProcessRunner  kernels run inside this process ([exec] isolation =
+//                    "in-daemon": fast and unsafe, for a trusted single user)
+//   ProcessRunner    kernels run in sandboxed opjit-exec-worker processes,
+//                    one pool per namespace ([exec] isolation = "process",
+//                    the default); a crash, hang or memory bomb costs a
+//                    worker, never the daemon
+//
+// Both load the same artifacts (compiler::CompiledKernel) through KernelHost.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "server/registry/attr_value.h"
+#include "server/registry/op_def.h"
+
+namespace opjit::compiler {
+struct CompiledKernel;
+}
+namespace opjit::tensor {
+class Region;
+}
+
+namespace opjit::runner {
+
+// The dtype and shape of one tensor argument.
+struct TensorDesc {
+  std::string dtype;           // "float32", "int64", ...
+  std::vector<int64_t> shape;  // empty: a scalar
+  bool operator==(const TensorDesc&) const = default;
+};
+
+// "float32[2,3]".
+std::string DescString(const TensorDesc& desc);
+
+// A tensor in this process's memory; the caller owns `data`.
+struct HostTensor {
+  void* data = nullptr;
+  TensorDesc desc;
+};
+
+// Where one tensor of a call lives, already checked by the executor: either
+// `nbytes` at `offset` inside `region` (which the caller keeps alive for the
+// call), or the caller's own buffer `data` (inline tensors: read for inputs,
+// written for outputs).
+struct TensorLoc {
+  TensorDesc desc;
+  uint64_t nbytes = 0;
+  std::shared_ptr<const tensor::Region> region;
+  uint64_t offset = 0;
+  char* data = nullptr;  // when region is null
+};
+
+// What makes one kernel instance.
+struct InstanceSpec {
+  std::string ns;     // the namespace whose code this is: pools are per namespace
+  std::string label;  // "ns/op v3", for messages and logs
+  std::shared_ptr<const compiler::CompiledKernel> kernel;
+  // GPU: the op's definition (launch spec, names) and which implementation.
+  std::shared_ptr<const registry::OpDef> def;
+  int impl_index = 0;
+  std::string entry;
+  std::vector<TensorDesc> inputs;         // flat (dynamic inputs expanded)
+  std::vector<std::string> input_names;   // per flat input: its declared input's name
+  // Known output descriptors, or empty when the op takes its output shape
+  // from the kernel's InferShape (Init then runs at the first Run).
+  std::vector<TensorDesc> outputs;
+  std::map<std::string, registry::AttrValue> attrs;
+};
+
+struct RunArgs {
+  absl::Span<const TensorLoc> inputs;
+  absl::Span<const TensorLoc> outputs;
+  // The call's deadline; the runner stops a kernel that runs past it (or past
+  // its own kernel time limit) where it can.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+};
+
+// One kernel instance. Thread-safe: Run may be called from many threads
+// (an aot kernel with Init is serialised per instance, as MindSpore does).
+class KernelInstance {
+ public:
+  virtual ~KernelInstance() = default;
+  // The kernel's InferShape for the instance's inputs: -1 for an unknown
+  // dim, {-2} for an unknown rank. FAILED_PRECONDITION when it has none.
+  virtual absl::StatusOr<std::vector<int64_t>> InferShape() = 0;
+  // Runs the kernel. Errors: INVALID_ARGUMENT (mismatched tensors, a wrong
+  // attr read, Init failed), ABORTED (non-zero return, or the kernel's
+  // process died: the message names the signal), INTERNAL (the kernel
+  // threw), RESOURCE_EXHAUSTED (out of memory), DEADLINE_EXCEEDED (stopped at
+  // the deadline or the kernel time limit), FAILED_PRECONDITION (the kernel
+  // is quarantined), UNAVAILABLE (no GPU, or no worker could be started).
+  virtual absl::Status Run(const RunArgs& args) = 0;
+};
+
+struct RunnerStats {
+  uint64_t workers_live = 0;     // executor processes now
+  uint64_t workers_started = 0;  // since start
+  uint64_t worker_crashes = 0;   // died while running a call
+  uint64_t worker_timeouts = 0;  // killed at a deadline or the kernel time limit
+  uint64_t quarantined = 0;      // kernels refused after repeated crashes
+};
+
+class KernelRunner {
+ public:
+  virtual ~KernelRunner() = default;
+  // A new instance for `spec`. Init runs here when the outputs are known
+  // (in-daemon), or lazily in each worker (process). Errors: those of Run.
+  virtual absl::StatusOr<std::shared_ptr<KernelInstance>> Instance(const InstanceSpec& spec) = 0;
+  // Forgets everything cached for kernels of namespace `ns` (the op was
+  // registered again: a quarantine ends). Default: nothing.
+  virtual void Reset(const std::string& ns) {}
+  // Housekeeping (stopping idle workers); called about once a second.
+  virtual void Maintain() {}
+  virtual RunnerStats Stats() const = 0;
+  // "in-daemon" or "process".
+  virtual const char* mode() const = 0;
+};
+
+}  // namespace opjit::runner

@@ -1,0 +1,696 @@
+#include "server/runner/process_runner.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/logging.h"
+#include "server/common/status_macros.h"
+#include "server/compiler/kernel_compiler.h"
+#include "server/runner/worker_protocol.h"
+#include "server/tensor/region.h"
+
+extern char** environ;
+
+namespace opjit::runner {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+absl::Time ToAbsl(Clock::time_point t) {
+  if (t == Clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::Now() + absl::FromChrono(t - Clock::now());
+}
+
+uint64_t Align64(uint64_t x) { return (x + 63) & ~uint64_t{63}; }
+
+inline void CpuRelax() { __builtin_ia32_pause(); }
+
+std::string SignalText(int sig) {
+  const char* name = sigabbrev_np(sig);
+  return absl::StrCat(name != nullptr ? absl::StrCat("SIG", name) : "signal", " (signal ", sig, ")");
+}
+
+// One executor process and its channel. Owned by exactly one thread at a
+// time (the pool hands it out), so its members need no lock.
+struct Worker {
+  pid_t pid = -1;
+  int sock = -1;
+  int arena_fd = -1;
+  void* map = nullptr;
+  size_t map_bytes = 0;
+  wire::SlotHeader* slot = nullptr;
+  char* data = nullptr;  // the arena's data area
+  uint64_t data_bytes = 0;
+  uint64_t calls = 0;
+  Clock::time_point last_used = Clock::now();
+  // Why it died, once known ("" while alive).
+  std::string death;
+  bool killed_by_us = false;
+
+  ~Worker() {
+    if (map != nullptr) ::munmap(map, map_bytes);
+    if (sock >= 0) ::close(sock);
+    if (arena_fd >= 0) ::close(arena_fd);
+  }
+
+  // Reaps the process and records how it ended. With `kill` it is killed
+  // at once; otherwise it gets `grace_ms` to finish dying (a closed channel
+  // usually means it is), then it is killed anyway.
+  void Reap(bool kill, int grace_ms = 0) {
+    if (pid <= 0) return;
+    int status = 0;
+    pid_t r = 0;
+    if (!kill) {
+      const auto until = Clock::now() + std::chrono::milliseconds(grace_ms);
+      while ((r = ::waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < until) {
+        ::usleep(200);
+      }
+    }
+    if (r != pid) {
+      killed_by_us = true;
+      ::kill(pid, SIGKILL);
+      do {
+        r = ::waitpid(pid, &status, 0);
+      } while (r < 0 && errno == EINTR);
+    }
+    if (r == pid && death.empty()) {
+      if (WIFSIGNALED(status)) {
+        death = absl::StrCat("died with ", SignalText(WTERMSIG(status)));
+      } else if (WIFEXITED(status)) {
+        death = absl::StrCat("exited with status ", WEXITSTATUS(status));
+      }
+    }
+    pid = -1;
+  }
+};
+
+struct Pool {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::unique_ptr<Worker>> idle;  // guarded by mu
+  int live = 0;                              // guarded by mu: idle + busy + starting
+};
+
+// What a worker said to a control request or a call.
+struct Reply {
+  int32_t code = 0;
+  uint64_t need = 0;
+  std::string message;
+  std::string payload;
+};
+
+absl::Status StatusOf(const Reply& r) {
+  if (r.code == 0) return absl::OkStatus();
+  if (r.code < 0 || r.code > 16) return absl::InternalError("the executor process sent a bad reply");
+  return absl::Status(static_cast<absl::StatusCode>(r.code), r.message);
+}
+
+}  // namespace
+
+struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
+  ProcessRunnerOptions options;
+  std::mutex mu;
+  std::map<std::string, std::unique_ptr<Pool>> pools;  // by namespace; guarded by mu
+  std::map<std::string, int> crash_streak;             // by quarantine key; guarded by mu
+  std::atomic<uint64_t> next_instance_id{1};
+  std::atomic<uint64_t> started{0}, crashes{0}, timeouts{0}, quarantined{0}, live{0};
+
+  Pool* PoolFor(const std::string& ns) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& p = pools[ns];
+    if (!p) p = std::make_unique<Pool>();
+    return p.get();
+  }
+
+  absl::StatusOr<std::unique_ptr<Worker>> Spawn(const std::string& ns);
+  // An idle worker of `ns`, or a new one; waits for one until `deadline`.
+  absl::StatusOr<std::unique_ptr<Worker>> Acquire(const std::string& ns, Clock::time_point deadline);
+  void Release(const std::string& ns, std::unique_ptr<Worker> w);
+  // A worker that is not coming back: reaped (killed first if `kill`).
+  void Discard(const std::string& ns, std::unique_ptr<Worker>& w, bool kill);
+
+  // Sends a control frame and waits for the reply. On a channel failure the
+  // worker is reaped and the status says how it ended.
+  absl::StatusOr<Reply> Control(Worker& w, wire::Msg type, const std::string& payload,
+                                Clock::time_point deadline, int fd = -1);
+  // Posts the call in the slot and waits for it.
+  absl::StatusOr<Reply> Call(Worker& w, Clock::time_point deadline, int64_t spin_us);
+
+  absl::Status QuarantineCheck(const std::string& key, const std::string& label) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = crash_streak.find(key);
+    if (it == crash_streak.end() || it->second < options.quarantine_after) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the kernel is quarantined: it crashed its executor process ", it->second,
+        " times in a row; fix it and register the op again"));
+  }
+  void NoteCrash(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (++crash_streak[key] == options.quarantine_after) quarantined.fetch_add(1);
+  }
+  void NoteSuccess(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu);
+    crash_streak.erase(key);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::string& ns) {
+  auto w = std::make_unique<Worker>();
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    return absl::UnavailableError(absl::StrCat("socketpair: ", std::strerror(errno)));
+  }
+  w->sock = sv[0];
+  const int child_sock = sv[1];
+  w->arena_fd = ::memfd_create("opjit-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (w->arena_fd < 0) {
+    ::close(child_sock);
+    return absl::UnavailableError(absl::StrCat("memfd_create: ", std::strerror(errno)));
+  }
+  w->map_bytes = wire::kSlotBytes + options.arena_bytes;
+  // Sealed: the worker (and any kernel in it) can neither shrink nor grow
+  // it, so the daemon's reads of it never fault.
+  if (::ftruncate(w->arena_fd, static_cast<off_t>(w->map_bytes)) != 0 ||
+      ::fcntl(w->arena_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    ::close(child_sock);
+    return absl::UnavailableError(absl::StrCat("arena: ", std::strerror(errno)));
+  }
+  w->map = ::mmap(nullptr, w->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, w->arena_fd, 0);
+  if (w->map == MAP_FAILED) {
+    w->map = nullptr;
+    ::close(child_sock);
+    return absl::ResourceExhaustedError(absl::StrCat("arena mmap: ", std::strerror(errno)));
+  }
+  w->slot = static_cast<wire::SlotHeader*>(w->map);
+  new (w->slot) wire::SlotHeader();
+  w->data = static_cast<char*>(w->map) + wire::kSlotBytes;
+  w->data_bytes = options.arena_bytes;
+
+  std::vector<std::string> args = {
+      options.worker_path,
+      "--parent-pid", std::to_string(::getpid()),
+      "--arena-bytes", std::to_string(options.arena_bytes),
+      "--memory-bytes", std::to_string(options.memory_bytes),
+      "--uid", std::to_string(options.uid),
+      "--gid", std::to_string(options.gid),
+      "--spin-us", std::to_string(options.spin_us),
+      "--scratch-dir", options.host.scratch_dir,
+      "--namespace", ns,
+  };
+  for (const auto& lib : options.host.allowed_libraries) {
+    args.push_back("--allow-library");
+    args.push_back(lib);
+  }
+  for (const auto& p : options.read_only_paths) {
+    args.push_back("--read-only");
+    args.push_back(p);
+  }
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  // A clean environment: nothing of the daemon's reaches a kernel.
+  std::string path_env = "PATH=/usr/bin:/bin";
+  char* envp[] = {path_env.data(), nullptr};
+
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, child_sock, 3);
+  posix_spawn_file_actions_adddup2(&fa, w->arena_fd, 4);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  // Its own process group, so a signal to the daemon's group spares it and
+  // the daemon decides when it ends.
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK);
+  posix_spawnattr_setpgroup(&attr, 0);
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);
+  pid_t pid = -1;
+  int err = ::posix_spawn(&pid, options.worker_path.c_str(), &fa, &attr, argv.data(), envp);
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  ::close(child_sock);
+  if (err != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot start an executor process: ", std::strerror(err)));
+  }
+  w->pid = pid;
+  started.fetch_add(1);
+  live.fetch_add(1);
+  // The hello says the sandbox is in place.
+  wire::Msg type;
+  std::string payload;
+  absl::Status s = wire::RecvFrame(w->sock, &type, &payload, absl::Now() + absl::Seconds(30));
+  wire::Reader r(payload);
+  const uint32_t version = r.U32();
+  if (!s.ok() || type != wire::Msg::kHello || !r.ok() || version != wire::kProtocolVersion) {
+    w->Reap(/*kill=*/true);
+    live.fetch_sub(1);
+    Logger("runner")->error("executor process for namespace {} failed to start: {}{}", ns,
+                            s.ok() ? "bad hello" : s.ToString(),
+                            w->death.empty() ? "" : absl::StrCat(" (", w->death, ")"));
+    return absl::UnavailableError(
+        "an executor process could not be started; the server log says why");
+  }
+  Logger("runner")->debug("executor process {} started for namespace {}", w->pid, ns);
+  return w;
+}
+
+absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Acquire(const std::string& ns,
+                                                                     Clock::time_point deadline) {
+  Pool* pool = PoolFor(ns);
+  std::unique_lock<std::mutex> lock(pool->mu);
+  for (;;) {
+    if (!pool->idle.empty()) {
+      auto w = std::move(pool->idle.back());  // the most recently used: warm caches
+      pool->idle.pop_back();
+      return w;
+    }
+    if (pool->live < options.workers_per_namespace) {
+      ++pool->live;
+      lock.unlock();
+      auto w = Spawn(ns);
+      if (!w.ok()) {
+        lock.lock();
+        --pool->live;
+        pool->cv.notify_one();
+      }
+      return w;
+    }
+    if (pool->cv.wait_until(lock, deadline) == std::cv_status::timeout && pool->idle.empty()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "all ", options.workers_per_namespace, " executor processes of namespace \"", ns,
+          "\" stayed busy until the deadline"));
+    }
+  }
+}
+
+void ProcessRunner::Impl::Release(const std::string& ns, std::unique_ptr<Worker> w) {
+  Pool* pool = PoolFor(ns);
+  w->last_used = Clock::now();
+  std::lock_guard<std::mutex> lock(pool->mu);
+  pool->idle.push_back(std::move(w));
+  pool->cv.notify_one();
+}
+
+void ProcessRunner::Impl::Discard(const std::string& ns, std::unique_ptr<Worker>& w, bool kill) {
+  w->Reap(kill);
+  w.reset();
+  live.fetch_sub(1);
+  Pool* pool = PoolFor(ns);
+  std::lock_guard<std::mutex> lock(pool->mu);
+  --pool->live;
+  pool->cv.notify_one();
+}
+
+absl::StatusOr<Reply> ProcessRunner::Impl::Control(Worker& w, wire::Msg type,
+                                                   const std::string& payload,
+                                                   Clock::time_point deadline, int fd) {
+  absl::Status s = wire::SendFrame(w.sock, type, payload, fd);
+  if (!s.ok()) return absl::UnavailableError("the executor process is gone");
+  for (;;) {
+    wire::Msg got;
+    std::string body;
+    s = wire::RecvFrame(w.sock, &got, &body, ToAbsl(deadline));
+    if (!s.ok()) return s;
+    if (got == wire::Msg::kDoorbell) continue;  // a stale wake-up hint
+    if (got != wire::Msg::kReply) return absl::DataLossError("unexpected frame");
+    wire::Reader r(body);
+    Reply reply;
+    reply.code = r.I32();
+    reply.need = r.U64();
+    reply.message = r.Str();
+    reply.payload = r.Str();
+    if (!r.done()) return absl::DataLossError("malformed reply");
+    if (reply.message.size() > wire::kMessageBytes) reply.message.resize(wire::kMessageBytes);
+    return reply;
+  }
+}
+
+absl::StatusOr<Reply> ProcessRunner::Impl::Call(Worker& w, Clock::time_point deadline,
+                                                int64_t spin_us) {
+  wire::SlotHeader* slot = w.slot;
+  slot->seq = ++w.calls;
+  const uint32_t prev = slot->state.exchange(wire::kRequest, std::memory_order_acq_rel);
+  if (prev & wire::kWorkerSleeping) {
+    if (!wire::SendFrame(w.sock, wire::Msg::kDoorbell, {}).ok()) {
+      return absl::UnavailableError("the executor process is gone");
+    }
+  }
+  // Spin first: a small kernel finishes within it, and a wake-up costs more.
+  if (spin_us > 0) {
+    const auto until = Clock::now() + std::chrono::microseconds(spin_us);
+    int n = 0;
+    for (;;) {
+      if ((slot->state.load(std::memory_order_acquire) & wire::kPhaseMask) == wire::kDone) break;
+      CpuRelax();
+      if ((++n & 63) == 0 && Clock::now() > until) break;
+    }
+  }
+  for (;;) {
+    uint32_t s = slot->state.load(std::memory_order_acquire);
+    if ((s & wire::kPhaseMask) == wire::kDone) break;
+    if (!(s & wire::kDaemonSleeping) &&
+        !slot->state.compare_exchange_weak(s, s | wire::kDaemonSleeping,
+                                           std::memory_order_acq_rel)) {
+      continue;
+    }
+    // Sleep until the worker's wake frame, its death (EOF), or the deadline.
+    wire::Msg got;
+    std::string body;
+    absl::Status st = wire::RecvFrame(w.sock, &got, &body, ToAbsl(deadline));
+    if (!st.ok()) return st;
+    if (got != wire::Msg::kDoorbell) return absl::DataLossError("unexpected frame");
+  }
+  Reply reply;
+  reply.code = slot->code;
+  reply.need = slot->need;
+  const uint32_t len = std::min<uint32_t>(slot->message_len, wire::kMessageBytes);
+  reply.message.assign(slot->message, len);
+  // Idle again; keep the worker's sleeping bit, which only it clears.
+  uint32_t s = slot->state.load(std::memory_order_acquire);
+  while (!slot->state.compare_exchange_weak(s, wire::kIdle | (s & wire::kWorkerSleeping),
+                                            std::memory_order_acq_rel)) {
+  }
+  return reply;
+}
+
+namespace {
+
+// An instance whose code lives in the namespace's workers. Each worker
+// creates it on first use (Init runs there); the daemon keeps only the spec.
+class RemoteInstance : public KernelInstance {
+ public:
+  RemoteInstance(std::shared_ptr<ProcessRunner::Impl> runner, InstanceSpec spec, uint64_t id)
+      : runner_(std::move(runner)),
+        spec_(std::move(spec)),
+        id_(id),
+        quarantine_key_(absl::StrCat(spec_.ns, "\x1f", spec_.label, "\x1f",
+                                     spec_.kernel->cache_key)) {}
+
+  absl::StatusOr<std::vector<int64_t>> InferShape() override;
+  absl::Status Run(const RunArgs& args) override;
+
+ private:
+  // Runs `op` on a worker of the namespace, creating the instance, loading
+  // the kernel and mapping regions there as the worker asks. `op` returns
+  // the worker's reply.
+  template <typename Op>
+  absl::StatusOr<Reply> OnWorker(Clock::time_point deadline, const RunArgs* args, Op op);
+  // The instance's spec as a worker needs it now (outputs once known).
+  std::string EncodedSpec() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return wire::EncodeInstance(id_, spec_);
+  }
+  absl::Status Failure(Worker& w, const absl::Status& s, bool timed_out, Clock::time_point call_deadline);
+
+  const std::shared_ptr<ProcessRunner::Impl> runner_;
+  std::mutex mu_;
+  InstanceSpec spec_;  // outputs guarded by mu_ once set
+  const uint64_t id_;
+  const std::string quarantine_key_;
+  std::atomic<double> ewma_us_{0};  // recent kernel time, for the spin budget
+};
+
+absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool timed_out,
+                                     Clock::time_point call_deadline) {
+  auto log = Logger("runner");
+  const pid_t pid = w.pid;
+  if (timed_out) {
+    runner_->timeouts.fetch_add(1);
+    const bool by_call = call_deadline != Clock::time_point::max() &&
+                         call_deadline <= Clock::now() + std::chrono::milliseconds(1);
+    log->warn("{} (namespace {}): kernel stopped at {}; executor process {} killed", spec_.label,
+              spec_.ns, by_call ? "the call's deadline" : "the kernel time limit", pid);
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the kernel ran past ",
+        by_call ? std::string("the call's deadline")
+                : absl::StrCat("the server's kernel time limit (",
+                               runner_->options.kernel_timeout_ms, " ms)"),
+        "; its executor process was stopped"));
+  }
+  // A closed channel: the process is dying; one that broke the protocol is
+  // killed.
+  w.Reap(/*kill=*/!absl::IsOutOfRange(s) && !absl::IsUnavailable(s), /*grace_ms=*/500);
+  runner_->crashes.fetch_add(1);
+  runner_->NoteCrash(quarantine_key_);
+  const std::string how =
+      w.death.empty() || (w.killed_by_us && !absl::IsOutOfRange(s)) ? "broke the executor protocol"
+                                                                    : w.death;
+  log->error("{} (namespace {}): executor process {} {} ({})", spec_.label, spec_.ns, pid, how,
+             s.ToString());
+  if (!w.killed_by_us && w.death.find("SIGKILL") != std::string::npos) {
+    return absl::ResourceExhaustedError(
+        "the kernel's executor process was killed (SIGKILL), most likely for using too much memory");
+  }
+  return absl::AbortedError(absl::StrCat("the kernel's executor process ", how,
+                                         "; only this call failed, and the next one runs in a "
+                                         "fresh process (Init runs again)"));
+}
+
+template <typename Op>
+absl::StatusOr<Reply> RemoteInstance::OnWorker(Clock::time_point call_deadline,
+                                               const RunArgs* args, Op op) {
+  OPJIT_RETURN_IF_ERROR(runner_->QuarantineCheck(quarantine_key_, spec_.label));
+  const auto limit = Clock::now() + std::chrono::milliseconds(runner_->options.kernel_timeout_ms);
+  const Clock::time_point deadline = std::min(call_deadline, limit);
+  OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> w, runner_->Acquire(spec_.ns, deadline));
+  auto fail = [&](const absl::Status& s) -> absl::Status {
+    const bool timed_out = absl::IsDeadlineExceeded(s);
+    absl::Status out = Failure(*w, s, timed_out, call_deadline);
+    runner_->Discard(spec_.ns, w, /*kill=*/true);  // reaped already unless it timed out
+    return out;
+  };
+  // Each round supplies one missing piece; a call has at most this many.
+  const size_t max_rounds = 4 + (args ? args->inputs.size() + args->outputs.size() : 0);
+  for (size_t round = 0; round < max_rounds; ++round) {
+    absl::StatusOr<Reply> reply = op(*w, deadline);
+    if (!reply.ok()) return fail(reply.status());
+    if (reply->code == wire::kNeedInstance) {
+      auto created = runner_->Control(*w, wire::Msg::kNewInstance, EncodedSpec(), deadline);
+      if (!created.ok()) return fail(created.status());
+      if (created->code == wire::kNeedKernel) {
+        auto loaded = runner_->Control(*w, wire::Msg::kLoadKernel, wire::EncodeKernel(*spec_.kernel),
+                                       deadline);
+        if (!loaded.ok()) return fail(loaded.status());
+        if (loaded->code != 0) {
+          runner_->Release(spec_.ns, std::move(w));
+          return StatusOf(*loaded);
+        }
+        created = runner_->Control(*w, wire::Msg::kNewInstance, EncodedSpec(), deadline);
+        if (!created.ok()) return fail(created.status());
+      }
+      if (created->code != 0) {
+        runner_->Release(spec_.ns, std::move(w));
+        return StatusOf(*created);
+      }
+      continue;
+    }
+    if (reply->code == wire::kNeedRegion && args != nullptr) {
+      const tensor::Region* region = nullptr;
+      for (auto span : {args->inputs, args->outputs}) {
+        for (const TensorLoc& t : span) {
+          if (t.region != nullptr && t.region->serial() == reply->need) region = t.region.get();
+        }
+      }
+      if (region == nullptr) return fail(absl::DataLossError("asked for a region not in the call"));
+      wire::Writer wr;
+      wr.U64(region->serial());
+      wr.U64(region->info().offset);
+      wr.U64(region->size());
+      auto added = runner_->Control(*w, wire::Msg::kAddRegion, wr.out(), deadline, region->fd());
+      if (!added.ok()) return fail(added.status());
+      if (added->code != 0) {
+        runner_->Release(spec_.ns, std::move(w));
+        return StatusOf(*added);
+      }
+      continue;
+    }
+    runner_->Release(spec_.ns, std::move(w));
+    runner_->NoteSuccess(quarantine_key_);
+    return reply;
+  }
+  return fail(absl::DataLossError("the executor process kept asking for more"));
+}
+
+absl::StatusOr<std::vector<int64_t>> RemoteInstance::InferShape() {
+  OPJIT_ASSIGN_OR_RETURN(Reply reply, OnWorker(Clock::time_point::max(), nullptr,
+                                               [&](Worker& w, Clock::time_point deadline) {
+                                                 wire::Writer wr;
+                                                 wr.U64(id_);
+                                                 return runner_->Control(w, wire::Msg::kInferShape,
+                                                                         wr.out(), deadline);
+                                               }));
+  OPJIT_RETURN_IF_ERROR(StatusOf(reply));
+  wire::Reader r(reply.payload);
+  TensorDesc d = r.Desc();
+  if (!r.done() || d.shape.size() > 64) return absl::InternalError("malformed InferShape reply");
+  return d.shape;
+}
+
+absl::Status RemoteInstance::Run(const RunArgs& args) {
+  const size_t n = args.inputs.size() + args.outputs.size();
+  if (n > wire::kMaxTensors) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a call may pass at most ", wire::kMaxTensors, " tensors; this one has ", n));
+  }
+  {
+    // Outputs are fixed per instance: the first run tells workers that
+    // create the instance later (Init then runs with them).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (spec_.outputs.empty() && !args.outputs.empty()) {
+      for (const TensorLoc& t : args.outputs) spec_.outputs.push_back(t.desc);
+    }
+  }
+  // Inline tensors: inputs, then outputs, in the arena's data area.
+  uint64_t arena_need = 0;
+  for (auto span : {args.inputs, args.outputs}) {
+    for (const TensorLoc& t : span) {
+      if (t.region == nullptr) arena_need = Align64(arena_need + t.nbytes);
+    }
+  }
+  if (arena_need > runner_->options.arena_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the call's inline tensors need ", arena_need, " bytes; an executor process takes at most ",
+        runner_->options.arena_bytes, " inline; pass big tensors in shared memory"));
+  }
+  const double ewma = ewma_us_.load(std::memory_order_relaxed);
+  const int64_t spin = ewma > 4.0 * runner_->options.spin_us ? 0 : runner_->options.spin_us;
+  const auto t0 = Clock::now();
+  OPJIT_ASSIGN_OR_RETURN(
+      Reply reply,
+      OnWorker(args.deadline, &args, [&](Worker& w, Clock::time_point deadline) -> absl::StatusOr<Reply> {
+        wire::SlotHeader* slot = w.slot;
+        wire::TensorRec* recs = wire::Records(slot);
+        slot->instance_id = id_;
+        slot->n_inputs = static_cast<uint32_t>(args.inputs.size());
+        slot->n_outputs = static_cast<uint32_t>(args.outputs.size());
+        uint64_t cursor = 0;
+        size_t i = 0;
+        // Where each inline output lands, kept here: the slot is writable
+        // by the worker, so nothing is read back from it but the reply.
+        std::vector<uint64_t> out_offsets;
+        out_offsets.reserve(args.outputs.size());
+        for (auto span : {args.inputs, args.outputs}) {
+          const bool inputs = span.data() == args.inputs.data();
+          for (const TensorLoc& t : span) {
+            if (t.region != nullptr) {
+              recs[i++] = {t.region->serial(), t.offset, t.nbytes};
+            } else {
+              if (inputs && t.nbytes) std::memcpy(w.data + cursor, t.data, t.nbytes);
+              recs[i++] = {0, cursor, t.nbytes};
+              if (!inputs) out_offsets.push_back(cursor);
+              cursor = Align64(cursor + t.nbytes);
+            }
+          }
+        }
+        absl::StatusOr<Reply> r = runner_->Call(w, deadline, spin);
+        if (r.ok() && r->code == 0) {
+          // Inline outputs back to the caller, while the worker (and its
+          // arena) is still this call's.
+          size_t k = 0;
+          for (const TensorLoc& t : args.outputs) {
+            if (t.region != nullptr) continue;
+            if (t.nbytes) std::memcpy(t.data, w.data + out_offsets[k], t.nbytes);
+            ++k;
+          }
+        }
+        if (cursor > (8u << 20)) {
+          // Give big inline calls' pages back.
+          ::fallocate(w.arena_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                      static_cast<off_t>(wire::kSlotBytes), static_cast<off_t>(cursor));
+        }
+        return r;
+      }));
+  const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+  ewma_us_.store(ewma == 0 ? us : 0.8 * ewma + 0.2 * us, std::memory_order_relaxed);
+  OPJIT_RETURN_IF_ERROR(StatusOf(reply));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
+    const ProcessRunnerOptions& options) {
+  if (options.worker_path.empty() || ::access(options.worker_path.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(absl::StrCat("the executor binary ", options.worker_path,
+                                            " is missing; build opjit-exec-worker"));
+  }
+  if (options.workers_per_namespace < 1 || options.kernel_timeout_ms < 1 ||
+      options.quarantine_after < 1) {
+    return absl::InvalidArgumentError("bad process runner options");
+  }
+  auto impl = std::make_shared<Impl>();
+  impl->options = options;
+  ::signal(SIGPIPE, SIG_IGN);
+  return std::unique_ptr<ProcessRunner>(new ProcessRunner(std::move(impl)));
+}
+
+ProcessRunner::~ProcessRunner() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  for (auto& [ns, pool] : impl_->pools) {
+    std::lock_guard<std::mutex> plock(pool->mu);
+    for (auto& w : pool->idle) w->Reap(/*kill=*/true);
+    pool->idle.clear();
+  }
+}
+
+absl::StatusOr<std::shared_ptr<KernelInstance>> ProcessRunner::Instance(const InstanceSpec& spec) {
+  if (spec.kernel == nullptr) return absl::InternalError("no kernel given");
+  return std::shared_ptr<KernelInstance>(
+      new RemoteInstance(impl_, spec, impl_->next_instance_id.fetch_add(1)));
+}
+
+void ProcessRunner::Maintain() {
+  const auto cutoff = Clock::now() - std::chrono::milliseconds(impl_->options.idle_ms);
+  std::vector<std::unique_ptr<Worker>> stale;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    for (auto& [ns, pool] : impl_->pools) {
+      std::lock_guard<std::mutex> plock(pool->mu);
+      for (auto it = pool->idle.begin(); it != pool->idle.end();) {
+        if ((*it)->last_used < cutoff) {
+          stale.push_back(std::move(*it));
+          it = pool->idle.erase(it);
+          --pool->live;
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  for (auto& w : stale) {
+    // Closing the socket ends it; SIGKILL in case a kernel ignores that.
+    w->Reap(/*kill=*/true);
+    impl_->live.fetch_sub(1);
+  }
+  if (!stale.empty()) Logger("runner")->debug("stopped {} idle executor process(es)", stale.size());
+}
+
+RunnerStats ProcessRunner::Stats() const {
+  RunnerStats s;
+  s.workers_live = impl_->live.load();
+  s.workers_started = impl_->started.load();
+  s.worker_crashes = impl_->crashes.load();
+  s.worker_timeouts = impl_->timeouts.load();
+  s.quarantined = impl_->quarantined.load();
+  return s;
+}
+
+}  // namespace opjit::runner

@@ -1,0 +1,85 @@
+// ProcessRunner: kernels run in sandboxed opjit-exec-worker processes.
+//
+// [exec] isolation = "process", the default. Every line of user code
+// (Init, InferShape, the kernel, KernelData destructors, GPU modules and
+// their CUDA context) runs in a worker; opjitd never maps user code.
+//
+// Pools. Workers belong to one namespace: kernels of two namespaces never
+// share a process. A pool starts workers on demand, up to
+// `workers_per_namespace`, and stops those idle for `idle_ms` (Maintain()).
+//
+// Tensors stay zero-copy: shm regions are handed to a worker as file
+// descriptors and mapped there (once per worker, by region serial); inline
+// tensors go through the worker's arena. See worker_protocol.h.
+//
+// Failures. A worker that dies (signal, exit) fails only the call it ran,
+// with ABORTED naming the signal, and is replaced on the next call (Init
+// runs again there). A call past its deadline or the kernel time limit
+// gets its worker killed (DEADLINE_EXCEEDED), which frees the CPU at once.
+// A kernel that kills its worker `quarantine_after` times in a row is
+// quarantined: its calls answer FAILED_PRECONDITION until the op is
+// registered again (a new version is a new instance label).
+//
+// Thread-safety: all methods are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/runner/kernel_host.h"
+#include "server/runner/kernel_runner.h"
+
+namespace opjit::runner {
+
+struct ProcessRunnerOptions {
+  // The opjit-exec-worker binary. Required.
+  std::string worker_path;
+  // Workers per namespace, at most. Default: 2.
+  int workers_per_namespace = 2;
+  // A worker idle this long is stopped by Maintain(). Default: 60 s.
+  int64_t idle_ms = 60000;
+  // A kernel call (or Init, or InferShape) running longer is killed.
+  // Default: 60 s.
+  int64_t kernel_timeout_ms = 60000;
+  // A worker's private memory (RLIMIT_DATA: malloc, not shm mappings).
+  // Default: 4 GiB.
+  uint64_t memory_bytes = 4ull << 30;
+  // Started as root, workers switch to this uid/gid. -1: keep.
+  int64_t uid = -1, gid = -1;
+  // Busy-wait before sleeping, on both ends of a call. Default: 50 us.
+  int64_t spin_us = 50;
+  // Crashes in a row after which a kernel is quarantined. Default: 3.
+  int quarantine_after = 3;
+  // Room for one call's inline tensors (inputs and outputs), per worker;
+  // sparse, so only what calls use is memory. Default: 160 MiB.
+  uint64_t arena_bytes = 160ull << 20;
+  // Libraries kernels may use, and the GPU scratch directory.
+  KernelHostOptions host;
+  // Extra read-only paths in the worker sandbox (allowed libraries' dirs).
+  std::vector<std::string> read_only_paths;
+};
+
+class ProcessRunner : public KernelRunner {
+ public:
+  // Checks the options and the worker binary; starts no worker yet.
+  // INVALID_ARGUMENT for bad options, NOT_FOUND without the worker binary.
+  static absl::StatusOr<std::unique_ptr<ProcessRunner>> Create(const ProcessRunnerOptions& options);
+  // Kills every worker.
+  ~ProcessRunner() override;
+
+  absl::StatusOr<std::shared_ptr<KernelInstance>> Instance(const InstanceSpec& spec) override;
+  RunnerStats Stats() const override;
+  const char* mode() const override { return "process"; }
+  // Stops workers idle for longer than idle_ms.
+  void Maintain() override;
+
+  struct Impl;
+
+ private:
+  explicit ProcessRunner(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace opjit::runner

@@ -1,0 +1,180 @@
+// The daemon <-> opjit-exec-worker channel.
+//
+// Two parts, both set up by the daemon when it starts a worker:
+//
+//  * a control socket (fd 3 in the worker, a SOCK_STREAM socketpair) that
+//    carries length-prefixed frames: kernel artifacts, instance specs,
+//    region file descriptors (SCM_RIGHTS), and one-byte doorbells;
+//  * an arena (fd 4, a sealed memfd the daemon owns): a call slot at its
+//    start and, after it, room for the call's inline tensors.
+//
+// A call is a fixed-size record written into the slot: the instance id and,
+// per tensor, (region serial, offset, bytes) with serial 0 meaning "in the
+// arena". No tensor byte crosses the socket: shm regions are mapped by the
+// worker from their descriptors, inline tensors are copied into the arena.
+//
+// Waking. Both ends spin on the slot's state word for a short while before
+// they sleep; a sleeper sets its bit in the state word first, and the other
+// end then sends one doorbell frame on the socket. A spin-then-sleep hop
+// costs ~1-2 us when the other end is awake, a socket wake-up (~20 us) when
+// it sleeps. Doorbells are hints: each end re-reads the state word.
+//
+// Trust. Everything the worker writes (the slot, the arena, its frames) may
+// come from a hostile kernel in it. The daemon bounds and checks every field
+// it reads, and the arena is sealed against shrinking, so the daemon can
+// never fault on it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/runner/kernel_runner.h"
+
+namespace opjit::runner::wire {
+
+inline constexpr uint32_t kProtocolVersion = 1;
+
+// Frame types.
+enum class Msg : uint8_t {
+  kHello = 1,        // worker -> daemon, once: u32 version, u32 pid
+  kDoorbell = 2,     // either way: the slot changed while you slept
+  kLoadKernel = 3,   // daemon -> worker: an artifact (EncodeKernel)
+  kNewInstance = 4,  // daemon -> worker: an instance (EncodeInstance)
+  kInferShape = 5,   // daemon -> worker: u64 instance id
+  kAddRegion = 6,    // daemon -> worker: u64 serial, u64 size, + the fd
+  kDropRegion = 7,   // daemon -> worker: u64 serial
+  kReply = 8,        // worker -> daemon: i32 code, str message, str payload
+};
+
+// Slot state word: a phase in the low bits, and who sleeps.
+inline constexpr uint32_t kIdle = 0, kRequest = 1, kRunning = 2, kDone = 3;
+inline constexpr uint32_t kPhaseMask = 0xf;
+inline constexpr uint32_t kWorkerSleeping = 0x10;
+inline constexpr uint32_t kDaemonSleeping = 0x20;
+
+// Reply codes beyond absl's: what the worker lacks to run a call.
+inline constexpr int32_t kNeedInstance = 101;  // `need` = the instance id
+inline constexpr int32_t kNeedRegion = 102;    // `need` = the region serial
+inline constexpr int32_t kNeedKernel = 103;    // (kNewInstance) the artifact is not loaded
+
+inline constexpr size_t kMessageBytes = 1024;
+
+struct TensorRec {
+  uint64_t serial;  // 0: in the arena's data area
+  uint64_t offset;  // from the region's first usable byte, or the data area's start
+  uint64_t nbytes;
+};
+
+struct alignas(64) SlotHeader {
+  std::atomic<uint32_t> state;
+  uint32_t n_inputs;
+  uint32_t n_outputs;
+  uint32_t pad0;
+  uint64_t instance_id;
+  uint64_t seq;
+  // Reply.
+  int32_t code;
+  uint32_t message_len;
+  uint64_t need;
+  double kernel_ms;
+  char message[kMessageBytes];
+};
+
+// The slot: header then TensorRecs, kSlotBytes in all; the data area follows.
+inline constexpr size_t kSlotBytes = 64 << 10;
+inline constexpr size_t kMaxTensors = (kSlotBytes - sizeof(SlotHeader)) / sizeof(TensorRec);
+
+inline TensorRec* Records(SlotHeader* slot) {
+  return reinterpret_cast<TensorRec*>(reinterpret_cast<char*>(slot) + sizeof(SlotHeader));
+}
+
+// Little-endian (host) byte writer/reader for frame payloads. The reader
+// never reads past its input; any shortfall makes ok() false.
+class Writer {
+ public:
+  void U8(uint8_t v) { Raw(&v, 1); }
+  void U32(uint32_t v) { Raw(&v, 4); }
+  void I32(int32_t v) { Raw(&v, 4); }
+  void U64(uint64_t v) { Raw(&v, 8); }
+  void I64(int64_t v) { Raw(&v, 8); }
+  void Str(std::string_view s) {
+    U64(s.size());
+    out_.append(s.data(), s.size());
+  }
+  void Strs(const std::vector<std::string>& v) {
+    U64(v.size());
+    for (const auto& s : v) Str(s);
+  }
+  void Desc(const TensorDesc& d);
+  void Descs(const std::vector<TensorDesc>& v);
+  std::string& out() { return out_; }
+
+ private:
+  void Raw(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::string_view in) : in_(in) {}
+  uint8_t U8() { return Pod<uint8_t>(); }
+  uint32_t U32() { return Pod<uint32_t>(); }
+  int32_t I32() { return Pod<int32_t>(); }
+  uint64_t U64() { return Pod<uint64_t>(); }
+  int64_t I64() { return Pod<int64_t>(); }
+  std::string Str();
+  std::vector<std::string> Strs();
+  TensorDesc Desc();
+  std::vector<TensorDesc> Descs();
+  bool ok() const { return ok_; }
+  bool done() const { return ok_ && in_.empty(); }
+
+ private:
+  template <typename T>
+  T Pod() {
+    T v{};
+    if (in_.size() < sizeof v) {
+      ok_ = false;
+      return v;
+    }
+    std::memcpy(&v, in_.data(), sizeof v);
+    in_.remove_prefix(sizeof v);
+    return v;
+  }
+  // A count that cannot exceed the bytes left (each element takes >= `unit`).
+  uint64_t Count(size_t unit);
+  std::string_view in_;
+  bool ok_ = true;
+};
+
+// Artifacts and instance specs, as frames carry them.
+std::string EncodeKernel(const compiler::CompiledKernel& kernel);
+absl::StatusOr<std::shared_ptr<const compiler::CompiledKernel>> DecodeKernel(std::string_view in);
+std::string EncodeInstance(uint64_t id, const InstanceSpec& spec);
+// The kernel is looked up by the cache key the payload names: `kernels`
+// maps keys to artifacts the worker holds. NOT_FOUND (-> kNeedKernel) when
+// it holds none.
+absl::StatusOr<InstanceSpec> DecodeInstance(
+    std::string_view in, uint64_t* id,
+    const std::map<std::string, std::shared_ptr<const compiler::CompiledKernel>>& kernels);
+
+// Frames. A frame is [u32 length of type+payload][u8 type][payload], at most
+// kMaxFrameBytes. SendFrame attaches `fd` (>= 0) with SCM_RIGHTS.
+inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
+absl::Status SendFrame(int sock, Msg type, std::string_view payload, int fd = -1);
+// Reads one frame, waiting until `deadline` (absl::InfiniteFuture() to block).
+// OUT_OF_RANGE when the peer closed the socket; DEADLINE_EXCEEDED at the
+// deadline; DATA_LOSS for a malformed frame. A descriptor that arrived with
+// the frame is stored in *fd (else -1); the caller owns it.
+absl::Status RecvFrame(int sock, Msg* type, std::string* payload, absl::Time deadline,
+                       int* fd = nullptr);
+
+}  // namespace opjit::runner::wire

@@ -1,0 +1,54 @@
+#include "server/tensor/guarded_copy.h"
+
+#include <setjmp.h>
+#include <signal.h>
+
+#include <cstring>
+#include <mutex>
+
+namespace opjit::tensor {
+namespace {
+
+// Set while this thread is inside a guarded copy.
+thread_local sigjmp_buf* t_guard = nullptr;
+
+struct sigaction g_old_bus, g_old_segv;
+
+void OnFault(int sig, siginfo_t* info, void* ctx) {
+  if (t_guard != nullptr) siglongjmp(*t_guard, sig);
+  // Not ours: restore the previous disposition and let the fault happen again.
+  sigaction(sig, sig == SIGBUS ? &g_old_bus : &g_old_segv, nullptr);
+  (void)info;
+  (void)ctx;
+}
+
+}  // namespace
+
+void InstallCopyGuard() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = OnFault;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &g_old_bus);
+    sigaction(SIGSEGV, &sa, &g_old_segv);
+  });
+}
+
+absl::Status GuardedCopy(void* dst, const void* src, size_t n) {
+  InstallCopyGuard();
+  sigjmp_buf env;
+  if (sigsetjmp(env, 1) != 0) {
+    t_guard = nullptr;
+    return absl::FailedPreconditionError(
+        "the shared memory of a tensor shrank while it was read (the client truncated its "
+        "shm object); the call was stopped");
+  }
+  t_guard = &env;
+  std::memcpy(dst, src, n);
+  t_guard = nullptr;
+  return absl::OkStatus();
+}
+
+}  // namespace opjit::tensor
