@@ -186,11 +186,12 @@ absl::Status CheckAttrs(const ForwardCall& call, const OpDef& def,
   return absl::OkStatus();
 }
 
-std::string InstanceKey(const std::string& kernel_key, const std::string& entry,
+std::string InstanceKey(const std::string& ns, const std::string& kernel_key, const std::string& entry,
                         absl::Span<const TensorDesc* const> inputs,
                         const std::map<std::string, registry::AttrValue>& attrs) {
   std::string key;
   key.reserve(128);
+  AppendKeyValue(&key, ns);
   AppendKeyValue(&key, kernel_key);
   AppendKeyValue(&key, entry);
   for (const TensorDesc* d : inputs) {

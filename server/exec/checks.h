@@ -85,9 +85,10 @@ std::string ShapeKey(const ForwardCall& call);
 // The plan key: the record's address (the plan holds the record, so the
 // address is not reused while the entry lives) and the target.
 std::string PlanKey(const registry::OpRecord* record, registry::Target target);
-// A kernel instance: the artifact's content key, the entry, the input
-// dtypes and shapes, and the attrs.
-std::string InstanceKey(const std::string& kernel_key, const std::string& entry,
+// A kernel instance: the namespace (whose executors run it: two namespaces
+// never share an instance, even of the same code), the artifact's content
+// key, the entry, the input dtypes and shapes, and the attrs.
+std::string InstanceKey(const std::string& ns, const std::string& kernel_key, const std::string& entry,
                         absl::Span<const TensorDesc* const> inputs,
                         const std::map<std::string, registry::AttrValue>& attrs);
 

@@ -135,7 +135,7 @@ absl::StatusOr<std::shared_ptr<KernelInstance>> Executor::Impl::Instance(const F
                                                                          const Checked& c,
                                                                          const OpPlan& plan) {
   const std::string& entry = c.impl->entry;
-  const std::string key = InstanceKey(plan.kernel->cache_key, entry, flat, c.attrs);
+  const std::string key = InstanceKey(call.ns, plan.kernel->cache_key, entry, flat, c.attrs);
   if (auto hit = instances->Get(key)) {
     instance_hits.fetch_add(1, std::memory_order_relaxed);
     return std::const_pointer_cast<KernelInstance>(hit);

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -221,12 +222,20 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
     args.push_back("--read-only");
     args.push_back(p);
   }
+  // A clean environment: nothing of the daemon's reaches a kernel, but for
+  // the operator's choice of CUDA driver library (readable in the sandbox).
+  std::vector<std::string> env = {"PATH=/usr/bin:/bin"};
+  if (const char* driver = std::getenv("OPJIT_CUDA_DRIVER"); driver != nullptr && *driver) {
+    env.push_back(absl::StrCat("OPJIT_CUDA_DRIVER=", driver));
+    args.push_back("--read-only");
+    args.push_back(driver);
+  }
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  // A clean environment: nothing of the daemon's reaches a kernel.
-  std::string path_env = "PATH=/usr/bin:/bin";
-  char* envp[] = {path_env.data(), nullptr};
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
 
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
@@ -242,7 +251,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   sigemptyset(&none);
   posix_spawnattr_setsigmask(&attr, &none);
   pid_t pid = -1;
-  int err = ::posix_spawn(&pid, options.worker_path.c_str(), &fa, &attr, argv.data(), envp);
+  int err = ::posix_spawn(&pid, options.worker_path.c_str(), &fa, &attr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&fa);
   posix_spawnattr_destroy(&attr);
   ::close(child_sock);

@@ -106,6 +106,12 @@ Daemon::~Daemon() {
 bool Daemon::Start() {
   std::vector<std::string> argv = {BinDir() + "/opjitd", "--state-dir", state_dir_,
                                    "--listen", address(), "--log-level", "debug"};
+  // The same suites run against both runners: ctest registers them a second
+  // time with OPJIT_TEST_ISOLATION=in-daemon.
+  if (const char* iso = std::getenv("OPJIT_TEST_ISOLATION"); iso != nullptr && *iso != '\0') {
+    argv.push_back("--isolation");
+    argv.push_back(iso);
+  }
   argv.insert(argv.end(), extra_args_.begin(), extra_args_.end());
   int log_fd = open(log_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
   posix_spawn_file_actions_t fa;

@@ -1,0 +1,403 @@
+// Process isolation end to end: the real opjitd with its default
+// [exec] isolation = "process", real clients, and kernels that misbehave.
+// Each test is a row of the failure table in the README's threat model:
+// whatever the kernel does, the daemon stays up, the registry stays intact,
+// other clients' calls, regions and backward contexts are unharmed, and only
+// the guilty call fails, with a status a client can act on.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <cmath>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "client/cpp/shm_region.h"
+#include "tests/integration/daemon_harness.h"
+
+namespace opjit::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using client::InlineTensor;
+using client::ShmTensor;
+using Clock = std::chrono::steady_clock;
+
+std::string Bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+std::vector<float> Floats(const std::string& bytes) {
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+// The children of `pid` whose command is the executor, with their CPU time
+// (utime + stime, in clock ticks).
+std::map<pid_t, long> ExecWorkers(pid_t daemon) {
+  std::map<pid_t, long> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream f(e.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const auto open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    if (stat.substr(open + 1, close - open - 1) != "opjit-exec-work") continue;
+    std::istringstream rest(stat.substr(close + 2));
+    std::string state;
+    long ppid = 0, skip = 0, utime = 0, stime = 0;
+    rest >> state >> ppid;
+    for (int i = 0; i < 9; ++i) rest >> skip;
+    rest >> utime >> stime;
+    if (ppid == daemon) out[std::stoi(name)] = utime + stime;
+  }
+  return out;
+}
+
+// A kernel with one float32 input x[8] and one output y[8].
+constexpr char kHeader[] = R"(
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include "custom_aot_extra.h"
+)";
+
+class IsolationIT : public ::testing::Test {
+ protected:
+  void SetUp() override { StartDaemon(""); }
+
+  void StartDaemon(const std::string& exec_config) {
+    c_.reset();
+    daemon_.reset();
+    std::vector<std::string> args;
+    if (!exec_config.empty()) {
+      const std::string cfg = tmp_.path() + "/exec.toml";
+      std::ofstream(cfg) << "[exec]\n" << exec_config;
+      args = {"--config", cfg};
+    }
+    daemon_ = std::make_unique<Daemon>(tmp_.path() + "/state", args);
+    ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
+    c_ = daemon_->NewClient();
+  }
+
+  // Registers `name` in `ns` with `body` as the kernel's body (it sees x, y,
+  // n) and, optionally, an Init. Returns the registration's status.
+  absl::Status RegisterKernel(const std::string& ns, const std::string& name,
+                              const std::string& body, const std::string& init = "") {
+    v1::OpDef op;
+    op.set_namespace_(ns);
+    op.set_name(name);
+    auto* in = op.add_inputs();
+    in->set_name("x");
+    op.add_outputs()->set_name("y");
+    auto* df = op.add_dtype_formats();
+    df->add_dtypes("float32");
+    df->add_dtypes("float32");
+    auto* impl = op.add_implementations();
+    impl->set_target("CPU");
+    impl->set_entry("K");
+    std::string src = kHeader;
+    if (!init.empty()) {
+      src += "extern \"C\" int KInit(int*, int64_t**, const char**, AotExtra* extra) {\n" + init +
+             "\nreturn 0; }\n";
+    }
+    src += "extern \"C\" int K(int, void** params, int*, int64_t** shapes, const char**, void*, "
+           "void* extra) {\n  float* x = static_cast<float*>(params[0]);\n"
+           "  float* y = static_cast<float*>(params[1]);\n  const int64_t n = shapes[0][0];\n"
+           "  (void)x; (void)y; (void)n;\n" +
+           body + "\n  return 0;\n}\n";
+    impl->set_source(src);
+    return c_->Register(op).status();
+  }
+
+  v1::ForwardRequest Call(const std::string& ns, const std::string& op,
+                          std::vector<float> x = {1, 2, 3, 4, 5, 6, 7, 8}) {
+    v1::ForwardRequest req;
+    req.set_namespace_(ns);
+    req.set_op(op);
+    *req.add_inputs()->add_tensors() = InlineTensor("float32", {int64_t(x.size())}, Bytes(x));
+    return req;
+  }
+
+  // The daemon answers, and still has every op it had.
+  void ExpectHealthy(size_t ops) {
+    ASSERT_TRUE(daemon_->running());
+    auto info = c_->Info();
+    ASSERT_TRUE(info.ok()) << info.status() << daemon_->Log();
+    auto list = c_->List("");
+    ASSERT_TRUE(list.ok()) << list.status();
+    EXPECT_EQ(list->size(), ops);
+  }
+
+  TempDir tmp_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<client::Client> c_;
+};
+
+constexpr char kCopy[] = "for (int64_t i = 0; i < n; ++i) y[i] = 2 * x[i];";
+
+TEST_F(IsolationIT, CrashesFailOnlyTheirCallAndInitRunsAgain) {
+  // Init counts the instances made in its process; the kernel reports it.
+  v1::OpDef op;
+  {
+    const std::string src = std::string(kHeader) + R"(
+static int g_inits = 0;
+extern "C" int KInit(int*, int64_t**, const char**, AotExtra*) { ++g_inits; return 0; }
+extern "C" int K(int, void** params, int*, int64_t** shapes, const char**, void*, void* extra) {
+  float* y = static_cast<float*>(params[1]);
+  for (int64_t i = 0; i < shapes[0][0]; ++i) y[i] = g_inits;
+  return 0;
+}
+)";
+    op.set_name("counter");
+    op.add_inputs()->set_name("x");
+    op.add_outputs()->set_name("y");
+    op.add_dtype_formats()->add_dtypes("float32");
+    op.mutable_dtype_formats(0)->add_dtypes("float32");
+    auto* impl = op.add_implementations();
+    impl->set_target("CPU");
+    impl->set_entry("K");
+    impl->set_source(src);
+    ASSERT_TRUE(c_->Register(op).ok());
+  }
+  ASSERT_TRUE(RegisterKernel("default", "segv", "*static_cast<volatile int*>(nullptr) = 1;").ok());
+  ASSERT_TRUE(RegisterKernel("default", "abort", "abort();").ok());
+  ASSERT_TRUE(RegisterKernel("default", "double", kCopy).ok());
+  // State that must survive: a region with data, and a backward context.
+  auto region = c_->CreateRegion("", "keep", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto map = client::ShmMapping::Open(region->shm_key(), region->byte_size());
+  ASSERT_TRUE(map.ok());
+  std::memcpy((*map)->data(), "precious", 8);
+  auto tanh = client::LoadOpSpec(SourceDir() + "/kernels/examples/tanh_grad.json");
+  ASSERT_TRUE(tanh.ok());
+  ASSERT_TRUE(c_->Register(*tanh).ok());
+  tanh = client::LoadOpSpec(SourceDir() + "/kernels/examples/tanh.json");
+  ASSERT_TRUE(c_->Register(*tanh).ok());
+  auto fwd_req = Call("default", "tanh", {0.5f, -0.5f});
+  fwd_req.add_requires_grad(true);
+  auto fwd = c_->Forward(fwd_req);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  ASSERT_FALSE(fwd->context_id().empty());
+
+  auto first = c_->Forward(Call("default", "counter"));
+  ASSERT_TRUE(first.ok()) << first.status() << daemon_->Log();
+  EXPECT_EQ(Floats(first->outputs(0).inline_data())[0], 1.0f);
+
+  auto segv = c_->Forward(Call("default", "segv"));
+  EXPECT_EQ(segv.status().code(), absl::StatusCode::kAborted) << segv.status();
+  EXPECT_THAT(std::string(segv.status().message()), HasSubstr("default/segv"));
+  EXPECT_THAT(std::string(segv.status().message()), HasSubstr("SIGSEGV"));
+  ExpectHealthy(6);
+
+  auto abrt = c_->Forward(Call("default", "abort"));
+  EXPECT_EQ(abrt.status().code(), absl::StatusCode::kAborted) << abrt.status();
+  EXPECT_THAT(std::string(abrt.status().message()), HasSubstr("SIGABRT"));
+  ExpectHealthy(6);
+
+  // A fresh process: Init ran again there, once.
+  auto again = c_->Forward(Call("default", "counter"));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(Floats(again->outputs(0).inline_data())[0], 1.0f);
+  auto good = c_->Forward(Call("default", "double"));
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_EQ(Floats(good->outputs(0).inline_data())[7], 16.0f);
+
+  EXPECT_EQ(std::memcmp((*map)->data(), "precious", 8), 0);
+  v1::BackwardRequest bwd;
+  bwd.set_context_id(fwd->context_id());
+  *bwd.add_grad_outputs() = InlineTensor("float32", {2}, Bytes({1, 1}));
+  auto grads = c_->Backward(bwd);
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  EXPECT_NEAR(Floats(grads->grad_inputs(0).tensors(0).inline_data())[0], 1 - std::tanh(0.5f) * std::tanh(0.5f),
+              1e-5);
+  EXPECT_THAT(daemon_->Log(), HasSubstr("default/segv"));
+}
+
+TEST_F(IsolationIT, OtherNamespacesCallsCompleteWhileOneCrashes) {
+  ASSERT_TRUE(RegisterKernel("bob", "double", kCopy).ok());
+  ASSERT_TRUE(RegisterKernel("eve", "segv", "*static_cast<volatile int*>(nullptr) = 1;").ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, bad{0};
+  std::thread bob([&] {
+    auto c = daemon_->NewClient();
+    while (!stop) {
+      auto r = c->Forward(Call("bob", "double", {1, 2, 3, 4, 5, 6, 7, float(ok.load())}));
+      if (r.ok() && Floats(r->outputs(0).inline_data())[7] == 2.0f * ok.load()) {
+        ok++;
+      } else {
+        bad++;
+      }
+    }
+  });
+  for (int i = 0; i < 3; ++i) {  // the default quarantine_after is 3
+    auto r = c_->Forward(Call("eve", "segv"));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted) << r.status();
+  }
+  while (ok.load() < 50) std::this_thread::yield();
+  stop = true;
+  bob.join();
+  EXPECT_EQ(bad.load(), 0);
+  ExpectHealthy(2);
+}
+
+TEST_F(IsolationIT, RepeatedCrashesQuarantineTheKernelUntilItIsRegisteredAgain) {
+  StartDaemon("quarantine_after = 2\n");
+  ASSERT_TRUE(RegisterKernel("default", "segv", "*static_cast<volatile int*>(nullptr) = 1;").ok());
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(c_->Forward(Call("default", "segv")).status().code(), absl::StatusCode::kAborted);
+  }
+  auto q = c_->Forward(Call("default", "segv"));
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kFailedPrecondition) << q.status();
+  EXPECT_THAT(std::string(q.status().message()), HasSubstr("quarantined"));
+  // Fixed and registered again: a new version runs.
+  ASSERT_TRUE(RegisterKernel("default", "segv", kCopy).ok());
+  auto fixed = c_->Forward(Call("default", "segv"));
+  ASSERT_TRUE(fixed.ok()) << fixed.status();
+  EXPECT_EQ(Floats(fixed->outputs(0).inline_data())[1], 4.0f);
+}
+
+TEST_F(IsolationIT, SpinningKernelIsKilledAtTheDeadlineAndTheCpuIsFreed) {
+  StartDaemon("kernel_timeout_ms = 20000\n");
+  ASSERT_TRUE(RegisterKernel("default", "spin", "for (volatile long i = 0;; ++i) {}").ok());
+  ASSERT_TRUE(RegisterKernel("default", "double", kCopy).ok());
+  auto fast = client::Client::Connect(
+      {.address = daemon_->address(), .timeout = std::chrono::milliseconds(1500)});
+  ASSERT_TRUE(fast.ok());
+  // Warm the worker pool so the deadline measures the kernel.
+  ASSERT_TRUE(c_->Forward(Call("default", "double")).ok());
+  const auto t0 = Clock::now();
+  auto r = (*fast)->Forward(Call("default", "spin"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  // The spinning worker is gone: the executors together burn (almost) no CPU.
+  std::map<pid_t, long> before = ExecWorkers(daemon_->pid());
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::map<pid_t, long> after = ExecWorkers(daemon_->pid());
+  long burnt = 0;
+  for (const auto& [pid, ticks] : after) burnt += ticks - (before.count(pid) ? before[pid] : 0);
+  const long hz = sysconf(_SC_CLK_TCK);
+  EXPECT_LT(burnt, hz / 5) << "executors used " << burnt << " ticks in 0.5 s";
+  auto next = c_->Forward(Call("default", "double"));
+  ASSERT_TRUE(next.ok()) << next.status();
+  ExpectHealthy(2);
+
+  // Without a client deadline, the server's kernel time limit stops it.
+  StartDaemon("kernel_timeout_ms = 300\n");
+  auto limited = c_->Forward(Call("default", "spin"));
+  EXPECT_EQ(limited.status().code(), absl::StatusCode::kDeadlineExceeded) << limited.status();
+  EXPECT_THAT(std::string(limited.status().message()), HasSubstr("time limit"));
+}
+
+TEST_F(IsolationIT, MemoryBombHitsTheLimit) {
+  StartDaemon("worker_memory_mb = 512\n");
+  ASSERT_TRUE(RegisterKernel("default", "bomb",
+                             "std::vector<std::vector<char>> hog;\n"
+                             "for (;;) hog.emplace_back(64 << 20, 1);")
+                  .ok());
+  ASSERT_TRUE(RegisterKernel("default", "double", kCopy).ok());
+  auto r = c_->Forward(Call("default", "bomb"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  auto next = c_->Forward(Call("default", "double"));
+  ASSERT_TRUE(next.ok()) << next.status();
+  ExpectHealthy(2);
+}
+
+TEST_F(IsolationIT, KernelsCannotReadFilesStartProcessesOpenSocketsOrSignal) {
+  const std::string marker = tmp_.path() + "/pwned";
+  ASSERT_TRUE(RegisterKernel("default", "escape",
+                             "FILE* f = fopen(\"/etc/passwd\", \"r\");\n"
+                             "char buf[16] = {0};\n"
+                             "if (f) { fread(buf, 1, 15, f); fclose(f); }\n"
+                             "y[0] = f == nullptr;\n"
+                             "memcpy(&y[4], buf, 16);\n"
+                             "y[1] = system(\"touch " + marker + "\") != 0;\n"
+                             "y[2] = socket(AF_INET, SOCK_STREAM, 0) < 0;\n"
+                             "y[3] = kill(getppid(), SIGKILL) != 0;\n")
+                  .ok());
+  auto r = c_->Forward(Call("default", "escape"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string out = r->outputs(0).inline_data();
+  const std::vector<float> y = Floats(out);
+  EXPECT_EQ(y[0], 1.0f) << "fopen(/etc/passwd) succeeded";
+  EXPECT_EQ(out.find("root"), std::string::npos);
+  EXPECT_EQ(y[1], 1.0f) << "system() succeeded";
+  EXPECT_FALSE(std::filesystem::exists(marker));
+  EXPECT_EQ(y[2], 1.0f) << "socket() succeeded";
+  EXPECT_EQ(y[3], 1.0f) << "kill(daemon) succeeded";
+  ExpectHealthy(1);
+}
+
+TEST_F(IsolationIT, ShrunkRegionFailsOnlyThatCall) {
+  ASSERT_TRUE(RegisterKernel("default", "sum", "float s = 0; for (int64_t i = 0; i < n; i += 1024) s += x[i]; y[0] = s;").ok());
+  ASSERT_TRUE(RegisterKernel("default", "double", kCopy).ok());
+  const uint64_t bytes = 4 << 20;
+  auto key = client::ShmMapping::RandomKey("opjit-it-shrink");
+  ASSERT_TRUE(key.ok());
+  auto mine = client::ShmMapping::Create(*key, bytes);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  ASSERT_TRUE(c_->RegisterRegion("", "mine", *key, 0, bytes).ok());
+  const int64_t n = bytes / 4;
+  v1::ForwardRequest req;
+  req.set_op("sum");
+  *req.add_inputs()->add_tensors() = ShmTensor("float32", {n}, "mine", 0);
+  auto ok = c_->Forward(req);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  // The client shrinks the object under the daemon's feet.
+  int fd = shm_open(key->c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  auto r = c_->Forward(req);
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("SIGBUS"));
+  auto next = c_->Forward(Call("default", "double"));
+  ASSERT_TRUE(next.ok()) << next.status();
+  ExpectHealthy(2);
+}
+
+TEST_F(IsolationIT, WorkspacesAreZeroFilledAndNamespacesGetTheirOwnProcesses) {
+  // The kernel reports a byte of its workspace, then dirties it.
+  const std::string body =
+      "unsigned char* ws = static_cast<unsigned char*>(params[2]);\n"
+      "y[0] = ws[100]; memset(ws, 0xAB, 4096);\n"
+      "y[1] = static_cast<float>(getpid());";
+  const std::string init =
+      "extra->SetWorkSpace({4096});";
+  ASSERT_TRUE(RegisterKernel("alice", "ws", body, init).ok());
+  ASSERT_TRUE(RegisterKernel("bob", "ws", body, init).ok());
+  float alice_pid = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto r = c_->Forward(Call("alice", "ws"));
+    ASSERT_TRUE(r.ok()) << r.status() << daemon_->Log();
+    EXPECT_EQ(Floats(r->outputs(0).inline_data())[0], 0.0f) << "call " << i;
+    alice_pid = Floats(r->outputs(0).inline_data())[1];
+  }
+  auto b = c_->Forward(Call("bob", "ws"));
+  ASSERT_TRUE(b.ok()) << b.status();
+  const float bob_pid = Floats(b->outputs(0).inline_data())[1];
+  EXPECT_NE(alice_pid, bob_pid);
+  EXPECT_NE(alice_pid, static_cast<float>(daemon_->pid()));
+  EXPECT_NE(bob_pid, static_cast<float>(daemon_->pid()));
+}
+
+}  // namespace
+}  // namespace opjit::testing
