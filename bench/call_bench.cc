@@ -115,8 +115,12 @@ void OnFatalSignal(int sig) {
 
 class DaemonProcess {
  public:
-  DaemonProcess(std::string binary, std::string dir)
-      : binary_(std::move(binary)), dir_(std::move(dir)) {}
+  DaemonProcess(std::string binary, std::string dir, std::vector<std::string> extra_args = {},
+                std::string config = "")
+      : binary_(std::move(binary)),
+        dir_(std::move(dir)),
+        extra_args_(std::move(extra_args)),
+        config_(config.empty() ? dir_ + "/c.toml" : config) {}
   ~DaemonProcess() { Stop(); }
 
   // Starts opjitd and waits until it answers on the unix socket and has
@@ -126,8 +130,9 @@ class DaemonProcess {
                                      unix_address(), "--listen",    "127.0.0.1:0"};
     if (with_config) {
       argv.push_back("--config");
-      argv.push_back(dir_ + "/c.toml");
+      argv.push_back(config_);
     }
+    argv.insert(argv.end(), extra_args_.begin(), extra_args_.end());
     log_path_ = dir_ + (with_config ? "/opjitd.log" : "/opjitd-noconfig.log");
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
@@ -197,12 +202,15 @@ class DaemonProcess {
   }
 
   std::string unix_address() const { return "unix:" + dir_ + "/s.sock"; }
+  pid_t pid() const { return pid_; }
   const std::string& tcp_address() const { return tcp_address_; }
   const std::string& log_path() const { return log_path_; }
 
  private:
   const std::string binary_;
   const std::string dir_;
+  const std::vector<std::string> extra_args_;
+  const std::string config_;
   std::string log_path_;
   std::string tcp_address_;
   pid_t pid_ = -1;
@@ -432,7 +440,9 @@ json Histogram(const std::vector<double>& a, const std::vector<double>& b) {
 
 struct OverheadConfig {
   std::string transport;  // "unix" | "tcp"
-  std::string opjit_address, echo_address;
+  // opjit with kernels in executor processes (the default), opjit with
+  // kernels inside the daemon, and the echo peer.
+  std::string opjit_address, in_daemon_address, echo_address;
   int clients = 1;
   int rounds = 250;  // one batch of each side per round
   int batch = 20;    // calls per client per batch: short, so the sides see the same machine state
@@ -440,8 +450,8 @@ struct OverheadConfig {
 };
 
 // The sides measured against each other, in the order they alternate.
-enum Side { kForward = 0, kNoop = 1, kEcho = 2, kSides = 3 };
-constexpr const char* kSideNames[kSides] = {"opjit", "opjit_noop", "echo"};
+enum Side { kForward = 0, kInDaemon = 1, kNoop = 2, kEcho = 3, kSides = 4 };
+constexpr const char* kSideNames[kSides] = {"opjit", "opjit_in_daemon", "opjit_noop", "echo"};
 
 json RunOverhead(const OverheadConfig& cfg, const v1::ForwardRequest& req,
                  const grpc::ByteBuffer& echo_payload, json* histogram) {
@@ -454,12 +464,18 @@ json RunOverhead(const OverheadConfig& cfg, const v1::ForwardRequest& req,
       // A distinct message limit per client gives each its own connection:
       // gRPC shares a subchannel between channels with identical arguments.
       const int limit = (64 << 20) + t;
-      std::unique_ptr<Client> client;
+      std::unique_ptr<Client> client, in_daemon;
       auto c = Client::Connect({.address = cfg.opjit_address, .max_message_bytes = limit});
       if (c.ok()) {
         client = *std::move(c);
       } else {
         per[t][kForward].error = per[t][kNoop].error = c.status().ToString();
+      }
+      auto d = Client::Connect({.address = cfg.in_daemon_address, .max_message_bytes = limit});
+      if (d.ok()) {
+        in_daemon = *std::move(d);
+      } else {
+        per[t][kInDaemon].error = d.status().ToString();
       }
       EchoClient echo(cfg.echo_address, limit);
       auto call = [&](Side side, bool record) {
@@ -471,6 +487,10 @@ json RunOverhead(const OverheadConfig& cfg, const v1::ForwardRequest& req,
         switch (side) {
           case kForward:
             fwd = client->Forward(req);
+            status = fwd.status();
+            break;
+          case kInDaemon:
+            fwd = in_daemon->Forward(req);
             status = fwd.status();
             break;
           case kNoop:
@@ -491,14 +511,14 @@ json RunOverhead(const OverheadConfig& cfg, const v1::ForwardRequest& req,
           s.error = status.ToString();
           return;
         }
-        if (side == kForward &&
+        if ((side == kForward || side == kInDaemon) &&
             (fwd->outputs_size() != 1 || fwd->outputs(0).inline_data().size() != kTinyFloats * 4)) {
           s.error = "Forward returned an unexpected output";
           return;
         }
         if (!record) return;
         s.us.push_back(us);
-        if (side == kForward) {
+        if (side == kForward || side == kInDaemon) {
           s.server_ms.push_back(fwd->server_ms());
           s.kernel_ms.push_back(fwd->kernel_ms());
         }
@@ -551,7 +571,90 @@ json RunOverhead(const OverheadConfig& cfg, const v1::ForwardRequest& req,
     row["ratio_p50"] = row["opjit"]["p50_us"].get<double>() / row["echo"]["p50_us"].get<double>();
     row["ratio_p99"] = row["opjit"]["p99_us"].get<double>() / row["echo"]["p99_us"].get<double>();
   }
+  if (row["opjit"].contains("p50_us") && row["opjit_in_daemon"].contains("p50_us")) {
+    row["process_over_in_daemon_p50"] =
+        row["opjit"]["p50_us"].get<double>() / row["opjit_in_daemon"]["p50_us"].get<double>();
+  }
+  if (row["opjit_in_daemon"].contains("p50_us") && row["echo"].contains("p50_us")) {
+    row["in_daemon_over_echo_p50"] =
+        row["opjit_in_daemon"]["p50_us"].get<double>() / row["echo"]["p50_us"].get<double>();
+  }
   return row;
+}
+
+// ---------------------------------------------------------------------------
+// Process isolation: what the executor processes cost in CPU, and how long a
+// crashed kernel's op takes to answer again.
+
+// CPU seconds (user + system) of process `pid`; 0 if unreadable.
+double CpuSeconds(pid_t pid) {
+  std::istringstream in(ReadFile("/proc/" + std::to_string(pid) + "/stat"));
+  std::string all = in.str();
+  const auto close = all.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(all.substr(close + 2));
+  std::string state;
+  long skip = 0, utime = 0, stime = 0;
+  rest >> state;
+  for (int i = 0; i < 10; ++i) rest >> skip;
+  rest >> utime >> stime;
+  return static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK);
+}
+
+// CPU seconds of the executor processes that are children of `daemon`.
+double WorkerCpuSeconds(pid_t daemon) {
+  double total = 0;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = ReadFile((e.path() / "stat").string());
+    const auto open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    if (stat.substr(open + 1, close - open - 1) != "opjit-exec-work") continue;
+    std::istringstream rest(stat.substr(close + 2));
+    std::string state;
+    long ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == daemon) total += CpuSeconds(std::stoi(name));
+  }
+  return total;
+}
+
+constexpr char kCrashySpec[] = R"({
+  "name": "crashy",
+  "inputs": [{"name": "x"}],
+  "outputs": [{"name": "y"}],
+  "attrs": [{"name": "crash", "param_type": "optional", "value_type": "bool",
+             "default_value": "false"}],
+  "dtype_formats": [{"dtypes": ["float32", "float32"]}],
+  "implementations": [{"target": "CPU", "entry": "Crashy", "source":
+    "#include <cstdint>\n#include \"custom_aot_extra.h\"\nextern \"C\" int Crashy(int, void** p, int*, int64_t** s, const char**, void*, void* e) {\n  if (static_cast<AotExtra*>(e)->Attr<bool>(\"crash\")) *static_cast<volatile int*>(nullptr) = 1;\n  for (int64_t i = 0; i < s[0][0]; ++i) static_cast<float*>(p[1])[i] = static_cast<float*>(p[0])[i];\n  return 0;\n}\n"}]
+})";
+
+// From a crash's answer to the next successful call of the same op (a new
+// executor process: start, sandbox, load the kernel, Init).
+json RunCrashRecovery(Client& c, const v1::ForwardRequest& tiny) {
+  auto spec = opjit::client::ParseOpSpec(kCrashySpec, OPJIT_SOURCE_DIR);
+  if (!spec.ok()) return {{"error", spec.status().ToString()}};
+  if (auto r = c.Register(*spec); !r.ok()) return {{"error", r.status().ToString()}};
+  v1::ForwardRequest good = tiny, bad = tiny;
+  good.set_op("crashy");
+  bad.set_op("crashy");
+  (*bad.mutable_attrs())["crash"].set_b(true);
+  if (auto r = c.Forward(good); !r.ok()) return {{"error", r.status().ToString()}};
+  std::vector<double> ms;
+  for (int i = 0; i < 7; ++i) {
+    auto crashed = c.Forward(bad);
+    if (crashed.ok() || crashed.status().code() != absl::StatusCode::kAborted) {
+      return {{"error", "the crashing call answered " + crashed.status().ToString()}};
+    }
+    const auto t0 = Clock::now();
+    auto again = c.Forward(good);
+    if (!again.ok()) return {{"error", again.status().ToString()}};
+    ms.push_back(UsSince(t0) * 1e-3);
+  }
+  return {{"samples", ms.size()}, {"median_ms", Median(ms)},
+          {"max_ms", *std::max_element(ms.begin(), ms.end())}};
 }
 
 // ---------------------------------------------------------------------------
@@ -776,9 +879,10 @@ int Main(int argc, char** argv) {
   result["config"] = {
       {"max_message_mb", kBigMessageMb}, {"tiny_floats", kTinyFloats}, {"pinned", pin}};
 
-  std::unique_ptr<DaemonProcess> daemon;
-  // Stops both servers, writes the JSON and removes the temp dir.
+  std::unique_ptr<DaemonProcess> daemon, in_daemon;
+  // Stops the servers, writes the JSON and removes the temp dir.
   auto write_and_exit = [&](int rc) {
+    if (in_daemon) result["opjitd_in_daemon_exit"] = in_daemon->Stop();
     if (daemon) result["opjitd_exit"] = daemon->Stop();
     forked_echo.Stop();
     result["total_s"] = UsSince(started) * 1e-6;
@@ -810,6 +914,15 @@ int Main(int argc, char** argv) {
     }
   }
   result["config"]["max_message_mb_applied"] = config_ok;
+  // The same daemon with kernels inside it ([exec] isolation = "in-daemon").
+  fs::create_directories(dir + "/in-daemon");
+  in_daemon = std::make_unique<DaemonProcess>(opjitd, dir + "/in-daemon",
+                                              std::vector<std::string>{"--isolation", "in-daemon"},
+                                              dir + "/c.toml");
+  if (auto err = in_daemon->Start(/*with_config=*/config_ok)) {
+    result["error"] = "in-daemon opjitd did not start: " + *err;
+    return write_and_exit(1);
+  }
   if (pin) PinTo(0);  // the client's threads, created from here on
 
   EchoServer in_process_echo;
@@ -842,6 +955,11 @@ int Main(int argc, char** argv) {
     result["error"] = "Register: " + reg.status().ToString();
     return write_and_exit(1);
   }
+  auto admin_in_daemon = Client::Connect({.address = in_daemon->unix_address()});
+  if (!admin_in_daemon.ok() || !(*admin_in_daemon)->Register(*spec).ok()) {
+    result["error"] = "Register on the in-daemon opjitd failed";
+    return write_and_exit(1);
+  }
 
   // 1 + 2: call overhead.
   v1::ForwardRequest tiny;
@@ -869,6 +987,8 @@ int Main(int argc, char** argv) {
       OverheadConfig cfg;
       cfg.transport = transport;
       cfg.opjit_address = transport == "unix" ? daemon->unix_address() : daemon->tcp_address();
+      cfg.in_daemon_address =
+          transport == "unix" ? in_daemon->unix_address() : in_daemon->tcp_address();
       cfg.echo_address = transport == "unix" ? echo.unix_address : echo.tcp_address;
       cfg.clients = clients;
       if (clients > 1) {
@@ -877,13 +997,25 @@ int Main(int argc, char** argv) {
         cfg.warmup = 100;
       }
       const bool hist = transport == "unix" && clients == 1;
+      // CPU of both daemons and of the executors over the run: what the
+      // spinning of the process runner costs.
+      const double cpu0 = CpuSeconds(daemon->pid()), wcpu0 = WorkerCpuSeconds(daemon->pid());
+      const double icpu0 = CpuSeconds(in_daemon->pid());
+      const auto w0 = Clock::now();
       json row = RunOverhead(cfg, tiny, echo_payload, hist ? &histogram : nullptr);
+      const double wall = UsSince(w0) * 1e-6;
+      row["cpu"] = {{"wall_s", wall},
+                    {"process_daemon_s", CpuSeconds(daemon->pid()) - cpu0},
+                    {"process_workers_s", WorkerCpuSeconds(daemon->pid()) - wcpu0},
+                    {"in_daemon_s", CpuSeconds(in_daemon->pid()) - icpu0}};
       printf(
-          "%-4s %d client%s  opjit p50 %s p99 %s %s | no-op RPC p50 %s | echo p50 %s p99 %s %s | "
-          "ratio %s",
+          "%-4s %d client%s  opjit p50 %s p99 %s %s | in-daemon p50 %s (process/in-daemon %s) | "
+          "no-op RPC p50 %s | echo p50 %s p99 %s %s | ratio %s",
           transport.c_str(), clients, clients > 1 ? "s" : " ",
           Fmt(row["opjit"], "p50_us", " us").c_str(), Fmt(row["opjit"], "p99_us", " us").c_str(),
           Fmt(row["opjit"], "calls_per_s", "/s", 0).c_str(),
+          Fmt(row["opjit_in_daemon"], "p50_us", " us").c_str(),
+          Fmt(row, "process_over_in_daemon_p50", "x", 2).c_str(),
           Fmt(row["opjit_noop"], "p50_us", " us").c_str(),
           Fmt(row["echo"], "p50_us", " us").c_str(), Fmt(row["echo"], "p99_us", " us").c_str(),
           Fmt(row["echo"], "calls_per_s", "/s", 0).c_str(), Fmt(row, "ratio_p50", "x", 2).c_str());
@@ -936,7 +1068,14 @@ int Main(int argc, char** argv) {
   }
   result["data_path"] = data;
 
+  // 4: a crashed executor, to the next good call.
+  result["crash_recovery"] = RunCrashRecovery(**admin, tiny);
+  printf("crash -> next good call: %s median, %s max\n",
+         Fmt(result["crash_recovery"], "median_ms", " ms", 1).c_str(),
+         Fmt(result["crash_recovery"], "max_ms", " ms", 1).c_str());
+
   admin->reset();
+  admin_in_daemon->reset();
   if (in_process_echo.server) {
     in_process_echo.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   }
