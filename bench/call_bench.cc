@@ -857,7 +857,19 @@ int Main(int argc, char** argv) {
     return 1;
   }
   const std::string dir = tmpl;
-  std::ofstream(dir + "/c.toml") << "max_message_mb = " << kBigMessageMb << "\n";
+  {
+    // CALL_BENCH_EXEC="key = value; ..." adds [exec] settings (to compare
+    // spin budgets, say).
+    std::ofstream toml(dir + "/c.toml");
+    toml << "max_message_mb = " << kBigMessageMb << "\n";
+    if (const char* exec = std::getenv("CALL_BENCH_EXEC")) {
+      std::string lines = exec;
+      std::replace(lines.begin(), lines.end(), ';', '\n');
+      toml << "[exec]\n" << lines << "\n";
+    }
+  }
+  // CALL_BENCH_QUICK=1: only the 1-client unix-socket overhead row.
+  const bool quick = std::getenv("CALL_BENCH_QUICK") != nullptr;
 
   // The echo peer, by default in its own process (forked now, before this
   // process touches gRPC); CALL_BENCH_ECHO=inprocess serves it from here.
@@ -984,6 +996,7 @@ int Main(int argc, char** argv) {
   json histogram = nullptr;
   for (const std::string transport : {"unix", "tcp"}) {
     for (int clients : {1, 8}) {
+      if (quick && (transport != "unix" || clients != 1)) continue;
       OverheadConfig cfg;
       cfg.transport = transport;
       cfg.opjit_address = transport == "unix" ? daemon->unix_address() : daemon->tcp_address();
@@ -1023,6 +1036,10 @@ int Main(int argc, char** argv) {
         printf(" | server_ms p50 %.1f us", row["opjit"]["server_ms_p50"].get<double>() * 1e3);
       }
       printf("\n");
+      const json& cpu = row["cpu"];
+      printf("     CPU over %.1f s: process daemon %.2f s + executors %.2f s; in-daemon %.2f s\n",
+             cpu["wall_s"].get<double>(), cpu["process_daemon_s"].get<double>(),
+             cpu["process_workers_s"].get<double>(), cpu["in_daemon_s"].get<double>());
       fflush(stdout);
       overhead.push_back(std::move(row));
     }
@@ -1034,6 +1051,7 @@ int Main(int argc, char** argv) {
   EchoClient big_echo(echo.unix_address, kBigMessageMb << 20);
   json data = json::array();
   for (uint64_t mib : {1, 64, 256}) {
+    if (quick) break;
     const uint64_t bytes = mib << 20;
     json row;
     row["size_mib"] = mib;

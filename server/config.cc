@@ -105,7 +105,7 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
     OPJIT_CFG_TRY(CheckKeys(*c, "exec.",
                             {"threads", "queue", "inline_max_bytes", "isolation", "workers",
                              "worker_idle_ms", "kernel_timeout_ms", "worker_memory_mb",
-                             "worker_user", "worker_spin_us", "quarantine_after"}));
+                             "worker_user", "worker_spin_us", "wait_spin_us", "quarantine_after"}));
     OPJIT_CFG_TRY(ReadInt(*c, "threads", "exec.", &cfg->exec_threads));
     OPJIT_CFG_TRY(ReadInt(*c, "queue", "exec.", &cfg->exec_queue));
     OPJIT_CFG_TRY(ReadInt(*c, "inline_max_bytes", "exec.", &cfg->inline_max_bytes));
@@ -116,6 +116,7 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
     OPJIT_CFG_TRY(ReadInt(*c, "worker_memory_mb", "exec.", &cfg->worker_memory_mb));
     OPJIT_CFG_TRY(ReadString(*c, "worker_user", "exec.", &cfg->worker_user));
     OPJIT_CFG_TRY(ReadInt(*c, "worker_spin_us", "exec.", &cfg->worker_spin_us));
+    OPJIT_CFG_TRY(ReadInt(*c, "wait_spin_us", "exec.", &cfg->wait_spin_us));
     OPJIT_CFG_TRY(ReadInt(*c, "quarantine_after", "exec.", &cfg->quarantine_after));
   }
   if (const toml::table* c = root["shm"].as_table()) {

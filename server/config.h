@@ -44,7 +44,8 @@ struct DaemonConfig {
   int64_t kernel_timeout_ms = 60000;     // a kernel running longer is killed (DEADLINE_EXCEEDED)
   int64_t worker_memory_mb = 4096;       // private memory of an executor process (RLIMIT_DATA)
   std::string worker_user = "nobody";    // started as root, executors drop to this user ("" keeps root)
-  int64_t worker_spin_us = 50;           // busy-wait before sleeping, on both ends of a call
+  int64_t worker_spin_us = 0;            // an executor's busy-wait for its next call (0: sleep at once; see README)
+  int64_t wait_spin_us = 50;             // the daemon's busy-wait for a call's result before it sleeps
   int quarantine_after = 3;              // crashes in a row that quarantine a kernel
 
   // [shm]

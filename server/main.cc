@@ -59,6 +59,7 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
   o.kernel_timeout_ms = cfg.kernel_timeout_ms;
   o.memory_bytes = static_cast<uint64_t>(cfg.worker_memory_mb) << 20;
   o.spin_us = cfg.worker_spin_us;
+  o.wait_spin_us = cfg.wait_spin_us;
   o.quarantine_after = cfg.quarantine_after;
   o.arena_bytes = static_cast<uint64_t>(cfg.max_message_bytes) * 5 / 2;
   o.host = host;

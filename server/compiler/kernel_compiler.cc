@@ -2,10 +2,12 @@
 
 #include <dlfcn.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <future>
 #include <tuple>
 #include <mutex>
@@ -244,6 +246,19 @@ struct KernelCompiler::Impl {
   absl::StatusOr<FlightResult> Produce(const CompileJob& job, const std::string& request_key);
   absl::StatusOr<FlightResult> ProduceGpu(const CompileJob& job, const std::string& request_key);
   absl::StatusOr<gpu::NvrtcCompiler*> Nvrtc();
+  // The opjit-gpu-sandbox binary, or "" when it is not there.
+  std::string GpuSandboxPath() const {
+    std::string p = options.gpu_sandbox_path;
+    if (p.empty()) {
+      std::string near = options.worker_path;
+      if (near.empty()) {
+        std::error_code ec;
+        near = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+      }
+      p = near.substr(0, near.rfind('/') + 1) + "opjit-gpu-sandbox";
+    }
+    return !p.empty() && ::access(p.c_str(), X_OK) == 0 ? p : std::string();
+  }
   // The GPU toolchain's identity for cache keys ("" for CPU jobs).
   absl::StatusOr<std::string> GpuToolchainId(const CompileJob& job);
   absl::StatusOr<std::shared_ptr<const MemoryEntry>> CpuEntry(
@@ -436,6 +451,14 @@ absl::StatusOr<gpu::NvrtcCompiler*> KernelCompiler::Impl::Nvrtc() {
   o.cuda_root = options.cuda_root;
   o.archs = options.gpu_archs;
   o.extra_include_dirs = {options.kernel_include_dir};
+  o.worker_path = GpuSandboxPath();
+  o.timeout_ms = options.timeout_ms;
+  o.memory_limit_bytes = options.memory_limit_bytes;
+  if (o.worker_path.empty()) {
+    nvrtc_status = absl::UnavailableError(
+        "the GPU compiler sandbox (opjit-gpu-sandbox) is missing; GPU compiles are off");
+    return nvrtc_status;
+  }
   auto created = gpu::NvrtcCompiler::Create(o);
   if (!created.ok()) {
     nvrtc_status = created.status();
@@ -495,6 +518,13 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::ProduceGpu(const CompileJob& 
     req.cuda_root = options.cuda_root;
     req.kernel_include_dir = options.kernel_include_dir;
     req.extra_include_dirs = options.extra_include_dirs;
+    req.sandbox_path = GpuSandboxPath();
+    req.memory_limit_bytes = options.memory_limit_bytes;
+    if (req.sandbox_path.empty()) {
+      compile_failures.fetch_add(1);
+      return absl::UnavailableError(
+          "the GPU compiler sandbox (opjit-gpu-sandbox) is missing; GPU compiles are off");
+    }
     auto out = gpu::CompileAotSharedObject(req);
     if (!out.ok()) {
       compile_failures.fetch_add(1);

@@ -114,6 +114,9 @@ struct KernelCompilerOptions {
   // GPU: the CUDA toolkit and the archs compiled when a job names none.
   // Default: /usr/local/cuda; sm_80 and sm_90.
   std::string cuda_root = "/usr/local/cuda";
+  // opjit-gpu-sandbox, which runs NVRTC and nvcc confined. Default:
+  // next to worker_path. GPU compiles refuse to run without it.
+  std::string gpu_sandbox_path;
   std::vector<std::string> gpu_archs = {"sm_80", "sm_90"};
 };
 

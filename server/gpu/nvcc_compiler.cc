@@ -182,7 +182,15 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
     if (!f) return absl::InternalError(absl::StrCat("could not write ", src));
   }
 
-  std::vector<std::string> argv = {nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3"};
+  std::vector<std::string> argv;
+  if (!request.sandbox_path.empty()) {
+    argv = {request.sandbox_path, "--exec", "--rw", dir, "--ro", request.cuda_root,
+            "--memory", std::to_string(request.memory_limit_bytes)};
+    if (!request.kernel_include_dir.empty()) argv.insert(argv.end(), {"--ro", request.kernel_include_dir});
+    for (const std::string& d : request.extra_include_dirs) argv.insert(argv.end(), {"--ro", d});
+    argv.push_back("--");
+  }
+  argv.insert(argv.end(), {nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3"});
   for (const Arch& a : archs) {
     argv.push_back(
         absl::StrCat("--generate-code=arch=compute_", a.sm, a.suffix, ",code=sm_", a.sm, a.suffix));

@@ -31,6 +31,12 @@ struct NvccRequest {
   std::string tmp_dir;
   // Wall clock for the nvcc run; then its process group gets SIGKILL.
   int timeout_ms = 120000;
+  // The opjit-gpu-sandbox binary nvcc runs under (Landlock: system files
+  // read-only, the temp dir read-write; seccomp: no sockets; RLIMIT_DATA).
+  // Empty: nvcc runs unconfined (tools and tests only).
+  std::string sandbox_path;
+  // RLIMIT_DATA of nvcc and each tool it runs. Default: 2 GiB.
+  uint64_t memory_limit_bytes = 2ull << 30;
 };
 
 struct NvccOutput {

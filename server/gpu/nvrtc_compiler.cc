@@ -1,11 +1,18 @@
 #include "server/gpu/nvrtc_compiler.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <nvrtc.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -287,7 +294,203 @@ absl::StatusOr<CompileResult> CompileOne(const NvrtcCompiler::Api& api,
 
 }  // namespace
 
+namespace {
+
+// Length-prefixed fields; the reader never reads past its input.
+void Put(std::string* out, std::string_view v) {
+  const uint64_t n = v.size();
+  out->append(reinterpret_cast<const char*>(&n), 8);
+  out->append(v.data(), v.size());
+}
+void PutList(std::string* out, const std::vector<std::string>& v) {
+  Put(out, std::to_string(v.size()));
+  for (const auto& x : v) Put(out, x);
+}
+bool Get(std::string_view* in, std::string* v) {
+  uint64_t n;
+  if (in->size() < 8) return false;
+  std::memcpy(&n, in->data(), 8);
+  in->remove_prefix(8);
+  if (n > in->size()) return false;
+  v->assign(in->data(), n);
+  in->remove_prefix(n);
+  return true;
+}
+bool GetList(std::string_view* in, std::vector<std::string>* v) {
+  std::string count;
+  if (!Get(in, &count)) return false;
+  const uint64_t n = std::strtoull(count.c_str(), nullptr, 10);
+  if (n > in->size() / 8) return false;
+  v->resize(n);
+  for (auto& x : *v) {
+    if (!Get(in, &x)) return false;
+  }
+  return true;
+}
+
+// Reads all of `fd` until EOF or `deadline`. False on timeout.
+bool ReadAll(int fd, std::string* out, std::chrono::steady_clock::time_point deadline) {
+  char buf[65536];
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd p{fd, POLLIN, 0};
+    int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0) return false;
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return true;
+    out->append(buf, static_cast<size_t>(n));
+  }
+}
+
+}  // namespace
+
+std::string EncodeGpuRequest(const GpuCompileRequest& r) {
+  std::string out;
+  Put(&out, r.source);
+  Put(&out, r.file_name);
+  PutList(&out, r.options);
+  PutList(&out, r.name_expressions);
+  PutList(&out, r.archs);
+  return out;
+}
+
+bool DecodeGpuRequest(std::string_view in, GpuCompileRequest* r) {
+  return Get(&in, &r->source) && Get(&in, &r->file_name) && GetList(&in, &r->options) &&
+         GetList(&in, &r->name_expressions) && GetList(&in, &r->archs) && in.empty();
+}
+
+std::string EncodeGpuResult(const absl::StatusOr<GpuCompileOutput>& r) {
+  std::string out;
+  Put(&out, std::to_string(static_cast<int>(r.status().code())));
+  Put(&out, std::string(r.status().message()));
+  if (!r.ok()) return out;
+  std::vector<std::string> cubins, names;
+  for (const auto& [arch, bin] : r->cubins) cubins.insert(cubins.end(), {arch, bin});
+  for (const auto& [expr, name] : r->lowered_names) names.insert(names.end(), {expr, name});
+  PutList(&out, cubins);
+  Put(&out, r->ptx);
+  Put(&out, r->ptx_arch);
+  PutList(&out, names);
+  Put(&out, r->diagnostics);
+  Put(&out, std::to_string(r->compile_ms));
+  return out;
+}
+
+absl::StatusOr<GpuCompileOutput> DecodeGpuResult(std::string_view in) {
+  std::string code, message;
+  if (!Get(&in, &code) || !Get(&in, &message)) {
+    return absl::InternalError("the NVRTC sandbox sent a malformed answer");
+  }
+  const int c = std::atoi(code.c_str());
+  if (c != 0) {
+    if (c < 0 || c > 16) return absl::InternalError("the NVRTC sandbox sent a malformed answer");
+    return absl::Status(static_cast<absl::StatusCode>(c), message);
+  }
+  GpuCompileOutput out;
+  std::vector<std::string> cubins, names;
+  std::string ms;
+  if (!GetList(&in, &cubins) || !Get(&in, &out.ptx) || !Get(&in, &out.ptx_arch) ||
+      !GetList(&in, &names) || !Get(&in, &out.diagnostics) || !Get(&in, &ms) || !in.empty() ||
+      cubins.size() % 2 != 0 || names.size() % 2 != 0) {
+    return absl::InternalError("the NVRTC sandbox sent a malformed answer");
+  }
+  for (size_t i = 0; i < cubins.size(); i += 2) out.cubins[cubins[i]] = std::move(cubins[i + 1]);
+  for (size_t i = 0; i < names.size(); i += 2) out.lowered_names[names[i]] = std::move(names[i + 1]);
+  out.compile_ms = std::atof(ms.c_str());
+  return out;
+}
+
 absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest& request) const {
+  if (options_.worker_path.empty()) return CompileHere(request);
+  // Arch errors are answered here, without a process.
+  for (const std::string& a : request.archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
+  std::vector<std::string> args = {options_.worker_path,
+                                   "--nvrtc",
+                                   "--cuda-root",
+                                   options_.cuda_root,
+                                   "--nvrtc-path",
+                                   library_path_,
+                                   "--memory",
+                                   std::to_string(options_.memory_limit_bytes),
+                                   "--archs",
+                                   absl::StrJoin(options_.archs, ",")};
+  for (const auto& d : options_.extra_include_dirs) args.insert(args.end(), {"--include", d});
+  int in_pipe[2], out_pipe[2];
+  if (::pipe2(in_pipe, O_CLOEXEC) != 0) return absl::UnavailableError("pipe failed");
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0) {
+    ::close(in_pipe[0]);
+    ::close(in_pipe[1]);
+    return absl::UnavailableError("pipe failed");
+  }
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::string path_env = "PATH=/usr/bin:/bin";
+  char* envp[] = {path_env.data(), nullptr};
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, in_pipe[0], 0);
+  posix_spawn_file_actions_adddup2(&fa, out_pipe[1], 1);
+  posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, argv[0], &fa, &attr, argv.data(), envp);
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  ::close(in_pipe[0]);
+  ::close(out_pipe[1]);
+  if (rc != 0) {
+    ::close(in_pipe[1]);
+    ::close(out_pipe[0]);
+    return absl::UnavailableError(absl::StrCat("cannot start the NVRTC sandbox: ", std::strerror(rc)));
+  }
+  const std::string payload = EncodeGpuRequest(request);
+  // The request is small next to a pipe's buffer; a sandbox that died early
+  // gives EPIPE, which the result below reports.
+  ::signal(SIGPIPE, SIG_IGN);
+  for (size_t off = 0; off < payload.size();) {
+    ssize_t n = ::write(in_pipe[1], payload.data() + off, payload.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    off += static_cast<size_t>(n);
+  }
+  ::close(in_pipe[1]);
+  std::string answer;
+  const bool finished = ReadAll(out_pipe[0], &answer,
+                                std::chrono::steady_clock::now() +
+                                    std::chrono::milliseconds(options_.timeout_ms));
+  ::close(out_pipe[0]);
+  if (!finished) ::kill(-pid, SIGKILL);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!finished) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the GPU compile ran past ", options_.timeout_ms, " ms and was stopped"));
+  }
+  if (WIFSIGNALED(status) || answer.empty()) {
+    const int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    if (sig == SIGKILL || sig == SIGSEGV || sig == SIGABRT) {
+      // NVRTC under RLIMIT_AS dies in many ways when memory runs out.
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the GPU compiler died (signal ", sig, "), most likely out of memory (limit ",
+          options_.memory_limit_bytes >> 20, " MiB)"));
+    }
+    return absl::InternalError(absl::StrCat("the GPU compiler's sandbox ended without an answer (",
+                                            WIFEXITED(status) ? "exit " : "signal ",
+                                            WIFEXITED(status) ? WEXITSTATUS(status) : sig, ")"));
+  }
+  return DecodeGpuResult(answer);
+}
+
+absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileHere(const GpuCompileRequest& request) const {
   const auto start = std::chrono::steady_clock::now();
   auto log = Logger("gpu");
   std::vector<std::string> archs = request.archs.empty() ? options_.archs : request.archs;

@@ -5,15 +5,21 @@
 // daemon starts on hosts without a CUDA toolkit; no CUDA header is included
 // here.
 //
-// Isolation: NVRTC runs inside the calling process. A crash or a runaway
-// compile inside NVRTC takes the daemon with it, and a compile cannot be
-// interrupted. Follow-up: run NVRTC in the compile-worker processes that the
-// CPU compiler already uses (server/compiler/cpu), with the same limits.
+// Isolation: with `worker_path` set (the daemon always sets it), every
+// Compile() runs in a fresh `opjit-gpu-sandbox --nvrtc` process: Landlock
+// (the toolkit's and opjit's headers only, so `#include "/etc/shadow"` or
+// "/proc/self/environ" read nothing), seccomp, RLIMIT_AS, and a wall-clock
+// deadline after which it is killed. A crash, a macro bomb or a hang fails
+// that request only. One process per compile: NVRTC compiles take 80-160 ms
+// here, and a new process costs a few ms more, with nothing to recycle.
+// Without `worker_path` (the sandbox binary itself, tests) NVRTC runs in
+// the calling process.
 #pragma once
 
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -32,6 +38,13 @@ struct NvrtcOptions {
   // libnvrtc to dlopen. Default (empty): libnvrtc.so.13, libnvrtc.so, then
   // <cuda_root>/lib64/libnvrtc.so.
   std::string nvrtc_path;
+  // The opjit-gpu-sandbox binary that runs each compile; empty: compile in
+  // this process (unsafe for untrusted sources).
+  std::string worker_path;
+  // Wall clock of one compile in the sandbox, then SIGKILL. Default: 30 s.
+  int timeout_ms = 30000;
+  // RLIMIT_AS of the sandbox process. Default: 2 GiB.
+  uint64_t memory_limit_bytes = 2ull << 30;
 };
 
 struct GpuCompileRequest {
@@ -83,7 +96,12 @@ class NvrtcCompiler {
   //                    name expression that names nothing;
   //   RESOURCE_EXHAUSTED NVRTC ran out of memory;
   //   INTERNAL         any other NVRTC failure.
+  //   DEADLINE_EXCEEDED the compile ran past timeout_ms (sandboxed);
+  //   UNAVAILABLE      the sandbox could not be started.
   absl::StatusOr<GpuCompileOutput> Compile(const GpuCompileRequest& request) const;
+
+  // Compile() in this process, whatever worker_path says. For the sandbox.
+  absl::StatusOr<GpuCompileOutput> CompileHere(const GpuCompileRequest& request) const;
 
   // "nvrtc 13.0".
   std::string Version() const;
@@ -94,6 +112,7 @@ class NvrtcCompiler {
   const std::string& ToolchainId() const { return toolchain_id_; }
   // The SM versions this NVRTC can target (e.g. 75, 80, ..., 121).
   const std::vector<int>& SupportedArchs() const { return supported_archs_; }
+  const NvrtcOptions& options() const { return options_; }
 
   struct Api;  // the resolved NVRTC entry points (nvrtc_compiler.cc)
 
@@ -109,5 +128,11 @@ class NvrtcCompiler {
   std::string library_path_;
   std::string toolchain_id_;
 };
+
+// How a request and its result cross the sandbox's pipes.
+std::string EncodeGpuRequest(const GpuCompileRequest& r);
+bool DecodeGpuRequest(std::string_view in, GpuCompileRequest* r);
+std::string EncodeGpuResult(const absl::StatusOr<GpuCompileOutput>& r);
+absl::StatusOr<GpuCompileOutput> DecodeGpuResult(std::string_view in);
 
 }  // namespace opjit::gpu

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/mman.h>
@@ -40,7 +41,9 @@ absl::Time ToAbsl(Clock::time_point t) {
 
 uint64_t Align64(uint64_t x) { return (x + 63) & ~uint64_t{63}; }
 
-inline void CpuRelax() { __builtin_ia32_pause(); }
+// Spinning yields the CPU to any other runnable thread (on a 2-core host the
+// gRPC threads and the worker need it more than the spinner).
+inline void CpuRelax() { ::sched_yield(); }
 
 std::string SignalText(int sig) {
   const char* name = sigabbrev_np(sig);
@@ -59,6 +62,7 @@ struct Worker {
   char* data = nullptr;  // the arena's data area
   uint64_t data_bytes = 0;
   uint64_t calls = 0;
+  uint64_t arena_high = 0;  // bytes of the data area touched since last trimmed
   Clock::time_point last_used = Clock::now();
   // Why it died, once known ("" while alive).
   std::string death;
@@ -369,7 +373,7 @@ absl::StatusOr<Reply> ProcessRunner::Impl::Call(Worker& w, Clock::time_point dea
     for (;;) {
       if ((slot->state.load(std::memory_order_acquire) & wire::kPhaseMask) == wire::kDone) break;
       CpuRelax();
-      if ((++n & 63) == 0 && Clock::now() > until) break;
+      if ((++n & 7) == 0 && Clock::now() > until) break;
     }
   }
   for (;;) {
@@ -580,7 +584,8 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
         runner_->options.arena_bytes, " inline; pass big tensors in shared memory"));
   }
   const double ewma = ewma_us_.load(std::memory_order_relaxed);
-  const int64_t spin = ewma > 4.0 * runner_->options.spin_us ? 0 : runner_->options.spin_us;
+  const int64_t spin =
+      ewma > 4.0 * runner_->options.wait_spin_us ? 0 : runner_->options.wait_spin_us;
   const auto t0 = Clock::now();
   OPJIT_ASSIGN_OR_RETURN(
       Reply reply,
@@ -620,11 +625,10 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
             ++k;
           }
         }
-        if (cursor > (8u << 20)) {
-          // Give big inline calls' pages back.
-          ::fallocate(w.arena_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                      static_cast<off_t>(wire::kSlotBytes), static_cast<off_t>(cursor));
-        }
+        // The arena keeps its pages while calls come (faulting fresh pages
+        // in costs more than copying into warm ones); Maintain() gives big
+        // ones back once the worker idles.
+        w.arena_high = std::max(w.arena_high, cursor);
         return r;
       }));
   const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
@@ -667,12 +671,21 @@ absl::StatusOr<std::shared_ptr<KernelInstance>> ProcessRunner::Instance(const In
 }
 
 void ProcessRunner::Maintain() {
-  const auto cutoff = Clock::now() - std::chrono::milliseconds(impl_->options.idle_ms);
+  const auto now = Clock::now();
+  const auto cutoff = now - std::chrono::milliseconds(impl_->options.idle_ms);
   std::vector<std::unique_ptr<Worker>> stale;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     for (auto& [ns, pool] : impl_->pools) {
       std::lock_guard<std::mutex> plock(pool->mu);
+      for (auto& w : pool->idle) {
+        // Idle for a second after big inline calls: give the arena's pages back.
+        if (w->arena_high > (8u << 20) && w->last_used < now - std::chrono::seconds(1)) {
+          ::fallocate(w->arena_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                      static_cast<off_t>(wire::kSlotBytes), static_cast<off_t>(w->arena_high));
+          w->arena_high = 0;
+        }
+      }
       for (auto it = pool->idle.begin(); it != pool->idle.end();) {
         if ((*it)->last_used < cutoff) {
           stale.push_back(std::move(*it));

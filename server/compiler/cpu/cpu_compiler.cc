@@ -272,6 +272,12 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
     c->allowed_extra_dirs_.push_back(Normalize(d));
   }
   c->spawner_ = std::make_unique<Spawner>();
+  if (!options.pch_dir.empty()) {
+    // Before any worker starts: Landlock grants access only to directories
+    // that exist when a worker locks itself in.
+    std::error_code ec;
+    fs::create_directories(options.pch_dir, ec);
+  }
 
   OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, c->StartWorker());
   {
@@ -356,7 +362,14 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   };
   std::string path = worker_path_;
   uint64_t limit = options_.memory_limit_bytes;
-  Spawned sp = spawner_->Call<Spawned>([path, limit]() {
+  // What the worker's Landlock lets it read (besides the system's headers
+  // and libraries) and write (the PCH directory).
+  std::vector<std::string> sandbox_args = {"--read-only", kernel_include_dir_};
+  for (const auto& d : allowed_extra_dirs_) sandbox_args.insert(sandbox_args.end(), {"--read-only", d});
+  if (!options_.pch_dir.empty()) {
+    sandbox_args.insert(sandbox_args.end(), {"--read-write", Normalize(options_.pch_dir)});
+  }
+  Spawned sp = spawner_->Call<Spawned>([path, limit, sandbox_args]() {
     Spawned r;
     int sv[2];
     if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
@@ -373,6 +386,7 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
     std::string mem = std::to_string(limit);
     std::vector<std::string> args = {path, "--fd", "3", "--parent-pid", parent};
     if (limit != 0) args.insert(args.end(), {"--memory-limit", mem});
+    args.insert(args.end(), sandbox_args.begin(), sandbox_args.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -7,11 +7,16 @@
 //   --parent-pid P       exit at once if the parent is not P (PDEATHSIG race)
 //   --memory-limit BYTES RLIMIT_AS for this process (default: unchanged)
 //   --clang PATH         the clang binary the driver pretends to be
+//   --read-only PATH     a directory the compiler may read (repeatable)
+//   --read-write PATH    a directory it may write (the PCH directory)
 //
 // Limits are set after the LLVM and clang libraries are loaded and before the
-// first request is read: RLIMIT_AS, RLIMIT_CORE = 0, PR_SET_PDEATHSIG(SIGKILL),
-// PR_SET_NO_NEW_PRIVS, and a seccomp filter that refuses socket creation,
-// exec, ptrace and kill.
+// first request is read (server/common/sandbox): RLIMIT_AS, RLIMIT_CORE = 0,
+// PR_SET_PDEATHSIG(SIGKILL), no_new_privs, Landlock (the system's headers
+// and libraries, opjit's kernel headers, the allowed include directories;
+// nothing else of the file system, so the integrated assembler's .include
+// and .incbin cannot reach a host file either), and seccomp (no sockets,
+// exec, new processes, ptrace, signals to other processes...).
 
 #include <errno.h>
 #include <fcntl.h>
@@ -33,6 +38,7 @@
 #include <new>
 #include <string>
 
+#include "server/common/sandbox.h"
 #include "server/compiler/cpu/clang_frontend.h"
 #include "server/compiler/cpu/ipc.h"
 
@@ -87,41 +93,11 @@ void OnFatal(const char* message, bool out_of_memory) {
   _exit(70);
 }
 
-void InstallSeccompDenyList() {
-  // Refuse (EPERM) the calls a compiler never needs and an attacker wants.
-  // Anything not listed is allowed: this is a second wall, the file-system
-  // allow-list inside clang is the first.
-  static const int kDenied[] = {
-      SYS_socket, SYS_connect,  SYS_bind,   SYS_listen, SYS_accept,           SYS_accept4,
-      SYS_execve, SYS_execveat, SYS_ptrace, SYS_kill,   SYS_process_vm_readv, SYS_process_vm_writev,
-      SYS_fork,   SYS_vfork,
-  };
-  constexpr size_t kN = sizeof(kDenied) / sizeof(kDenied[0]);
-  sock_filter filter[6 + 2 * kN + 1];
-  size_t i = 0;
-  filter[i++] = BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch));
-  filter[i++] = BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0);
-  filter[i++] = BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS);
-  filter[i++] = BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr));
-  // x32 system calls (bit 30 set) would bypass the numbers below.
-  filter[i++] = BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000u, 0, 1);
-  filter[i++] = BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA));
-  for (int nr : kDenied) {
-    filter[i++] = BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<uint32_t>(nr), 0, 1);
-    filter[i++] = BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA));
-  }
-  filter[i++] = BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
-  sock_fprog prog{static_cast<unsigned short>(i), filter};
-  if (::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
-    std::fprintf(stderr, "opjit-compile-worker: seccomp filter not installed: %s\n",
-                 std::strerror(errno));
-  }
-}
-
 int Main(int argc, char** argv) {
   long parent_pid = 0;
   unsigned long long memory_limit = 0;
   std::string clang_path = OPJIT_CLANG_PATH;
+  std::vector<std::string> read_only, read_write;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -136,6 +112,12 @@ int Main(int argc, char** argv) {
       ++i;
     } else if (a == "--clang" && v) {
       clang_path = v;
+      ++i;
+    } else if (a == "--read-only" && v) {
+      read_only.push_back(v);
+      ++i;
+    } else if (a == "--read-write" && v) {
+      read_write.push_back(v);
       ++i;
     } else {
       std::fprintf(stderr, "opjit-compile-worker: unknown argument %s\n", a.c_str());
@@ -168,17 +150,19 @@ int Main(int argc, char** argv) {
     return 4;
   }
 
-  rlimit core{0, 0};
-  ::setrlimit(RLIMIT_CORE, &core);
-  if (memory_limit != 0) {
-    rlimit as{memory_limit, memory_limit};
-    if (::setrlimit(RLIMIT_AS, &as) != 0) {
-      std::fprintf(stderr, "opjit-compile-worker: RLIMIT_AS: %s\n", std::strerror(errno));
-      return 5;
-    }
+  sandbox::Policy policy;
+  // The system's headers, libraries and the compiler's own files live under
+  // /usr; the driver also reads the distribution's name.
+  policy.read_only_paths = {"/usr", "/lib", "/lib64", "/etc/ld.so.cache", "/etc/os-release",
+                            "/etc/lsb-release", "/etc/debian_version", "/proc/cpuinfo"};
+  policy.read_only_paths.insert(policy.read_only_paths.end(), read_only.begin(), read_only.end());
+  policy.read_write_paths = read_write;
+  policy.device_paths = {"/dev/null"};
+  policy.address_space_bytes = memory_limit;
+  if (absl::Status s = sandbox::Apply(policy); !s.ok()) {
+    std::fprintf(stderr, "opjit-compile-worker: %s\n", s.ToString().c_str());
+    return 5;
   }
-  ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
-  InstallSeccompDenyList();
 
   ipc::Hello hello = frontend->Describe();
   hello.pid = static_cast<int32_t>(::getpid());

@@ -346,6 +346,30 @@ TEST_F(CpuCompilerTest, ForbiddenIncludesAreNotFoundAndNotQuoted) {
   EXPECT_TRUE(c->Compile(r).ok());
 }
 
+// The integrated assembler opens files itself, past clang's include
+// allow-list; the worker's Landlock rules stop it. Nothing of the file may
+// appear in the diagnostics or in the object.
+TEST_F(CpuCompilerTest, AssemblerIncludesOfHostFilesLeakNothing) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  const std::string passwd = ReadFile("/etc/passwd");
+  ASSERT_NE(passwd.find("root:"), std::string::npos);
+  for (const std::string& directive :
+       {std::string(".include \\\"/etc/shadow\\\""), std::string(".include \\\"/etc/passwd\\\""),
+        std::string(".incbin \\\"/etc/passwd\\\""),
+        std::string(".incbin \\\"/proc/self/environ\\\"")}) {
+    const std::string src = "asm(\"" + directive + "\");\nextern \"C\" int K() { return 0; }\n";
+    absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(src));
+    const std::string text =
+        out.ok() ? out->object + out->diagnostics : std::string(out.status().message());
+    EXPECT_FALSE(out.ok()) << directive << " compiled";
+    EXPECT_EQ(text.find("root:"), std::string::npos) << directive << " leaked /etc/passwd";
+    EXPECT_EQ(text.find("PATH="), std::string::npos) << directive << " leaked an environment";
+  }
+  // The compiler still works afterwards.
+  EXPECT_TRUE(c->Compile(Cxx("extern \"C\" int K() { return 1; }\n")).ok());
+}
+
 TEST_F(CpuCompilerTest, CrashIsReportedAndTheNextCompileWorks) {
   auto c = Make(Options());
   ASSERT_NE(c, nullptr);

@@ -44,6 +44,8 @@ NvccRequest Request(const std::string& source) {
   r.cuda_root = OPJIT_TEST_CUDA_ROOT;
   r.kernel_include_dir = OPJIT_TEST_KERNEL_INCLUDE_DIR;
   r.archs = {"sm_80"};
+  // As the daemon runs it: confined by opjit-gpu-sandbox.
+  r.sandbox_path = OPJIT_BINARY_DIR "/bin/opjit-gpu-sandbox";
   return r;
 }
 
@@ -106,6 +108,24 @@ TEST(NvccTest, BadArchAndMissingNvcc) {
   r.cuda_root = "/nonexistent";
   absl::StatusOr<NvccOutput> out = CompileAotSharedObject(r);
   EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable) << out.status();
+}
+
+// nvcc and the host compiler it runs read only the system's and opjit's
+// headers; host files neither compile in nor show up in the diagnostics.
+TEST(NvccTest, HostFilesCannotBeIncludedOrEmbedded) {
+  const std::string passwd = testing::ReadFile("/etc/passwd");
+  ASSERT_NE(passwd.find("root:"), std::string::npos);
+  for (const std::string& src :
+       {std::string("#include \"/etc/shadow\"\n"), std::string("#include \"/etc/passwd\"\n"),
+        std::string("#include \"/proc/self/environ\"\n"),
+        std::string("asm(\".incbin \\\"/etc/passwd\\\"\");\n")}) {
+    absl::StatusOr<NvccOutput> out = CompileAotSharedObject(Request(src + "int unused;\n"));
+    const std::string text =
+        out.ok() ? out->shared_object + out->diagnostics : std::string(out.status().message());
+    EXPECT_FALSE(out.ok()) << src;
+    EXPECT_EQ(text.find("root:"), std::string::npos) << src << " leaked /etc/passwd";
+    EXPECT_EQ(text.find("PATH="), std::string::npos) << src << " leaked an environment";
+  }
 }
 
 TEST(NvccTest, ToolchainId) {

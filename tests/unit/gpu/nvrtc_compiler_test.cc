@@ -20,9 +20,13 @@ extern "C" __global__ void add(float* a, const float* b, int n) {
 }
 )";
 
+// Every compile in these tests runs in the sandbox, as the daemon's do.
+constexpr char kSandbox[] = OPJIT_BINARY_DIR "/bin/opjit-gpu-sandbox";
+
 NvrtcOptions Options() {
   NvrtcOptions o;
   o.cuda_root = OPJIT_TEST_CUDA_ROOT;
+  o.worker_path = kSandbox;
   return o;
 }
 
@@ -258,6 +262,54 @@ TEST_F(NvrtcTest, BadArchsAreInvalidArgument) {
   NvrtcOptions o = Options();
   o.archs = {"sm_20"};
   EXPECT_EQ(NvrtcCompiler::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// NVRTC reads includes itself; the sandbox's Landlock rules stop it outside
+// the toolkit's and opjit's headers, and nothing of a host file is quoted.
+TEST_F(NvrtcTest, HostFilesCannotBeIncluded) {
+  const std::string passwd = testing::ReadFile("/etc/passwd");
+  ASSERT_NE(passwd.find("root:"), std::string::npos);
+  for (const char* path : {"/etc/shadow", "/etc/passwd", "/proc/self/environ", "/etc/hostname"}) {
+    GpuCompileRequest req;
+    req.source = std::string("#include \"") + path + "\"\n" + kAdd;
+    absl::StatusOr<GpuCompileOutput> out = compiler_->Compile(req);
+    ASSERT_FALSE(out.ok()) << path << " was included";
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+    const std::string msg(out.status().message());
+    EXPECT_EQ(msg.find("root:"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("PATH="), std::string::npos) << msg;
+  }
+}
+
+// A preprocessor bomb: ~8^9 tokens. The sandbox's time or memory limit stops
+// it, and the next compile works.
+TEST(NvrtcSandboxTest, BombIsStoppedByTheLimits) {
+  NvrtcOptions o = Options();
+  o.timeout_ms = 3000;
+  o.memory_limit_bytes = 1ull << 30;
+  auto c = NvrtcCompiler::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::string bomb = "#define X0 1+1+1+1+1+1+1+1\n";
+  for (int i = 1; i <= 9; ++i) {
+    bomb += "#define X" + std::to_string(i) + " ";
+    for (int k = 0; k < 8; ++k) bomb += (k ? "+X" : "X") + std::to_string(i - 1);
+    bomb += "\n";
+  }
+  bomb += "__device__ int v = X9;\n";
+  GpuCompileRequest req;
+  req.source = bomb;
+  req.archs = {"sm_90"};
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<GpuCompileOutput> out = (*c)->Compile(req);
+  ASSERT_FALSE(out.ok());
+  EXPECT_TRUE(out.status().code() == absl::StatusCode::kDeadlineExceeded ||
+              out.status().code() == absl::StatusCode::kResourceExhausted)
+      << out.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  GpuCompileRequest ok;
+  ok.source = kAdd;
+  ok.archs = {"sm_90"};
+  EXPECT_TRUE((*c)->Compile(ok).ok());
 }
 
 TEST(NvrtcCreateTest, MissingLibraryIsUnavailable) {

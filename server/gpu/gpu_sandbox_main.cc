@@ -1,0 +1,132 @@
+// opjit-gpu-sandbox: runs the GPU compilers on untrusted sources, confined.
+//
+//   opjit-gpu-sandbox --nvrtc --cuda-root R --nvrtc-path LIB --memory BYTES
+//                     --archs sm_80,sm_90 [--include DIR]...
+//       One NVRTC compile: the request on stdin, the result on stdout
+//       (EncodeGpuRequest / EncodeGpuResult), then exit. NVRTC is loaded
+//       first; then RLIMIT_AS, no_new_privs, Landlock (the toolkit's and the
+//       include dirs' files only), seccomp (no sockets, exec, processes).
+//
+//   opjit-gpu-sandbox --exec --rw DIR [--ro PATH]... --memory BYTES -- PROG ARGS...
+//       Confines itself (Landlock: system files read-only, DIR read-write;
+//       seccomp: no sockets, ptrace, signals to others; RLIMIT_DATA), sets
+//       TMPDIR=DIR, then execs PROG (nvcc and the tools it runs inherit all
+//       of it).
+//
+// Started by opjitd (server/gpu/nvrtc_compiler.cc, nvcc_compiler.cc).
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "server/common/sandbox.h"
+#include "server/gpu/nvrtc_compiler.h"
+
+namespace opjit::gpu {
+namespace {
+
+const std::vector<std::string> kSystem = {"/usr", "/lib", "/lib64", "/etc/ld.so.cache",
+                                          "/etc/alternatives"};
+
+int Fail(const std::string& what) {
+  std::fprintf(stderr, "opjit-gpu-sandbox: %s\n", what.c_str());
+  return 2;
+}
+
+int RunNvrtc(const std::string& cuda_root, const std::string& lib, uint64_t memory,
+             const std::string& archs, const std::vector<std::string>& includes) {
+  std::string request((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+  NvrtcOptions o;
+  o.cuda_root = cuda_root;
+  o.nvrtc_path = lib;
+  o.extra_include_dirs = includes;
+  if (!archs.empty()) o.archs = absl::StrSplit(archs, ',');
+  auto compiler = NvrtcCompiler::Create(o);
+  absl::StatusOr<GpuCompileOutput> result;
+  if (!compiler.ok()) {
+    result = compiler.status();
+  } else {
+    sandbox::Policy p;
+    p.read_only_paths = kSystem;
+    p.read_only_paths.push_back(cuda_root);
+    p.read_only_paths.insert(p.read_only_paths.end(), includes.begin(), includes.end());
+    p.device_paths = {"/dev/null"};
+    p.address_space_bytes = memory;
+    if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
+    GpuCompileRequest req;
+    if (!DecodeGpuRequest(request, &req)) {
+      result = absl::InvalidArgumentError("malformed compile request");
+    } else {
+      result = (*compiler)->CompileHere(req);
+    }
+  }
+  const std::string out = EncodeGpuResult(result);
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  std::fflush(stdout);
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  bool nvrtc = false, exec = false;
+  std::string cuda_root = "/usr/local/cuda", lib, archs, rw;
+  uint64_t memory = 0;
+  std::vector<std::string> includes, ro;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string a = argv[i];
+    const char* v = i + 1 < argc ? argv[i + 1] : nullptr;
+    if (a == "--nvrtc") {
+      nvrtc = true;
+    } else if (a == "--exec") {
+      exec = true;
+    } else if (a == "--") {
+      ++i;
+      break;
+    } else if (v == nullptr) {
+      return Fail("missing value for " + a);
+    } else if (a == "--cuda-root") {
+      cuda_root = argv[++i];
+    } else if (a == "--nvrtc-path") {
+      lib = argv[++i];
+    } else if (a == "--archs") {
+      archs = argv[++i];
+    } else if (a == "--memory") {
+      memory = std::strtoull(argv[++i], nullptr, 10);
+    } else if (a == "--include") {
+      includes.push_back(argv[++i]);
+    } else if (a == "--ro") {
+      ro.push_back(argv[++i]);
+    } else if (a == "--rw") {
+      rw = argv[++i];
+    } else {
+      return Fail("unknown argument " + a);
+    }
+  }
+  if (nvrtc) return RunNvrtc(cuda_root, lib, memory, archs, includes);
+  if (!exec || i >= argc || rw.empty()) return Fail("usage: see the comment in gpu_sandbox_main.cc");
+  sandbox::Policy p;
+  p.read_only_paths = kSystem;
+  p.read_only_paths.insert(p.read_only_paths.end(), ro.begin(), ro.end());
+  p.read_write_paths = {rw};
+  p.device_paths = {"/dev/null", "/dev/urandom"};
+  p.allow_exec = true;
+  p.allow_processes = true;
+  p.data_bytes = memory;
+  if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
+  ::setenv("TMPDIR", rw.c_str(), 1);
+  ::execv(argv[i], argv + i);
+  return Fail(std::string("exec ") + argv[i] + ": " + std::strerror(errno));
+}
+
+}  // namespace
+}  // namespace opjit::gpu
+
+int main(int argc, char** argv) { return opjit::gpu::Main(argc, argv); }
