@@ -11,6 +11,7 @@
 #include "server/common/logging.h"
 #include "server/autograd/autograd.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/core/op_service.h"
 #include "server/exec/executor.h"
 #include "server/registry/registry.h"
 #include "server/registry/validate.h"
@@ -58,70 +59,22 @@ void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& 
 grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContext* ctx,
                                                       const v1::RegisterOpRequest* req,
                                                       v1::RegisterOpResponse* resp) {
-  const uint64_t rid = NextRequestId();
-  auto log = Logger("rpc");
   auto def = OpDefFromProto(req->op());
   if (!def.ok()) return FinishNow(ctx, def.status());
-  if (absl::Status s = registry::ValidateOpDef(*def); !s.ok()) {
-    log->debug("req={} RegisterOp {}/{}: {}", rid, def->ns, def->name, s.ToString());
-    return FinishNow(ctx, s);
-  }
-
   auto* reactor = ctx->DefaultReactor();
-  auto shared_def = std::make_shared<registry::OpDef>(*std::move(def));
-  registry::Registry* reg = core_.registry;
-  // Stores the op once its CPU implementation (if any) compiled.
-  auto store = [reactor, resp, reg, shared_def, rid, log]() {
-    auto result = reg->Register(*shared_def);
-    if (!result.ok()) {
-      log->warn("req={} RegisterOp {}/{}: {}", rid, shared_def->ns, shared_def->name,
-                result.status().ToString());
-      reactor->Finish(ToGrpcStatus(result.status()));
-      return;
-    }
-    OpRecordToProto(result->record, /*with_sources=*/false, resp->mutable_record());
-    resp->set_created(result->created);
-    log->info("req={} registered {}/{} v{}{}", rid, shared_def->ns, shared_def->name,
-              result->record.version, result->created ? "" : " (unchanged)");
-    reactor->Finish(grpc::Status::OK);
-  };
-
-  // Every implementation is compiled before the op is stored (GPU ones to
-  // CUBIN/PTX, or a shared object for aot .cu files), one after another.
-  auto jobs = std::make_shared<std::vector<std::pair<std::string, compiler::CompileJob>>>();
-  for (const auto& impl : shared_def->implementations) {
-    jobs->emplace_back(registry::TargetName(impl.target),
-                       compiler::JobForImplementation(*shared_def, impl));
-  }
-  if (jobs->empty() || core_.compiler == nullptr) {
-    store();
-    return reactor;
-  }
-  compiler::KernelCompiler* kc = core_.compiler;
-  auto next = std::make_shared<std::function<void(size_t)>>();
-  *next = [kc, jobs, next, store, reactor, resp, shared_def, rid, log](size_t i) {
-    if (i == jobs->size()) {
-      store();
-      *next = nullptr;  // break the cycle
-      return;
-    }
-    const std::string target = (*jobs)[i].first;
-    kc->CompileAsync((*jobs)[i].second, [=](absl::StatusOr<compiler::CompileOutcome> outcome) {
-      if (!outcome.ok()) {
-        log->debug("req={} RegisterOp {}/{}: compile: {}", rid, shared_def->ns, shared_def->name,
-                   Brief(outcome.status()));
-        reactor->Finish(ToGrpcStatus(absl::Status(
-            outcome.status().code(), absl::StrCat("op \"", shared_def->ns, "/", shared_def->name,
-                                                  "\" ", target, " implementation: ",
-                                                  outcome.status().message()))));
-        *next = nullptr;
-        return;
-      }
-      OutcomeToProto(*outcome, target, resp->add_compiled());
-      (*next)(i + 1);
-    });
-  };
-  (*next)(0);
+  core::OpService ops(core_.registry, core_.compiler);
+  ops.RegisterAsync(*std::move(def), NextRequestId(),
+                    [reactor, resp](absl::StatusOr<core::RegisterOutcome> outcome) {
+                      if (!outcome.ok()) return reactor->Finish(ToGrpcStatus(outcome.status()));
+                      for (const auto& [target, compiled] : outcome->compiled) {
+                        OutcomeToProto(compiled, registry::TargetName(target),
+                                       resp->add_compiled());
+                      }
+                      OpRecordToProto(outcome->result.record, /*with_sources=*/false,
+                                      resp->mutable_record());
+                      resp->set_created(outcome->result.created);
+                      reactor->Finish(grpc::Status::OK);
+                    });
   return reactor;
 }
 

@@ -1,0 +1,91 @@
+#include "server/core/op_service.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/logging.h"
+#include "server/registry/validate.h"
+
+namespace opjit::core {
+namespace {
+
+// The first line of a status, for logs: compile diagnostics quote the
+// client's source, which does not belong in the daemon's log.
+std::string Brief(const absl::Status& s) {
+  std::string text = s.ToString();
+  auto nl = text.find('\n');
+  return nl == std::string::npos ? text : text.substr(0, nl) + " [...]";
+}
+
+// The state of one registration while its implementations compile.
+struct Registration {
+  registry::OpDef def;
+  uint64_t rid = 0;
+  std::vector<compiler::CompileJob> jobs;
+  RegisterOutcome outcome;
+  OpService::RegisterCallback done;
+};
+
+}  // namespace
+
+void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, RegisterCallback done) {
+  auto log = Logger("core");
+  if (absl::Status s = registry::ValidateOpDef(def); !s.ok()) {
+    log->debug("req={} register {}/{}: {}", request_id, def.ns, def.name, s.ToString());
+    return done(s);
+  }
+  auto reg = std::make_shared<Registration>();
+  reg->def = std::move(def);
+  reg->rid = request_id;
+  reg->done = std::move(done);
+  if (compiler_ != nullptr) {
+    for (const auto& impl : reg->def.implementations) {
+      reg->jobs.push_back(compiler::JobForImplementation(reg->def, impl));
+    }
+  }
+  registry::Registry* registry = registry_;
+  compiler::KernelCompiler* kc = compiler_;
+  // Stores the op once every implementation compiled.
+  auto store = [registry, reg, log]() {
+    const registry::OpDef& d = reg->def;
+    auto result = registry->Register(d);
+    if (!result.ok()) {
+      log->warn("req={} register {}/{}: {}", reg->rid, d.ns, d.name, result.status().ToString());
+      return reg->done(result.status());
+    }
+    log->info("req={} registered {}/{} v{}{}", reg->rid, d.ns, d.name, result->record.version,
+              result->created ? "" : " (unchanged)");
+    reg->outcome.result = *std::move(result);
+    reg->done(std::move(reg->outcome));
+  };
+  // Compiles job i, then the next; the last one stores.
+  auto next = std::make_shared<std::function<void(size_t)>>();
+  *next = [kc, reg, next, store, log](size_t i) {
+    if (i == reg->jobs.size()) {
+      // Clearing *next destroys this closure: keep what is needed first.
+      auto finish = store;
+      *next = nullptr;  // break the cycle
+      return finish();
+    }
+    const registry::Target target = reg->jobs[i].target;
+    kc->CompileAsync(reg->jobs[i], [=](absl::StatusOr<compiler::CompileOutcome> outcome) {
+      if (!outcome.ok()) {
+        log->debug("req={} register {}/{}: compile: {}", reg->rid, reg->def.ns, reg->def.name,
+                   Brief(outcome.status()));
+        *next = nullptr;
+        return reg->done(absl::Status(
+            outcome.status().code(),
+            absl::StrCat("op \"", reg->def.ns, "/", reg->def.name, "\" ",
+                         registry::TargetName(target), " implementation: ",
+                         outcome.status().message())));
+      }
+      reg->outcome.compiled.emplace_back(target, *std::move(outcome));
+      (*next)(i + 1);
+    });
+  };
+  (*next)(0);
+}
+
+}  // namespace opjit::core

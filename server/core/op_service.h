@@ -1,0 +1,57 @@
+// OpService: the register-and-compile use case, without gRPC.
+//
+//   validate the definition ─▶ compile every implementation (one after
+//   another, on the compiler's pool; the same jobs execution will look up)
+//   ─▶ store a new version (or find the same definition already stored)
+//
+// A backward op is not required to exist yet: the examples (and MindSpore's
+// habit) register a forward whose bprop, or whose bprop's bprop, comes later
+// or never; backward then answers NOT_FOUND naming it.
+//
+// The rpc layer converts protobuf to an OpDef, calls RegisterAsync, and
+// converts the outcome back; tests drive it directly.
+//
+// Thread-safety: all methods are thread-safe; callbacks run on the caller's
+// thread (errors found before any compile, cache hits) or on the
+// compiler's pool.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/compiler/kernel_compiler.h"
+#include "server/registry/registry.h"
+
+namespace opjit::core {
+
+struct RegisterOutcome {
+  registry::Registry::RegisterResult result;
+  // One per implementation, in the definition's order.
+  std::vector<std::pair<registry::Target, compiler::CompileOutcome>> compiled;
+};
+
+class OpService {
+ public:
+  using RegisterCallback = std::function<void(absl::StatusOr<RegisterOutcome>)>;
+
+  // Neither pointer is owned; both must outlive the service. `compiler` may
+  // be null (a registry without a compiler stores definitions unchecked).
+  OpService(registry::Registry* registry, compiler::KernelCompiler* compiler)
+      : registry_(registry), compiler_(compiler) {}
+
+  // Registers `def`; calls `done` exactly once. Errors: INVALID_ARGUMENT for a
+  // malformed definition (before any compile), a compile error ("op
+  // \"ns/name\" CPU implementation: compile failed: ..."), a missing entry
+  // symbol; the compiler's other
+  // codes; the registry's (INTERNAL when it cannot persist). Nothing is
+  // stored unless everything compiled.
+  void RegisterAsync(registry::OpDef def, uint64_t request_id, RegisterCallback done);
+
+ private:
+  registry::Registry* const registry_;
+  compiler::KernelCompiler* const compiler_;
+};
+
+}  // namespace opjit::core
