@@ -462,6 +462,17 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
         }
       }
     }
+    // The quota: every element costs two forward calls.
+    size_t total_elems = 0;
+    for (const auto& g : inputs) {
+      for (const auto& t : g) total_elems += t.bytes.size() / std::max<size_t>(registry::DtypeSize(t.desc.dtype), 1);
+    }
+    if (total_elems > kMaxGradCheckElements) {
+      return done(absl::ResourceExhaustedError(absl::StrCat(
+          "gradcheck would perturb ", total_elems, " input elements (two calls each); at most ",
+          kMaxGradCheckElements, ": check on smaller inputs (random_shape)")));
+    }
+    auto past_deadline = [&c] { return std::chrono::steady_clock::now() > c.deadline; };
     const double eps = c.eps > 0 ? c.eps : dtype == "float64" ? 1e-6 : dtype == "float16" ? 1e-2 : 1e-3;
     const double atol = c.atol > 0 ? c.atol : dtype == "float64" ? 1e-5 : dtype == "float16" ? 1e-1 : 1e-3;
     const double rtol = c.rtol > 0 ? c.rtol : dtype == "float64" ? 1e-4 : dtype == "float16" ? 5e-2 : 1e-2;
@@ -472,6 +483,7 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
       f.op = c.op;
       f.version = (*record)->version;
       f.attrs = c.attrs;
+      f.deadline = c.deadline;
       for (const auto& g : in) {
         std::vector<TensorArg> group;
         for (const auto& t : g) group.push_back(ArgOf(t));
@@ -546,6 +558,11 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
         const std::string& idtype = inputs[i][k].desc.dtype;
         const size_t elems = inputs[i][k].bytes.size() / registry::DtypeSize(idtype);
         for (size_t e = 0; e < elems; ++e) {
+          if (past_deadline()) {
+            return done(absl::DeadlineExceededError(absl::StrCat(
+                "gradcheck of ", def.name, " ran past its deadline after ", e, " of ", elems,
+                " elements of ", gi.name)));
+          }
           auto in = inputs;
           const double x0 = Get(idtype, inputs[i][k].bytes, e);
           Set(idtype, &in[i][k].bytes, e, x0 + eps);

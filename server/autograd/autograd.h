@@ -86,7 +86,13 @@ struct GradCheckCall {
   std::vector<int64_t> random_shape = {4};
   uint64_t seed = 0;
   double eps = 0, atol = 0, rtol = 0;  // 0: defaults for the dtype
+  // Checked before every evaluation: past it, DEADLINE_EXCEEDED.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
+
+// Elements a gradcheck may perturb (two forward calls each); more is
+// RESOURCE_EXHAUSTED before any call runs.
+inline constexpr size_t kMaxGradCheckElements = 4096;
 
 struct GradCheckInput {
   std::string name;

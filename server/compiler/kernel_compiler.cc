@@ -8,7 +8,10 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <future>
+#include <iterator>
+#include <map>
 #include <tuple>
 #include <mutex>
 #include <sstream>
@@ -259,6 +262,55 @@ struct KernelCompiler::Impl {
     }
     return !p.empty() && ::access(p.c_str(), X_OK) == 0 ? p : std::string();
   }
+  // SHA-256 over the path and content digest of every file under the
+  // kernel include dir and the extra include dirs (at most 4096 files).
+  std::string IncludeTreeDigest() {
+    Sha256 h;
+    std::vector<std::string> roots = {options.kernel_include_dir};
+    roots.insert(roots.end(), options.extra_include_dirs.begin(), options.extra_include_dirs.end());
+    size_t files = 0;
+    for (const auto& root : roots) {
+      std::error_code ec;
+      std::vector<std::string> paths;
+      for (auto it = std::filesystem::recursive_directory_iterator(
+               root, std::filesystem::directory_options::skip_permission_denied, ec);
+           !ec && it != std::filesystem::recursive_directory_iterator() && files < 4096;
+           it.increment(ec)) {
+        if (it->is_regular_file(ec)) {
+          paths.push_back(it->path().string());
+          ++files;
+        }
+      }
+      std::sort(paths.begin(), paths.end());
+      for (const auto& p : paths) {
+        h.UpdateField(p);
+        h.UpdateField(HeaderDigest(p));
+      }
+    }
+    return h.HexDigest().substr(0, 32);
+  }
+  // The content digest of `path`, rehashed whenever its (size, mtime)
+  // stamp changed since it was last hashed.
+  std::string HeaderDigest(const std::string& path) {
+    int64_t size = -1, mtime = -1;
+    if (!Stamp(path, &size, &mtime)) return "unreadable";
+    {
+      std::lock_guard<std::mutex> lock(header_mu);
+      auto it = header_memo.find(path);
+      if (it != header_memo.end() && std::get<0>(it->second) == size &&
+          std::get<1>(it->second) == mtime) {
+        return std::get<2>(it->second);
+      }
+    }
+    std::ifstream in(path, std::ios::binary);
+    std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::string digest = Sha256Hex(content);
+    std::lock_guard<std::mutex> lock(header_mu);
+    header_memo[path] = {size, mtime, digest};
+    return digest;
+  }
+  std::mutex header_mu;
+  std::map<std::string, std::tuple<int64_t, int64_t, std::string>> header_memo;  // GUARDED_BY(header_mu)
   // The GPU toolchain's identity for cache keys ("" for CPU jobs).
   absl::StatusOr<std::string> GpuToolchainId(const CompileJob& job);
   absl::StatusOr<std::shared_ptr<const MemoryEntry>> CpuEntry(
@@ -623,6 +675,12 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
   if (!gpu_toolchain.ok()) {
     done(gpu_toolchain.status());
     return;
+  }
+  if (job.target == registry::Target::kGpu) {
+    // NVRTC and nvcc do not say which headers they read, so a GPU key takes
+    // the content of every header they may read besides the toolkit's
+    // (which the toolchain identity covers): a changed header misses.
+    *gpu_toolchain += ";headers=" + impl->IncludeTreeDigest();
   }
   const std::string request_key = impl->RequestKey(job, *gpu_toolchain);
 

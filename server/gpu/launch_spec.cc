@@ -90,7 +90,16 @@ class Parser {
   Parser(const std::string& text, const Scope& scope, int column_offset)
       : text_(text), scope_(scope), offset_(column_offset) {}
 
+  // Bounds on what a registration may make the daemon parse (an attacker's
+  // "((((...1))))" or "----...1" must not exhaust the stack).
+  static constexpr size_t kMaxChars = 1024;
+  static constexpr int kMaxDepth = 64;
+
   absl::StatusOr<std::unique_ptr<Node>> ParseAll() {
+    if (text_.size() > kMaxChars) {
+      return absl::InvalidArgumentError(absl::StrCat("expression is ", text_.size(),
+                                                     " characters long; at most ", kMaxChars));
+    }
     OPJIT_RETURN_IF_ERROR(Next());
     if (tok_.kind == Tok::kEnd) return absl::InvalidArgumentError("empty expression");
     OPJIT_ASSIGN_OR_RETURN(auto node, ParseExpr());
@@ -189,7 +198,22 @@ class Parser {
     return node;
   }
 
+  // Counts one level of nesting while alive.
+  struct Nest {
+    explicit Nest(int* depth) : depth_(depth) { ++*depth_; }
+    ~Nest() { --*depth_; }
+    int* depth_;
+  };
+  absl::Status CheckDepth() {
+    if (depth_ > kMaxDepth) {
+      return Error(absl::StrCat("expression nested deeper than ", kMaxDepth, " levels"), tok_.column);
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<std::unique_ptr<Node>> ParseUnary() {
+    Nest nest(&depth_);
+    OPJIT_RETURN_IF_ERROR(CheckDepth());
     if (IsPunct('-')) {
       auto node = std::make_unique<Node>();
       node->kind = Node::Kind::kNeg;
@@ -281,6 +305,7 @@ class Parser {
   const int offset_;
   size_t pos_ = 0;
   Token tok_;
+  int depth_ = 0;  // nesting of unary minus, parentheses and calls now
 };
 
 // ------------------------------------------------------------ evaluator ---

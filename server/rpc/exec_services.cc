@@ -343,6 +343,7 @@ grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext
                                                      const v1::GradCheckRequest* req,
                                                      v1::GradCheckResponse* resp) {
   autograd::GradCheckCall call;
+  call.deadline = SteadyDeadline(*ctx);
   call.ns = NamespaceOrDefault(req->namespace_());
   call.op = req->op();
   call.version = req->version();
@@ -369,6 +370,7 @@ grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext
   core_.autograd->GradCheckAsync(
       std::move(call), [reactor, resp](absl::StatusOr<autograd::GradCheckResult> r) {
         if (!r.ok()) {
+          Logger("rpc")->debug("GradCheck: {}", r.status().ToString());
           reactor->Finish(ToGrpcStatus(r.status()));
           return;
         }

@@ -162,6 +162,36 @@ TEST_F(AutogradIT, RetainAndDoubleBackward) {
   EXPECT_EQ(Floats(third->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{6}));
 }
 
+// GradCheck's work is bounded by a quota and by the call's deadline.
+TEST_F(AutogradIT, GradCheckIsBoundedByAQuotaAndTheDeadline) {
+  Register("tanh_grad");
+  Register("tanh");
+  v1::GradCheckRequest big;
+  big.set_op("tanh");
+  big.add_random_shape(4096);
+  big.add_random_shape(64);
+  auto r = c_->GradCheck(big);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  // Under the quota, but far more calls than 200 ms allow.
+  v1::GradCheckRequest slow;
+  slow.set_op("tanh");
+  slow.add_random_shape(4096);
+  auto quick = client::Client::Connect(
+      {.address = daemon_->address(), .timeout = std::chrono::milliseconds(200)});
+  ASSERT_TRUE(quick.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto late = (*quick)->GradCheck(slow);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  // The server stopped too: a small check right after is answered at once.
+  v1::GradCheckRequest small;
+  small.set_op("tanh");
+  auto ok = c_->GradCheck(small);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  // (Stopped between evaluations, or inside one: in-daemon at the next
+  // check, with executor processes by killing the call's executor.)
+}
+
 TEST_F(AutogradIT, GradCheckPassesForCorrectBackwardsAndCatchesAWrongOne) {
   Register("tanh_grad");
   Register("tanh");

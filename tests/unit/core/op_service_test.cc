@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <thread>
 
@@ -153,6 +154,42 @@ TEST_F(OpServiceTest, ConcurrentRegistrationsStoreOneVersion) {
   EXPECT_EQ(created.load(), 1);
   EXPECT_EQ(registry_->Get("default", "shared", 0)->version, 1);
   EXPECT_EQ(compiler_->Stats().compiles, 1u);
+}
+
+// GPU compilers do not report the headers they read; the key covers every
+// header they may read, so editing one misses (and the old key still hits).
+TEST(GpuCacheKeyTest, EditedHeaderMisses) {
+  std::string tmpl = (fs::temp_directory_path() / "opjit-gpukey-XXXXXX").string();
+  const std::string dir = ::mkdtemp(tmpl.data());
+  fs::create_directories(dir + "/inc");
+  std::ofstream(dir + "/inc/scale.h") << "#define SCALE 2.0f\n";
+  compiler::KernelCompilerOptions o;
+  o.cache_dir = dir + "/cache";
+  o.worker_path = OPJIT_BINARY_DIR "/bin/opjit-compile-worker";
+  o.kernel_include_dir = dir + "/inc";
+  o.gpu_archs = {"sm_90"};
+  auto kc = compiler::KernelCompiler::Create(o);
+  ASSERT_TRUE(kc.ok()) << kc.status();
+  compiler::CompileJob job;
+  job.target = registry::Target::kGpu;
+  job.language = "cuda";
+  job.source = "#include \"scale.h\"\nextern \"C\" __global__ void k(float* x) { x[0] *= SCALE; }\n";
+  job.name_expressions = {"k"};
+  auto first = (*kc)->Compile(job);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto hit = (*kc)->Compile(job);
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(hit->cache_hit, "memory");
+  EXPECT_EQ(hit->kernel->cache_key, first->kernel->cache_key);
+  // A different size, so the digest memo sees the change at once.
+  std::ofstream(dir + "/inc/scale.h") << "#define SCALE 3.0f /* edited */\n";
+  auto edited = (*kc)->Compile(job);
+  ASSERT_TRUE(edited.ok()) << edited.status();
+  EXPECT_EQ(edited->cache_hit, "");
+  EXPECT_NE(edited->kernel->cache_key, first->kernel->cache_key);
+  kc->reset();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
 }
 
 }  // namespace

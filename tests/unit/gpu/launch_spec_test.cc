@@ -89,6 +89,22 @@ TEST(LaunchExprTest, ScalarShapeHasNumelOne) {
   EXPECT_EQ(*EvalExpr("numel(y)", env), 0);
 }
 
+// Registration parses attacker-supplied expressions: deep nesting and huge
+// inputs are refused with INVALID_ARGUMENT instead of exhausting the stack.
+TEST(LaunchExprTest, DepthAndLengthAreBounded) {
+  EXPECT_EQ(Eval(std::string(60, '(') + "1" + std::string(60, ')')), 1);
+  EXPECT_NE(EvalError(std::string(5000, '(') + "1" + std::string(5000, ')')).find("characters long"),
+            std::string::npos);
+  EXPECT_NE(EvalError(std::string(200, '(') + "1" + std::string(200, ')')).find("nested deeper"),
+            std::string::npos);
+  EXPECT_NE(EvalError(std::string(100, '-') + "1").find("nested deeper"), std::string::npos);
+  EXPECT_NE(EvalError(std::string(1000000, '-') + "1").find("characters long"), std::string::npos);
+  // A long flat chain is fine up to the length bound.
+  std::string chain = "1";
+  for (int i = 0; i < 300; ++i) chain += "+1";
+  EXPECT_EQ(Eval(chain), 301);
+}
+
 TEST(LaunchExprTest, SyntaxErrorsHaveColumns) {
   EXPECT_NE(EvalError("ceil_dv(1, 2)").find("unknown function 'ceil_dv' at column 1"),
             std::string::npos);
