@@ -42,8 +42,14 @@ int Fail(const std::string& what) {
 }
 
 int RunNvrtc(const std::string& cuda_root, const std::string& lib, uint64_t memory,
-             const std::string& archs, const std::vector<std::string>& includes) {
-  std::string request((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+             uint64_t cpu_seconds, const std::string& archs,
+             const std::vector<std::string>& includes) {
+  // No PDEATHSIG: it is tied to the thread that started this process, and a
+  // spare may outlive that thread. A dead daemon closes stdin instead (an
+  // empty request: exit), and RLIMIT_CPU bounds a compile nobody waits for.
+  // NVRTC loads and the sandbox closes before the request is read, so the
+  // daemon can start one ahead of time and only the compile is on the
+  // caller's clock.
   NvrtcOptions o;
   o.cuda_root = cuda_root;
   o.nvrtc_path = lib;
@@ -60,7 +66,11 @@ int RunNvrtc(const std::string& cuda_root, const std::string& lib, uint64_t memo
     p.read_only_paths.insert(p.read_only_paths.end(), includes.begin(), includes.end());
     p.device_paths = {"/dev/null"};
     p.address_space_bytes = memory;
+    p.cpu_seconds = cpu_seconds;
     if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
+    std::string request((std::istreambuf_iterator<char>(std::cin)),
+                        std::istreambuf_iterator<char>());
+    if (request.empty()) return 0;  // a spare that was never used
     GpuCompileRequest req;
     if (!DecodeGpuRequest(request, &req)) {
       result = absl::InvalidArgumentError("malformed compile request");
@@ -77,7 +87,7 @@ int RunNvrtc(const std::string& cuda_root, const std::string& lib, uint64_t memo
 int Main(int argc, char** argv) {
   bool nvrtc = false, exec = false;
   std::string cuda_root = "/usr/local/cuda", lib, archs, rw;
-  uint64_t memory = 0;
+  uint64_t memory = 0, cpu_seconds = 0;
   std::vector<std::string> includes, ro;
   int i = 1;
   for (; i < argc; ++i) {
@@ -100,6 +110,8 @@ int Main(int argc, char** argv) {
       archs = argv[++i];
     } else if (a == "--memory") {
       memory = std::strtoull(argv[++i], nullptr, 10);
+    } else if (a == "--cpu-seconds") {
+      cpu_seconds = std::strtoull(argv[++i], nullptr, 10);
     } else if (a == "--include") {
       includes.push_back(argv[++i]);
     } else if (a == "--ro") {
@@ -110,7 +122,7 @@ int Main(int argc, char** argv) {
       return Fail("unknown argument " + a);
     }
   }
-  if (nvrtc) return RunNvrtc(cuda_root, lib, memory, archs, includes);
+  if (nvrtc) return RunNvrtc(cuda_root, lib, memory, cpu_seconds, archs, includes);
   if (!exec || i >= argc || rw.empty()) return Fail("usage: see the comment in gpu_sandbox_main.cc");
   sandbox::Policy p;
   p.read_only_paths = kSystem;

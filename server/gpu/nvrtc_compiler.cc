@@ -113,7 +113,6 @@ struct CompileResult {
 
 }  // namespace
 
-NvrtcCompiler::~NvrtcCompiler() = default;
 // The library stays loaded for the life of the process: NVRTC keeps
 // process-wide state, and dlclose buys nothing for a daemon.
 
@@ -196,6 +195,10 @@ absl::StatusOr<std::unique_ptr<NvrtcCompiler>> NvrtcCompiler::Create(const Nvrtc
                    ";archs=", absl::StrJoin(options.archs, ","));
   log->info("NVRTC {}.{} loaded from {}; default archs {}", c->major_, c->minor_, c->library_path_,
             absl::StrJoin(options.archs, ","));
+  if (!options.worker_path.empty()) {
+    // The first compile's sandbox starts now.
+    if (auto spare = c->StartSandbox(); spare.ok()) c->spare_ = *spare;
+  }
   return c;
 }
 
@@ -404,10 +407,7 @@ absl::StatusOr<GpuCompileOutput> DecodeGpuResult(std::string_view in) {
   return out;
 }
 
-absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest& request) const {
-  if (options_.worker_path.empty()) return CompileHere(request);
-  // Arch errors are answered here, without a process.
-  for (const std::string& a : request.archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
+absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
   std::vector<std::string> args = {options_.worker_path,
                                    "--nvrtc",
                                    "--cuda-root",
@@ -416,6 +416,8 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest&
                                    library_path_,
                                    "--memory",
                                    std::to_string(options_.memory_limit_bytes),
+                                   "--cpu-seconds",
+                                   std::to_string(options_.timeout_ms / 1000 + 2),
                                    "--archs",
                                    absl::StrJoin(options_.archs, ",")};
   for (const auto& d : options_.extra_include_dirs) args.insert(args.end(), {"--include", d});
@@ -451,25 +453,60 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest&
     ::close(out_pipe[0]);
     return absl::UnavailableError(absl::StrCat("cannot start the NVRTC sandbox: ", std::strerror(rc)));
   }
+  return Sandbox{pid, in_pipe[1], out_pipe[0]};
+}
+
+void NvrtcCompiler::Discard(Sandbox& s) {
+  if (s.pid <= 0) return;
+  ::kill(-s.pid, SIGKILL);
+  if (s.in >= 0) ::close(s.in);
+  if (s.out >= 0) ::close(s.out);
+  int status = 0;
+  while (::waitpid(s.pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  s = Sandbox{};
+}
+
+NvrtcCompiler::~NvrtcCompiler() {
+  std::lock_guard<std::mutex> lock(spare_mu_);
+  Discard(spare_);
+}
+
+absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest& request) const {
+  if (options_.worker_path.empty()) return CompileHere(request);
+  // Arch errors are answered here, without a process.
+  for (const std::string& a : request.archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
+  // Every compile gets a fresh process; the spare one was started ahead of
+  // time (NVRTC loaded, sandbox closed), and a new spare starts now.
+  Sandbox sb;
+  {
+    std::lock_guard<std::mutex> lock(spare_mu_);
+    std::swap(sb, spare_);
+    if (auto next = StartSandbox(); next.ok()) spare_ = *next;
+  }
+  if (sb.pid <= 0) {
+    OPJIT_ASSIGN_OR_RETURN(sb, StartSandbox());
+  }
   const std::string payload = EncodeGpuRequest(request);
-  // The request is small next to a pipe's buffer; a sandbox that died early
-  // gives EPIPE, which the result below reports.
+  // A sandbox that died early gives EPIPE, which the result below reports.
   ::signal(SIGPIPE, SIG_IGN);
   for (size_t off = 0; off < payload.size();) {
-    ssize_t n = ::write(in_pipe[1], payload.data() + off, payload.size() - off);
+    ssize_t n = ::write(sb.in, payload.data() + off, payload.size() - off);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     off += static_cast<size_t>(n);
   }
-  ::close(in_pipe[1]);
+  ::close(sb.in);
+  sb.in = -1;
   std::string answer;
-  const bool finished = ReadAll(out_pipe[0], &answer,
+  const bool finished = ReadAll(sb.out, &answer,
                                 std::chrono::steady_clock::now() +
                                     std::chrono::milliseconds(options_.timeout_ms));
-  ::close(out_pipe[0]);
-  if (!finished) ::kill(-pid, SIGKILL);
+  ::close(sb.out);
+  sb.out = -1;
+  if (!finished) ::kill(-sb.pid, SIGKILL);
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  while (::waitpid(sb.pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (!finished) {
     return absl::DeadlineExceededError(absl::StrCat(

@@ -18,6 +18,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -127,6 +128,17 @@ class NvrtcCompiler {
   std::vector<int> supported_archs_;
   std::string library_path_;
   std::string toolchain_id_;
+
+  // A sandbox process, started ahead of need: NVRTC loaded, locked in,
+  // waiting for its request on `in`.
+  struct Sandbox {
+    int pid = -1;
+    int in = -1, out = -1;
+  };
+  absl::StatusOr<Sandbox> StartSandbox() const;
+  static void Discard(Sandbox& s);
+  mutable std::mutex spare_mu_;
+  mutable Sandbox spare_;  // GUARDED_BY(spare_mu_); pid -1: none
 };
 
 // How a request and its result cross the sandbox's pipes.

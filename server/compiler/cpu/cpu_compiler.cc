@@ -189,56 +189,6 @@ struct CpuCompiler::Worker {
   }
 };
 
-// Starts worker processes from one long-lived thread. PR_SET_PDEATHSIG fires
-// when the *thread* that forked the worker exits, so workers must not be
-// started from the caller's (possibly short-lived) threads.
-class CpuCompiler::Spawner {
- public:
-  Spawner() : thread_([this] { Loop(); }) {}
-  ~Spawner() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
-  // Runs `fn` on the spawner thread and returns its result.
-  template <typename T>
-  T Call(std::function<T()> fn) {
-    std::packaged_task<T()> task(std::move(fn));
-    std::future<T> result = task.get_future();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back([&task] { task(); });
-    }
-    cv_.notify_one();
-    return result.get();
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        job = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      job();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts after the fields above exist
-};
-
 CpuCompiler::CpuCompiler(const CpuCompilerOptions& options) : options_(options) {}
 
 CpuCompiler::~CpuCompiler() {
@@ -271,7 +221,7 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
   for (const std::string& d : options.extra_include_dirs) {
     c->allowed_extra_dirs_.push_back(Normalize(d));
   }
-  c->spawner_ = std::make_unique<Spawner>();
+  c->spawner_ = std::make_unique<SpawnThread>();
   if (!options.pch_dir.empty()) {
     // Before any worker starts: Landlock grants access only to directories
     // that exist when a worker locks itself in.

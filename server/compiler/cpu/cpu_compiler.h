@@ -20,6 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "server/common/spawn_thread.h"
 
 namespace opjit::compiler {
 
@@ -102,7 +103,6 @@ class CpuCompiler {
 
  private:
   struct Worker;
-  class Spawner;
 
   explicit CpuCompiler(const CpuCompilerOptions& options);
 
@@ -128,7 +128,7 @@ class CpuCompiler {
   std::string base_id_;  // the toolchain without the PCH prelude
   std::string toolchain_id_;
   std::string prelude_paths_[2];  // small, large; empty: PCH disabled
-  std::unique_ptr<Spawner> spawner_;
+  std::unique_ptr<SpawnThread> spawner_;  // starts every worker (PDEATHSIG)
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
