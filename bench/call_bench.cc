@@ -967,7 +967,8 @@ int Main(int argc, char** argv) {
     result["error"] = "Register: " + reg.status().ToString();
     return write_and_exit(1);
   }
-  auto admin_in_daemon = Client::Connect({.address = in_daemon->unix_address()});
+  auto admin_in_daemon = Client::Connect(
+      {.address = in_daemon->unix_address(), .max_message_bytes = kBigMessageMb << 20});
   if (!admin_in_daemon.ok() || !(*admin_in_daemon)->Register(*spec).ok()) {
     result["error"] = "Register on the in-daemon opjitd failed";
     return write_and_exit(1);
@@ -1063,7 +1064,15 @@ int Main(int argc, char** argv) {
                         ? RunInline(**admin, big_echo, bytes, mib >= 256 ? 3 : kDataReps)
                         : json{{"error", "opjitd did not start with max_message_mb = " +
                                              std::to_string(kBigMessageMb) + " (see config_error)"}};
+    // The same inline call with the kernel inside the daemon, for the cost
+    // of the executor hop (two copies through its arena).
+    if (config_ok && mib <= 64) {
+      row["inline_in_daemon"] = RunInline(**admin_in_daemon, big_echo, bytes, kDataReps);
+    }
     row["memcpy"] = RunMemcpy(bytes);
+    if (row.contains("inline_in_daemon")) {
+      printf("         inline in-daemon %s\n", Fmt(row["inline_in_daemon"], "call_ms", " ms", 2).c_str());
+    }
     printf("%3llu MiB  shm call %s kernel %s (%s, %s) | inline %s (%s), echo %s | memcpy %s (%s)\n",
            static_cast<unsigned long long>(mib), Fmt(row["shm"], "call_ms", " ms", 2).c_str(),
            Fmt(row["shm"], "kernel_ms", " ms", 2).c_str(),

@@ -262,7 +262,7 @@ def call_section(call, exec_med, res):
         print("\n## A crashed executor, to the next good call\n")
         print("A kernel segfaults its executor process (the caller gets ABORTED); then the "
               "same op is called again: a new executor starts, locks itself in, loads the "
-              f"kernel and runs Init. Median of {num(cr, 'samples') or '?'} crashes: "
+              f"kernel and runs Init. Median of {int(num(cr, 'samples') or 0)} crashes: "
               f"**{t_ms(num(cr, 'median_ms'))}**, worst {t_ms(num(cr, 'max_ms'))}.\n")
 
     reps = next((int(num(r.get("shm"), "reps")) for r in call.get("data_path", [])
@@ -276,8 +276,8 @@ def call_section(call, exec_med, res):
           "floor. GB/s is input bytes per second (each call moves that many in and out). "
           f"Medians of {reps} calls after one untimed call (3 for 256 MiB inline).\n")
     print("| size | shm call | kernel | call / kernel | goal | shm GB/s | inline call "
-          "| inline GB/s | gRPC echo, same bytes | memcpy | memcpy GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| inline GB/s | gRPC echo, same bytes | inline, in-daemon | memcpy | memcpy GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in call.get("data_path", []):
         size = r.get("size_mib")
         shm, inl, mc = r.get("shm", {}), r.get("inline"), r.get("memcpy", {})
@@ -285,13 +285,17 @@ def call_section(call, exec_med, res):
             if error_of(d):
                 res.fail(f"data path, {what}, {size} MiB", error_of(d))
         if inl is None:
-            inline_cells = "not run (over 64 MiB) | | "
+            inline_cells = "not run (over 64 MiB) | | | "
         else:
             echo = inl.get("echo", {}) if isinstance(inl, dict) else {}
             if error_of(echo):
                 res.fail(f"data path, inline echo, {size} MiB", error_of(echo))
+            ind = r.get("inline_in_daemon")
+            if error_of(ind):
+                res.fail(f"data path, inline in-daemon, {size} MiB", error_of(ind))
             inline_cells = (f"{t_ms(num(inl, 'call_ms'))} | {gbs(num(inl, 'gb_per_s'))} "
-                            f"| {t_ms(num(echo, 'call_ms'))}")
+                            f"| {t_ms(num(echo, 'call_ms'))} "
+                            f"| {t_ms(num(ind, 'call_ms')) if ind else 'not run'}")
         goal = "≤ 1.1×" if size == 256 else ""
         print(f"| {size} MiB | {t_ms(num(shm, 'call_ms'))} | {t_ms(num(shm, 'kernel_ms'))} "
               f"| {ratio(num(shm, 'call_ms'), num(shm, 'kernel_ms'))} | {goal} "
