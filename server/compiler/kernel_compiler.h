@@ -1,11 +1,14 @@
 // KernelCompiler: source in, compiled artifact out, through the
-// content-addressed cache. The path of one compile:
+// content-addressed cache. The same for every target; what differs lives in
+// one compile backend per target (backend.h: cpu_backend.cc, gpu_backend.cc).
+// The path of one compile:
 //
-//   key1 = SHA-256(ABI version, toolchain id, language, options, libraries, source)
-//   memory LRU[key1] ─hit─▶ artifact (headers re-verified by digest)
-//   disk manifest[key1] ─▶ header digests ─▶ final key ─▶ disk object
-//   miss ─▶ single-flight ─▶ compile worker (sandboxed process) ─▶ object
-//        ─▶ symbol checks ─▶ disk (manifest + object) ─▶ memory LRU
+//   key1 = SHA-256(ABI version, backend identity, language, options,
+//                  libraries, file name, source)
+//   memory LRU[key1] ─hit─▶ artifact (dependencies re-verified by digest)
+//   disk manifest[key1] ─▶ dependency digests ─▶ final key ─▶ disk artifact
+//   miss ─▶ single-flight ─▶ backend compile (a sandboxed process) ─▶
+//        backend checks ─▶ disk (artifact, then manifest) ─▶ memory LRU
 //
 // Nothing here loads or runs user code: an artifact is bytes (an ELF object
 // for the CPU, CUBIN/PTX or a shared object for the GPU). Kernel runners
@@ -77,6 +80,9 @@ struct CompiledKernel {
   std::string diagnostics;  // warnings from the compile that produced it
   // CPU: the strong global functions and data the object defines, sorted.
   std::vector<std::string> defined_symbols;
+  // CPU: every global symbol it defines (weak ones too), sorted: what an
+  // entry may name.
+  std::vector<std::string> entry_points;
   double compile_ms = 0;
 
   size_t binary_bytes() const { return gpu ? gpu->bytes() : object.size(); }
@@ -117,6 +123,9 @@ struct KernelCompilerOptions {
   // opjit-gpu-sandbox, which runs NVRTC and nvcc confined. Default:
   // next to worker_path. GPU compiles refuse to run without it.
   std::string gpu_sandbox_path;
+  // How long a header's digest is trusted without a stat (memory hits then
+  // cost no syscalls). Default: 1000 ms; tests use 0.
+  int header_recheck_ms = 1000;
   std::vector<std::string> gpu_archs = {"sm_80", "sm_90"};
 };
 

@@ -168,6 +168,7 @@ TEST(GpuCacheKeyTest, EditedHeaderMisses) {
   o.worker_path = OPJIT_BINARY_DIR "/bin/opjit-compile-worker";
   o.kernel_include_dir = dir + "/inc";
   o.gpu_archs = {"sm_90"};
+  o.header_recheck_ms = 0;  // see an edit at once
   auto kc = compiler::KernelCompiler::Create(o);
   ASSERT_TRUE(kc.ok()) << kc.status();
   compiler::CompileJob job;

@@ -1,0 +1,269 @@
+// The GPU compile backend: CUDA through NVRTC (CUBIN per arch plus PTX) or,
+// for MindSpore aot .cu files with host code, nvcc (a shared object). Both
+// run confined in opjit-gpu-sandbox processes; both are found on first use.
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "server/common/logging.h"
+#include "server/common/status_macros.h"
+#include "server/compiler/backend.h"
+#include "server/gpu/nvcc_compiler.h"
+#include "server/gpu/nvrtc_compiler.h"
+
+namespace opjit::compiler {
+namespace {
+
+constexpr char kGpuMagic[] = "OPJG1";
+// Headers a GPU compile may read besides the toolkit's (which the toolchain
+// identity covers), listed at most this many per compile.
+constexpr size_t kMaxListedHeaders = 4096;
+
+void PutField(std::string* out, std::string_view v) {
+  absl::StrAppend(out, v.size(), ":");
+  out->append(v);
+}
+
+bool GetField(std::string_view* in, std::string* v) {
+  auto colon = in->find(':');
+  if (colon == std::string_view::npos || colon > 20) return false;
+  size_t n = 0;
+  for (size_t i = 0; i < colon; ++i) {
+    if ((*in)[i] < '0' || (*in)[i] > '9') return false;
+    n = n * 10 + ((*in)[i] - '0');
+  }
+  if (n > in->size() - colon - 1) return false;
+  v->assign(in->substr(colon + 1, n));
+  in->remove_prefix(colon + 1 + n);
+  return true;
+}
+
+class GpuBackend : public CompileBackend {
+ public:
+  explicit GpuBackend(KernelCompilerOptions options) : options_(std::move(options)) {}
+
+  registry::Target target() const override { return registry::Target::kGpu; }
+
+  absl::StatusOr<std::string> Identity(const CompileJob& job) override {
+    if (job.language != "cuda") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("language \"", job.language, "\" is not a GPU language (expected cuda)"));
+    }
+    std::string id;
+    if (job.aot_shared_object) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (nvcc_id_.empty()) {
+        OPJIT_ASSIGN_OR_RETURN(nvcc_id_, gpu::NvccToolchainId(options_.cuda_root));
+      }
+      id = absl::StrCat(nvcc_id_, ";nvcc-aot");
+    } else {
+      OPJIT_ASSIGN_OR_RETURN(gpu::NvrtcCompiler * c, Nvrtc());
+      id = absl::StrCat(c->ToolchainId(), ";nvrtc");
+    }
+    return absl::StrCat(id, ";archs=", absl::StrJoin(Archs(job), ","),
+                        ";names=", absl::StrJoin(job.name_expressions, "\x1f"));
+  }
+
+  absl::StatusOr<BackendOutput> Compile(const CompileJob& job) override {
+    const std::vector<std::string> archs = Archs(job);
+    auto g = std::make_shared<GpuBinary>();
+    g->archs = archs;
+    BackendOutput out;
+    out.kernel = std::make_shared<CompiledKernel>();
+    out.kernel->target = registry::Target::kGpu;
+    if (job.aot_shared_object) {
+      gpu::NvccRequest req;
+      req.source = job.source;
+      req.file_name = job.file_name;
+      req.options = job.options;
+      req.archs = archs;
+      req.cuda_root = options_.cuda_root;
+      req.kernel_include_dir = options_.kernel_include_dir;
+      req.extra_include_dirs = options_.extra_include_dirs;
+      req.sandbox_path = SandboxPath();
+      req.memory_limit_bytes = options_.memory_limit_bytes;
+      if (req.sandbox_path.empty()) return NoSandbox();
+      OPJIT_ASSIGN_OR_RETURN(gpu::NvccOutput r, gpu::CompileAotSharedObject(req));
+      g->shared_object = std::move(r.shared_object);
+      out.kernel->compile_ms = r.compile_ms;
+      out.kernel->diagnostics = std::move(r.diagnostics);
+    } else {
+      OPJIT_ASSIGN_OR_RETURN(gpu::NvrtcCompiler * c, Nvrtc());
+      gpu::GpuCompileRequest req;
+      req.source = job.source;
+      req.file_name = job.file_name;
+      req.options = job.options;
+      req.name_expressions = job.name_expressions;
+      req.archs = archs;
+      OPJIT_ASSIGN_OR_RETURN(gpu::GpuCompileOutput r, c->Compile(req));
+      g->cubins = std::move(r.cubins);
+      g->ptx = std::move(r.ptx);
+      g->ptx_arch = std::move(r.ptx_arch);
+      g->lowered_names = std::move(r.lowered_names);
+      out.kernel->compile_ms = r.compile_ms;
+      out.kernel->diagnostics = std::move(r.diagnostics);
+    }
+    out.kernel->gpu = std::move(g);
+    // NVRTC and nvcc do not say which headers they read: depend on every
+    // header they may read besides the toolkit's, so an edited one misses.
+    out.dependencies = IncludeTreeFiles();
+    return out;
+  }
+
+  absl::Status Check(const CompileJob&, CompiledKernel*) const override {
+    // A GPU kernel's name is checked through its lowered name (NVRTC) or at
+    // its first launch (aot shared objects); nothing here reads the binary.
+    return absl::OkStatus();
+  }
+
+  std::string DiskKind() const override { return "gpu"; }
+
+  // Fields as "<len>:<bytes>".
+  std::string Encode(const CompiledKernel& k) const override {
+    const GpuBinary& g = *k.gpu;
+    std::string out = kGpuMagic;
+    PutField(&out, absl::StrCat(k.compile_ms));
+    PutField(&out, k.diagnostics);
+    PutField(&out, g.ptx);
+    PutField(&out, g.ptx_arch);
+    PutField(&out, g.shared_object);
+    PutField(&out, absl::StrCat(g.cubins.size()));
+    for (const auto& [arch, bin] : g.cubins) {
+      PutField(&out, arch);
+      PutField(&out, bin);
+    }
+    PutField(&out, absl::StrCat(g.lowered_names.size()));
+    for (const auto& [expr, name] : g.lowered_names) {
+      PutField(&out, expr);
+      PutField(&out, name);
+    }
+    PutField(&out, absl::StrJoin(g.archs, ","));
+    return out;
+  }
+
+  absl::StatusOr<std::shared_ptr<CompiledKernel>> Decode(std::string_view in) const override {
+    const auto malformed = [] { return absl::DataLossError("malformed GPU entry"); };
+    if (in.substr(0, sizeof(kGpuMagic) - 1) != kGpuMagic) return malformed();
+    in.remove_prefix(sizeof(kGpuMagic) - 1);
+    auto k = std::make_shared<CompiledKernel>();
+    auto g = std::make_shared<GpuBinary>();
+    std::string ms, count, archs;
+    if (!GetField(&in, &ms) || !GetField(&in, &k->diagnostics) || !GetField(&in, &g->ptx) ||
+        !GetField(&in, &g->ptx_arch) || !GetField(&in, &g->shared_object) ||
+        !GetField(&in, &count)) {
+      return malformed();
+    }
+    k->compile_ms = std::atof(ms.c_str());
+    for (long i = 0, n = std::atol(count.c_str()); i < n; ++i) {
+      std::string arch, bin;
+      if (!GetField(&in, &arch) || !GetField(&in, &bin)) return malformed();
+      g->cubins[arch] = std::move(bin);
+    }
+    if (!GetField(&in, &count)) return malformed();
+    for (long i = 0, n = std::atol(count.c_str()); i < n; ++i) {
+      std::string expr, name;
+      if (!GetField(&in, &expr) || !GetField(&in, &name)) return malformed();
+      g->lowered_names[expr] = std::move(name);
+    }
+    if (!GetField(&in, &archs) || !in.empty()) return malformed();
+    if (!archs.empty()) g->archs = absl::StrSplit(archs, ',');
+    k->target = registry::Target::kGpu;
+    k->gpu = std::move(g);
+    return k;
+  }
+
+  std::string ToolchainId() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return nvrtc_ ? nvrtc_->ToolchainId() : std::string();
+  }
+
+ private:
+  std::vector<std::string> Archs(const CompileJob& job) const {
+    return job.archs.empty() ? options_.gpu_archs : job.archs;
+  }
+
+  static absl::Status NoSandbox() {
+    return absl::UnavailableError(
+        "the GPU compiler sandbox (opjit-gpu-sandbox) is missing; GPU compiles are off");
+  }
+
+  // The opjit-gpu-sandbox binary, or "" when it is not there.
+  std::string SandboxPath() const {
+    std::string p = options_.gpu_sandbox_path;
+    if (p.empty()) {
+      std::string near = options_.worker_path;
+      if (near.empty()) {
+        std::error_code ec;
+        near = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+      }
+      p = near.substr(0, near.rfind('/') + 1) + "opjit-gpu-sandbox";
+    }
+    return !p.empty() && ::access(p.c_str(), X_OK) == 0 ? p : std::string();
+  }
+
+  absl::StatusOr<gpu::NvrtcCompiler*> Nvrtc() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (nvrtc_) return nvrtc_.get();
+    if (!nvrtc_status_.ok()) return nvrtc_status_;
+    gpu::NvrtcOptions o;
+    o.cuda_root = options_.cuda_root;
+    o.archs = options_.gpu_archs;
+    o.extra_include_dirs = {options_.kernel_include_dir};
+    o.worker_path = SandboxPath();
+    o.timeout_ms = options_.timeout_ms;
+    o.memory_limit_bytes = options_.memory_limit_bytes;
+    if (o.worker_path.empty()) {
+      nvrtc_status_ = NoSandbox();
+      return nvrtc_status_;
+    }
+    auto created = gpu::NvrtcCompiler::Create(o);
+    if (!created.ok()) {
+      nvrtc_status_ = created.status();
+      return nvrtc_status_;
+    }
+    nvrtc_ = *std::move(created);
+    Logger("compiler")->info("GPU compiler ready: {}", nvrtc_->Version());
+    return nvrtc_.get();
+  }
+
+  // Every regular file under the kernel include dir and the extra include
+  // dirs, sorted per root.
+  std::vector<std::string> IncludeTreeFiles() const {
+    std::vector<std::string> roots = {options_.kernel_include_dir};
+    roots.insert(roots.end(), options_.extra_include_dirs.begin(), options_.extra_include_dirs.end());
+    std::vector<std::string> out;
+    for (const auto& root : roots) {
+      std::error_code ec;
+      std::vector<std::string> paths;
+      for (auto it = std::filesystem::recursive_directory_iterator(
+               root, std::filesystem::directory_options::skip_permission_denied, ec);
+           !ec && it != std::filesystem::recursive_directory_iterator() &&
+           out.size() + paths.size() < kMaxListedHeaders;
+           it.increment(ec)) {
+        if (it->is_regular_file(ec)) paths.push_back(it->path().string());
+      }
+      std::sort(paths.begin(), paths.end());
+      out.insert(out.end(), paths.begin(), paths.end());
+    }
+    return out;
+  }
+
+  const KernelCompilerOptions options_;
+  mutable std::mutex mu_;
+  std::unique_ptr<gpu::NvrtcCompiler> nvrtc_;  // guarded by mu_ until set
+  absl::Status nvrtc_status_;                  // guarded by mu_
+  std::string nvcc_id_;                        // guarded by mu_
+};
+
+}  // namespace
+
+std::unique_ptr<CompileBackend> MakeGpuBackend(const KernelCompilerOptions& options) {
+  return std::make_unique<GpuBackend>(options);
+}
+
+}  // namespace opjit::compiler
