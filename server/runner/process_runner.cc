@@ -8,6 +8,7 @@
 #include <spawn.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,11 +18,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <map>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
+#include "server/common/sha256.h"
 #include "server/common/spawn_thread.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/kernel_compiler.h"
@@ -211,6 +214,22 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   w->data = static_cast<char*>(w->map) + wire::kSlotBytes;
   w->data_bytes = options.arena_bytes;
 
+  // The only directory a worker may write (aot GPU objects are written
+  // there to be loaded): one per namespace, so no kernel can plant a file
+  // another namespace's executor would load.
+  std::string scratch;
+  if (!options.host.scratch_dir.empty()) {
+    scratch = options.host.scratch_dir + "/" + Sha256Hex(ns).substr(0, 16);
+    std::error_code ec;
+    std::filesystem::create_directories(scratch, ec);
+    // Only the executors' user may use it.
+    if (!ec && options.uid >= 0 &&
+        ::chown(scratch.c_str(), static_cast<uid_t>(options.uid),
+                static_cast<gid_t>(options.gid >= 0 ? options.gid : options.uid)) != 0) {
+      scratch.clear();  // no scratch dir: aot GPU objects cannot load, nothing else breaks
+    }
+    if (!scratch.empty()) ::chmod(scratch.c_str(), 0700);
+  }
   std::vector<std::string> args = {
       options.worker_path,
       "--parent-pid", std::to_string(::getpid()),
@@ -219,7 +238,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
       "--uid", std::to_string(options.uid),
       "--gid", std::to_string(options.gid),
       "--spin-us", std::to_string(options.spin_us),
-      "--scratch-dir", options.host.scratch_dir,
+      "--scratch-dir", scratch,
       "--namespace", ns,
   };
   for (const auto& lib : options.host.allowed_libraries) {
