@@ -208,8 +208,11 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, c
   }
   ForwardResult& result = placed.result;
   const auto k0 = Clock::now();
-  absl::Status run = inst->Run({placed.inputs, placed.outputs, call.deadline});
-  result.kernel_ms = MsSince(k0);
+  double kernel_ms = -1;
+  absl::Status run = inst->Run({placed.inputs, placed.outputs, call.deadline, &kernel_ms});
+  // The runner's measure when it has one (an executor process reports the
+  // kernel alone, not its own start or the hop); else the whole Run.
+  result.kernel_ms = kernel_ms >= 0 ? kernel_ms : MsSince(k0);
   if (!run.ok()) {
     return absl::Status(run.code(), absl::StrCat("op ", OpName(def), ": ", run.message()));
   }

@@ -87,6 +87,10 @@ struct RunArgs {
   // The call's deadline; the runner stops a kernel that runs past it (or past
   // its own kernel time limit) where it can.
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  // When set, receives the time inside the kernel itself (without starting
+  // an executor, loading the kernel or Init), in ms; left alone when the
+  // runner cannot tell it apart from the rest of Run.
+  double* kernel_ms = nullptr;
 };
 
 // One kernel instance. Thread-safe: Run may be called from many threads

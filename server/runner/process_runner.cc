@@ -120,6 +120,7 @@ struct Pool {
 struct Reply {
   int32_t code = 0;
   uint64_t need = 0;
+  double kernel_ms = -1;  // calls only: the worker's measure
   std::string message;
   std::string payload;
 };
@@ -419,6 +420,7 @@ absl::StatusOr<Reply> ProcessRunner::Impl::Call(Worker& w, Clock::time_point dea
   Reply reply;
   reply.code = slot->code;
   reply.need = slot->need;
+  reply.kernel_ms = slot->kernel_ms;
   const uint32_t len = std::min<uint32_t>(slot->message_len, wire::kMessageBytes);
   reply.message.assign(slot->message, len);
   // Idle again; keep the worker's sleeping bit, which only it clears.
@@ -659,6 +661,12 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
   const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
   ewma_us_.store(ewma == 0 ? us : 0.8 * ewma + 0.2 * us, std::memory_order_relaxed);
   OPJIT_RETURN_IF_ERROR(StatusOf(reply));
+  // The worker's own measure of the kernel, if it is plausible (the worker
+  // may lie; it can only lie about its own call's timing).
+  const double total_ms = us / 1000.0;
+  if (args.kernel_ms != nullptr && reply.kernel_ms >= 0 && reply.kernel_ms <= total_ms) {
+    *args.kernel_ms = reply.kernel_ms;
+  }
   return absl::OkStatus();
 }
 
