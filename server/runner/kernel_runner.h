@@ -124,9 +124,6 @@ class KernelRunner {
   // A new instance for `spec`. Init runs here when the outputs are known
   // (in-daemon), or lazily in each worker (process). Errors: those of Run.
   virtual absl::StatusOr<std::shared_ptr<KernelInstance>> Instance(const InstanceSpec& spec) = 0;
-  // Forgets everything cached for kernels of namespace `ns` (the op was
-  // registered again: a quarantine ends). Default: nothing.
-  virtual void Reset(const std::string& ns) {}
   // Housekeeping (stopping idle workers); called about once a second.
   virtual void Maintain() {}
   virtual RunnerStats Stats() const = 0;
