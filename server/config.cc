@@ -92,11 +92,17 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
   if (const toml::table* c = root["compiler"].as_table()) {
     OPJIT_CFG_TRY(CheckKeys(*c, "compiler.",
                             {"workers", "timeout_ms", "memory_limit_mb", "threads",
-                             "extra_include_dirs", "allowed_libraries", "kernel_include_dir"}));
+                             "extra_include_dirs", "allowed_libraries", "kernel_include_dir",
+                             "recycle_after", "recycle_memory_mb", "long_after_ms",
+                             "long_workers"}));
     OPJIT_CFG_TRY(ReadInt(*c, "workers", "compiler.", &cfg->compile_workers));
     OPJIT_CFG_TRY(ReadInt(*c, "timeout_ms", "compiler.", &cfg->compile_timeout_ms));
     OPJIT_CFG_TRY(ReadInt(*c, "memory_limit_mb", "compiler.", &cfg->compile_memory_limit_mb));
     OPJIT_CFG_TRY(ReadInt(*c, "threads", "compiler.", &cfg->compile_threads));
+    OPJIT_CFG_TRY(ReadInt(*c, "recycle_after", "compiler.", &cfg->compile_recycle_after));
+    OPJIT_CFG_TRY(ReadInt(*c, "recycle_memory_mb", "compiler.", &cfg->compile_recycle_memory_mb));
+    OPJIT_CFG_TRY(ReadInt(*c, "long_after_ms", "compiler.", &cfg->compile_long_after_ms));
+    OPJIT_CFG_TRY(ReadInt(*c, "long_workers", "compiler.", &cfg->compile_long_workers));
     OPJIT_CFG_TRY(ReadStrings(*c, "extra_include_dirs", "compiler.", &cfg->extra_include_dirs));
     OPJIT_CFG_TRY(ReadStrings(*c, "allowed_libraries", "compiler.", &cfg->allowed_libraries));
     OPJIT_CFG_TRY(ReadString(*c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir));
@@ -210,7 +216,12 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
   while (cfg.state_dir.size() > 1 && cfg.state_dir.back() == '/') cfg.state_dir.pop_back();
   if (cfg.listen.empty()) cfg.listen = {DefaultSocketAddress(cfg.state_dir), kDefaultTcpAddress};
   if (cfg.compile_workers < 1) return absl::InvalidArgumentError("compiler.workers must be >= 1");
-  if (cfg.compile_threads < 1) return absl::InvalidArgumentError("compiler.threads must be >= 1");
+  if (cfg.compile_threads < 0) return absl::InvalidArgumentError("compiler.threads must be >= 0");
+  if (cfg.compile_recycle_after < 0 || cfg.compile_recycle_memory_mb < 0 ||
+      cfg.compile_long_after_ms < 0 || cfg.compile_long_workers < 0) {
+    return absl::InvalidArgumentError(
+        "compiler.recycle_after, recycle_memory_mb, long_after_ms and long_workers must be >= 0");
+  }
   if (cfg.max_message_bytes < (1 << 20)) {
     return absl::InvalidArgumentError("max_message_mb must be >= 1");
   }

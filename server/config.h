@@ -26,7 +26,11 @@ struct DaemonConfig {
   int compile_workers = 2;
   int compile_timeout_ms = 30000;
   int64_t compile_memory_limit_mb = 2048;
-  int compile_threads = 2;
+  int compile_threads = 0;              // 0: workers + long_workers
+  int compile_recycle_after = 256;      // compiles, then a worker is replaced
+  int64_t compile_recycle_memory_mb = 0;  // address space that retires a worker (0: half the limit)
+  int compile_long_after_ms = 1000;     // a compile running longer moves to the long lane
+  int compile_long_workers = 2;         // compiles in the long lane at once
   std::vector<std::string> extra_include_dirs;
   std::vector<std::string> allowed_libraries;
   std::string kernel_include_dir;  // Default: the installed or source-tree kernels/include

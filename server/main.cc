@@ -181,6 +181,12 @@ int Run(int argc, char** argv) {
   copts.memory_bytes = static_cast<uint64_t>(cfg->cache_memory_mb) << 20;
   copts.disk_bytes = static_cast<uint64_t>(cfg->cache_disk_mb) << 20;
   copts.pool_threads = cfg->compile_threads;
+  copts.recycle_after_compiles = cfg->compile_recycle_after;
+  copts.recycle_memory_bytes = cfg->compile_recycle_memory_mb > 0
+                                   ? static_cast<uint64_t>(cfg->compile_recycle_memory_mb) << 20
+                                   : copts.memory_limit_bytes / 2;
+  copts.long_after_ms = cfg->compile_long_after_ms;
+  copts.long_workers = cfg->compile_long_workers;
   auto compiler = compiler::KernelCompiler::Create(copts);
   if (!compiler.ok()) {
     log->error("compiler: {}", compiler.status().ToString());

@@ -1,5 +1,6 @@
 #include "server/common/logging.h"
 
+#include <chrono>
 #include <mutex>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -36,6 +37,23 @@ void SetLogLevel(const std::string& level) {
   if (parsed == spdlog::level::off && level != "off") parsed = spdlog::level::info;
   Level() = parsed;
   spdlog::apply_all([parsed](const std::shared_ptr<spdlog::logger>& l) { l->set_level(parsed); });
+}
+
+}  // namespace opjit
+
+namespace opjit {
+
+bool LogLimiter::Allow(uint64_t* suppressed) {
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  int64_t next = next_ns_.load(std::memory_order_relaxed);
+  if (now < next || !next_ns_.compare_exchange_strong(next, now + interval_ns_)) {
+    suppressed_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  *suppressed = suppressed_.exchange(0, std::memory_order_relaxed);
+  return true;
 }
 
 }  // namespace opjit

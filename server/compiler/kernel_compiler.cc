@@ -283,7 +283,10 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
                                                                 options.memory_bytes);
   impl->digests = std::make_unique<cache::FileDigestCache>(options.header_recheck_ms);
   impl->toolchain_id = impl->cpu->ToolchainId();
-  impl->pool = std::make_unique<ThreadPool>(options.pool_threads, /*max_queue=*/256, "opjit-compile");
+  const int threads = options.pool_threads > 0
+                          ? options.pool_threads
+                          : options.workers + std::max(0, options.long_workers);
+  impl->pool = std::make_unique<ThreadPool>(threads, /*max_queue=*/256, "opjit-compile");
   Logger("compiler")->info("compiler ready: {} worker(s), cache {}, toolchain {}", options.workers,
                            options.cache_dir, impl->cpu->ToolchainId().substr(0, 80));
   return std::unique_ptr<KernelCompiler>(new KernelCompiler(std::move(impl)));

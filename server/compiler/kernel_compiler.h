@@ -115,8 +115,17 @@ struct KernelCompilerOptions {
   uint64_t memory_bytes = 512ull << 20;
   // Disk cache bound. Default: 2 GiB.
   uint64_t disk_bytes = 2ull << 30;
-  // Threads that run compiles and loads. Default: 2.
-  int pool_threads = 2;
+  // CPU compile workers are retired after this many compiles or past this
+  // address-space size (0: never). Defaults: 256; half the memory limit.
+  int recycle_after_compiles = 256;
+  uint64_t recycle_memory_bytes = 1ull << 30;
+  // The long lane (see CpuCompilerOptions): compiles running past
+  // long_after_ms give their slot to others; at most long_workers at once.
+  int long_after_ms = 1000;
+  int long_workers = 2;
+  // Threads that drive compiles. Default (0): workers + long_workers, so that
+  // compiles in the long lane do not hold every thread.
+  int pool_threads = 0;
   // GPU: the CUDA toolkit and the archs compiled when a job names none.
   // Default: /usr/local/cuda; sm_80 and sm_90.
   std::string cuda_root = "/usr/local/cuda";

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
+#include "server/rpc/decode_guard.h"
 
 namespace opjit::rpc {
 namespace {
@@ -69,7 +70,11 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
+  RouteProtobufLogs();
   grpc::ServerBuilder builder;
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(MakeDecodeGuardFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   std::vector<std::unique_ptr<int>> ports;
@@ -85,7 +90,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   facts.listen = options.listen;
   self->services_.push_back(std::make_unique<RegistryService>(core));
   self->services_.push_back(std::make_unique<CompilerService>(core));
-  self->services_.push_back(std::make_unique<ServerService>(core, facts));
+  auto server_service = std::make_unique<ServerService>(core, facts);
+  ServerService* server_info = server_service.get();
+  self->services_.push_back(std::move(server_service));
   if (core.regions != nullptr) self->services_.push_back(std::make_unique<MemoryService>(core));
   if (core.executor != nullptr) self->services_.push_back(std::make_unique<ExecutorService>(core));
   for (auto& service : self->services_) builder.RegisterService(service.get());
@@ -110,6 +117,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
       self->bound_.push_back(absl::StrCat(host, ":", *ports[i]));
     }
   }
+  server_info->SetBound(self->bound_);
   self->server_->GetHealthCheckService()->SetServingStatus(true);
   return self;
 }

@@ -196,6 +196,11 @@ grpc::ServerUnaryReactor* CompilerService::ClearCache(grpc::CallbackServerContex
   return FinishNow(ctx, absl::OkStatus());
 }
 
+void ServerService::SetBound(std::vector<std::string> bound) {
+  std::lock_guard<std::mutex> lock(bound_mu_);
+  bound_ = std::move(bound);
+}
+
 grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                        const v1::GetServerInfoRequest*,
                                                        v1::ServerInfo* resp) {
@@ -211,7 +216,10 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
   gpu->set_reason(facts_.gpu_reason);
   for (const auto& d : facts_.gpu_devices) gpu->add_devices(d);
   resp->set_state_dir(facts_.state_dir);
-  for (const auto& l : facts_.listen) resp->add_listen(l);
+  {
+    std::lock_guard<std::mutex> lock(bound_mu_);
+    for (const auto& l : bound_.empty() ? facts_.listen : bound_) resp->add_listen(l);
+  }
   resp->set_uptime_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::steady_clock::now() - started_)
                           .count());

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -146,10 +147,15 @@ class ServerService final : public v1::Server::CallbackService {
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* req,
                                           v1::ServerInfo* resp) override;
+  // The addresses actually bound ("127.0.0.1:0" becomes the port the kernel
+  // picked), known only once the server has started.
+  void SetBound(std::vector<std::string> bound);
 
  private:
   CoreRefs core_;
   const ServerFacts facts_;
+  std::mutex bound_mu_;
+  std::vector<std::string> bound_;  // empty until SetBound: facts_.listen
   const std::chrono::steady_clock::time_point started_;
 };
 

@@ -172,6 +172,40 @@ absl::Status WriteFileIfChanged(const fs::path& path, const std::string& content
   return absl::OkStatus();
 }
 
+// A worker's address space (what RLIMIT_AS bounds), 0 when unknown.
+uint64_t AddressSpaceBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/statm"));
+  uint64_t pages = 0;
+  if (!(in >> pages)) return 0;
+  return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// Waits until `fd` has something to read or `until` passes; true if readable
+// (or hung up).
+bool WaitReadable(int fd, absl::Time until) {
+  for (;;) {
+    int64_t ms = absl::ToInt64Milliseconds(until - absl::Now());
+    if (ms < 0) ms = 0;
+    pollfd p{fd, POLLIN, 0};
+    int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
+    if (r > 0) return true;
+    if (r == 0) return false;
+    if (errno != EINTR) return true;  // let the read report it
+  }
+}
+
+std::string SignalName(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev != nullptr ? absl::StrCat("SIG", abbrev) : "an unknown signal";
+}
+
+// Signals that mean the compiler itself crashed on the source (as opposed to
+// a signal someone sent the worker).
+bool IsCrashSignal(int sig) {
+  return sig == SIGSEGV || sig == SIGBUS || sig == SIGILL || sig == SIGFPE || sig == SIGABRT ||
+         sig == SIGTRAP || sig == SIGSYS;
+}
+
 std::string DescribeExit(int status) {
   if (WIFSIGNALED(status)) return absl::StrCat("signal ", WTERMSIG(status));
   if (WIFEXITED(status)) return absl::StrCat("exit status ", WEXITSTATUS(status));
@@ -183,6 +217,7 @@ std::string DescribeExit(int status) {
 struct CpuCompiler::Worker {
   pid_t pid = -1;
   int fd = -1;
+  int compiles = 0;  // requests answered
   ipc::Hello hello;
   ~Worker() {
     if (fd >= 0) ::close(fd);
@@ -264,7 +299,9 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
       if (!c->kernel_include_dir_.empty()) req.include_dirs.push_back(c->kernel_include_dir_);
       req.pch_path = pch;
       req.prelude_path = c->prelude_paths_[k];
-      absl::StatusOr<CpuCompileOutput> built = c->Run(&worker, ipc::Encode(req), "the PCH prelude");
+      bool long_lane = false;
+      absl::StatusOr<CpuCompileOutput> built =
+          c->Run(&worker, ipc::Encode(req), "the PCH prelude", /*allow_long=*/false, &long_lane);
       if (built.ok()) {
         log->info("built the prelude PCH {} in {:.0f} ms", pch,
                   absl::ToDoubleMilliseconds(absl::Now() - start));
@@ -460,13 +497,86 @@ void CpuCompiler::Discard(std::unique_ptr<Worker> worker) {
   idle_cv_.notify_one();
 }
 
+bool CpuCompiler::EnterLongLane(Worker* worker, const std::string& file_name) {
+  int in_lane = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (long_ >= options_.long_workers) return false;
+    ++long_;
+    --live_;
+    ++stats_.long_compiles;
+    in_lane = long_;
+  }
+  idle_cv_.notify_one();
+  // Small compiles that start meanwhile get the CPU first. Best effort.
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(worker->pid), 10);
+  Logger("compiler")->info(
+      "compile of {} still running after {} ms: moved to the long lane ({} of {}), "
+      "its slot goes to other compiles",
+      file_name, options_.long_after_ms, in_lane, options_.long_workers);
+  return true;
+}
+
+void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane) {
+  const bool died = worker == nullptr;
+  if (!died && !long_lane) {
+    ++worker->compiles;
+    const char* why = nullptr;
+    uint64_t size = 0;
+    if (options_.recycle_after_compiles > 0 &&
+        worker->compiles >= options_.recycle_after_compiles) {
+      why = "compiles";
+    } else if (options_.recycle_memory_bytes > 0 &&
+               (size = AddressSpaceBytes(worker->pid)) >= options_.recycle_memory_bytes) {
+      why = "size";
+    }
+    if (why == nullptr) {
+      Release(std::move(worker));
+      return;
+    }
+    Logger("compiler")->debug("recycling compile worker {} after {} compiles ({} MiB, by {})",
+                              worker->pid, worker->compiles, size >> 20, why);
+  }
+  // A worker that spent its compile in the long lane has grown with it, and
+  // its slot was already given away: it goes too.
+  if (!died) {
+    ::kill(worker->pid, SIGKILL);
+    int status;
+    while (::waitpid(worker->pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    worker.reset();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (long_lane) {
+      --long_;
+    } else {
+      --live_;
+      if (died) {
+        ++dead_;
+      } else {
+        ++stats_.recycled;
+      }
+    }
+  }
+  idle_cv_.notify_all();
+}
+
 absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worker,
                                                   const std::string& payload,
-                                                  const std::string& file_name) {
+                                                  const std::string& file_name, bool allow_long,
+                                                  bool* long_lane) {
   Worker& w = **worker;
   auto log = Logger("compiler");
   absl::Time deadline = absl::Now() + absl::Milliseconds(options_.timeout_ms);
   absl::Status s = ipc::WriteFrame(w.fd, payload, deadline);
+  *long_lane = false;
+  if (s.ok() && allow_long && options_.long_after_ms > 0 && options_.long_workers > 0) {
+    absl::Time switch_at = std::min(deadline, absl::Now() + absl::Milliseconds(options_.long_after_ms));
+    if (!WaitReadable(w.fd, switch_at) && absl::Now() < deadline) {
+      *long_lane = EnterLongLane(&w, file_name);
+    }
+  }
   std::string frame;
   if (s.ok()) s = ipc::ReadFrame(w.fd, &frame, deadline);
 
@@ -492,25 +602,42 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
   if (!s.ok()) {
     // The worker hung up: it died. An exit after the process had already
     // begun to exit keeps its own status, so killing first is safe.
+    const pid_t pid = w.pid;
     reap(&status, &usage);
+    uint64_t maxrss = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+    bool near_limit = options_.memory_limit_bytes != 0 &&
+                      maxrss + options_.memory_limit_bytes / 4 >= options_.memory_limit_bytes;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 71) near_limit = true;
+    const int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    if (sig != 0 && !IsCrashSignal(sig) && !near_limit) {
+      // Not the source's doing: an operator, a supervisor or the kernel's
+      // OOM killer (the machine, not this worker, ran short) sent it.
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.killed_outside;
+      }
+      log->warn("compile worker {} was killed by signal {} ({}) from outside opjitd while "
+                "compiling {}",
+                pid, sig, SignalName(sig), file_name);
+      return absl::UnavailableError(absl::StrCat(
+          "the compile worker was killed by signal ", sig, " (", SignalName(sig),
+          ") from outside opjitd while compiling ", file_name,
+          "; the source was not at fault, retry the request"));
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.crashes;
     }
     log->warn("compile worker died ({}) while compiling {}", DescribeExit(status), file_name);
-    uint64_t maxrss = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
-    bool near_limit = options_.memory_limit_bytes != 0 &&
-                      maxrss + options_.memory_limit_bytes / 4 >= options_.memory_limit_bytes;
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 71) near_limit = true;
-    if ((WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) || near_limit) {
+    if (near_limit) {
       return absl::ResourceExhaustedError(absl::StrCat("the compiler ran out of memory (limit ",
                                                        limit_mib, " MiB) while compiling ",
                                                        file_name));
     }
-    if (WIFSIGNALED(status)) {
+    if (sig != 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("the compiler crashed (signal ", WTERMSIG(status), ") while compiling ",
-                       file_name, "; the source triggers a compiler bug or exhausts its stack"));
+          absl::StrCat("the compiler crashed (signal ", sig, ") while compiling ", file_name,
+                       "; the source triggers a compiler bug or exhausts its stack"));
     }
     return absl::InvalidArgumentError(
         absl::StrCat("the compiler died (", DescribeExit(status), ") while compiling ", file_name,
@@ -597,15 +724,10 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
   std::string payload = ipc::Encode(req);
 
   OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Acquire());
-  absl::StatusOr<CpuCompileOutput> out = Run(&worker, payload, req.file_name);
-  if (worker != nullptr) {
-    Release(std::move(worker));
-  } else {
-    std::lock_guard<std::mutex> lock(mu_);
-    --live_;
-    ++dead_;
-  }
-  idle_cv_.notify_one();
+  bool long_lane = false;
+  absl::StatusOr<CpuCompileOutput> out =
+      Run(&worker, payload, req.file_name, /*allow_long=*/true, &long_lane);
+  FinishWith(std::move(worker), long_lane);
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.compiles;

@@ -64,6 +64,19 @@ struct CpuCompilerOptions {
   std::vector<std::string> extra_include_dirs;
   // Where the prelude PCH is built and kept; empty = no PCH.
   std::string pch_dir;
+  // A worker is replaced after this many compiles, or once its address space
+  // passes recycle_memory_bytes (clang's process grows ~1.5 MB per compile),
+  // so that it is retired before the memory limit fails an innocent compile.
+  // 0 disables either bound. Defaults: 256 compiles; half of the limit.
+  int recycle_after_compiles = 256;
+  uint64_t recycle_memory_bytes = 1ull << 30;
+  // The long lane. A compile still running after long_after_ms gives its slot
+  // back to the pool (a replacement worker may start) and continues at a
+  // lower CPU priority, so that template bombs do not stall small compiles.
+  // At most long_workers compiles are in the long lane at once; beyond that a
+  // long compile keeps its slot. long_after_ms = 0 turns the lane off.
+  int long_after_ms = 1000;
+  int long_workers = 2;
 };
 
 // Thread-safe. Compile() blocks the calling thread until a worker is free and
@@ -83,7 +96,8 @@ class CpuCompiler {
   //                     compiler crashed on this source; or bad options/dirs;
   //   DEADLINE_EXCEEDED the compile ran past timeout_ms;
   //   RESOURCE_EXHAUSTED the compiler ran out of memory;
-  //   UNAVAILABLE       no worker could be started.
+  //   UNAVAILABLE       no worker could be started, or the worker was killed
+  //                     from outside opjitd (not this source's fault: retry).
   absl::StatusOr<CpuCompileOutput> Compile(const CpuCompileRequest& request);
 
   // Everything about the toolchain that changes output bytes, for cache keys:
@@ -98,6 +112,9 @@ class CpuCompiler {
     uint64_t crashes = 0;          // workers that died on a request
     uint64_t timeouts = 0;         // workers killed at the deadline
     uint64_t worker_restarts = 0;  // workers started to replace a dead one
+    uint64_t recycled = 0;         // healthy workers retired (compile count or size)
+    uint64_t killed_outside = 0;   // workers killed by a signal opjitd did not send
+    uint64_t long_compiles = 0;    // compiles moved to the long lane
   };
   Stats GetStats() const;
 
@@ -115,8 +132,16 @@ class CpuCompiler {
   absl::StatusOr<std::unique_ptr<Worker>> StartWorker();
   // Runs one encoded request on `*worker`. On return `*worker` is null when
   // the worker died or was killed (it is then reaped and counted).
+  // `allow_long`: the compile may move to the long lane (see the options).
   absl::StatusOr<CpuCompileOutput> Run(std::unique_ptr<Worker>* worker, const std::string& payload,
-                                       const std::string& file_name);
+                                       const std::string& file_name, bool allow_long,
+                                       bool* long_lane);
+  // Moves a busy worker's slot to the long lane when the lane has room.
+  bool EnterLongLane(Worker* worker, const std::string& file_name);
+  // Gives back what a worker held after a compile: the worker (or null when
+  // it died), its slot or long-lane place. Recycles healthy workers that are
+  // past their compile count or size.
+  void FinishWith(std::unique_ptr<Worker> worker, bool long_lane);
   // The PCH file for prelude 0 (small) or 1 (large) and a request's options.
   std::string PchPathFor(int prelude, const std::vector<std::string>& pch_options) const;
 
@@ -135,6 +160,7 @@ class CpuCompiler {
   std::deque<std::unique_ptr<Worker>> idle_ ABSL_GUARDED_BY(mu_);
   int live_ ABSL_GUARDED_BY(mu_) = 0;  // idle + busy + starting
   int dead_ ABSL_GUARDED_BY(mu_) = 0;  // died, not yet replaced
+  int long_ ABSL_GUARDED_BY(mu_) = 0;  // compiles in the long lane (not in live_)
   Stats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> warned_pch_ ABSL_GUARDED_BY(mu_);
 };

@@ -5,7 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <signal.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -433,6 +436,119 @@ TEST_F(CpuCompilerTest, MemoryLimitGivesResourceExhausted) {
   absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(MacroBomb(28, "1,")));
   ASSERT_FALSE(out.ok());
   EXPECT_EQ(out.status().code(), absl::StatusCode::kResourceExhausted) << out.status();
+  EXPECT_TRUE(c->Compile(Cxx("int f() { return 1; }\n")).ok());
+}
+
+// A compile that takes long and little memory: `n` constant evaluations of
+// ~100k loop steps each (under clang's per-evaluation step limit), ~0.1 s
+// apiece here: 5000 of them run for minutes.
+std::string SlowSource(int n) {
+  return absl::StrCat(R"(#include <utility>
+constexpr long Spin(long n) { long s = 0; for (long i = 0; i < n; ++i) s = (s * 31 + i) % 1000003; return s; }
+template <int I> struct Slow { static constexpr long v = Spin(100000 + I); };
+template <int... I> long Sum(std::integer_sequence<int, I...>) {
+  static constexpr long v[] = {Slow<I>::v...};
+  long s = 0;
+  for (long x : v) s += x;
+  return s;
+}
+long total = Sum(std::make_integer_sequence<int, )", n, ">{});\n");
+}
+
+// The pid of this process's only compile worker, or -1.
+pid_t OnlyWorkerPid() {
+  pid_t found = -1;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string stat = ReadFile(e.path().string() + "/stat");
+    size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::vector<std::string> f = absl::StrSplit(stat.substr(close + 2), ' ');
+    if (f.size() < 2 || std::stoi(f[1]) != ::getpid()) continue;
+    if (ReadFile(e.path().string() + "/comm").rfind("opjit-compile", 0) != 0) continue;
+    if (found != -1) return -1;
+    found = std::stoi(name);
+  }
+  return found;
+}
+
+TEST_F(CpuCompilerTest, LongCompilesMoveAsideForSmallOnes) {
+  CpuCompilerOptions o = Options(/*pch=*/false);
+  o.num_workers = 1;
+  o.long_workers = 1;
+  o.long_after_ms = 200;
+  o.timeout_ms = 6000;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  std::atomic<bool> bomb_done{false};
+  absl::Status bomb_status;
+  std::thread bomb([&] {
+    bomb_status = c->Compile(Cxx(SlowSource(5000))).status();
+    bomb_done = true;
+  });
+  for (int i = 0; i < 500 && c->GetStats().long_compiles == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(c->GetStats().long_compiles, 1u);
+  // With one worker and no long lane this would wait for the bomb's 6 s.
+  absl::StatusOr<CpuCompileOutput> small = c->Compile(Cxx("int f() { return 1; }\n"));
+  EXPECT_TRUE(small.ok()) << small.status();
+  EXPECT_FALSE(bomb_done.load()) << "the small compile should finish while the bomb still runs";
+  bomb.join();
+  EXPECT_EQ(bomb_status.code(), absl::StatusCode::kDeadlineExceeded) << bomb_status;
+  // The lane's place is free again; the pool is back to one worker.
+  EXPECT_TRUE(c->Compile(Cxx("int g() { return 2; }\n")).ok());
+}
+
+TEST_F(CpuCompilerTest, WorkersAreRecycledAfterNCompiles) {
+  CpuCompilerOptions o = Options(/*pch=*/false);
+  o.num_workers = 1;
+  o.recycle_after_compiles = 2;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  for (int i = 0; i < 5; ++i) {
+    absl::StatusOr<CpuCompileOutput> out =
+        c->Compile(Cxx(absl::StrCat("int f", i, "() { return ", i, "; }\n")));
+    EXPECT_TRUE(out.ok()) << i << ": " << out.status();
+  }
+  CpuCompiler::Stats st = c->GetStats();
+  EXPECT_EQ(st.recycled, 2u);
+  EXPECT_EQ(st.crashes, 0u);
+  EXPECT_EQ(st.failures, 0u);
+}
+
+TEST_F(CpuCompilerTest, WorkersAreRecycledPastTheirSize) {
+  CpuCompilerOptions o = Options(/*pch=*/false);
+  o.num_workers = 1;
+  o.recycle_memory_bytes = 1;  // every worker is past it after one compile
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(c->Compile(Cxx(absl::StrCat("int f", i, "() { return 0; }\n"))).ok());
+  }
+  EXPECT_EQ(c->GetStats().recycled, 3u);
+}
+
+TEST_F(CpuCompilerTest, WorkerKilledFromOutsideIsReportedAsSuch) {
+  CpuCompilerOptions o = Options(/*pch=*/false);
+  o.num_workers = 1;
+  o.long_after_ms = 0;
+  o.timeout_ms = 20000;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  absl::Status status;
+  std::thread t([&] { status = c->Compile(Cxx(SlowSource(5000))).status(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  pid_t pid = OnlyWorkerPid();
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  t.join();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "killed by signal 9 (SIGKILL) from outside"))
+      << status;
+  EXPECT_FALSE(absl::StrContains(status.message(), "memory")) << status;
+  EXPECT_EQ(c->GetStats().killed_outside, 1u);
   EXPECT_TRUE(c->Compile(Cxx("int f() { return 1; }\n")).ok());
 }
 
