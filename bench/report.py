@@ -172,6 +172,27 @@ def compile_section(med, py, res):
     print()
 
 
+def fairness_section(fair):
+    print("## A small compile during two template bombs\n")
+    if not fair:
+        print("fairness_bench produced no results (see Failures).\n")
+        return
+    print("Two compiles that would run for minutes (constant evaluation) hold both compile "
+          f"workers until the {fair['timeout_ms'] / 1000:.0f} s compile limit stops them; "
+          "meanwhile small, distinct kernels compile one after another. Without the long lane "
+          "a small compile waits for a bomb to be killed (at the default 30 s limit: ~30 s); "
+          "with it, a compile still running after 1 s gives its worker slot back and goes on "
+          "at a lower CPU priority.\n")
+    idle = fair["idle_median_ms"]
+    print("| | small compiles | median | worst | median vs idle |")
+    print("|---|---|---|---|---|")
+    print(f"| idle (no bombs) | | {t_ms(idle)} | | 1.00× |")
+    for m in fair["modes"]:
+        print(f"| during 2 bombs, {m['name']} | {m['samples']} | {t_ms(m['median_ms'])} | "
+              f"{t_ms(m['worst_ms'])} | {ratio(m['median_ms'], idle)} |")
+    print()
+
+
 def nvrtc_section(med):
     print("## NVRTC (compile only: no GPU here; sm_80 + sm_90 CUBIN and PTX)\n")
     print("| what | opjit | raw NVRTC | ratio | goal |")
@@ -359,6 +380,7 @@ def main():
           "sides measured in the same run. These cores are shared and noisy, so compare "
           "ratios rather than absolute times across runs.\n")
     compile_section(compile_med, py, res)
+    fairness_section(res.json("fairness.json"))
     nvrtc_section(compile_med)
     quality_section(compile_med)
     call_section(call, exec_med, res)

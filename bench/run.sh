@@ -36,6 +36,7 @@ run() {
 # repetitions of every benchmark, so each pair sees the same machine state.
 run compile "$BUILD/bin/compile_bench" --benchmark_enable_random_interleaving=true \
   --benchmark_out="$OUT/compile.json" --benchmark_out_format=json
+run fairness "$BUILD/bin/fairness_bench" "$OUT/fairness.json" 2
 run exec "$BUILD/bin/exec_bench" --benchmark_out="$OUT/exec.json" --benchmark_out_format=json
 # Whole-system runs: each starts its own opjitd from $BUILD/bin.
 run call "$BUILD/bin/call_bench" "$OUT/call.json"
