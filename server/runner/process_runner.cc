@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -71,6 +72,7 @@ struct Worker {
   // Why it died, once known ("" while alive).
   std::string death;
   bool killed_by_us = false;
+  uint64_t peak_rss_bytes = 0;  // once reaped
 
   ~Worker() {
     if (map != nullptr) ::munmap(map, map_bytes);
@@ -84,10 +86,11 @@ struct Worker {
   void Reap(bool kill, int grace_ms = 0) {
     if (pid <= 0) return;
     int status = 0;
+    rusage usage{};
     pid_t r = 0;
     if (!kill) {
       const auto until = Clock::now() + std::chrono::milliseconds(grace_ms);
-      while ((r = ::waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < until) {
+      while ((r = ::wait4(pid, &status, WNOHANG, &usage)) == 0 && Clock::now() < until) {
         ::usleep(200);
       }
     }
@@ -95,9 +98,10 @@ struct Worker {
       killed_by_us = true;
       ::kill(pid, SIGKILL);
       do {
-        r = ::waitpid(pid, &status, 0);
+        r = ::wait4(pid, &status, 0, &usage);
       } while (r < 0 && errno == EINTR);
     }
+    if (r == pid) peak_rss_bytes = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
     if (r == pid && death.empty()) {
       if (WIFSIGNALED(status)) {
         death = absl::StrCat("died with ", SignalText(WTERMSIG(status)));
@@ -496,8 +500,20 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
   log->error("{} (namespace {}): executor process {} {} ({})", spec_.label, spec_.ns, pid, how,
              s.ToString());
   if (!w.killed_by_us && w.death.find("SIGKILL") != std::string::npos) {
-    return absl::ResourceExhaustedError(
-        "the kernel's executor process was killed (SIGKILL), most likely for using too much memory");
+    // Not opjitd's SIGKILL. Near its memory limit it was the OOM killer
+    // reacting to this kernel; otherwise someone else sent it (an operator,
+    // or the OOM killer on a machine short of memory).
+    const uint64_t limit = runner_->options.memory_bytes;
+    if (limit != 0 && w.peak_rss_bytes >= limit / 2) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the kernel's executor process was killed (SIGKILL) after using ", w.peak_rss_bytes >> 20,
+          " MiB, near its ", limit >> 20, " MiB limit"));
+    }
+    return absl::AbortedError(absl::StrCat(
+        "the kernel's executor process was killed (SIGKILL) from outside opjitd at ",
+        w.peak_rss_bytes >> 20,
+        " MiB, far below its memory limit (an operator, or the kernel's OOM killer on a machine "
+        "short of memory); only this call failed"));
   }
   return absl::AbortedError(absl::StrCat("the kernel's executor process ", how,
                                          "; only this call failed, and the next one runs in a "

@@ -320,6 +320,27 @@ TEST_F(IsolationIT, MemoryBombHitsTheLimit) {
   ExpectHealthy(2);
 }
 
+TEST_F(IsolationIT, ExecutorKilledFromOutsideIsNotCalledAMemoryProblem) {
+  ASSERT_TRUE(RegisterKernel("default", "spin", "for (volatile long i = 0;; ++i) {}").ok());
+  ASSERT_TRUE(RegisterKernel("default", "double", kCopy).ok());
+  absl::StatusOr<v1::ForwardResponse> r;
+  std::thread call([&] { r = c_->Forward(Call("default", "spin")); });
+  std::map<pid_t, long> workers;
+  for (int i = 0; i < 200 && workers.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    workers = ExecWorkers(daemon_->pid());
+  }
+  ASSERT_EQ(workers.size(), 1u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // inside the kernel by now
+  ASSERT_EQ(::kill(workers.begin()->first, SIGKILL), 0);
+  call.join();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("from outside opjitd"));
+  auto next = c_->Forward(Call("default", "double"));
+  ASSERT_TRUE(next.ok()) << next.status();
+  ExpectHealthy(2);
+}
+
 TEST_F(IsolationIT, KernelsCannotReadFilesStartProcessesOpenSocketsOrSignal) {
   const std::string marker = tmp_.path() + "/pwned";
   ASSERT_TRUE(RegisterKernel("default", "escape",
