@@ -38,6 +38,16 @@ absl::Status ReadString(const toml::table& t, const char* key, const std::string
   return absl::OkStatus();
 }
 
+absl::Status ReadBool(const toml::table& t, const char* key, const std::string& where,
+                      bool* out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return absl::OkStatus();
+  auto v = n->value<bool>();
+  if (!v) return BadKey(absl::StrCat(where, key), "expected true or false");
+  *out = *v;
+  return absl::OkStatus();
+}
+
 absl::Status ReadStrings(const toml::table& t, const char* key, const std::string& where,
                          std::vector<std::string>* out) {
   const toml::node* n = t.get(key);
@@ -81,11 +91,12 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
         std::string(e.description())));
   }
   OPJIT_CFG_TRY(CheckKeys(root, "",
-                          {"state_dir", "listen", "log_level", "max_message_mb", "compiler",
+                          {"state_dir", "listen", "log_level", "max_message_mb", "allow_insecure_tcp", "compiler",
                            "cache", "exec", "shm", "autograd"}));
   OPJIT_CFG_TRY(ReadString(root, "state_dir", "", &cfg->state_dir));
   OPJIT_CFG_TRY(ReadStrings(root, "listen", "", &cfg->listen));
   OPJIT_CFG_TRY(ReadString(root, "log_level", "", &cfg->log_level));
+  OPJIT_CFG_TRY(ReadBool(root, "allow_insecure_tcp", "", &cfg->allow_insecure_tcp));
   int64_t max_mb = cfg->max_message_bytes >> 20;
   OPJIT_CFG_TRY(ReadInt(root, "max_message_mb", "", &max_mb));
   cfg->max_message_bytes = max_mb << 20;
@@ -146,12 +157,28 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
 
 }  // namespace
 
+// Whether a TCP listen address ("host:port") binds only the loopback
+// interface. An empty host, 0.0.0.0, :: and names other than localhost
+// are not.
+bool IsLoopbackTcp(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host == "localhost" || host == "::1") return true;
+  if (host.rfind("127.", 0) != 0) return false;
+  return host.find_first_not_of("0123456789.") == std::string::npos;
+}
+
 std::string Usage() {
   return "usage: opjitd [--listen ADDR]... [--state-dir DIR] [--config FILE] [--log-level LEVEL]\n"
-         "              [--isolation process|in-daemon]\n"
+         "              [--isolation process|in-daemon] [--allow-insecure-tcp]\n"
          "\n"
          "  --listen ADDR     unix:/path/to.sock or host:port (port 0: any free port).\n"
          "                    Repeatable. Default: unix:<state-dir>/opjitd.sock and 127.0.0.1:7878\n"
+         "  --allow-insecure-tcp  allow a TCP address other than loopback (no TLS, no auth:\n"
+         "                    anyone who reaches it can run code; trusted networks only)\n"
          "  --state-dir DIR   registry, cache and socket live here.\n"
          "                    Default: $OPJIT_STATE_DIR, else ~/.opjit\n"
          "  --config FILE     TOML configuration (see deploy/opjitd.toml)\n"
@@ -164,6 +191,7 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
   DaemonConfig cfg;
   std::vector<std::string> flag_listen;
   std::string flag_state_dir, flag_config, flag_log_level, flag_isolation;
+  bool flag_insecure = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     auto value = [&](const char* name) -> absl::StatusOr<std::string> {
@@ -177,6 +205,10 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
     };
     if (arg == "--help" || arg == "-h") return absl::CancelledError(Usage());
     absl::StatusOr<std::string> v;
+    if (arg == "--allow-insecure-tcp") {
+      flag_insecure = true;
+      continue;
+    }
     if (is("--listen")) {
       v = value("--listen");
       if (v.ok()) flag_listen.push_back(*v);
@@ -202,6 +234,7 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
   if (!flag_listen.empty()) cfg.listen = flag_listen;
   if (!flag_log_level.empty()) cfg.log_level = flag_log_level;
   if (!flag_isolation.empty()) cfg.isolation = flag_isolation;
+  if (flag_insecure) cfg.allow_insecure_tcp = true;
   if (cfg.isolation != "process" && cfg.isolation != "in-daemon") {
     return absl::InvalidArgumentError(absl::StrCat(
         "exec.isolation must be \"process\" or \"in-daemon\", not \"", cfg.isolation, "\""));
@@ -215,6 +248,14 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
   cfg.state_dir = std::filesystem::absolute(cfg.state_dir, ec).lexically_normal().string();
   while (cfg.state_dir.size() > 1 && cfg.state_dir.back() == '/') cfg.state_dir.pop_back();
   if (cfg.listen.empty()) cfg.listen = {DefaultSocketAddress(cfg.state_dir), kDefaultTcpAddress};
+  for (const std::string& address : cfg.listen) {
+    if (address.rfind("unix:", 0) == 0 || IsLoopbackTcp(address) || cfg.allow_insecure_tcp) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address ", address,
+        " is not loopback, and TCP has no TLS or authentication yet: anyone who can reach it "
+        "could run code and read tensors. Listen on 127.0.0.1 or a unix socket, or set "
+        "allow_insecure_tcp = true (--allow-insecure-tcp) on a trusted network"));
+  }
   if (cfg.compile_workers < 1) return absl::InvalidArgumentError("compiler.workers must be >= 1");
   if (cfg.compile_threads < 0) return absl::InvalidArgumentError("compiler.threads must be >= 0");
   if (cfg.compile_recycle_after < 0 || cfg.compile_recycle_memory_mb < 0 ||

@@ -21,6 +21,9 @@ struct DaemonConfig {
   std::string log_level = "info";
   // Largest gRPC message, both directions. Default: 64 MiB.
   int64_t max_message_bytes = 64ll << 20;
+  // TCP addresses other than loopback are refused unless this is set (there
+  // is no TLS or authentication on TCP yet). Default: false.
+  bool allow_insecure_tcp = false;
 
   // [compiler]
   int compile_workers = 2;
@@ -74,5 +77,9 @@ inline constexpr const char* kDefaultTcpAddress = "127.0.0.1:7878";
 absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv);
 
 std::string Usage();
+
+// Whether a TCP listen address ("host:port") binds only the loopback
+// interface (127.0.0.0/8, ::1, localhost).
+bool IsLoopbackTcp(const std::string& address);
 
 }  // namespace opjit

@@ -303,6 +303,13 @@ int Run(int argc, char** argv) {
     return 1;
   }
   WriteEndpoints(cfg->state_dir, (*server)->bound());
+  for (const std::string& address : cfg->listen) {
+    if (address.rfind("unix:", 0) != 0 && !IsLoopbackTcp(address)) {
+      log->warn("listening on {} without TLS or authentication (allow_insecure_tcp): anyone who "
+                "can reach it can run code and read tensors",
+                address);
+    }
+  }
   log->info("opjitd {} ready: state {}, {} op(s), listening on {}", OPJIT_VERSION,
             cfg->state_dir, (*registry)->Size(), absl::StrJoin((*server)->bound(), ", "));
 
