@@ -19,11 +19,16 @@ LogLimiter& DecodeLogLimiter() {
 
 class DecodeGuard final : public grpc::experimental::Interceptor {
  public:
-  explicit DecodeGuard(grpc::experimental::ServerRpcInfo* info) : info_(info) {}
+  explicit DecodeGuard(grpc::experimental::ServerRpcInfo* info)
+      : info_(info),
+        single_request_(info->type() == grpc::experimental::ServerRpcInfo::Type::UNARY ||
+                        info->type() == grpc::experimental::ServerRpcInfo::Type::SERVER_STREAMING) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
     // A request that failed to decode reaches the interceptors as no message.
-    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
+    // Only for single-request methods: a stream's end looks the same.
+    if (single_request_ &&
+        m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
         m->GetRecvMessage() == nullptr) {
       undecodable_ = true;
     }
@@ -47,6 +52,7 @@ class DecodeGuard final : public grpc::experimental::Interceptor {
 
  private:
   grpc::experimental::ServerRpcInfo* info_;
+  const bool single_request_;
   bool undecodable_ = false;
 };
 
