@@ -174,6 +174,7 @@ bool IsLoopbackTcp(const std::string& address) {
 std::string Usage() {
   return "usage: opjitd [--listen ADDR]... [--state-dir DIR] [--config FILE] [--log-level LEVEL]\n"
          "              [--isolation process|in-daemon] [--allow-insecure-tcp]\n"
+         "       opjitd --verify-cache [--state-dir DIR]\n"
          "\n"
          "  --listen ADDR     unix:/path/to.sock or host:port (port 0: any free port).\n"
          "                    Repeatable. Default: unix:<state-dir>/opjitd.sock and 127.0.0.1:7878\n"
@@ -183,6 +184,9 @@ std::string Usage() {
          "                    Default: $OPJIT_STATE_DIR, else ~/.opjit\n"
          "  --config FILE     TOML configuration (see deploy/opjitd.toml)\n"
          "  --log-level L     trace, debug, info, warn, error (default info)\n"
+         "  --verify-cache    check every disk-cache entry's checksum (the daemon may be\n"
+         "                    running or not), print what does not verify, and exit:\n"
+         "                    status 0 when all verify, 1 otherwise\n"
          "  --isolation M     where kernels run: process (sandboxed executor processes, the\n"
          "                    default) or in-daemon (inside opjitd; unsafe, trusted users only)\n";
 }
@@ -207,6 +211,10 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
     absl::StatusOr<std::string> v;
     if (arg == "--allow-insecure-tcp") {
       flag_insecure = true;
+      continue;
+    }
+    if (arg == "--verify-cache") {
+      cfg.verify_cache = true;
       continue;
     }
     if (is("--listen")) {

@@ -24,6 +24,8 @@ struct DaemonConfig {
   // TCP addresses other than loopback are refused unless this is set (there
   // is no TLS or authentication on TCP yet). Default: false.
   bool allow_insecure_tcp = false;
+  // --verify-cache: check the disk cache and exit instead of serving.
+  bool verify_cache = false;
 
   // [compiler]
   int compile_workers = 2;

@@ -24,6 +24,7 @@
 #include "server/compiler/kernel_compiler.h"
 #include "server/autograd/autograd.h"
 #include "server/common/sha256.h"
+#include "server/cache/disk_cache.h"
 #include "server/config.h"
 #include "server/exec/executor.h"
 #include "server/gpu/driver_probe.h"
@@ -134,6 +135,15 @@ int Run(int argc, char** argv) {
     return 2;
   }
   SetLogLevel(cfg->log_level);
+  if (cfg->verify_cache) {
+    const std::string dir = cfg->state_dir + "/cache";
+    cache::DiskCacheVerification v = cache::VerifyDiskCache(dir);
+    for (const std::string& bad : v.corrupt) std::printf("corrupt: %s\n", bad.c_str());
+    std::printf("%s: %llu entries, %llu bytes, %zu corrupt\n", dir.c_str(),
+                static_cast<unsigned long long>(v.entries),
+                static_cast<unsigned long long>(v.bytes), v.corrupt.size());
+    return v.corrupt.empty() ? 0 : 1;
+  }
   // Debian's abseil is built with mutex deadlock detection on, which keeps a
   // global lock graph updated on every absl::Mutex acquisition; the lock
   // order here is fixed and tested, so skip that per-call cost.

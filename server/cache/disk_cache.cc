@@ -250,6 +250,28 @@ ScanResult ScanTree(const std::string& root, bool remove_stale_tmp) {
   return result;
 }
 
+// Reads an entry from `fd` (a file of `file_size` bytes) and checks its
+// header and checksum. Returns "" and fills `payload` when it verifies, else
+// why not.
+std::string ReadEntry(int fd, uint64_t file_size, std::string* payload) {
+  char header[kHeaderSize];
+  if (file_size < kHeaderSize || !ReadExactly(fd, header, kHeaderSize)) return "short header";
+  if (std::memcmp(header, kMagic, sizeof(kMagic)) != 0) return "bad magic";
+  if (GetLe(header + 4, 4) != kFormatVersion) {
+    return "format version " + std::to_string(GetLe(header + 4, 4));
+  }
+  if (GetLe(header + 8, 8) != file_size - kHeaderSize) {
+    return "length " + std::to_string(GetLe(header + 8, 8)) + " != file payload " +
+           std::to_string(file_size - kHeaderSize);
+  }
+  payload->resize(file_size - kHeaderSize);
+  if (!ReadExactly(fd, payload->data(), payload->size())) return "short payload";
+  if (Sha256Hex(*payload) != std::string_view(header + 16, kDigestSize)) {
+    return "checksum mismatch";
+  }
+  return "";
+}
+
 }  // namespace
 
 DiskCache::DiskCache(std::string dir, uint64_t max_bytes)
@@ -327,27 +349,8 @@ absl::StatusOr<std::string> DiskCache::Get(std::string_view kind, std::string_vi
 
   // Entries are immutable once renamed into place, so anything that does not
   // verify was torn by a crash, the disk, or a foreign writer.
-  std::string why;
   std::string payload;
-  char header[kHeaderSize];
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  if (file_size < kHeaderSize || !ReadExactly(fd.get(), header, kHeaderSize)) {
-    why = "short header";
-  } else if (std::memcmp(header, kMagic, sizeof(kMagic)) != 0) {
-    why = "bad magic";
-  } else if (GetLe(header + 4, 4) != kFormatVersion) {
-    why = "format version " + std::to_string(GetLe(header + 4, 4));
-  } else if (GetLe(header + 8, 8) != file_size - kHeaderSize) {
-    why = "length " + std::to_string(GetLe(header + 8, 8)) + " != file payload " +
-          std::to_string(file_size - kHeaderSize);
-  } else {
-    payload.resize(file_size - kHeaderSize);
-    if (!ReadExactly(fd.get(), payload.data(), payload.size())) {
-      why = "short payload";
-    } else if (Sha256Hex(payload) != std::string_view(header + 16, kDigestSize)) {
-      why = "checksum mismatch";
-    }
-  }
+  const std::string why = ReadEntry(fd.get(), static_cast<uint64_t>(st.st_size), &payload);
   if (!why.empty()) {
     misses_.fetch_add(1, std::memory_order_relaxed);
     corrupt_.fetch_add(1, std::memory_order_relaxed);
@@ -517,6 +520,23 @@ absl::Status DiskCache::Clear() {
   bytes_ = kept_bytes;
   written_since_scan_ = 0;
   return status;
+}
+
+DiskCacheVerification VerifyDiskCache(const std::string& dir) {
+  DiskCacheVerification v;
+  for (const ScannedFile& f : ScanTree(dir, /*remove_stale_tmp=*/false).files) {
+    Fd fd(::open(f.path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.get() < 0) continue;  // removed meanwhile (eviction, another daemon)
+    struct stat st;
+    std::string payload;
+    std::string why = ::fstat(fd.get(), &st) != 0
+                          ? "cannot stat"
+                          : ReadEntry(fd.get(), static_cast<uint64_t>(st.st_size), &payload);
+    ++v.entries;
+    v.bytes += f.size;
+    if (!why.empty()) v.corrupt.push_back(f.path.substr(dir.size() + 1) + ": " + why);
+  }
+  return v;
 }
 
 DiskCacheStats DiskCache::Stats() const {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 #include <string_view>
 
 #include "absl/base/thread_annotations.h"
@@ -37,6 +38,19 @@ struct DiskCacheStats {
   uint64_t evictions = 0;  // Entries this instance evicted.
   uint64_t puts = 0;       // Successful Puts.
 };
+
+// What VerifyDiskCache found.
+struct DiskCacheVerification {
+  uint64_t entries = 0;
+  uint64_t bytes = 0;
+  // "<kind>/<shard>/<key>: why", one per entry that does not verify.
+  std::vector<std::string> corrupt;
+};
+
+// Reads every entry under `dir` and checks its header, length and checksum,
+// changing nothing (Get deletes what does not verify; this only reports).
+// For a cache at rest, e.g. after a crash: `opjitd --verify-cache`.
+DiskCacheVerification VerifyDiskCache(const std::string& dir);
 
 // A content-addressed blob store under one directory.
 //

@@ -1,11 +1,13 @@
 #include "server/cache/disk_cache.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <random>
@@ -188,6 +190,35 @@ TEST(DiskCacheTest, FlippedPayloadByteIsCorrupt) {
     raw[kHeaderSize + 10] ^= 0x01;
     WriteFile(path, raw);
   });
+}
+
+TEST(DiskCacheTest, VerifyReportsCorruptEntriesAndChangesNothing) {
+  TempDir tmp;
+  auto cache = MakeCache(tmp.path());
+  ASSERT_NE(cache, nullptr);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(cache->Put("obj", Key(i), std::string(300 + i, 'x')).ok());
+  }
+  DiskCacheVerification clean = VerifyDiskCache(tmp.path());
+  EXPECT_EQ(clean.entries, 4u);
+  EXPECT_TRUE(clean.corrupt.empty());
+
+  const std::string flipped = EntryPath(tmp.path(), "obj", Key(1));
+  std::string raw = ReadFile(flipped);
+  raw[kHeaderSize + 3] ^= 0x20;
+  WriteFile(flipped, raw);
+  std::filesystem::resize_file(EntryPath(tmp.path(), "obj", Key(2)), kHeaderSize + 10);
+  DiskCacheVerification v = VerifyDiskCache(tmp.path());
+  EXPECT_EQ(v.entries, 4u);
+  ASSERT_EQ(v.corrupt.size(), 2u);
+  std::sort(v.corrupt.begin(), v.corrupt.end());
+  const std::string k1 = Key(1), k2 = Key(2);
+  const bool one_first = k1 < k2;
+  EXPECT_THAT(v.corrupt[one_first ? 0 : 1], ::testing::HasSubstr("checksum mismatch"));
+  EXPECT_THAT(v.corrupt[one_first ? 1 : 0], ::testing::HasSubstr("length"));
+  // Nothing was deleted: only Get removes what does not verify.
+  EXPECT_TRUE(std::filesystem::exists(flipped));
+  EXPECT_EQ(VerifyDiskCache(tmp.path()).corrupt.size(), 2u);
 }
 
 TEST(DiskCacheTest, TruncatedFileIsCorrupt) {
