@@ -5,7 +5,7 @@ BUILD ?= build
 JOBS ?= 2
 ARGS ?=
 
-.PHONY: all deps configure build run test test-unit test-integration bench format clean
+.PHONY: all deps configure build run test test-unit test-integration bench soak format clean
 
 all: build
 
@@ -35,6 +35,14 @@ test-integration: build
 bench: build
 	bash deploy/install-deps.sh --bench
 	bash bench/run.sh
+
+# N clients (default 8) for T minutes (default 10) against one opjitd; fails
+# on unexpected errors, RSS growth past its bound, or leaked fds or /dev/shm.
+SOAK_CLIENTS ?= 8
+SOAK_MINUTES ?= 10
+soak: build
+	/usr/bin/python3 bench/soak.py --clients $(SOAK_CLIENTS) --minutes $(SOAK_MINUTES) \
+	  --build $(BUILD) --json bench/out/soak.json
 
 format:
 	find server client tests kernels bench -name '*.cc' -o -name '*.h' | xargs clang-format -i

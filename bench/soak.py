@@ -262,7 +262,7 @@ def client_loop(idx, address, build, until, seed, acked=None):
                     spec = op_spec(my_op, variant)
                     rec = shm.register(spec)
                     if ack:
-                        ack.write(json.dumps({"name": my_op, "version": rec.version,
+                        ack.write(json.dumps({"name": my_op, "version": rec.record.version,
                                               "digest": digest(spec),
                                               "variant": variant}) + "\n")
                         ack.flush()
@@ -368,9 +368,13 @@ def main():
             p.join()
         rss["end"] = rss_sample(daemon.pid)
         took = time.monotonic() - t0
-        # Leases released by the clients' close(); executors stop after 2 s idle.
-        time.sleep(3.5)
+        # Leases are released by the clients' close(); executors stop after 2 s
+        # idle. Wait for that (10 s at most, on a loaded machine).
+        settle = time.monotonic() + 10
         fds_after = fd_count(daemon.pid)
+        while fds_after > fds_before and time.monotonic() < settle:
+            time.sleep(0.5)
+            fds_after = fd_count(daemon.pid)
         shm_running = shm_objects()
         alive = daemon.proc.poll() is None
     finally:
