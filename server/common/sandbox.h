@@ -28,6 +28,8 @@ struct Policy {
   bool allow_exec = false;       // execve, execveat
   bool allow_processes = false;  // fork, vfork, clone without CLONE_THREAD
   // rlimits; 0 = leave unchanged.
+  // Neither of the next two is applied in a sanitizer build (OPJIT_SANITIZED):
+  // ASan's shadow memory cannot live under them.
   uint64_t address_space_bytes = 0;  // RLIMIT_AS
   uint64_t data_bytes = 0;           // RLIMIT_DATA (malloc and private memory, not shm)
   uint64_t cpu_seconds = 0;          // RLIMIT_CPU

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "server/common/worker_sanitizer.h"
 #include "server/common/sandbox.h"
 #include "server/gpu/nvrtc_compiler.h"
 

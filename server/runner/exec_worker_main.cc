@@ -34,6 +34,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/container/inlined_vector.h"
+#include "server/common/worker_sanitizer.h"
 #include "server/common/sandbox.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/runner/kernel_host.h"

@@ -38,6 +38,7 @@
 #include <new>
 #include <string>
 
+#include "server/common/worker_sanitizer.h"
 #include "server/common/sandbox.h"
 #include "server/compiler/cpu/clang_frontend.h"
 #include "server/compiler/cpu/ipc.h"
