@@ -1,11 +1,12 @@
 # The two commands of opjit (see README.md):
 #   make run    install what is missing, build, start opjitd on its defaults
-#   make test   install what is missing, build, run every test
+#   make test   install what is missing, build, run every test: the suites,
+#               then the same under ASan+UBSan with the fuzzers (test-sanitize)
 BUILD ?= build
 JOBS ?= 2
 ARGS ?=
 
-.PHONY: all deps configure build run test test-unit test-integration bench soak format clean
+.PHONY: all deps configure build run test test-quick test-unit test-integration test-sanitize bench soak format clean
 
 all: build
 
@@ -21,8 +22,28 @@ build: configure
 run: build
 	$(BUILD)/bin/opjitd $(ARGS)
 
-test: build
+test: test-quick test-sanitize
+
+# Every suite on the regular build (no sanitizers, no fuzzers).
+test-quick: build
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 600 -j$(JOBS)
+
+# A second build with clang 16, AddressSanitizer + UndefinedBehaviorSanitizer
+# and libFuzzer coverage: the unit and integration suites run under the
+# sanitizers, then each fuzzer for FUZZ_SECONDS from its seed corpus.
+ASAN_BUILD ?= build-asan
+FUZZ_SECONDS ?= 60
+SANITIZER_ENV = ASAN_OPTIONS=halt_on_error=1:detect_stack_use_after_return=0:strict_string_checks=1 \
+                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+                LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp
+test-sanitize: deps
+	CC=clang-16 CXX=clang++-16 cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DOPJIT_SANITIZE=address,undefined -DOPJIT_FUZZ=ON -DOPJIT_FUZZ_SECONDS=$(FUZZ_SECONDS) \
+	  -DOPJIT_BUILD_BENCH=OFF
+	cmake --build $(ASAN_BUILD) -j$(JOBS)
+	$(SANITIZER_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure --timeout 900 -j$(JOBS) \
+	  -L 'unit|integration'
+	$(SANITIZER_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure -j$(JOBS) -L fuzz
 
 test-unit: build
 	ctest --test-dir $(BUILD) --output-on-failure -L unit -j$(JOBS)

@@ -12,7 +12,7 @@ PKGS=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev libsqlite3-dev nlohmann-json3-dev libtomlplusplus-dev libssl-dev
-  llvm-16-dev libclang-16-dev libclang-cpp16-dev clang-16
+  llvm-16-dev libclang-16-dev libclang-cpp16-dev clang-16 libclang-rt-16-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-grpcio python3-numpy python3-pytest python3-protobuf
 )
