@@ -172,6 +172,14 @@ absl::Status WriteFileIfChanged(const fs::path& path, const std::string& content
   return absl::OkStatus();
 }
 
+#ifdef OPJIT_SANITIZED
+// ASan's shadow makes every worker's address space terabytes, and there is
+// no RLIMIT_AS to stay under (see sandbox.h): only the compile count counts.
+constexpr bool kRecycleBySize = false;
+#else
+constexpr bool kRecycleBySize = true;
+#endif
+
 // A worker's address space (what RLIMIT_AS bounds), 0 when unknown.
 uint64_t AddressSpaceBytes(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/statm"));
@@ -526,7 +534,7 @@ void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane) {
     if (options_.recycle_after_compiles > 0 &&
         worker->compiles >= options_.recycle_after_compiles) {
       why = "compiles";
-    } else if (options_.recycle_memory_bytes > 0 &&
+    } else if (kRecycleBySize && options_.recycle_memory_bytes > 0 &&
                (size = AddressSpaceBytes(worker->pid)) >= options_.recycle_memory_bytes) {
       why = "size";
     }

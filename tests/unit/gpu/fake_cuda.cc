@@ -9,16 +9,20 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 
 namespace {
 
-struct FakeModule {
-  std::string image;
-};
 struct FakeFunction {
   std::string name;
+};
+// Like the real driver's, functions belong to their module and go with it.
+struct FakeModule {
+  std::string image;
+  std::deque<std::unique_ptr<FakeFunction>> functions;
 };
 
 std::mutex mu;
@@ -163,7 +167,7 @@ CUresult cuModuleUnload(CUmodule m) {
   return CUDA_SUCCESS;
 }
 CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
-  const auto* mod = reinterpret_cast<FakeModule*>(m);
+  auto* mod = reinterpret_cast<FakeModule*>(m);
   // A whole-word match: the name followed by a NUL (ELF strtab) or '(' (PTX).
   const std::string n(name);
   for (size_t pos = 0; (pos = mod->image.find(n, pos)) != std::string::npos; pos += n.size()) {
@@ -171,7 +175,8 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
     if (end < mod->image.size() && (mod->image[end] == '\0' || mod->image[end] == '(')) {
       static std::mutex fmu;
       std::lock_guard<std::mutex> l(fmu);
-      *f = reinterpret_cast<CUfunction>(new FakeFunction{n});  // leaked: tests are short
+      mod->functions.push_back(std::make_unique<FakeFunction>(FakeFunction{n}));
+      *f = reinterpret_cast<CUfunction>(mod->functions.back().get());
       return CUDA_SUCCESS;
     }
   }
