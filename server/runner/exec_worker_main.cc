@@ -227,7 +227,7 @@ void Worker::Answer(int32_t code, uint64_t need, std::string_view message, doubl
   slot_->code = code;
   slot_->need = need;
   const size_t n = std::min(message.size(), wire::kMessageBytes);
-  std::memcpy(slot_->message, message.data(), n);
+  if (n > 0) std::memcpy(slot_->message, message.data(), n);  // data() may be null when empty
   slot_->message_len = static_cast<uint32_t>(n);
   slot_->kernel_ms = kernel_ms;
   const uint32_t prev = slot_->state.exchange(wire::kDone, std::memory_order_acq_rel);
