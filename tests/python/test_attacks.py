@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -25,7 +26,10 @@ import opjit
 from opjit.v1 import (compile_pb2, exec_pb2, exec_pb2_grpc, memory_pb2, memory_pb2_grpc,
                       op_pb2, registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
 
-from conftest import EXAMPLES, opjitd_binary
+from conftest import EXAMPLES, REPO, opjitd_binary
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import soak  # noqa: E402  (bench/soak.py: process helpers)
 
 NEEDS_14 = "needs issue 14 (identities, namespaces that hold): "
 NEEDS_16 = "needs issue 16: "
@@ -65,20 +69,8 @@ def spec(name, body="* 2.0f", ns="", backward=None, doc=""):
 
 
 def children(pid, prefix):
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name) as f:
-                stat = f.read()
-        except OSError:
-            continue
-        close = stat.rfind(")")
-        comm = stat[stat.find("(") + 1:close]
-        if int(stat[close + 2:].split()[1]) == pid and comm.startswith(prefix):
-            out.append(int(name))
-    return out
+    """Pids of `pid`'s child processes whose command starts with `prefix`."""
+    return [p for p, comm in soak.children(pid).items() if comm.startswith(prefix)]
 
 
 def alive(daemon):
