@@ -15,6 +15,7 @@ PKGS=(
   llvm-16-dev libclang-16-dev libclang-cpp16-dev clang-16 libclang-rt-16-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-grpcio python3-numpy python3-pytest python3-protobuf
+  openssl prometheus python3-prometheus-client
 )
 if [ "${1:-}" = "--bench" ]; then
   # torch.utils.cpp_extension.load_inline needs libtorch's headers, pybind11

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <set>
 
 #include <toml++/toml.h>
@@ -63,6 +64,32 @@ absl::Status ReadStrings(const toml::table& t, const char* key, const std::strin
   return absl::OkStatus();
 }
 
+absl::Status ReadDouble(const toml::table& t, const char* key, const std::string& where,
+                        double* out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return absl::OkStatus();
+  std::optional<double> v = n->value<double>();
+  if (!v || *v < 0) return BadKey(absl::StrCat(where, key), "expected a non-negative number");
+  *out = *v;
+  return absl::OkStatus();
+}
+
+absl::Status ReadIds(const toml::table& t, const char* key, const std::string& where,
+                     std::vector<uint32_t>* out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return absl::OkStatus();
+  const toml::array* arr = n->as_array();
+  if (arr == nullptr) return BadKey(absl::StrCat(where, key), "expected an array of integers");
+  for (const auto& e : *arr) {
+    auto v = e.value<int64_t>();
+    if (!v || *v < 0 || *v > 0xfffffffell) {
+      return BadKey(absl::StrCat(where, key), "expected an array of uids/gids");
+    }
+    out->push_back(static_cast<uint32_t>(*v));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckKeys(const toml::table& t, const std::string& where,
                        const std::set<std::string>& known) {
   for (const auto& [k, v] : t) {
@@ -92,7 +119,76 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
   }
   OPJIT_CFG_TRY(CheckKeys(root, "",
                           {"state_dir", "listen", "log_level", "max_message_mb", "allow_insecure_tcp", "compiler",
-                           "cache", "exec", "shm", "autograd"}));
+                           "cache", "exec", "shm", "autograd", "socket_mode", "socket_group",
+                           "principal", "tls", "metrics", "health", "quota"}));
+  OPJIT_CFG_TRY(ReadString(root, "socket_group", "", &cfg->socket_group));
+  if (const toml::node* n = root.get("socket_mode")) {
+    auto v = n->value<std::string>();
+    char* end = nullptr;
+    const unsigned long mode = v ? std::strtoul(v->c_str(), &end, 8) : 0;
+    if (!v || v->empty() || *end != '\0' || mode > 0777) {
+      return BadKey("socket_mode", "expected an octal mode string such as \"0660\"");
+    }
+    cfg->socket_mode = static_cast<unsigned>(mode);
+  }
+  if (const toml::node* n = root.get("principal")) {
+    const toml::array* arr = n->as_array();
+    if (arr == nullptr) return BadKey("principal", "expected [[principal]] tables");
+    for (size_t i = 0; i < arr->size(); ++i) {
+      const toml::table* t = (*arr)[i].as_table();
+      const std::string where = absl::StrCat("principal[", i, "].");
+      if (t == nullptr) return BadKey(where, "expected a table");
+      OPJIT_CFG_TRY(CheckKeys(*t, where, {"name", "role", "namespaces", "token_sha256", "uids", "gids"}));
+      access::PrincipalConfig p;
+      std::string role = "user";
+      OPJIT_CFG_TRY(ReadString(*t, "name", where, &p.name));
+      OPJIT_CFG_TRY(ReadString(*t, "role", where, &role));
+      auto r = access::ParseRole(role);
+      if (!r) return BadKey(absl::StrCat(where, "role"), "expected \"admin\", \"user\" or \"reader\"");
+      p.role = *r;
+      OPJIT_CFG_TRY(ReadStrings(*t, "namespaces", where, &p.namespaces));
+      OPJIT_CFG_TRY(ReadStrings(*t, "token_sha256", where, &p.token_sha256));
+      OPJIT_CFG_TRY(ReadIds(*t, "uids", where, &p.uids));
+      OPJIT_CFG_TRY(ReadIds(*t, "gids", where, &p.gids));
+      cfg->principals.push_back(std::move(p));
+    }
+  }
+  if (const toml::table* c = root["tls"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "tls.", {"cert", "key", "client_ca", "require_client_cert"}));
+    OPJIT_CFG_TRY(ReadString(*c, "cert", "tls.", &cfg->tls_cert));
+    OPJIT_CFG_TRY(ReadString(*c, "key", "tls.", &cfg->tls_key));
+    OPJIT_CFG_TRY(ReadString(*c, "client_ca", "tls.", &cfg->tls_client_ca));
+    OPJIT_CFG_TRY(ReadBool(*c, "require_client_cert", "tls.", &cfg->tls_require_client_cert));
+    if (cfg->tls_cert.empty() != cfg->tls_key.empty()) {
+      return BadKey("tls", "cert and key go together");
+    }
+  }
+  if (const toml::table* c = root["metrics"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "metrics.", {"listen"}));
+    OPJIT_CFG_TRY(ReadString(*c, "listen", "metrics.", &cfg->metrics_listen));
+  }
+  if (const toml::table* c = root["health"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "health.", {"interval_ms"}));
+    OPJIT_CFG_TRY(ReadInt(*c, "interval_ms", "health.", &cfg->health_interval_ms));
+  }
+  if (const toml::table* c = root["quota"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "quota.",
+                            {"shm_mb", "context_mb", "executor_processes", "concurrent_compiles",
+                             "compile_seconds_per_minute", "calls_per_second", "ops",
+                             "versions_per_op", "namespaces", "total_shm_mb", "total_context_mb"}));
+    OPJIT_CFG_TRY(ReadInt(*c, "shm_mb", "quota.", &cfg->shm_quota_mb));
+    OPJIT_CFG_TRY(ReadInt(*c, "context_mb", "quota.", &cfg->context_mb));
+    OPJIT_CFG_TRY(ReadInt(*c, "executor_processes", "quota.", &cfg->exec_workers));
+    OPJIT_CFG_TRY(ReadInt(*c, "concurrent_compiles", "quota.", &cfg->quota_concurrent_compiles));
+    OPJIT_CFG_TRY(ReadDouble(*c, "compile_seconds_per_minute", "quota.",
+                             &cfg->quota_compile_seconds_per_minute));
+    OPJIT_CFG_TRY(ReadDouble(*c, "calls_per_second", "quota.", &cfg->quota_calls_per_second));
+    OPJIT_CFG_TRY(ReadInt(*c, "ops", "quota.", &cfg->quota_ops));
+    OPJIT_CFG_TRY(ReadInt(*c, "versions_per_op", "quota.", &cfg->quota_versions));
+    OPJIT_CFG_TRY(ReadInt(*c, "namespaces", "quota.", &cfg->quota_namespaces));
+    OPJIT_CFG_TRY(ReadInt(*c, "total_shm_mb", "quota.", &cfg->quota_total_shm_mb));
+    OPJIT_CFG_TRY(ReadInt(*c, "total_context_mb", "quota.", &cfg->quota_total_context_mb));
+  }
   OPJIT_CFG_TRY(ReadString(root, "state_dir", "", &cfg->state_dir));
   OPJIT_CFG_TRY(ReadStrings(root, "listen", "", &cfg->listen));
   OPJIT_CFG_TRY(ReadString(root, "log_level", "", &cfg->log_level));
@@ -258,11 +354,13 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
   if (cfg.listen.empty()) cfg.listen = {DefaultSocketAddress(cfg.state_dir), kDefaultTcpAddress};
   for (const std::string& address : cfg.listen) {
     if (address.rfind("unix:", 0) == 0 || IsLoopbackTcp(address) || cfg.allow_insecure_tcp) continue;
+    if (!cfg.tls_cert.empty() && !cfg.principals.empty()) continue;
     return absl::InvalidArgumentError(absl::StrCat(
         "listen address ", address,
-        " is not loopback, and TCP has no TLS or authentication yet: anyone who can reach it "
-        "could run code and read tensors. Listen on 127.0.0.1 or a unix socket, or set "
-        "allow_insecure_tcp = true (--allow-insecure-tcp) on a trusted network"));
+        " is not loopback: that needs TLS ([tls] cert and key) and principals ([[principal]] "
+        "with tokens), or anyone who can reach it could run code and read tensors. Listen on "
+        "127.0.0.1 or a unix socket, configure both, or set allow_insecure_tcp = true "
+        "(--allow-insecure-tcp) on a trusted network"));
   }
   if (cfg.compile_workers < 1) return absl::InvalidArgumentError("compiler.workers must be >= 1");
   if (cfg.compile_threads < 0) return absl::InvalidArgumentError("compiler.threads must be >= 0");

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/access/access.h"
 #include "server/common/paths.h"
 
 namespace opjit {
@@ -21,9 +22,37 @@ struct DaemonConfig {
   std::string log_level = "info";
   // Largest gRPC message, both directions. Default: 64 MiB.
   int64_t max_message_bytes = 64ll << 20;
-  // TCP addresses other than loopback are refused unless this is set (there
-  // is no TLS or authentication on TCP yet). Default: false.
+  // TCP addresses other than loopback are refused without TLS unless this
+  // is set. Default: false.
   bool allow_insecure_tcp = false;
+  // Mode and group of the unix socket. Default: 0660, the daemon's group.
+  unsigned socket_mode = 0660;
+  std::string socket_group;
+
+  // [[principal]]: who may call (see server/access/access.h). None: the
+  // embedded default, every local caller is admin.
+  std::vector<access::PrincipalConfig> principals;
+
+  // [tls]: PEM files; with cert and key set, every TCP address uses TLS.
+  std::string tls_cert, tls_key, tls_client_ca;
+  bool tls_require_client_cert = false;
+
+  // [metrics] listen: "host:port" of the Prometheus endpoint ("": off).
+  std::string metrics_listen;
+
+  // [health] interval_ms: how often workers and the store are probed.
+  int64_t health_interval_ms = 2000;
+
+  // [quota] per namespace (shm and context bytes are in [shm]/[autograd];
+  // executor processes are exec.workers) and for the whole server.
+  int quota_concurrent_compiles = 2;
+  double quota_compile_seconds_per_minute = 120;
+  double quota_calls_per_second = 20000;
+  int64_t quota_ops = 1000;
+  int64_t quota_versions = 100;
+  int64_t quota_namespaces = 64;
+  int64_t quota_total_shm_mb = 0;      // 0: half of /dev/shm
+  int64_t quota_total_context_mb = 4096;
   // --verify-cache: check the disk cache and exit instead of serving.
   bool verify_cache = false;
 

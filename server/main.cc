@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,12 +17,19 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/str_join.h"
+#include "server/access/access.h"
+#include "server/access/quotas.h"
+#include "server/common/health_monitor.h"
 #include "server/common/logging.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/metrics/http_exporter.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/metrics_interceptor.h"
 #include "server/autograd/autograd.h"
 #include "server/common/sha256.h"
 #include "server/cache/disk_cache.h"
@@ -113,6 +121,65 @@ absl::StatusOr<int> LockStateDir(const std::string& state_dir) {
   return fd;
 }
 
+// Half of what /dev/shm holds: the default bound on all namespaces' shm.
+uint64_t HalfOfDevShm() {
+  struct statvfs vfs;
+  if (statvfs("/dev/shm", &vfs) != 0) return 0;
+  return static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize / 2;
+}
+
+// Gauges read from the subsystems at each scrape, and the subsystems'
+// counters as Prometheus counters.
+void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler,
+                        runner::KernelRunner* runner, tensor::RegionManager* regions,
+                        autograd::Autograd* autograd, access::AccessControl* access,
+                        HealthMonitor** health) {
+  m.DeclareGauge("opjit_shm_bytes", "Shared memory held by a namespace's regions.", {"namespace"});
+  m.DeclareGauge("opjit_context_bytes", "Bytes of saved tensors in a namespace's backward contexts.",
+                 {"namespace"});
+  m.DeclareGauge("opjit_namespaces", "Namespaces that exist.", {});
+  m.DeclareGauge("opjit_cache_hits_total", "Compile cache hits (memory and disk).", {"tier"});
+  m.DeclareGauge("opjit_cache_misses_total", "Compile cache misses.", {"tier"});
+  m.DeclareGauge("opjit_cache_entries", "Compiled kernels cached.", {"tier"});
+  m.DeclareGauge("opjit_compiles_total", "Compiles run (cache misses that compiled).", {});
+  m.DeclareGauge("opjit_compile_failures_total", "Compiles that failed.", {});
+  m.DeclareGauge("opjit_compile_seconds_total", "Seconds spent compiling.", {});
+  m.DeclareGauge("opjit_executor_workers", "Executor processes alive.", {});
+  m.DeclareGauge("opjit_executor_worker_starts_total", "Executor processes started.", {});
+  m.DeclareGauge("opjit_executor_worker_crashes_total", "Executor processes that died in a call.", {});
+  m.DeclareGauge("opjit_executor_worker_timeouts_total", "Executor processes killed at a deadline.", {});
+  m.DeclareGauge("opjit_quarantined_kernels_total", "Kernels refused after repeated crashes.", {});
+  m.DeclareGauge("opjit_serving", "1 when grpc.health reports SERVING.", {});
+  m.AddCollector([=](metrics::Registry& r) {
+    r.ClearGauge("opjit_shm_bytes");
+    for (const auto& [ns, b] : regions->BytesByNamespace()) {
+      r.Set("opjit_shm_bytes", {ns}, static_cast<double>(b));
+    }
+    r.ClearGauge("opjit_context_bytes");
+    for (const auto& [ns, b] : autograd->BytesByNamespace()) {
+      r.Set("opjit_context_bytes", {ns}, static_cast<double>(b));
+    }
+    r.Set("opjit_namespaces", {}, static_cast<double>(access->namespace_count()));
+    const compiler::KernelCacheStats c = compiler->Stats();
+    r.Set("opjit_cache_hits_total", {"memory"}, static_cast<double>(c.memory_hits));
+    r.Set("opjit_cache_hits_total", {"disk"}, static_cast<double>(c.disk_hits));
+    r.Set("opjit_cache_misses_total", {"memory"}, static_cast<double>(c.memory_misses));
+    r.Set("opjit_cache_misses_total", {"disk"}, static_cast<double>(c.disk_misses));
+    r.Set("opjit_cache_entries", {"memory"}, static_cast<double>(c.memory_entries));
+    r.Set("opjit_cache_entries", {"disk"}, static_cast<double>(c.disk_entries));
+    r.Set("opjit_compiles_total", {}, static_cast<double>(c.compiles));
+    r.Set("opjit_compile_failures_total", {}, static_cast<double>(c.compile_failures));
+    r.Set("opjit_compile_seconds_total", {}, c.compile_ms_total / 1000.0);
+    const runner::RunnerStats w = runner->Stats();
+    r.Set("opjit_executor_workers", {}, static_cast<double>(w.workers_live));
+    r.Set("opjit_executor_worker_starts_total", {}, static_cast<double>(w.workers_started));
+    r.Set("opjit_executor_worker_crashes_total", {}, static_cast<double>(w.worker_crashes));
+    r.Set("opjit_executor_worker_timeouts_total", {}, static_cast<double>(w.worker_timeouts));
+    r.Set("opjit_quarantined_kernels_total", {}, static_cast<double>(w.quarantined));
+    r.Set("opjit_serving", {}, (*health == nullptr || (*health)->serving()) ? 1.0 : 0.0);
+  });
+}
+
 // Writes the bound addresses, one per line, to <state_dir>/endpoints (atomic),
 // so tools and tests can find a port chosen by the OS.
 void WriteEndpoints(const std::string& state_dir, const std::vector<std::string>& bound) {
@@ -166,13 +233,18 @@ int Run(int argc, char** argv) {
     return 1;
   }
   chmod(cfg->state_dir.c_str(), 0700);
+  // A full disk or a file-size limit must fail a write, not kill the daemon.
+  signal(SIGXFSZ, SIG_IGN);
   auto lock_fd = LockStateDir(cfg->state_dir);
   if (!lock_fd.ok()) {
     log->error("{}", std::string(lock_fd.status().message()));
     return 1;
   }
 
-  auto registry = registry::Registry::Create({.db_path = cfg->state_dir + "/registry.db"});
+  auto registry = registry::Registry::Create(
+      {.db_path = cfg->state_dir + "/registry.db",
+       .max_ops_per_namespace = static_cast<size_t>(cfg->quota_ops),
+       .max_versions_per_op = static_cast<size_t>(cfg->quota_versions)});
   if (!registry.ok()) {
     log->error("registry: {}", registry.status().ToString());
     return 1;
@@ -223,6 +295,9 @@ int Run(int argc, char** argv) {
   tensor::RegionManagerOptions ropts;
   ropts.instance_tag = Sha256Hex(cfg->state_dir).substr(0, 12);
   ropts.namespace_quota_bytes = static_cast<uint64_t>(cfg->shm_quota_mb) << 20;
+  ropts.total_quota_bytes = cfg->quota_total_shm_mb > 0
+                                ? static_cast<uint64_t>(cfg->quota_total_shm_mb) << 20
+                                : HalfOfDevShm();
   ropts.default_lease_ms = cfg->lease_ms;
   auto regions = tensor::RegionManager::Create(ropts);
   if (!regions.ok()) {
@@ -273,6 +348,7 @@ int Run(int argc, char** argv) {
   auto autograd = autograd::Autograd::Create(
       {.ttl_ms = cfg->context_ttl_ms,
        .namespace_bytes = static_cast<uint64_t>(cfg->context_mb) << 20,
+       .total_bytes = static_cast<uint64_t>(cfg->quota_total_context_mb) << 20,
        .gradcheck_threads = 1},
       registry->get(), executor->get());
   if (!autograd.ok()) {
@@ -300,25 +376,86 @@ int Run(int argc, char** argv) {
     }
   });
 
+  auto access_control = access::AccessControl::Create(
+      {.principals = cfg->principals,
+       .daemon_uid = ::getuid(),
+       .max_namespaces = static_cast<size_t>(cfg->quota_namespaces)});
+  if (!access_control.ok()) {
+    log->error("{}", std::string(access_control.status().message()));
+    return 1;
+  }
+  (*access_control)->AddExisting((*registry)->Namespaces());
+  access::QuotaManager quotas(
+      {.concurrent_compiles = cfg->quota_concurrent_compiles,
+       .compile_seconds_per_minute = cfg->quota_compile_seconds_per_minute,
+       .calls_per_second = cfg->quota_calls_per_second});
+
+  metrics::Registry metrics;
+  HealthMonitor* health_ptr = nullptr;
+  DeclareCoreMetrics(metrics, compiler->get(), kernel_runner.get(), regions->get(), autograd->get(),
+                     access_control->get(), &health_ptr);
+
   rpc::CoreRefs core{.registry = registry->get(),
                      .compiler = compiler->get(),
                      .regions = regions->get(),
                      .executor = executor->get(),
-                     .autograd = autograd->get()};
-  auto server = rpc::GrpcServer::Start(
-      {.listen = cfg->listen, .max_message_bytes = static_cast<int>(cfg->max_message_bytes)},
-      core, facts);
+                     .autograd = autograd->get(),
+                     .access = access_control->get(),
+                     .quotas = &quotas};
+  rpc::GrpcServerOptions sopts;
+  sopts.listen = cfg->listen;
+  sopts.max_message_bytes = static_cast<int>(cfg->max_message_bytes);
+  sopts.tls_cert_file = cfg->tls_cert;
+  sopts.tls_key_file = cfg->tls_key;
+  sopts.tls_client_ca_file = cfg->tls_client_ca;
+  sopts.tls_require_client_cert = cfg->tls_require_client_cert;
+  sopts.socket_mode = cfg->socket_mode;
+  sopts.socket_group = cfg->socket_group;
+  sopts.interceptors.push_back(rpc::MakeMetricsInterceptorFactory(&metrics));
+  auto server = rpc::GrpcServer::Start(std::move(sopts), core, facts);
   if (!server.ok()) {
     log->error("{}", std::string(server.status().message()));
     return 1;
   }
   WriteEndpoints(cfg->state_dir, (*server)->bound());
   for (const std::string& address : cfg->listen) {
-    if (address.rfind("unix:", 0) != 0 && !IsLoopbackTcp(address)) {
-      log->warn("listening on {} without TLS or authentication (allow_insecure_tcp): anyone who "
-                "can reach it can run code and read tensors",
-                address);
+    if (address.rfind("unix:", 0) != 0 && !IsLoopbackTcp(address) &&
+        (cfg->tls_cert.empty() || cfg->principals.empty())) {
+      log->warn("listening on {} without {} (allow_insecure_tcp): anyone who can reach it can "
+                "run code and read tensors",
+                address, cfg->tls_cert.empty() ? "TLS" : "principals");
     }
+  }
+  if (cfg->principals.empty()) {
+    log->info("no principals configured: every local caller is admin (the embedded default)");
+  } else {
+    log->info("{} principal(s) configured; callers authenticate", cfg->principals.size());
+  }
+
+  // Health: the workers can be started and the store written.
+  std::vector<HealthMonitor::Probe> probes;
+  probes.push_back({"compile workers", [p = copts.worker_path] { return ProbeExecutable(p); }});
+  if (cfg->isolation == "process") {
+    probes.push_back({"executor workers",
+                      [p = ExeDir() + "/opjit-exec-worker"] { return ProbeExecutable(p); }});
+  }
+  probes.push_back({"registry store", [r = registry->get()] { return r->ProbeStore(); }});
+  rpc::GrpcServer* grpc_server = server->get();
+  auto health = std::make_unique<HealthMonitor>(
+      std::move(probes), std::chrono::milliseconds(std::max<int64_t>(cfg->health_interval_ms, 50)),
+      [grpc_server](bool serving, const std::string&) { grpc_server->SetServing(serving); });
+  health_ptr = health.get();
+
+  std::unique_ptr<metrics::HttpExporter> exporter;
+  if (!cfg->metrics_listen.empty()) {
+    auto e = metrics::HttpExporter::Start(cfg->metrics_listen, [&metrics] { return metrics.Render(); });
+    if (!e.ok()) {
+      log->error("metrics: {}", std::string(e.status().message()));
+      return 1;
+    }
+    exporter = *std::move(e);
+    log->info("metrics on http://{}/metrics", exporter->address());
+    std::ofstream(cfg->state_dir + "/metrics_endpoint", std::ios::trunc) << exporter->address() << "\n";
   }
   log->info("opjitd {} ready: state {}, {} op(s), listening on {}", OPJIT_VERSION,
             cfg->state_dir, (*registry)->Size(), absl::StrJoin((*server)->bound(), ", "));
@@ -326,6 +463,9 @@ int Run(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   log->info("{} received, shutting down", strsignal(sig));
+  exporter.reset();
+  health_ptr = nullptr;
+  health.reset();
   (*server)->Shutdown(std::chrono::seconds(5));
   (*server)->Wait();
   server->reset();

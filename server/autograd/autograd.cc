@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
@@ -135,10 +136,20 @@ struct Autograd::Impl {
     std::lock_guard<std::mutex> lock(mu);
     uint64_t& used = ns_bytes[ctx->ns];
     if (used + ctx->bytes > options.namespace_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "namespace \"", ctx->ns, "\" holds ", used, " bytes of backward contexts; keeping ",
-          ctx->bytes, " more would pass its bound of ", options.namespace_bytes,
-          ". Run or release pending backwards (ReleaseContext), or forward without requires_grad"));
+      return QuotaExceeded(
+          "context_bytes", absl::StrCat(options.namespace_bytes), ctx->ns,
+          absl::StrCat("the namespace holds ", used, " bytes of backward contexts and this one "
+                       "needs ", ctx->bytes, " more. Run or release pending backwards "
+                       "(ReleaseContext), or forward without requires_grad"));
+    }
+    if (options.total_bytes > 0) {
+      uint64_t total = 0;
+      for (const auto& [ns, b] : ns_bytes) total += b;
+      if (total + ctx->bytes > options.total_bytes) {
+        return QuotaExceeded("total_context_bytes", absl::StrCat(options.total_bytes), "",
+                             "the server holds too many backward contexts; release pending "
+                             "backwards or try again later");
+      }
     }
     used += ctx->bytes;
     contexts[ctx->id] = std::move(ctx);
@@ -157,11 +168,12 @@ struct Autograd::Impl {
     std::lock_guard<std::mutex> lock(mu);
     auto it = contexts.find(id);
     if (it == contexts.end() || it->second->ns != ns) {
-      return absl::FailedPreconditionError(absl::StrCat(
+      return WithReason(absl::FailedPreconditionError(absl::StrCat(
           "no backward context \"", id, "\" in namespace \"", ns,
           "\": run the forward with requires_grad on an input first (a context is kept only "
           "then), and note that a context is released after one backward unless "
-          "retain_context is set, and after ", options.ttl_ms / 1000, " s unused"));
+          "retain_context is set, and after ", options.ttl_ms / 1000, " s unused")),
+                        reason::kContextNotFound);
     }
     std::shared_ptr<Context> ctx = it->second;
     ctx->last_used = Clock::now();
@@ -279,6 +291,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   zeros->reserve(n_out);
   exec::ForwardCall bcall;
   bcall.ns = ctx->ns;
+  bcall.principal = call.principal;
   bcall.op = bdef.name;
   bcall.version = (*bprop)->version;
   bcall.deadline = call.deadline;
@@ -362,8 +375,9 @@ absl::Status Autograd::Release(const std::string& ns, const std::string& context
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->contexts.find(context_id);
   if (it == impl_->contexts.end() || it->second->ns != ns) {
-    return absl::NotFoundError(
-        absl::StrCat("no backward context \"", context_id, "\" in namespace \"", ns, "\""));
+    return WithReason(absl::NotFoundError(absl::StrCat("no backward context \"", context_id,
+                                                       "\" in namespace \"", ns, "\"")),
+                      reason::kContextNotFound);
   }
   impl_->DropLocked(context_id);
   return absl::OkStatus();
@@ -377,6 +391,15 @@ int Autograd::ExpireContexts(Clock::time_point now) {
   }
   for (const auto& id : expired) impl_->DropLocked(id);
   return static_cast<int>(expired.size());
+}
+
+std::map<std::string, uint64_t> Autograd::BytesByNamespace() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::map<std::string, uint64_t> out;
+  for (const auto& [ns, b] : impl_->ns_bytes) {
+    if (b > 0) out[ns] = b;
+  }
+  return out;
 }
 
 size_t Autograd::LiveContexts() const {
@@ -480,6 +503,7 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
     auto make_call = [&](const std::vector<std::vector<SavedTensor>>& in) {
       exec::ForwardCall f;
       f.ns = c.ns;
+      f.principal = c.principal;
       f.op = c.op;
       f.version = (*record)->version;
       f.attrs = c.attrs;
@@ -507,6 +531,7 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
     std::vector<double> vscale;
     BackwardCall bc;
     bc.ns = c.ns;
+    bc.principal = c.principal;
     bc.context_id = fwd->context_id;
     for (size_t j = 0; j < fwd->forward.outputs.size(); ++j) {
       const auto& o = fwd->forward.outputs[j];

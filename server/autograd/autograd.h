@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,6 +48,9 @@ struct AutogradOptions {
   int64_t ttl_ms = 600000;
   // Bytes of saved tensors per namespace. Default: 1 GiB.
   uint64_t namespace_bytes = 1ull << 30;
+  // Bytes of saved tensors of all namespaces together. 0: none.
+  // Default: 0 (opjitd sets 4 GiB).
+  uint64_t total_bytes = 0;
   // Threads that run gradchecks (each runs many forwards). Default: 1.
   int gradcheck_threads = 1;
 };
@@ -58,6 +62,7 @@ struct GradForwardResult {
 
 struct BackwardCall {
   std::string ns = "default";
+  std::string principal;  // as exec::ForwardCall::principal
   std::string context_id;
   // One per forward output; nullopt: a missing grad.
   std::vector<std::optional<exec::TensorArg>> grad_outputs;
@@ -77,6 +82,7 @@ struct BackwardResult {
 
 struct GradCheckCall {
   std::string ns = "default";
+  std::string principal;  // as exec::ForwardCall::principal
   std::string op;
   int64_t version = 0;
   // Inputs to check at (one group per declared input; may hold inline bytes
@@ -132,6 +138,8 @@ class Autograd {
   // Releases contexts idle past the TTL; returns how many.
   int ExpireContexts(std::chrono::steady_clock::time_point now);
   size_t LiveContexts() const;
+  // Bytes of saved tensors per namespace, for metrics.
+  std::map<std::string, uint64_t> BytesByNamespace() const;
 
  private:
   struct Impl;

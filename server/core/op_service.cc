@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/registry/validate.h"
 
@@ -75,11 +76,9 @@ void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, Register
         log->debug("req={} register {}/{}: compile: {}", reg->rid, reg->def.ns, reg->def.name,
                    Brief(outcome.status()));
         *next = nullptr;
-        return reg->done(absl::Status(
-            outcome.status().code(),
-            absl::StrCat("op \"", reg->def.ns, "/", reg->def.name, "\" ",
-                         registry::TargetName(target), " implementation: ",
-                         outcome.status().message())));
+        return reg->done(Annotate(
+            outcome.status(), absl::StrCat("op \"", reg->def.ns, "/", reg->def.name, "\" ",
+                                           registry::TargetName(target), " implementation: ")));
       }
       reg->outcome.compiled.emplace_back(target, *std::move(outcome));
       (*next)(i + 1);

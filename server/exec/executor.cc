@@ -5,6 +5,7 @@
 #include <future>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 #include "server/cache/lru_cache.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
@@ -180,8 +181,7 @@ absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const Forwar
       if (!inferred) {
         auto s = inst->InferShape();
         if (!s.ok()) {
-          return absl::Status(s.status().code(),
-                              absl::StrCat("op ", OpName(def), ": ", s.status().message()));
+          return Annotate(s.status(), absl::StrCat("op ", OpName(def), ": "));
         }
         inferred = *std::move(s);
       }
@@ -214,7 +214,7 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, c
   // kernel alone, not its own start or the hop); else the whole Run.
   result.kernel_ms = kernel_ms >= 0 ? kernel_ms : MsSince(k0);
   if (!run.ok()) {
-    return absl::Status(run.code(), absl::StrCat("op ", OpName(def), ": ", run.message()));
+    return Annotate(run, absl::StrCat("op ", OpName(def), ": "));
   }
   if (has_deadline && Clock::now() > call.deadline) {
     return absl::DeadlineExceededError(absl::StrCat(
@@ -358,8 +358,7 @@ void Executor::Impl::Dispatch(std::shared_ptr<CallState> st, std::shared_ptr<con
   Checked& checked = *st->building;
   checked.plan = plan;
   auto fail = [&](const absl::Status& s) {
-    Fail(*st, absl::Status(s.code(), absl::StrCat("op ", OpName(checked.record->def), ": ",
-                                                  s.message())));
+    Fail(*st, Annotate(s, absl::StrCat("op ", OpName(checked.record->def), ": ")));
   };
   auto created = Instance(st->call, st->flat_inputs, checked, *plan);
   if (!created.ok()) return fail(created.status());

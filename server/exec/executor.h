@@ -84,6 +84,9 @@ struct AttrArg {
 
 struct ForwardCall {
   std::string ns = "default";
+  // The caller's principal: shm tensors may only name its own regions
+  // ("": any region of `ns`, for trusted callers).
+  std::string principal;
   std::string op;
   int64_t version = 0;  // 0: latest
   registry::Target target = registry::Target::kCpu;

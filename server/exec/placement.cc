@@ -33,7 +33,7 @@ absl::Status Place(const ForwardCall& call, const Checked& c,
       loc.desc = arg.desc;
       loc.nbytes = nbytes;
       if (arg.in_shm) {
-        OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, arg.region));
+        OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, arg.region, call.principal));
         OPJIT_ASSIGN_OR_RETURN(
             auto view, tensor::Resolve(region, {arg.region, arg.offset, arg.desc.dtype, arg.desc.shape},
                                        what()));
@@ -96,7 +96,7 @@ absl::Status Place(const ForwardCall& call, const Checked& c,
           return absl::InvalidArgumentError(
               "one fixed shm placement cannot hold several outputs; use alloc_in or one per output");
         }
-        OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, place.region));
+        OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, place.region, call.principal));
         if (place.offset > region->size()) {
           return absl::InvalidArgumentError(absl::StrCat(
               what(), ": offset ", place.offset, " is past the end of region \"", place.region,

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 
@@ -219,7 +220,8 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
     return absl::InternalError(absl::StrCat("nvcc died of signal ", r.signal, "\n", diagnostics));
   }
   if (r.exit_code != 0)
-    return absl::InvalidArgumentError(absl::StrCat("compile failed:\n", diagnostics));
+    return WithReason(absl::InvalidArgumentError(absl::StrCat("compile failed:\n", diagnostics)),
+                      reason::kCompileFailed);
 
   NvccOutput result;
   result.shared_object = ReadFile(out);

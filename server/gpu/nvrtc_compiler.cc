@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 
@@ -228,7 +229,8 @@ absl::Status NvrtcError(const NvrtcCompiler::Api& api, nvrtcResult r, const char
   if (!log.empty()) absl::StrAppend(&what, "\n", log);
   switch (r) {
     case NVRTC_ERROR_COMPILATION:
-      return absl::InvalidArgumentError(absl::StrCat("compile failed:\n", log));
+      return WithReason(absl::InvalidArgumentError(absl::StrCat("compile failed:\n", log)),
+                        reason::kCompileFailed);
     case NVRTC_ERROR_INVALID_OPTION:
     case NVRTC_ERROR_NAME_EXPRESSION_NOT_VALID:
     case NVRTC_ERROR_INVALID_INPUT:

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/registry/canonical.h"
@@ -31,7 +32,7 @@ absl::StatusOr<std::unique_ptr<Registry>> Registry::Create(const Options& option
   OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> store, Store::Open(options.db_path));
   OPJIT_ASSIGN_OR_RETURN(std::vector<OpRecord> records, store->LoadAll());
   OPJIT_ASSIGN_OR_RETURN(std::vector<Store::HighWater> marks, store->LoadHighWater());
-  std::unique_ptr<Registry> reg(new Registry(std::move(store)));
+  std::unique_ptr<Registry> reg(new Registry(std::move(store), options));
   size_t versions = records.size();
   {
     absl::MutexLock wlock(&reg->write_mu_);
@@ -57,7 +58,9 @@ absl::StatusOr<std::unique_ptr<Registry>> Registry::Create(const Options& option
 
 absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def) {
   auto log = Logger("registry");
-  OPJIT_RETURN_IF_ERROR(ValidateOpDef(def));
+  if (absl::Status s = ValidateOpDef(def); !s.ok()) {
+    return s.code() == absl::StatusCode::kInvalidArgument ? WithReason(s, reason::kInvalidSpec) : s;
+  }
   std::string hash = ContentHash(def);
   Key key{def.ns, def.name};
 
@@ -71,6 +74,22 @@ absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def) {
         log->debug("register {}/{}: unchanged, version {} ({})", def.ns, def.name, latest->version,
                    ShortHash(hash));
         return RegisterResult{*latest, /*created=*/false};
+      }
+      if (options_.max_versions_per_op > 0 &&
+          it->second.versions.size() >= options_.max_versions_per_op) {
+        return QuotaExceeded("versions", absl::StrCat(options_.max_versions_per_op), def.ns,
+                             absl::StrCat("op \"", def.name, "\" already has that many versions; "
+                                          "delete old ones (DeleteOp with a version) first"));
+      }
+    } else if (options_.max_ops_per_namespace > 0) {
+      size_t in_ns = 0;
+      for (auto o = ops_.lower_bound({def.ns, ""}); o != ops_.end() && o->first.first == def.ns;
+           ++o) {
+        ++in_ns;
+      }
+      if (in_ns >= options_.max_ops_per_namespace) {
+        return QuotaExceeded("ops", absl::StrCat(options_.max_ops_per_namespace), def.ns,
+                             "the namespace already holds that many ops; delete some first");
       }
     }
   }
@@ -98,12 +117,15 @@ absl::Status Registry::NotFound(const std::string& ns, const std::string& name,
                                 int64_t version) const {
   auto it = ops_.find({ns, name});
   if (it == ops_.end() || version == 0) {
-    return absl::NotFoundError(absl::StrCat("op \"", ns, "/", name, "\" not found"));
+    return WithReason(absl::NotFoundError(absl::StrCat("op \"", ns, "/", name, "\" not found")),
+                      reason::kOpNotFound, {{"op", name}});
   }
   std::vector<int64_t> have;
   for (const auto& [v, rec] : it->second.versions) have.push_back(v);
-  return absl::NotFoundError(absl::StrCat("op \"", ns, "/", name, "\" has no version ", version,
-                                          " (versions: ", absl::StrJoin(have, ", "), ")"));
+  return WithReason(
+      absl::NotFoundError(absl::StrCat("op \"", ns, "/", name, "\" has no version ", version,
+                                       " (versions: ", absl::StrJoin(have, ", "), ")")),
+      reason::kVersionNotFound, {{"op", name}, {"version", absl::StrCat(version)}});
 }
 
 absl::StatusOr<std::shared_ptr<const OpRecord>> Registry::GetShared(const std::string& ns,
@@ -126,6 +148,15 @@ absl::StatusOr<OpRecord> Registry::Get(const std::string& ns, const std::string&
                                        int64_t version) const {
   OPJIT_ASSIGN_OR_RETURN(std::shared_ptr<const OpRecord> rec, GetShared(ns, name, version));
   return *rec;
+}
+
+std::vector<std::string> Registry::Namespaces() const {
+  std::vector<std::string> out;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [key, entry] : ops_) {
+    if (out.empty() || out.back() != key.first) out.push_back(key.first);
+  }
+  return out;
 }
 
 std::vector<OpRecord> Registry::List(const std::string& ns, bool all_versions) const {

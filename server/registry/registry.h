@@ -34,6 +34,12 @@ class Registry {
   struct Options {
     // Path of the SQLite database file; its directory must exist. Required.
     std::string db_path;
+    // Ops (names) one namespace may hold; registering a new name beyond it is
+    // RESOURCE_EXHAUSTED (QUOTA_EXCEEDED "ops"). 0: no bound. Default: 1000.
+    size_t max_ops_per_namespace = 1000;
+    // Live versions of one op; beyond it, delete old versions first
+    // (QUOTA_EXCEEDED "versions"). 0: no bound. Default: 100.
+    size_t max_versions_per_op = 100;
   };
 
   struct RegisterResult {
@@ -83,6 +89,12 @@ class Registry {
   // Number of ops (not versions) in the registry.
   size_t Size() const;
 
+  // The namespaces that hold ops.
+  std::vector<std::string> Namespaces() const;
+
+  // OK when the store can be written now (a probe row is written).
+  absl::Status ProbeStore() { return store_->Probe(); }
+
   // Changes (increases) whenever a version is added or deleted, after the
   // change is visible to Get. Anything derived from lookups made while it
   // had one value is current as long as it still has it.
@@ -94,7 +106,8 @@ class Registry {
     std::map<int64_t, std::shared_ptr<const OpRecord>> versions;  // never empty
   };
 
-  explicit Registry(std::unique_ptr<Store> store) : store_(std::move(store)) {}
+  Registry(std::unique_ptr<Store> store, const Options& options)
+      : options_(options), store_(std::move(store)) {}
 
   // NOT_FOUND status for a failed lookup of (ns, name, version).
   absl::Status NotFound(const std::string& ns, const std::string& name, int64_t version) const
@@ -103,6 +116,7 @@ class Registry {
   // Serialises writers, so that a version number is chosen and persisted
   // without another writer in between. Acquired before mu_.
   absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  const Options options_;
   const std::unique_ptr<Store> store_;  // its own locking
 
   mutable absl::Mutex mu_;

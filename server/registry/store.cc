@@ -1,5 +1,6 @@
 #include "server/registry/store.h"
 
+#include <chrono>
 #include <sqlite3.h>
 
 #include <utility>
@@ -230,6 +231,17 @@ absl::StatusOr<std::vector<Store::HighWater>> Store::LoadHighWater() {
   }
   if (rc != SQLITE_DONE) return Error(rc, "loading version high-water marks");
   return out;
+}
+
+absl::Status Store::Probe() {
+  absl::MutexLock lock(&mu_);
+  return Exec(absl::StrCat("CREATE TABLE IF NOT EXISTS health_probe (id INTEGER PRIMARY KEY, "
+                           "unix_ms INTEGER); INSERT OR REPLACE INTO health_probe VALUES (1, ",
+                           std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count(),
+                           ")")
+                  .c_str());
 }
 
 absl::Status Store::Insert(const OpRecord& record) {

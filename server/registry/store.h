@@ -64,6 +64,10 @@ class Store {
   // taken. The caller computes content_hash (ContentHash(def)); it is checked.
   absl::Status Insert(const OpRecord& record);
 
+  // Writes (and commits) one row of a probe table: OK when the store can be
+  // written now. For the daemon's health checks.
+  absl::Status Probe();
+
   // Deletes version `version` of (ns, name), or every version when `version`
   // is 0, in one transaction. Deleting nothing is not an error.
   absl::Status DeleteOp(const std::string& ns, const std::string& name, int64_t version);

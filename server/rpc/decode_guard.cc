@@ -5,7 +5,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
+#include "server/rpc/status_util.h"
 
 namespace opjit::rpc {
 namespace {
@@ -34,12 +36,13 @@ class DecodeGuard final : public grpc::experimental::Interceptor {
     }
     if (undecodable_ && m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       const char* method = info_->method() != nullptr ? info_->method() : "?";
-      m->ModifySendStatus(grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("the request to ", method,
-                       " could not be decoded: it is not a valid protobuf message of the "
-                       "method's request type (malformed wire data, or a string field that is "
-                       "not UTF-8). Use the opjit.v1 protos the server was built with.")));
+      m->ModifySendStatus(ToGrpcStatus(WithReason(
+          absl::InvalidArgumentError(absl::StrCat(
+              "the request to ", method,
+              " could not be decoded: it is not a valid protobuf message of the "
+              "method's request type (malformed wire data, or a string field that is "
+              "not UTF-8). Use the opjit.v1 protos the server was built with.")),
+          reason::kMalformedRequest)));
       uint64_t suppressed = 0;
       if (DecodeLogLimiter().Allow(&suppressed)) {
         Logger("rpc")->warn("undecodable request to {} (INVALID_ARGUMENT); {} more since the last "

@@ -2,12 +2,19 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <optional>
+
+#include <unistd.h>
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/autograd/autograd.h"
 #include "server/exec/executor.h"
+#include "server/access/access.h"
+#include "server/access/quotas.h"
+#include "server/rpc/caller.h"
 #include "server/rpc/services.h"
 #include "server/rpc/status_util.h"
 #include "server/tensor/region_manager.h"
@@ -24,7 +31,7 @@ void InfoToProto(const tensor::RegionInfo& info, v1::RegionInfo* out) {
   out->set_offset(info.offset);
   out->set_byte_size(info.byte_size);
   out->set_daemon_owned(info.daemon_owned);
-  out->set_client_id(info.owner);
+  out->set_client_id(ClientIdOf(info.owner));
   out->set_lease_expires_unix_ms(info.lease_expires_unix_ms);
 }
 
@@ -205,7 +212,9 @@ absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
 grpc::ServerUnaryReactor* MemoryService::CreateRegion(grpc::CallbackServerContext* ctx,
                                                       const v1::CreateRegionRequest* req,
                                                       v1::RegionInfo* resp) {
-  auto info = core_.regions->CreateRegion(NamespaceOrDefault(req->namespace_()), req->client_id(), req->name(),
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  auto info = core_.regions->CreateRegion(ns, RegionOwner(caller, req->client_id()), req->name(),
                                           req->byte_size(), req->lease_ms());
   if (info.ok()) InfoToProto(*info, resp);
   return FinishNow(ctx, info.status());
@@ -214,9 +223,25 @@ grpc::ServerUnaryReactor* MemoryService::CreateRegion(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* MemoryService::RegisterRegion(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterRegionRequest* req,
                                                         v1::RegionInfo* resp) {
-  auto info = core_.regions->RegisterRegion(NamespaceOrDefault(req->namespace_()), req->client_id(), req->name(),
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  // The object must belong to the caller: its uid from SO_PEERCRED. A caller
+  // without one (TCP) may register only objects of the daemon's own user,
+  // and only as an admin (the embedded default's local admin).
+  std::optional<uid_t> uid = caller.uid;
+  if (!uid.has_value()) {
+    if (!caller.admin()) {
+      return FinishNow(ctx, WithReason(absl::PermissionDeniedError(
+                                           "RegisterRegion needs the unix socket: the server "
+                                           "checks that the shm object belongs to the caller's "
+                                           "uid. Over TCP use CreateRegion"),
+                                       reason::kPermissionDenied));
+    }
+    uid = ::geteuid();
+  }
+  auto info = core_.regions->RegisterRegion(ns, RegionOwner(caller, req->client_id()), req->name(),
                                             req->shm_key(), req->offset(), req->byte_size(),
-                                            req->lease_ms());
+                                            req->lease_ms(), uid);
   if (info.ok()) InfoToProto(*info, resp);
   return FinishNow(ctx, info.status());
 }
@@ -224,13 +249,17 @@ grpc::ServerUnaryReactor* MemoryService::RegisterRegion(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* MemoryService::UnregisterRegion(grpc::CallbackServerContext* ctx,
                                                           const v1::UnregisterRegionRequest* req,
                                                           v1::UnregisterRegionResponse*) {
-  return FinishNow(ctx, core_.regions->Unregister(NamespaceOrDefault(req->namespace_()), req->name()));
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  return FinishNow(ctx, core_.regions->Unregister(ns, req->name(), RegionScope(caller)));
 }
 
 grpc::ServerUnaryReactor* MemoryService::ListRegions(grpc::CallbackServerContext* ctx,
                                                      const v1::ListRegionsRequest* req,
                                                      v1::ListRegionsResponse* resp) {
-  for (const auto& info : core_.regions->List(NamespaceOrDefault(req->namespace_()))) {
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kDescribe);
+  for (const auto& info : core_.regions->List(ns, RegionScope(caller))) {
     InfoToProto(info, resp->add_regions());
   }
   return FinishNow(ctx, absl::OkStatus());
@@ -239,7 +268,9 @@ grpc::ServerUnaryReactor* MemoryService::ListRegions(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* MemoryService::RenewLease(grpc::CallbackServerContext* ctx,
                                                     const v1::RenewLeaseRequest* req,
                                                     v1::RenewLeaseResponse* resp) {
-  auto expiry = core_.regions->Renew(NamespaceOrDefault(req->namespace_()), req->client_id(), req->lease_ms());
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  auto expiry = core_.regions->Renew(ns, RegionOwner(caller, req->client_id()), req->lease_ms());
   if (expiry.ok()) resp->set_lease_expires_unix_ms(*expiry);
   return FinishNow(ctx, expiry.status());
 }
@@ -247,7 +278,9 @@ grpc::ServerUnaryReactor* MemoryService::RenewLease(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* MemoryService::ReleaseClient(grpc::CallbackServerContext* ctx,
                                                        const v1::ReleaseClientRequest* req,
                                                        v1::ReleaseClientResponse* resp) {
-  auto n = core_.regions->ReleaseOwner(NamespaceOrDefault(req->namespace_()), req->client_id());
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  auto n = core_.regions->ReleaseOwner(ns, RegionOwner(caller, req->client_id()));
   if (n.ok()) resp->set_released(*n);
   return FinishNow(ctx, n.status());
 }
@@ -255,8 +288,14 @@ grpc::ServerUnaryReactor* MemoryService::ReleaseClient(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* ctx,
                                                    const v1::ForwardRequest* req,
                                                    v1::ForwardResponse* resp) {
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  if (core_.quotas != nullptr) {
+    if (absl::Status s = core_.quotas->AdmitCall(ns); !s.ok()) return FinishNow(ctx, s);
+  }
   auto call = CallFromProto(*req, *ctx);
   if (!call.ok()) return FinishNow(ctx, call.status());
+  call->principal = RegionScope(caller);
   auto* reactor = ctx->DefaultReactor();
   const uint64_t rid = call->request_id;
   // `req` outlives the reactor; names for the log are built only on error.
@@ -295,6 +334,11 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
                                                     v1::BackwardResponse* resp) {
   autograd::BackwardCall call;
   call.ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
+  if (core_.quotas != nullptr) {
+    if (absl::Status s = core_.quotas->AdmitCall(call.ns); !s.ok()) return FinishNow(ctx, s);
+  }
+  call.principal = RegionScope(caller);
   call.context_id = req->context_id();
   for (int j = 0; j < req->grad_outputs_size(); ++j) {
     const v1::Tensor& t = req->grad_outputs(j);
@@ -336,7 +380,10 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* ExecutorService::ReleaseContext(grpc::CallbackServerContext* ctx,
                                                           const v1::ReleaseContextRequest* req,
                                                           v1::ReleaseContextResponse*) {
-  return FinishNow(ctx, core_.autograd->Release(NamespaceOrDefault(req->namespace_()), req->context_id()));
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  (void)caller;
+  return FinishNow(ctx, core_.autograd->Release(ns, req->context_id()));
 }
 
 grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext* ctx,
@@ -345,6 +392,11 @@ grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext
   autograd::GradCheckCall call;
   call.deadline = SteadyDeadline(*ctx);
   call.ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
+  if (core_.quotas != nullptr) {
+    if (absl::Status s = core_.quotas->AdmitCall(call.ns); !s.ok()) return FinishNow(ctx, s);
+  }
+  call.principal = RegionScope(caller);
   call.op = req->op();
   call.version = req->version();
   auto inputs = InputsFromProto(req->inputs());

@@ -1,5 +1,8 @@
 #include "server/rpc/grpc_server.h"
 
+#include <grp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -7,6 +10,11 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <grpcpp/server_posix.h>
+#include <grpcpp/security/server_credentials.h>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -56,6 +64,81 @@ absl::Status PrepareUnixSocket(const std::string& path) {
   return absl::OkStatus();
 }
 
+// Binds and listens on the unix socket `path` with `mode` and `group`.
+absl::StatusOr<int> ListenUnix(const std::string& path, unsigned mode, const std::string& group) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  // Bound with no access for anyone, then opened up: no window where the
+  // socket has the umask's mode.
+  const mode_t old_umask = umask(0777);
+  const int rc = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  umask(old_umask);
+  if (rc != 0) {
+    const int e = errno;
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot bind unix:", path, ": ", std::strerror(e)));
+  }
+  if (!group.empty()) {
+    const struct group* gr = getgrnam(group.c_str());
+    if (gr == nullptr) {
+      close(fd);
+      unlink(path.c_str());
+      return absl::InvalidArgumentError(absl::StrCat("socket_group \"", group, "\" does not exist"));
+    }
+    if (chown(path.c_str(), static_cast<uid_t>(-1), gr->gr_gid) != 0) {
+      const int e = errno;
+      close(fd);
+      unlink(path.c_str());
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot give unix:", path, " to group ", group, ": ", std::strerror(e)));
+    }
+  }
+  chmod(path.c_str(), mode);
+  if (listen(fd, 128) != 0) {
+    const int e = errno;
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("listen unix:", path, ": ", std::strerror(e)));
+  }
+  return fd;
+}
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("tls.", what, ": cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (ss.str().empty()) return absl::InvalidArgumentError(absl::StrCat("tls.", what, ": ", path, " is empty"));
+  return ss.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(
+    const GrpcServerOptions& o) {
+  if (o.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  auto cert = ReadPem(o.tls_cert_file, "cert");
+  if (!cert.ok()) return cert.status();
+  auto key = ReadPem(o.tls_key_file, "key");
+  if (!key.ok()) return key.status();
+  pair.cert_chain = *cert;
+  pair.private_key = *key;
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!o.tls_client_ca_file.empty()) {
+    auto ca = ReadPem(o.tls_client_ca_file, "client_ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    ssl.client_certificate_request = o.tls_require_client_cert
+                                         ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                         : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
+  } else if (o.tls_require_client_cert) {
+    return absl::InvalidArgumentError("tls.require_client_cert needs tls.client_ca");
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
 }  // namespace
 
 std::string UnixSocketPath(const std::string& address) {
@@ -64,7 +147,7 @@ std::string UnixSocketPath(const std::string& address) {
   return "";
 }
 
-absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options,
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions options,
                                                               CoreRefs core, ServerFacts facts) {
   std::unique_ptr<GrpcServer> self(new GrpcServer());
   grpc::EnableDefaultHealthCheckService(true);
@@ -74,18 +157,26 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   grpc::ServerBuilder builder;
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(MakeDecodeGuardFactory());
+  for (auto& f : options.interceptors) interceptors.push_back(std::move(f));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
+  auto tcp_creds = TcpCredentials(options);
+  if (!tcp_creds.ok()) return tcp_creds.status();
   std::vector<std::unique_ptr<int>> ports;
   for (const std::string& address : options.listen) {
     const std::string path = UnixSocketPath(address);
+    ports.push_back(std::make_unique<int>(0));
     if (!path.empty()) {
       if (absl::Status s = PrepareUnixSocket(path); !s.ok()) return s;
+      auto fd = ListenUnix(path, options.socket_mode, options.socket_group);
+      if (!fd.ok()) return fd.status();
       self->socket_files_.push_back(path);
+      self->unix_fds_.push_back(*fd);
+      *ports.back() = -1;  // bound by us
+      continue;
     }
-    ports.push_back(std::make_unique<int>(0));
-    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), ports.back().get());
+    builder.AddListeningPort(address, *tcp_creds, ports.back().get());
   }
   facts.listen = options.listen;
   self->services_.push_back(std::make_unique<RegistryService>(core));
@@ -111,26 +202,77 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
     }
     if (!UnixSocketPath(address).empty()) {
       self->bound_.push_back(address);
-      chmod(UnixSocketPath(address).c_str(), 0660);
     } else {
       const std::string host = address.substr(0, address.rfind(':'));
       self->bound_.push_back(absl::StrCat(host, ":", *ports[i]));
     }
   }
   server_info->SetBound(self->bound_);
+  if (!self->unix_fds_.empty()) {
+    self->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (self->wake_fd_ < 0) return absl::UnavailableError("eventfd failed");
+    GrpcServer* raw = self.get();
+    self->acceptor_ = std::thread([raw] { raw->AcceptLoop(); });
+  }
   self->server_->GetHealthCheckService()->SetServingStatus(true);
   return self;
 }
 
+void GrpcServer::AcceptLoop() {
+  std::vector<pollfd> fds;
+  for (int fd : unix_fds_) fds.push_back({fd, POLLIN, 0});
+  fds.push_back({wake_fd_, POLLIN, 0});
+  while (!stopping_.load()) {
+    if (poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      Logger("rpc")->error("poll on unix sockets: {}", std::strerror(errno));
+      return;
+    }
+    if (fds.back().revents != 0) break;
+    for (size_t i = 0; i + 1 < fds.size(); ++i) {
+      if ((fds[i].revents & POLLIN) == 0) continue;
+      while (true) {
+        int conn = accept4(fds[i].fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (conn < 0) {
+          if (errno == EMFILE || errno == ENFILE) {
+            Logger("rpc")->warn("out of file descriptors; a unix connection waits");
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          }
+          break;  // EAGAIN, or a connection that went away
+        }
+        grpc::AddInsecureChannelFromFd(server_.get(), conn);
+      }
+    }
+  }
+}
+
+void GrpcServer::StopAccepting() {
+  if (!acceptor_.joinable()) return;
+  stopping_.store(true);
+  uint64_t one = 1;
+  if (write(wake_fd_, &one, sizeof(one)) < 0) {
+    // The loop also sees stopping_ on its next wake-up.
+  }
+  acceptor_.join();
+}
+
+void GrpcServer::SetServing(bool serving) {
+  if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(serving);
+}
+
 GrpcServer::~GrpcServer() {
+  StopAccepting();
   if (server_) {
     server_->Shutdown(std::chrono::system_clock::now());
     server_->Wait();
   }
+  for (int fd : unix_fds_) close(fd);
+  if (wake_fd_ >= 0) close(wake_fd_);
   for (const auto& path : socket_files_) unlink(path.c_str());
 }
 
 void GrpcServer::Shutdown(std::chrono::milliseconds grace) {
+  StopAccepting();
   server_->GetHealthCheckService()->SetServingStatus(false);
   server_->Shutdown(std::chrono::system_clock::now() + grace);
 }

@@ -4,9 +4,11 @@
 // Thread-safety: Shutdown() may be called from any thread, once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -14,7 +16,10 @@
 
 namespace grpc {
 class Server;
+namespace experimental {
+class ServerInterceptorFactoryInterface;
 }
+}  // namespace grpc
 
 namespace opjit::rpc {
 
@@ -23,6 +28,21 @@ struct GrpcServerOptions {
   std::vector<std::string> listen;
   // Largest message in either direction. Default: 64 MiB.
   int max_message_bytes = 64 << 20;
+
+  // TLS for every TCP address: PEM files. Empty cert: plaintext TCP.
+  std::string tls_cert_file, tls_key_file;
+  // CA that signs client certificates. Set: clients may present one (and
+  // must, with tls_require_client_cert). Default: none.
+  std::string tls_client_ca_file;
+  bool tls_require_client_cert = false;
+
+  // Mode and group of unix sockets. Default: 0660 and the daemon's group.
+  unsigned socket_mode = 0660;
+  std::string socket_group;
+
+  // Extra interceptors (metrics), run after the decode guard.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      interceptors;
 };
 
 class GrpcServer {
@@ -30,7 +50,10 @@ class GrpcServer {
   // Binds every address and starts serving. A unix socket that a live server
   // answers on is refused (FAILED_PRECONDITION); a stale socket file is
   // replaced. UNAVAILABLE when an address cannot be bound.
-  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const GrpcServerOptions& options,
+  // Unix sockets are accepted by the server's own thread and handed to gRPC
+  // by descriptor, so that every call can read the peer's SO_PEERCRED.
+  // INVALID_ARGUMENT for unreadable TLS files or an unknown socket group.
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(GrpcServerOptions options,
                                                            CoreRefs core, ServerFacts facts);
   ~GrpcServer();
 
@@ -43,12 +66,24 @@ class GrpcServer {
   // Blocks until the server has shut down.
   void Wait();
 
+  // What grpc.health.v1 reports for the whole server ("") and each opjit
+  // service: SERVING when true.
+  void SetServing(bool serving);
+
  private:
   GrpcServer() = default;
   std::vector<std::unique_ptr<grpc::Service>> services_;
   std::unique_ptr<grpc::Server> server_;
   std::vector<std::string> bound_;
   std::vector<std::string> socket_files_;
+  // Unix listening sockets and the thread that accepts on them.
+  std::vector<int> unix_fds_;
+  int wake_fd_ = -1;
+  std::thread acceptor_;
+  std::atomic<bool> stopping_{false};
+
+  void AcceptLoop();
+  void StopAccepting();
 };
 
 // "unix:/a" -> "/a"; "" when `address` is not a unix socket address.

@@ -15,6 +15,9 @@
 #include "server/exec/executor.h"
 #include "server/registry/registry.h"
 #include "server/registry/validate.h"
+#include "server/access/access.h"
+#include "server/access/quotas.h"
+#include "server/rpc/caller.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/status_util.h"
 #include "server/tensor/region_manager.h"
@@ -61,10 +64,20 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
                                                       v1::RegisterOpResponse* resp) {
   auto def = OpDefFromProto(req->op());
   if (!def.ok()) return FinishNow(ctx, def.status());
+  OPJIT_RPC_ADMIT(caller, def->ns, access::Action::kWrite);
+  (void)caller;
+  // Given back before the answer is sent, so the client's next compile finds the slot free.
+  auto ticket = std::make_shared<std::unique_ptr<access::QuotaManager::CompileTicket>>();
+  if (core_.quotas != nullptr) {
+    auto t = core_.quotas->BeginCompile(def->ns);
+    if (!t.ok()) return FinishNow(ctx, t.status());
+    *ticket = *std::move(t);
+  }
   auto* reactor = ctx->DefaultReactor();
   core::OpService ops(core_.registry, core_.compiler);
   ops.RegisterAsync(*std::move(def), NextRequestId(),
-                    [reactor, resp](absl::StatusOr<core::RegisterOutcome> outcome) {
+                    [reactor, resp, ticket](absl::StatusOr<core::RegisterOutcome> outcome) {
+                      ticket->reset();
                       if (!outcome.ok()) return reactor->Finish(ToGrpcStatus(outcome.status()));
                       for (const auto& [target, compiled] : outcome->compiled) {
                         OutcomeToProto(compiled, registry::TargetName(target),
@@ -81,8 +94,10 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* RegistryService::GetOp(grpc::CallbackServerContext* ctx,
                                                  const v1::GetOpRequest* req,
                                                  v1::OpRecord* resp) {
-  auto record = core_.registry->Get(NamespaceOrDefault(req->namespace_()), req->name(),
-                                    req->version());
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kDescribe);
+  (void)caller;
+  auto record = core_.registry->Get(ns, req->name(), req->version());
   if (!record.ok()) return FinishNow(ctx, record.status());
   OpRecordToProto(*record, /*with_sources=*/true, resp);
   return FinishNow(ctx, absl::OkStatus());
@@ -91,7 +106,13 @@ grpc::ServerUnaryReactor* RegistryService::GetOp(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* RegistryService::ListOps(grpc::CallbackServerContext* ctx,
                                                    const v1::ListOpsRequest* req,
                                                    v1::ListOpsResponse* resp) {
-  for (const auto& record : core_.registry->List(req->namespace_(), req->all_versions())) {
+  // No namespace: every namespace the caller sees.
+  const std::string ns = req->namespace_().empty() ? "" : req->namespace_();
+  auto caller = ns.empty() ? Authenticate(core_, *ctx)
+                           : Admit(core_, *ctx, ns, access::Action::kDescribe);
+  if (!caller.ok()) return FinishNow(ctx, caller.status());
+  for (const auto& record : core_.registry->List(ns, req->all_versions())) {
+    if (!(*caller)->Sees(record.def.ns)) continue;
     OpRecordToProto(record, req->with_sources(), resp->add_ops());
   }
   return FinishNow(ctx, absl::OkStatus());
@@ -101,10 +122,12 @@ grpc::ServerUnaryReactor* RegistryService::DeleteOp(grpc::CallbackServerContext*
                                                     const v1::DeleteOpRequest* req,
                                                     v1::DeleteOpResponse* resp) {
   const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kWrite);
   auto deleted = core_.registry->Delete(ns, req->name(), req->version());
   if (!deleted.ok()) return FinishNow(ctx, deleted.status());
   resp->set_deleted(*deleted);
-  Logger("rpc")->info("deleted {}/{} ({} version(s))", ns, req->name(), *deleted);
+  Logger("rpc")->info("deleted {}/{} ({} version(s)) for {}", ns, req->name(), *deleted,
+                      caller.name);
   return FinishNow(ctx, absl::OkStatus());
 }
 
@@ -114,6 +137,9 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   if (core_.compiler == nullptr) {
     return FinishNow(ctx, absl::UnavailableError("this server was started without a compiler"));
   }
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kWrite);
+  (void)caller;
   compiler::CompileJob job;
   const std::string target_name = req->target().empty() ? "CPU" : req->target();
   auto target = registry::ParseTarget(target_name);
@@ -141,11 +167,18 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   if (job.source.empty()) {
     return FinishNow(ctx, absl::InvalidArgumentError("source: empty; send the kernel's text"));
   }
+  auto ticket = std::make_shared<std::unique_ptr<access::QuotaManager::CompileTicket>>();
+  if (core_.quotas != nullptr) {
+    auto t = core_.quotas->BeginCompile(ns);
+    if (!t.ok()) return FinishNow(ctx, t.status());
+    *ticket = *std::move(t);
+  }
   auto* reactor = ctx->DefaultReactor();
   const uint64_t rid = NextRequestId();
   core_.compiler->CompileAsync(
       std::move(job),
-      [reactor, resp, target_name, rid](absl::StatusOr<compiler::CompileOutcome> outcome) {
+      [reactor, resp, target_name, rid, ticket](absl::StatusOr<compiler::CompileOutcome> outcome) {
+        ticket->reset();
         if (!outcome.ok()) {
           Logger("rpc")->debug("req={} Compile: {}", rid, Brief(outcome.status()));
           reactor->Finish(ToGrpcStatus(outcome.status()));
@@ -163,6 +196,9 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* CompilerService::GetCacheStats(grpc::CallbackServerContext* ctx,
                                                          const v1::GetCacheStatsRequest*,
                                                          v1::CacheStats* resp) {
+  // Cache statistics are server-wide: admins only.
+  OPJIT_RPC_ADMIT(caller, "default", access::Action::kAdmin);
+  (void)caller;
   if (core_.compiler == nullptr) {
     return FinishNow(ctx, absl::UnavailableError("this server was started without a compiler"));
   }
@@ -187,12 +223,13 @@ grpc::ServerUnaryReactor* CompilerService::GetCacheStats(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* CompilerService::ClearCache(grpc::CallbackServerContext* ctx,
                                                       const v1::ClearCacheRequest* req,
                                                       v1::ClearCacheResponse* resp) {
+  OPJIT_RPC_ADMIT(caller, "default", access::Action::kAdmin);
   if (core_.compiler == nullptr) {
     return FinishNow(ctx, absl::UnavailableError("this server was started without a compiler"));
   }
   resp->set_removed(core_.compiler->Clear(req->memory_only()));
-  Logger("rpc")->info("cache cleared ({} entries{})", resp->removed(),
-                      req->memory_only() ? ", memory only" : "");
+  Logger("rpc")->info("cache cleared ({} entries{}) by {}", resp->removed(),
+                      req->memory_only() ? ", memory only" : "", caller.name);
   return FinishNow(ctx, absl::OkStatus());
 }
 
@@ -204,6 +241,13 @@ void ServerService::SetBound(std::vector<std::string> bound) {
 grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                        const v1::GetServerInfoRequest*,
                                                        v1::ServerInfo* resp) {
+  auto caller = Authenticate(core_, *ctx);
+  if (!caller.ok()) return FinishNow(ctx, caller.status());
+  const access::Principal& who = **caller;
+  resp->set_principal(who.name);
+  resp->set_role(access::RoleName(who.role));
+  for (const auto& ns : who.namespaces) resp->add_namespaces(ns);
+  resp->set_authenticated(core_.access != nullptr && core_.access->enabled());
   resp->set_version(facts_.version);
   resp->set_kernel_abi_version(facts_.kernel_abi_version);
   auto* cpu = resp->mutable_cpu();
@@ -215,11 +259,12 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
   gpu->set_available(facts_.gpu_available);
   gpu->set_reason(facts_.gpu_reason);
   for (const auto& d : facts_.gpu_devices) gpu->add_devices(d);
-  resp->set_state_dir(facts_.state_dir);
   {
     std::lock_guard<std::mutex> lock(bound_mu_);
     for (const auto& l : bound_.empty() ? facts_.listen : bound_) resp->add_listen(l);
   }
+  if (!who.admin()) return FinishNow(ctx, absl::OkStatus());
+  resp->set_state_dir(facts_.state_dir);
   resp->set_uptime_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::steady_clock::now() - started_)
                           .count());

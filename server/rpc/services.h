@@ -35,6 +35,10 @@ class RegionManager;
 namespace autograd {
 class Autograd;
 }
+namespace access {
+class AccessControl;
+class QuotaManager;
+}
 }  // namespace opjit
 
 namespace opjit::rpc {
@@ -46,6 +50,10 @@ struct CoreRefs {
   tensor::RegionManager* regions = nullptr;
   exec::Executor* executor = nullptr;
   autograd::Autograd* autograd = nullptr;
+  // Who may do what; null: every caller is a local admin (tests, fuzzers).
+  access::AccessControl* access = nullptr;
+  // Per-namespace compile and call quotas; null: none.
+  access::QuotaManager* quotas = nullptr;
 };
 
 // Static facts reported by GetServerInfo.

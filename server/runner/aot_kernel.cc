@@ -9,6 +9,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 
@@ -261,7 +262,10 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
              /*stream=*/nullptr, extra);
   }));
   OPJIT_RETURN_IF_ERROR(extra_.TakeStatus(what_));
-  if (rc != 0) return absl::AbortedError(absl::StrCat(what_, " returned ", rc));
+  if (rc != 0) {
+    return WithReason(absl::AbortedError(absl::StrCat(what_, " returned ", rc)),
+                      reason::kKernelFailed, {{"return_code", absl::StrCat(rc)}});
+  }
   return absl::OkStatus();
 }
 

@@ -285,7 +285,7 @@ void Worker::HandleCall() {
   const auto t0 = Clock::now();
   absl::Status st = e->inst->Run(in, out);
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  Answer(static_cast<int32_t>(st.code()), 0, std::string(st.message()), ms);
+  Answer(static_cast<int32_t>(st.code()), 0, wire::MessageWithReason(st), ms);
 }
 
 int Worker::Loop() {
@@ -363,6 +363,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
 }
 
 int Main(int argc, char** argv) {
+  // opjitd's health probe: the program loads and starts.
+  if (argc == 2 && std::string(argv[1]) == "--probe") return 0;
   Flags flags;
   if (!ParseFlags(argc, argv, &flags)) {
     std::fprintf(stderr, "opjit-exec-worker: bad arguments; it is started by opjitd\n");

@@ -24,6 +24,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
 #include "server/common/spawn_thread.h"
@@ -131,8 +132,7 @@ struct Reply {
 
 absl::Status StatusOf(const Reply& r) {
   if (r.code == 0) return absl::OkStatus();
-  if (r.code < 0 || r.code > 16) return absl::InternalError("the executor process sent a bad reply");
-  return absl::Status(static_cast<absl::StatusCode>(r.code), r.message);
+  return wire::StatusFromReply(r.code, r.message);
 }
 
 }  // namespace
@@ -173,9 +173,10 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
     std::lock_guard<std::mutex> lock(mu);
     auto it = crash_streak.find(key);
     if (it == crash_streak.end() || it->second < options.quarantine_after) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the kernel is quarantined: it crashed its executor process ", it->second,
-        " times in a row; fix it and register the op again"));
+    return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                          "the kernel is quarantined: it crashed its executor process ", it->second,
+                          " times in a row; fix it and register the op again")),
+                      reason::kKernelQuarantined);
   }
   void NoteCrash(const std::string& key) {
     std::lock_guard<std::mutex> lock(mu);
@@ -482,12 +483,13 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
                          call_deadline <= Clock::now() + std::chrono::milliseconds(1);
     log->warn("{} (namespace {}): kernel stopped at {}; executor process {} killed", spec_.label,
               spec_.ns, by_call ? "the call's deadline" : "the kernel time limit", pid);
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the kernel ran past ",
-        by_call ? std::string("the call's deadline")
-                : absl::StrCat("the server's kernel time limit (",
-                               runner_->options.kernel_timeout_ms, " ms)"),
-        "; its executor process was stopped"));
+    return WithReason(absl::DeadlineExceededError(absl::StrCat(
+                          "the kernel ran past ",
+                          by_call ? std::string("the call's deadline")
+                                  : absl::StrCat("the server's kernel time limit (",
+                                                 runner_->options.kernel_timeout_ms, " ms)"),
+                          "; its executor process was stopped")),
+                      reason::kKernelTimeout);
   }
   // A closed channel: the process is dying; one that broke the protocol is
   // killed.
@@ -505,19 +507,22 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
     // or the OOM killer on a machine short of memory).
     const uint64_t limit = runner_->options.memory_bytes;
     if (limit != 0 && w.peak_rss_bytes >= limit / 2) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the kernel's executor process was killed (SIGKILL) after using ", w.peak_rss_bytes >> 20,
-          " MiB, near its ", limit >> 20, " MiB limit"));
+      return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                            "the kernel's executor process was killed (SIGKILL) after using ",
+                            w.peak_rss_bytes >> 20, " MiB, near its ", limit >> 20, " MiB limit")),
+                        reason::kKernelCrashed, {{"cause", "memory"}});
     }
-    return absl::AbortedError(absl::StrCat(
+    return WithReason(absl::AbortedError(absl::StrCat(
         "the kernel's executor process was killed (SIGKILL) from outside opjitd at ",
         w.peak_rss_bytes >> 20,
         " MiB, far below its memory limit (an operator, or the kernel's OOM killer on a machine "
-        "short of memory); only this call failed"));
+        "short of memory); only this call failed")),
+                      reason::kKernelCrashed, {{"cause", "killed"}});
   }
-  return absl::AbortedError(absl::StrCat("the kernel's executor process ", how,
-                                         "; only this call failed, and the next one runs in a "
-                                         "fresh process (Init runs again)"));
+  return WithReason(absl::AbortedError(absl::StrCat("the kernel's executor process ", how,
+                                                    "; only this call failed, and the next one "
+                                                    "runs in a fresh process (Init runs again)")),
+                    reason::kKernelCrashed, {{"cause", "crash"}});
 }
 
 template <typename Op>

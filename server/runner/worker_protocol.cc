@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/registry/attr_value.h"
@@ -299,6 +301,29 @@ absl::Status RecvFrame(int sock, Msg* type, std::string* payload, absl::Time dea
   s = ReadFull(sock, payload->data(), len - 1, deadline, fd);
   if (!s.ok() && fd != nullptr && *fd >= 0) ::close(*fd), *fd = -1;
   return s;
+}
+
+std::string MessageWithReason(const absl::Status& status) {
+  std::optional<ErrorReason> r = GetReason(status);
+  if (!r || r->reason != reason::kKernelFailed) return std::string(status.message());
+  auto rc = r->metadata.find("return_code");
+  return absl::StrCat("\x1f", r->reason, "\x1f", rc == r->metadata.end() ? "" : rc->second,
+                      "\x1f", status.message());
+}
+
+absl::Status StatusFromReply(int32_t code, const std::string& message) {
+  if (code == 0) return absl::OkStatus();
+  if (code < 0 || code > 16) return absl::InternalError("the executor process sent a bad reply");
+  const auto c = static_cast<absl::StatusCode>(code);
+  const std::string prefix = absl::StrCat("\x1f", reason::kKernelFailed, "\x1f");
+  if (message.rfind(prefix, 0) == 0) {
+    const size_t end = message.find('\x1f', prefix.size());
+    if (end != std::string::npos && end - prefix.size() <= 12) {
+      return WithReason(absl::Status(c, message.substr(end + 1)), reason::kKernelFailed,
+                        {{"return_code", message.substr(prefix.size(), end - prefix.size())}});
+    }
+  }
+  return absl::Status(c, message);
 }
 
 }  // namespace opjit::runner::wire

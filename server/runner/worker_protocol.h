@@ -177,4 +177,11 @@ absl::Status SendFrame(int sock, Msg type, std::string_view payload, int fd = -1
 absl::Status RecvFrame(int sock, Msg* type, std::string* payload, absl::Time deadline,
                        int* fd = nullptr);
 
+// A kernel's error message for the reply, carrying the status's reason (only
+// KERNEL_FAILED crosses the boundary) as a "\x1fREASON\x1f" prefix.
+std::string MessageWithReason(const absl::Status& status);
+// The daemon's side: the status of a worker reply. Reasons other than
+// KERNEL_FAILED are ignored (the worker may be hostile).
+absl::Status StatusFromReply(int32_t code, const std::string& message);
+
 }  // namespace opjit::runner::wire

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
@@ -193,17 +194,25 @@ absl::StatusOr<int64_t> RegionManager::Reserve(const std::string& ns, const std:
         absl::StrCat("region '", name, "' is already registered in namespace '", ns, "'")));
   }
   if (space.regions.size() + space.pending.size() >= options_.max_regions_per_namespace) {
-    return refuse(absl::ResourceExhaustedError(
-        absl::StrCat("namespace '", ns, "' already has ", options_.max_regions_per_namespace,
-                     " regions, the most allowed; unregister some first")));
+    return refuse(QuotaExceeded("shm_regions", absl::StrCat(options_.max_regions_per_namespace), ns,
+                                "the namespace already has that many regions; unregister some first"));
   }
   uint64_t after;
   if (__builtin_add_overflow(space.bytes, bytes, &after) ||
       after > options_.namespace_quota_bytes) {
-    return refuse(absl::ResourceExhaustedError(absl::StrCat(
-        "namespace '", ns, "' would use ",
-        after < space.bytes ? std::string("more than 2^64") : absl::StrCat(after),
-        " bytes of shared memory, over its quota of ", options_.namespace_quota_bytes)));
+    return refuse(QuotaExceeded(
+        "shm_bytes", absl::StrCat(options_.namespace_quota_bytes), ns,
+        absl::StrCat("the namespace would use ",
+                     after < space.bytes ? std::string("more than 2^64") : absl::StrCat(after),
+                     " bytes of shared memory; unregister regions or release clients first")));
+  }
+  if (options_.total_quota_bytes > 0) {
+    uint64_t total = 0;
+    for (const auto& [other, sp] : namespaces_) total += sp.bytes;
+    if (total + bytes > options_.total_quota_bytes || total + bytes < total) {
+      return refuse(QuotaExceeded("total_shm_bytes", absl::StrCat(options_.total_quota_bytes), "",
+                                  "the server's shared memory is full; try again later"));
+    }
   }
   space.bytes = after;
   space.pending.insert(name);
@@ -288,16 +297,36 @@ absl::StatusOr<RegionInfo> RegionManager::RegisterRegion(
   return out;
 }
 
+namespace {
+
+// Whether a region leased to `owner` ("<principal>/<client id>" or a bare
+// client id) belongs to `principal`; "" matches every owner.
+bool OwnedBy(const std::string& owner, const std::string& principal) {
+  if (principal.empty()) return true;
+  return owner.size() > principal.size() && owner.compare(0, principal.size(), principal) == 0 &&
+         owner[principal.size()] == '/';
+}
+
+absl::Status RegionNotFound(const std::string& ns, const std::string& name) {
+  return WithReason(absl::NotFoundError(absl::StrCat("region '", Clip(name),
+                                                     "' is not registered in namespace '",
+                                                     Clip(ns), "'")),
+                    reason::kRegionNotRegistered, {{"region", Clip(name)}});
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<const Region>> RegionManager::Acquire(
-    const std::string& ns, const std::string& name) const {
+    const std::string& ns, const std::string& name, const std::string& principal) const {
   absl::ReaderMutexLock lock(&mu_);
   auto space = namespaces_.find(ns);
   if (space != namespaces_.end()) {
     auto it = space->second.regions.find(name);
-    if (it != space->second.regions.end()) return it->second.region;
+    if (it != space->second.regions.end() && OwnedBy(it->second.region->info().owner, principal)) {
+      return it->second.region;
+    }
   }
-  return absl::NotFoundError(
-      absl::StrCat("region '", Clip(name), "' is not registered in namespace '", Clip(ns), "'"));
+  return RegionNotFound(ns, name);
 }
 
 std::shared_ptr<const Region> RegionManager::EraseLocked(
@@ -316,14 +345,16 @@ std::shared_ptr<const Region> RegionManager::EraseLocked(
   return region;
 }
 
-absl::Status RegionManager::Unregister(const std::string& ns, const std::string& name) {
+absl::Status RegionManager::Unregister(const std::string& ns, const std::string& name,
+                                       const std::string& principal) {
   std::shared_ptr<const Region> doomed;
   {
     absl::MutexLock lock(&mu_);
     auto space = namespaces_.find(ns);
     if (space != namespaces_.end()) {
       auto it = space->second.regions.find(name);
-      if (it != space->second.regions.end()) {
+      if (it != space->second.regions.end() &&
+          OwnedBy(it->second.region->info().owner, principal)) {
         doomed = EraseLocked(space->second, it);
         if (space->second.regions.empty() && space->second.pending.empty()) {
           namespaces_.erase(space);
@@ -331,10 +362,7 @@ absl::Status RegionManager::Unregister(const std::string& ns, const std::string&
       }
     }
   }
-  if (doomed == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("region '", Clip(name), "' is not registered in namespace '", Clip(ns), "'"));
-  }
+  if (doomed == nullptr) return RegionNotFound(ns, name);
   Logger("tensor")->debug("unregistered region '{}' in namespace '{}'", name, ns);
   return absl::OkStatus();  // `doomed` drops here, outside the lock.
 }
@@ -419,13 +447,23 @@ RegionInfo RegionManager::InfoOf(const Entry& entry) {
   return info;
 }
 
-std::vector<RegionInfo> RegionManager::List(const std::string& ns) const {
+std::vector<RegionInfo> RegionManager::List(const std::string& ns,
+                                            const std::string& principal) const {
   std::vector<RegionInfo> out;
   absl::ReaderMutexLock lock(&mu_);
   auto space = namespaces_.find(ns);
   if (space == namespaces_.end()) return out;
   out.reserve(space->second.regions.size());
-  for (const auto& [name, entry] : space->second.regions) out.push_back(InfoOf(entry));
+  for (const auto& [name, entry] : space->second.regions) {
+    if (OwnedBy(entry.region->info().owner, principal)) out.push_back(InfoOf(entry));
+  }
+  return out;
+}
+
+std::map<std::string, uint64_t> RegionManager::BytesByNamespace() const {
+  std::map<std::string, uint64_t> out;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [ns, space] : namespaces_) out[ns] = space.bytes;
   return out;
 }
 

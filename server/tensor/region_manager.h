@@ -33,6 +33,11 @@ struct RegionManagerOptions {
   // Default: 4 GiB.
   uint64_t namespace_quota_bytes = 4ull << 30;
 
+  // Upper bound on the bytes of all namespaces together, so that the sum of
+  // the quotas cannot fill /dev/shm. 0: none.
+  // Default: 0 (opjitd sets half of /dev/shm).
+  uint64_t total_quota_bytes = 0;
+
   // Upper bound on the number of regions in one namespace. Each region is one
   // mapping of the daemon's, and the kernel allows a process only about 65530
   // (vm.max_map_count); tiny regions would exhaust that long before the quota.
@@ -126,8 +131,14 @@ class RegionManager {
 
   // Returns the region `name` of `ns` for one call to use; hold it for the
   // whole call. NOT_FOUND "region 'x' is not registered in namespace 'y'".
+  //
+  // `principal`: when not empty, only regions whose owner is
+  // "<principal>/<client id>" are found; another principal's region is
+  // NOT_FOUND exactly like a missing one. Every NOT_FOUND carries the reason
+  // REGION_NOT_REGISTERED.
   absl::StatusOr<std::shared_ptr<const Region>> Acquire(const std::string& ns,
-                                                        const std::string& name) const;
+                                                        const std::string& name,
+                                                        const std::string& principal = "") const;
 
   // Removes `name` from `ns` at once: later Acquires fail with NOT_FOUND, the
   // name may be reused, the bytes leave the quota, and a daemon-created key is
@@ -135,7 +146,9 @@ class RegionManager {
   // last in-flight shared_ptr drops, so unregistering a region that a running
   // call uses never unmaps memory under its kernel; the memory goes when the
   // call finishes. NOT_FOUND if there is no such region.
-  absl::Status Unregister(const std::string& ns, const std::string& name);
+  // `principal` restricts it as for Acquire.
+  absl::Status Unregister(const std::string& ns, const std::string& name,
+                          const std::string& principal = "");
 
   // Unregisters every region of `owner` in `ns` (as Unregister does); returns
   // how many. Zero is not an error.
@@ -153,7 +166,11 @@ class RegionManager {
   int ExpireLeases(int64_t now_unix_ms);
 
   // The regions of `ns`, sorted by name, with current leases.
-  std::vector<RegionInfo> List(const std::string& ns) const;
+  // `principal` restricts it as for Acquire.
+  std::vector<RegionInfo> List(const std::string& ns, const std::string& principal = "") const;
+
+  // Bytes held (and being mapped) per namespace, for metrics.
+  std::map<std::string, uint64_t> BytesByNamespace() const;
 
   Stats GetStats() const;
 

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "server/common/error_info.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/common/status_macros.h"
@@ -136,10 +137,12 @@ absl::StatusOr<TensorView> Resolve(std::shared_ptr<const Region> region, const T
                                                    size, " bytes)"));
   }
   if (*nbytes > size - ref.offset) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", ref.dtype, " ", ShapeString(ref.shape), " needs ", *nbytes,
-                     " bytes at offset ", ref.offset, ", but region '", name, "' has only ",
-                     size - ref.offset, " bytes from there (", size, " in all)"));
+    return WithReason(
+        absl::InvalidArgumentError(absl::StrCat(
+            what, ": ", ref.dtype, " ", ShapeString(ref.shape), " needs ", *nbytes,
+            " bytes at offset ", ref.offset, ", but region '", name, "' has only ",
+            size - ref.offset, " bytes from there (", size, " in all)")),
+        reason::kRegionTooSmall, {{"tensor", std::string(what)}, {"needed", absl::StrCat(*nbytes)}});
   }
   if (ref.offset % *elem != 0) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", ref.offset,

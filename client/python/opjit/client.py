@@ -63,6 +63,42 @@ def is_local_address(addr):
         return False
 
 
+class _AuthInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds "authorization: Bearer <token>" to every call (also over plaintext
+    unix sockets, where gRPC's call credentials are not allowed)."""
+
+    def __init__(self, token):
+        self._md = ("authorization", "Bearer " + token)
+
+    def _details(self, d):
+        md = list(d.metadata or ()) + [self._md]
+        return _CallDetails(d.method, d.timeout, md, d.credentials,
+                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
+def _read(path):
+    if not path:
+        return None
+    with open(os.path.expanduser(path), "rb") as f:
+        return f.read()
+
+
 def _call(fn, request, timeout=None):
     try:
         return fn(request, timeout=timeout)
@@ -149,13 +185,22 @@ class Client:
         block allocated while alive).
       region_bytes: size of each shared-memory region (grown when a call needs more).
       lease_ms: lease asked for the regions; a daemon thread renews it.
+      token: bearer token sent as "authorization: Bearer <token>" on every
+        call. Default: $OPJIT_TOKEN (none when unset). A unix-socket caller
+        needs none where the operator mapped its uid to a principal.
+      tls_ca: PEM file of the CA that signed the server's certificate: TCP
+        goes over TLS. Default: $OPJIT_TLS_CA. tls_cert / tls_key: a client
+        certificate, for servers that ask for one.
+      tls_server_name: the name to check the server's certificate against
+        (default: the host of `addr`).
 
     Thread-safe; one Client per process is enough. Use as a context manager or
     call close(); at interpreter exit open clients are closed.
     """
 
     def __init__(self, addr=None, namespace="", transport="auto", timeout=None,
-                 copy_outputs=False, region_bytes=16 << 20, lease_ms=60000):
+                 copy_outputs=False, region_bytes=16 << 20, lease_ms=60000, token=None,
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None):
         if transport not in ("auto", "shm", "inline"):
             raise InvalidArgument('transport must be "auto", "shm" or "inline"')
         self.address = normalize_address(addr) if addr else default_address()
@@ -165,10 +210,25 @@ class Client:
         self.client_id = "py-%s-%d-%s" % (
             "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:32], os.getpid(),
             uuid.uuid4().hex[:12])
-        self._channel = grpc.insecure_channel(self.address, options=[
+        options = [
             ("grpc.max_send_message_length", _MAX_MESSAGE),
             ("grpc.max_receive_message_length", _MAX_MESSAGE),
-        ])
+        ]
+        tls_ca = tls_ca if tls_ca is not None else os.environ.get("OPJIT_TLS_CA")
+        token = token if token is not None else os.environ.get("OPJIT_TOKEN")
+        if tls_ca and not self.address.startswith(("unix:", "unix-abstract:")):
+            creds = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca),
+                                                 private_key=_read(tls_key),
+                                                 certificate_chain=_read(tls_cert))
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            channel = grpc.secure_channel(self.address, creds, options=options)
+        else:
+            channel = grpc.insecure_channel(self.address, options=options)
+        self._raw_channel = channel
+        if token:
+            channel = grpc.intercept_channel(channel, _AuthInterceptor(token))
+        self._channel = channel
         self._server = server_pb2_grpc.ServerStub(self._channel)
         self._registry = registry_pb2_grpc.RegistryStub(self._channel)
         self._compiler = compile_pb2_grpc.CompilerStub(self._channel)
@@ -227,7 +287,7 @@ class Client:
     def wait_ready(self, timeout=10.0):
         """Blocks until the server answers (Unavailable after `timeout` seconds)."""
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            grpc.channel_ready_future(self._raw_channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise error_from_rpc_timeout(self.address, timeout) from None
         return self
@@ -252,12 +312,16 @@ class Client:
         return _call(self._registry.RegisterOp, registry_pb2.RegisterOpRequest(op=op), self.timeout)
 
     def compile(self, source, entry=None, language="c++", options=(), libraries=(),
-                target="CPU", file_name=None):
+                target="CPU", file_name=None, namespace=None):
         """Compiles without registering; returns opjit.v1.CompileResponse.
 
-        A compile error raises InvalidArgument carrying clang's diagnostics.
+        A compile error raises InvalidArgument with reason COMPILE_FAILED and
+        .diagnostics (file, line, column, severity, text). The compile is
+        charged to `namespace` (default: the client's).
         """
+        ns = self.namespace if namespace is None else namespace
         req = compile_pb2.CompileRequest(target=target, language=language, source=source,
+                                         namespace=ns,
                                          entry=entry or "", file_name=file_name or "",
                                          compile_options=list(options), libraries=list(libraries))
         return _call(self._compiler.Compile, req, self.timeout)

@@ -1,8 +1,12 @@
 """Exceptions: one class per gRPC status code family.
 
 Every error the client raises for a failed call is an :class:`OpjitError`
-carrying ``.code`` (a :class:`grpc.StatusCode`) and ``.message`` (the
-server's text, unchanged). Errors found on the client before any RPC (a bad
+carrying ``.code`` (a :class:`grpc.StatusCode`), ``.message`` (the
+server's text, unchanged) and ``.reason``: the machine-readable reason from
+the status details (``google.rpc.ErrorInfo``), e.g. ``"QUOTA_EXCEEDED"`` or
+``"REGION_NOT_REGISTERED"``, with ``.metadata`` (a dict). Decide on
+``.reason``, never on the message text. Compile failures also carry
+``.diagnostics``: (file, line, column, severity, text) tuples. Errors found on the client before any RPC (a bad
 spec, an unsupported dtype) use the same classes and codes, so one ``except``
 clause covers both.
 """
@@ -13,8 +17,25 @@ __all__ = [
     "OpjitError", "InvalidArgument", "NotFound", "AlreadyExists", "PermissionDenied",
     "FailedPrecondition", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
     "Unimplemented", "Internal", "Cancelled", "Aborted", "OutOfRange", "DataLoss",
-    "Unauthenticated", "Unknown", "error_from_rpc",
+    "Unauthenticated", "Unknown", "error_from_rpc", "Diagnostic",
 ]
+
+_ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
+_DIAGNOSTICS_TYPE = "type.googleapis.com/opjit.v1.CompileDiagnostics"
+
+
+class Diagnostic(tuple):
+    """One compiler diagnostic: (file, line, column, severity, text)."""
+    __slots__ = ()
+
+    def __new__(cls, file, line, column, severity, text):
+        return tuple.__new__(cls, (file, line, column, severity, text))
+
+    file = property(lambda self: self[0])
+    line = property(lambda self: self[1])
+    column = property(lambda self: self[2])
+    severity = property(lambda self: self[3])
+    text = property(lambda self: self[4])
 
 
 class OpjitError(Exception):
@@ -24,14 +45,21 @@ class OpjitError(Exception):
       code: the grpc.StatusCode.
       message: the server's (or client's) text.
       details: the raw grpc.RpcError when the error came from a call, else None.
+      reason: the server's machine-readable reason ("" when none was sent).
+      metadata: dict of the reason's metadata (e.g. quota, limit, namespace).
+      diagnostics: list of Diagnostic for COMPILE_FAILED, else [].
     """
 
     default_code = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message, code=None, details=None):
+    def __init__(self, message, code=None, details=None, reason="", metadata=None,
+                 diagnostics=None):
         self.code = code if code is not None else self.default_code
         self.message = message
         self.details = details
+        self.reason = reason
+        self.metadata = dict(metadata or {})
+        self.diagnostics = list(diagnostics or [])
         super().__init__(message)
 
     def __str__(self):
@@ -115,6 +143,38 @@ _BY_CODE = {cls.default_code: cls for cls in (
     Unimplemented, Internal, DataLoss, Unknown)}
 
 
+def _rich_details(err):
+    """(reason, metadata, diagnostics) from the status details trailer."""
+    try:
+        trailers = err.trailing_metadata() or ()
+    except Exception:
+        return "", {}, []
+    blob = None
+    for key, value in trailers:
+        if key == "grpc-status-details-bin":
+            blob = value
+    if not blob:
+        return "", {}, []
+    try:
+        from opjit.v1 import error_pb2
+        status = error_pb2.Status()
+        status.ParseFromString(blob)
+    except Exception:  # not ours, or an older server
+        return "", {}, []
+    reason, metadata, diagnostics = "", {}, []
+    for any_msg in status.details:
+        if any_msg.type_url == _ERROR_INFO_TYPE:
+            info = error_pb2.ErrorInfo()
+            info.ParseFromString(any_msg.value)
+            reason, metadata = info.reason, dict(info.metadata)
+        elif any_msg.type_url == _DIAGNOSTICS_TYPE:
+            diags = error_pb2.CompileDiagnostics()
+            diags.ParseFromString(any_msg.value)
+            diagnostics = [Diagnostic(d.file, d.line, d.column, d.severity, d.text)
+                           for d in diags.diagnostics]
+    return reason, metadata, diagnostics
+
+
 def error_from_rpc(err):
     """Converts a grpc.RpcError into the matching OpjitError subclass."""
     try:
@@ -122,5 +182,7 @@ def error_from_rpc(err):
         message = err.details() or ""
     except Exception:  # not a call error (should not happen)
         code, message = grpc.StatusCode.UNKNOWN, str(err)
+    reason, metadata, diagnostics = _rich_details(err)
     cls = _BY_CODE.get(code, OpjitError)
-    return cls(message, code=code, details=err)
+    return cls(message, code=code, details=err, reason=reason, metadata=metadata,
+               diagnostics=diagnostics)

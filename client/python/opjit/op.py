@@ -110,11 +110,11 @@ def run_call(client, namespace, fn, inline=False):
             err = error_from_rpc(e)
             if staging.pool is None or attempt == 3:
                 raise err from None
-            msg = err.message
-            if err.code == grpc.StatusCode.NOT_FOUND and "region" in msg and "not registered" in msg:
+            # Decided on the server's reason, never on its wording.
+            if err.reason == "REGION_NOT_REGISTERED":
                 staging.pool.forget_regions()
-            elif err.code == grpc.StatusCode.INVALID_ARGUMENT and "outputs[" in msg and \
-                    "has only" in msg and not inline_outputs:
+            elif err.reason == "REGION_TOO_SMALL" and \
+                    err.metadata.get("tensor", "").startswith("outputs[") and not inline_outputs:
                 inline_outputs = True
             else:
                 raise err from None

@@ -26,6 +26,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
@@ -675,7 +676,9 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
       return out;
     }
     case ipc::ResponseKind::kCompileError:
-      return absl::InvalidArgumentError(absl::StrCat("compile failed:\n", resp->diagnostics));
+      return WithReason(
+          absl::InvalidArgumentError(absl::StrCat("compile failed:\n", resp->diagnostics)),
+          reason::kCompileFailed);
     case ipc::ResponseKind::kBadRequest:
       return absl::InvalidArgumentError(resp->diagnostics);
     case ipc::ResponseKind::kFatalError: {

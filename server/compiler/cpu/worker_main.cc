@@ -95,6 +95,8 @@ void OnFatal(const char* message, bool out_of_memory) {
 }
 
 int Main(int argc, char** argv) {
+  // opjitd's health probe: the program loads and starts.
+  if (argc == 2 && std::string(argv[1]) == "--probe") return 0;
   long parent_pid = 0;
   unsigned long long memory_limit = 0;
   std::string clang_path = OPJIT_CLANG_PATH;

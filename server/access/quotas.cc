@@ -1,0 +1,80 @@
+#include "server/access/quotas.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "server/common/error_info.h"
+
+namespace opjit::access {
+
+QuotaManager::CompileTicket::~CompileTicket() { owner_->EndCompile(ns_, start_); }
+
+double QuotaManager::UsedLocked(Space& space, Clock::time_point now) {
+  while (!space.recent.empty() && now - space.recent.front().first > std::chrono::seconds(60)) {
+    space.recent.pop_front();
+  }
+  double used = 0;
+  for (const auto& [t, s] : space.recent) used += s;
+  return used;
+}
+
+absl::StatusOr<std::unique_ptr<QuotaManager::CompileTicket>> QuotaManager::BeginCompile(
+    const std::string& ns) {
+  const Clock::time_point now = Clock::now();
+  absl::MutexLock lock(&mu_);
+  Space& space = spaces_[ns];
+  if (options_.concurrent_compiles > 0 && space.compiling >= options_.concurrent_compiles) {
+    return QuotaExceeded("concurrent_compiles", absl::StrCat(options_.concurrent_compiles), ns,
+                         "that many compiles of this namespace are running; retry when one ends");
+  }
+  if (options_.compile_seconds_per_minute > 0) {
+    const double used = UsedLocked(space, now);
+    if (used >= options_.compile_seconds_per_minute) {
+      return QuotaExceeded(
+          "compile_seconds_per_minute", absl::StrFormat("%g", options_.compile_seconds_per_minute),
+          ns,
+          absl::StrFormat("the namespace compiled for %.1f s in the last minute; retry later",
+                          used));
+    }
+  }
+  ++space.compiling;
+  return std::make_unique<CompileTicket>(this, ns, now);
+}
+
+void QuotaManager::EndCompile(const std::string& ns, Clock::time_point start) {
+  const Clock::time_point now = Clock::now();
+  absl::MutexLock lock(&mu_);
+  Space& space = spaces_[ns];
+  space.compiling = std::max(0, space.compiling - 1);
+  space.recent.emplace_back(now, std::chrono::duration<double>(now - start).count());
+  UsedLocked(space, now);
+}
+
+void QuotaManager::ChargeCompileForTest(const std::string& ns, double seconds) {
+  absl::MutexLock lock(&mu_);
+  spaces_[ns].recent.emplace_back(Clock::now(), seconds);
+}
+
+absl::Status QuotaManager::AdmitCall(const std::string& ns) {
+  if (options_.calls_per_second <= 0) return absl::OkStatus();
+  const Clock::time_point now = Clock::now();
+  absl::MutexLock lock(&mu_);
+  Space& space = spaces_[ns];
+  const double burst = std::max(1.0, options_.calls_per_second);
+  if (space.tokens < 0) {
+    space.tokens = burst;
+  } else {
+    const double dt = std::chrono::duration<double>(now - space.refilled).count();
+    space.tokens = std::min(burst, space.tokens + dt * options_.calls_per_second);
+  }
+  space.refilled = now;
+  if (space.tokens < 1) {
+    return QuotaExceeded("calls_per_second", absl::StrFormat("%g", options_.calls_per_second), ns,
+                         "slow down, or ask the operator for a higher quota");
+  }
+  space.tokens -= 1;
+  return absl::OkStatus();
+}
+
+}  // namespace opjit::access

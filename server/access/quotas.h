@@ -1,0 +1,89 @@
+// Per-namespace rate and concurrency quotas that no single subsystem owns:
+// concurrent compiles, compile seconds per minute, calls per second.
+// (Shared memory, context bytes, executor processes and ops/versions are
+// bounded where they live: RegionManager, Autograd, ProcessRunner, Registry.)
+//
+// Exceeding one is RESOURCE_EXHAUSTED with reason QUOTA_EXCEEDED naming the
+// quota and its value. Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace opjit::access {
+
+struct QuotaOptions {
+  // Compiles (bare or at registration) running at once per namespace.
+  // 0: no bound. Default: 2.
+  int concurrent_compiles = 2;
+  // Wall-clock seconds of compiling per namespace in any 60 s window (a
+  // compile worker is single-threaded, so this is its CPU time). A compile
+  // that starts under the budget finishes; the next one is refused until the
+  // window has room. 0: no bound. Default: 120.
+  double compile_seconds_per_minute = 120;
+  // Forward, Backward and GradCheck calls per second per namespace (a token
+  // bucket holding one second's worth). 0: no bound. Default: 20000.
+  double calls_per_second = 20000;
+};
+
+class QuotaManager {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit QuotaManager(QuotaOptions options) : options_(options) {}
+
+  // Holds one compile slot of a namespace; its destructor gives the slot back
+  // and charges the elapsed time to the namespace's compile budget.
+  class CompileTicket {
+   public:
+    CompileTicket(QuotaManager* owner, std::string ns, Clock::time_point start)
+        : owner_(owner), ns_(std::move(ns)), start_(start) {}
+    ~CompileTicket();
+    CompileTicket(const CompileTicket&) = delete;
+    CompileTicket& operator=(const CompileTicket&) = delete;
+
+   private:
+    QuotaManager* owner_;
+    std::string ns_;
+    Clock::time_point start_;
+  };
+
+  // A compile slot, or QUOTA_EXCEEDED "concurrent_compiles" /
+  // "compile_seconds_per_minute".
+  absl::StatusOr<std::unique_ptr<CompileTicket>> BeginCompile(const std::string& ns);
+
+  // OK, or QUOTA_EXCEEDED "calls_per_second".
+  absl::Status AdmitCall(const std::string& ns);
+
+  // For tests: pretend `seconds` of compiling happened now in `ns`.
+  void ChargeCompileForTest(const std::string& ns, double seconds);
+
+  const QuotaOptions& options() const { return options_; }
+
+ private:
+  struct Space {
+    int compiling = 0;
+    // (end time, seconds) of compiles in the last minute.
+    std::deque<std::pair<Clock::time_point, double>> recent;
+    double tokens = -1;  // < 0: full bucket
+    Clock::time_point refilled;
+  };
+
+  void EndCompile(const std::string& ns, Clock::time_point start);
+  double UsedLocked(Space& space, Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const QuotaOptions options_;
+  absl::Mutex mu_;
+  std::map<std::string, Space> spaces_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace opjit::access

@@ -1,0 +1,61 @@
+// Probes what the daemon needs to serve (compile and executor workers can be
+// started, the store can be written) every `interval`, and reports the
+// result through `on_change` whenever it flips: the daemon maps it to
+// grpc.health.v1 SERVING / NOT_SERVING. It recovers by itself: a probe that
+// passes again turns the daemon back to SERVING.
+//
+// Thread-safe; the probes run on the monitor's own thread, one at a time.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace opjit {
+
+class HealthMonitor {
+ public:
+  struct Probe {
+    std::string name;
+    std::function<absl::Status()> check;
+  };
+
+  // Starts probing at once. `on_change(serving, why)` is called from the
+  // monitor's thread after the first round and on every flip.
+  HealthMonitor(std::vector<Probe> probes, std::chrono::milliseconds interval,
+                std::function<void(bool serving, const std::string& why)> on_change);
+  ~HealthMonitor();  // stops the thread
+  HealthMonitor(const HealthMonitor&) = delete;
+  HealthMonitor& operator=(const HealthMonitor&) = delete;
+
+  bool serving() const;
+  // Names and errors of the probes that failed last round ("" when none).
+  std::string why() const;
+
+ private:
+  void Loop();
+
+  const std::vector<Probe> probes_;
+  const std::chrono::milliseconds interval_;
+  const std::function<void(bool, const std::string&)> on_change_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  bool serving_ = true;
+  bool reported_ = false;
+  std::string why_;
+  std::thread thread_;
+};
+
+// A probe that the program `path` can be started: runs `path --probe` and
+// expects exit status 0 within 10 s.
+absl::Status ProbeExecutable(const std::string& path);
+
+}  // namespace opjit

@@ -1,0 +1,115 @@
+#include "server/rpc/metrics_interceptor.h"
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/message.h>
+
+#include <chrono>
+#include <string>
+
+#include "server/metrics/metrics.h"
+
+namespace opjit::rpc {
+namespace {
+
+using grpc::experimental::InterceptionHookPoints;
+
+constexpr char kCalls[] = "opjit_rpc_calls_total";
+constexpr char kLatency[] = "opjit_rpc_latency_seconds";
+
+const char* CodeName(grpc::StatusCode code) {
+  static const char* const kNames[] = {
+      "OK",           "CANCELLED",          "UNKNOWN",        "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND",     "ALREADY_EXISTS", "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL",          "UNAVAILABLE",    "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  const int c = static_cast<int>(code);
+  return c >= 0 && c <= 16 ? kNames[c] : "UNKNOWN";
+}
+
+std::string StringField(const google::protobuf::Message& m, const char* name) {
+  const google::protobuf::FieldDescriptor* f = m.GetDescriptor()->FindFieldByName(name);
+  if (f == nullptr || f->is_repeated() ||
+      f->type() != google::protobuf::FieldDescriptor::TYPE_STRING) {
+    return "";
+  }
+  return m.GetReflection()->GetString(m, f);
+}
+
+// "/opjit.v1.Executor/Forward" -> "Forward".
+std::string ShortMethod(const char* method) {
+  std::string m = method != nullptr ? method : "?";
+  const size_t slash = m.rfind('/');
+  return slash == std::string::npos ? m : m.substr(slash + 1);
+}
+
+class MetricsInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  MetricsInterceptor(grpc::experimental::ServerRpcInfo* info, metrics::Registry* metrics)
+      : metrics_(metrics), method_(ShortMethod(info->method())),
+        // Only opjit's own services decode into protobuf messages; others
+        // (health, reflection) may hand interceptors raw byte buffers.
+        ours_(info->method() != nullptr &&
+              std::string(info->method()).rfind("/opjit.v1.", 0) == 0),
+        start_(std::chrono::steady_clock::now()) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
+        ours_ && m->GetRecvMessage() != nullptr && ns_.empty()) {
+      const auto* msg = static_cast<const google::protobuf::Message*>(m->GetRecvMessage());
+      ns_ = StringField(*msg, "namespace");
+      op_ = StringField(*msg, "op");
+      if (op_.empty()) op_ = StringField(*msg, "name");
+      if (const auto* f = msg->GetDescriptor()->FindFieldByName("op");
+          f != nullptr && f->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE &&
+          !f->is_repeated()) {
+        const google::protobuf::Message& def = msg->GetReflection()->GetMessage(*msg, f);
+        ns_ = StringField(def, "namespace");
+        op_ = StringField(def, "name");
+      }
+      if (ns_.empty()) ns_ = "default";
+    }
+    if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status status = m->GetSendStatus();
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+      metrics_->Inc(kCalls, {method_, ns_.empty() ? "default" : ns_, op_, CodeName(status.error_code())});
+      metrics_->Observe(kLatency, {method_}, seconds);
+    }
+    m->Proceed();
+  }
+
+ private:
+  metrics::Registry* const metrics_;
+  const std::string method_;
+  const bool ours_;
+  const std::chrono::steady_clock::time_point start_;
+  std::string ns_, op_;
+};
+
+class Factory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit Factory(metrics::Registry* metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new MetricsInterceptor(info, metrics_);
+  }
+
+ private:
+  metrics::Registry* const metrics_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeMetricsInterceptorFactory(
+    metrics::Registry* metrics) {
+  metrics->DeclareCounter(kCalls, "RPCs answered, by method, namespace, op and status code.",
+                          {"method", "namespace", "op", "code"});
+  metrics->DeclareHistogram(kLatency, "RPC latency from the request's arrival to its status.",
+                            {"method"},
+                            {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                             0.25, 0.5, 1, 2.5, 5, 10, 30});
+  return std::make_unique<Factory>(metrics);
+}
+
+}  // namespace opjit::rpc

@@ -1,0 +1,255 @@
+"""grpc.health.v1 that tells the truth, and the Prometheus endpoint.
+
+Health: the daemon runs from a private copy of the binaries, so that a test
+can take a worker program away (workers cannot be started) and put it back;
+and a file-size limit set on the running daemon with prlimit makes every
+store write fail (EFBIG) until it is lifted. Each must flip grpc.health to
+NOT_SERVING and back to SERVING.
+
+Metrics: the endpoint is scraped by Debian's prometheus server started in a
+temp dir on loopback, and the text is parsed with prometheus_client's parser.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+import opjit
+
+from conftest import opjitd_binary
+
+SRC = r"""#include <cstdint>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  for (int64_t i = 0; i < k; ++i) y[i] = x[i] * 2.0f;
+  return 0;
+}
+"""
+SPEC = {"name": "twice", "inputs": [{"index": 0, "name": "x"}],
+        "outputs": [{"index": 0, "name": "y"}], "dtype_formats": [{"dtypes": ["float32", "float32"]}],
+        "implementations": [{"target": "CPU", "source": SRC, "entry": "K"}]}
+
+
+class Daemon:
+    def __init__(self, config, copy_binaries=False):
+        self.dir = tempfile.mkdtemp(prefix="opjit-hm-")
+        binary = opjitd_binary()
+        if copy_binaries:
+            bindir = os.path.join(self.dir, "bin")
+            os.mkdir(bindir)
+            for name in ("opjitd", "opjit-exec-worker", "opjit-compile-worker", "opjit-gpu-sandbox"):
+                src = os.path.join(os.path.dirname(binary), name)
+                if os.path.exists(src):
+                    shutil.copy2(src, bindir)
+            binary = os.path.join(bindir, "opjitd")
+        self.bindir = os.path.dirname(binary)
+        self.state = os.path.join(self.dir, "state")
+        cfg = os.path.join(self.dir, "c.toml")
+        with open(cfg, "w") as f:
+            f.write(config)
+        self.unix_address = "unix:" + os.path.join(self.dir, "s.sock")
+        self.log_path = os.path.join(self.dir, "log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([binary, "--state-dir", self.state, "--config", cfg,
+                                      "--listen", self.unix_address],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(self.state, "endpoints")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("opjitd did not start:\n" + self.read_log())
+            time.sleep(0.05)
+
+    def health(self):
+        """SERVING / NOT_SERVING from grpc.health.v1.Health/Check (service "")."""
+        with grpc.insecure_channel(self.unix_address) as ch:
+            check = ch.unary_unary("/grpc.health.v1.Health/Check",
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+            resp = check(b"", timeout=10)
+        # HealthCheckResponse { ServingStatus status = 1; }: 1 SERVING, 2 NOT_SERVING.
+        return {b"\x08\x01": "SERVING", b"\x08\x02": "NOT_SERVING"}.get(resp, repr(resp))
+
+    def wait_health(self, want, timeout=30):
+        deadline = time.monotonic() + timeout
+        got = None
+        while time.monotonic() < deadline:
+            got = self.health()
+            if got == want:
+                return
+            time.sleep(0.1)
+        raise AssertionError("health stayed %s, wanted %s:\n%s" % (got, want, self.read_log()[-3000:]))
+
+    def read_log(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def healthd():
+    d = Daemon("[health]\ninterval_ms = 200\n", copy_binaries=True)
+    yield d
+    d.close()
+
+
+def test_health_is_not_serving_while_workers_cannot_start(healthd):
+    healthd.wait_health("SERVING")
+    for worker in ("opjit-exec-worker", "opjit-compile-worker"):
+        path = os.path.join(healthd.bindir, worker)
+        os.rename(path, path + ".away")
+        try:
+            healthd.wait_health("NOT_SERVING")
+        finally:
+            os.rename(path + ".away", path)
+        healthd.wait_health("SERVING")
+    assert "NOT_SERVING" in healthd.read_log()
+
+
+def test_health_is_not_serving_while_the_store_cannot_be_written(healthd):
+    healthd.wait_health("SERVING")
+    pid = str(healthd.proc.pid)
+    subprocess.run(["prlimit", "--pid", pid, "--fsize=1:"], check=True)
+    try:
+        healthd.wait_health("NOT_SERVING")
+        with opjit.Client(healthd.unix_address, timeout=30) as c:
+            with pytest.raises(opjit.OpjitError):
+                c.register(SPEC)  # the write fails cleanly; the daemon lives
+    finally:
+        subprocess.run(["prlimit", "--pid", pid, "--fsize=unlimited:"], check=True)
+    healthd.wait_health("SERVING")
+    with opjit.Client(healthd.unix_address, timeout=60) as c:
+        c.register(SPEC)
+        np.testing.assert_allclose(c.op("twice")(np.ones(2, np.float32)), 2.0)
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def metricsd():
+    d = Daemon('[metrics]\nlisten = "127.0.0.1:0"\n')
+    deadline = time.monotonic() + 30
+    path = os.path.join(d.state, "metrics_endpoint")
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(path) as f:
+        d.metrics = f.read().strip()
+    # Traffic: a registration (a compile), calls, a failing call, a region and a context.
+    with opjit.Client(d.unix_address, namespace="mx", timeout=60) as c:
+        c.register(dict(SPEC, namespace="mx"))
+        f = c.op("twice")
+        for _ in range(5):
+            f(c.asarray(np.ones(4, np.float32)))
+        with pytest.raises(opjit.NotFound):
+            c.op("missing")(np.ones(2, np.float32))
+        x = c.asarray(np.ones(4, np.float32))
+        c._executor  # the client keeps its region alive while we scrape
+        d.keep = (c.empty((1024,), np.float32), x)
+        d.text = urllib.request.urlopen("http://%s/metrics" % d.metrics, timeout=10).read().decode()
+    yield d
+    d.close()
+
+
+def families(text):
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def samples(fam, name=None, **labels):
+    return [s for s in fam.samples if (name is None or s.name == name) and
+            all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def test_metrics_parse_and_count_calls_by_op_namespace_and_code(metricsd):
+    fams = families(metricsd.text)
+    calls = fams["opjit_rpc_calls"]  # the parser drops _total from counter family names
+    ok = samples(calls, method="Forward", namespace="mx", op="twice", code="OK")
+    assert ok and ok[0].value >= 5
+    missing = [s for s in calls.samples if s.labels.get("op") == "missing" and
+               s.labels.get("code") == "NOT_FOUND" and s.labels.get("namespace") == "mx"]
+    assert missing and missing[0].value >= 1
+    lat = fams["opjit_rpc_latency_seconds"]
+    count = samples(lat, "opjit_rpc_latency_seconds_count", method="Forward")
+    assert count and count[0].value >= 5
+    inf = samples(lat, "opjit_rpc_latency_seconds_bucket", method="Forward", le="+Inf")
+    assert inf[0].value == count[0].value
+
+
+def test_metrics_cover_cache_workers_and_bytes_per_namespace(metricsd):
+    fams = families(metricsd.text)
+    assert samples(fams["opjit_compiles_total"])[0].value >= 1
+    assert samples(fams["opjit_compile_seconds_total"])[0].value > 0
+    assert samples(fams["opjit_cache_misses_total"], tier="memory")[0].value >= 1
+    assert samples(fams["opjit_executor_worker_starts_total"])[0].value >= 1
+    assert samples(fams["opjit_shm_bytes"], namespace="mx")[0].value > 0
+    assert samples(fams["opjit_serving"])[0].value == 1
+    assert "opjit_executor_worker_crashes_total" in fams
+    assert "opjit_quarantined_kernels_total" in fams
+    assert "opjit_context_bytes" in fams
+
+
+def test_promtool_accepts_the_exposition(metricsd):
+    r = subprocess.run(["promtool", "check", "metrics"], input=metricsd.text, text=True,
+                       capture_output=True)
+    # promtool exits 0, or 3 for naming-style lint warnings only; 1 is a parse error.
+    assert r.returncode in (0, 3), r.stdout + r.stderr
+    assert "error" not in r.stderr.lower(), r.stderr
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_prometheus_server_scrapes_the_endpoint(metricsd, tmp_path):
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: opjit\n"
+                   "    static_configs:\n      - targets: ['%s']\n" % metricsd.metrics)
+    port = free_port()
+    log = open(tmp_path / "prometheus.log", "wb")
+    prom = subprocess.Popen(["prometheus", "--config.file", str(cfg), "--storage.tsdb.path",
+                             str(tmp_path / "data"), "--web.listen-address", "127.0.0.1:%d" % port],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        result = []
+        while time.monotonic() < deadline and not result:
+            time.sleep(1)
+            try:
+                q = urllib.request.urlopen(
+                    "http://127.0.0.1:%d/api/v1/query?query=opjit_rpc_calls_total"
+                    "%%7Bmethod%%3D%%22Forward%%22%%2Cop%%3D%%22twice%%22%%7D" % port,
+                    timeout=5).read()
+                result = json.loads(q)["data"]["result"]
+            except (OSError, ValueError, KeyError):
+                continue
+        assert result, (tmp_path / "prometheus.log").read_text()[-2000:]
+        assert float(result[0]["value"][1]) >= 5
+        up = json.loads(urllib.request.urlopen(
+            "http://127.0.0.1:%d/api/v1/query?query=up" % port, timeout=5).read())
+        assert up["data"]["result"][0]["value"][1] == "1"
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        log.close()
