@@ -45,7 +45,7 @@ struct DaemonConfig {
 
   // [quota] per namespace (shm and context bytes are in [shm]/[autograd];
   // executor processes are exec.workers) and for the whole server.
-  int quota_concurrent_compiles = 2;
+  int quota_concurrent_compiles = 8;
   double quota_compile_seconds_per_minute = 120;
   double quota_calls_per_second = 20000;
   int64_t quota_ops = 1000;

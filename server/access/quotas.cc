@@ -8,7 +8,7 @@
 
 namespace opjit::access {
 
-QuotaManager::CompileTicket::~CompileTicket() { owner_->EndCompile(ns_, start_); }
+QuotaManager::CompileTicket::~CompileTicket() { owner_->EndCompile(ns_, start_, charge_); }
 
 double QuotaManager::UsedLocked(Space& space, Clock::time_point now) {
   while (!space.recent.empty() && now - space.recent.front().first > std::chrono::seconds(60)) {
@@ -42,12 +42,13 @@ absl::StatusOr<std::unique_ptr<QuotaManager::CompileTicket>> QuotaManager::Begin
   return std::make_unique<CompileTicket>(this, ns, now);
 }
 
-void QuotaManager::EndCompile(const std::string& ns, Clock::time_point start) {
+void QuotaManager::EndCompile(const std::string& ns, Clock::time_point start, double charge) {
   const Clock::time_point now = Clock::now();
   absl::MutexLock lock(&mu_);
   Space& space = spaces_[ns];
   space.compiling = std::max(0, space.compiling - 1);
-  space.recent.emplace_back(now, std::chrono::duration<double>(now - start).count());
+  space.recent.emplace_back(
+      now, charge >= 0 ? charge : std::chrono::duration<double>(now - start).count());
   UsedLocked(space, now);
 }
 

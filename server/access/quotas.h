@@ -22,13 +22,15 @@
 namespace opjit::access {
 
 struct QuotaOptions {
-  // Compiles (bare or at registration) running at once per namespace.
-  // 0: no bound. Default: 2.
-  int concurrent_compiles = 2;
-  // Wall-clock seconds of compiling per namespace in any 60 s window (a
-  // compile worker is single-threaded, so this is its CPU time). A compile
-  // that starts under the budget finishes; the next one is refused until the
-  // window has room. 0: no bound. Default: 120.
+  // Compiles (bare or at registration, cache hits included) in flight at
+  // once per namespace. 0: no bound. Default: 8.
+  int concurrent_compiles = 8;
+  // Seconds of compiling per namespace in any 60 s window: the compile
+  // workers' own time (a worker is single-threaded, so this is its CPU
+  // time); cache hits cost nothing, a failed compile its wall time. A
+  // compile that starts under the budget finishes; the next one is refused
+  // until the window has room. 0: no bound. Default: 120 (two workers' full
+  // minute).
   double compile_seconds_per_minute = 120;
   // Forward, Backward and GradCheck calls per second per namespace (a token
   // bucket holding one second's worth). 0: no bound. Default: 20000.
@@ -48,6 +50,8 @@ class QuotaManager {
     CompileTicket(QuotaManager* owner, std::string ns, Clock::time_point start)
         : owner_(owner), ns_(std::move(ns)), start_(start) {}
     ~CompileTicket();
+    // The seconds to charge when the ticket ends (default: its wall time).
+    void Charge(double seconds) { charge_ = seconds; }
     CompileTicket(const CompileTicket&) = delete;
     CompileTicket& operator=(const CompileTicket&) = delete;
 
@@ -55,6 +59,7 @@ class QuotaManager {
     QuotaManager* owner_;
     std::string ns_;
     Clock::time_point start_;
+    double charge_ = -1;
   };
 
   // A compile slot, or QUOTA_EXCEEDED "concurrent_compiles" /
@@ -78,7 +83,7 @@ class QuotaManager {
     Clock::time_point refilled;
   };
 
-  void EndCompile(const std::string& ns, Clock::time_point start);
+  void EndCompile(const std::string& ns, Clock::time_point start, double charge);
   double UsedLocked(Space& space, Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const QuotaOptions options_;

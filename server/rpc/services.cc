@@ -77,6 +77,13 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
   core::OpService ops(core_.registry, core_.compiler);
   ops.RegisterAsync(*std::move(def), NextRequestId(),
                     [reactor, resp, ticket](absl::StatusOr<core::RegisterOutcome> outcome) {
+                      if (outcome.ok() && *ticket != nullptr) {
+                        double ms = 0;
+                        for (const auto& [t, c] : outcome->compiled) {
+                          if (c.cache_hit.empty()) ms += c.kernel->compile_ms;
+                        }
+                        (*ticket)->Charge(ms / 1000.0);
+                      }
                       ticket->reset();
                       if (!outcome.ok()) return reactor->Finish(ToGrpcStatus(outcome.status()));
                       for (const auto& [target, compiled] : outcome->compiled) {
@@ -178,6 +185,9 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   core_.compiler->CompileAsync(
       std::move(job),
       [reactor, resp, target_name, rid, ticket](absl::StatusOr<compiler::CompileOutcome> outcome) {
+        if (outcome.ok() && *ticket != nullptr) {
+          (*ticket)->Charge(outcome->cache_hit.empty() ? outcome->kernel->compile_ms / 1000.0 : 0);
+        }
         ticket->reset();
         if (!outcome.ok()) {
           Logger("rpc")->debug("req={} Compile: {}", rid, Brief(outcome.status()));

@@ -23,15 +23,13 @@ import numpy as np
 import pytest
 
 import opjit
-from opjit.v1 import (compile_pb2, exec_pb2, exec_pb2_grpc, memory_pb2, memory_pb2_grpc,
+from opjit.v1 import (compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc, memory_pb2, memory_pb2_grpc,
                       op_pb2, registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
 
 from conftest import EXAMPLES, REPO, opjitd_binary
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import soak  # noqa: E402  (bench/soak.py: process helpers)
-
-NEEDS_14 = "needs issue 14 (identities, namespaces that hold): "
 NEEDS_16 = "needs issue 16: "
 
 COPY = """#include <cstdint>
@@ -320,98 +318,147 @@ def test_executor_killed_from_outside_is_not_called_a_memory_problem(daemon, cli
 
 # --- issue 14: who calls ------------------------------------------------------------------
 
-def test_non_loopback_tcp_needs_an_explicit_opt_in():
+def test_non_loopback_tcp_needs_tls_and_principals_or_an_explicit_opt_in():
     r = subprocess.run([opjitd_binary(), "--state-dir", tempfile.mkdtemp(prefix="opjit-atk-"),
                         "--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=30)
     assert r.returncode != 0
     assert "allow_insecure_tcp" in r.stderr
 
 
-def alice_region(daemon, secret=b"ALICE-SECRET-123"):
+MALLORY_TOKEN = "mallory-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """A daemon with principals: alice (user of "alice", by token) and mallory
+    (user of "mallory", by token). The test itself (root) is admin on the
+    unix socket, which is world-reachable so that other uids can try it."""
+    import hashlib
+    h = lambda t: hashlib.sha256(t.encode()).hexdigest()  # noqa: E731
+    d = OwnDaemon('socket_mode = "0666"\n'
+                  '[[principal]]\nname = "alice"\nrole = "user"\nnamespaces = ["alice"]\n'
+                  'token_sha256 = ["%s"]\n'
+                  '[[principal]]\nname = "mallory"\nrole = "user"\nnamespaces = ["mallory"]\n'
+                  'token_sha256 = ["%s"]\n[quota]\nnamespaces = 6\n'
+                  % (h("alice-token-0123456789"), h(MALLORY_TOKEN)))
+    os.chmod(d.dir, 0o755)
+    yield d
+    d.close()
+
+
+def mallory_md():
+    return [("authorization", "Bearer " + MALLORY_TOKEN)]
+
+
+def alice_region(d, secret=b"ALICE-SECRET-123"):
     """Alice's region in namespace alice, holding `secret`."""
-    alice = opjit.Client(daemon.unix_address, namespace="alice", timeout=30)
+    alice = opjit.Client(d.tcp_address, namespace="alice", timeout=30,
+                         token="alice-token-0123456789")
     buf = alice.empty((16,), np.uint8)
     buf[:] = np.frombuffer(secret.ljust(16, b"\0"), np.uint8)
     return alice, buf
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_14 + "a TCP caller without a token is "
-                   "UNAUTHENTICATED and cannot name another namespace")
-def test_another_namespace_cannot_be_read_without_a_token(daemon):
-    alice, buf = alice_region(daemon)
-    regions = memory_pb2_grpc.MemoryStub(grpc.insecure_channel(daemon.tcp_address))
-    listed = regions.ListRegions(memory_pb2.ListRegionsRequest(namespace="alice"), timeout=10)
-    # Today: Alice's regions, their shm keys, and thereby their bytes.
-    assert not listed.regions, "an anonymous caller listed Alice's regions and their shm keys"
+def test_another_namespace_cannot_be_read_without_a_token(shared):
+    alice, buf = alice_region(shared)
+    regions = memory_pb2_grpc.MemoryStub(grpc.insecure_channel(shared.tcp_address))
+    with pytest.raises(grpc.RpcError) as e:
+        regions.ListRegions(memory_pb2.ListRegionsRequest(namespace="alice"), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        regions.ListRegions(memory_pb2.ListRegionsRequest(namespace="alice"), timeout=10,
+                            metadata=mallory_md())
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
     alice.close()
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_14 + "publishing a version of another "
-                   "namespace's op is PERMISSION_DENIED")
-def test_planting_a_new_version_of_anothers_op(daemon):
-    with opjit.Client(daemon.unix_address, namespace="alice", timeout=60) as alice:
-        alice.register(spec("atk_model", "* 2.0f"))
-    with opjit.Client(daemon.tcp_address, namespace="alice", timeout=60,
-                      transport="inline") as mallory:
-        with pytest.raises((opjit.PermissionDenied, opjit.Unauthenticated)):
+def test_planting_a_new_version_of_anothers_op(shared):
+    with opjit.Client(shared.unix_address, namespace="alice", timeout=60) as admin:
+        admin.register(spec("atk_model", "* 2.0f"))
+    with opjit.Client(shared.tcp_address, namespace="alice", timeout=60, transport="inline",
+                      token=MALLORY_TOKEN) as mallory:
+        with pytest.raises((opjit.NotFound, opjit.PermissionDenied)):
             mallory.register(spec("atk_model", "* -1.0f"))
-    with opjit.Client(daemon.unix_address, namespace="alice", timeout=60) as alice:
+    with opjit.Client(shared.unix_address, namespace="alice", timeout=60) as alice:
         np.testing.assert_allclose(alice.op("atk_model")(np.ones(2, np.float32)), 2.0)
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_14 + "listing shows only the caller's "
-                   "namespaces; sources are not visible to others")
-def test_listing_does_not_show_other_namespaces_sources(daemon):
-    with opjit.Client(daemon.unix_address, namespace="alice", timeout=60) as alice:
+def test_listing_does_not_show_other_namespaces_sources(shared):
+    with opjit.Client(shared.unix_address, namespace="alice", timeout=60) as alice:
         alice.register(spec("atk_private", "* 5.0f"))
-    reg = registry_pb2_grpc.RegistryStub(grpc.insecure_channel(daemon.tcp_address))
-    ops = reg.ListOps(registry_pb2.ListOpsRequest(namespace="alice", with_sources=True),
-                      timeout=10)
-    assert not ops.ops, "an anonymous caller read Alice's sources"
+    reg = registry_pb2_grpc.RegistryStub(grpc.insecure_channel(shared.tcp_address))
+    with pytest.raises(grpc.RpcError) as e:
+        reg.ListOps(registry_pb2.ListOpsRequest(namespace="alice", with_sources=True),
+                    timeout=10, metadata=mallory_md())
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    every = reg.ListOps(registry_pb2.ListOpsRequest(with_sources=True), timeout=10,
+                        metadata=mallory_md())
+    assert not [o for o in every.ops if o.op.namespace == "alice"], "mallory read alice's sources"
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_14 + "leases, regions and the cache of "
-                   "others cannot be touched; ClearCache is admin-only")
-def test_disrupting_other_clients(daemon):
-    alice, buf = alice_region(daemon)
-    mem = memory_pb2_grpc.MemoryStub(grpc.insecure_channel(daemon.tcp_address))
-    comp = compile_pb2
-    with pytest.raises(grpc.RpcError):
-        mem.ReleaseClient(memory_pb2.ReleaseClientRequest(namespace="alice",
-                                                          client_id=alice.client_id), timeout=10)
+def test_disrupting_other_clients(shared):
+    alice, buf = alice_region(shared)
+    ch = grpc.insecure_channel(shared.tcp_address)
+    mem = memory_pb2_grpc.MemoryStub(ch)
+    for call in (lambda: mem.ReleaseClient(memory_pb2.ReleaseClientRequest(
+                     namespace="alice", client_id=alice.client_id), timeout=10,
+                     metadata=mallory_md()),
+                 lambda: mem.RenewLease(memory_pb2.RenewLeaseRequest(
+                     namespace="alice", client_id=alice.client_id, lease_ms=1), timeout=10,
+                     metadata=mallory_md())):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        compile_pb2_grpc.CompilerStub(ch).ClearCache(compile_pb2.ClearCacheRequest(), timeout=10,
+                                                     metadata=mallory_md())
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert bytes(buf[:16]).startswith(b"ALICE-SECRET-123")
     alice.close()
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_14 + "global caps: namespaces are not free, "
-                   "shm across namespaces is capped")
-def test_namespaces_cannot_multiply_the_shm_quota(own):
-    d = own("[shm]\nshm_quota_mb = 8\n")
-    mem = memory_pb2_grpc.MemoryStub(grpc.insecure_channel(d.tcp_address))
+def test_namespaces_cannot_multiply_the_shm_quota(shared):
+    mem = memory_pb2_grpc.MemoryStub(grpc.insecure_channel(shared.tcp_address))
+    # A user cannot create namespaces at all ...
     with pytest.raises(grpc.RpcError) as e:
-        for i in range(8):  # 8 x 8 MiB: eight times the quota
-            mem.CreateRegion(memory_pb2.CreateRegionRequest(
-                namespace="ns%d" % i, name="r", byte_size=8 << 20, client_id="c"), timeout=10)
-    assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              grpc.StatusCode.PERMISSION_DENIED,
-                              grpc.StatusCode.UNAUTHENTICATED)
+        mem.CreateRegion(memory_pb2.CreateRegionRequest(
+            namespace="ns-mallory-2", name="r", byte_size=1 << 20, client_id="c"), timeout=10,
+            metadata=mallory_md())
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # ... and an admin only up to the cap (6 here).
+    admin = memory_pb2_grpc.MemoryStub(grpc.insecure_channel(shared.unix_address))
+    with pytest.raises(grpc.RpcError) as e:
+        for i in range(8):
+            admin.CreateRegion(memory_pb2.CreateRegionRequest(
+                namespace="ns%d" % i, name="r", byte_size=1 << 20, client_id="c"), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "namespaces" in e.value.details()
+    for i in range(8):
+        try:
+            admin.ReleaseClient(memory_pb2.ReleaseClientRequest(namespace="ns%d" % i,
+                                                                client_id="c"))
+        except grpc.RpcError:
+            pass  # never created
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_14 + "ops and versions per namespace are "
-                   "bounded by a quota")
 def test_registrations_are_bounded(own):
-    d = own()
+    d = own("[quota]\nversions_per_op = 10\nops = 5\n")
     with opjit.Client(d.unix_address, timeout=60) as c:
-        with pytest.raises(opjit.ResourceExhausted):
-            for i in range(1000):  # new versions; the one source compiles once
+        with pytest.raises(opjit.ResourceExhausted) as e:
+            for i in range(20):  # new versions; the one source compiles once
                 c.register(spec("atk_many", "* 2.0f", doc="version %d" % i))
+        assert e.value.metadata["quota"] == "versions"
+        with pytest.raises(opjit.ResourceExhausted) as e:
+            for i in range(10):
+                c.register(spec("atk_op%d" % i, "* 2.0f"))
+        assert e.value.metadata["quota"] == "ops"
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_14 + "RegisterRegion checks the shm object's "
-                   "owner against the caller's uid (SO_PEERCRED)")
-def test_register_region_of_another_uids_object(daemon):
-    # An object owned by root (this test); the caller runs as nobody.
+def test_register_region_of_another_uids_object(shared):
+    # An object owned by root (this test); the caller runs as nobody, on the
+    # unix socket, where the daemon reads its uid (SO_PEERCRED).
     key = "/opjit-atk-victim-%d" % os.getpid()
-    fd = os.open("/dev/shm" + key, os.O_CREAT | os.O_RDWR, 0o644)
+    fd = os.open("/dev/shm" + key, os.O_CREAT | os.O_RDWR, 0o666)
     os.ftruncate(fd, 4096)
     os.write(fd, b"ROOT-SECRET")
     os.close(fd)
@@ -423,11 +470,12 @@ def test_register_region_of_another_uids_object(daemon):
                 "    m.RegisterRegion(memory_pb2.RegisterRegionRequest(name='v', shm_key=%r, "
                 "byte_size=4096, client_id='x'), timeout=10); print('OK')\n"
                 "except grpc.RpcError as e: print(e.code().name)\n"
-                % (os.environ.get("PYTHONPATH", ""), daemon.tcp_address, key))
+                % (os.environ.get("PYTHONPATH", ""), shared.unix_address, key))
         r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                             "/usr/bin/python3", "-c", code], capture_output=True, text=True,
                            timeout=60)
-        assert r.stdout.strip() in ("PERMISSION_DENIED", "UNAUTHENTICATED"), r.stdout + r.stderr
+        # nobody is no principal here: refused before the object is even looked at.
+        assert r.stdout.strip() == "UNAUTHENTICATED", r.stdout + r.stderr
     finally:
         os.unlink("/dev/shm" + key)
 

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/common/error_info.h"
 #include "server/tensor/tensor_ref.h"
 #include "tests/unit/tensor/test_util.h"
 
@@ -291,7 +292,12 @@ TEST(RegionManagerQuotaTest, QuotaAndRegionCountPerNamespace) {
   auto over = manager->CreateRegion("q", "o", "b", 5000, 0);
   EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(over.status().message(),
-            "namespace 'q' would use 11000 bytes of shared memory, over its quota of 10000");
+            "quota shm_bytes (10000) of namespace 'q' exceeded: the namespace would use 11000 "
+            "bytes of shared memory; unregister regions or release clients first");
+  ASSERT_TRUE(GetReason(over.status()).has_value());
+  EXPECT_EQ(GetReason(over.status())->reason, "QUOTA_EXCEEDED");
+  EXPECT_EQ(GetReason(over.status())->metadata.at("quota"), "shm_bytes");
+  EXPECT_EQ(GetReason(over.status())->metadata.at("limit"), "10000");
   // Registered regions count too.
   ClientShm shm("/opjit-test." + tag + ".q", 8192);
   ASSERT_TRUE(shm.ok());
@@ -310,7 +316,7 @@ TEST(RegionManagerQuotaTest, QuotaAndRegionCountPerNamespace) {
   EXPECT_TRUE(manager->CreateRegion("q", "o", "c", 1, 0).ok());
   auto count = manager->CreateRegion("q", "o", "d", 1, 0);
   EXPECT_EQ(count.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(count.status().message().find("already has 3 regions"), std::string::npos)
+  EXPECT_NE(count.status().message().find("quota shm_regions (3)"), std::string::npos)
       << count.status();
   auto stats = manager->GetStats();
   EXPECT_EQ(stats.regions, 4u);
@@ -471,6 +477,37 @@ TEST(RegionManagerThreadTest, ConcurrentAcquireResolveUnregister) {
   auto stats = manager->GetStats();
   EXPECT_EQ(stats.regions, manager->List("ns").size());
   EXPECT_EQ(stats.bytes, stats.regions * kBytes);
+}
+
+TEST(RegionManagerQuotaTest, TotalQuotaBoundsAllNamespacesTogether) {
+  std::string tag = UniqueTag();
+  tensor::RegionManagerOptions o;
+  o.instance_tag = tag;
+  o.namespace_quota_bytes = 10000;
+  o.total_quota_bytes = 15000;
+  auto manager = tensor::RegionManager::Create(o);
+  ASSERT_TRUE(manager.ok()) << manager.status();
+  ASSERT_TRUE((*manager)->CreateRegion("a", "o", "r", 10000, 0).ok());
+  auto over = (*manager)->CreateRegion("b", "o", "r", 6000, 0);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(GetReason(over.status())->metadata.at("quota"), "total_shm_bytes");
+  EXPECT_TRUE((*manager)->CreateRegion("b", "o", "r", 5000, 0).ok());
+}
+
+TEST(RegionManagerPrincipalTest, AnotherPrincipalsRegionIsNotFound) {
+  std::string tag = UniqueTag();
+  auto manager = MakeManager(tag, /*quota=*/1 << 20, /*max_regions=*/8);
+  ASSERT_NE(manager, nullptr);
+  ASSERT_TRUE(manager->CreateRegion("ns", "alice/c1", "r", 64, 0).ok());
+  EXPECT_TRUE(manager->Acquire("ns", "r", "alice").ok());
+  EXPECT_TRUE(manager->Acquire("ns", "r", "").ok());  // admins
+  auto other = manager->Acquire("ns", "r", "carol");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(GetReason(other.status())->reason, "REGION_NOT_REGISTERED");
+  EXPECT_TRUE(manager->List("ns", "carol").empty());
+  EXPECT_EQ(manager->List("ns", "alice").size(), 1u);
+  EXPECT_EQ(manager->Unregister("ns", "r", "carol").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(manager->Unregister("ns", "r", "alice").ok());
 }
 
 }  // namespace
