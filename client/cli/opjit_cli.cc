@@ -24,6 +24,8 @@
 #include "absl/strings/str_join.h"
 #include "client/cpp/npy.h"
 #include "client/cpp/opjit_client.h"
+#include "server/common/random.h"
+#include "server/common/sha256.h"
 #include "client/cpp/shm_region.h"
 
 namespace {
@@ -57,12 +59,16 @@ Commands:
        [--eps E] [--atol A] [--rtol R]
                                     compare the op's backward with central finite
                                     differences; exit 0 pass, 3 mismatch, 1 error
-  cache stats                       compile-cache counters
-  cache clear [--memory-only]       drop cached kernels
+  cache stats | stats               compile-cache counters (admins)
+  cache clear [--memory-only]       drop cached kernels (admins)
+  token                             print a new bearer token and the sha256 line
+                                    for a [[principal]] in opjitd's config (offline)
 
 NAME may be qualified with a namespace: ns/name (default namespace "default").
 ADDR: unix:/path.sock, /path.sock or host:port. Default: $OPJIT_SERVER, else
 the daemon's default socket ($OPJIT_STATE_DIR or ~/.opjit)/opjitd.sock.
+$OPJIT_TOKEN is sent as "authorization: Bearer <token>"; with $OPJIT_TLS_CA
+set, TCP goes over TLS checked against that CA.
 )";
 
 struct Globals {
@@ -659,6 +665,16 @@ int main(int argc, char** argv) {
                         {"--all-versions", "--memory-only", "--aot"});
   if (!args.ok()) return UsageError(std::string(args.status().message()));
 
+  if (cmd == "token") {
+    auto a = opjit::RandomHex128();
+    auto b = opjit::RandomHex128();
+    if (!a.ok() || !b.ok()) return Fail(a.ok() ? b.status() : a.status());
+    const std::string token = *a + *b;
+    std::cout << "token:        " << token << "\n"
+              << "token_sha256: [\"" << opjit::Sha256Hex(token) << "\"]   # for opjitd's [[principal]]\n";
+    return 0;
+  }
+  if (cmd == "stats") args->positional = {"stats"};
   auto client = Client::Connect({.address = g.server,
                                  .timeout = std::chrono::milliseconds(
                                      static_cast<int64_t>(g.timeout_s * 1000))});
@@ -672,7 +688,7 @@ int main(int argc, char** argv) {
     if (cmd == "describe") return CmdDescribe(c, g, *args);
     if (cmd == "delete") return CmdDelete(c, g, *args);
     if (cmd == "compile") return CmdCompile(c, g, *args);
-    if (cmd == "cache") return CmdCache(c, g, *args);
+    if (cmd == "cache" || cmd == "stats") return CmdCache(c, g, *args);
     if (cmd == "run") return CmdRun(c, g, *args);
     if (cmd == "grad") return CmdGrad(c, g, *args);
     if (cmd == "gradcheck") return CmdGradCheck(c, g, *args);

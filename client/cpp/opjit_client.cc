@@ -1,6 +1,7 @@
 #include "client/cpp/opjit_client.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -8,7 +9,10 @@
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "opjit/v1/error.pb.h"
+#include "server/common/error_info.h"
 #include "server/common/paths.h"
 #include "server/common/random.h"
 
@@ -17,7 +21,25 @@ namespace {
 
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  absl::Status out(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  v1::Status rich;
+  if (s.error_details().empty() || !rich.ParseFromString(s.error_details())) return out;
+  for (const auto& any : rich.details()) {
+    if (any.type_url() != "type.googleapis.com/google.rpc.ErrorInfo") continue;
+    v1::ErrorInfo info;
+    if (!info.ParseFromString(any.value())) continue;
+    // The reason travels as the same payload the server's core uses.
+    std::string text = info.reason();
+    for (const auto& [k, v] : info.metadata()) absl::StrAppend(&text, "\n", k, "=", v);
+    out.SetPayload(kReasonPayloadUrl, absl::Cord(text));
+  }
+  return out;
+}
+
+std::string EnvOr(const std::string& value, const char* name) {
+  if (!value.empty()) return value;
+  const char* env = std::getenv(name);
+  return env != nullptr ? env : "";
 }
 
 }  // namespace
@@ -34,7 +56,21 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  c->channel_ = grpc::CreateCustomChannel(c->address_, grpc::InsecureChannelCredentials(), args);
+  c->token_ = EnvOr(options.token, "OPJIT_TOKEN");
+  const std::string ca_file = EnvOr(options.tls_ca_file, "OPJIT_TLS_CA");
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!ca_file.empty() && c->address_.rfind("unix:", 0) != 0) {
+    std::ifstream in(ca_file, std::ios::binary);
+    std::stringstream pem;
+    pem << in.rdbuf();
+    if (!in || pem.str().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot read the TLS CA file ", ca_file));
+    }
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = pem.str();
+    creds = grpc::SslCredentials(ssl);
+  }
+  c->channel_ = grpc::CreateCustomChannel(c->address_, creds, args);
   if (c->channel_ == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("bad server address ", c->address_));
   }
@@ -52,6 +88,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
 std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() + timeout_);
+  if (!token_.empty()) ctx->AddMetadata("authorization", "Bearer " + token_);
   return ctx;
 }
 

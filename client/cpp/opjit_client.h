@@ -29,7 +29,18 @@ struct ClientOptions {
   std::chrono::milliseconds timeout{120000};
   // Largest message either way. Default: 64 MiB.
   int max_message_bytes = 64 << 20;
+  // Bearer token sent as "authorization: Bearer <token>" on every call.
+  // Default: $OPJIT_TOKEN (none when unset).
+  std::string token;
+  // PEM file of the CA that signed the server's certificate: TCP goes over
+  // TLS. Default: $OPJIT_TLS_CA (plaintext when unset).
+  std::string tls_ca_file;
 };
+
+// Errors keep the server's machine-readable reason (google.rpc.ErrorInfo in
+// the status details): read it with opjit::GetReason(status)
+// (server/common/error_info.h), e.g. "QUOTA_EXCEEDED", and decide on it,
+// never on the message text.
 
 class Client {
  public:
@@ -93,6 +104,7 @@ class Client {
   std::unique_ptr<v1::Memory::Stub> memory_;
   std::unique_ptr<v1::Executor::Stub> executor_;
   std::string client_id_;
+  std::string token_;
 };
 
 // Tensor helpers for building requests.

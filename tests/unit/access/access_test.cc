@@ -1,0 +1,143 @@
+#include "server/access/access.h"
+
+#include <gtest/gtest.h>
+
+#include "server/access/quotas.h"
+#include "server/common/error_info.h"
+#include "server/common/sha256.h"
+
+namespace opjit::access {
+namespace {
+
+AccessOptions TwoUsers() {
+  AccessOptions o;
+  o.daemon_uid = 1000;
+  o.max_namespaces = 5;
+  o.principals.push_back({.name = "alice", .role = Role::kUser, .namespaces = {"alice"},
+                          .token_sha256 = {Sha256Hex("ta")}, .uids = {2001}});
+  o.principals.push_back({.name = "carol", .role = Role::kReader, .namespaces = {"alice"},
+                          .token_sha256 = {Sha256Hex("tc")}, .gids = {3000}});
+  o.principals.push_back({.name = "root", .role = Role::kAdmin, .token_sha256 = {Sha256Hex("tr")}});
+  return o;
+}
+
+PeerInfo Tcp(std::optional<std::string> auth) {
+  PeerInfo p;
+  p.transport = PeerInfo::Transport::kTcp;
+  p.loopback = true;
+  p.authorization = std::move(auth);
+  return p;
+}
+
+PeerInfo Unix(uid_t uid, gid_t gid) {
+  PeerInfo p;
+  p.transport = PeerInfo::Transport::kUnix;
+  p.uid = uid;
+  p.gid = gid;
+  p.pid = 42;
+  return p;
+}
+
+TEST(AccessTest, EmbeddedDefaultMakesLocalCallersAdmin) {
+  auto ac = AccessControl::Create({});
+  ASSERT_TRUE(ac.ok());
+  EXPECT_FALSE((*ac)->enabled());
+  auto p = (*ac)->Authenticate(Unix(5555, 5555));
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE((*p)->admin());
+  EXPECT_TRUE((*ac)->Authenticate(Tcp(std::nullopt)).ok());
+}
+
+TEST(AccessTest, TokensMapToPrincipals) {
+  auto ac = AccessControl::Create(TwoUsers());
+  ASSERT_TRUE(ac.ok()) << ac.status();
+  auto alice = (*ac)->Authenticate(Tcp("Bearer ta"));
+  ASSERT_TRUE(alice.ok());
+  EXPECT_EQ((*alice)->name, "alice");
+  EXPECT_EQ((*ac)->Authenticate(Tcp("bearer  tc")).value()->name, "carol");
+  for (auto bad : {std::optional<std::string>(), std::optional<std::string>("Bearer nope"),
+                   std::optional<std::string>("Basic ta")}) {
+    auto s = (*ac)->Authenticate(Tcp(bad));
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(GetReason(s.status())->reason, "UNAUTHENTICATED");
+  }
+}
+
+TEST(AccessTest, UnixPeersMapByUidThenGidAndTheOwnerIsAdmin) {
+  auto ac = AccessControl::Create(TwoUsers());
+  ASSERT_TRUE(ac.ok());
+  EXPECT_EQ((*ac)->Authenticate(Unix(2001, 9)).value()->name, "alice");
+  EXPECT_EQ((*ac)->Authenticate(Unix(7, 3000)).value()->name, "carol");
+  EXPECT_TRUE((*ac)->Authenticate(Unix(1000, 1000)).value()->admin());
+  EXPECT_TRUE((*ac)->Authenticate(Unix(0, 0)).value()->admin());
+  EXPECT_EQ((*ac)->Authenticate(Unix(4444, 4444)).status().code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
+TEST(AccessTest, NamespacesAndRoles) {
+  auto ac = AccessControl::Create(TwoUsers());
+  ASSERT_TRUE(ac.ok());
+  auto alice = *(*ac)->Authenticate(Tcp("Bearer ta"));
+  auto carol = *(*ac)->Authenticate(Tcp("Bearer tc"));
+  auto root = *(*ac)->Authenticate(Tcp("Bearer tr"));
+  EXPECT_TRUE((*ac)->Check(*alice, "alice", Action::kWrite).ok());
+  auto other = (*ac)->Check(*alice, "bob", Action::kDescribe);
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(GetReason(other)->reason, "NAMESPACE_NOT_FOUND");
+  EXPECT_TRUE((*ac)->Check(*carol, "alice", Action::kCall).ok());
+  auto denied = (*ac)->Check(*carol, "alice", Action::kWrite);
+  EXPECT_EQ(denied.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(GetReason(denied)->metadata.at("role"), "reader");
+  EXPECT_EQ((*ac)->Check(*alice, "alice", Action::kAdmin).code(),
+            absl::StatusCode::kPermissionDenied);
+  // default + alice exist; the admin creates up to 5 in all.
+  EXPECT_EQ((*ac)->namespace_count(), 2u);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE((*ac)->Check(*root, "n" + std::to_string(i), Action::kWrite).ok());
+  auto cap = (*ac)->Check(*root, "n9", Action::kWrite);
+  EXPECT_EQ(cap.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(GetReason(cap)->metadata.at("quota"), "namespaces");
+  EXPECT_TRUE((*ac)->Check(*root, "n9", Action::kDescribe).ok());  // reading creates nothing
+}
+
+TEST(AccessTest, BadConfigIsRefused) {
+  AccessOptions o = TwoUsers();
+  o.principals[1].token_sha256 = o.principals[0].token_sha256;
+  EXPECT_EQ(AccessControl::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = TwoUsers();
+  o.principals[0].name = "a/b";
+  EXPECT_EQ(AccessControl::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = TwoUsers();
+  o.principals[0].token_sha256 = {"not-hex"};
+  EXPECT_EQ(AccessControl::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = TwoUsers();
+  o.principals[0].namespaces.clear();
+  EXPECT_EQ(AccessControl::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(QuotaTest, ConcurrentCompilesAndCompileSeconds) {
+  QuotaManager q({.concurrent_compiles = 1, .compile_seconds_per_minute = 2, .calls_per_second = 0});
+  auto t1 = q.BeginCompile("a");
+  ASSERT_TRUE(t1.ok());
+  auto t2 = q.BeginCompile("a");
+  EXPECT_EQ(GetReason(t2.status())->metadata.at("quota"), "concurrent_compiles");
+  EXPECT_TRUE(q.BeginCompile("b").ok());  // another namespace
+  (*t1)->Charge(3);
+  t1->reset();
+  auto t3 = q.BeginCompile("a");
+  EXPECT_EQ(GetReason(t3.status())->metadata.at("quota"), "compile_seconds_per_minute");
+  EXPECT_TRUE(q.AdmitCall("a").ok());  // calls unbounded here
+}
+
+TEST(QuotaTest, CallsPerSecondIsATokenBucket) {
+  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 0, .calls_per_second = 3});
+  int admitted = 0;
+  for (int i = 0; i < 10; ++i) admitted += q.AdmitCall("a").ok();
+  EXPECT_EQ(admitted, 3);
+  auto s = q.AdmitCall("a");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("calls_per_second (3)"), absl::string_view::npos) << s;
+  EXPECT_TRUE(q.AdmitCall("b").ok());
+}
+
+}  // namespace
+}  // namespace opjit::access
