@@ -86,6 +86,23 @@ class Daemon:
             self.log.close()
 
 
+class TempDaemon:
+    """Base of the tests' own daemons: a process `proc` logging to `log`
+    (`log_path`), with everything under the temp dir `dir`."""
+
+    def read_log(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def opjitd_binary():
     path = os.environ.get("OPJITD") or os.path.join(REPO, "build", "bin", "opjitd")
     if not os.access(path, os.X_OK):

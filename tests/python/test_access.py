@@ -25,7 +25,7 @@ from opjit.v1 import (compile_pb2, compile_pb2_grpc, error_pb2, exec_pb2, exec_p
                       memory_pb2, memory_pb2_grpc, op_pb2, registry_pb2, registry_pb2_grpc,
                       server_pb2, server_pb2_grpc)
 
-from conftest import opjitd_binary
+from conftest import TempDaemon, opjitd_binary
 
 TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789",
           "carol": "tok-carol-0123456789", "admin": "tok-admin-0123456789"}
@@ -85,7 +85,7 @@ def make_pki(d):
                                            "client.key")}
 
 
-class AuthDaemon:
+class AuthDaemon(TempDaemon):
     def __init__(self, extra="", require_client_cert=False):
         # World-traversable, so that a client running as nobody reaches the socket.
         self.dir = tempfile.mkdtemp(prefix="opjit-acl-")
@@ -131,16 +131,7 @@ class AuthDaemon:
         md = [("authorization", "Bearer " + TOKENS[who])] if who else []
         return ch, md
 
-    def read_log(self):
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
 
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import opjit
 from opjit.v1 import (compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc, memory_pb2, memory_pb2_grpc,
                       op_pb2, registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
 
-from conftest import EXAMPLES, REPO, opjitd_binary
+from conftest import EXAMPLES, REPO, TempDaemon, opjitd_binary
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import soak  # noqa: E402  (bench/soak.py: process helpers)
@@ -78,7 +78,7 @@ def alive(daemon):
         c.info()
 
 
-class OwnDaemon:
+class OwnDaemon(TempDaemon):
     """An opjitd with its own config, for attacks that need one."""
 
     def __init__(self, config="", args=()):
@@ -109,16 +109,7 @@ class OwnDaemon:
         with open(os.path.join(self.dir, "endpoints")) as f:
             self.tcp_address = [a for a in f.read().split() if not a.startswith("unix:")][0]
 
-    def read_log(self):
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
 
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-        self.log.close()
-        subprocess.run(["rm", "-rf", self.dir])
 
 
 @pytest.fixture

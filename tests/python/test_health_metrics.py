@@ -26,7 +26,7 @@ import pytest
 
 import opjit
 
-from conftest import opjitd_binary
+from conftest import TempDaemon, opjitd_binary
 
 SRC = r"""#include <cstdint>
 extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
@@ -43,7 +43,7 @@ SPEC = {"name": "twice", "inputs": [{"index": 0, "name": "x"}],
         "implementations": [{"target": "CPU", "source": SRC, "entry": "K"}]}
 
 
-class Daemon:
+class Daemon(TempDaemon):
     def __init__(self, config, copy_binaries=False):
         self.dir = tempfile.mkdtemp(prefix="opjit-hm-")
         binary = opjitd_binary()
@@ -92,16 +92,7 @@ class Daemon:
             time.sleep(0.1)
         raise AssertionError("health stayed %s, wanted %s:\n%s" % (got, want, self.read_log()[-3000:]))
 
-    def read_log(self):
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
 
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture
