@@ -434,10 +434,12 @@ int Run(int argc, char** argv) {
 
   // Health: the workers can be started and the store written.
   std::vector<HealthMonitor::Probe> probes;
-  probes.push_back({"compile workers", [p = copts.worker_path] { return ProbeExecutable(p); }});
+  // Starting a worker costs ~0.1 s of CPU: while serving, every 10th round.
+  probes.push_back(
+      {"compile workers", [p = copts.worker_path] { return ProbeExecutable(p); }, 10});
   if (cfg->isolation == "process") {
     probes.push_back({"executor workers",
-                      [p = ExeDir() + "/opjit-exec-worker"] { return ProbeExecutable(p); }});
+                      [p = ExeDir() + "/opjit-exec-worker"] { return ProbeExecutable(p); }, 10});
   }
   probes.push_back({"registry store", [r = registry->get()] { return r->ProbeStore(); }});
   rpc::GrpcServer* grpc_server = server->get();

@@ -19,7 +19,8 @@ namespace opjit {
 
 HealthMonitor::HealthMonitor(std::vector<Probe> probes, std::chrono::milliseconds interval,
                              std::function<void(bool, const std::string&)> on_change)
-    : probes_(std::move(probes)), interval_(interval), on_change_(std::move(on_change)) {
+    : probes_(std::move(probes)), interval_(interval), on_change_(std::move(on_change)),
+      last_errors_(probes_.size()) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -45,14 +46,19 @@ std::string HealthMonitor::why() const {
 void HealthMonitor::Loop() {
   auto log = Logger("health");
   std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
+  for (uint64_t round = 0; !stop_; ++round) {
+    const bool serving_before = serving_;
     lock.unlock();
     std::string why;
-    for (const Probe& p : probes_) {
-      absl::Status s = p.check();
-      if (!s.ok()) {
+    for (size_t i = 0; i < probes_.size(); ++i) {
+      const Probe& p = probes_[i];
+      if (!serving_before || p.every <= 1 || round % p.every == 0) {
+        absl::Status s = p.check();
+        last_errors_[i] = s.ok() ? "" : absl::StrCat(p.name, ": ", s.message());
+      }
+      if (!last_errors_[i].empty()) {
         if (!why.empty()) why += "; ";
-        absl::StrAppend(&why, p.name, ": ", s.message());
+        why += last_errors_[i];
       }
     }
     const bool serving = why.empty();

@@ -24,6 +24,10 @@ class HealthMonitor {
   struct Probe {
     std::string name;
     std::function<absl::Status()> check;
+    // While serving, the probe runs every `every`-th round (its last result
+    // stands in between): for probes that start a process. While not
+    // serving, every probe runs every round, so recovery shows at once.
+    int every = 1;
   };
 
   // Starts probing at once. `on_change(serving, why)` is called from the
@@ -51,6 +55,7 @@ class HealthMonitor {
   bool serving_ = true;
   bool reported_ = false;
   std::string why_;
+  std::vector<std::string> last_errors_;  // per probe; "" when it passed (monitor thread only)
   std::thread thread_;
 };
 

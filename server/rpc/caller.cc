@@ -58,7 +58,6 @@ access::PeerInfo PeerOf(const grpc::CallbackServerContext& ctx) {
 absl::StatusOr<std::shared_ptr<const access::Principal>> Authenticate(
     const CoreRefs& core, const grpc::CallbackServerContext& ctx) {
   if (core.access == nullptr) {
-    access::PeerInfo in_process;
     auto p = std::make_shared<access::Principal>();
     p->name = "local";
     p->role = access::Role::kAdmin;

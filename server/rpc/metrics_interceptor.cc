@@ -7,6 +7,7 @@
 #include <string>
 
 #include "server/metrics/metrics.h"
+#include "server/rpc/status_util.h"
 
 namespace opjit::rpc {
 namespace {
@@ -15,17 +16,6 @@ using grpc::experimental::InterceptionHookPoints;
 
 constexpr char kCalls[] = "opjit_rpc_calls_total";
 constexpr char kLatency[] = "opjit_rpc_latency_seconds";
-
-const char* CodeName(grpc::StatusCode code) {
-  static const char* const kNames[] = {
-      "OK",           "CANCELLED",          "UNKNOWN",        "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",     "ALREADY_EXISTS", "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",          "UNAVAILABLE",    "DATA_LOSS",
-      "UNAUTHENTICATED"};
-  const int c = static_cast<int>(code);
-  return c >= 0 && c <= 16 ? kNames[c] : "UNKNOWN";
-}
 
 std::string StringField(const google::protobuf::Message& m, const char* name) {
   const google::protobuf::FieldDescriptor* f = m.GetDescriptor()->FindFieldByName(name);
@@ -73,7 +63,7 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
       const grpc::Status status = m->GetSendStatus();
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-      metrics_->Inc(kCalls, {method_, ns_.empty() ? "default" : ns_, op_, CodeName(status.error_code())});
+      metrics_->Inc(kCalls, {method_, ns_.empty() ? "default" : ns_, op_, StatusCodeName(static_cast<absl::StatusCode>(status.error_code()))});
       metrics_->Observe(kLatency, {method_}, seconds);
     }
     m->Proceed();

@@ -114,7 +114,7 @@ grpc::ServerUnaryReactor* RegistryService::ListOps(grpc::CallbackServerContext* 
                                                    const v1::ListOpsRequest* req,
                                                    v1::ListOpsResponse* resp) {
   // No namespace: every namespace the caller sees.
-  const std::string ns = req->namespace_().empty() ? "" : req->namespace_();
+  const std::string& ns = req->namespace_();
   auto caller = ns.empty() ? Authenticate(core_, *ctx)
                            : Admit(core_, *ctx, ns, access::Action::kDescribe);
   if (!caller.ok()) return FinishNow(ctx, caller.status());

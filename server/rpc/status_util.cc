@@ -19,7 +19,9 @@ constexpr char kErrorInfoType[] = "type.googleapis.com/google.rpc.ErrorInfo";
 constexpr char kDiagnosticsType[] = "type.googleapis.com/opjit.v1.CompileDiagnostics";
 constexpr size_t kMaxDiagnostics = 200;
 
-const char* CodeName(absl::StatusCode code) {
+}  // namespace
+
+const char* StatusCodeName(absl::StatusCode code) {
   switch (code) {
     case absl::StatusCode::kOk: return "OK";
     case absl::StatusCode::kCancelled: return "CANCELLED";
@@ -41,6 +43,8 @@ const char* CodeName(absl::StatusCode code) {
     default: return "UNKNOWN";
   }
 }
+
+namespace {
 
 bool AllDigits(absl::string_view s) {
   if (s.empty() || s.size() > 9) return false;
@@ -94,7 +98,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
     info.set_reason(r->reason);
     for (const auto& [k, v] : r->metadata) (*info.mutable_metadata())[k] = v;
   } else {
-    info.set_reason(CodeName(status.code()));
+    info.set_reason(StatusCodeName(status.code()));
   }
   auto* any = rich.add_details();
   any->set_type_url(kErrorInfoType);

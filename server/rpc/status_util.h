@@ -19,6 +19,9 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // Answers a callback unary call now with `status`.
 grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl::Status& status);
 
+// "INVALID_ARGUMENT" etc.: the status code's canonical name.
+const char* StatusCodeName(absl::StatusCode code);
+
 // The namespace a request names, or "default" when it names none.
 std::string NamespaceOrDefault(const std::string& ns);
 
