@@ -157,7 +157,8 @@ class Daemon:
 
 
 def children(pid):
-    """{pid: comm} of the processes whose parent is `pid`."""
+    """{pid: comm} of the processes whose parent is `pid`, less the health
+    monitor's short-lived "--probe" runs of the worker programs."""
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -168,8 +169,15 @@ def children(pid):
         except OSError:
             continue
         close = stat.rfind(")")
-        if int(stat[close + 2:].split()[1]) == pid:
-            out[int(name)] = stat[stat.find("(") + 1:close]
+        if int(stat[close + 2:].split()[1]) != pid:
+            continue
+        try:
+            with open("/proc/%s/cmdline" % name, "rb") as f:
+                if b"--probe" in f.read():
+                    continue
+        except OSError:
+            continue
+        out[int(name)] = stat[stat.find("(") + 1:close]
     return out
 
 

@@ -44,7 +44,8 @@ std::vector<float> Floats(const std::string& bytes) {
 }
 
 // The children of `pid` whose command is the executor, with their CPU time
-// (utime + stime, in clock ticks).
+// (utime + stime, in clock ticks). The health monitor's short-lived
+// "opjit-exec-worker --probe" children are not executors and are left out.
 std::map<pid_t, long> ExecWorkers(pid_t daemon) {
   std::map<pid_t, long> out;
   for (const auto& e : std::filesystem::directory_iterator("/proc")) {
@@ -61,7 +62,11 @@ std::map<pid_t, long> ExecWorkers(pid_t daemon) {
     rest >> state >> ppid;
     for (int i = 0; i < 9; ++i) rest >> skip;
     rest >> utime >> stime;
-    if (ppid == daemon) out[std::stoi(name)] = utime + stime;
+    if (ppid != daemon) continue;
+    std::ifstream cmd(e.path() / "cmdline");
+    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
+    if (argv.find("--probe") != std::string::npos) continue;
+    out[std::stoi(name)] = utime + stime;
   }
   return out;
 }
