@@ -181,7 +181,12 @@ std::string FormatList(const std::vector<T>& v, F format_one) {
 
 std::string FormatInt(int64_t v) { return std::to_string(v); }
 std::string FormatBool(bool v) { return v ? "true" : "false"; }
-std::string FormatListDouble(double d) { return FormatDouble(d, /*force_point=*/false); }
+// In a JSON list a bare "-0" reads back as the integer 0, so negative zero
+// keeps its point; every other integral value stays short ("[1, 2]").
+std::string FormatListDouble(double d) {
+  if (d == 0 && std::signbit(d)) return "-0.0";
+  return FormatDouble(d, /*force_point=*/false);
+}
 
 }  // namespace
 

@@ -100,13 +100,19 @@ TEST(AttrValueTest, FormatRoundTrips) {
       AttrValue(std::vector<std::vector<int64_t>>{{1, 2}, {}, {3}}),
       AttrValue(std::vector<std::vector<double>>{{0.5, 0.25}, {1}}),
       AttrValue(std::vector<std::string>{}),
+      // Negative zero (found by fuzz_attr): "[-0]" would read back as int 0.
+      AttrValue(-0.0),
+      AttrValue(std::vector<double>{-0.0, 0.0}),
+      AttrValue(std::vector<std::vector<double>>{{-0.0}}),
   };
   for (const AttrValue& v : values) {
     std::string text = FormatAttrValue(v);
     auto back = ParseAttrValue(ValueTypeOf(v), text);
     ASSERT_TRUE(back.ok()) << text << ": " << back.status();
     EXPECT_EQ(*back, v) << text;
+    EXPECT_EQ(FormatAttrValue(*back), text);  // the text is stable too
   }
+  EXPECT_EQ(FormatAttrValue(AttrValue(std::vector<double>{-0.0, 1})), "[-0.0, 1]");
   EXPECT_EQ(FormatAttrValue(AttrValue(3.0)), "3.0");
   EXPECT_EQ(FormatAttrValue(AttrValue(0.1)), "0.1");
   EXPECT_EQ(FormatAttrValue(AttrValue(std::vector<int64_t>{1, 2})), "[1, 2]");
