@@ -129,6 +129,7 @@ absl::StatusOr<std::unique_ptr<CompileBackend>> MakeCpuBackend(const KernelCompi
   copts.kernel_include_dir = options.kernel_include_dir;
   copts.extra_include_dirs = options.extra_include_dirs;
   copts.pch_dir = options.cache_dir + "/pch";
+  copts.pch_max_bytes = options.disk_bytes;  // PCHs are bounded like the cache they serve
   copts.recycle_after_compiles = options.recycle_after_compiles;
   copts.recycle_memory_bytes = options.recycle_memory_bytes;
   copts.long_after_ms = options.long_after_ms;

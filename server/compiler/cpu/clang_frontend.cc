@@ -11,6 +11,7 @@
 // real file system.
 
 #include "server/compiler/cpu/clang_frontend.h"
+#include "server/compiler/cpu/preamble.h"
 
 #include <stdio.h>
 #include <unistd.h>
@@ -302,7 +303,7 @@ struct ClangFrontend::Impl {
   };
 
   // The driver command line. Compiles load `pch_path` when it is not empty;
-  // a PCH build (`for_pch`) writes `pch_path` instead, from the prelude.
+  // a PCH build (`for_pch`) writes `pch_path` instead, from the preamble header.
   // Both share every flag but the input and the action, as PCH use requires.
   std::vector<std::string> DriverArgs(const ipc::WorkerRequest& req, bool for_pch,
                                       const std::string& pch_path) const {
@@ -317,7 +318,10 @@ struct ClangFrontend::Impl {
     const std::vector<std::string>& opts = for_pch ? req.pch_options : req.options;
     a.insert(a.end(), opts.begin(), opts.end());
     for (const std::string& d : req.include_dirs) a.insert(a.end(), {"-I", d});
-    if (!for_pch && !pch_path.empty()) a.insert(a.end(), {"-include-pch", pch_path});
+    if (!for_pch && !pch_path.empty()) {
+      // A header touched but unchanged keeps the PCH valid.
+      a.insert(a.end(), {"-include-pch", pch_path, "-fpch-validate-input-files-content"});
+    }
     if (for_pch) {
       a.insert(a.end(), {req.prelude_path, "-o", pch_path});
     } else {
@@ -422,8 +426,11 @@ struct ClangFrontend::Impl {
     std::shared_ptr<clang::CompilerInvocation> inv =
         MakeInvocation(DriverArgs(req, /*for_pch=*/false, pch_path), diag_os);
     if (inv == nullptr) return at;
+    // With the PCH, the preamble it stands for is blanked (lines stay put).
+    const std::string source =
+        pch_path.empty() ? req.source : BlankPreamble(req.source, req.preamble_bytes);
     inv->getPreprocessorOpts().addRemappedFile(
-        req.file_name, llvm::MemoryBuffer::getMemBufferCopy(req.source, req.file_name).release());
+        req.file_name, llvm::MemoryBuffer::getMemBufferCopy(source, req.file_name).release());
     std::vector<std::string> extra_files;
     if (!pch_path.empty()) extra_files = {pch_path, req.prelude_path};
 

@@ -31,6 +31,7 @@
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/cpu/ipc.h"
+#include "server/compiler/cpu/preamble.h"
 
 extern char** environ;
 
@@ -41,48 +42,7 @@ namespace fs = std::filesystem;
 
 // Bumped when the worker changes the object it produces for the same
 // toolchain (flags, ctor lowering, ...). Part of ToolchainId.
-constexpr char kObjectAbi[] = "opjit-cpu-object-1";
-
-// The headers precompiled for C++ compiles, two preludes. Measured (worker
-// time, cold compile, 2 busy cores): a <cmath> kernel takes ~34 ms with the
-// small prelude and ~70 ms with the large one (every header in a PCH costs
-// each compile that loads it), while a kernel that includes
-// custom_aot_extra.h (<string>, <vector>) takes ~180 ms with the small one and
-// ~85 ms with the large one. So each compile gets the small prelude unless
-// its source includes anything beyond the small set.
-constexpr const char* kPreludes[] = {
-    "#include <cmath>\n#include <cstdint>\n",
-    "#include <cmath>\n#include <cstdint>\n#include <cstring>\n#include <string>\n"
-    "#include <vector>\n#include <algorithm>\n#include <utility>\n#include <type_traits>\n",
-};
-
-// Whether `source` includes something the small prelude does not cover.
-// A textual scan of the main file's #include lines; a wrong guess costs time,
-// never correctness.
-bool NeedsLargePrelude(const std::string& source) {
-  static const char* const kSmall[] = {"cmath",    "cstdint", "math.h",  "stdint.h", "cstddef",
-                                       "stddef.h", "cfloat",  "float.h", "climits",  "limits.h"};
-  size_t pos = 0;
-  while (pos < source.size()) {
-    size_t end = source.find('\n', pos);
-    if (end == std::string::npos) end = source.size();
-    std::string_view line(source.data() + pos, end - pos);
-    pos = end + 1;
-    size_t i = line.find_first_not_of(" \t");
-    if (i == std::string_view::npos || line[i] != '#') continue;
-    i = line.find_first_not_of(" \t", i + 1);
-    if (i == std::string_view::npos || line.substr(i, 7) != "include") continue;
-    size_t open = line.find_first_of("<\"", i + 7);
-    if (open == std::string_view::npos) return true;  // a macro include: be safe
-    size_t close = line.find_first_of(">\"", open + 1);
-    std::string_view name = line.substr(
-        open + 1, close == std::string_view::npos ? std::string_view::npos : close - open - 1);
-    bool small = false;
-    for (const char* k : kSmall) small |= name == k;
-    if (!small) return true;
-  }
-  return false;
-}
+constexpr char kObjectAbi[] = "opjit-cpu-object-2";  // 2: exact preambles, no prelude
 
 constexpr absl::Duration kStartupTimeout = absl::Seconds(20);
 
@@ -120,16 +80,12 @@ bool IsOptionAllowed(const std::string& o) {
 }
 
 // The options a PCH must be built with to be loadable by a compile with
-// `options`. Warnings do not matter; neither do macros outside the
-// implementation's reserved namespace, which no standard header reacts to
-// (clang appends them after the PCH, like the command line does).
+// `options`. Warnings do not matter (a PCH's own warnings are not shown).
+// Every macro does: the preamble is the user's own, and may test them.
 std::vector<std::string> PchOptions(const std::vector<std::string>& options) {
   std::vector<std::string> out;
   for (const std::string& o : options) {
     if (o == "-w" || absl::StartsWith(o, "-W")) continue;
-    if ((absl::StartsWith(o, "-D") || absl::StartsWith(o, "-U")) && o.size() > 2 && o[2] != '_') {
-      continue;
-    }
     out.push_back(o);
   }
   return out;
@@ -279,75 +235,88 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
     c->live_ = 1;
   }
   const ipc::Hello& h = worker->hello;
-  c->base_id_ = absl::StrCat("clang=", h.clang_version, "; triple=", h.triple, "; cpu=", h.cpu,
-                             "; features=", absl::StrJoin(h.features, ","),
-                             "; flags=", h.fixed_flags, "; abi=", kObjectAbi);
-  std::string prelude_hash = "none";
-
+  c->toolchain_id_ = absl::StrCat(
+      "clang=", h.clang_version, "; triple=", h.triple, "; cpu=", h.cpu,
+      "; features=", absl::StrJoin(h.features, ","), "; flags=", h.fixed_flags,
+      "; abi=", kObjectAbi, "; include=", c->kernel_include_dir_, ",",
+      absl::StrJoin(c->allowed_extra_dirs_, ","));
   if (!options.pch_dir.empty()) {
-    absl::Status s;
     std::error_code ec;
     fs::create_directories(options.pch_dir, ec);
-    std::string preludes_sha = Sha256Hex(absl::StrCat(kPreludes[0], "\n--\n", kPreludes[1]));
     if (ec) {
-      s = absl::UnavailableError(
-          absl::StrCat("cannot create ", options.pch_dir, ": ", ec.message()));
-    }
-    for (int k = 0; k < 2 && s.ok(); ++k) {
-      fs::path prelude = fs::path(Normalize(options.pch_dir)) /
-                         absl::StrCat("prelude-", Sha256Hex(kPreludes[k]).substr(0, 16), ".h");
-      s = WriteFileIfChanged(prelude, kPreludes[k]);
-      if (!s.ok()) break;
-      c->prelude_paths_[k] = prelude.string();
-      std::string pch = c->PchPathFor(k, {});
-      if (fs::exists(pch)) continue;
-      absl::Time start = absl::Now();
-      ipc::WorkerRequest req;
-      req.mode = ipc::RequestMode::kBuildPch;
-      req.file_name = "prelude.h";
-      if (!c->kernel_include_dir_.empty()) req.include_dirs.push_back(c->kernel_include_dir_);
-      req.pch_path = pch;
-      req.prelude_path = c->prelude_paths_[k];
-      bool long_lane = false;
-      absl::StatusOr<CpuCompileOutput> built =
-          c->Run(&worker, ipc::Encode(req), "the PCH prelude", /*allow_long=*/false, &long_lane);
-      if (built.ok()) {
-        log->info("built the prelude PCH {} in {:.0f} ms", pch,
-                  absl::ToDoubleMilliseconds(absl::Now() - start));
-      } else {
-        s = built.status();
-      }
-      if (worker == nullptr) {
-        {
-          std::lock_guard<std::mutex> lock(c->mu_);
-          --c->live_;
-          ++c->dead_;
-        }
-        if (s.ok()) {
-          OPJIT_ASSIGN_OR_RETURN(worker, c->Acquire());
-        }
-      }
-    }
-    if (s.ok()) prelude_hash = preludes_sha;
-    if (!s.ok()) {
-      log->warn("compiling without a PCH: {}", s.ToString());
-      c->prelude_paths_[0].clear();
-      c->prelude_paths_[1].clear();
-      prelude_hash = "none";
+      log->warn("compiling without PCHs: cannot create the PCH directory: {}", ec.message());
+    } else {
+      c->pch_dir_ = Normalize(options.pch_dir);
     }
   }
-  c->toolchain_id_ = absl::StrCat(c->base_id_, "; prelude=", prelude_hash);
-  if (worker != nullptr) c->Release(std::move(worker));
-  log->info("CPU compiler ready: {} workers max, worker {}, PCH {}", options.num_workers,
-            c->worker_path_, c->prelude_paths_[0].empty() ? "off" : options.pch_dir);
+  c->Release(std::move(worker));
+  log->info("CPU compiler ready: {} workers max, worker {}, preamble PCHs {}",
+            options.num_workers, c->worker_path_, c->pch_dir_.empty() ? "off" : c->pch_dir_);
   return c;
 }
 
-std::string CpuCompiler::PchPathFor(int prelude,
-                                    const std::vector<std::string>& pch_options) const {
-  std::string key = Sha256Hex(
-      absl::StrCat(base_id_, "\n", kPreludes[prelude], "\n", absl::StrJoin(pch_options, "\n")));
-  return (fs::path(Normalize(options_.pch_dir)) / absl::StrCat(key.substr(0, 32), ".pch")).string();
+std::string CpuCompiler::PchKeyFor(const std::string& directives,
+                                   const std::vector<std::string>& pch_options,
+                                   const std::vector<std::string>& include_dirs) const {
+  return Sha256Hex(absl::StrCat(toolchain_id_, "\n", absl::StrJoin(include_dirs, "\x1f"), "\n",
+                                absl::StrJoin(pch_options, "\x1f"), "\n", directives))
+      .substr(0, 32);
+}
+
+void CpuCompiler::NotePchUse(const std::string& key, bool existed) {
+  const fs::path dir(pch_dir_);
+  std::error_code ec;
+  if (existed) {
+    // Least recently used goes first: a use is a new mtime.
+    fs::last_write_time(dir / (key + ".pch"), fs::file_time_type::clock::now(), ec);
+    return;
+  }
+  if (!fs::exists(dir / (key + ".pch"), ec)) return;  // not built (a failing preamble)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.pch_built;
+  }
+  std::lock_guard<std::mutex> lock(evict_mu_);
+  struct Entry {
+    fs::file_time_type mtime;
+    uint64_t bytes;
+    fs::path path;
+  };
+  std::vector<Entry> pchs;
+  uint64_t total = 0;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().extension() != ".pch") continue;
+    std::error_code e1, e2;
+    Entry en{e.last_write_time(e1), e.file_size(e2), e.path()};
+    if (e1 || e2) continue;
+    total += en.bytes;
+    pchs.push_back(std::move(en));
+  }
+  std::sort(pchs.begin(), pchs.end(),
+            [](const Entry& a, const Entry& b) { return a.mtime < b.mtime; });
+  size_t count = pchs.size();
+  uint64_t evicted = 0;
+  for (const Entry& e : pchs) {
+    if (count <= static_cast<size_t>(std::max(1, options_.pch_max_files)) &&
+        total <= options_.pch_max_bytes) {
+      break;
+    }
+    if (e.path.stem() == key) continue;  // the one just built stays
+    // A worker that has it open keeps reading it; one that finds it gone
+    // builds it again.
+    fs::remove(e.path, ec);
+    fs::path header = e.path;
+    fs::remove(header.replace_extension(".h"), ec);
+    --count;
+    total -= e.bytes;
+    ++evicted;
+  }
+  if (evicted > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.pch_evicted += evicted;
+    Logger("compiler")->debug("evicted {} preamble PCHs ({} left, {} MiB)", evicted, count,
+                              total >> 20);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() {
@@ -726,11 +695,30 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
     }
     req.include_dirs.push_back(n);
   }
-  if (request.language == Language::kCxx && !prelude_paths_[0].empty()) {
-    int prelude = NeedsLargePrelude(request.source) ? 1 : 0;
-    req.pch_options = PchOptions(request.options);
-    req.pch_path = PchPathFor(prelude, req.pch_options);
-    req.prelude_path = prelude_paths_[prelude];
+  if (request.extra_include_dirs.empty()) {
+    req.include_dirs.insert(req.include_dirs.end(), allowed_extra_dirs_.begin(),
+                            allowed_extra_dirs_.end());
+  }
+  // The source's own leading #include block, precompiled once per content.
+  std::string pch_key;
+  bool pch_existed = false;
+  if (request.language == Language::kCxx && !pch_dir_.empty()) {
+    Preamble preamble = ComputePreamble(request.source);
+    if (preamble.has_include) {
+      req.pch_options = PchOptions(request.options);
+      pch_key = PchKeyFor(preamble.directives, req.pch_options, req.include_dirs);
+      const fs::path header = fs::path(pch_dir_) / (pch_key + ".h");
+      if (absl::Status w = WriteFileIfChanged(header, preamble.directives); w.ok()) {
+        req.pch_path = (fs::path(pch_dir_) / (pch_key + ".pch")).string();
+        req.prelude_path = header.string();
+        req.preamble_bytes = static_cast<uint32_t>(preamble.bytes);
+        std::error_code ec;
+        pch_existed = fs::exists(req.pch_path, ec);
+      } else {
+        Logger("compiler")->warn("compiling without a PCH: {}", w.ToString());
+        pch_key.clear();
+      }
+    }
   }
   std::string payload = ipc::Encode(req);
 
@@ -739,6 +727,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
   absl::StatusOr<CpuCompileOutput> out =
       Run(&worker, payload, req.file_name, /*allow_long=*/true, &long_lane);
   FinishWith(std::move(worker), long_lane);
+  if (!pch_key.empty()) NotePchUse(pch_key, pch_existed);
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.compiles;

@@ -36,6 +36,7 @@ struct CpuCompileRequest {
   std::vector<std::string> options;
   // Must be a subset of CpuCompilerOptions::extra_include_dirs, else
   // INVALID_ARGUMENT. Searched after kernel_include_dir, in this order.
+  // Empty: every configured one, in the configuration's order.
   std::vector<std::string> extra_include_dirs;
 };
 
@@ -60,10 +61,15 @@ struct CpuCompilerOptions {
   uint64_t memory_limit_bytes = 2ull << 30;
   // opjit's kernel headers (custom_aot_extra.h); always on the include path.
   std::string kernel_include_dir;
-  // Extra include directories a request may name (from the server config).
+  // Extra include directories (from the server config): on every compile's
+  // include path unless a request names a subset; read-only to workers.
   std::vector<std::string> extra_include_dirs;
-  // Where the prelude PCH is built and kept; empty = no PCH.
+  // Where preamble PCHs are built and kept (see preamble.h); empty = no PCH.
+  // At most pch_max_files of them and pch_max_bytes in all; the least
+  // recently used go first.
   std::string pch_dir;
+  int pch_max_files = 64;
+  uint64_t pch_max_bytes = 2ull << 30;
   // A worker is replaced after this many compiles, or once its address space
   // passes recycle_memory_bytes (clang's process grows ~1.5 MB per compile),
   // so that it is retired before the memory limit fails an innocent compile.
@@ -83,8 +89,7 @@ struct CpuCompilerOptions {
 // has answered. Destroy only after every Compile() call has returned.
 class CpuCompiler {
  public:
-  // Starts one worker (to learn the toolchain) and, when pch_dir is set,
-  // makes sure the default PCH exists. Errors: UNAVAILABLE when no worker
+  // Starts one worker (to learn the toolchain). Errors: UNAVAILABLE when no worker
   // starts; INVALID_ARGUMENT for bad options.
   static absl::StatusOr<std::unique_ptr<CpuCompiler>> Create(const CpuCompilerOptions& options);
   ~CpuCompiler();
@@ -102,8 +107,8 @@ class CpuCompiler {
 
   // Everything about the toolchain that changes output bytes, for cache keys:
   // clang version, target triple, host CPU name, sorted target features,
-  // fixed flags, the object ABI version and the PCH prelude's hash. Stable
-  // across runs on one machine.
+  // fixed flags, the object ABI version and the extra include dirs. Stable
+  // across runs on one machine. (PCHs never change output: not part of it.)
   const std::string& ToolchainId() const { return toolchain_id_; }
 
   struct Stats {
@@ -115,6 +120,8 @@ class CpuCompiler {
     uint64_t recycled = 0;         // healthy workers retired (compile count or size)
     uint64_t killed_outside = 0;   // workers killed by a signal opjitd did not send
     uint64_t long_compiles = 0;    // compiles moved to the long lane
+    uint64_t pch_built = 0;        // preamble PCHs built
+    uint64_t pch_evicted = 0;      // preamble PCHs removed to stay in bounds
   };
   Stats GetStats() const;
 
@@ -142,17 +149,22 @@ class CpuCompiler {
   // it died), its slot or long-lane place. Recycles healthy workers that are
   // past their compile count or size.
   void FinishWith(std::unique_ptr<Worker> worker, bool long_lane);
-  // The PCH file for prelude 0 (small) or 1 (large) and a request's options.
-  std::string PchPathFor(int prelude, const std::vector<std::string>& pch_options) const;
+  // The PCH (and its header) for a preamble, a request's options and
+  // include dirs: <pch_dir>/<key>.pch and <key>.h, keyed by all of them and
+  // the toolchain.
+  std::string PchKeyFor(const std::string& directives, const std::vector<std::string>& pch_options,
+                        const std::vector<std::string>& include_dirs) const;
+  // Marks a PCH as used (LRU by mtime) or, when it is new, removes the least
+  // recently used ones past the bounds.
+  void NotePchUse(const std::string& key, bool existed);
 
   // Constant after Create().
   CpuCompilerOptions options_;
   std::string kernel_include_dir_;               // normalised
   std::vector<std::string> allowed_extra_dirs_;  // normalised
   std::string worker_path_;
-  std::string base_id_;  // the toolchain without the PCH prelude
   std::string toolchain_id_;
-  std::string prelude_paths_[2];  // small, large; empty: PCH disabled
+  std::string pch_dir_;  // normalised; empty: PCH disabled
   std::unique_ptr<SpawnThread> spawner_;  // starts every worker (PDEATHSIG)
 
   mutable std::mutex mu_;
@@ -163,6 +175,7 @@ class CpuCompiler {
   int long_ ABSL_GUARDED_BY(mu_) = 0;  // compiles in the long lane (not in live_)
   Stats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> warned_pch_ ABSL_GUARDED_BY(mu_);
+  std::mutex evict_mu_;  // one eviction pass at a time
 };
 
 }  // namespace opjit::compiler

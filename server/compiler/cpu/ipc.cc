@@ -173,6 +173,7 @@ std::string Encode(const WorkerRequest& m) {
   w.Str(m.pch_path);
   w.Str(m.prelude_path);
   w.Strs(m.pch_options);
+  w.U32(m.preamble_bytes);
   return w.Take();
 }
 
@@ -217,7 +218,11 @@ absl::StatusOr<WorkerRequest> DecodeRequest(const std::string& payload) {
   r.Str(&m.pch_path);
   r.Str(&m.prelude_path);
   r.Strs(&m.pch_options);
+  r.U32(&m.preamble_bytes);
   if (absl::Status s = r.Finish("request"); !s.ok()) return s;
+  if (m.preamble_bytes > m.source.size()) {
+    return absl::InvalidArgumentError("preamble_bytes past the end of the source");
+  }
   if (mode != static_cast<uint8_t>(RequestMode::kCompile) &&
       mode != static_cast<uint8_t>(RequestMode::kBuildPch)) {
     return absl::InvalidArgumentError("unknown request mode");

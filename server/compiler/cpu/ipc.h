@@ -25,7 +25,7 @@
 namespace opjit::compiler::ipc {
 
 // Bumped whenever a message layout changes; both ends must agree.
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 // Frames larger than this are refused (an object file is far smaller).
 inline constexpr uint32_t kMaxFrameBytes = 512u << 20;
 
@@ -61,6 +61,9 @@ struct WorkerRequest {
   std::string pch_path;
   std::string prelude_path;
   std::vector<std::string> pch_options;  // the user options the PCH is built with
+  // Bytes at the start of `source` the PCH stands for (its preamble, see
+  // preamble.h): blanked when the PCH is used, compiled as they are when not.
+  uint32_t preamble_bytes = 0;
 };
 
 enum class ResponseKind : uint8_t {

@@ -308,8 +308,11 @@ TEST_F(CpuCompilerTest, RefusesOptionsAndDirectoriesOutsideTheConfig) {
   EXPECT_EQ(c->Compile(r).status().code(), absl::StatusCode::kInvalidArgument);
   r.extra_include_dirs = {extra_dir_};
   EXPECT_TRUE(c->Compile(r).ok());
+  // Naming none: every configured directory is on the path (issue 16: the
+  // config's extra_include_dirs reach every compile).
   r.extra_include_dirs = {};
-  EXPECT_EQ(c->Compile(r).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+  EXPECT_TRUE(out.ok()) << out.status();
 }
 
 TEST_F(CpuCompilerTest, ForbiddenIncludesAreNotFoundAndNotQuoted) {
@@ -593,9 +596,16 @@ TEST_F(CpuCompilerTest, ToolchainIdIsStable) {
   EXPECT_EQ(a->ToolchainId(), b->ToolchainId());
   EXPECT_TRUE(absl::StrContains(a->ToolchainId(), "16.")) << a->ToolchainId();
   EXPECT_TRUE(absl::StrContains(a->ToolchainId(), "x86_64")) << a->ToolchainId();
+  // A PCH never changes what a source means, so it is not part of the key;
+  // the include path is.
   auto no_pch = Make(Options(/*pch=*/false));
   ASSERT_NE(no_pch, nullptr);
-  EXPECT_NE(a->ToolchainId(), no_pch->ToolchainId());
+  EXPECT_EQ(a->ToolchainId(), no_pch->ToolchainId());
+  CpuCompilerOptions other = Options();
+  other.extra_include_dirs.clear();
+  auto fewer_dirs = Make(other);
+  ASSERT_NE(fewer_dirs, nullptr);
+  EXPECT_NE(a->ToolchainId(), fewer_dirs->ToolchainId());
 }
 
 TEST_F(CpuCompilerTest, ConcurrentCompilesShareTwoWorkers) {
@@ -619,44 +629,118 @@ TEST_F(CpuCompilerTest, ConcurrentCompilesShareTwoWorkers) {
   EXPECT_EQ(c->GetStats().failures, 0u);
 }
 
-TEST_F(CpuCompilerTest, PchIsReusedRebuiltWhenCorruptAndKeyedByOptions) {
+std::vector<fs::path> PchFiles(const std::string& dir) {
+  std::vector<fs::path> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() == ".pch") out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST_F(CpuCompilerTest, NoHiddenPrelude) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  // An older MindSpore kernel that defines its own int64_t (clang++ and g++
+  // build it; a hidden <cstdint> would make it a redefinition).
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(
+      Cxx("#include <string.h>\ntypedef long long int64_t;\n"
+          "extern \"C\" int CustomAdd(int nparam, void** params, int* ndims, int64_t** shapes,\n"
+          "                           const char** dtypes, void* stream, void* extra) {\n"
+          "  memcpy(params[2], params[0], sizeof(float));\n  return 0;\n}\n"));
+  ASSERT_TRUE(out.ok()) << out.status();
+  // A kernel that forgets an include fails here as it would anywhere else.
+  out = c->Compile(Cxx("extern \"C\" float F(float x) { return std::sqrt(x); }\n"));
+  ASSERT_FALSE(out.ok());
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "undeclared identifier 'std'"))
+      << out.status();
+}
+
+TEST_F(CpuCompilerTest, PreamblePchIsSharedReusedAndRebuiltWhenCorrupt) {
   TempDir pch;
   CpuCompilerOptions o = Options();
   o.pch_dir = pch.path();
-  auto pch_files = [&] {
-    std::vector<fs::path> out;
-    for (const auto& e : fs::directory_iterator(pch.path())) {
-      if (e.path().extension() == ".pch") out.push_back(e.path());
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-  };
-  {
-    auto c = Make(o);
-    ASSERT_NE(c, nullptr);
-  }
-  std::vector<fs::path> pchs = pch_files();
-  ASSERT_EQ(pchs.size(), 2u) << "the small and the large prelude";
-  std::vector<fs::file_time_type> mtimes;
-  for (const fs::path& p : pchs) mtimes.push_back(fs::last_write_time(p));
   auto c = Make(o);
   ASSERT_NE(c, nullptr);
-  for (size_t i = 0; i < pchs.size(); ++i) {
-    EXPECT_EQ(fs::last_write_time(pchs[i]), mtimes[i]) << "reused, not rebuilt";
-  }
-
-  for (const fs::path& p : pchs) std::ofstream(p, std::ios::trunc) << "garbage";
-  absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(kCmathKernel));
+  EXPECT_TRUE(PchFiles(pch.path()).empty()) << "nothing is precompiled ahead of use";
+  // Two different kernels, the same include block (comments differ).
+  absl::StatusOr<CpuCompileOutput> out =
+      c->Compile(Cxx("// first\n#include <cmath>\n#include <vector>\n\n"
+                     "extern \"C\" float F(float x) { return std::sqrt(x); }\n"));
   ASSERT_TRUE(out.ok()) << out.status();
-  out = c->Compile(Cxx(kStdKernel));
+  std::vector<fs::path> pchs = PchFiles(pch.path());
+  ASSERT_EQ(pchs.size(), 1u);
+  EXPECT_EQ(ReadFile(pchs[0].replace_extension(".h")), "#include <cmath>\n#include <vector>\n");
+  pchs = PchFiles(pch.path());
+  const auto built_at = fs::last_write_time(pchs[0]);
+  out = c->Compile(Cxx("/* second */\n#include <cmath>\n#include <vector> // vectors\n"
+                       "std::vector<float> v;\nextern \"C\" float G(float x) { return std::exp(x); }\n"));
   ASSERT_TRUE(out.ok()) << out.status();
-  for (const fs::path& p : pchs) EXPECT_GT(fs::file_size(p), 1000u) << p << " rebuilt";
+  EXPECT_EQ(PchFiles(pch.path()).size(), 1u) << "the same preamble shares one PCH";
+  EXPECT_EQ(c->GetStats().pch_built, 1u);
+  EXPECT_GE(fs::last_write_time(pchs[0]), built_at) << "a use refreshes its LRU stamp";
 
-  CpuCompileRequest r = Cxx(kCmathKernel);
-  r.options = {"-O2", "-DBLOCK=4", "-Wall"};
+  std::ofstream(pchs[0], std::ios::trunc) << "garbage";
+  out = c->Compile(Cxx("#include <cmath>\n#include <vector>\nint h;\n"));
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_GT(fs::file_size(pchs[0]), 1000u) << "rebuilt";
+
+  // Options that change what the headers mean get their own PCH; macros
+  // too, since a preamble may test them. Warnings do not.
+  CpuCompileRequest r = Cxx("#include <cmath>\n#include <vector>\nint k;\n");
+  r.options = {"-Wall"};
+  ASSERT_TRUE(c->Compile(r).ok());
+  EXPECT_EQ(PchFiles(pch.path()).size(), 1u);
+  r.options = {"-O2"};
+  ASSERT_TRUE(c->Compile(r).ok());
+  r.options = {"-DBLOCK=4"};
+  ASSERT_TRUE(c->Compile(r).ok());
+  EXPECT_EQ(PchFiles(pch.path()).size(), 3u);
+}
+
+TEST_F(CpuCompilerTest, PreambleKeepsLinesMacrosAndConditionals) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  CpuCompileRequest r = Cxx(
+      "#define WIDTH 4\n#ifdef __cplusplus\n#include <cmath>\n#else\n#include <math.h>\n"
+      "#endif\n#include \"mylib.h\"\n"
+      "static_assert(WIDTH == 4, \"macro from the preamble\");\n"
+      "extern \"C\" int F() { return MyLib() + WIDTH; }\n"
+      "int bad() { return undeclared; }\n");
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+  ASSERT_FALSE(out.ok());
+  // Line 10 of the user's text, whatever the PCH stands in for.
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "kernel.cc:10:")) << out.status();
+  r.source = r.source.substr(0, r.source.find("int bad()"));
   out = c->Compile(r);
   ASSERT_TRUE(out.ok()) << out.status();
-  EXPECT_EQ(pch_files().size(), 3u) << "-O2 gets its own PCH; -D and -W do not";
+  EXPECT_TRUE(HasSymbol(out->object, "F", /*defined=*/true));
+  // A preamble the PCH cannot take (an unknown header) fails as a plain
+  // compile would, naming the user's line.
+  out = c->Compile(Cxx("#include <cmath>\n#include <no_such_header.h>\nint x;\n"));
+  ASSERT_FALSE(out.ok());
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "kernel.cc:2:10: fatal error")) << out.status();
+}
+
+TEST_F(CpuCompilerTest, OldPchsAreEvicted) {
+  TempDir pch;
+  CpuCompilerOptions o = Options();
+  o.pch_dir = pch.path();
+  o.pch_max_files = 2;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  for (const char* header : {"<cmath>", "<vector>", "<string>", "<map>"}) {
+    absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(absl::StrCat("#include ", header, "\nint x;\n")));
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_LE(PchFiles(pch.path()).size(), 2u);
+  }
+  EXPECT_EQ(c->GetStats().pch_built, 4u);
+  EXPECT_EQ(c->GetStats().pch_evicted, 2u);
+  // The newest stays: its header is the last one's.
+  std::vector<fs::path> left = PchFiles(pch.path());
+  bool has_map = false;
+  for (fs::path p : left) has_map |= ReadFile(p.replace_extension(".h")) == "#include <map>\n";
+  EXPECT_TRUE(has_map);
 }
 
 double TimeMs(const std::function<void()>& fn) {
@@ -711,7 +795,7 @@ TEST_F(CpuCompilerTest, MeasureColdCompileTimes) {
     ASSERT_TRUE(out.ok()) << out.status();
     aot_ms.push_back(out->compile_ms);
   }
-  std::printf("[ MEASURE  ] kernel with <string>/<vector> (large prelude): worker %.1f ms\n",
+  std::printf("[ MEASURE  ] kernel with <string>/<vector>: worker %.1f ms\n",
               median(aot_ms));
   std::printf(
       "[ MEASURE  ] cold <cmath> kernel, median of %d: with PCH %.1f ms (worker %.1f ms), "
