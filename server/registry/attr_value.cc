@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <utility>
 
@@ -188,10 +189,64 @@ std::string FormatListDouble(double d) {
   return FormatDouble(d, /*force_point=*/false);
 }
 
+// The list type a JSON array's elements make: one kind throughout (ints with
+// floats make floats; lists of numbers make listListInt / listListFloat). An
+// empty list is a listInt, which coerces to any list type.
+std::optional<ValueType> InferListType(const Json& j) {
+  if (j.empty()) return ValueType::kListInt;
+  bool all_bool = true, all_int = true, all_num = true, all_str = true, all_list = true;
+  bool rows_int = true, rows_num = true;
+  for (const Json& e : j) {
+    all_bool = all_bool && e.is_boolean();
+    all_int = all_int && e.is_number_integer();
+    all_num = all_num && e.is_number();
+    all_str = all_str && e.is_string();
+    all_list = all_list && e.is_array();
+    if (e.is_array()) {
+      for (const Json& x : e) {
+        rows_int = rows_int && x.is_number_integer();
+        rows_num = rows_num && x.is_number();
+      }
+    }
+  }
+  if (all_bool) return ValueType::kListBool;
+  if (all_int) return ValueType::kListInt;
+  if (all_num) return ValueType::kListFloat;
+  if (all_str) return ValueType::kListStr;
+  if (all_list && rows_int) return ValueType::kListListInt;
+  if (all_list && rows_num) return ValueType::kListListFloat;
+  return std::nullopt;
+}
+
+// "all": the kind the text's form says. true/false -> bool, an int64 -> int,
+// a float -> float, a JSON array -> the list type of its elements, anything
+// else -> str (verbatim).
+absl::StatusOr<AttrValue> ParseAnyKind(const std::string& text) {
+  absl::string_view s = Trim(text);
+  if (auto b = ParseBool(s); b.ok()) return AttrValue(*b);
+  if (auto i = ParseInt(s); i.ok()) return AttrValue(*i);
+  if (auto f = ParseFloat(s); f.ok()) return AttrValue(*f);
+  if (!s.empty() && s.front() == '[') {
+    Json j = Json::parse(s, /*cb=*/nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded() && j.is_array()) {
+      std::optional<ValueType> t = InferListType(j);
+      if (!t) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("expected a value of any kind (bool, int, float, str or a list of one "
+                         "kind), got a list that mixes kinds ",
+                         Quote(s)));
+      }
+      return ParseAttrValue(*t, std::string(s));
+    }
+  }
+  return AttrValue(text);
+}
+
 }  // namespace
 
 absl::StatusOr<AttrValue> ParseAttrValue(ValueType type, const std::string& text) {
   if (type == ValueType::kStr) return AttrValue(text);
+  if (type == ValueType::kAll) return ParseAnyKind(text);
   absl::string_view s = Trim(text);
   switch (type) {
     case ValueType::kBool: {
@@ -207,6 +262,7 @@ absl::StatusOr<AttrValue> ParseAttrValue(ValueType type, const std::string& text
       return AttrValue(v);
     }
     case ValueType::kStr:
+    case ValueType::kAll:
       break;  // handled above
     case ValueType::kListInt:
       return ParseList<int64_t>(type, s, JsonInt);
@@ -260,6 +316,8 @@ std::string FormatAttrValue(const AttrValue& value) {
       return FormatList(
           std::get<std::vector<std::vector<double>>>(value),
           [](const std::vector<double>& v) { return FormatList(v, FormatListDouble); });
+    case ValueType::kAll:
+      break;  // no value holds kAll
   }
   return "";
 }
@@ -321,6 +379,7 @@ AttrValue EmptyListOf(ValueType t) {
 }  // namespace
 
 bool AttrValueMatches(ValueType type, const AttrValue& value) {
+  if (type == ValueType::kAll) return true;
   ValueType have = ValueTypeOf(value);
   if (have == type) return true;
   if (type == ValueType::kFloat && have == ValueType::kInt) return true;
@@ -331,7 +390,7 @@ bool AttrValueMatches(ValueType type, const AttrValue& value) {
 
 absl::StatusOr<AttrValue> CoerceAttrValue(ValueType type, AttrValue value) {
   ValueType have = ValueTypeOf(value);
-  if (have == type) return value;
+  if (have == type || type == ValueType::kAll) return value;
   if (!AttrValueMatches(type, value)) {
     return absl::InvalidArgumentError(
         absl::StrCat("expected ", ValueTypeName(type), ", got ", ValueTypeName(have)));

@@ -12,6 +12,11 @@
 //   listStr         ["a", "b"]              (JSON strings, with JSON escapes)
 //   listListInt     [[1, 2], [3]]
 //   listListFloat   [[0.5], [1, 2.5]]
+//   all             any of the above, by its form: true/false -> bool, an
+//                   int64 -> int, a float -> float, a JSON array of one kind
+//                   -> that list type ([] -> listInt; ints with floats ->
+//                   listFloat), anything else -> str (verbatim). A JSON array
+//                   that mixes kinds ([1, "a"]) is refused.
 // Leading and trailing whitespace is ignored for every type but str.
 // Non-finite floats are only representable as scalars (JSON has no inf/nan).
 //
@@ -43,11 +48,13 @@ ValueType ValueTypeOf(const AttrValue& value);
 // Whether `value` is acceptable where `type` is expected: the same type, or a
 // widening conversion (int -> float, listInt -> listFloat, listListInt ->
 // listListFloat), or an empty list of any kind where a list of the same depth
-// is expected (an empty list carries no element type on the wire).
+// is expected (an empty list carries no element type on the wire). Anything
+// matches kAll.
 bool AttrValueMatches(ValueType type, const AttrValue& value);
 
 // `value` converted to exactly `type` by the conversions AttrValueMatches
-// allows. INVALID_ARGUMENT ("expected float, got str") when it does not match.
+// allows (kAll: `value` as it is). INVALID_ARGUMENT ("expected float, got
+// str") when it does not match.
 absl::StatusOr<AttrValue> CoerceAttrValue(ValueType type, AttrValue value);
 
 }  // namespace opjit::registry

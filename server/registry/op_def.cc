@@ -40,6 +40,8 @@ const char* ValueTypeName(ValueType t) {
       return "listListInt";
     case ValueType::kListListFloat:
       return "listListFloat";
+    case ValueType::kAll:
+      return "all";
   }
   return "unknown";
 }
@@ -64,7 +66,8 @@ std::optional<ParamType> ParseParamType(const std::string& s) {
 std::optional<ValueType> ParseValueType(const std::string& s) {
   for (ValueType t : {ValueType::kBool, ValueType::kInt, ValueType::kFloat, ValueType::kStr,
                       ValueType::kListInt, ValueType::kListFloat, ValueType::kListBool,
-                      ValueType::kListStr, ValueType::kListListInt, ValueType::kListListFloat}) {
+                      ValueType::kListStr, ValueType::kListListInt, ValueType::kListListFloat,
+                      ValueType::kAll}) {
     if (s == ValueTypeName(t)) return t;
   }
   return std::nullopt;

@@ -25,7 +25,10 @@ enum class ParamType { kRequired, kOptional, kDynamic };
 
 // Attribute value types, spelled as in CustomRegOp ("bool", "int", "float",
 // "str", "listInt", "listFloat", "listBool", "listStr"). "listListInt" and
-// "listListFloat" back AotExtra::Attr<std::vector<std::vector<T>>>.
+// "listListFloat" back AotExtra::Attr<std::vector<std::vector<T>>>. "all" is
+// MindSpore's "any kind" (`.attr("axis", "required", "all", value=1)`): a
+// value keeps the kind it comes with, and text is read by its form (see
+// attr_value.h). No AttrValue holds kAll; it only ever describes an attr.
 enum class ValueType {
   kBool,
   kInt,
@@ -37,6 +40,7 @@ enum class ValueType {
   kListStr,
   kListListInt,
   kListListFloat,
+  kAll,  // last: the AttrValue alternatives follow the order above
 };
 
 enum class Target { kCpu, kGpu };

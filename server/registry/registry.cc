@@ -205,6 +205,24 @@ absl::StatusOr<int> Registry::Delete(const std::string& ns, const std::string& n
   return count;
 }
 
+std::vector<std::string> Registry::Warnings(const OpDef& def) const {
+  std::vector<std::string> out;
+  if (!def.backward.op.empty()) {
+    bool found;
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      found = ops_.count({def.ns, def.backward.op}) != 0;
+    }
+    if (!found) {
+      out.push_back(absl::StrCat(
+          "backward.op: \"", def.backward.op, "\" is not a registered op in namespace \"", def.ns,
+          "\"; the op is registered, but its backward fails until \"", def.backward.op,
+          "\" is registered"));
+    }
+  }
+  return out;
+}
+
 size_t Registry::Size() const {
   absl::ReaderMutexLock lock(&mu_);
   return ops_.size();

@@ -86,6 +86,13 @@ class Registry {
   // (with the messages of Get) when there was nothing to delete.
   absl::StatusOr<int> Delete(const std::string& ns, const std::string& name, int64_t version);
 
+  // Problems with `def` that do not stop it being registered or served, one
+  // sentence each, computed from the registry as it is now (not stored):
+  //   backward.op: "square_grad" is not a registered op in namespace "default"; ...
+  // A backward op may be registered after its forward op, so a dangling
+  // backward.op is only a warning; it goes away once that op exists.
+  std::vector<std::string> Warnings(const OpDef& def) const;
+
   // Number of ops (not versions) in the registry.
   size_t Size() const;
 

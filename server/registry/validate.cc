@@ -150,7 +150,7 @@ absl::Status CheckAttrs(const std::vector<AttrDef>& attrs) {
           absl::StrCat("an attr must be required or optional, not ", ParamTypeName(a.param_type)));
     }
     if (static_cast<int>(a.value_type) < 0 ||
-        static_cast<int>(a.value_type) > static_cast<int>(ValueType::kListListFloat)) {
+        static_cast<int>(a.value_type) > static_cast<int>(ValueType::kAll)) {
       return Invalid(absl::StrCat(path, ".value_type"), "is not a known value type");
     }
     OPJIT_RETURN_IF_ERROR(CheckUtf8(absl::StrCat(path, ".default_value"), a.default_value));
@@ -188,6 +188,17 @@ absl::Status CheckDtypeFormats(const OpDef& def) {
           is_input ? def.inputs[k].name : def.outputs[k - def.inputs.size()].name;
       std::string ppath =
           absl::StrCat(path, "[", k, "] (", is_input ? "input " : "output ", pname, ")");
+      if (dtype.empty()) {
+        // MindSpore's DataType.None_*: a placeholder for an absent optional input.
+        if (is_input && def.inputs[k].param_type == ParamType::kOptional) continue;
+        return Invalid(ppath, absl::StrCat(
+            "an empty dtype (MindSpore's DataType.None_None) is allowed only for an optional "
+            "input, where the combination applies when that input is absent; ",
+            is_input ? absl::StrCat("input ", Q(pname), " is ",
+                                    ParamTypeName(def.inputs[k].param_type))
+                     : "an output needs a dtype",
+            "; known dtypes: ", absl::StrJoin(KnownDtypes(), ", ")));
+      }
       if (!IsKnownDtype(dtype)) {
         return Invalid(ppath, absl::StrCat("unknown dtype ", Q(dtype),
                                            "; known dtypes: ", absl::StrJoin(KnownDtypes(), ", ")));
@@ -571,7 +582,8 @@ absl::Status ValidateLaunch(const OpDef& def, const Implementation& impl, const 
 
 const std::vector<std::string>& KnownFormats() {
   static const std::vector<std::string>* const kFormats =
-      new std::vector<std::string>{"DefaultFormat", "ND", "NCHW", "NHWC", "NCDHW"};
+      new std::vector<std::string>{"DefaultFormat", "ND",   "NCHW",  "NHWC",
+                                   "NCDHW",         "NDHWC", "HWCN", "DHWCN", "ChannelLast"};
   return *kFormats;
 }
 

@@ -21,6 +21,7 @@
 //  Attrs
 //   - Names are identifiers as above and unique among attrs.
 //   - param_type is required or optional (never dynamic).
+//   - value_type is one of the ValueType spellings, "all" included.
 //   - A non-empty default_value parses as the attr's value_type (see
 //     attr_value.h for the text forms). A required attr may have a default; the
 //     default is used when a call leaves the attr out.
@@ -28,9 +29,16 @@
 //   - At least one combination.
 //   - Each has exactly one (dtype, format) pair per input and per output.
 //   - dtype is one of KnownDtypes(): float16 float32 float64 int8 int16 int32
-//     int64 uint8 uint16 uint32 uint64 bool.
-//   - format is one of DefaultFormat, ND, NCHW, NHWC, NCDHW, or empty (which
-//     means DefaultFormat; it is kept as given, not rewritten).
+//     int64 uint8 uint16 uint32 uint64 bool; or, for an optional input only,
+//     empty (MindSpore's DataType.None_None / None_Default): the combination
+//     then applies when that input is absent. An empty dtype anywhere else is
+//     refused (opjit picks output dtypes from the matching combination, so
+//     MindSpore's all-None "any dtype" rows have no meaning here).
+//   - format is one of DefaultFormat, ND, NCHW, NHWC, NCDHW, NDHWC, HWCN,
+//     DHWCN, ChannelLast (plain layouts: labels, the data is not converted),
+//     or empty (which means DefaultFormat; it is kept as given, not
+//     rewritten). Ascend's blocked layouts (NC1HWC0, FRACTAL_Z, ...) are
+//     refused.
 //   - No combination appears twice.
 //  Implementations
 //   - At least one, and at most one per target.

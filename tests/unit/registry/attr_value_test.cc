@@ -169,5 +169,53 @@ TEST(AttrValueTest, CoerceWidens) {
   EXPECT_EQ(bad.status().message(), "expected int, got float");
 }
 
+// "all" (MindSpore's any kind): the text's form picks the kind.
+TEST(AttrValueTest, AllReadsTextByItsForm) {
+  EXPECT_EQ(MustParse(ValueType::kAll, "true"), AttrValue(true));
+  EXPECT_EQ(MustParse(ValueType::kAll, "False"), AttrValue(false));
+  EXPECT_EQ(MustParse(ValueType::kAll, " 3 "), AttrValue(int64_t{3}));
+  EXPECT_EQ(MustParse(ValueType::kAll, "-42"), AttrValue(int64_t{-42}));
+  EXPECT_EQ(MustParse(ValueType::kAll, "0.5"), AttrValue(0.5));
+  EXPECT_EQ(MustParse(ValueType::kAll, "1e-3"), AttrValue(1e-3));
+  EXPECT_EQ(MustParse(ValueType::kAll, "3.0"), AttrValue(3.0));
+  EXPECT_EQ(MustParse(ValueType::kAll, "relu"), AttrValue(std::string("relu")));
+  EXPECT_EQ(MustParse(ValueType::kAll, " two words "), AttrValue(std::string(" two words ")));
+  EXPECT_EQ(MustParse(ValueType::kAll, "[1, 2]"), AttrValue(std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(MustParse(ValueType::kAll, "[1, 2.5]"), AttrValue(std::vector<double>{1, 2.5}));
+  EXPECT_EQ(MustParse(ValueType::kAll, "[true, false]"), AttrValue(std::vector<bool>{true, false}));
+  EXPECT_EQ(MustParse(ValueType::kAll, R"(["a", "b"])"),
+            AttrValue(std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(MustParse(ValueType::kAll, "[[1, 1], [2, 2]]"),
+            AttrValue(std::vector<std::vector<int64_t>>{{1, 1}, {2, 2}}));
+  EXPECT_EQ(MustParse(ValueType::kAll, "[[0.5], [], [1]]"),
+            AttrValue(std::vector<std::vector<double>>{{0.5}, {}, {1}}));
+  EXPECT_EQ(MustParse(ValueType::kAll, "[]"), AttrValue(std::vector<int64_t>{}));
+  // Not JSON: a str.
+  EXPECT_EQ(MustParse(ValueType::kAll, "[abc"), AttrValue(std::string("[abc")));
+  EXPECT_EQ(ParseError(ValueType::kAll, R"([1, "a"])"),
+            "expected a value of any kind (bool, int, float, str or a list of one kind), got a "
+            R"(list that mixes kinds "[1, "a"]")");
+  EXPECT_THAT(ParseError(ValueType::kAll, "[1, true]"), HasSubstr("mixes kinds"));
+  EXPECT_THAT(ParseError(ValueType::kAll, "[[1], 2]"), HasSubstr("mixes kinds"));
+  EXPECT_THAT(ParseError(ValueType::kAll, "[18446744073709551615]"), HasSubstr("int64 range"));
+}
+
+TEST(AttrValueTest, AllMatchesAndKeepsEveryKind) {
+  for (const AttrValue& v :
+       {AttrValue(true), AttrValue(int64_t{1}), AttrValue(1.5), AttrValue(std::string("s")),
+        AttrValue(std::vector<int64_t>{1}), AttrValue(std::vector<double>{}),
+        AttrValue(std::vector<std::vector<double>>{{1.5}})}) {
+    EXPECT_TRUE(AttrValueMatches(ValueType::kAll, v));
+    auto c = CoerceAttrValue(ValueType::kAll, v);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(*c, v);
+    EXPECT_NE(ValueTypeOf(*c), ValueType::kAll);
+    // The worker protocol sends (ValueTypeOf, FormatAttrValue): it reads back the same.
+    auto back = ParseAttrValue(ValueTypeOf(v), FormatAttrValue(v));
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, v);
+  }
+}
+
 }  // namespace
 }  // namespace opjit::registry

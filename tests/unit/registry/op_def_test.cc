@@ -15,9 +15,9 @@ TEST(OpDefTest, ParamTypeNamesRoundTrip) {
 }
 
 TEST(OpDefTest, ValueTypeNamesRoundTrip) {
-  const char* names[] = {"bool",      "int",      "float",   "str",         "listInt",
-                         "listFloat", "listBool", "listStr", "listListInt", "listListFloat"};
-  for (int i = 0; i < 10; ++i) {
+  const char* names[] = {"bool",     "int",     "float",       "str",           "listInt", "listFloat",
+                         "listBool", "listStr", "listListInt", "listListFloat", "all"};
+  for (int i = 0; i < 11; ++i) {
     auto t = ParseValueType(names[i]);
     ASSERT_TRUE(t.has_value()) << names[i];
     EXPECT_EQ(static_cast<int>(*t), i);
@@ -25,6 +25,8 @@ TEST(OpDefTest, ValueTypeNamesRoundTrip) {
   }
   EXPECT_FALSE(ParseValueType("listint").has_value());
   EXPECT_FALSE(ParseValueType("double").has_value());
+  EXPECT_FALSE(ParseValueType("All").has_value());
+  EXPECT_FALSE(ParseValueType("any").has_value());
 }
 
 TEST(OpDefTest, TargetAcceptsBothCases) {

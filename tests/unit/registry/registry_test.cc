@@ -202,6 +202,33 @@ TEST_F(RegistryTest, PersistsAcrossReopen) {
   EXPECT_EQ(again.record.version, 2);
 }
 
+// A dangling backward.op is registered, with a warning that lasts until the
+// backward op exists (in the same namespace).
+TEST_F(RegistryTest, DanglingBackwardOpIsAWarning) {
+  OpDef fwd = ValidDef("square");
+  fwd.backward.op = "square_grad";
+  auto r = reg_->Register(fwd);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->created);
+  EXPECT_THAT(reg_->Warnings(r->record.def),
+              ::testing::ElementsAre(
+                  "backward.op: \"square_grad\" is not a registered op in namespace \"default\"; "
+                  "the op is registered, but its backward fails until \"square_grad\" is "
+                  "registered"));
+  // The same name in another namespace does not count.
+  OpDef other = ValidDef("square_grad");
+  other.ns = "team";
+  MustRegister(other);
+  EXPECT_EQ(reg_->Warnings(fwd).size(), 1u);
+  MustRegister(ValidDef("square_grad"));
+  EXPECT_TRUE(reg_->Warnings(fwd).empty());
+  // Deleting the backward op brings the warning back.
+  ASSERT_TRUE(reg_->Delete("default", "square_grad", 0).ok());
+  EXPECT_EQ(reg_->Warnings(fwd).size(), 1u);
+  // No backward: nothing to warn about.
+  EXPECT_TRUE(reg_->Warnings(ValidDef("plain")).empty());
+}
+
 TEST(RegistryCreateTest, Errors) {
   auto empty = Registry::Create({});
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);

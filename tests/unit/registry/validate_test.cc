@@ -136,6 +136,85 @@ TEST(ValidateTest, DtypeFormats) {
   });
 }
 
+// MindSpore's DataType.None_None: an empty dtype marks an absent optional input.
+TEST(ValidateTest, EmptyDtypeOnlyForOptionalInputs) {
+  auto with_bias = [](OpDef& d) {
+    d.inputs.push_back({1, "bias", ParamType::kOptional});
+    d.dtype_formats = {
+        {{{"float32", ""}, {"float32", ""}, {"float32", ""}}},
+        {{{"float32", ""}, {"", ""}, {"float32", ""}}},
+        {{{"float16", "DefaultFormat"}, {"", "DefaultFormat"}, {"float16", "DefaultFormat"}}},
+    };
+  };
+  ExpectValid(with_bias);
+  ExpectInvalid(
+      [&](OpDef& d) {
+        with_bias(d);
+        d.dtype_formats[1].io[0].first = "";
+      },
+      "dtype_formats[1][0] (input x)",
+      "dtype_formats[1][0] (input x): an empty dtype (MindSpore's DataType.None_None) is allowed "
+      "only for an optional input, where the combination applies when that input is absent; "
+      "input \"x\" is required; known dtypes: float16, float32, float64, int8, int16, int32, "
+      "int64, uint8, uint16, uint32, uint64, bool");
+  ExpectInvalid(
+      [&](OpDef& d) {
+        with_bias(d);
+        d.dtype_formats[1].io[2].first = "";
+      },
+      "dtype_formats[1][2] (output y)",
+      "is absent; an output needs a dtype; known dtypes: float16,");
+  ExpectInvalid(
+      [](OpDef& d) {
+        d.inputs[0].param_type = ParamType::kDynamic;
+        d.dtype_formats[0].io[0].first = "";
+      },
+      "dtype_formats[0][0] (input x)", "input \"x\" is dynamic");
+  // MindSpore's all-None row ("any dtype") has no meaning here.
+  ExpectInvalid([](OpDef& d) { d.dtype_formats[0].io = {{"", ""}, {"", ""}}; },
+                "dtype_formats[0][0] (input x)", "is required");
+  // A placeholder row still counts for duplicates.
+  ExpectInvalid(
+      [&](OpDef& d) {
+        with_bias(d);
+        d.dtype_formats.push_back(d.dtype_formats[1]);
+      },
+      "dtype_formats[3]", "duplicates dtype_formats[1]");
+}
+
+TEST(ValidateTest, PlainLayoutFormatsAreLabels) {
+  for (const char* f : {"NDHWC", "HWCN", "DHWCN", "ChannelLast", "NCDHW", "ND"}) {
+    ExpectValid([f](OpDef& d) { d.dtype_formats[0].io[0].second = f; });
+  }
+  for (const char* f : {"NC1HWC0", "FRACTAL_Z", "FRACTAL_NZ", "C1HWNCoC0", "NDC1HWC0", "Default"}) {
+    ExpectInvalid([f](OpDef& d) { d.dtype_formats[0].io[0].second = f; },
+                  "dtype_formats[0][0] (input x)",
+                  "; known formats: DefaultFormat, ND, NCHW, NHWC, NCDHW, NDHWC, HWCN, DHWCN, "
+                  "ChannelLast (empty means DefaultFormat)");
+  }
+}
+
+TEST(ValidateTest, AttrOfAnyKind) {
+  ExpectValid([](OpDef& d) {
+    d.attrs.push_back({"axis", ParamType::kRequired, ValueType::kAll, "1"});
+    d.attrs.push_back({"paddings", ParamType::kRequired, ValueType::kAll, "[1.0, 2.0]"});
+    d.attrs.push_back({"mode", ParamType::kOptional, ValueType::kAll, "relu"});
+    d.attrs.push_back({"any", ParamType::kOptional, ValueType::kAll, ""});
+  });
+  ExpectInvalid(
+      [](OpDef& d) { d.attrs.push_back({"p", ParamType::kRequired, ValueType::kAll, "[1, \"a\"]"}); },
+      "attrs[1].default_value",
+      "attrs[1].default_value: \"[1, \"a\"]\" is not a valid all (expected a value of any kind "
+      "(bool, int, float, str or a list of one kind), got a list that mixes kinds \"[1, \"a\"]\")");
+  // A reduce rule needs an int or listInt axis attr, not one of any kind.
+  ExpectInvalid(
+      [](OpDef& d) {
+        d.attrs.push_back({"axis", ParamType::kRequired, ValueType::kAll, "1"});
+        d.output_rules = {{.kind = OutputRule::Kind::kReduce, .input = 0, .axis_attr = "axis"}};
+      },
+      "output_rules[0].axis_attr", "is all; reduce axes need int or listInt");
+}
+
 TEST(ValidateTest, ImplementationsBasics) {
   ExpectInvalid([](OpDef& d) { d.implementations.clear(); }, "implementations", "at least one");
   ExpectInvalid([](OpDef& d) { d.implementations.push_back(d.implementations[0]); },
