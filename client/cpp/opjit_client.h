@@ -57,6 +57,9 @@ class Client {
 
   // Registry. `ns` empty means "default"; version 0 means latest (Get) or all
   // versions (Delete).
+  // Problems that do not stop a registration (a backward.op naming no
+  // registered op yet) come back in the response's warnings(), as they do in
+  // the OpRecord's warnings() from Get and List.
   absl::StatusOr<v1::RegisterOpResponse> Register(const v1::OpDef& op);
   absl::StatusOr<v1::OpRecord> Get(const std::string& ns, const std::string& name,
                                    int64_t version = 0);

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "server/common/error_info.h"
 #include "server/common/status_macros.h"
 #include "server/gpu/launch_spec.h"
 #include "server/registry/attr_value.h"
@@ -615,7 +616,9 @@ absl::Status ValidateCompileOptions(Target target, const std::string& language,
   return absl::OkStatus();
 }
 
-absl::Status ValidateOpDef(const OpDef& def) {
+namespace {
+
+absl::Status ValidateOpDefFields(const OpDef& def) {
   if (!IsValidNamespace(def.ns)) {
     return Invalid("ns", absl::StrCat(Q(def.ns), " is not a valid namespace ([a-z0-9_-]{1,64})"));
   }
@@ -638,6 +641,14 @@ absl::Status ValidateOpDef(const OpDef& def) {
   }
   OPJIT_RETURN_IF_ERROR(CheckUtf8("doc", def.doc));
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateOpDef(const OpDef& def) {
+  absl::Status s = ValidateOpDefFields(def);
+  if (s.ok()) return s;
+  return WithReason(std::move(s), reason::kInvalidSpec);
 }
 
 }  // namespace opjit::registry

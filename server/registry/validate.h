@@ -102,7 +102,7 @@ inline constexpr size_t kMaxSourceBytes = 1 << 20;  // 1 MiB
 inline constexpr size_t kMaxDocBytes = 64 << 10;    // 64 KiB
 
 // OK when `def` satisfies every rule above; otherwise INVALID_ARGUMENT naming
-// the first offending field.
+// the first offending field, with reason INVALID_SPEC.
 absl::Status ValidateOpDef(const OpDef& def);
 
 // Checks `options` against the compile-option allow-list above for `language`

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 
 namespace opjit::rpc {
 namespace {
@@ -49,9 +50,23 @@ const char* RuleKindToString(OutputRule::Kind kind) {
   return "same_as";
 }
 
+absl::StatusOr<registry::OpDef> ConvertOpDef(const v1::OpDef& proto);
+
 }  // namespace
 
+// A spec that does not even convert is an invalid spec, like one that does
+// not validate (Registry::Register): INVALID_ARGUMENT with reason INVALID_SPEC.
 absl::StatusOr<registry::OpDef> OpDefFromProto(const v1::OpDef& proto) {
+  auto def = ConvertOpDef(proto);
+  if (!def.ok() && def.status().code() == absl::StatusCode::kInvalidArgument) {
+    return WithReason(def.status(), reason::kInvalidSpec);
+  }
+  return def;
+}
+
+namespace {
+
+absl::StatusOr<registry::OpDef> ConvertOpDef(const v1::OpDef& proto) {
   registry::OpDef def;
   def.ns = proto.namespace_().empty() ? "default" : proto.namespace_();
   def.name = proto.name();
@@ -78,7 +93,7 @@ absl::StatusOr<registry::OpDef> OpDefFromProto(const v1::OpDef& proto) {
     if (!vt) {
       return Unknown(field + ".value_type", a.value_type(),
                      "bool, int, float, str, listInt, listFloat, listBool, listStr, "
-                     "listListInt or listListFloat");
+                     "listListInt, listListFloat or all");
     }
     attr.value_type = *vt;
     attr.default_value = a.default_value();
@@ -161,6 +176,8 @@ absl::StatusOr<registry::OpDef> OpDefFromProto(const v1::OpDef& proto) {
   def.backward.materialize_grads = b.has_materialize_grads() ? b.materialize_grads() : true;
   return def;
 }
+
+}  // namespace
 
 void OpDefToProto(const registry::OpDef& def, v1::OpDef* proto) {
   proto->set_namespace_(def.ns);

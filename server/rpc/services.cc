@@ -75,8 +75,9 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
   }
   auto* reactor = ctx->DefaultReactor();
   core::OpService ops(core_.registry, core_.compiler);
+  registry::Registry* reg = core_.registry;
   ops.RegisterAsync(*std::move(def), NextRequestId(),
-                    [reactor, resp, ticket](absl::StatusOr<core::RegisterOutcome> outcome) {
+                    [reactor, resp, ticket, reg](absl::StatusOr<core::RegisterOutcome> outcome) {
                       if (outcome.ok() && *ticket != nullptr) {
                         double ms = 0;
                         for (const auto& [t, c] : outcome->compiled) {
@@ -93,6 +94,10 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
                       OpRecordToProto(outcome->result.record, /*with_sources=*/false,
                                       resp->mutable_record());
                       resp->set_created(outcome->result.created);
+                      for (const auto& w : reg->Warnings(outcome->result.record.def)) {
+                        resp->add_warnings(w);
+                        resp->mutable_record()->add_warnings(w);
+                      }
                       reactor->Finish(grpc::Status::OK);
                     });
   return reactor;
@@ -107,6 +112,7 @@ grpc::ServerUnaryReactor* RegistryService::GetOp(grpc::CallbackServerContext* ct
   auto record = core_.registry->Get(ns, req->name(), req->version());
   if (!record.ok()) return FinishNow(ctx, record.status());
   OpRecordToProto(*record, /*with_sources=*/true, resp);
+  for (const auto& w : core_.registry->Warnings(record->def)) resp->add_warnings(w);
   return FinishNow(ctx, absl::OkStatus());
 }
 
@@ -120,7 +126,9 @@ grpc::ServerUnaryReactor* RegistryService::ListOps(grpc::CallbackServerContext* 
   if (!caller.ok()) return FinishNow(ctx, caller.status());
   for (const auto& record : core_.registry->List(ns, req->all_versions())) {
     if (!(*caller)->Sees(record.def.ns)) continue;
-    OpRecordToProto(record, req->with_sources(), resp->add_ops());
+    v1::OpRecord* out = resp->add_ops();
+    OpRecordToProto(record, req->with_sources(), out);
+    for (const auto& w : core_.registry->Warnings(record.def)) out->add_warnings(w);
   }
   return FinishNow(ctx, absl::OkStatus());
 }

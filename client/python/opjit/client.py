@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import uuid
+import warnings
 import weakref
 
 import grpc
@@ -22,6 +23,10 @@ from opjit.errors import InvalidArgument, NotFound, OpjitError, error_from_rpc
 _log = logging.getLogger("opjit")
 
 _MAX_MESSAGE = 256 << 20
+
+
+class OpjitWarning(UserWarning):
+    """A problem the server reported without failing the call (RegisterOpResponse.warnings)."""
 
 
 def default_address():
@@ -305,11 +310,19 @@ class Client:
         lowerCamelCase keys), a path to a JSON spec file, a CustomRegOp
         builder, or an OpDef. ``source_file`` is read relative to `base_dir`
         (default: the spec file's directory, or the current directory).
+
+        Problems that do not stop the registration (a backward.op that names
+        no registered op yet) come back in the response's ``.warnings`` and
+        are each issued as an OpjitWarning (warnings.warn).
         """
         op = load_spec(spec, base_dir)
         if self.namespace and not op.namespace:
             op.namespace = self.namespace
-        return _call(self._registry.RegisterOp, registry_pb2.RegisterOpRequest(op=op), self.timeout)
+        resp = _call(self._registry.RegisterOp, registry_pb2.RegisterOpRequest(op=op), self.timeout)
+        for w in resp.warnings:
+            warnings.warn("register %s/%s: %s" % (resp.record.op.namespace, resp.record.op.name, w),
+                          OpjitWarning, stacklevel=2)
+        return resp
 
     def compile(self, source, entry=None, language="c++", options=(), libraries=(),
                 target="CPU", file_name=None, namespace=None):

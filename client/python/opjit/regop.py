@@ -15,9 +15,35 @@
 
 get_op_info() returns protobuf's JSON mapping of opjit.v1.OpDef (snake_case
 keys), the same dict Client.register takes.
+
+MindSpore parity (what MindSpore's CustomRegOp accepts, and what it means here):
+
+- ``CustomRegOp(op_name="Custom")``: MindSpore's default "Custom" is a
+  placeholder (MindSpore names the op after the Custom primitive's function).
+  opjit registers ops by name, so an op still named "Custom" is refused by
+  get_op_info(): name it, ``CustomRegOp("my_op")`` (or "namespace/my_op").
+- ``input(index, name, param_type)`` / ``output(...)``: param_type None means
+  "required". Outputs cannot be optional.
+- ``attr(name, param_type, value_type, default_value=None, value=V)``:
+  ``value=`` (MindSpore's attr value for the op, passed through **kwargs) is
+  stored as the attr's ``default_value``: the value a call gets when it does
+  not pass the attr (a call may still pass one). Giving both value= and a
+  different default_value is refused. MindSpore's list defaults "1,2,3" are
+  sent as JSON lists ("[1, 2, 3]"). value_type "all" (any kind) is accepted:
+  the value keeps the kind it comes with (see server/registry/attr_value.h).
+  Other keyword arguments are MindSpore extension info that opjit has no use
+  for: they are ignored with a warning, never silently.
+- ``dtype_format(*args)`` takes every DataType constant. ``DataType.None_*``
+  (an empty dtype) marks an absent optional input: the combination applies
+  when that input is not given. opjit needs real dtypes everywhere else, and
+  Ascend's blocked formats (5HD, FracZ, ...) and complex/bfloat16 dtypes are
+  not served: get_op_info() refuses those with the server's own message.
+- ``target("CPU" | "GPU")``; MindSpore's "Ascend" is refused.
 """
 
 import copy
+import json
+import warnings
 
 from opjit import _tensors as T
 from opjit.errors import InvalidArgument
@@ -25,14 +51,24 @@ from opjit.errors import InvalidArgument
 __all__ = ["CustomRegOp", "DataType"]
 
 _PARAM_TYPES = ("required", "optional", "dynamic")
+# The server's spellings (server/registry/op_def.cc), in its order.
 _VALUE_TYPES = ("bool", "int", "float", "str", "listInt", "listFloat", "listBool", "listStr",
-                "listListInt", "listListFloat")
+                "listListInt", "listListFloat", "all")
+_LIST_TYPES = ("listInt", "listFloat", "listBool", "listStr")
+# server/registry/op_def.cc KnownDtypes() and validate.cc KnownFormats(), in their order.
+_KNOWN_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+                 "uint16", "uint32", "uint64", "bool")
+_KNOWN_FORMATS = ("DefaultFormat", "ND", "NCHW", "NHWC", "NCDHW", "NDHWC", "HWCN", "DHWCN",
+                  "ChannelLast")
+# MindSpore's placeholder name (CustomRegOp's default op_name).
+_PLACEHOLDER_NAME = "Custom"
 
 
 class DataType:
     """(dtype, format) pairs for dtype_format, named as in MindSpore: F32_Default, I64_NCHW...
 
-    ``None_None`` / ``None_Default`` are accepted as in MindSpore (an empty dtype).
+    Every MindSpore constant exists. ``None_None`` / ``None_Default`` (an empty
+    dtype) mark an absent optional input.
     """
 
     None_None = ("", "")
@@ -41,13 +77,77 @@ class DataType:
 
 _PREFIX = {"BOOL": "bool", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
            "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
-           "F16": "float16", "F32": "float32", "F64": "float64"}
-_FORMATS = {"Default": "DefaultFormat", "ND": "ND", "NCHW": "NCHW", "NHWC": "NHWC",
-            "NCDHW": "NCDHW", "None": ""}
+           "F16": "float16", "F32": "float32", "F64": "float64",
+           # MindSpore names these too; opjit does not serve them.
+           "BF16": "bfloat16", "C64": "complex64", "C128": "complex128"}
+_FORMATS = {"None": "", "Default": "DefaultFormat", "ND": "ND", "NCHW": "NCHW", "NHWC": "NHWC",
+            "NCDHW": "NCDHW", "NDHWC": "NDHWC", "HWCN": "HWCN", "DHWCN": "DHWCN",
+            "ChannelLast": "ChannelLast",
+            # Ascend's blocked layouts: MindSpore names them; opjit does not serve them.
+            "5HD": "NC1HWC0", "NC1HWC0": "NC1HWC0", "FracZ": "FRACTAL_Z", "FracNZ": "FRACTAL_NZ",
+            "C1HWNCoC0": "C1HWNCoC0", "NDC1HWC0": "NDC1HWC0", "FRACTAL_Z_3D": "FRACTAL_Z_3D",
+            "FracZNLSTM": "FRACTAL_ZN_LSTM", "FracZNRNN": "FRACTAL_ZN_RNN",
+            "ND_RNNBIAS": "ND_RNN_BIAS"}
 for _p, _dt in _PREFIX.items():
     for _s, _fmt in _FORMATS.items():
         setattr(DataType, "%s_%s" % (_p, _s), (_dt, _fmt))
 del _p, _dt, _s, _fmt
+
+
+def _q(s):
+    """The server's quoting of a value in a validation message (validate.cc Q)."""
+    return '"%s..."' % s[:80] if len(s) > 80 else '"%s"' % s
+
+
+def _unknown(field, value, expected):
+    """The server's message for an unknown enum spelling (server/rpc/convert.cc)."""
+    return InvalidArgument('%s: unknown "%s" (expected %s)' % (field, value, expected))
+
+
+def _text_kind(s):
+    """The kind the server reads text as under value_type "all" (attr_value.cc), roughly:
+    "bool", "int", "float", "list", "mixed list" or "str"."""
+    t = s.strip(" \t\r\n")
+    if t in ("true", "false", "True", "False"):
+        return "bool"
+    u = t[1:] if t.startswith("+") else t
+    if u and (u.isdigit() or (u[0] == "-" and u[1:].isdigit())):
+        return "int"
+    try:
+        float(u)
+        if "_" not in u and u.strip() == u:
+            return "float"
+    except ValueError:
+        pass
+    if t.startswith("["):
+        try:
+            v = json.loads(t)
+        except ValueError:
+            return "str"
+        if isinstance(v, list):
+            return "list" if _one_kind(v) else "mixed list"
+    return "str"
+
+
+_A_KIND = {"bool": "a bool", "int": "an int", "float": "a float", "list": "a list",
+           "mixed list": "a list"}
+
+
+def _one_kind(v):
+    """Whether a JSON list is of one kind, as the server's "all" inference wants."""
+    def kind(x):
+        if isinstance(x, bool):
+            return "bool"
+        if isinstance(x, (int, float)):
+            return "num"
+        if isinstance(x, str):
+            return "str"
+        if isinstance(x, list) and all(isinstance(e, (int, float)) and not isinstance(e, bool)
+                                       for e in x):
+            return "row"
+        return "other"
+    kinds = {kind(x) for x in v}
+    return len(kinds) <= 1 and "other" not in kinds
 
 
 class CustomRegOp:
@@ -58,6 +158,9 @@ class CustomRegOp:
     """
 
     def __init__(self, op_name="Custom"):
+        if not isinstance(op_name, str):
+            raise InvalidArgument("CustomRegOp: op_name must be a str, got %s"
+                                  % type(op_name).__name__)
         if "/" in op_name:
             ns, op_name = op_name.split("/", 1)
         else:
@@ -77,13 +180,18 @@ class CustomRegOp:
     # -- tensors and attrs (MindSpore signatures)
 
     def input(self, index=None, name=None, param_type="required", **kwargs):
-        self._inputs.append(self._param("input", self._inputs, index, name, param_type))
+        p = self._param("inputs", self._inputs, index, name, param_type)
+        self._ignored("input(%s)" % p["name"], kwargs)
+        self._inputs.append(p)
         return self
 
     def output(self, index=None, name=None, param_type="required", **kwargs):
-        if param_type == "optional":
-            raise InvalidArgument("output %s: outputs cannot be optional" % name)
-        self._outputs.append(self._param("output", self._outputs, index, name, param_type))
+        p = self._param("outputs", self._outputs, index, name, param_type)
+        if p["param_type"] == "optional":
+            raise InvalidArgument("outputs[%d].param_type: an output cannot be optional "
+                                  "(use required or dynamic)" % p["index"])
+        self._ignored("output(%s)" % p["name"], kwargs)
+        self._outputs.append(p)
         return self
 
     @staticmethod
@@ -94,21 +202,81 @@ class CustomRegOp:
             name = "%s%d" % (what[0], index)
         param_type = param_type or "required"
         if param_type not in _PARAM_TYPES:
-            raise InvalidArgument("%s %s: param_type %r (expected %s)"
-                                  % (what, name, param_type, ", ".join(_PARAM_TYPES)))
+            raise _unknown("%s[%d].param_type" % (what, int(index)), param_type,
+                           "required, optional or dynamic")
         return {"index": int(index), "name": str(name), "param_type": param_type}
 
+    @staticmethod
+    def _ignored(where, kwargs):
+        if kwargs:
+            warnings.warn("CustomRegOp.%s: opjit does not use %s (MindSpore extension info); "
+                          "ignored" % (where, ", ".join("%s=%r" % kv for kv in sorted(kwargs.items()))),
+                          UserWarning, stacklevel=3)
+
     def attr(self, name=None, param_type=None, value_type=None, default_value=None, **kwargs):
+        """An attr. MindSpore's ``value=V`` keyword sets the attr's value for the op; opjit
+        stores it as the default_value (what a call gets when it leaves the attr out)."""
+        i = len(self._attrs)
         if not name:
-            raise InvalidArgument("attr: a name is required")
+            raise InvalidArgument("attrs[%d].name: must not be empty" % i)
+        param_type = param_type or "required"
+        if param_type not in _PARAM_TYPES:
+            raise _unknown("attrs[%d].param_type" % i, param_type, "required, optional or dynamic")
+        if param_type == "dynamic":
+            raise InvalidArgument("attrs[%d].param_type: an attr must be required or optional, "
+                                  "not dynamic" % i)
         if value_type not in _VALUE_TYPES:
-            raise InvalidArgument("attr %s: value_type %r (expected %s)"
-                                  % (name, value_type, ", ".join(_VALUE_TYPES)))
-        a = {"name": name, "param_type": param_type or "required", "value_type": value_type}
-        if default_value is not None:
-            a["default_value"] = T.default_text(default_value)
+            raise _unknown("attrs[%d].value_type" % i, value_type or "",
+                           ", ".join(_VALUE_TYPES[:-1]) + " or " + _VALUE_TYPES[-1])
+        has_value = "value" in kwargs and kwargs["value"] is not None
+        value = kwargs.pop("value", None)
+        self._ignored("attr(%s)" % name, kwargs)
+        a = {"name": name, "param_type": param_type, "value_type": value_type}
+        text = self._default_text(value_type, default_value)
+        if has_value:
+            vtext = self._value_text(name, value_type, value)
+            if text and text != vtext:
+                raise InvalidArgument(
+                    "attr %s: value=%r and default_value=%r disagree; opjit stores value= as the "
+                    "attr's default_value, so give one of them" % (name, value, default_value))
+            text = vtext
+        if text:
+            if value_type == "all" and _text_kind(text) == "mixed list":
+                # The server's message (validate.cc, attr_value.cc).
+                quoted = '"%s..."' % text[:64] if len(text) > 64 else '"%s"' % text
+                raise InvalidArgument(
+                    "attrs[%d].default_value: %s is not a valid all (expected a value of any kind "
+                    "(bool, int, float, str or a list of one kind), got a list that mixes kinds "
+                    "%s)" % (i, _q(text), quoted))
+            a["default_value"] = text
         self._attrs.append(a)
         return self
+
+    @staticmethod
+    def _default_text(value_type, default_value):
+        """default_value as the registry's text; MindSpore's "1,2,3" list form becomes JSON."""
+        if default_value is None:
+            return ""
+        if (isinstance(default_value, str) and value_type in _LIST_TYPES
+                and default_value.strip() and not default_value.strip().startswith("[")):
+            items = [x.strip() for x in default_value.split(",")]
+            if value_type == "listStr":
+                return json.dumps(items)
+            if value_type == "listBool":
+                items = [x.lower() if x in ("True", "False") else x for x in items]
+            return "[" + ", ".join(items) + "]"
+        return T.default_text(default_value)
+
+    @staticmethod
+    def _value_text(name, value_type, value):
+        if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+            value = value.tolist()  # numpy scalars and arrays
+        text = T.default_text(value)
+        if value_type == "all" and isinstance(value, str) and _text_kind(value) != "str":
+            raise InvalidArgument(
+                "attr %s: value=%r is a str, but under value_type \"all\" its text reads as %s; "
+                "declare value_type \"str\"" % (name, value, _A_KIND[_text_kind(value)]))
+        return text
 
     def dtype_format(self, *args):
         """One supported combination: a (dtype, format) pair per input then per output."""
@@ -119,8 +287,8 @@ class CustomRegOp:
             if not isinstance(a, (tuple, list)) or len(a) != 2:
                 raise InvalidArgument("dtype_format: each argument is a (dtype, format) pair "
                                       "such as DataType.F32_Default; got %r" % (a,))
-            dtypes.append(a[0])
-            formats.append(a[1])
+            dtypes.append(a[0] or "")
+            formats.append(a[1] or "")
         row = {"dtypes": dtypes}
         if any(formats):
             row["formats"] = [f or "DefaultFormat" for f in formats]
@@ -128,9 +296,10 @@ class CustomRegOp:
         return self
 
     def target(self, target=None):
-        if target not in ("CPU", "GPU"):
-            raise InvalidArgument("target %r: opjit serves CPU and GPU" % (target,))
-        self._target = target
+        """The target the next impl() describes: "CPU" or "GPU" (None: CPU)."""
+        if target is not None and target not in ("CPU", "GPU", "cpu", "gpu"):
+            raise _unknown("implementations[%d].target" % len(self._impls), target, "CPU or GPU")
+        self._target = target.upper() if target else None
         return self
 
     # -- opjit extras
@@ -183,7 +352,8 @@ class CustomRegOp:
 
     def bprop(self, op, save_for_backward=(), non_differentiable=(), materialize_grads=None):
         """The backward: another registered op taking (inputs..., outputs..., output grads...)
-        and returning one gradient per input."""
+        and returning one gradient per input. It may be registered later: registering
+        before it exists succeeds with a warning."""
         b = {"op": op}
         if save_for_backward:
             b["save_for_backward"] = list(save_for_backward)
@@ -202,15 +372,64 @@ class CustomRegOp:
         self._info["namespace"] = ns
         return self
 
+    # -- the result
+
+    def _check(self, inputs, outputs):
+        """What the server would refuse in the MindSpore-facing parts, with its messages."""
+        if self._info["name"] == _PLACEHOLDER_NAME:
+            raise InvalidArgument(
+                'CustomRegOp: the op has no name: "Custom" is MindSpore\'s placeholder '
+                "(MindSpore names a Custom op after its function), and opjit registers ops by "
+                'name; give one: CustomRegOp("my_op")')
+        for what, params in (("inputs", inputs), ("outputs", outputs)):
+            for i, p in enumerate(params):
+                if p["index"] != i:
+                    raise InvalidArgument("%s[%d].index: is %d, expected %d (%s are indexed "
+                                          "0..n-1 in order)" % (what, i, p["index"], i, what))
+        want = len(inputs) + len(outputs)
+        for r, row in enumerate(self._dtype_formats):
+            dtypes = row["dtypes"]
+            formats = row.get("formats", ["DefaultFormat"] * len(dtypes))
+            if len(dtypes) != want:
+                raise InvalidArgument(
+                    "dtype_formats[%d] has %d (dtype, format) pairs, but the op has %d inputs + "
+                    "%d outputs = %d" % (r, len(dtypes), len(inputs), len(outputs), want))
+            for k, (dtype, fmt) in enumerate(zip(dtypes, formats)):
+                is_input = k < len(inputs)
+                p = inputs[k] if is_input else outputs[k - len(inputs)]
+                path = "dtype_formats[%d][%d] (%s %s)" % (r, k, "input" if is_input else "output",
+                                                          p["name"])
+                known = "; known dtypes: " + ", ".join(_KNOWN_DTYPES)
+                if dtype == "":
+                    if is_input and p["param_type"] == "optional":
+                        continue
+                    raise InvalidArgument(
+                        "%s: an empty dtype (MindSpore's DataType.None_None) is allowed only for "
+                        "an optional input, where the combination applies when that input is "
+                        "absent; %s%s" % (path, "input %s is %s" % (_q(p["name"]), p["param_type"])
+                                          if is_input else "an output needs a dtype", known))
+                if dtype not in _KNOWN_DTYPES:
+                    raise InvalidArgument("%s: unknown dtype %s%s" % (path, _q(dtype), known))
+                if fmt and fmt not in _KNOWN_FORMATS:
+                    raise InvalidArgument(
+                        "%s: unknown format %s; known formats: %s (empty means DefaultFormat)"
+                        % (path, _q(fmt), ", ".join(_KNOWN_FORMATS)))
+
     def get_op_info(self):
-        """The op as a dict in protobuf's JSON mapping of opjit.v1.OpDef."""
+        """The op as a dict in protobuf's JSON mapping of opjit.v1.OpDef.
+
+        Refuses (InvalidArgument, with the server's message) what the server
+        would refuse in the MindSpore-facing parts, and an op left named "Custom".
+        """
+        inputs = sorted(self._inputs, key=lambda r: r["index"])
+        outputs = sorted(self._outputs, key=lambda r: r["index"])
+        self._check(inputs, outputs)
         info = copy.deepcopy(self._info)
-        for key, rows in (("inputs", self._inputs), ("outputs", self._outputs),
+        for key, rows in (("inputs", inputs), ("outputs", outputs),
                           ("attrs", self._attrs), ("dtype_formats", self._dtype_formats),
                           ("implementations", self._impls), ("output_rules", self._rules)):
             if rows:
-                info[key] = copy.deepcopy(sorted(rows, key=lambda r: r["index"])
-                                          if key in ("inputs", "outputs") else rows)
+                info[key] = copy.deepcopy(rows)
         if self._backward:
             info["backward"] = dict(self._backward)
         return info

@@ -5,6 +5,7 @@
 
 #include <functional>
 
+#include "server/common/error_info.h"
 #include "tests/unit/registry/test_util.h"
 
 namespace opjit::registry {
@@ -23,6 +24,9 @@ void ExpectInvalid(const std::function<void(OpDef&)>& mutate, const std::string&
   absl::Status s = ValidateOpDef(def);
   ASSERT_FALSE(s.ok()) << "expected an error at " << field;
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  auto reason = GetReason(s);
+  ASSERT_TRUE(reason.has_value()) << s;
+  EXPECT_EQ(reason->reason, "INVALID_SPEC");
   EXPECT_THAT(std::string(s.message()), StartsWith(field));
   EXPECT_THAT(std::string(s.message()), HasSubstr(what));
 }
