@@ -2,10 +2,12 @@
 //
 //   opjit [--server ADDR] [--json] [--timeout SECONDS] COMMAND [ARGS]
 //
-// Exit status: 0 success, 1 the server refused or failed the call (its message
-// goes to stderr), 2 bad usage.
+// Each command takes its own flags (FlagsByCommand); an unknown one is bad
+// usage. Exit status: 0 success, 1 the server refused or failed the call (its
+// message goes to stderr), 2 bad usage, 3 a gradcheck mismatch.
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -24,6 +26,7 @@
 #include "absl/strings/str_join.h"
 #include "client/cpp/npy.h"
 #include "client/cpp/opjit_client.h"
+#include "server/common/error_info.h"
 #include "server/common/random.h"
 #include "server/common/sha256.h"
 #include "client/cpp/shm_region.h"
@@ -37,38 +40,46 @@ constexpr const char kUsage[] =
 
 Commands:
   info                              server version, CPU target, GPU availability
-  register SPEC.json                register an op from a JSON spec (opjit.v1.OpDef)
+  register SPEC.json [--namespace NS]
+                                    register an op from a JSON spec (opjit.v1.OpDef);
+                                    warnings go to stderr
   ops [--namespace NS] [--all-versions]
                                     list ops (latest versions unless --all-versions)
   describe NAME [--version N]       show an op's full definition
   delete NAME [--version N]         delete an op (all versions unless --version)
-  compile FILE [--entry SYM] [--lang c|c++|cuda] [--option OPT]... [--library LIB]...
-       [--name-expr EXPR]... [--arch sm_NN]... [--aot]
-                                    compile a kernel source without registering it
-                                    (.cu: NVRTC to CUBIN+PTX, or nvcc with --aot)
+  compile FILE [--lang c|c++|cuda] [--entry SYM] [--option OPT]... [--library LIB]...
+       [--name-expr EXPR]... [--arch sm_NN]... [--aot] [--namespace NS]
+                                    compile a kernel source without registering it.
+                                    .cu: nvcc (a shared object) with --aot or when the
+                                    source has host code (a <<<>>> launch, an extern "C"
+                                    host function); NVRTC (CUBIN+PTX) otherwise, and
+                                    always with --name-expr unless --aot
   run OP --in X.npy [--in ...] [--attr NAME=VALUE]... [--out Y.npy]...
-       [--version N] [--transport auto|shm|inline]
+       [--version N] [--target cpu|gpu] [--transport auto|shm|inline]
                                     run an op's forward on .npy files; one --in per
                                     declared input (a,b.npy for a dynamic input,
                                     "none" for an absent optional one)
   grad OP --in X.npy [--in ...] [--attr NAME=VALUE]... --grad-out DY.npy [--grad-out ...]
-       [--out DX.npy]... [--no-grad INDEX]...
+       [--out DX.npy]... [--no-grad INDEX]... [--version N] [--target cpu|gpu]
                                     forward with requires_grad, then backward: writes
                                     one input grad per --out (inputs in --no-grad get none)
   gradcheck OP [--in X.npy ...] [--attr NAME=VALUE]... [--shape 4,3] [--seed N]
-       [--eps E] [--atol A] [--rtol R]
+       [--eps E] [--atol A] [--rtol R] [--version N]
                                     compare the op's backward with central finite
                                     differences; exit 0 pass, 3 mismatch, 1 error
   cache stats | stats               compile-cache counters (admins)
   cache clear [--memory-only]       drop cached kernels (admins)
   token                             print a new bearer token and the sha256 line
                                     for a [[principal]] in opjitd's config (offline)
+  help                              this text (also --help, -h, COMMAND --help)
 
 NAME may be qualified with a namespace: ns/name (default namespace "default").
 ADDR: unix:/path.sock, /path.sock or host:port. Default: $OPJIT_SERVER, else
 the daemon's default socket ($OPJIT_STATE_DIR or ~/.opjit)/opjitd.sock.
 $OPJIT_TOKEN is sent as "authorization: Bearer <token>"; with $OPJIT_TLS_CA
 set, TCP goes over TLS checked against that CA.
+Exit status: 0 success; 1 the server refused or failed the call (its message
+goes to stderr); 2 bad usage; 3 gradcheck mismatch.
 )";
 
 struct Globals {
@@ -84,9 +95,21 @@ int UsageError(const std::string& msg) {
 
 std::string g_address;  // for error messages
 
+// Whether `s` says the server could not be reached (no answer from opjitd),
+// rather than opjitd answering UNAVAILABLE itself (no GPU, no compiler).
+bool Unreachable(const absl::Status& s) {
+  if (s.code() != absl::StatusCode::kUnavailable || opjit::GetReason(s).has_value()) return false;
+  for (const char* what : {"failed to connect", "Connection refused", "No such file",
+                           "connections to all backends failing", "Socket closed",
+                           "DNS resolution failed", "Connection reset", "Broken pipe"}) {
+    if (std::string(s.message()).find(what) != std::string::npos) return true;
+  }
+  return false;
+}
+
 int Fail(const absl::Status& s) {
   std::cerr << "opjit: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
-  if (s.code() == absl::StatusCode::kUnavailable && !g_address.empty()) {
+  if (Unreachable(s) && !g_address.empty()) {
     std::cerr << "opjit: is opjitd running at " << g_address
               << "? Start it with `make run`, or pass --server / set OPJIT_SERVER\n";
   }
@@ -131,7 +154,34 @@ struct Args {
   bool Has(const std::string& k) const { return flags.count(k) > 0; }
 };
 
-absl::StatusOr<Args> ParseArgs(const std::vector<std::string>& argv,
+// The flags each command takes: those that take a value, then switches.
+struct CommandFlags {
+  std::vector<std::string> value_flags, bool_flags;
+};
+
+const std::map<std::string, CommandFlags>& FlagsByCommand() {
+  static const auto* const kFlags = new std::map<std::string, CommandFlags>{
+      {"info", {}},
+      {"register", {{"--namespace"}, {}}},
+      {"ops", {{"--namespace"}, {"--all-versions"}}},
+      {"describe", {{"--version"}, {}}},
+      {"delete", {{"--version"}, {}}},
+      {"compile",
+       {{"--lang", "--entry", "--option", "--library", "--name-expr", "--arch", "--namespace"},
+        {"--aot"}}},
+      {"run", {{"--in", "--attr", "--out", "--version", "--target", "--transport"}, {}}},
+      {"grad", {{"--in", "--attr", "--grad-out", "--out", "--no-grad", "--version", "--target"}, {}}},
+      {"gradcheck",
+       {{"--in", "--attr", "--shape", "--seed", "--eps", "--atol", "--rtol", "--version"}, {}}},
+      {"cache", {{}, {"--memory-only"}}},
+      {"stats", {}},
+      {"token", {}},
+      {"help", {}},
+  };
+  return *kFlags;
+}
+
+absl::StatusOr<Args> ParseArgs(const std::string& cmd, const std::vector<std::string>& argv,
                                const std::vector<std::string>& value_flags,
                                const std::vector<std::string>& bool_flags) {
   Args a;
@@ -157,10 +207,37 @@ absl::StatusOr<Args> ParseArgs(const std::vector<std::string>& argv,
       }
       a.flags.emplace(key, value);
     } else {
-      return absl::InvalidArgumentError("unknown option " + key);
+      std::vector<std::string> known = value_flags;
+      known.insert(known.end(), bool_flags.begin(), bool_flags.end());
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown option ", key, " for `", cmd, "`",
+          known.empty() ? " (it takes none)" : absl::StrCat(" (it takes ", absl::StrJoin(known, ", "), ")")));
     }
   }
   return a;
+}
+
+// --target: "CPU" or "GPU" (any case), or "" when not given.
+absl::StatusOr<std::string> ParseTarget(const Args& a) {
+  if (!a.Has("--target")) return std::string();
+  std::string t = a.Get("--target");
+  for (char& ch : t) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  if (t != "CPU" && t != "GPU") {
+    return absl::InvalidArgumentError("--target takes cpu or gpu, got \"" + a.Get("--target") + "\"");
+  }
+  return t;
+}
+
+// An error from a call that ran on `target`, with what to try when the GPU
+// is not usable.
+int FailOn(const std::string& target, const absl::Status& s) {
+  int rc = Fail(s);
+  if (target == "GPU" && s.code() == absl::StatusCode::kUnavailable && !Unreachable(s)) {
+    std::cerr << "opjit: the op could not run on the GPU; `opjit info` shows the server's GPU "
+                 "status. Without --target (or with --target cpu) it runs on the CPU, if the op "
+                 "has a CPU implementation\n";
+  }
+  return rc;
 }
 
 int64_t ParseVersion(const Args& a) { return std::stoll(a.Get("--version", "0")); }
@@ -176,12 +253,31 @@ void PrintOpSummary(const opjit::v1::OpRecord& r) {
 }
 
 void PrintCompile(const opjit::v1::CompileResponse& c) {
+  // A GPU compile by NVRTC always has PTX; nvcc's shared object has none.
+  const std::string gpu_compiler =
+      c.target() == "GPU" ? (c.ptx_arch().empty() ? "nvcc shared object: " : "NVRTC: ") : "";
   std::printf("%s key %s%s  %s\n", c.target().c_str(), c.cache_key().substr(0, 16).c_str(),
-              c.archs_size() ? absl::StrCat(" (", absl::StrJoin(c.archs(), ", "), ")").c_str() : "",
+              c.archs_size()
+                  ? absl::StrCat(" (", gpu_compiler, absl::StrJoin(c.archs(), ", "), ")").c_str()
+                  : "",
               c.cache_hit().empty()
                   ? absl::StrCat("compiled in ", static_cast<int>(c.compile_ms()), " ms").c_str()
                   : absl::StrCat(c.cache_hit(), " cache hit").c_str());
   if (!c.diagnostics().empty()) std::fprintf(stderr, "%s", c.diagnostics().c_str());
+}
+
+// A message's `repeated string warnings`, each to stderr as "warning: ...".
+// Read through reflection, so that a response without the field prints none.
+void PrintWarnings(const google::protobuf::Message& m) {
+  const auto* field = m.GetDescriptor()->FindFieldByName("warnings");
+  if (field == nullptr || !field->is_repeated() ||
+      field->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_STRING) {
+    return;
+  }
+  const auto* r = m.GetReflection();
+  for (int i = 0; i < r->FieldSize(m, field); ++i) {
+    std::fprintf(stderr, "warning: %s\n", r->GetRepeatedString(m, field, i).c_str());
+  }
 }
 
 int CmdInfo(Client& c, const Globals& g) {
@@ -214,6 +310,7 @@ int CmdRegister(Client& c, const Globals& g, const Args& a) {
   if (a.Has("--namespace")) spec->set_namespace_(a.Get("--namespace"));
   auto resp = c.Register(*spec);
   if (!resp.ok()) return Fail(resp.status());
+  PrintWarnings(*resp);
   if (g.json) {
     std::cout << ToJson(*resp);
     return 0;
@@ -246,6 +343,7 @@ int CmdDescribe(Client& c, const Globals& g, const Args& a) {
   SplitName(a.positional[0], &ns, &name);
   auto r = c.Get(ns, name, ParseVersion(a));
   if (!r.ok()) return Fail(r.status());
+  PrintWarnings(*r);
   if (g.json) {
     std::cout << ToJson(*r);
     return 0;
@@ -317,6 +415,7 @@ int CmdCompile(Client& c, const Globals& g, const Args& a) {
   for (const auto& e : a.All("--name-expr")) req.add_name_expressions(e);
   for (const auto& arch : a.All("--arch")) req.add_archs(arch);
   req.set_aot_shared_object(a.Has("--aot"));
+  req.set_namespace_(a.Get("--namespace"));
   auto resp = c.Compile(req);
   if (!resp.ok()) return Fail(resp.status());
   if (g.json) {
@@ -385,10 +484,13 @@ int CmdRun(Client& c, const Globals& g, const Args& a) {
   if (a.positional.size() != 1) return UsageError("run takes one OP");
   std::string ns, name;
   SplitName(a.positional[0], &ns, &name);
+  auto target = ParseTarget(a);
+  if (!target.ok()) return UsageError(std::string(target.status().message()));
   opjit::v1::ForwardRequest req;
   req.set_namespace_(ns);
   req.set_op(name);
   req.set_version(ParseVersion(a));
+  req.set_target(*target);
 
   // Read every input first: a bad file fails before anything reaches the server.
   auto read = ReadInputs(a);
@@ -441,7 +543,7 @@ int CmdRun(Client& c, const Globals& g, const Args& a) {
   }
   auto resp = c.Forward(req);
   if (mapping) (void)c.UnregisterRegion(ns, region);
-  if (!resp.ok()) return Fail(resp.status());
+  if (!resp.ok()) return FailOn(*target, resp.status());
 
   const auto outs = a.All("--out");
   if (outs.size() > static_cast<size_t>(resp->outputs_size())) {
@@ -479,9 +581,9 @@ int CmdRun(Client& c, const Globals& g, const Args& a) {
                 static_cast<long long>(resp->version()), resp->kernel_ms(), resp->server_ms(),
                 resp->outputs_size());
   } else {
-    std::printf("%s v%lld: kernel %.3f ms, server %.3f ms (%s)\n", a.positional[0].c_str(),
-                static_cast<long long>(resp->version()), resp->kernel_ms(), resp->server_ms(),
-                transport.c_str());
+    std::printf("%s v%lld%s: kernel %.3f ms, server %.3f ms (%s)\n", a.positional[0].c_str(),
+                static_cast<long long>(resp->version()), target->empty() ? "" : (" on " + *target).c_str(),
+                resp->kernel_ms(), resp->server_ms(), transport.c_str());
   }
   return 0;
 }
@@ -490,12 +592,15 @@ int CmdGrad(Client& c, const Globals& g, const Args& a) {
   if (a.positional.size() != 1) return UsageError("grad takes one OP");
   std::string ns, name;
   SplitName(a.positional[0], &ns, &name);
+  auto target = ParseTarget(a);
+  if (!target.ok()) return UsageError(std::string(target.status().message()));
   auto groups = ReadInputs(a);
   if (!groups.ok()) return Fail(groups.status());
   opjit::v1::ForwardRequest req;
   req.set_namespace_(ns);
   req.set_op(name);
   req.set_version(ParseVersion(a));
+  req.set_target(*target);
   if (absl::Status s = AddAttrs(a, req.mutable_attrs()); !s.ok()) return UsageError(std::string(s.message()));
   std::set<int> no_grad;
   for (const auto& i : a.All("--no-grad")) no_grad.insert(std::stoi(i));
@@ -507,7 +612,7 @@ int CmdGrad(Client& c, const Globals& g, const Args& a) {
     req.add_requires_grad(!no_grad.count(static_cast<int>(i)));
   }
   auto fwd = c.Forward(req);
-  if (!fwd.ok()) return Fail(fwd.status());
+  if (!fwd.ok()) return FailOn(*target, fwd.status());
   if (fwd->context_id().empty()) {
     return Fail(absl::FailedPreconditionError("no input requires a grad, so there is no backward"));
   }
@@ -524,7 +629,7 @@ int CmdGrad(Client& c, const Globals& g, const Args& a) {
     *breq.add_grad_outputs() = opjit::client::InlineTensor(arr->dtype, arr->shape, arr->data);
   }
   auto bwd = c.Backward(breq);
-  if (!bwd.ok()) return Fail(bwd.status());
+  if (!bwd.ok()) return FailOn(*target, bwd.status());
   const auto outs = a.All("--out");
   for (int i = 0; i < bwd->grad_inputs_size(); ++i) {
     const auto& group = bwd->grad_inputs(i);
@@ -591,6 +696,7 @@ int CmdGradCheck(Client& c, const Globals& g, const Args& a) {
 int CmdCache(Client& c, const Globals& g, const Args& a) {
   if (a.positional.size() != 1) return UsageError("cache takes `stats` or `clear`");
   if (a.positional[0] == "stats") {
+    if (a.Has("--memory-only")) return UsageError("--memory-only goes with `cache clear`");
     auto s = c.CacheStats();
     if (!s.ok()) return Fail(s.status());
     if (g.json) {
@@ -645,6 +751,9 @@ int main(int argc, char** argv) {
       }
     } else if (s.rfind("--server=", 0) == 0) {
       g.server = s.substr(9);
+    } else if (s.rfind("--timeout=", 0) == 0) {
+      g.timeout_s = std::atof(s.c_str() + 10);
+      if (g.timeout_s <= 0) return UsageError("--timeout needs a positive number of seconds");
     } else if (s.rfind("--", 0) == 0) {
       return UsageError("unknown option " + s);
     } else {
@@ -654,16 +763,24 @@ int main(int argc, char** argv) {
   if (i >= argc) return UsageError("no command");
   const std::string cmd = argv[i++];
   std::vector<std::string> rest(argv + i, argv + argc);
+  const auto flags = FlagsByCommand().find(cmd);
+  if (flags == FlagsByCommand().end()) return UsageError("unknown command " + cmd);
+  if (cmd == "help" || std::find(rest.begin(), rest.end(), "--help") != rest.end() ||
+      std::find(rest.begin(), rest.end(), "-h") != rest.end()) {
+    std::cout << kUsage;
+    return 0;
+  }
   // --json is accepted after the command too, as scripts tend to put it there.
   if (auto it = std::find(rest.begin(), rest.end(), "--json"); it != rest.end()) {
     g.json = true;
     rest.erase(it);
   }
-  auto args = ParseArgs(rest, {"--namespace", "--version", "--entry", "--lang", "--option", "--library", "--in",
-                         "--out", "--attr", "--transport", "--grad-out", "--no-grad", "--shape", "--seed",
-                         "--eps", "--atol", "--rtol", "--name-expr", "--arch"},
-                        {"--all-versions", "--memory-only", "--aot"});
+  auto args = ParseArgs(cmd, rest, flags->second.value_flags, flags->second.bool_flags);
   if (!args.ok()) return UsageError(std::string(args.status().message()));
+  if ((cmd == "info" || cmd == "ops" || cmd == "stats" || cmd == "token") &&
+      !args->positional.empty()) {
+    return UsageError(absl::StrCat(cmd, " takes no arguments, got \"", args->positional[0], "\""));
+  }
 
   if (cmd == "token") {
     auto a = opjit::RandomHex128();

@@ -1,18 +1,27 @@
 // The GPU compile backend: CUDA through NVRTC (CUBIN per arch plus PTX) or,
 // for MindSpore aot .cu files with host code, nvcc (a shared object). Both
 // run confined in opjit-gpu-sandbox processes; both are found on first use.
+//
+// Which one: nvcc when the job asks for it (aot_shared_object: `opjit compile
+// --aot`, or a registered GPU implementation without a launch spec), or when
+// it names no NVRTC name expressions and its source has host code (a <<<>>>
+// launch, an extern "C" host function: cuda_source.h); NVRTC otherwise. When
+// NVRTC fails on host code anyway, its error says how to pick nvcc.
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/backend.h"
+#include "server/compiler/cuda_source.h"
 #include "server/gpu/nvcc_compiler.h"
 #include "server/gpu/nvrtc_compiler.h"
 
@@ -43,6 +52,57 @@ bool GetField(std::string_view* in, std::string* v) {
   return true;
 }
 
+// Host code in `job`'s source, as NVRTC would see it.
+std::optional<HostCodeSite> HostCodeOf(const CompileJob& job) {
+  return FindHostCode(job.source, HasDefaultDeviceOption(job.options));
+}
+
+// nvcc (a shared object) rather than NVRTC. Name expressions are NVRTC's, and
+// a registered op's launch spec needs them: such a job stays with NVRTC.
+bool UsesNvcc(const CompileJob& job) {
+  return job.aot_shared_object || (job.name_expressions.empty() && HostCodeOf(job).has_value());
+}
+
+// Whether an NVRTC log complains about host code.
+bool NvrtcRefusedHostCode(std::string_view log) {
+  return log.find("host functions are not allowed in JIT mode") != std::string_view::npos ||
+         log.find("is considered a host function") != std::string_view::npos ||
+         log.find("device-side kernel launch") != std::string_view::npos;
+}
+
+// How to build a source with host code through nvcc instead, for an NVRTC
+// error: `status` with that appended, code and reason kept. Other errors
+// come back unchanged.
+absl::Status WithNvccHint(const absl::Status& status, const CompileJob& job) {
+  if (status.code() != absl::StatusCode::kInvalidArgument) return status;
+  const auto site = HostCodeOf(job);
+  if (!site && !NvrtcRefusedHostCode(std::string(status.message()))) return status;
+  constexpr char kHowToNvcc[] =
+      "build it with nvcc as a MindSpore aot .cu file: `opjit compile --aot FILE` "
+      "(aot_shared_object in a CompileRequest), or register the GPU implementation "
+      "without a \"launch\" spec";
+  std::string hint;
+  if (site) {
+    // Only name expressions keep a source with host code on NVRTC.
+    hint = absl::StrCat("hint: this source has host code (", site->Describe(),
+                        "), which NVRTC cannot compile; NVRTC was used because name expressions "
+                        "were given (--name-expr, or a registered op's launch spec). To ",
+                        kHowToNvcc, ".");
+  } else {
+    hint = absl::StrCat(
+        "hint: NVRTC compiles device code only: mark helper functions __device__ (or pass the "
+        "compile option -default-device), or ",
+        kHowToNvcc, ".");
+  }
+  std::string message(status.message());
+  if (!message.empty() && message.back() != '\n') message += '\n';
+  absl::Status out(status.code(), absl::StrCat(message, hint));
+  status.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, payload);
+  });
+  return out;
+}
+
 class GpuBackend : public CompileBackend {
  public:
   explicit GpuBackend(KernelCompilerOptions options) : options_(std::move(options)) {}
@@ -55,7 +115,7 @@ class GpuBackend : public CompileBackend {
           absl::StrCat("language \"", job.language, "\" is not a GPU language (expected cuda)"));
     }
     std::string id;
-    if (job.aot_shared_object) {
+    if (UsesNvcc(job)) {
       std::lock_guard<std::mutex> lock(mu_);
       if (nvcc_id_.empty()) {
         OPJIT_ASSIGN_OR_RETURN(nvcc_id_, gpu::NvccToolchainId(options_.cuda_root));
@@ -76,7 +136,11 @@ class GpuBackend : public CompileBackend {
     BackendOutput out;
     out.kernel = std::make_shared<CompiledKernel>();
     out.kernel->target = registry::Target::kGpu;
-    if (job.aot_shared_object) {
+    if (UsesNvcc(job)) {
+      if (!job.aot_shared_object) {
+        Logger("compiler")->info("{}: host code ({}): compiling with nvcc", job.file_name,
+                                 HostCodeOf(job)->Describe());
+      }
       gpu::NvccRequest req;
       req.source = job.source;
       req.file_name = job.file_name;
@@ -100,7 +164,9 @@ class GpuBackend : public CompileBackend {
       req.options = job.options;
       req.name_expressions = job.name_expressions;
       req.archs = archs;
-      OPJIT_ASSIGN_OR_RETURN(gpu::GpuCompileOutput r, c->Compile(req));
+      auto compiled = c->Compile(req);
+      if (!compiled.ok()) return WithNvccHint(compiled.status(), job);
+      gpu::GpuCompileOutput r = *std::move(compiled);
       g->cubins = std::move(r.cubins);
       g->ptx = std::move(r.ptx);
       g->ptx_arch = std::move(r.ptx_arch);
