@@ -266,18 +266,10 @@ void PrintCompile(const opjit::v1::CompileResponse& c) {
   if (!c.diagnostics().empty()) std::fprintf(stderr, "%s", c.diagnostics().c_str());
 }
 
-// A message's `repeated string warnings`, each to stderr as "warning: ...".
-// Read through reflection, so that a response without the field prints none.
-void PrintWarnings(const google::protobuf::Message& m) {
-  const auto* field = m.GetDescriptor()->FindFieldByName("warnings");
-  if (field == nullptr || !field->is_repeated() ||
-      field->cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_STRING) {
-    return;
-  }
-  const auto* r = m.GetReflection();
-  for (int i = 0; i < r->FieldSize(m, field); ++i) {
-    std::fprintf(stderr, "warning: %s\n", r->GetRepeatedString(m, field, i).c_str());
-  }
+// Warnings from the server (RegisterOpResponse, OpRecord), each to stderr
+// as "warning: ...".
+void PrintWarnings(const google::protobuf::RepeatedPtrField<std::string>& warnings) {
+  for (const auto& w : warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
 }
 
 int CmdInfo(Client& c, const Globals& g) {
@@ -310,7 +302,7 @@ int CmdRegister(Client& c, const Globals& g, const Args& a) {
   if (a.Has("--namespace")) spec->set_namespace_(a.Get("--namespace"));
   auto resp = c.Register(*spec);
   if (!resp.ok()) return Fail(resp.status());
-  PrintWarnings(*resp);
+  PrintWarnings(resp->warnings());
   if (g.json) {
     std::cout << ToJson(*resp);
     return 0;
@@ -343,7 +335,7 @@ int CmdDescribe(Client& c, const Globals& g, const Args& a) {
   SplitName(a.positional[0], &ns, &name);
   auto r = c.Get(ns, name, ParseVersion(a));
   if (!r.ok()) return Fail(r.status());
-  PrintWarnings(*r);
+  PrintWarnings(r->warnings());
   if (g.json) {
     std::cout << ToJson(*r);
     return 0;
