@@ -194,6 +194,43 @@ TEST_F(RegistryIT, InvalidSpecsNameTheField) {
   EXPECT_TRUE(c->List()->empty());
 }
 
+// A backward.op that names no registered op is registered, with a warning in
+// the RegisterOp response and in the record Get and List return, until that
+// op is registered.
+TEST_F(RegistryIT, DanglingBackwardOpIsAWarning) {
+  Daemon d(state_);
+  ASSERT_TRUE(d.Start()) << d.Log();
+  auto c = d.NewClient();
+  const std::string want =
+      "backward.op: \"fwd_grad\" is not a registered op in namespace \"default\"; the op is "
+      "registered, but its backward fails until \"fwd_grad\" is registered";
+  v1::OpDef fwd = SimpleOp("fwd");
+  fwd.mutable_backward()->set_op("fwd_grad");
+  auto r = c->Register(fwd);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->created());
+  ASSERT_EQ(r->warnings_size(), 1);
+  EXPECT_EQ(r->warnings(0), want);
+  ASSERT_EQ(r->record().warnings_size(), 1);
+  auto got = c->Get("", "fwd");
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->warnings_size(), 1);
+  EXPECT_EQ(got->warnings(0), want);
+  auto listed = c->List();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].warnings_size(), 1);
+
+  auto g = c->Register(SimpleOp("fwd_grad"));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->warnings_size(), 0);
+  EXPECT_EQ(c->Get("", "fwd")->warnings_size(), 0);
+  auto again = c->Register(fwd);
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->created());
+  EXPECT_EQ(again->warnings_size(), 0);
+}
+
 TEST_F(RegistryIT, Kill9DuringRegistrationBurstLosesNothingAcknowledged) {
   Daemon d(state_);
   ASSERT_TRUE(d.Start()) << d.Log();
