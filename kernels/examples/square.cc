@@ -12,34 +12,39 @@ extern "C" int Square(int nparam, void** params, int* ndims, int64_t** shapes, c
   return 0;
 }
 
-// The bprop (MindSpore convention): inputs (x, y, dy), output dx = 2 * x * dy.
-// y is not saved (save_for_backward lists only x), so it arrives absent and
-// params holds x, dy, dx.
+// The bprop (MindSpore convention): inputs (x, y, dy), output dx = 2 * x * dy,
+// so params = x, y, dy, dx and nparam is 4 whatever is saved. y is not saved
+// (save_for_backward lists only x): its slot is null (params[1] == nullptr,
+// ndims[1] == 0, dtypes[1] "float32").
 extern "C" int SquareGrad(int nparam, void** params, int* ndims, int64_t** shapes,
                           const char** dtypes, void* stream, void* extra) {
   (void)dtypes, (void)stream, (void)extra;
+  if (nparam != 4 || params[0] == nullptr || params[2] == nullptr) return 1;
   int64_t n = 1;
   for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
   const float* x = static_cast<const float*>(params[0]);
-  const float* dy = static_cast<const float*>(params[nparam - 2]);
-  float* dx = static_cast<float*>(params[nparam - 1]);
+  const float* dy = static_cast<const float*>(params[2]);
+  float* dx = static_cast<float*>(params[3]);
   for (int64_t i = 0; i < n; ++i) dx[i] = 2.0f * x[i] * dy[i];
   return 0;
 }
 
-// The bprop of SquareGrad, for double backward: inputs (x, y, dy, dx, ddx)
-// with y and dx absent; outputs (d_x, d_y, d_dy) = (2 * dy * ddx, 0, 2 * x * ddx).
+// The bprop of SquareGrad, for double backward: inputs (x, y, dy, dx, ddx),
+// outputs (d_x, d_y, d_dy) = (2 * dy * ddx, 0, 2 * x * ddx), so params = x,
+// y, dy, dx, ddx, d_x, d_y, d_dy (nparam 8). Only x and dy are saved: the
+// slots of y and dx are null.
 extern "C" int SquareGradGrad(int nparam, void** params, int* ndims, int64_t** shapes,
                               const char** dtypes, void* stream, void* extra) {
-  (void)nparam, (void)dtypes, (void)stream, (void)extra;
+  (void)dtypes, (void)stream, (void)extra;
+  if (nparam != 8 || params[0] == nullptr || params[2] == nullptr || params[4] == nullptr) return 1;
   int64_t n = 1;
   for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
   const float* x = static_cast<const float*>(params[0]);
-  const float* dy = static_cast<const float*>(params[1]);
-  const float* ddx = static_cast<const float*>(params[2]);
-  float* gx = static_cast<float*>(params[3]);
-  float* gy = static_cast<float*>(params[4]);
-  float* gdy = static_cast<float*>(params[5]);
+  const float* dy = static_cast<const float*>(params[2]);
+  const float* ddx = static_cast<const float*>(params[4]);
+  float* gx = static_cast<float*>(params[5]);
+  float* gy = static_cast<float*>(params[6]);
+  float* gdy = static_cast<float*>(params[7]);
   for (int64_t i = 0; i < n; ++i) {
     gx[i] = 2.0f * dy[i] * ddx[i];
     gy[i] = 0.0f;

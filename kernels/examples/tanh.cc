@@ -28,20 +28,26 @@ extern "C" int Tanh(int nparam, void** params, int* ndims, int64_t** shapes, con
   return 0;
 }
 
-// Inputs (x, y, dy) with x absent (only y is saved): params = y, dy, dx.
+// The bprop (MindSpore convention): inputs (x, y, dy), output dx, so params
+// = x, y, dy, dx (nparam 4). Only y is saved: x's slot is null (params[0] ==
+// nullptr, ndims[0] == 0, dtypes[0] its dtype). Called directly as an op, x
+// (declared optional) may be left out: then params = y, dy, dx.
 extern "C" int TanhGrad(int nparam, void** params, int* ndims, int64_t** shapes,
                         const char** dtypes, void* stream, void* extra) {
-  (void)nparam, (void)stream, (void)extra;
-  const int64_t n = Numel(ndims, shapes, 0);
-  if (std::strcmp(dtypes[0], "float64") == 0) {
-    const double* y = static_cast<const double*>(params[0]);
-    const double* dy = static_cast<const double*>(params[1]);
-    double* dx = static_cast<double*>(params[2]);
+  (void)stream, (void)extra;
+  if (nparam != 4 && nparam != 3) return 1;
+  const int y_at = nparam - 3;  // 1 in a bprop call
+  if (params[y_at] == nullptr || params[y_at + 1] == nullptr) return 2;
+  const int64_t n = Numel(ndims, shapes, y_at);
+  if (std::strcmp(dtypes[y_at], "float64") == 0) {
+    const double* y = static_cast<const double*>(params[y_at]);
+    const double* dy = static_cast<const double*>(params[y_at + 1]);
+    double* dx = static_cast<double*>(params[y_at + 2]);
     for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * (1.0 - y[i] * y[i]);
   } else {
-    const float* y = static_cast<const float*>(params[0]);
-    const float* dy = static_cast<const float*>(params[1]);
-    float* dx = static_cast<float*>(params[2]);
+    const float* y = static_cast<const float*>(params[y_at]);
+    const float* dy = static_cast<const float*>(params[y_at + 1]);
+    float* dx = static_cast<float*>(params[y_at + 2]);
     for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * (1.0f - y[i] * y[i]);
   }
   return 0;

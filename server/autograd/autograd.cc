@@ -41,8 +41,10 @@ struct Context {
   std::string ns;
   std::shared_ptr<const registry::OpRecord> record;
   std::vector<bool> requires_grad;                 // per declared input
-  std::vector<std::vector<SavedTensor>> inputs;    // per declared input
-  std::vector<SavedTensor> outputs;                // per output
+  // Per declared input: one per tensor, a copy or a null placeholder (not
+  // saved); empty for an absent optional input, or when not differentiable.
+  std::vector<std::vector<SavedTensor>> inputs;
+  std::vector<SavedTensor> outputs;                // per output (empty: not differentiable)
   std::vector<exec::TensorDesc> output_descs;      // per output, always
   std::vector<size_t> input_counts;                // tensors per declared input
   std::map<std::string, exec::AttrArg> attrs;      // the forward's attrs
@@ -54,6 +56,15 @@ TensorArg ArgOf(const SavedTensor& t) {
   TensorArg a;
   a.desc = t.desc;
   a.inline_bytes = t.bytes;
+  a.null = t.null;
+  return a;
+}
+
+// A slot without data: the kernel gets params[i] == nullptr, ndims[i] == 0.
+TensorArg NullArg(const std::string& dtype) {
+  TensorArg a;
+  a.desc.dtype = dtype;
+  a.null = true;
   return a;
 }
 
@@ -215,19 +226,24 @@ void Autograd::ForwardAsync(exec::ForwardCall call, std::vector<bool> requires_g
         " has ", def.inputs.size(), " declared input(s): give one per input, or none")));
   }
   if (def.backward.op.empty()) {
-    return done(absl::FailedPreconditionError(absl::StrCat(
-        "op ", def.ns, "/", def.name, " has no backward op, so no input can require a grad; "
-        "register it with backward.op naming its bprop")));
-  }
-  // Save what the bprop reads: save_for_backward, or everything.
-  const auto& save = def.backward.save_for_backward;
-  call.save_inputs.resize(def.inputs.size());
-  for (size_t i = 0; i < def.inputs.size(); ++i) {
-    call.save_inputs[i] = save.empty() || Contains(save, def.inputs[i].name);
-  }
-  call.save_outputs.resize(def.outputs.size());
-  for (size_t j = 0; j < def.outputs.size(); ++j) {
-    call.save_outputs[j] = save.empty() || Contains(save, def.outputs[j].name);
+    // An op without a backward runs all the same, and its outputs are not
+    // differentiable: the context keeps no tensors, and a backward through
+    // it fails with NOT_DIFFERENTIABLE naming the op (PyTorch and Paddle
+    // fail at backward, not at forward).
+    call.save_inputs.clear();
+    call.save_outputs.clear();
+  } else {
+    // Save what the bprop reads: save_for_backward, or everything. The rest
+    // come back as null placeholders, which keep the bprop's positions.
+    const auto& save = def.backward.save_for_backward;
+    call.save_inputs.resize(def.inputs.size());
+    for (size_t i = 0; i < def.inputs.size(); ++i) {
+      call.save_inputs[i] = save.empty() || Contains(save, def.inputs[i].name);
+    }
+    call.save_outputs.resize(def.outputs.size());
+    for (size_t j = 0; j < def.outputs.size(); ++j) {
+      call.save_outputs[j] = save.empty() || Contains(save, def.outputs[j].name);
+    }
   }
   auto ctx = std::make_shared<Context>();
   auto id = RandomHex128();
@@ -265,6 +281,15 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   if (!taken.ok()) return done(taken.status());
   std::shared_ptr<Context> ctx = *std::move(taken);
   const registry::OpDef& fdef = ctx->record->def;
+  if (fdef.backward.op.empty()) {
+    const std::string op = absl::StrCat(fdef.ns, "/", fdef.name);
+    return done(WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "op ", op, " (version ", ctx->record->version, ") is not differentiable: it has no "
+            "backward op (backward.op is empty), so no grad flows back through its outputs. "
+            "Register it with backward.op naming its bprop, or stop the gradient before it")),
+        reason::kNotDifferentiable, {{"op", op}, {"version", absl::StrCat(ctx->record->version)}}));
+  }
   const size_t n_out = fdef.outputs.size();
   if (call.grad_outputs.size() > n_out) {
     return done(absl::InvalidArgumentError(absl::StrCat(
@@ -296,6 +321,9 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   bcall.version = (*bprop)->version;
   bcall.deadline = call.deadline;
   bcall.outputs = call.outputs;
+  // MindSpore's positions: every forward tensor keeps its slot; one not
+  // saved is a null placeholder (params[i] == nullptr, ndims[i] == 0, its
+  // dtype). Only an optional input absent in the forward stays absent.
   for (size_t i = 0; i < n_in; ++i) {
     std::vector<TensorArg> group;
     if (i < ctx->inputs.size()) {
@@ -305,8 +333,10 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   }
   for (size_t j = 0; j < n_out; ++j) {
     std::vector<TensorArg> group;
-    if (j < ctx->outputs.size() && !ctx->outputs[j].desc.dtype.empty()) {
+    if (j < ctx->outputs.size()) {
       group.push_back(ArgOf(ctx->outputs[j]));
+    } else {
+      group.push_back(NullArg(ctx->output_descs[j].dtype));
     }
     bcall.inputs.push_back(std::move(group));
   }
@@ -331,6 +361,8 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
       z.desc = desc;
       z.inline_bytes = zeros->back();
       group.push_back(z);
+    } else {
+      group.push_back(NullArg(ctx->output_descs[j].dtype));  // a missing grad, in its slot
     }
     bcall.inputs.push_back(std::move(group));
   }
@@ -340,14 +372,17 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
       if (a.name == name) bcall.attrs[name] = arg;
     }
   }
+  // create_graph: a grad for every bprop input that has data (a null slot
+  // is no tensor of the caller's, so it gets none).
   std::vector<bool> bprop_grad;
-  if (call.create_graph) bprop_grad.assign(bdef.inputs.size(), true);
+  if (call.create_graph) {
+    for (const auto& group : bcall.inputs) bprop_grad.push_back(!group.empty() && !group[0].null);
+  }
 
   auto finish = [ctx, zeros, done, t0](absl::StatusOr<GradForwardResult> r) {
     if (!r.ok()) {
-      return done(absl::Status(r.status().code(),
-                               absl::StrCat("backward of ", ctx->ns, "/", ctx->record->def.name,
-                                            ": ", r.status().message())));
+      return done(Annotate(r.status(), absl::StrCat("backward of ", ctx->ns, "/",
+                                                    ctx->record->def.name, ": ")));
     }
     BackwardResult out;
     out.kernel_ms = r->forward.kernel_ms;

@@ -9,18 +9,27 @@
 //     the tensors it saved; the contexts of a namespace are bounded
 //     (Options::namespace_bytes, RESOURCE_EXHAUSTED beyond it) and expire
 //     after Options::ttl_ms.
+//   - Such a forward of an op WITHOUT a backward op runs too; its outputs are
+//     not differentiable. It keeps a context that holds no tensors, and a
+//     backward through it fails with FAILED_PRECONDITION, reason
+//     NOT_DIFFERENTIABLE (metadata: op, version), naming the op.
 //   - When no input requires a grad, no context is kept and a backward is
 //     refused with FAILED_PRECONDITION.
 //   - Backward runs the bprop op on (forward inputs..., forward outputs...,
 //     output grads...) and returns one grad per forward input; inputs that
-//     did not require a grad get none (the bprop's value is dropped). Saved
-//     tensors not in save_for_backward are passed as absent, so the bprop
-//     declares them optional. Missing output grads are zero-filled
-//     (materialize_grads, the default) or passed as absent; grads given for
-//     non-differentiable outputs are ignored the same way.
+//     did not require a grad get none (the bprop's value is dropped).
+//     Positions are MindSpore's: every forward tensor keeps its slot, so
+//     nparam and the indices do not depend on save_for_backward. A tensor
+//     not saved is a null slot (exec::TensorArg::null): params[i] ==
+//     nullptr, ndims[i] == 0, dtypes[i] its dtype. Missing output grads are
+//     zero-filled (materialize_grads, the default) or null slots; grads
+//     given for non-differentiable outputs are treated as missing. Only an
+//     optional forward input that was absent in the forward has no slot (as
+//     in the forward).
 //   - The context is released after its backward unless retain is asked for.
-//   - create_graph runs the bprop itself with a context, so a bprop that has
-//     a backward of its own gives double backward.
+//   - create_graph runs the bprop itself with a context (requiring a grad
+//     for each of its inputs that has data), so a bprop that has a backward
+//     of its own gives double backward.
 //
 // Thread-safety: all methods are thread-safe.
 #pragma once

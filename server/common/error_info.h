@@ -38,6 +38,7 @@ inline constexpr char kCompileFailed[] = "COMPILE_FAILED";
 inline constexpr char kInvalidSpec[] = "INVALID_SPEC";
 inline constexpr char kMalformedRequest[] = "MALFORMED_REQUEST";
 inline constexpr char kWorkerUnavailable[] = "WORKER_UNAVAILABLE";
+inline constexpr char kNotDifferentiable[] = "NOT_DIFFERENTIABLE";
 }  // namespace reason
 
 // The type URL of opjit's reason payload on absl::Status.

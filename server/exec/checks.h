@@ -44,6 +44,9 @@ struct Checked {
   std::map<std::string, registry::AttrValue> attrs;
   absl::InlinedVector<const registry::TensorParam*, 4> input_params;  // one per flat input
   std::vector<bool> present;                                          // per declared input
+  // Per declared input: present with data, so a shape rule can read its
+  // shape (false for a null tensor, TensorArg::null).
+  std::vector<bool> shaped;
   absl::InlinedVector<const std::string*, 4> output_dtypes;
   uint64_t input_bytes = 0;
   // Set once the kernel is at hand, before the entry is shared.

@@ -33,9 +33,18 @@ double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+// What stands for a tensor that is not saved: its dtype, no data.
+SavedTensor Placeholder(const TensorDesc& desc) {
+  SavedTensor t;
+  t.desc.dtype = desc.dtype;
+  t.null = true;
+  return t;
+}
+
 // A saved copy of a placed tensor. Shm bytes are read under the copy guard:
 // a client may shrink its object under us.
 absl::StatusOr<SavedTensor> Save(const runner::TensorLoc& loc) {
+  if (loc.null) return Placeholder(loc.desc);
   SavedTensor saved{loc.desc, std::string(loc.nbytes, '\0')};
   const void* src = loc.region != nullptr ? static_cast<const void*>(loc.region->data() + loc.offset)
                                           : static_cast<const void*>(loc.data);
@@ -125,7 +134,7 @@ static absl::StatusOr<std::optional<std::vector<TensorDesc>>> RuleDescs(const Fo
     registry::OutputRule rule;  // default: same as input 0
     if (!def.output_rules.empty()) rule = def.output_rules[j];
     OPJIT_ASSIGN_OR_RETURN(Shape shape, ApplyShapeRule(rule, static_cast<int>(j), first_shapes,
-                                                       c.present, c.attrs));
+                                                       c.shaped, c.attrs));
     outputs.push_back({rule.dtype.empty() ? *c.output_dtypes[j] : rule.dtype, std::move(shape)});
   }
   return outputs;
@@ -188,7 +197,7 @@ absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const Forwar
       shape = *inferred;
     } else {
       OPJIT_ASSIGN_OR_RETURN(shape, ApplyShapeRule(rule, static_cast<int>(j), first_shapes,
-                                                   c.present, c.attrs));
+                                                   c.shaped, c.attrs));
     }
     out.push_back({rule.dtype.empty() ? *c.output_dtypes[j] : rule.dtype, std::move(shape)});
   }
@@ -228,14 +237,20 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, c
     for (size_t i = 0; i < call.inputs.size(); ++i) {
       const bool save = i < call.save_inputs.size() && call.save_inputs[i];
       for (size_t k = 0; k < call.inputs[i].size(); ++k, ++f) {
-        if (!save) continue;
+        if (!save) {
+          result.saved_inputs[i].push_back(Placeholder(placed.inputs[f].desc));
+          continue;
+        }
         OPJIT_ASSIGN_OR_RETURN(SavedTensor s, Save(placed.inputs[f]));
         result.saved_inputs[i].push_back(std::move(s));
       }
     }
     result.saved_outputs.resize(placed.outputs.size());
     for (size_t j = 0; j < placed.outputs.size(); ++j) {
-      if (j >= call.save_outputs.size() || !call.save_outputs[j]) continue;
+      if (j >= call.save_outputs.size() || !call.save_outputs[j]) {
+        result.saved_outputs[j] = Placeholder(placed.outputs[j].desc);
+        continue;
+      }
       OPJIT_ASSIGN_OR_RETURN(result.saved_outputs[j], Save(placed.outputs[j]));
     }
   }

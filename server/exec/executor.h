@@ -57,14 +57,23 @@ using runner::DescString;
 using runner::HostTensor;
 using runner::TensorDesc;
 
-// One input tensor of a call: in a shared-memory region, or inline bytes
-// owned by the caller (alive until `done` runs).
+// One input tensor of a call: in a shared-memory region, inline bytes owned
+// by the caller (alive until `done` runs), or no data at all (`null`).
+//
+// A null tensor is a slot that keeps its position without data: autograd
+// passes forward tensors that were not saved for backward this way, so a
+// bprop's params keep MindSpore's positions. It has its dtype, an empty
+// shape and no bytes; the kernel gets params[i] == nullptr and ndims[i] == 0.
+// It counts as present for the input count and the dtype match, but a shape
+// rule cannot take its shape from it. Only the server makes null tensors
+// (the RPC layer never does).
 struct TensorArg {
   TensorDesc desc;
   bool in_shm = false;
   std::string region;  // in_shm
   uint64_t offset = 0;  // in_shm
   std::string_view inline_bytes;  // !in_shm
+  bool null = false;
 };
 
 struct OutputPlacement {
@@ -97,15 +106,17 @@ struct ForwardCall {
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   uint64_t request_id = 0;  // for logs
   // For autograd: copy these declared inputs / outputs into the result after
-  // the kernel ran (empty: none).
+  // the kernel ran (both empty: save nothing).
   std::vector<bool> save_inputs;
   std::vector<bool> save_outputs;
 };
 
-// A tensor copied out of a call, owned by whoever keeps it (autograd contexts).
+// A tensor copied out of a call, owned by whoever keeps it (autograd
+// contexts); `null`: a placeholder without data (see TensorArg::null).
 struct SavedTensor {
   TensorDesc desc;
   std::string bytes;
+  bool null = false;
 };
 
 struct OutputResult {
@@ -122,8 +133,10 @@ struct ForwardResult {
   double kernel_ms = 0;
   double server_ms = 0;
   bool ran_inline = false;
-  // Per declared input / output: the copies asked for by save_inputs /
-  // save_outputs (an empty group when not asked for or absent).
+  // When save_inputs or save_outputs is set: per declared input (one entry
+  // per tensor; none for an absent optional input) and per output, a copy
+  // where asked for, else a null placeholder (the tensor's dtype, rank 0, no
+  // bytes), so positions are kept. A null input is saved as null.
   std::vector<std::vector<SavedTensor>> saved_inputs;
   std::vector<SavedTensor> saved_outputs;
   // The op version's record, for callers that need its definition.

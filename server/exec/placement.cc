@@ -28,9 +28,20 @@ absl::Status Place(const ForwardCall& call, const Checked& c,
                             call.inputs[i].size() > 1 ? absl::StrCat("[", k, "]") : "", " (",
                             def.inputs[i].name, ")");
       };
-      OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(arg.desc.dtype, arg.desc.shape));
       runner::TensorLoc loc;
       loc.desc = arg.desc;
+      if (arg.null) {
+        // No data, so nothing to bounds-check: the kernel gets a null
+        // pointer. Checked per call (bytes are not in the call-shape key).
+        if (!arg.desc.shape.empty() || arg.in_shm || !arg.inline_bytes.empty()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(what(), ": a null tensor has rank 0 and no data"));
+        }
+        loc.null = true;
+        placed->inputs.push_back(std::move(loc));
+        continue;
+      }
+      OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(arg.desc.dtype, arg.desc.shape));
       loc.nbytes = nbytes;
       if (arg.in_shm) {
         OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, arg.region, call.principal));

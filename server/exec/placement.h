@@ -1,7 +1,8 @@
 // Placement: turns a checked call's tensor references into locations a
 // kernel runner can use. Every shm reference is checked against its
 // region's bounds, alignment and the other tensors of the call before any
-// location exists; inline outputs get buffers in the result.
+// location exists; inline outputs get buffers in the result. A null input
+// (TensorArg::null) has no data to check: its location is null too.
 #pragma once
 
 #include <cstdint>

@@ -17,8 +17,10 @@ absl::Status NeedInput(int output, int input, const std::vector<bool>& present) 
         absl::StrCat("output_rules[", output, "] refers to input ", input, ", which the op lacks"));
   }
   if (!present[input]) {
-    return absl::InvalidArgumentError(absl::StrCat("output ", output, " takes its shape from input ",
-                                                   input, ", which was left absent"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output ", output, " takes its shape from input ", input,
+        ", which was left absent or has no data (in a bprop: a forward tensor not saved for "
+        "backward; save it, or take the shape from another input)"));
   }
   return absl::OkStatus();
 }

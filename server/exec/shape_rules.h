@@ -18,8 +18,9 @@ using Shape = std::vector<int64_t>;
 absl::StatusOr<Shape> BroadcastShapes(const std::vector<Shape>& shapes);
 
 // The shape of output `output` under `rule`. `inputs` holds the shape of each
-// declared input's first tensor (absent optional inputs: empty, flagged in
-// `present`); `attrs` the call's resolved attrs.
+// declared input's first tensor; `present` is false for inputs with no shape
+// to take (absent optional inputs, null tensors: see TensorArg::null);
+// `attrs` the call's resolved attrs.
 absl::StatusOr<Shape> ApplyShapeRule(const registry::OutputRule& rule, int output,
                                      const std::vector<Shape>& inputs,
                                      const std::vector<bool>& present,

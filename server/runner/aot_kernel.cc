@@ -4,6 +4,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <string_view>
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
@@ -38,6 +39,8 @@ class CallArgs {
     shape_ptrs_.push_back(dims_.data() + at);
     dtypes_.push_back(dtype);
   }
+  // Changes the rank the kernel sees for parameter `i` (its dims stay).
+  void SetRank(int i, int ndim) { ndims_[i] = ndim; }
   void AddAll(const std::vector<TensorDesc>& descs) {
     for (const TensorDesc& d : descs) Add(nullptr, d.dtype.c_str(), d.shape);
   }
@@ -94,6 +97,14 @@ absl::Status CheckTensors(const char* kind, absl::Span<const HostTensor> got,
     if (!(got[i].desc == want[i])) {
       return absl::InvalidArgumentError(absl::StrCat(
           kind, " ", i, ": expected ", DescString(want[i]), ", got ", DescString(got[i].desc)));
+    }
+    if (got[i].null) {
+      // A slot without data (not saved for a bprop): rank 0, no pointer.
+      if (got[i].data != nullptr || !got[i].desc.shape.empty() || std::string_view(kind) != "input") {
+        return absl::InvalidArgumentError(
+            absl::StrCat(kind, " ", i, ": a null slot must be an input of rank 0 without data"));
+      }
+      continue;
     }
     if (got[i].data == nullptr && NumElements(got[i].desc.shape) != 0) {
       return absl::InvalidArgumentError(absl::StrCat(kind, " ", i, " has no data"));
@@ -232,10 +243,21 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
 
   absl::InlinedVector<std::unique_ptr<void, FreeDeleter>, 2> workspaces;
   size_t dims = workspace_.size();
-  for (const HostTensor& t : inputs) dims += t.desc.shape.size();
+  for (const HostTensor& t : inputs) dims += t.null ? 1 : t.desc.shape.size();
   for (const HostTensor& t : outputs) dims += t.desc.shape.size();
   CallArgs args(dims);
-  for (const HostTensor& t : inputs) args.Add(t.data, t.desc.dtype.c_str(), t.desc.shape);
+  for (const HostTensor& t : inputs) {
+    if (t.null) {
+      // params[i] = nullptr, ndims[i] = 0; shapes[i] is never null: it points
+      // at a 0 of the call's own, so a kernel that reads a dim it should not
+      // reads 0 rather than another tensor's dims.
+      const int64_t zero = 0;
+      args.Add(nullptr, t.desc.dtype.c_str(), &zero, 1);
+      args.SetRank(args.nparam() - 1, 0);
+      continue;
+    }
+    args.Add(t.data, t.desc.dtype.c_str(), t.desc.shape);
+  }
   for (const HostTensor& t : outputs) args.Add(t.data, t.desc.dtype.c_str(), t.desc.shape);
   for (size_t size : workspace_) {
     size_t rounded = (std::max<size_t>(size, 1) + kWorkspaceAlignment - 1) / kWorkspaceAlignment *

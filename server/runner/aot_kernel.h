@@ -72,7 +72,11 @@ class AotKernelInstance {
 
   // Calls the kernel: params = inputs, outputs, then one fresh 64-byte-aligned
   // buffer per workspace size the kernel set in Init. Descriptors must match
-  // the instance's inputs (and outputs, once known).
+  // the instance's inputs (and outputs, once known). A null input
+  // (HostTensor::null: a rank-0 descriptor) reaches the kernel as
+  // params[i] == nullptr, ndims[i] == 0, its dtype, and shapes[i] pointing
+  // at a single 0 (never null); Init and InferShape see it as a rank-0
+  // tensor of its dtype.
   // Errors: INVALID_ARGUMENT for mismatched tensors or a wrong attr read;
   // ABORTED when the kernel returns non-zero ("kernel Foo returned 7");
   // INTERNAL when it throws; RESOURCE_EXHAUSTED when a workspace cannot be

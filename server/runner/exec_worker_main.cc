@@ -262,6 +262,18 @@ void Worker::HandleCall() {
   const wire::TensorRec* recs = wire::Records(slot_);
   for (uint32_t i = 0; i < n_in + n_out; ++i) {
     const wire::TensorRec rec = recs[i];
+    if (rec.serial == wire::kNullSerial) {
+      // An input without data (not saved for a bprop): a null pointer of rank 0.
+      if (i >= n_in || rec.offset != 0 || rec.nbytes != 0 || !e->spec.inputs[i].shape.empty()) {
+        return Answer(static_cast<int32_t>(absl::StatusCode::kInternal), 0,
+                      "a null tensor must be an input of rank 0", 0);
+      }
+      HostTensor t;
+      t.null = true;
+      t.desc = e->spec.inputs[i];
+      in.push_back(std::move(t));
+      continue;
+    }
     char* base;
     uint64_t limit;
     if (rec.serial == 0) {

@@ -97,6 +97,11 @@ absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implemen
   std::vector<gpu::DeviceBuffer> in_bufs, out_bufs;
   std::vector<uint64_t> in_bytes, out_bytes;
   for (const auto& t : inputs) {
+    if (t.null) {  // no data (not saved for a bprop): a null device pointer
+      in_bufs.emplace_back();
+      in_bytes.push_back(0);
+      continue;
+    }
     OPJIT_ASSIGN_OR_RETURN(uint64_t n, tensor::ByteSize(t.desc.dtype, t.desc.shape));
     OPJIT_ASSIGN_OR_RETURN(gpu::DeviceBuffer b, gpu::DeviceBuffer::Allocate(*device, n ? n : 1));
     if (n) OPJIT_RETURN_IF_ERROR(b.CopyFromHost(t.data, n, stream));
@@ -128,7 +133,12 @@ absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implemen
       shapes.push_back(d.shape);
       dtypes.push_back(d.dtype.c_str());
     };
-    for (size_t i = 0; i < inputs.size(); ++i) add(in_bufs[i], inputs[i].desc);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      add(in_bufs[i], inputs[i].desc);
+      // A null slot: params[i] == nullptr (ptr() is 0), ndims[i] == 0, and
+      // shapes[i] at a single 0, as on the CPU.
+      if (inputs[i].null) shapes.back() = {0};
+    }
     for (size_t j = 0; j < outputs.size(); ++j) add(out_bufs[j], outputs[j].desc);
     std::vector<int64_t*> shape_ptrs;
     for (auto& s : shapes) shape_ptrs.push_back(s.data());
@@ -189,6 +199,11 @@ absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implemen
           if (flat == SIZE_MAX) {
             return absl::InvalidArgumentError(absl::StrCat(
                 "launch.args[", k, "] binds an input that this call left absent"));
+          }
+          if (inputs[flat].null) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "launch.args[", k, "] binds input ", input_names[flat],
+                ", which has no data (not saved for backward)"));
           }
           slots[k] = in_bufs[flat].ptr();
           break;

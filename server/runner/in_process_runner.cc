@@ -33,6 +33,10 @@ class InProcessInstance : public KernelInstance {
 HostTensor ToHost(const TensorLoc& loc) {
   HostTensor t;
   t.desc = loc.desc;
+  if (loc.null) {
+    t.null = true;
+    return t;
+  }
   t.data = loc.region != nullptr ? static_cast<void*>(loc.region->data() + loc.offset)
                                  : static_cast<void*>(loc.data);
   return t;

@@ -50,18 +50,24 @@ std::string DescString(const TensorDesc& desc);
 struct HostTensor {
   void* data = nullptr;
   TensorDesc desc;
+  // A slot without data (a forward tensor not saved for a bprop): `data` is
+  // null and `desc` is its dtype with rank 0. The kernel gets params[i] ==
+  // nullptr and ndims[i] == 0.
+  bool null = false;
 };
 
 // Where one tensor of a call lives, already checked by the executor: either
 // `nbytes` at `offset` inside `region` (which the caller keeps alive for the
 // call), or the caller's own buffer `data` (inline tensors: read for inputs,
-// written for outputs).
+// written for outputs), or no data at all (`null`, inputs only: see
+// HostTensor::null; nbytes 0, no region, no data).
 struct TensorLoc {
   TensorDesc desc;
   uint64_t nbytes = 0;
   std::shared_ptr<const tensor::Region> region;
   uint64_t offset = 0;
   char* data = nullptr;  // when region is null
+  bool null = false;
 };
 
 // What makes one kernel instance.

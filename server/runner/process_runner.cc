@@ -623,7 +623,7 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
   uint64_t arena_need = 0;
   for (auto span : {args.inputs, args.outputs}) {
     for (const TensorLoc& t : span) {
-      if (t.region == nullptr) arena_need = Align64(arena_need + t.nbytes);
+      if (t.region == nullptr && !t.null) arena_need = Align64(arena_need + t.nbytes);
     }
   }
   if (arena_need > runner_->options.arena_bytes) {
@@ -652,7 +652,9 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
         for (auto span : {args.inputs, args.outputs}) {
           const bool inputs = span.data() == args.inputs.data();
           for (const TensorLoc& t : span) {
-            if (t.region != nullptr) {
+            if (t.null) {
+              recs[i++] = {wire::kNullSerial, 0, 0};
+            } else if (t.region != nullptr) {
               recs[i++] = {t.region->serial(), t.offset, t.nbytes};
             } else {
               if (inputs && t.nbytes) std::memcpy(w.data + cursor, t.data, t.nbytes);

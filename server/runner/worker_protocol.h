@@ -67,8 +67,12 @@ inline constexpr int32_t kNeedKernel = 103;    // (kNewInstance) the artifact is
 
 inline constexpr size_t kMessageBytes = 1024;
 
+// TensorRec::serial of an input without data (HostTensor::null): offset and
+// nbytes are 0 and the kernel gets a null pointer.
+inline constexpr uint64_t kNullSerial = ~uint64_t{0};
+
 struct TensorRec {
-  uint64_t serial;  // 0: in the arena's data area
+  uint64_t serial;  // 0: in the arena's data area; kNullSerial: no data
   uint64_t offset;  // from the region's first usable byte, or the data area's start
   uint64_t nbytes;
 };

@@ -6,7 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "client/cpp/npy.h"
+#include "server/common/error_info.h"
 #include "tests/integration/daemon_harness.h"
 
 namespace opjit::testing {
@@ -154,7 +157,7 @@ TEST_F(AutogradIT, RetainAndDoubleBackward) {
   ASSERT_TRUE(second.ok()) << second.status();
   ASSERT_EQ(second->grad_inputs_size(), 3);
   EXPECT_EQ(Floats(second->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{4}));
-  EXPECT_EQ(second->grad_inputs(1).tensors_size(), 0);  // y was absent
+  EXPECT_EQ(second->grad_inputs(1).tensors_size(), 0);  // y had no data (a null slot)
   EXPECT_EQ(Floats(second->grad_inputs(2).tensors(0).inline_data()), (std::vector<float>{6}));
   // The retained forward context still works.
   auto third = c_->Backward(Grad(fwd->context_id(), {{1}}));
@@ -229,6 +232,181 @@ TEST_F(AutogradIT, GradCheckPassesForCorrectBackwardsAndCatchesAWrongOne) {
   auto fail = daemon_->Cli({"gradcheck", "square_bad"});
   EXPECT_EQ(fail.exit_code, 3) << fail.out << fail.err;
   EXPECT_NE(fail.out.find("FAIL"), std::string::npos) << fail.out;
+}
+
+// MindSpore's bprop positions: (x, w, y, z, dy, dz) -> (dx, dw), whatever
+// save_for_backward keeps. Only w and z are saved, so x and y reach the bprop
+// as null slots in their own positions; the kernel checks nparam and reads
+// params[k] at MindSpore's index k (and fails with a code naming what was
+// wrong otherwise).
+constexpr char kPos2Source[] = R"(
+#include <cstdint>
+#include <cstring>
+namespace {
+int64_t Numel(int nd, const int64_t* s) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; ++i) n *= s[i];
+  return n;
+}
+}  // namespace
+extern "C" int Pos2(int nparam, void** params, int* ndims, int64_t** shapes, const char**, void*,
+                    void*) {
+  if (nparam != 4) return 1;
+  const int64_t n = Numel(ndims[0], shapes[0]);
+  const float* x = static_cast<const float*>(params[0]);
+  const float* w = static_cast<const float*>(params[1]);
+  float* y = static_cast<float*>(params[2]);
+  float* z = static_cast<float*>(params[3]);
+  for (int64_t i = 0; i < n; ++i) {
+    y[i] = x[i] * w[i];
+    z[i] = x[i] + w[i];
+  }
+  return 0;
+}
+extern "C" int Pos2Grad(int nparam, void** params, int* ndims, int64_t** shapes,
+                        const char** dtypes, void*, void*) {
+  if (nparam != 8) return 10;
+  const int nulls[] = {0, 2};  // x and y: not saved
+  for (int k : nulls) {
+    if (params[k] != nullptr) return 11;
+    if (ndims[k] != 0 || shapes[k] == nullptr) return 12;
+    if (std::strcmp(dtypes[k], "float32") != 0) return 13;
+  }
+  if (params[1] == nullptr || params[3] == nullptr || params[4] == nullptr) return 14;
+  const float* dz = static_cast<const float*>(params[5]);  // null: missing, not materialized
+  if (dz == nullptr && (ndims[5] != 0 || std::strcmp(dtypes[5], "float32") != 0)) return 15;
+  const int64_t n = Numel(ndims[1], shapes[1]);
+  if (Numel(ndims[3], shapes[3]) != n || Numel(ndims[4], shapes[4]) != n) return 16;
+  const float* w = static_cast<const float*>(params[1]);
+  const float* z = static_cast<const float*>(params[3]);
+  const float* dy = static_cast<const float*>(params[4]);
+  float* dx = static_cast<float*>(params[6]);
+  float* dw = static_cast<float*>(params[7]);
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = dz != nullptr ? dz[i] : 0.0f;
+    const float x = z[i] - w[i];
+    dx[i] = dy[i] * w[i] + g;
+    dw[i] = dy[i] * x + g;
+  }
+  return 0;
+}
+)";
+
+// `text` as the inside of a JSON string.
+std::string JsonEscaped(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c == '\n' ? std::string("\\n") : std::string(1, c);
+  }
+  return out;
+}
+
+std::string Pos2Spec(const std::string& name, bool materialize) {
+  const std::string src = JsonEscaped(kPos2Source);
+  return absl::StrCat(R"({"name": ")", name, R"(",
+    "inputs": [{"index": 0, "name": "x"}, {"index": 1, "name": "w"}],
+    "outputs": [{"index": 0, "name": "y"}, {"index": 1, "name": "z"}],
+    "dtype_formats": [{"dtypes": ["float32", "float32", "float32", "float32"]}],
+    "implementations": [{"target": "CPU", "source": ")", src, R"(", "entry": "Pos2"}],
+    "backward": {"op": "pos2_grad", "save_for_backward": ["w", "z"], "materialize_grads": )",
+                      materialize ? "true" : "false", "}}");
+}
+
+std::string Pos2GradSpec() {
+  const std::string src = JsonEscaped(kPos2Source);
+  return absl::StrCat(R"({"name": "pos2_grad",
+    "inputs": [{"index": 0, "name": "x"}, {"index": 1, "name": "w"}, {"index": 2, "name": "y"},
+               {"index": 3, "name": "z"}, {"index": 4, "name": "dy"}, {"index": 5, "name": "dz"}],
+    "outputs": [{"index": 0, "name": "dx"}, {"index": 1, "name": "dw"}],
+    "dtype_formats": [{"dtypes": ["float32", "float32", "float32", "float32", "float32", "float32",
+                                  "float32", "float32"]}],
+    "implementations": [{"target": "CPU", "source": ")", src, R"(", "entry": "Pos2Grad"}],
+    "output_rules": [{"kind": "same_as", "input": 1}, {"kind": "same_as", "input": 1}]})");
+}
+
+TEST_F(AutogradIT, BpropParamsKeepMindSporePositionsWithAPartialSave) {
+  for (const std::string& json :
+       {Pos2GradSpec(), Pos2Spec("pos2", true), Pos2Spec("pos2_nomat", false)}) {
+    auto spec = client::ParseOpSpec(json, tmp_.path());
+    ASSERT_TRUE(spec.ok()) << spec.status() << json;
+    auto r = c_->Register(*spec);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  const std::vector<float> x = {1, 2, -3}, w = {4, 0.5f, 2};
+  auto fwd = c_->Forward(Call("pos2", {x, w}, {true, true}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_EQ(Floats(fwd->outputs(0).inline_data()), (std::vector<float>{4, 1, -6}));
+  EXPECT_EQ(Floats(fwd->outputs(1).inline_data()), (std::vector<float>{5, 2.5f, -1}));
+  auto bwd = c_->Backward(Grad(fwd->context_id(), {{1, 2, 3}, {0.5f, 0.5f, 0.5f}}));
+  ASSERT_TRUE(bwd.ok()) << bwd.status();
+  ASSERT_EQ(bwd->grad_inputs_size(), 2);
+  EXPECT_EQ(Floats(bwd->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{4.5f, 1.5f, 6.5f}));
+  EXPECT_EQ(Floats(bwd->grad_inputs(1).tensors(0).inline_data()), (std::vector<float>{1.5f, 4.5f, -8.5f}));
+
+  // A missing grad with materialize_grads false is a null slot too (dz at
+  // params[5]), not a shift of dx and dw.
+  fwd = c_->Forward(Call("pos2_nomat", {x, w}, {true, false}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  bwd = c_->Backward(Grad(fwd->context_id(), {{1, 2, 3}, {}}));
+  ASSERT_TRUE(bwd.ok()) << bwd.status();
+  EXPECT_EQ(Floats(bwd->grad_inputs(0).tensors(0).inline_data()), (std::vector<float>{4, 1, 6}));
+  EXPECT_EQ(bwd->grad_inputs(1).tensors_size(), 0);  // w: requires_grad false
+
+  // GradCheck runs the same bprop.
+  v1::GradCheckRequest check;
+  check.set_op("pos2");
+  auto gc = c_->GradCheck(check);
+  ASSERT_TRUE(gc.ok()) << gc.status();
+  EXPECT_TRUE(gc->passed()) << gc->message();
+}
+
+// requires_grad on an op without a backward: the forward runs, its outputs
+// are not differentiable, and a backward through them names the op.
+TEST_F(AutogradIT, RequiresGradOnAnOpWithoutBackwardRunsAndBackwardNamesIt) {
+  auto spec = client::LoadOpSpec(SourceDir() + "/kernels/examples/square.json");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  spec->set_name("square_nodiff");
+  spec->mutable_backward()->Clear();
+  ASSERT_TRUE(c_->Register(*spec).ok());
+  auto fwd = c_->Forward(Call("square_nodiff", {{1, 4, 9}}, {true}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_EQ(Floats(fwd->outputs(0).inline_data()), (std::vector<float>{1, 16, 81}));
+  ASSERT_FALSE(fwd->context_id().empty());
+  auto bwd = c_->Backward(Grad(fwd->context_id(), {{1, 1, 1}}));
+  ASSERT_EQ(bwd.status().code(), absl::StatusCode::kFailedPrecondition) << bwd.status();
+  auto reason = GetReason(bwd.status());
+  ASSERT_TRUE(reason.has_value()) << bwd.status();
+  EXPECT_EQ(reason->reason, "NOT_DIFFERENTIABLE");
+  EXPECT_EQ(reason->metadata["op"], "default/square_nodiff");
+  EXPECT_NE(bwd.status().message().find("default/square_nodiff"), std::string::npos) << bwd.status();
+
+  // GradCheck of it says the same.
+  v1::GradCheckRequest check;
+  check.set_op("square_nodiff");
+  auto gc = c_->GradCheck(check);
+  EXPECT_EQ(gc.status().code(), absl::StatusCode::kFailedPrecondition) << gc.status();
+  ASSERT_TRUE(GetReason(gc.status()).has_value()) << gc.status();
+  EXPECT_EQ(GetReason(gc.status())->reason, "NOT_DIFFERENTIABLE");
+
+  // create_graph through a bprop without a backward of its own (tanh_grad):
+  // the first backward runs; the second names tanh_grad.
+  Register("tanh_grad");
+  Register("tanh");
+  fwd = c_->Forward(Call("tanh", {{0.5f}}, {true}));
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  auto req = Grad(fwd->context_id(), {{1}});
+  req.set_create_graph(true);
+  auto first = c_->Backward(req);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_NEAR(Floats(first->grad_inputs(0).tensors(0).inline_data())[0],
+              1 - std::tanh(0.5f) * std::tanh(0.5f), 1e-6);
+  ASSERT_FALSE(first->context_id().empty());
+  auto second = c_->Backward(Grad(first->context_id(), {{1}}));
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  ASSERT_TRUE(GetReason(second.status()).has_value()) << second.status();
+  EXPECT_EQ(GetReason(second.status())->reason, "NOT_DIFFERENTIABLE");
+  EXPECT_EQ(GetReason(second.status())->metadata["op"], "default/tanh_grad");
 }
 
 TEST_F(AutogradIT, CliGrad) {

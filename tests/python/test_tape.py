@@ -78,11 +78,14 @@ def test_context_used_once_unless_retained(client, backward_supported):
 
 
 def test_op_without_bprop(client, examples_registered, grad_ops):
-    # The daemon refuses at forward; a client-side check catches it at backward otherwise.
+    # requires_grad on an op without a backward: the forward runs, and its
+    # output is not differentiable, so a backward through it fails naming the op.
+    y = client.op("tanh")(np.array([0.5], np.float32), requires_grad=True)
+    np.testing.assert_allclose(y.numpy(), np.tanh([0.5]), rtol=1e-6)
     with pytest.raises(opjit.FailedPrecondition) as e:
-        y = client.op("tanh")(np.array([0.5], np.float32), requires_grad=True)
         y.backward()
-    assert "backward" in e.value.message
+    assert e.value.reason == "NOT_DIFFERENTIABLE"
+    assert "default/tanh" in e.value.message
 
 
 def test_function_and_tape_chain(client, backward_supported):

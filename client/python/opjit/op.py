@@ -359,9 +359,13 @@ class OpNode(Node):
         client = self.op.client
         if not self.context_id:
             if not self.bprop:
+                # What opjitd answers for a backward through such an op's
+                # outputs (its forward ran and kept a context that says so).
                 raise FailedPrecondition(
-                    "op %s (version %d) has no registered backward (backward.op is empty)"
-                    % (self.op.qualified_name, self.version))
+                    "op %s (version %d) is not differentiable: it has no backward op "
+                    "(backward.op is empty)" % (self.op.qualified_name, self.version),
+                    reason="NOT_DIFFERENTIABLE",
+                    metadata={"op": self.op.qualified_name, "version": str(self.version)})
             # The contract says a forward with requires_grad on an op with a
             # backward keeps a context; a server that ignored the flag predates it.
             raise Unimplemented(
