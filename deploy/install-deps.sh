@@ -5,7 +5,7 @@
 #
 #   deploy/install-deps.sh           build, run and test
 #   deploy/install-deps.sh --bench   also the peers and plots of bench/
-#                                    (PyTorch, pybind11, matplotlib: ~1 GB)
+#                                    (PyTorch's Python package, matplotlib)
 set -euo pipefail
 
 PKGS=(
@@ -16,11 +16,14 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-grpcio python3-numpy python3-pytest python3-protobuf
   openssl prometheus python3-prometheus-client
+  # ATen kernels (kernels/examples/aten, tests/python/test_aten.py): libtorch's
+  # headers and libraries, pybind11 and Python's headers for <torch/extension.h>
+  libtorch-dev pybind11-dev python3-dev
 )
 if [ "${1:-}" = "--bench" ]; then
   # torch.utils.cpp_extension.load_inline needs libtorch's headers, pybind11
   # and ninja; plots need matplotlib.
-  PKGS+=(python3-torch libtorch-dev pybind11-dev python3-matplotlib)
+  PKGS+=(python3-torch python3-matplotlib)
 fi
 
 missing=()

@@ -329,11 +329,8 @@ absl::StatusOr<v1::OpDef> ParseOpSpec(std::string_view json, const std::string& 
   }
   for (int i = 0; i < op.implementations_size(); ++i) {
     auto* impl = op.mutable_implementations(i);
-    if (impl->source_file().empty()) continue;
-    if (!impl->source().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "implementations[", i, "]: give either source or source_file, not both"));
-    }
+    // With source given, source_file only names it (for diagnostics).
+    if (impl->source_file().empty() || !impl->source().empty()) continue;
     std::filesystem::path p(impl->source_file());
     if (p.is_relative()) p = std::filesystem::path(base_dir) / p;
     std::ifstream in(p, std::ios::binary);
@@ -344,7 +341,8 @@ absl::StatusOr<v1::OpDef> ParseOpSpec(std::string_view json, const std::string& 
     std::stringstream ss;
     ss << in.rdbuf();
     impl->set_source(ss.str());
-    impl->clear_source_file();
+    // The base name stays: the server's diagnostics call the source by it.
+    impl->set_source_file(p.filename().string());
   }
   return op;
 }

@@ -135,10 +135,11 @@ function loadSpecFile(specPath) {
   const spec = camelToSnake(JSON.parse(fs.readFileSync(specPath, 'utf8')));
   const base = path.dirname(path.resolve(specPath));
   for (const impl of spec.implementations || []) {
-    if (impl.source_file) {
-      if (impl.source) throw new Error('give either source or source_file, not both');
+    // With source given, source_file only names it (for diagnostics).
+    if (impl.source_file && !impl.source) {
       impl.source = fs.readFileSync(path.resolve(base, impl.source_file), 'utf8');
-      delete impl.source_file;
+      // The base name stays: the server's diagnostics call the source by it.
+      impl.source_file = path.basename(impl.source_file);
     }
   }
   return spec;

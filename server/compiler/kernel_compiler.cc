@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <future>
 #include <mutex>
 #include <sstream>
 #include <tuple>
 
+#include "absl/status/status.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/cache/disk_cache.h"
@@ -104,7 +107,41 @@ std::string FinalKey(const std::string& request_key, const std::vector<Dependenc
   return h.HexDigest();
 }
 
+bool IsNameBoundary(char c) {
+  return c == ' ' || c == '\n' || c == '\t' || c == '"' || c == '\'' || c == '(' || c == '`';
+}
+
+// `text` with each mention of the file `from` (as a compiler writes it:
+// "kernel.cc:3:5", "kernel.cu(12)", "from kernel.cc:1") naming `to`.
+std::string RenameFile(const std::string& text, const std::string& from, const std::string& to) {
+  std::string out;
+  size_t pos = 0;
+  for (size_t hit; (hit = text.find(from, pos)) != std::string::npos;) {
+    const size_t end = hit + from.size();
+    const bool starts = hit == 0 || IsNameBoundary(text[hit - 1]);
+    const bool ends = end == text.size() || text[end] == ':' || text[end] == '(' ||
+                      text[end] == '"' || text[end] == '\'' || text[end] == '`';
+    out.append(text, pos, hit - pos);
+    out += starts && ends ? to : from;
+    pos = end;
+  }
+  out.append(text, pos, std::string::npos);
+  return out;
+}
+
+absl::Status RenameFile(const absl::Status& s, const std::string& from, const std::string& to) {
+  absl::Status out(s.code(), RenameFile(std::string(s.message()), from, to));
+  s.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, payload);
+  });
+  return out;
+}
+
 }  // namespace
+
+std::string CanonicalFileName(const std::string& language) {
+  return language == "c" ? "kernel.c" : language == "cuda" ? "kernel.cu" : "kernel.cc";
+}
 
 struct KernelCompiler::Impl {
   KernelCompilerOptions options;
@@ -143,7 +180,7 @@ std::string KernelCompiler::Impl::RequestKey(const CompileJob& job, const std::s
   h.UpdateField(absl::StrJoin(job.options, "\x1f"));
   h.UpdateField(absl::StrJoin(job.libraries, "\x1f"));
   h.UpdateField(job.source);
-  // The file name appears in diagnostics and debug info, so it changes output.
+  // Always kernel.<ext> (see CompileJob::file_name), which __FILE__ sees.
   h.UpdateField(job.file_name);
   return h.HexDigest();
 }
@@ -239,15 +276,12 @@ CompileJob JobForImplementation(const registry::OpDef& def, const registry::Impl
   job.target = impl.target;
   job.language = impl.language;
   job.source = impl.source;
-  // Not the op's name: the file name is part of the cache key, and a renamed
-  // copy of the same source must hit what is cached. `opjit compile` uses the
-  // same names, so it warms the cache for registration.
-  job.file_name = impl.language == "c" ? "kernel.c" : "kernel.cc";
+  // Not the op's name: diagnostics say kernel.<ext> unless the caller names
+  // the user's file (the key never depends on it).
   job.entry = impl.entry;
   job.options = impl.compile_options;
   job.libraries = impl.libraries;
   if (impl.target == registry::Target::kGpu) {
-    job.file_name = "kernel.cu";
     if (impl.launch.grid.empty()) {
       job.aot_shared_object = true;
     } else {
@@ -305,9 +339,21 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
       return;
     }
   }
-  if (job.file_name.empty()) {
-    job.file_name = job.language == "c" ? "kernel.c" : job.language == "cuda" ? "kernel.cu" : "kernel.cc";
-  }
+  // One key per source: the compile sees kernel.<ext>; the caller's file
+  // name comes back in the diagnostics.
+  const std::string canonical = CanonicalFileName(job.language);
+  std::string display = std::filesystem::path(job.file_name).filename().string();
+  if (display.empty() || display == "." || display == "..") display = canonical;
+  job.file_name = canonical;
+  done = [done = std::move(done), canonical, display](absl::StatusOr<CompileOutcome> r) {
+    if (!r.ok()) {
+      done(display == canonical ? r.status() : RenameFile(r.status(), canonical, display));
+      return;
+    }
+    r->diagnostics = display == canonical ? r->kernel->diagnostics
+                                          : RenameFile(r->kernel->diagnostics, canonical, display);
+    done(std::move(r));
+  };
   auto identity = impl->For(job.target)->Identity(job);
   if (!identity.ok()) {
     done(identity.status());

@@ -41,8 +41,11 @@ struct CompileJob {
   registry::Target target = registry::Target::kCpu;
   std::string language = "c++";  // "c++" | "c" (CPU), "cuda" (GPU)
   std::string source;
-  // Shown in diagnostics; default kernel.cc / kernel.c / kernel.cu. Part of
-  // the key (it appears in diagnostics and debug info).
+  // The name diagnostics give the source (the user's file; a directory part
+  // is dropped); default kernel.cc / kernel.c / kernel.cu. Not part of the
+  // key: every source compiles as kernel.<ext>, and the answer's diagnostics
+  // are renamed, so `opjit compile add.cc` and a registration of the same
+  // text share one cache entry.
   std::string file_name;
   std::string entry;      // when set, the kernel must define it
   std::vector<std::string> options;
@@ -92,7 +95,11 @@ struct CompileOutcome {
   std::shared_ptr<const CompiledKernel> kernel;
   std::string cache_hit;  // "memory", "disk", or "" when compiled now
   double total_ms = 0;
+  std::string diagnostics;  // the kernel's warnings, naming the job's file_name
 };
+
+// The file name every source of `language` compiles under.
+std::string CanonicalFileName(const std::string& language);
 
 struct KernelCompilerOptions {
   // Directory of the disk cache. Required.

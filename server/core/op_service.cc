@@ -31,7 +31,8 @@ struct Registration {
 
 }  // namespace
 
-void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, RegisterCallback done) {
+void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, RegisterCallback done,
+                              const std::vector<std::string>& file_names) {
   auto log = Logger("core");
   if (absl::Status s = registry::ValidateOpDef(def); !s.ok()) {
     log->debug("req={} register {}/{}: {}", request_id, def.ns, def.name, s.ToString());
@@ -42,8 +43,9 @@ void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, Register
   reg->rid = request_id;
   reg->done = std::move(done);
   if (compiler_ != nullptr) {
-    for (const auto& impl : reg->def.implementations) {
-      reg->jobs.push_back(compiler::JobForImplementation(reg->def, impl));
+    for (size_t i = 0; i < reg->def.implementations.size(); ++i) {
+      reg->jobs.push_back(compiler::JobForImplementation(reg->def, reg->def.implementations[i]));
+      if (i < file_names.size()) reg->jobs.back().file_name = file_names[i];
     }
   }
   registry::Registry* registry = registry_;
@@ -73,8 +75,12 @@ void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, Register
     const registry::Target target = reg->jobs[i].target;
     kc->CompileAsync(reg->jobs[i], [=](absl::StatusOr<compiler::CompileOutcome> outcome) {
       if (!outcome.ok()) {
-        log->debug("req={} register {}/{}: compile: {}", reg->rid, reg->def.ns, reg->def.name,
-                   Brief(outcome.status()));
+        // Every failed compile is logged (its diagnostics go to the client).
+        const auto why = GetReason(outcome.status());
+        log->info("req={} register {}/{}: {} compile failed ({}{}): {}", reg->rid, reg->def.ns,
+                  reg->def.name, registry::TargetName(target),
+                  absl::StatusCodeToString(outcome.status().code()),
+                  why ? absl::StrCat(", ", why->reason) : "", Brief(outcome.status()));
         *next = nullptr;
         return reg->done(Annotate(
             outcome.status(), absl::StrCat("op \"", reg->def.ns, "/", reg->def.name, "\" ",

@@ -47,7 +47,10 @@ class OpService {
   // symbol; the compiler's other
   // codes; the registry's (INTERNAL when it cannot persist). Nothing is
   // stored unless everything compiled.
-  void RegisterAsync(registry::OpDef def, uint64_t request_id, RegisterCallback done);
+  // `file_names[i]`, when given, is what diagnostics call implementation i's
+  // source (the user's file); it does not change what is compiled or cached.
+  void RegisterAsync(registry::OpDef def, uint64_t request_id, RegisterCallback done,
+                     const std::vector<std::string>& file_names = {});
 
  private:
   registry::Registry* const registry_;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/autograd/autograd.h"
 #include "server/compiler/kernel_compiler.h"
@@ -43,7 +44,7 @@ void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& 
                     v1::CompileResponse* resp) {
   const auto& k = *outcome.kernel;
   resp->set_cache_key(k.cache_key);
-  resp->set_diagnostics(k.diagnostics);
+  resp->set_diagnostics(outcome.diagnostics);
   resp->set_cache_hit(outcome.cache_hit);
   resp->set_compile_ms(outcome.cache_hit.empty() ? k.compile_ms : 0);
   resp->set_total_ms(outcome.total_ms);
@@ -73,6 +74,9 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
     if (!t.ok()) return FinishNow(ctx, t.status());
     *ticket = *std::move(t);
   }
+  // Clients keep the base name of a source_file they read: diagnostics use it.
+  std::vector<std::string> file_names;
+  for (const auto& im : req->op().implementations()) file_names.push_back(im.source_file());
   auto* reactor = ctx->DefaultReactor();
   core::OpService ops(core_.registry, core_.compiler);
   registry::Registry* reg = core_.registry;
@@ -99,7 +103,8 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
                         resp->mutable_record()->add_warnings(w);
                       }
                       reactor->Finish(grpc::Status::OK);
-                    });
+                    },
+                    file_names);
   return reactor;
 }
 
@@ -192,13 +197,17 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   const uint64_t rid = NextRequestId();
   core_.compiler->CompileAsync(
       std::move(job),
-      [reactor, resp, target_name, rid, ticket](absl::StatusOr<compiler::CompileOutcome> outcome) {
+      [reactor, resp, target_name, rid, ticket, ns](absl::StatusOr<compiler::CompileOutcome> outcome) {
         if (outcome.ok() && *ticket != nullptr) {
           (*ticket)->Charge(outcome->cache_hit.empty() ? outcome->kernel->compile_ms / 1000.0 : 0);
         }
         ticket->reset();
         if (!outcome.ok()) {
-          Logger("rpc")->debug("req={} Compile: {}", rid, Brief(outcome.status()));
+          // Every failed compile is logged (its diagnostics go to the client).
+          const auto why = GetReason(outcome.status());
+          Logger("rpc")->info("req={} compile in {} failed ({}{}): {}", rid, ns,
+                              absl::StatusCodeToString(outcome.status().code()),
+                              why ? absl::StrCat(", ", why->reason) : "", Brief(outcome.status()));
           reactor->Finish(ToGrpcStatus(outcome.status()));
           return;
         }

@@ -221,6 +221,42 @@ TEST_F(CompileIT, RegisterCompilesTheCpuImplementation) {
   EXPECT_EQ(c->Get("", "broken").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(CompileIT, OneKeyPerSourceAndDiagnosticsNameTheUsersFile) {
+  auto d = StartDaemon();
+  auto c = d->NewClient();
+  const std::string file = SourceDir() + "/kernels/examples/leaky_relu.cc";
+  auto compiled = d->Cli({"compile", file, "--entry", "CustomLeakyRelu", "--json"});
+  ASSERT_EQ(compiled.exit_code, 0) << compiled.err << d->Log();
+  // Registration of the same source (read from source_file by the client)
+  // finds what `opjit compile` put in the cache.
+  auto spec = client::LoadOpSpec(SourceDir() + "/kernels/examples/leaky_relu.json");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_EQ(spec->implementations(0).source_file(), "leaky_relu.cc");
+  auto r = c->Register(*spec);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->compiled(0).cache_hit(), "memory");
+  EXPECT_NE(compiled.out.find(r->compiled(0).cache_key()), std::string::npos) << compiled.out;
+
+  // Errors name the user's file, at registration and in a bare compile.
+  v1::OpDef broken = *spec;
+  broken.set_name("broken");
+  broken.mutable_implementations(0)->set_source("\nextern \"C\" int CustomLeakyRelu( {");
+  auto b = c->Register(broken);
+  ASSERT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("leaky_relu.cc:2:"), std::string::npos) << b.status();
+  EXPECT_EQ(b.status().message().find("kernel.cc"), std::string::npos) << b.status();
+  v1::CompileRequest req = Request("int f() {\n  return 1\n}\n");
+  req.set_file_name("/home/someone/my_add.cc");
+  auto bad = c->Compile(req);
+  EXPECT_NE(bad.status().message().find("my_add.cc:2:11: error:"), std::string::npos)
+      << bad.status();
+  EXPECT_EQ(bad.status().message().find("/home/someone"), std::string::npos) << bad.status();
+  // The failure is in the daemon's log with its reason, the source is not.
+  EXPECT_NE(d->Log().find("compile failed (INVALID_ARGUMENT, COMPILE_FAILED)"), std::string::npos)
+      << d->Log();
+  EXPECT_EQ(d->Log().find("return 1\n"), std::string::npos);
+}
+
 TEST_F(CompileIT, LibrariesMustBeOnTheAllowList) {
   auto d = StartDaemon();
   auto c = d->NewClient();

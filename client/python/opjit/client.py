@@ -149,11 +149,9 @@ def load_spec(spec, base_dir=None):
             raise InvalidArgument("spec is not a valid opjit.v1.OpDef: %s" % e) from None
     base = base_dir if base_dir is not None else os.getcwd()
     for i, impl in enumerate(op.implementations):
-        if not impl.source_file:
+        # With source given, source_file only names it (for diagnostics).
+        if not impl.source_file or impl.source:
             continue
-        if impl.source:
-            raise InvalidArgument("implementations[%d]: give either source or source_file, "
-                                  "not both" % i)
         path = impl.source_file
         if not os.path.isabs(path):
             path = os.path.join(base, path)
@@ -162,7 +160,8 @@ def load_spec(spec, base_dir=None):
                 impl.source = f.read()
         except OSError:
             raise NotFound("implementations[%d].source_file: cannot read %s" % (i, path)) from None
-        impl.ClearField("source_file")
+        # The base name stays: the server's diagnostics call the source by it.
+        impl.source_file = os.path.basename(path)
     return op
 
 
