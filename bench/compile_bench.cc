@@ -173,6 +173,93 @@ void BM_GccSharedDlopenCmath(benchmark::State& state) {
 }
 BENCHMARK(BM_GccSharedDlopenCmath)->Unit(benchmark::kMillisecond)->Iterations(10)->Repetitions(3);
 
+// ATen kernels (kernels/examples/aten, MindSpore's third-party guide), with
+// the include directories the README's config names. Exact preambles: the
+// first kernel builds the PCH of its include block; a second, different
+// kernel with the same includes loads it.
+const std::vector<std::string> kAtenIncludeDirs = {
+    "/usr/include/torch/csrc/api/include", "/usr/include/python3.11",
+    OPJIT_SOURCE_DIR "/kernels/examples/aten"};
+const std::vector<std::string> kAtenLibraries = {"libtorch_cpu.so", "libc10.so"};
+
+bool HaveAten() {
+  return fs::exists("/usr/include/torch/csrc/api/include/torch/all.h") &&
+         fs::exists("/usr/include/python3.11/Python.h");
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::unique_ptr<KernelCompiler> AtenCompiler(const std::string& cache_dir) {
+  auto o = Options(cache_dir);
+  o.extra_include_dirs = kAtenIncludeDirs;
+  o.allowed_libraries = kAtenLibraries;
+  o.timeout_ms = 600000;
+  auto r = KernelCompiler::Create(o);
+  return r.ok() ? *std::move(r) : nullptr;
+}
+
+CompileJob AtenJob(const std::string& file, const std::string& entry, int unique) {
+  CompileJob job;
+  job.source = ReadText(OPJIT_SOURCE_DIR "/kernels/examples/aten/" + file) + "// " +
+               std::to_string(unique) + "\n";
+  job.entry = entry;
+  job.libraries = kAtenLibraries;
+  return job;
+}
+
+// First ATen kernel on a fresh cache: its preamble's PCH is built.
+void BM_OpjitAtenFirstKernel(benchmark::State& state) {
+  if (!HaveAten()) return state.SkipWithError("libtorch-dev/python3-dev not installed");
+  static std::atomic<int> counter{0};
+  for (auto _ : state) {
+    state.PauseTiming();
+    const int n = counter++;
+    auto kc = AtenCompiler(Dir() + "/aten-first-" + std::to_string(n));
+    state.ResumeTiming();
+    if (kc == nullptr) return state.SkipWithError("KernelCompiler failed");
+    auto r = kc->Compile(AtenJob("leaky_relu.cc", "LeakyRelu", n));
+    if (!r.ok()) return state.SkipWithError(r.status().ToString().c_str());
+  }
+}
+BENCHMARK(BM_OpjitAtenFirstKernel)->Unit(benchmark::kMillisecond)->Iterations(1)->Repetitions(2);
+
+// A second, different ATen kernel with the same include block.
+void BM_OpjitAtenSecondKernel(benchmark::State& state) {
+  if (!HaveAten()) return state.SkipWithError("libtorch-dev/python3-dev not installed");
+  static std::unique_ptr<KernelCompiler> kc = [] {
+    auto c = AtenCompiler(Dir() + "/aten-shared");
+    if (c != nullptr) (void)c->Compile(AtenJob("leaky_relu.cc", "LeakyRelu", -1));  // the PCH
+    return c;
+  }();
+  if (kc == nullptr) return state.SkipWithError("KernelCompiler failed");
+  static std::atomic<int> counter{0};
+  for (auto _ : state) {
+    auto r = kc->Compile(AtenJob("softplus.cc", "Softplus", counter++));
+    if (!r.ok() || !r->cache_hit.empty()) {
+      return state.SkipWithError(r.ok() ? "a cache hit" : r.status().ToString().c_str());
+    }
+  }
+}
+BENCHMARK(BM_OpjitAtenSecondKernel)->Unit(benchmark::kMillisecond)->Iterations(3)->Repetitions(2);
+
+// g++ on the same ATen kernel, as torch's cpp_extension would build it.
+void BM_GccSharedAten(benchmark::State& state) {
+  if (!HaveAten()) return state.SkipWithError("libtorch-dev/python3-dev not installed");
+  static std::atomic<int> counter{0};
+  for (auto _ : state) {
+    const std::string base = Dir() + "/gaten" + std::to_string(counter++);
+    std::ofstream(base + ".cc") << AtenJob("leaky_relu.cc", "LeakyRelu", counter).source;
+    std::vector<std::string> argv = {"g++", "-O3", "-shared", "-fPIC", "-std=c++17"};
+    for (const auto& d : kAtenIncludeDirs) argv.insert(argv.end(), {"-I", d});
+    argv.insert(argv.end(), {"-o", base + ".so", base + ".cc"});
+    if (Run(argv) != 0) return state.SkipWithError("g++ failed");
+  }
+}
+BENCHMARK(BM_GccSharedAten)->Unit(benchmark::kMillisecond)->Iterations(1)->Repetitions(2);
+
 void BM_OpjitMemoryHit(benchmark::State& state) {
   KernelCompiler& kc = Shared();
   CompileJob job;

@@ -131,6 +131,10 @@ def compile_section(med, py, res):
     print(row("cold compile vs `g++ -O2 -shared -fPIC` + dlopen",
               "BM_OpjitColdCompileCmath", "BM_GccSharedDlopenCmath", "≤ 0.4×"))
     print(f"| memory-cache hit | {t_ms(med.get('BM_OpjitMemoryHit'))} | | | ≤ 50 µs |")
+    print(row("first ATen kernel (builds its preamble's PCH) vs `g++ -O3 -shared -fPIC`",
+              "BM_OpjitAtenFirstKernel", "BM_GccSharedAten", "≤ 1×"))
+    print(row("second, different ATen kernel with the same includes vs `g++`",
+              "BM_OpjitAtenSecondKernel", "BM_GccSharedAten", "≤ 1 s"))
     print(f"| disk-cache hit, freshly created compiler | "
           f"{t_ms(med.get('BM_OpjitDiskHitFreshCompiler'))} | | | ≤ 2 ms |")
 
