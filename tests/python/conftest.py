@@ -90,6 +90,27 @@ class TempDaemon:
     """Base of the tests' own daemons: a process `proc` logging to `log`
     (`log_path`), with everything under the temp dir `dir`."""
 
+    def spawn(self, config, binary=None, prefix="opjit-t-", dir=None):
+        """Starts `binary` (default: opjitd) on a unix socket in `dir`
+        (default: a new temp dir) with `config` (TOML text) and waits until it
+        has bound."""
+        self.dir = dir or tempfile.mkdtemp(prefix=prefix)
+        self.state = os.path.join(self.dir, "state")
+        cfg = os.path.join(self.dir, "c.toml")
+        with open(cfg, "w") as f:
+            f.write(config)
+        self.unix_address = "unix:" + os.path.join(self.dir, "s.sock")
+        self.log_path = os.path.join(self.dir, "log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([binary or opjitd_binary(), "--state-dir", self.state,
+                                      "--config", cfg, "--listen", self.unix_address],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(self.state, "endpoints")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("opjitd did not start:\n" + self.read_log())
+            time.sleep(0.05)
+
     def read_log(self):
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")

@@ -9,9 +9,7 @@ installs them); skips with the reason when they are missing.
 
 import json
 import os
-import subprocess
 import sysconfig
-import tempfile
 import time
 
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 
 import opjit
 
-from conftest import EXAMPLES, TempDaemon, opjitd_binary
+from conftest import EXAMPLES, TempDaemon
 
 ATEN = os.path.join(EXAMPLES, "aten")
 TORCH_API = "/usr/include/torch/csrc/api/include"
@@ -35,27 +33,12 @@ pytestmark = pytest.mark.skipif(
 
 class AtenDaemon(TempDaemon):
     def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="opjit-aten-")
-        self.state = os.path.join(self.dir, "state")
-        cfg = os.path.join(self.dir, "c.toml")
-        with open(cfg, "w") as f:
-            f.write("[compiler]\ntimeout_ms = 120000\n"
-                    "extra_include_dirs = %s\n" % json.dumps([TORCH_API, PY_INCLUDE, ATEN]) +
-                    'allowed_libraries = ["libtorch_cpu.so", "libc10.so"]\n'
-                    # A cold ATen compile takes minutes of CPU on a busy 2-core
-                    # machine; the default quota would refuse the next one.
-                    "[quota]\ncompile_seconds_per_minute = 100000\n")
-        self.unix_address = "unix:" + os.path.join(self.dir, "s.sock")
-        self.log_path = os.path.join(self.dir, "log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([opjitd_binary(), "--state-dir", self.state, "--config", cfg,
-                                      "--listen", self.unix_address],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(self.state, "endpoints")):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("opjitd did not start:\n" + self.read_log())
-            time.sleep(0.05)
+        self.spawn("[compiler]\ntimeout_ms = 120000\n"
+                   "extra_include_dirs = %s\n" % json.dumps([TORCH_API, PY_INCLUDE, ATEN]) +
+                   'allowed_libraries = ["libtorch_cpu.so", "libc10.so"]\n'
+                   # A cold ATen compile takes minutes of CPU on a busy 2-core
+                   # machine; the default quota would refuse the next one.
+                   "[quota]\ncompile_seconds_per_minute = 100000\n", prefix="opjit-aten-")
 
     def pch_headers(self):
         d = os.path.join(self.state, "cache", "pch")

@@ -45,10 +45,10 @@ SPEC = {"name": "twice", "inputs": [{"index": 0, "name": "x"}],
 
 class Daemon(TempDaemon):
     def __init__(self, config, copy_binaries=False):
-        self.dir = tempfile.mkdtemp(prefix="opjit-hm-")
         binary = opjitd_binary()
+        root = tempfile.mkdtemp(prefix="opjit-hm-")
         if copy_binaries:
-            bindir = os.path.join(self.dir, "bin")
+            bindir = os.path.join(root, "bin")
             os.mkdir(bindir)
             for name in ("opjitd", "opjit-exec-worker", "opjit-compile-worker", "opjit-gpu-sandbox"):
                 src = os.path.join(os.path.dirname(binary), name)
@@ -56,21 +56,7 @@ class Daemon(TempDaemon):
                     shutil.copy2(src, bindir)
             binary = os.path.join(bindir, "opjitd")
         self.bindir = os.path.dirname(binary)
-        self.state = os.path.join(self.dir, "state")
-        cfg = os.path.join(self.dir, "c.toml")
-        with open(cfg, "w") as f:
-            f.write(config)
-        self.unix_address = "unix:" + os.path.join(self.dir, "s.sock")
-        self.log_path = os.path.join(self.dir, "log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([binary, "--state-dir", self.state, "--config", cfg,
-                                      "--listen", self.unix_address],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(self.state, "endpoints")):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("opjitd did not start:\n" + self.read_log())
-            time.sleep(0.05)
+        self.spawn(config, binary, dir=root)
 
     def health(self):
         """SERVING / NOT_SERVING from grpc.health.v1.Health/Check (service "")."""
