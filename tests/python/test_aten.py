@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 class AtenDaemon(TempDaemon):
     def __init__(self):
-        self.spawn("[compiler]\ntimeout_ms = 120000\n"
+        self.spawn("[compiler]\ntimeout_ms = 900000\n"
                    "extra_include_dirs = %s\n" % json.dumps([TORCH_API, PY_INCLUDE, ATEN]) +
                    'allowed_libraries = ["libtorch_cpu.so", "libc10.so"]\n'
                    # A cold ATen compile takes minutes of CPU on a busy 2-core
@@ -58,7 +58,7 @@ def aten():
 
 
 def test_aten_kernels_compile_and_run_unchanged(aten):
-    with opjit.Client(aten.unix_address, timeout=300) as c:
+    with opjit.Client(aten.unix_address, timeout=1200) as c:
         t0 = time.monotonic()
         r = c.register(os.path.join(ATEN, "leaky_relu.json"))
         first_s = time.monotonic() - t0
@@ -95,7 +95,7 @@ def test_aten_compile_errors_name_the_users_file(aten):
         'extern "C" int LeakyRelu(int n, void** p, int* nd, int64_t** s, const char** d,\n'
         '                         void* st, void* e) {\n  return torch::no_such_op();\n}\n')
     spec["implementations"][0]["source_file"] = "my_relu.cc"
-    with opjit.Client(aten.unix_address, timeout=300) as c:
+    with opjit.Client(aten.unix_address, timeout=1200) as c:
         with pytest.raises(opjit.InvalidArgument) as e:
             c.register(spec)
     assert e.value.reason == "COMPILE_FAILED"
