@@ -51,7 +51,8 @@ struct CompileJob {
   std::vector<std::string> options;
   std::vector<std::string> libraries;
   // GPU: NVRTC name expressions (lowered names come back), target archs
-  // (empty: the server's), or an aot .cu file for nvcc instead of NVRTC.
+  // (empty: the server's), or an aot .cu file for nvcc instead of NVRTC
+  // (forced here, or chosen for a source with host code: cuda_source.h).
   std::vector<std::string> name_expressions;
   std::vector<std::string> archs;
   bool aot_shared_object = false;

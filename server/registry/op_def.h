@@ -139,7 +139,8 @@ struct Backward {
   std::vector<std::string> save_for_backward;
   // Output names that carry no gradient.
   std::vector<std::string> non_differentiable;
-  // Fill missing output grads with zeros (default) or pass them as absent.
+  // Fill missing output grads with zeros (default) or pass them as null
+  // slots (params[i] == nullptr, ndims[i] == 0), keeping every position.
   bool materialize_grads = true;
   bool operator==(const Backward&) const = default;
 };
