@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 
 #include <gtest/gtest.h>
 
@@ -239,58 +240,10 @@ TEST_F(AutogradIT, GradCheckPassesForCorrectBackwardsAndCatchesAWrongOne) {
 // as null slots in their own positions; the kernel checks nparam and reads
 // params[k] at MindSpore's index k (and fails with a code naming what was
 // wrong otherwise).
-constexpr char kPos2Source[] = R"(
-#include <cstdint>
-#include <cstring>
-namespace {
-int64_t Numel(int nd, const int64_t* s) {
-  int64_t n = 1;
-  for (int i = 0; i < nd; ++i) n *= s[i];
-  return n;
-}
-}  // namespace
-extern "C" int Pos2(int nparam, void** params, int* ndims, int64_t** shapes, const char**, void*,
-                    void*) {
-  if (nparam != 4) return 1;
-  const int64_t n = Numel(ndims[0], shapes[0]);
-  const float* x = static_cast<const float*>(params[0]);
-  const float* w = static_cast<const float*>(params[1]);
-  float* y = static_cast<float*>(params[2]);
-  float* z = static_cast<float*>(params[3]);
-  for (int64_t i = 0; i < n; ++i) {
-    y[i] = x[i] * w[i];
-    z[i] = x[i] + w[i];
-  }
-  return 0;
-}
-extern "C" int Pos2Grad(int nparam, void** params, int* ndims, int64_t** shapes,
-                        const char** dtypes, void*, void*) {
-  if (nparam != 8) return 10;
-  const int nulls[] = {0, 2};  // x and y: not saved
-  for (int k : nulls) {
-    if (params[k] != nullptr) return 11;
-    if (ndims[k] != 0 || shapes[k] == nullptr) return 12;
-    if (std::strcmp(dtypes[k], "float32") != 0) return 13;
-  }
-  if (params[1] == nullptr || params[3] == nullptr || params[4] == nullptr) return 14;
-  const float* dz = static_cast<const float*>(params[5]);  // null: missing, not materialized
-  if (dz == nullptr && (ndims[5] != 0 || std::strcmp(dtypes[5], "float32") != 0)) return 15;
-  const int64_t n = Numel(ndims[1], shapes[1]);
-  if (Numel(ndims[3], shapes[3]) != n || Numel(ndims[4], shapes[4]) != n) return 16;
-  const float* w = static_cast<const float*>(params[1]);
-  const float* z = static_cast<const float*>(params[3]);
-  const float* dy = static_cast<const float*>(params[4]);
-  float* dx = static_cast<float*>(params[6]);
-  float* dw = static_cast<float*>(params[7]);
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = dz != nullptr ? dz[i] : 0.0f;
-    const float x = z[i] - w[i];
-    dx[i] = dy[i] * w[i] + g;
-    dw[i] = dy[i] * x + g;
-  }
-  return 0;
-}
-)";
+const std::string kPos2Source = [] {
+  std::ifstream in(SourceDir() + "/kernels/examples/mul_add.cc");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}();
 
 // `text` as the inside of a JSON string.
 std::string JsonEscaped(const std::string& text) {
@@ -308,7 +261,7 @@ std::string Pos2Spec(const std::string& name, bool materialize) {
     "inputs": [{"index": 0, "name": "x"}, {"index": 1, "name": "w"}],
     "outputs": [{"index": 0, "name": "y"}, {"index": 1, "name": "z"}],
     "dtype_formats": [{"dtypes": ["float32", "float32", "float32", "float32"]}],
-    "implementations": [{"target": "CPU", "source": ")", src, R"(", "entry": "Pos2"}],
+    "implementations": [{"target": "CPU", "source": ")", src, R"(", "entry": "MulAdd"}],
     "backward": {"op": "pos2_grad", "save_for_backward": ["w", "z"], "materialize_grads": )",
                       materialize ? "true" : "false", "}}");
 }
@@ -321,7 +274,7 @@ std::string Pos2GradSpec() {
     "outputs": [{"index": 0, "name": "dx"}, {"index": 1, "name": "dw"}],
     "dtype_formats": [{"dtypes": ["float32", "float32", "float32", "float32", "float32", "float32",
                                   "float32", "float32"]}],
-    "implementations": [{"target": "CPU", "source": ")", src, R"(", "entry": "Pos2Grad"}],
+    "implementations": [{"target": "CPU", "source": ")", src, R"(", "entry": "MulAddGrad"}],
     "output_rules": [{"kind": "same_as", "input": 1}, {"kind": "same_as", "input": 1}]})");
 }
 

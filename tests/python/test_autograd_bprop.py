@@ -8,61 +8,20 @@ The session daemon runs kernels in sandboxed executor processes, so the null
 slots cross the worker boundary; both shared-memory and inline transports run.
 """
 
+import os
+
 import numpy as np
 import pytest
 
 import opjit
 
+from conftest import EXAMPLES
+
 # (x, w) -> (y = x * w, z = x + w). The bprop's params are (x, w, y, z, dy,
 # dz, dx, dw): nparam 8 whatever is saved. Only w and z are saved, so x and y
 # are null slots: params[0] == params[2] == nullptr, ndims 0, dtype float32.
-POS_SRC = r'''
-#include <cstdint>
-#include <cstring>
-namespace {
-int64_t Numel(int nd, const int64_t* s) {
-  int64_t n = 1;
-  for (int i = 0; i < nd; ++i) n *= s[i];
-  return n;
-}
-}  // namespace
-extern "C" int BpPos(int nparam, void** params, int* ndims, int64_t** shapes, const char**,
-                     void*, void*) {
-  if (nparam != 4) return 1;
-  const int64_t n = Numel(ndims[0], shapes[0]);
-  const float* x = static_cast<const float*>(params[0]);
-  const float* w = static_cast<const float*>(params[1]);
-  float* y = static_cast<float*>(params[2]);
-  float* z = static_cast<float*>(params[3]);
-  for (int64_t i = 0; i < n; ++i) { y[i] = x[i] * w[i]; z[i] = x[i] + w[i]; }
-  return 0;
-}
-extern "C" int BpPosGrad(int nparam, void** params, int* ndims, int64_t** shapes,
-                         const char** dtypes, void*, void*) {
-  if (nparam != 8) return 10;                   // inputs..., outputs..., grads..., input grads
-  const int nulls[] = {0, 2};                   // x and y: not saved
-  for (int k : nulls) {
-    if (params[k] != nullptr) return 11;
-    if (ndims[k] != 0) return 12;
-    if (std::strcmp(dtypes[k], "float32") != 0) return 13;
-  }
-  if (params[1] == nullptr || params[3] == nullptr || params[4] == nullptr) return 14;
-  const float* dz = static_cast<const float*>(params[5]);  // null: missing, not materialized
-  if (dz == nullptr && (ndims[5] != 0 || std::strcmp(dtypes[5], "float32") != 0)) return 15;
-  const int64_t n = Numel(ndims[1], shapes[1]);
-  const float* w = static_cast<const float*>(params[1]);
-  const float* z = static_cast<const float*>(params[3]);
-  const float* dy = static_cast<const float*>(params[4]);
-  float* dx = static_cast<float*>(params[6]);
-  float* dw = static_cast<float*>(params[7]);
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = dz != nullptr ? dz[i] : 0.0f;
-    dx[i] = dy[i] * w[i] + g;
-    dw[i] = dy[i] * (z[i] - w[i]) + g;   // x = z - w: x itself was not saved
-  }
-  return 0;
-}
-'''
+with open(os.path.join(EXAMPLES, "mul_add.cc")) as _f:
+    POS_SRC = _f.read()
 
 F32 = opjit.DataType.F32_Default
 
@@ -73,7 +32,7 @@ def _fwd(name, materialize):
         "inputs": [{"index": 0, "name": "x"}, {"index": 1, "name": "w"}],
         "outputs": [{"index": 0, "name": "y"}, {"index": 1, "name": "z"}],
         "dtype_formats": [{"dtypes": ["float32"] * 4}],
-        "implementations": [{"target": "CPU", "source": POS_SRC, "entry": "BpPos"}],
+        "implementations": [{"target": "CPU", "source": POS_SRC, "entry": "MulAdd"}],
         "backward": {"op": "bppos_grad", "save_for_backward": ["w", "z"],
                      "materialize_grads": materialize},
     }
@@ -88,14 +47,14 @@ def pos_ops(daemon):
                        for i, n in enumerate(["x", "w", "y", "z", "dy", "dz"])],
             "outputs": [{"index": 0, "name": "dx"}, {"index": 1, "name": "dw"}],
             "dtype_formats": [{"dtypes": ["float32"] * 8}],
-            "implementations": [{"target": "CPU", "source": POS_SRC, "entry": "BpPosGrad"}],
+            "implementations": [{"target": "CPU", "source": POS_SRC, "entry": "MulAddGrad"}],
             "output_rules": [{"kind": "same_as", "input": 1}, {"kind": "same_as", "input": 1}],
         })
         c.register(_fwd("bppos", True))
         c.register(_fwd("bppos_nomat", False))
         c.register(opjit.CustomRegOp("bp_nodiff").input(0, "x").output(0, "y")
                    .dtype_format(F32, F32).target("CPU")
-                   .impl(source=POS_SRC.replace("BpPos(", "Unused(") + r'''
+                   .impl(source=POS_SRC.replace("MulAdd(", "Unused(") + r'''
 extern "C" int BpCopy2(int nparam, void** params, int* ndims, int64_t** shapes, const char**,
                        void*, void*) {
   if (nparam != 2) return 1;

@@ -9,6 +9,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <future>
 
 #include "absl/strings/str_cat.h"
@@ -30,56 +32,10 @@ using exec::TensorArg;
 // (x, w) -> (y = x * w, z = x + w); its bprop checks MindSpore's positions
 // (x, w, y, z, dy, dz, dx, dw) with x and y not saved, and returns a code
 // naming what was wrong.
-constexpr char kPos2[] = R"(
-#include <cstdint>
-#include <cstring>
-namespace {
-int64_t Numel(int nd, const int64_t* s) {
-  int64_t n = 1;
-  for (int i = 0; i < nd; ++i) n *= s[i];
-  return n;
-}
-}  // namespace
-extern "C" int Pos2(int nparam, void** params, int* ndims, int64_t** shapes, const char**, void*,
-                    void*) {
-  if (nparam != 4) return 1;
-  const int64_t n = Numel(ndims[0], shapes[0]);
-  const float* x = static_cast<const float*>(params[0]);
-  const float* w = static_cast<const float*>(params[1]);
-  float* y = static_cast<float*>(params[2]);
-  float* z = static_cast<float*>(params[3]);
-  for (int64_t i = 0; i < n; ++i) {
-    y[i] = x[i] * w[i];
-    z[i] = x[i] + w[i];
-  }
-  return 0;
-}
-extern "C" int Pos2Grad(int nparam, void** params, int* ndims, int64_t** shapes,
-                        const char** dtypes, void*, void*) {
-  if (nparam != 8) return 10;
-  const int nulls[] = {0, 2};
-  for (int k : nulls) {
-    if (params[k] != nullptr) return 11;
-    if (ndims[k] != 0 || shapes[k] == nullptr || shapes[k][0] != 0) return 12;
-    if (std::strcmp(dtypes[k], "float32") != 0) return 13;
-  }
-  if (params[1] == nullptr || params[3] == nullptr || params[4] == nullptr) return 14;
-  const float* dz = static_cast<const float*>(params[5]);
-  if (dz == nullptr && (ndims[5] != 0 || std::strcmp(dtypes[5], "float32") != 0)) return 15;
-  const int64_t n = Numel(ndims[1], shapes[1]);
-  const float* w = static_cast<const float*>(params[1]);
-  const float* z = static_cast<const float*>(params[3]);
-  const float* dy = static_cast<const float*>(params[4]);
-  float* dx = static_cast<float*>(params[6]);
-  float* dw = static_cast<float*>(params[7]);
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = dz != nullptr ? dz[i] : 0.0f;
-    dx[i] = dy[i] * w[i] + g;
-    dw[i] = dy[i] * (z[i] - w[i]) + g;
-  }
-  return 0;
-}
-)";
+const std::string kPos2 = [] {
+  std::ifstream in(OPJIT_SOURCE_DIR "/kernels/examples/mul_add.cc");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}();
 
 // y = x * x; bprop (x, y, dy) -> dx saves only x; its bprop (x, y, dy, dx,
 // ddx) -> (gx, gy, gdy) saves everything, so the null y of the first bprop is
@@ -139,7 +95,7 @@ extern "C" int IsNull(int nparam, void** params, int* ndims, int64_t**, const ch
 )";
 
 registry::OpDef Def(const std::string& name, const std::vector<std::string>& inputs,
-                    const std::vector<std::string>& outputs, const char* source,
+                    const std::vector<std::string>& outputs, const std::string& source,
                     const std::string& entry) {
   registry::OpDef d;
   d.name = name;
@@ -249,10 +205,10 @@ class AutogradTest : public ::testing::TestWithParam<const char*> {
   }
   void RegisterPos2(const std::string& name, bool materialize) {
     auto grad = Def(name + "_grad", {"x", "w", "y", "z", "dy", "dz"}, {"dx", "dw"}, kPos2,
-                    "Pos2Grad");
+                    "MulAddGrad");
     grad.output_rules = {SameAs(1), SameAs(1)};
     Register(grad);
-    auto fwd = Def(name, {"x", "w"}, {"y", "z"}, kPos2, "Pos2");
+    auto fwd = Def(name, {"x", "w"}, {"y", "z"}, kPos2, "MulAdd");
     fwd.backward.op = name + "_grad";
     fwd.backward.save_for_backward = {"w", "z"};
     fwd.backward.materialize_grads = materialize;
