@@ -45,13 +45,17 @@ std::optional<ErrorReason> GetReason(const absl::Status& status) {
   return out;
 }
 
-absl::Status Annotate(const absl::Status& status, absl::string_view prefix) {
+absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
   if (status.ok()) return status;
-  absl::Status out(status.code(), absl::StrCat(prefix, status.message()));
+  absl::Status out(status.code(), message);
   status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
     out.SetPayload(url, payload);
   });
   return out;
+}
+
+absl::Status Annotate(const absl::Status& status, absl::string_view prefix) {
+  return WithMessage(status, absl::StrCat(prefix, status.message()));
 }
 
 absl::Status QuotaExceeded(absl::string_view quota, absl::string_view limit, absl::string_view ns,

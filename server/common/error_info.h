@@ -57,6 +57,10 @@ absl::Status WithReason(absl::Status status, absl::string_view reason,
 // The reason attached to `status`, if any.
 std::optional<ErrorReason> GetReason(const absl::Status& status);
 
+// `status` with its message replaced by `message`, keeping its code, reason
+// and every other payload.
+absl::Status WithMessage(const absl::Status& status, absl::string_view message);
+
 // `status` with `prefix` put before its message, keeping its code, reason
 // and every other payload.
 absl::Status Annotate(const absl::Status& status, absl::string_view prefix);

@@ -12,13 +12,13 @@
 #include <tuple>
 
 #include "absl/status/status.h"
-#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/cache/disk_cache.h"
 #include "server/cache/file_digest_cache.h"
 #include "server/cache/lru_cache.h"
 #include "server/cache/single_flight.h"
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
@@ -130,11 +130,7 @@ std::string RenameFile(const std::string& text, const std::string& from, const s
 }
 
 absl::Status RenameFile(const absl::Status& s, const std::string& from, const std::string& to) {
-  absl::Status out(s.code(), RenameFile(std::string(s.message()), from, to));
-  s.ForEachPayload([&out](absl::string_view url, const absl::Cord& payload) {
-    out.SetPayload(url, payload);
-  });
-  return out;
+  return WithMessage(s, RenameFile(std::string(s.message()), from, to));
 }
 
 }  // namespace
