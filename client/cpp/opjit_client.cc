@@ -1,5 +1,6 @@
 #include "client/cpp/opjit_client.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -10,6 +11,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/cord.h"
+#include "client/cpp/fast_call.h"
 #include "absl/strings/str_cat.h"
 #include "opjit/v1/error.pb.h"
 #include "server/common/error_info.h"
@@ -42,6 +44,34 @@ std::string EnvOr(const std::string& value, const char* name) {
   return env != nullptr ? env : "";
 }
 
+// Keeps the id of a region this client just created or registered.
+void RememberRegion(FastState& st, const std::string& ns, const v1::RegionInfo& info) {
+  if (info.id() == 0) return;
+  const std::string key = ns.empty() ? "default" : ns;
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.region_ids[key][info.name()] = info.id();
+  st.foreign_regions[key].erase(info.name());
+}
+
+// Forgets region `*name` of `ns` (all of them, with the namespace's
+// channels and handles, when null: the client released its regions).
+void ForgetRegions(FastState& st, const std::string& ns, const std::string* name) {
+  const std::string key = ns.empty() ? "default" : ns;
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (name != nullptr) {
+    st.region_ids[key].erase(*name);
+    st.foreign_regions[key].erase(*name);
+    return;
+  }
+  st.region_ids.erase(key);
+  st.foreign_regions.erase(key);
+  st.channels.erase(key);
+  for (auto it = st.handles.begin(); it != st.handles.end();) {
+    const std::string hk = it->second->ns.empty() ? "default" : it->second->ns;
+    it = hk == key ? st.handles.erase(it) : std::next(it);
+  }
+}
+
 }  // namespace
 
 std::string NormalizeAddress(const std::string& address) {
@@ -49,9 +79,36 @@ std::string NormalizeAddress(const std::string& address) {
   return address;
 }
 
+Client::Client() : fast_(std::make_unique<FastState>()) {}
+
+Client::~Client() {
+  // Hand back what the fast path holds on the server (handles, channel
+  // regions) instead of leaving it to the lease; best effort, briefly.
+  std::vector<std::string> handle_ns;
+  std::vector<std::pair<std::string, std::string>> channel_regions;
+  {
+    std::lock_guard<std::mutex> lock(fast_->mu);
+    for (const auto& [key, call] : fast_->handles) {
+      if (std::find(handle_ns.begin(), handle_ns.end(), call->ns) == handle_ns.end()) {
+        handle_ns.push_back(call->ns);
+      }
+    }
+    for (const auto& [ns, ch] : fast_->channels) channel_regions.emplace_back(ns, ch->region());
+    fast_->channels.clear();
+  }
+  if (channel_ == nullptr || (handle_ns.empty() && channel_regions.empty())) return;
+  timeout_ = std::chrono::milliseconds(500);
+  for (const auto& [ns, region] : channel_regions) (void)UnregisterRegion(ns, region);
+  for (const auto& ns : handle_ns) (void)ReleaseHandles(ns, {});
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   std::unique_ptr<Client> c(new Client());
   c->address_ = NormalizeAddress(options.address.empty() ? DefaultServerAddress() : options.address);
+  auto mode = ParseFastMode(EnvOr(options.fast, "OPJIT_FAST"));
+  if (!mode.ok()) return mode.status();
+  c->fast_->mode = *mode;
+  c->fast_->unix_socket = c->address_.rfind("unix:", 0) == 0;
   c->timeout_ = options.timeout;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
@@ -196,6 +253,7 @@ absl::StatusOr<v1::RegionInfo> Client::CreateRegion(const std::string& ns,
   auto ctx = NewContext();
   absl::Status s = FromGrpc(memory_->CreateRegion(ctx.get(), req, &out));
   if (!s.ok()) return s;
+  RememberRegion(*fast_, ns, out);
   return out;
 }
 
@@ -215,6 +273,7 @@ absl::StatusOr<v1::RegionInfo> Client::RegisterRegion(const std::string& ns,
   auto ctx = NewContext();
   absl::Status s = FromGrpc(memory_->RegisterRegion(ctx.get(), req, &out));
   if (!s.ok()) return s;
+  RememberRegion(*fast_, ns, out);
   return out;
 }
 
@@ -223,6 +282,7 @@ absl::Status Client::UnregisterRegion(const std::string& ns, const std::string& 
   req.set_namespace_(ns);
   req.set_name(name);
   v1::UnregisterRegionResponse out;
+  ForgetRegions(*fast_, ns, &name);
   auto ctx = NewContext();
   return FromGrpc(memory_->UnregisterRegion(ctx.get(), req, &out));
 }
@@ -254,6 +314,8 @@ absl::StatusOr<int> Client::ReleaseRegions(const std::string& ns) {
   req.set_namespace_(ns);
   req.set_client_id(client_id_);
   v1::ReleaseClientResponse out;
+  // The client's regions, handles and channels in `ns` end together.
+  ForgetRegions(*fast_, ns, nullptr);
   auto ctx = NewContext();
   absl::Status s = FromGrpc(memory_->ReleaseClient(ctx.get(), req, &out));
   if (!s.ok()) return s;
@@ -261,6 +323,11 @@ absl::StatusOr<int> Client::ReleaseRegions(const std::string& ns) {
 }
 
 absl::StatusOr<v1::ForwardResponse> Client::Forward(const v1::ForwardRequest& request) {
+  if (auto fast = ForwardFast(request)) return *std::move(fast);
+  return ForwardGrpc(request);
+}
+
+absl::StatusOr<v1::ForwardResponse> Client::ForwardGrpc(const v1::ForwardRequest& request) {
   v1::ForwardResponse out;
   auto ctx = NewContext();
   absl::Status s = FromGrpc(executor_->Forward(ctx.get(), request, &out));
@@ -283,6 +350,52 @@ absl::Status Client::ReleaseContext(const std::string& ns, const std::string& co
   v1::ReleaseContextResponse out;
   auto ctx = NewContext();
   return FromGrpc(executor_->ReleaseContext(ctx.get(), req, &out));
+}
+
+absl::StatusOr<v1::PrepareResponse> Client::Prepare(const v1::PrepareRequest& request) {
+  v1::PrepareRequest req = request;
+  if (req.client_id().empty()) req.set_client_id(client_id_);
+  v1::PrepareResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(executor_->Prepare(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<int> Client::ReleaseHandles(const std::string& ns,
+                                           const std::vector<uint64_t>& handles) {
+  v1::ReleaseHandlesRequest req;
+  req.set_namespace_(ns);
+  req.set_client_id(client_id_);
+  for (uint64_t h : handles) req.add_handles(h);
+  {
+    // Cached call shapes on released handles are prepared again on next use.
+    std::lock_guard<std::mutex> lock(fast_->mu);
+    for (auto it = fast_->handles.begin(); it != fast_->handles.end();) {
+      const bool gone = it->second->ns == ns &&
+                        (handles.empty() || std::find(handles.begin(), handles.end(),
+                                                      it->second->handle) != handles.end());
+      it = gone ? fast_->handles.erase(it) : std::next(it);
+    }
+  }
+  v1::ReleaseHandlesResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(executor_->ReleaseHandles(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out.released();
+}
+
+absl::StatusOr<v1::OpenChannelResponse> Client::OpenChannel(const std::string& ns,
+                                                            int64_t lease_ms) {
+  v1::OpenChannelRequest req;
+  req.set_namespace_(ns);
+  req.set_client_id(client_id_);
+  req.set_lease_ms(lease_ms);
+  v1::OpenChannelResponse out;
+  auto ctx = NewContext();
+  absl::Status s = FromGrpc(executor_->OpenChannel(ctx.get(), req, &out));
+  if (!s.ok()) return s;
+  return out;
 }
 
 absl::StatusOr<v1::GradCheckResponse> Client::GradCheck(const v1::GradCheckRequest& request) {

@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -35,7 +37,36 @@ struct ClientOptions {
   // PEM file of the CA that signed the server's certificate: TCP goes over
   // TLS. Default: $OPJIT_TLS_CA (plaintext when unset).
   std::string tls_ca_file;
+  // The same-host fast path (prepared handles run on a shared-memory channel
+  // to the namespace's executor, no gRPC per call):
+  //   "auto": used when the address is a unix socket and the server offers
+  //           it (OpenChannel); any call it cannot serve goes over gRPC;
+  //   "on":   as auto, but a call that qualifies fails when the channel
+  //           cannot be opened (for tests that must exercise the fast path);
+  //   "off":  every call over gRPC.
+  // Default: $OPJIT_FAST ("1"/"on", "0"/"off", "auto"), else "auto".
+  std::string fast;
 };
+
+// A call shape checked once by the server (Prepare): run it with
+// Client::CallPrepared, or name it in ForwardRequest.handle.
+struct PreparedCall {
+  std::string ns;
+  uint64_t handle = 0;
+  int64_t version = 0;
+  std::vector<v1::TensorSpec> inputs;   // flat, in call order
+  std::vector<v1::TensorSpec> outputs;  // static per handle
+  bool fast = false;                    // it can run on a fast channel
+};
+
+// One tensor of a fast call: a region by its RegionInfo.id (0: a null
+// optional input) and a byte offset into it.
+struct FastTensorRef {
+  uint64_t region = 0;
+  uint64_t offset = 0;
+};
+
+struct FastState;  // fast_call.h: handle cache, region ids, open channels
 
 // Errors keep the server's machine-readable reason (google.rpc.ErrorInfo in
 // the status details): read it with opjit::GetReason(status)
@@ -84,18 +115,57 @@ class Client {
   absl::StatusOr<int64_t> RenewLease(const std::string& ns, int64_t lease_ms = 0);
   absl::StatusOr<int> ReleaseRegions(const std::string& ns);
 
-  // Runs an op's forward.
+  // Runs an op's forward. On the fast path (see ClientOptions::fast) a call
+  // whose inputs are all in shared memory and whose outputs all go to `shm`
+  // or `alloc_in` placements, with no requires_grad, runs on a prepared
+  // handle over the shared-memory channel and answers what the gRPC path
+  // would (outputs as ShmRef tensors, kernel_ms, version; server_ms is the
+  // client's own round trip). Everything else goes over gRPC unchanged.
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request);
   // Autograd: backward on a context kept by a forward with requires_grad.
   absl::StatusOr<v1::BackwardResponse> Backward(const v1::BackwardRequest& request);
   absl::Status ReleaseContext(const std::string& ns, const std::string& context_id);
   absl::StatusOr<v1::GradCheckResponse> GradCheck(const v1::GradCheckRequest& request);
 
+  // Prepared calls. `client_id` empty: this Client's own id.
+  absl::StatusOr<v1::PrepareResponse> Prepare(const v1::PrepareRequest& request);
+  // Releases `handles` (empty: every handle of this client in `ns`).
+  absl::StatusOr<int> ReleaseHandles(const std::string& ns, const std::vector<uint64_t>& handles);
+  // Opens a fast channel (a region of this client's, mapped by the caller).
+  absl::StatusOr<v1::OpenChannelResponse> OpenChannel(const std::string& ns,
+                                                      int64_t lease_ms = 0);
+
+  // Prepare, as a PreparedCall.
+  absl::StatusOr<PreparedCall> PrepareHandle(const v1::PrepareRequest& request);
+  // Runs a prepared call on this client's fast channel for `call.ns` (opened
+  // on first use): `tensors` are the inputs then the outputs, as the
+  // handle's specs. Returns the kernel's time in ms, or the call's status
+  // (code and reason as the gRPC path would answer; STALE_HANDLE is not
+  // retried here: prepare again). `deadline`: 0 means the client's timeout.
+  // FAILED_PRECONDITION when the fast path is off or unavailable.
+  absl::StatusOr<double> CallPrepared(const PreparedCall& call,
+                                      std::span<const FastTensorRef> tensors,
+                                      std::chrono::nanoseconds deadline = {});
+  // The RegionInfo.id of region `name` in `ns` (from this client's
+  // CreateRegion/RegisterRegion answers, else ListRegions).
+  absl::StatusOr<uint64_t> RegionId(const std::string& ns, const std::string& name);
+  // Whether this client would try the fast path ("auto"/"on" on a unix socket).
+  bool fast_enabled() const;
+
   // The id this client's regions are leased under (random per Client).
   const std::string& client_id() const { return client_id_; }
 
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
  private:
-  Client() = default;
+  Client();
+  // The gRPC path of Forward.
+  absl::StatusOr<v1::ForwardResponse> ForwardGrpc(const v1::ForwardRequest& request);
+  // The fast path of Forward (fast_call.cc): no value when the call must go
+  // over gRPC instead.
+  std::optional<absl::StatusOr<v1::ForwardResponse>> ForwardFast(const v1::ForwardRequest& request);
   std::unique_ptr<grpc::ClientContext> NewContext() const;
 
   std::string address_;
@@ -108,6 +178,7 @@ class Client {
   std::unique_ptr<v1::Executor::Stub> executor_;
   std::string client_id_;
   std::string token_;
+  std::unique_ptr<FastState> fast_;
 };
 
 // Tensor helpers for building requests.
