@@ -1,0 +1,518 @@
+// The same-host fast path end to end: the real opjitd with process isolation,
+// the C++ client's prepared handles and fast channel (client/cpp/fast_call.h),
+// and what happens when clients, kernels and executors misbehave on it.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "client/cpp/shm_region.h"
+#include "server/common/error_info.h"
+#include "server/runner/fast_channel.h"
+#include "tests/integration/daemon_harness.h"
+
+extern char** environ;
+
+namespace opjit::testing {
+namespace {
+
+using client::FastTensorRef;
+using client::ShmTensor;
+using Clock = std::chrono::steady_clock;
+
+std::string ReasonOf(const absl::Status& s) {
+  auto r = GetReason(s);
+  return r ? r->reason : "";
+}
+
+// A kernel on one float32 input x and one output y of the same shape; the
+// body sees x, y and n.
+std::string KernelSource(const std::string& body) {
+  return R"(
+#include <cstdint>
+#include <cstdlib>
+#include <unistd.h>
+extern "C" int K(int, void** params, int*, int64_t** shapes, const char**, void*, void*) {
+  float* x = static_cast<float*>(params[0]);
+  float* y = static_cast<float*>(params[1]);
+  const int64_t n = shapes[0][0];
+  (void)x; (void)y; (void)n;
+)" + body + "\n  return 0;\n}\n";
+}
+
+constexpr char kDouble[] = "for (int64_t i = 0; i < n; ++i) y[i] = 2 * x[i];";
+constexpr char kTriple[] = "for (int64_t i = 0; i < n; ++i) y[i] = 3 * x[i];";
+// Sleeps x[0] milliseconds, then copies.
+constexpr char kSleep[] =
+    "usleep(static_cast<useconds_t>(x[0]) * 1000);\n"
+    "for (int64_t i = 0; i < n; ++i) y[i] = x[i];";
+constexpr char kSegv[] = "*static_cast<volatile int*>(nullptr) = 1;";
+
+// A field of ServerInfo read by name (the fast path's live counts), or -1
+// when this server does not report it.
+int64_t InfoCount(client::Client& c, const std::string& field) {
+  auto info = c.Info();
+  if (!info.ok()) return -2;
+  const auto* f = info->GetDescriptor()->FindFieldByName(field);
+  if (f == nullptr) return -1;
+  return info->GetReflection()->GetInt64(*info, f);
+}
+
+class FastIT : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    daemon_ = std::make_unique<Daemon>(tmp_.path() + "/state");
+    ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
+    c_ = Connect("on");
+  }
+
+  std::unique_ptr<client::Client> Connect(const std::string& fast,
+                                          std::chrono::milliseconds timeout = std::chrono::seconds(120)) {
+    auto c = client::Client::Connect({.address = daemon_->address(), .timeout = timeout, .fast = fast});
+    if (!c.ok()) abort();
+    return *std::move(c);
+  }
+
+  void Register(const std::string& name, const std::string& body) {
+    v1::OpDef op;
+    op.set_name(name);
+    op.add_inputs()->set_name("x");
+    op.add_outputs()->set_name("y");
+    auto* df = op.add_dtype_formats();
+    df->add_dtypes("float32");
+    df->add_dtypes("float32");
+    auto* impl = op.add_implementations();
+    impl->set_target("CPU");
+    impl->set_entry("K");
+    impl->set_source(KernelSource(body));
+    auto r = c_->Register(op);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+
+  // A region of c_'s, mapped here.
+  float* MakeRegion(const std::string& name, uint64_t bytes) {
+    auto info = c_->CreateRegion("", name, bytes);
+    EXPECT_TRUE(info.ok()) << info.status();
+    if (!info.ok()) return nullptr;
+    auto map = client::ShmMapping::Open(info->shm_key(), info->byte_size());
+    EXPECT_TRUE(map.ok()) << map.status();
+    if (!map.ok()) return nullptr;
+    maps_.push_back(*std::move(map));
+    return reinterpret_cast<float*>(maps_.back()->data());
+  }
+
+  absl::StatusOr<client::PreparedCall> PrepareFloat(const std::string& op, int64_t n) {
+    v1::PrepareRequest p;
+    p.set_op(op);
+    auto* t = p.add_inputs()->add_tensors();
+    t->set_dtype("float32");
+    t->add_shape(n);
+    return c_->PrepareHandle(p);
+  }
+
+  // op(x) with x = n floats at `in` of `region`, y exactly at `out`.
+  v1::ForwardRequest ShmCall(const std::string& op, int64_t n, const std::string& region,
+                             uint64_t in, uint64_t out) {
+    v1::ForwardRequest req;
+    req.set_op(op);
+    *req.add_inputs()->add_tensors() = ShmTensor("float32", {n}, region, in);
+    req.add_outputs()->mutable_shm()->set_region(region);
+    req.mutable_outputs(0)->mutable_shm()->set_offset(out);
+    return req;
+  }
+
+  // The regions client `client_id` holds (the channel's included).
+  std::vector<v1::RegionInfo> RegionsOf(const std::string& client_id) {
+    std::vector<v1::RegionInfo> out;
+    auto list = c_->ListRegions("");
+    EXPECT_TRUE(list.ok()) << list.status();
+    if (!list.ok()) return out;
+    for (const auto& r : *list) {
+      if (r.client_id() == client_id) out.push_back(r);
+    }
+    return out;
+  }
+
+  TempDir tmp_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<client::Client> c_;
+  std::vector<std::unique_ptr<client::ShmMapping>> maps_;
+};
+
+TEST_F(FastIT, PreparedCallOnTheFastPathMatchesGrpc) {
+  Register("double", kDouble);
+  float* base = MakeRegion("buf", 1 << 20);
+  ASSERT_NE(base, nullptr);
+  for (int i = 0; i < 16; ++i) base[i] = static_cast<float>(i) - 7.5f;
+  auto id = c_->RegionId("", "buf");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_NE(*id, 0u);
+
+  auto call = PrepareFloat("double", 16);
+  ASSERT_TRUE(call.ok()) << call.status() << daemon_->Log();
+  EXPECT_NE(call->handle, 0u);
+  EXPECT_EQ(call->version, 1);
+  EXPECT_TRUE(call->fast);
+  ASSERT_EQ(call->inputs.size(), 1u);
+  ASSERT_EQ(call->outputs.size(), 1u);
+  EXPECT_EQ(call->outputs[0].dtype(), "float32");
+  ASSERT_EQ(call->outputs[0].shape_size(), 1);
+  EXPECT_EQ(call->outputs[0].shape(0), 16);
+  EXPECT_EQ(call->outputs[0].byte_size(), 64u);
+
+  // The raw fast call.
+  const FastTensorRef refs[] = {{*id, 0}, {*id, 4096}};
+  auto kernel_ms = c_->CallPrepared(*call, refs);
+  ASSERT_TRUE(kernel_ms.ok()) << kernel_ms.status() << daemon_->Log();
+  EXPECT_GE(*kernel_ms, 0.0);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(base[1024 + i], 2 * base[i]) << i;
+
+  // The same handle over gRPC (ForwardRequest.handle) writes the same bytes.
+  v1::ForwardRequest by_handle;
+  by_handle.set_handle(call->handle);
+  by_handle.set_client_id(c_->client_id());
+  *by_handle.add_inputs()->add_tensors() = ShmTensor("float32", {16}, "buf", 0);
+  by_handle.add_outputs()->mutable_shm()->set_region("buf");
+  by_handle.mutable_outputs(0)->mutable_shm()->set_offset(8192);
+  auto grpc = c_->Forward(by_handle);
+  ASSERT_TRUE(grpc.ok()) << grpc.status();
+  EXPECT_EQ(std::memcmp(base + 1024, base + 2048, 64), 0);
+
+  // Forward by name picks the fast path itself and answers as gRPC would:
+  // an exact placement, then alloc_in (64-byte aligned after the offset).
+  auto fast = c_->Forward(ShmCall("double", 16, "buf", 0, 12288));
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  ASSERT_EQ(fast->outputs_size(), 1);
+  EXPECT_EQ(fast->outputs(0).dtype(), "float32");
+  EXPECT_EQ(fast->outputs(0).shm().region(), "buf");
+  EXPECT_EQ(fast->outputs(0).shm().offset(), 12288u);
+  EXPECT_EQ(fast->version(), 1);
+  EXPECT_EQ(std::memcmp(base + 1024, base + 3072, 64), 0);
+
+  auto alloc = ShmCall("double", 16, "buf", 0, 0);
+  alloc.mutable_outputs(0)->mutable_alloc_in()->set_region("buf");
+  alloc.mutable_outputs(0)->mutable_alloc_in()->set_offset(20001);
+  auto placed = c_->Forward(alloc);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  EXPECT_EQ(placed->outputs(0).shm().offset(), 20032u);
+  EXPECT_EQ(std::memcmp(base + 1024, base + 20032 / 4, 64), 0);
+  // A fast-off client gets the same placement over gRPC.
+  auto off = Connect("off");
+  auto grpc_placed = off->Forward(alloc);
+  ASSERT_TRUE(grpc_placed.ok()) << grpc_placed.status();
+  EXPECT_EQ(grpc_placed->outputs(0).shm().offset(), 20032u);
+
+  // The fast path really ran: this client holds a channel region now.
+  EXPECT_EQ(RegionsOf(c_->client_id()).size(), 2u);
+  const int64_t channels = InfoCount(*c_, "channels");
+  if (channels != -1) EXPECT_GE(channels, 1);
+}
+
+TEST_F(FastIT, ConcurrentThreadsShareTheChannel) {
+  Register("double", kDouble);
+  float* base = MakeRegion("buf", 1 << 20);
+  ASSERT_NE(base, nullptr);
+  constexpr int kThreads = 12;  // more than the channel's slots
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const uint64_t in = t * 8192, out = in + 4096;
+      float* x = base + in / 4;
+      for (int i = 0; i < 200; ++i) {
+        for (int k = 0; k < 16; ++k) x[k] = static_cast<float>(t * 1000 + i + k);
+        auto r = c_->Forward(ShmCall("double", 16, "buf", in, out));
+        if (!r.ok() || base[out / 4 + 15] != 2 * x[15]) return;
+      }
+      good++;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(good.load(), kThreads) << daemon_->Log();
+}
+
+TEST_F(FastIT, StaleHandlesAreRefusedAndForwardPreparesAgain) {
+  Register("double", kDouble);
+  float* base = MakeRegion("buf", 1 << 16);
+  ASSERT_NE(base, nullptr);
+  for (int i = 0; i < 16; ++i) base[i] = 1.0f + i;
+  auto id = c_->RegionId("", "buf");
+  ASSERT_TRUE(id.ok());
+  auto call = PrepareFloat("double", 16);
+  ASSERT_TRUE(call.ok()) << call.status();
+  auto first = c_->Forward(ShmCall("double", 16, "buf", 0, 4096));  // caches a handle
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(base[1024 + 3], 8.0f);
+
+  Register("double", kTriple);  // version 2: every handle on version 1 is stale
+  const FastTensorRef refs[] = {{*id, 0}, {*id, 4096}};
+  auto stale = c_->CallPrepared(*call, refs);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
+  EXPECT_EQ(ReasonOf(stale.status()), "STALE_HANDLE") << stale.status();
+
+  v1::ForwardRequest by_handle;
+  by_handle.set_handle(call->handle);
+  by_handle.set_client_id(c_->client_id());
+  *by_handle.add_inputs()->add_tensors() = ShmTensor("float32", {16}, "buf", 0);
+  by_handle.add_outputs()->mutable_shm()->set_region("buf");
+  by_handle.mutable_outputs(0)->mutable_shm()->set_offset(4096);
+  auto grpc = c_->Forward(by_handle);
+  EXPECT_EQ(grpc.status().code(), absl::StatusCode::kFailedPrecondition) << grpc.status();
+  EXPECT_EQ(ReasonOf(grpc.status()), "STALE_HANDLE") << grpc.status();
+
+  // An unknown handle reads the same.
+  client::PreparedCall unknown = *call;
+  unknown.handle = call->handle ^ 0x5a5a5a5a5a5aull;
+  auto bogus = c_->CallPrepared(unknown, refs);
+  EXPECT_EQ(ReasonOf(bogus.status()), "STALE_HANDLE") << bogus.status();
+
+  // Forward by name re-prepares transparently and runs version 2.
+  auto again = c_->Forward(ShmCall("double", 16, "buf", 0, 4096));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->version(), 2);
+  EXPECT_EQ(base[1024 + 3], 12.0f);
+
+  // A deleted op: NOT_FOUND, as over gRPC.
+  ASSERT_TRUE(c_->Delete("", "double", 0).ok());
+  auto gone = c_->Forward(ShmCall("double", 16, "buf", 0, 4096));
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
+}
+
+TEST_F(FastIT, BadTensorsAreRefusedAndTheDaemonSurvives) {
+  Register("double", kDouble);
+  float* base = MakeRegion("buf", 1 << 16);
+  ASSERT_NE(base, nullptr);
+  auto id = c_->RegionId("", "buf");
+  ASSERT_TRUE(id.ok());
+  auto call = PrepareFloat("double", 16);
+  ASSERT_TRUE(call.ok()) << call.status();
+
+  // Out of bounds, past the end, overflowing, overlapping.
+  for (const auto& refs : std::vector<std::vector<FastTensorRef>>{
+           {{*id, (1 << 16) - 32}, {*id, 4096}},
+           {{*id, 0}, {*id, 1ull << 62}},
+           {{*id, ~uint64_t{0} - 8}, {*id, 4096}},
+           {{*id, 0}, {*id, 32}}}) {
+    auto r = c_->CallPrepared(*call, refs);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument)
+        << r.status() << " at " << refs[0].offset << ", " << refs[1].offset;
+  }
+  // A region of another client's (its id is a real one).
+  auto other = Connect("on");
+  ASSERT_TRUE(other->CreateRegion("", "theirs", 1 << 16).ok());
+  auto theirs = other->RegionId("", "theirs");
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  const FastTensorRef foreign[] = {{*theirs, 0}, {*id, 4096}};
+  auto r = c_->CallPrepared(*call, foreign);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  EXPECT_EQ(ReasonOf(r.status()), "REGION_NOT_REGISTERED") << r.status();
+  const FastTensorRef nowhere[] = {{*id + *theirs + 1000, 0}, {*id, 4096}};
+  r = c_->CallPrepared(*call, nowhere);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  // A null input where the op needs one.
+  const FastTensorRef null_input[] = {{0, 0}, {*id, 4096}};
+  r = c_->CallPrepared(*call, null_input);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  // Too many and too few tensors for the handle.
+  const FastTensorRef three[] = {{*id, 0}, {*id, 4096}, {*id, 8192}};
+  r = c_->CallPrepared(*call, three);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  r = c_->CallPrepared(*call, std::span<const FastTensorRef>(three, 1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+
+  // A hostile client writing the slot by hand: more tensors than a slot
+  // holds, and garbage state words.
+  auto raw = c_->OpenChannel("");
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  auto map = client::ShmMapping::Open(raw->shm_key(), raw->byte_size());
+  ASSERT_TRUE(map.ok()) << map.status();
+  void* ring = (*map)->data();
+  fast::Slot* s = fast::SlotAt(ring, 0);
+  s->handle = call->handle;
+  s->seq = 77;
+  s->deadline_ns = 0;
+  s->n_tensors = 100000;
+  s->state.store(fast::kSubmitted);
+  fast::HeaderOf(ring)->doorbell.fetch_add(1);
+  fast::FutexWake(&fast::HeaderOf(ring)->doorbell);
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (s->state.load() != fast::kDone && Clock::now() < give_up) {
+    fast::FutexWait(&s->state, s->state.load(), 10'000'000);
+  }
+  ASSERT_EQ(s->state.load(), fast::kDone);
+  EXPECT_EQ(s->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(s->seq, 77u);
+  s->state.store(fast::kFree);
+
+  // Still healthy: a good call, fast and over gRPC.
+  for (int i = 0; i < 16; ++i) base[i] = static_cast<float>(i);
+  const FastTensorRef good[] = {{*id, 0}, {*id, 4096}};
+  auto ok = c_->CallPrepared(*call, good);
+  ASSERT_TRUE(ok.ok()) << ok.status() << daemon_->Log();
+  EXPECT_EQ(base[1024 + 5], 10.0f);
+  ASSERT_TRUE(daemon_->running());
+  ASSERT_TRUE(c_->Info().ok());
+}
+
+TEST_F(FastIT, CrashingKernelFailsItsCallLikeGrpcAndTheNextCallWorks) {
+  Register("segv", kSegv);
+  Register("double", kDouble);
+  float* base = MakeRegion("buf", 1 << 16);
+  ASSERT_NE(base, nullptr);
+  for (int i = 0; i < 16; ++i) base[i] = static_cast<float>(i);
+  auto ok = c_->Forward(ShmCall("double", 16, "buf", 0, 4096));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  const auto channel_before = RegionsOf(c_->client_id());
+
+  auto crash = c_->Forward(ShmCall("segv", 16, "buf", 0, 4096));
+  EXPECT_EQ(crash.status().code(), absl::StatusCode::kAborted) << crash.status();
+  EXPECT_EQ(ReasonOf(crash.status()), "KERNEL_CRASHED") << crash.status();
+  EXPECT_NE(crash.status().message().find("SIGSEGV"), std::string::npos) << crash.status();
+  // gRPC says the same.
+  auto grpc = Connect("off")->Forward(ShmCall("segv", 16, "buf", 0, 4096));
+  EXPECT_EQ(grpc.status().code(), absl::StatusCode::kAborted) << grpc.status();
+  EXPECT_EQ(ReasonOf(grpc.status()), "KERNEL_CRASHED") << grpc.status();
+
+  // The next call opens a new channel and works.
+  base[3] = 21.0f;
+  auto next = c_->Forward(ShmCall("double", 16, "buf", 0, 4096));
+  ASSERT_TRUE(next.ok()) << next.status() << daemon_->Log();
+  EXPECT_EQ(base[1024 + 3], 42.0f);
+  // The dead channel's region went away; one channel region remains.
+  EXPECT_EQ(RegionsOf(c_->client_id()).size(), channel_before.size());
+}
+
+TEST_F(FastIT, DeadlineStopsASlowKernel) {
+  Register("sleep", kSleep);
+  float* base = MakeRegion("buf", 1 << 16);
+  ASSERT_NE(base, nullptr);
+  base[0] = 1.0f;  // 1 ms: warm the channel and the executor
+  auto hasty = Connect("on", std::chrono::milliseconds(800));
+  // hasty's own region (the channel only serves the caller's regions).
+  auto info = hasty->CreateRegion("", "hasty", 1 << 16);
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto map = client::ShmMapping::Open(info->shm_key(), info->byte_size());
+  ASSERT_TRUE(map.ok());
+  float* x = reinterpret_cast<float*>((*map)->data());
+  x[0] = 1.0f;
+  auto warm = hasty->Forward(ShmCall("sleep", 16, "hasty", 0, 4096));
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  x[0] = 5000.0f;  // 5 s
+  const auto t0 = Clock::now();
+  auto slow = hasty->Forward(ShmCall("sleep", 16, "hasty", 0, 4096));
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_EQ(slow.status().code(), absl::StatusCode::kDeadlineExceeded) << slow.status();
+  EXPECT_LT(s, 3.0) << slow.status();
+  EXPECT_GT(s, 0.5);
+  x[0] = 1.0f;
+  auto next = hasty->Forward(ShmCall("sleep", 16, "hasty", 0, 4096));
+  ASSERT_TRUE(next.ok()) << next.status() << daemon_->Log();
+}
+
+TEST_F(FastIT, ForcedOffAndGrpcOnlyCallsNeverOpenAChannel) {
+  Register("double", kDouble);
+  auto off = Connect("off");
+  EXPECT_FALSE(off->fast_enabled());
+  ASSERT_TRUE(off->CreateRegion("", "o", 1 << 16).ok());
+  ASSERT_TRUE(off->Forward(ShmCall("double", 16, "o", 0, 4096)).ok());
+  EXPECT_EQ(RegionsOf(off->client_id()).size(), 1u);
+  // An inline call on a fast client goes over gRPC, no channel either.
+  v1::ForwardRequest inl;
+  inl.set_op("double");
+  std::vector<float> x(4, 1.0f);
+  *inl.add_inputs()->add_tensors() =
+      client::InlineTensor("float32", {4}, std::string(reinterpret_cast<char*>(x.data()), 16));
+  auto r = c_->Forward(inl);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(RegionsOf(c_->client_id()).size(), 0u);
+  // An unknown mode is refused when connecting.
+  EXPECT_FALSE(client::Client::Connect({.address = daemon_->address(), .fast = "maybe"}).ok());
+}
+
+// A client SIGKILLed in the middle of a fast call leaves nothing behind once
+// its lease lapses: no regions, no /dev/shm objects, no handles, no channels.
+TEST_F(FastIT, ClientKilledMidCallLeaksNothing) {
+  Register("sleep", kSleep);
+  int out_pipe[2];
+  ASSERT_EQ(pipe2(out_pipe, O_CLOEXEC), 0);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out_pipe[1], 1);
+  std::vector<std::string> argv = {OPJIT_FAST_CHILD, daemon_->address(), "1500"};
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(a.data());
+  args.push_back(nullptr);
+  pid_t child = -1;
+  ASSERT_EQ(posix_spawn(&child, argv[0].c_str(), &fa, nullptr, args.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  close(out_pipe[1]);
+
+  // The child reports its client id and shm keys, then "calling" just
+  // before a call that sleeps 10 s in the kernel.
+  std::string client_id;
+  std::vector<std::string> keys;
+  bool calling = false;
+  {
+    FILE* f = fdopen(out_pipe[0], "r");
+    ASSERT_NE(f, nullptr);
+    char line[512];
+    while (!calling && fgets(line, sizeof line, f) != nullptr) {
+      std::istringstream in(line);
+      std::string word, value;
+      in >> word >> value;
+      if (word == "client") client_id = value;
+      if (word == "key") keys.push_back(value);
+      if (word == "calling") calling = true;
+    }
+    fclose(f);
+  }
+  ASSERT_TRUE(calling) << "the child did not get to its call";
+  ASSERT_FALSE(client_id.empty());
+  ASSERT_EQ(keys.size(), 2u) << "a data region and the channel";
+  for (const auto& k : keys) EXPECT_TRUE(std::filesystem::exists("/dev/shm" + k)) << k;
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // inside the kernel by now
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status));
+
+  // The lease (1.5 s) lapses; the daemon's reaper runs once a second.
+  bool clean = false;
+  const auto give_up = Clock::now() + std::chrono::seconds(20);
+  while (!clean && Clock::now() < give_up) {
+    clean = RegionsOf(client_id).empty();
+    for (const auto& k : keys) clean = clean && !std::filesystem::exists("/dev/shm" + k);
+    const int64_t handles = InfoCount(*c_, "handles");
+    const int64_t channels = InfoCount(*c_, "channels");
+    clean = clean && handles <= 0 && channels <= 0;
+    if (!clean) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(RegionsOf(client_id).empty());
+  for (const auto& k : keys) EXPECT_FALSE(std::filesystem::exists("/dev/shm" + k)) << k;
+  const int64_t handles = InfoCount(*c_, "handles");
+  const int64_t channels = InfoCount(*c_, "channels");
+  EXPECT_NE(handles, -1) << "ServerInfo reports no live handle count";
+  EXPECT_NE(channels, -1) << "ServerInfo reports no live channel count";
+  EXPECT_LE(handles, 0);
+  EXPECT_LE(channels, 0);
+  // The daemon serves the next client as before.
+  float* base = MakeRegion("after", 1 << 16);
+  ASSERT_NE(base, nullptr);
+  base[0] = 1.0f;
+  auto r = c_->Forward(ShmCall("sleep", 16, "after", 0, 4096));
+  ASSERT_TRUE(r.ok()) << r.status() << daemon_->Log();
+}
+
+}  // namespace
+}  // namespace opjit::testing
