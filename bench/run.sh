@@ -40,6 +40,8 @@ run fairness "$BUILD/bin/fairness_bench" "$OUT/fairness.json" 2
 run exec "$BUILD/bin/exec_bench" --benchmark_out="$OUT/exec.json" --benchmark_out_format=json
 # Whole-system runs: each starts its own opjitd from $BUILD/bin.
 run call "$BUILD/bin/call_bench" "$OUT/call.json"
+# The fast path: JSON for the report, and its own markdown table.
+run fast "$BUILD/bin/fast_bench" "$OUT/fast.json" >"$OUT/fast.md"
 run py "$PY" bench/py_bench.py "$OUT/py.json" --build "$BUILD"
 run plots "$PY" bench/plots.py "$PLOTS" "$OUT/py.json" "$OUT/call.json" >"$OUT/plots.md"
 
