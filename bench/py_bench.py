@@ -13,6 +13,16 @@ listening on a unix socket there), stops it at exit, and writes OUT.json:
 * "autograd": forward+backward of tanh per call at 1k and 1M float32
   elements: opjit with a registered bprop, an opjit.Function, a
   torch.autograd.Function, and plain numpy. The variants alternate in batches.
+* "fast_path": the same-host fast channel (issue 15) against gRPC, each
+  measured side by side in one run, alternating in batches:
+  - "tiny": leaky_relu on 16 float32 through the fast channel, through
+    grpcio (the same client with fast="off"), and a raw socketpair
+    ping-pong of a 94-byte message between two Python processes (the floor
+    a socket-based transport cannot beat);
+  - "shm": tanh on 1 MiB and 64 MiB already in shared memory, per call
+    end to end against the kernel's own kernel_ms (fast and gRPC);
+  the autograd section also runs opjit.Function over gRPC (fast="off")
+  next to the fast path.
 * "machine": cores, CPU, date, versions, load average.
 
 Every number comes from this run; a section (or sub-section) that fails holds
@@ -26,6 +36,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -417,7 +428,7 @@ def percentile(xs, q):
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
 
 
-def bench_autograd(opjit, client, res, torch):
+def bench_autograd(opjit, client, res, torch, grpc_client=None):
     client.register(os.path.join(EXAMPLES, "tanh_grad.json"))
     client.register(os.path.join(EXAMPLES, "tanh.json"))
     tanh = client.op("tanh")
@@ -453,6 +464,29 @@ def bench_autograd(opjit, client, res, torch):
         return g * (1.0 - y * y)
 
     variants = [("opjit_bprop", opjit_bprop), ("opjit_function", opjit_function)]
+    if grpc_client is not None:
+        tanh_g = grpc_client.op("tanh")
+        tanh_grad_g = grpc_client.op("tanh_grad")
+
+        class OpjitTanhGrpc(opjit.Function):
+            @staticmethod
+            def forward(ctx, x):
+                y = tanh_g(x)
+                ctx.save_for_backward(y)
+                return y
+
+            @staticmethod
+            def backward(ctx, dy):
+                y, = ctx.saved_tensor()
+                return tanh_grad_g(y=y, dy=dy)
+
+        def opjit_function_grpc(arr, g, _):
+            x = opjit.tensor(arr, requires_grad=True)
+            z = OpjitTanhGrpc.apply(x)
+            z.backward(g)
+            return x.grad
+
+        variants.append(("opjit_function_grpc", opjit_function_grpc))
     if torch is not None:
         class TorchTanh(torch.autograd.Function):
             @staticmethod
@@ -547,6 +581,122 @@ def bench_autograd(opjit, client, res, torch):
         res["n_%d" % n] = out
 
 
+# ---- the fast path -------------------------------------------------------------------------
+
+ECHO_CHILD = r"""
+import os, socket, sys
+s = socket.socket(fileno=int(sys.argv[1]))
+while True:
+    b = s.recv(65536)
+    if not b:
+        break
+    s.sendall(b)
+"""
+
+
+def alternate(variants, batch, rounds, warmup):
+    """{name: [latency us]}: each variant runs `batch` calls per round, the
+    order rotating each round; `warmup` untimed calls first."""
+    for _, fn in variants:
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name, _ in variants}
+    clock = time.perf_counter_ns
+    for rnd in range(rounds):
+        k = rnd % len(variants)
+        for name, fn in variants[k:] + variants[:k]:
+            out = samples[name]
+            for _ in range(batch):
+                t0 = clock()
+                fn()
+                out.append((clock() - t0) / 1e3)
+    return samples
+
+
+def stats_us(s):
+    return {"p50_us": percentile(s, 50), "p99_us": percentile(s, 99),
+            "mean_us": float(np.mean(s)), "min_us": float(np.min(s)), "n_calls": len(s),
+            "samples_us": [round(v, 2) for v in s[:MAX_SAMPLES]]}
+
+
+def bench_fast_path(opjit, daemon, res):
+    fast = opjit.Client(daemon.address, timeout=120, fast="on")
+    grpc_client = opjit.Client(daemon.address, timeout=120, fast="off")
+    a, b = socket.socketpair()
+    echo = subprocess.Popen([sys.executable, "-c", ECHO_CHILD, str(b.fileno())],
+                            pass_fds=[b.fileno()])
+    b.close()
+    try:
+        fast.register(os.path.join(EXAMPLES, "leaky_relu.json"))
+        fast.register(os.path.join(EXAMPLES, "tanh_grad.json"))
+        fast.register(os.path.join(EXAMPLES, "tanh.json"))
+        res["channel"] = {"spin_us": fast._transport.channel(fast.namespace).spin_ns / 1000}
+
+        # 1. A tiny call.
+        x16 = np.linspace(-1, 1, 16, dtype=np.float32)
+        lr_fast, lr_grpc = fast.op("leaky_relu"), grpc_client.op("leaky_relu")
+        np.testing.assert_allclose(lr_fast(x16), lr_grpc(x16))
+        msg = b"x" * 94
+
+        def ping():
+            a.sendall(msg)
+            got = 0
+            while got < len(msg):
+                got += len(a.recv(65536))
+
+        before = fast.call_counts()["fast"]
+        tiny = alternate([("opjit_fast", lambda: lr_fast(x16)),
+                          ("opjit_grpc", lambda: lr_grpc(x16)),
+                          ("socketpair_pingpong", ping)], batch=200, rounds=20, warmup=200)
+        if fast.call_counts()["fast"] - before < 4000:
+            raise RuntimeError("the fast client did not use the fast channel")
+        res["tiny"] = {k: stats_us(v) for k, v in tiny.items()}
+        res["tiny"]["what"] = ("leaky_relu on 16 float32 (a fresh ndarray each call: copied into "
+                               "shared memory, output a view), vs a 94-byte socketpair echo "
+                               "between two Python processes")
+        p50 = {k: v["p50_us"] for k, v in res["tiny"].items() if isinstance(v, dict)}
+        res["tiny"]["ratios_p50"] = {
+            "fast / socketpair": p50["opjit_fast"] / p50["socketpair_pingpong"],
+            "grpc / socketpair": p50["opjit_grpc"] / p50["socketpair_pingpong"],
+            "grpc / fast": p50["opjit_grpc"] / p50["opjit_fast"]}
+
+        # 2. Big tensors already in shared memory: the call against the kernel's time.
+        out = {}
+        for label, nbytes, batch, rounds in (("1MiB", 1 << 20, 20, 10),
+                                             ("64MiB", 64 << 20, 2, 5)):
+            n = nbytes // 4
+            row = {}
+            kernel = {"fast": [], "grpc": []}
+            for path, c in (("fast", fast), ("grpc", grpc_client)):
+                xs = c.asarray(np.random.default_rng(5).standard_normal(n).astype(np.float32))
+                sess = c.session()
+
+                def call(sess=sess, xs=xs, path=path):
+                    r = sess.forward("tanh", [[xs]])
+                    kernel[path].append(r.kernel_ms * 1e3)
+                    return r
+                row[path] = call
+            samples = alternate(list(row.items()), batch=batch, rounds=rounds, warmup=2)
+            entry = {}
+            for path in ("fast", "grpc"):
+                k = kernel[path][-len(samples[path]):]
+                st = stats_us(samples[path])
+                st["kernel_p50_us"] = percentile(k, 50)
+                st["call_over_kernel_p50"] = st["p50_us"] / st["kernel_p50_us"]
+                entry[path] = st
+            entry["grpc / fast"] = entry["grpc"]["p50_us"] / entry["fast"]["p50_us"]
+            out[label] = entry
+        res["shm"] = out
+        res["shm"]["what"] = ("tanh on float32 already in this client's shared memory "
+                              "(Client.asarray), output a view; Session.forward end to end "
+                              "vs the kernel_ms the executor reports for that call")
+    finally:
+        a.close()
+        echo.wait(10)
+        fast.close()
+        grpc_client.close()
+
+
 # ---- main ------------------------------------------------------------------------------
 
 def machine_info(torch):
@@ -576,8 +726,10 @@ def fmt_s(d):
 
 def summary(result):
     lines = []
-    tc = result.get("torch_compile", {})
-    if "error" in tc:
+    tc = result.get("torch_compile")
+    if tc is None:
+        pass
+    elif "error" in tc:
         lines.append("torch_compile: failed: %s" % tc["error"][:200])
     else:
         lines.append("compile, softplus:")
@@ -593,7 +745,7 @@ def summary(result):
             fmt_ms(d), " (cache_hit %s)" % d.get("cache_hit") if isinstance(d, dict)
             and "cache_hit" in d else ""))
     ag = result.get("autograd", {})
-    if "error" in ag:
+    if ag and "error" in ag:
         lines.append("autograd: failed: %s" % ag["error"][:200])
     else:
         for n in ag.get("sizes", []):
@@ -602,8 +754,31 @@ def summary(result):
                 if "error" in v:
                     lines.append("  %-15s failed: %s" % (name, v["error"][:160]))
                 else:
-                    lines.append("  %-15s %10.1f us / %10.1f us  (%d calls)"
+                    lines.append("  %-20s %10.1f us / %10.1f us  (%d calls)"
                                  % (name, v["p50_us"], v["p99_us"], v["n_calls"]))
+            row = ag.get("n_%d" % n, {})
+            t = row.get("torch_function", {}).get("p50_us")
+            for name in ("opjit_function", "opjit_function_grpc", "opjit_bprop"):
+                v = row.get(name, {}).get("p50_us")
+                if t and v:
+                    lines.append("  %s / torch_function p50: %.2fx" % (name, v / t))
+    fp = result.get("fast_path", {})
+    if "error" in fp:
+        lines.append("fast path: failed: %s" % fp["error"][:200])
+    elif fp:
+        lines.append("tiny call, leaky_relu on 16 float32 (p50 / p99):")
+        for name in ("opjit_fast", "opjit_grpc", "socketpair_pingpong"):
+            v = fp["tiny"][name]
+            lines.append("  %-20s %8.1f us / %8.1f us" % (name, v["p50_us"], v["p99_us"]))
+        for k, v in fp["tiny"]["ratios_p50"].items():
+            lines.append("  %-20s %8.2fx" % (k, v))
+        for label in ("1MiB", "64MiB"):
+            e = fp["shm"][label]
+            for path in ("fast", "grpc"):
+                v = e[path]
+                lines.append("tanh %-5s %-4s call p50 %9.1f us, kernel %9.1f us: %.2fx the kernel"
+                             % (label, path, v["p50_us"], v["kernel_p50_us"],
+                                v["call_over_kernel_p50"]))
     return "\n".join(lines)
 
 
@@ -615,6 +790,8 @@ def main():
     ap.add_argument("out", help="output JSON")
     ap.add_argument("--build", default=os.path.join(REPO, "build"), help="build directory")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temp directory")
+    ap.add_argument("--only", choices=("autograd", "fast_path"), action="append",
+                    help="run only these sections (repeatable; default: all)")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
 
@@ -657,26 +834,55 @@ def main():
         def client_factory():
             return opjit.Client(daemon.address, timeout=120)
 
+        def wanted(section):
+            return not args.only or section in args.only
+
         # 1. autograd
-        if daemon_error:
+        if not wanted("autograd"):
+            pass
+        elif daemon_error:
             result["autograd"] = daemon_error
         else:
             ag = {}
             client = client_factory()
+            grpc_client = opjit.Client(daemon.address, timeout=120, fast="off")
             try:
-                bench_autograd(opjit, client, ag, torch)
+                bench_autograd(opjit, client, ag, torch, grpc_client)
                 ag["client_transport"] = client.transport
+                ag["client_fast"] = client.fast
+                ag["calls_by_path"] = client.call_counts()
                 result["autograd"] = ag
             except Exception as e:
                 traceback.print_exc()
                 result["autograd"] = err(e)
             finally:
                 client.close()
+                grpc_client.close()
+
+        # 1b. the fast path against gRPC and a raw socket
+        if not wanted("fast_path"):
+            pass
+        elif daemon_error:
+            result["fast_path"] = daemon_error
+        else:
+            fp = {}
+            try:
+                bench_fast_path(opjit, daemon, fp)
+                result["fast_path"] = fp
+            except Exception as e:
+                traceback.print_exc()
+                result["fast_path"] = err(e)
 
         # 2. compiles: the daemon's, then torch's (subprocesses)
         tc = {}
-        result["torch_compile"] = tc
-        if daemon_error:
+        if args.only:
+            torch = None  # skipped below
+            torch_error = "not asked for (--only)"
+        else:
+            result["torch_compile"] = tc
+        if args.only:
+            pass
+        elif daemon_error:
             for k in ("opjit_daemon_cold_ms", "opjit_daemon_hit_ms",
                       "opjit_daemon_disk_hit_after_restart_ms"):
                 tc[k] = daemon_error
@@ -688,7 +894,9 @@ def main():
                 tc["opjit_daemon_error"] = err(e)["error"]
         if daemon is not None:
             daemon.stop()  # idle during torch's build anyway; keeps the machine quiet
-        if torch is None:
+        if args.only:
+            pass
+        elif torch is None:
             tc["cold_s"] = {"error": torch_error}
             tc["second_process_s"] = {"error": torch_error}
         else:

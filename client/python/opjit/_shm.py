@@ -58,8 +58,9 @@ class ShmUnavailable(Exception):
 
 
 class _Region:
-    def __init__(self, name, key, size, mm):
+    def __init__(self, name, key, size, mm, rid=0):
         self.name = name
+        self.id = rid  # RegionInfo.id: the region's number on the fast channel (0: none)
         self.key = key
         self.size = size
         self.mm = mm
@@ -144,7 +145,7 @@ class ShmPool:
             except Exception:
                 pass
             raise ShmUnavailable("cannot map %s: %s" % (path, e)) from e
-        region = _Region(info.name or name, info.shm_key, info.byte_size, mm)
+        region = _Region(info.name or name, info.shm_key, info.byte_size, mm, info.id)
         self._regions.append(region)
         _log.debug("opjit: mapped region %s (%d bytes) at %s", region.name, region.size, path)
         return region
@@ -253,7 +254,7 @@ class ShmPool:
         return self.view(region, off, dtype, shape, track=True)
 
     def locate(self, arr):
-        """(region name, offset) if arr is a C-contiguous array inside a live region."""
+        """(region, offset) if arr is a C-contiguous array inside a live region."""
         if not arr.flags.c_contiguous or arr.nbytes == 0:
             return None
         addr = arr.__array_interface__["data"][0]
@@ -262,7 +263,7 @@ class ShmPool:
                 if r.live and r.addr <= addr and addr + arr.nbytes <= r.addr + r.size:
                     off = addr - r.addr
                     if off % arr.dtype.itemsize == 0:
-                        return r.name, off
+                        return r, off
         return None
 
     def stats(self):
@@ -277,18 +278,25 @@ class ShmPool:
 
     # ---- leases ---------------------------------------------------------------
 
-    def renew(self):
-        if self._regions and not self._closed:
+    def has_regions(self):
+        return bool(self._regions)
+
+    def renew(self, force=False):
+        """RenewLease for this client in the pool's namespace (when it holds
+        regions, or `force`: handles and channels share the lease)."""
+        if (self._regions or force) and not self._closed:
             self._stub.RenewLease(memory_pb2.RenewLeaseRequest(
                 namespace=self._ns, client_id=self._client_id, lease_ms=self._lease_ms),
                 timeout=self._timeout)
 
-    def close(self):
+    def close(self, force=False):
+        """Forgets the regions and calls ReleaseClient (when the pool held any,
+        or `force`: the client's channel and handles go with it)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            had = bool(self._regions)
+            had = bool(self._regions) or force
             for r in self._regions:
                 r.live = False
             self._regions = []

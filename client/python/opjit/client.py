@@ -3,10 +3,8 @@
 import atexit
 import ipaddress
 import json
-import logging
 import os
 import socket
-import threading
 import uuid
 import warnings
 import weakref
@@ -15,12 +13,14 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from opjit._proto import (compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc, memory_pb2_grpc,
-                          op_pb2, registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
-from opjit._shm import ShmPool, ShmUnavailable
-from opjit.errors import InvalidArgument, NotFound, OpjitError, error_from_rpc
+from opjit._proto import (compile_pb2, compile_pb2_grpc, exec_pb2_grpc, memory_pb2_grpc, op_pb2,
+                          registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
+from opjit._transport import Session, ShmUnavailableError, Transport
+from opjit.errors import InvalidArgument, NotFound, Unavailable, error_from_rpc
+from opjit.op import Op, split_name
 
-_log = logging.getLogger("opjit")
+__all__ = ["Client", "ShmUnavailableError", "default_address", "normalize_address",
+           "is_local_address", "load_spec", "OpjitWarning"]
 
 _MAX_MESSAGE = 256 << 20
 
@@ -165,13 +165,6 @@ def load_spec(spec, base_dir=None):
     return op
 
 
-def _split_name(name, namespace):
-    if "/" in name:
-        ns, name = name.split("/", 1)
-        return ns, name
-    return namespace or "", name
-
-
 class Client:
     """A connection to opjitd.
 
@@ -197,6 +190,14 @@ class Client:
         certificate, for servers that ask for one.
       tls_server_name: the name to check the server's certificate against
         (default: the host of `addr`).
+      fast: the same-host fast path for op calls: "auto" (use it when the
+        server is on this host, tensors travel in shared memory and the server
+        offers a channel; fall back to gRPC silently otherwise), "on" (as
+        auto, but a server on this host that refuses the channel is an
+        error: for tests), or "off" (every call over gRPC). Default:
+        $OPJIT_FAST ("1"/"on", "0"/"off", "auto"), else "auto".
+      spin_us: how long a fast call spins on its reply before it sleeps on a
+        futex (default: the server's advice, OpenChannelResponse.spin_us).
 
     Thread-safe; one Client per process is enough. Use as a context manager or
     call close(); at interpreter exit open clients are closed.
@@ -204,13 +205,12 @@ class Client:
 
     def __init__(self, addr=None, namespace="", transport="auto", timeout=None,
                  copy_outputs=False, region_bytes=16 << 20, lease_ms=60000, token=None,
-                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None):
+                 tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None, fast=None,
+                 spin_us=None):
         if transport not in ("auto", "shm", "inline"):
             raise InvalidArgument('transport must be "auto", "shm" or "inline"')
         self.address = normalize_address(addr) if addr else default_address()
         self.namespace = namespace or ""
-        self.timeout = timeout
-        self.copy_outputs = copy_outputs
         self.client_id = "py-%s-%d-%s" % (
             "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:32], os.getpid(),
             uuid.uuid4().hex[:12])
@@ -238,34 +238,25 @@ class Client:
         self._compiler = compile_pb2_grpc.CompilerStub(self._channel)
         self._memory = memory_pb2_grpc.MemoryStub(self._channel)
         self._executor = exec_pb2_grpc.ExecutorStub(self._channel)
-        self._lock = threading.Lock()
-        self._pools = {}
-        self._region_bytes = region_bytes
-        self._lease_ms = lease_ms
-        if transport == "auto" and not is_local_address(self.address):
-            transport = "inline"
-        self._transport = transport
-        self._shm_failure = None if transport != "inline" else "transport is inline"
+        self._transport = Transport(
+            self._executor, self._memory, self.client_id, transport=transport,
+            local=is_local_address(self.address), fast=fast, spin_us=spin_us, lease_ms=lease_ms,
+            region_bytes=region_bytes, timeout=timeout, copy_outputs=copy_outputs)
         self._closed = False
-        self._stop = threading.Event()
-        self._renewer = None
-        self._dead_contexts = []
         _live_clients.add(self)
 
     # ---- lifecycle --------------------------------------------------------------
 
     def close(self):
-        """Releases this client's regions (ReleaseClient) and closes the channel.
+        """Closes the fast channel, releases this client's handles and regions
+        (ReleaseHandles, ReleaseClient) and closes the gRPC channel.
 
         Output arrays that are still alive stay valid (their mapping is kept).
         """
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._flush_contexts()
-        for pool in list(self._pools.values()):
-            pool.close()
+        self._transport.close()
         self._channel.close()
         _live_clients.discard(self)
 
@@ -276,24 +267,68 @@ class Client:
         self.close()
 
     def __repr__(self):
-        return "opjit.Client(%r, transport=%r)" % (self.address, self.transport)
+        return "opjit.Client(%r, transport=%r, fast=%r)" % (self.address, self.transport,
+                                                             self.fast)
+
+    @property
+    def timeout(self):
+        """Seconds per call (None: no deadline); also the fast path's deadline."""
+        return self._transport.timeout
+
+    @timeout.setter
+    def timeout(self, value):
+        self._transport.timeout = value
+
+    @property
+    def copy_outputs(self):
+        """Return outputs as private copies instead of views over shared memory."""
+        return self._transport.copy_outputs
+
+    @copy_outputs.setter
+    def copy_outputs(self, value):
+        self._transport.copy_outputs = bool(value)
 
     @property
     def transport(self):
         """"shm" or "inline": what tensors use now."""
-        return "inline" if self._shm_failure else "shm"
+        return "inline" if self._transport.shm_failure else "shm"
 
     @property
     def shm_fallback_reason(self):
         """Why shared memory is not used (None when it is)."""
-        return self._shm_failure
+        return self._transport.shm_failure
+
+    @property
+    def fast(self):
+        """The fast-path mode: "auto", "on" or "off"."""
+        return self._transport.fast_mode
+
+    def fast_path_active(self, namespace=None):
+        """True when op calls of `namespace` (default: the client's) can go
+        over a fast channel now (it opens the channel if need be)."""
+        ns = self.namespace if namespace is None else namespace
+        if self._transport.pool(ns) is None:
+            return False
+        return self._transport.channel(ns) is not None
+
+    def call_counts(self):
+        """Forwards so far by path: {"fast": channel calls, "handle": prepared
+        calls over gRPC, "grpc": plain gRPC calls}."""
+        return dict(self._transport.calls)
+
+    def session(self, namespace=None):
+        """The call surface of `namespace` (default: the client's) that
+        opjit.Op uses: forward, backward, gradcheck and context release, over
+        whichever transport applies (see opjit._transport)."""
+        return Session(self._transport, self.namespace if namespace is None else namespace)
 
     def wait_ready(self, timeout=10.0):
         """Blocks until the server answers (Unavailable after `timeout` seconds)."""
         try:
             grpc.channel_ready_future(self._raw_channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise error_from_rpc_timeout(self.address, timeout) from None
+            raise Unavailable("no opjitd answered on %s within %.1f s"
+                              % (self.address, timeout)) from None
         return self
 
     # ---- server, registry, compiler -----------------------------------------------
@@ -350,66 +385,21 @@ class Client:
 
     def describe(self, name, version=0):
         """opjit.v1.OpRecord of `name` ("ns/name" works); the latest unless `version`."""
-        ns, n = _split_name(name, self.namespace)
+        ns, n = split_name(name, self.namespace)
         return _call(self._registry.GetOp, registry_pb2.GetOpRequest(
             namespace=ns, name=n, version=version), self.timeout)
 
     def delete(self, name, version=0):
         """Deletes every version (or one); returns how many were removed."""
-        ns, n = _split_name(name, self.namespace)
+        ns, n = split_name(name, self.namespace)
         return _call(self._registry.DeleteOp, registry_pb2.DeleteOpRequest(
             namespace=ns, name=n, version=version), self.timeout).deleted
 
     def op(self, name, version=0, target=None):
         """A callable for the registered op `name` (see Op)."""
-        from opjit.op import Op
         return Op(self, name, version=version, target=target)
 
     # ---- memory -------------------------------------------------------------------
-
-    def _pool(self, namespace):
-        """The region pool of `namespace`, or None when tensors go inline."""
-        if self._shm_failure:
-            return None
-        with self._lock:
-            pool = self._pools.get(namespace)
-            if pool is None:
-                pool = ShmPool(self._memory, namespace, self.client_id, lease_ms=self._lease_ms,
-                               region_bytes=self._region_bytes,
-                               timeout=self.timeout if self.timeout else 30.0)
-                self._pools[namespace] = pool
-                self._start_renewer()
-            return pool
-
-    def _shm_failed(self, why):
-        if self._transport == "shm":
-            raise ShmUnavailableError(why)
-        if not self._shm_failure:
-            _log.info("opjit: using inline tensors for %s: %s", self.address, why)
-            self._shm_failure = why
-
-    def _start_renewer(self):
-        if self._renewer is not None:
-            return
-        ref = weakref.ref(self)
-        period = max(self._lease_ms / 3000.0, 0.05)
-        stop = self._stop
-
-        def loop():
-            while not stop.wait(period):
-                c = ref()
-                if c is None:
-                    return
-                try:
-                    c._flush_contexts()
-                    for pool in list(c._pools.values()):
-                        pool.renew()
-                except Exception as e:  # daemon restarting etc.: the next call sees it
-                    _log.debug("opjit: lease renewal failed: %s", e)
-                del c
-
-        self._renewer = threading.Thread(target=loop, name="opjit-lease", daemon=True)
-        self._renewer.start()
 
     def empty(self, shape, dtype=np.float32):
         """An uninitialised array in this client's shared memory.
@@ -417,14 +407,7 @@ class Client:
         Fill it in place and pass it to ops: it travels without any copy. With
         inline transport this is a plain np.empty.
         """
-        pool = self._pool(self.namespace)
-        if pool is not None:
-            try:
-                return pool.empty(shape, dtype)
-            except ShmUnavailable as e:
-                if e.permanent:
-                    self._shm_failed(str(e))
-        return np.empty(shape, dtype)
+        return self._transport.empty(self.namespace, shape, dtype)
 
     def asarray(self, x, dtype=None):
         """A copy of `x` in shared memory (see empty())."""
@@ -435,45 +418,19 @@ class Client:
 
     def shm_stats(self):
         """Regions, bytes and live blocks of this client's pools."""
-        out = {"regions": 0, "bytes": 0, "blocks": 0, "used_bytes": 0}
-        for pool in list(self._pools.values()):
-            for k, v in pool.stats().items():
-                out[k] += v
-        return out
+        return self._transport.shm_stats()
 
     # ---- contexts -------------------------------------------------------------------
 
     def release_context(self, context_id, namespace=None):
         """Drops a backward context kept by a forward with requires_grad."""
-        ns = self.namespace if namespace is None else namespace
-        _call(self._executor.ReleaseContext, exec_pb2.ReleaseContextRequest(
-            namespace=ns, context_id=context_id), self.timeout)
-
-    def _forget_context(self, namespace, context_id):
-        # Called from finalizers: queue, never call the server here.
-        self._dead_contexts.append((namespace, context_id))
+        self._transport.release_context(self.namespace if namespace is None else namespace,
+                                        context_id)
 
     def _flush_contexts(self):
-        while self._dead_contexts:
-            try:
-                ns, cid = self._dead_contexts.pop()
-            except IndexError:  # another thread took the last one
-                return
-            try:
-                self._executor.ReleaseContext(exec_pb2.ReleaseContextRequest(
-                    namespace=ns, context_id=cid), timeout=5.0)
-            except grpc.RpcError:
-                pass  # already used, expired, or an older server
-
-
-class ShmUnavailableError(OpjitError):
-    """transport="shm" was asked for, but shared memory cannot be used."""
-    default_code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-def error_from_rpc_timeout(addr, timeout):
-    from opjit.errors import Unavailable
-    return Unavailable("no opjitd answered on %s within %.1f s" % (addr, timeout))
+        """Releases the contexts of graphs dropped without backward now (they
+        are otherwise released by the next call or the lease thread)."""
+        self._transport.flush_contexts()
 
 
 _live_clients = weakref.WeakSet()

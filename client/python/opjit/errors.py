@@ -17,7 +17,7 @@ __all__ = [
     "OpjitError", "InvalidArgument", "NotFound", "AlreadyExists", "PermissionDenied",
     "FailedPrecondition", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
     "Unimplemented", "Internal", "Cancelled", "Aborted", "OutOfRange", "DataLoss",
-    "Unauthenticated", "Unknown", "error_from_rpc", "Diagnostic",
+    "Unauthenticated", "Unknown", "error_from_rpc", "error_from_status", "Diagnostic",
 ]
 
 _ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
@@ -175,6 +175,24 @@ def _rich_details(err):
     return reason, metadata, diagnostics
 
 
+_CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_from_status(code, message, reason="", metadata=None, diagnostics=None, details=None):
+    """The OpjitError subclass for a status: the one constructor of every call error.
+
+    code: a grpc.StatusCode or its number (as the fast channel's reply
+    carries it). Both transports build their errors here, so a failure
+    raises the same class with the same ``.code`` and ``.reason`` whichever
+    path the call took.
+    """
+    if not isinstance(code, grpc.StatusCode):
+        code = _CODE_BY_NUMBER.get(int(code), grpc.StatusCode.UNKNOWN)
+    cls = _BY_CODE.get(code, OpjitError)
+    return cls(message, code=code, details=details, reason=reason or "", metadata=metadata,
+               diagnostics=diagnostics)
+
+
 def error_from_rpc(err):
     """Converts a grpc.RpcError into the matching OpjitError subclass."""
     try:
@@ -183,6 +201,5 @@ def error_from_rpc(err):
     except Exception:  # not a call error (should not happen)
         code, message = grpc.StatusCode.UNKNOWN, str(err)
     reason, metadata, diagnostics = _rich_details(err)
-    cls = _BY_CODE.get(code, OpjitError)
-    return cls(message, code=code, details=err, reason=reason, metadata=metadata,
-               diagnostics=diagnostics)
+    return error_from_status(code, message, reason=reason, metadata=metadata,
+                             diagnostics=diagnostics, details=err)

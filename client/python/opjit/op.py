@@ -3,166 +3,28 @@
 import threading
 import weakref
 
-import grpc
 import numpy as np
 
 from opjit import _tensors as T
 from opjit._proto import exec_pb2
-from opjit._shm import ShmUnavailable
 from opjit.autograd import Node, Tensor, is_grad_enabled
-from opjit.client import _split_name
-from opjit.errors import (FailedPrecondition, InvalidArgument, OpjitError, Unimplemented,
-                          error_from_rpc)
+from opjit.errors import FailedPrecondition, InvalidArgument, Unimplemented
 
-__all__ = ["Op", "gradcheck", "GradCheckResult", "GradCheckInput"]
+__all__ = ["Op", "gradcheck", "GradCheckResult", "GradCheckInput", "split_name"]
 
 _RESERVED = ("version", "target", "requires_grad", "attrs")
 
 
+def split_name(name, namespace):
+    """("ns", "name") of "ns/name", else (namespace or "", name)."""
+    if "/" in name:
+        ns, name = name.split("/", 1)
+        return ns, name
+    return namespace or "", name
+
+
 def _align(n):
     return (n + 63) & ~63
-
-
-class _Staging:
-    """Puts one call's tensors into shared memory (or inline) and reads outputs back."""
-
-    def __init__(self, client, namespace, inline_outputs=False, inline=False):
-        self.client = client
-        self.pool = None if inline else client._pool(namespace)
-        self.temps = []
-        self.reserved = None
-        self.inline_outputs = inline_outputs
-
-    def tensor(self, arr):
-        if self.pool is not None and arr.nbytes > 0:
-            loc = self.pool.locate(arr)
-            if loc is not None:
-                return exec_pb2.Tensor(dtype=T.dtype_name(arr.dtype), shape=list(arr.shape),
-                                       shm=exec_pb2.ShmRef(region=loc[0], offset=loc[1]))
-            region, off = self.pool.alloc(arr.nbytes)
-            self.temps.append((region, off))
-            np.copyto(self.pool.view(region, off, arr.dtype, arr.shape, track=False), arr)
-            return exec_pb2.Tensor(dtype=T.dtype_name(arr.dtype), shape=list(arr.shape),
-                                   shm=exec_pb2.ShmRef(region=region.name, offset=off))
-        return T.inline_tensor(arr)
-
-    def placements(self, estimate):
-        if self.pool is None or self.inline_outputs:
-            return []
-        region, off = self.pool.reserve_tail(estimate)
-        self.reserved = (region, off)
-        return [exec_pb2.OutputPlacement(alloc_in=exec_pb2.ShmRef(region=region.name, offset=off))]
-
-    def results(self, tensors):
-        shm = []
-        for t in tensors:
-            if t.WhichOneof("data") == "shm":
-                if self.reserved is None or t.shm.region != self.reserved[0].name:
-                    raise InvalidArgument("the server placed an output in region %r, which this "
-                                          "call did not offer" % t.shm.region)
-                shm.append((t.shm.offset, T.numpy_dtype(t.dtype), tuple(t.shape)))
-        views = []
-        if self.reserved is not None:
-            region, at = self.reserved
-            self.reserved = None
-            views = self.pool.place_outputs(region, at, shm)
-        out, k = [], 0
-        for t in tensors:
-            if t.WhichOneof("data") == "shm":
-                v = views[k]
-                k += 1
-                out.append(v.copy() if self.client.copy_outputs else v)
-            else:
-                out.append(T.array_from_inline(t))
-        return out
-
-    def done(self):
-        if self.pool is None:
-            return
-        for region, off in self.temps:
-            self.pool.free(region, off)
-        self.temps = []
-        if self.reserved is not None:
-            self.pool.free(*self.reserved)
-            self.reserved = None
-
-
-def run_call(client, namespace, fn, inline=False):
-    """Runs fn(staging) -> response with shared-memory fallbacks.
-
-    * CreateRegion refused or the mapping failed: switch the client to inline
-      tensors and run again.
-    * The server forgot our regions (lease lapsed, daemon restarted): new ones.
-    * The outputs did not fit the space offered (a shape the client could not
-      predict): run again with inline outputs.
-    """
-    inline_outputs = False
-    for attempt in range(4):
-        staging = _Staging(client, namespace, inline_outputs, inline)
-        try:
-            return fn(staging)
-        except ShmUnavailable as e:
-            if e.permanent:
-                client._shm_failed(str(e))
-            else:
-                inline = True
-        except grpc.RpcError as e:
-            err = error_from_rpc(e)
-            if staging.pool is None or attempt == 3:
-                raise err from None
-            # Decided on the server's reason, never on its wording.
-            if err.reason == "REGION_NOT_REGISTERED":
-                staging.pool.forget_regions()
-            elif err.reason == "REGION_TOO_SMALL" and \
-                    err.metadata.get("tensor", "").startswith("outputs[") and not inline_outputs:
-                inline_outputs = True
-            else:
-                raise err from None
-        finally:
-            staging.done()
-    raise OpjitError("the call could not be placed")  # pragma: no cover
-
-
-def _nbytes(shape, dtype):
-    n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-    return n * np.dtype(dtype).itemsize
-
-
-def estimate_output_bytes(opdef, groups):
-    """Bytes to offer the server for the outputs (alloc_in), from the output rules."""
-    total = 0
-    first = [g[0] if g else None for g in groups]
-    all_bytes = sum(a.nbytes for g in groups for a in g)
-    rules = list(opdef.output_rules)
-    for j in range(len(opdef.outputs)):
-        rule = rules[j] if j < len(rules) else None
-        kind = (rule.kind if rule is not None else "") or "same_as"
-        nbytes = None
-        try:
-            if kind == "same_as":
-                a = first[rule.input if rule is not None else 0]
-                if a is not None:
-                    dt = T.DTYPES.get(rule.dtype, a.dtype) if rule is not None and rule.dtype \
-                        else a.dtype
-                    nbytes = _nbytes(a.shape, dt)
-            elif kind == "broadcast":
-                idx = list(rule.inputs) or list(range(len(first)))
-                arrs = [first[i] for i in idx if first[i] is not None]
-                shape = np.broadcast_shapes(*[a.shape for a in arrs])
-                dt = T.DTYPES.get(rule.dtype) if rule.dtype else max(
-                    (a.dtype for a in arrs), key=lambda d: d.itemsize)
-                nbytes = _nbytes(shape, dt)
-            elif kind == "reduce":
-                a = first[rule.input]
-                nbytes = a.nbytes if a is not None else None
-            elif kind == "explicit":
-                nbytes = _nbytes(tuple(rule.shape), T.DTYPES.get(rule.dtype, np.float64))
-        except (IndexError, ValueError, TypeError):
-            nbytes = None
-        if nbytes is None:
-            nbytes = max(all_bytes, 4096)  # infer_shape: a guess; too small -> inline retry
-        total += _align(nbytes)
-    return total + 64
 
 
 class Op:
@@ -181,7 +43,8 @@ class Op:
 
     def __init__(self, client, name, version=0, target=None):
         self.client = client
-        self.namespace, self.name = _split_name(name, client.namespace)
+        self.namespace, self.name = split_name(name, client.namespace)
+        self._session = client.session(self.namespace)
         self.version = version
         self.target = target
         self._defs = {}
@@ -262,8 +125,6 @@ class Op:
         return inputs, groups, pb_attrs
 
     def __call__(self, *args, **kwargs):
-        if self.client._dead_contexts:
-            self.client._flush_contexts()  # contexts of graphs dropped without backward
         version = kwargs.pop("version", self.version)
         target = kwargs.pop("target", self.target)
         requires_grad = kwargs.pop("requires_grad", None)
@@ -297,24 +158,11 @@ class Op:
             flags.append(record_grad and any(isinstance(v, Tensor) and v.requires_grad
                                              for v in row))
         arrays = [[v.data if isinstance(v, Tensor) else v for v in row] for row in tensors]
-        estimate = estimate_output_bytes(opdef, arrays)
         ns = self.namespace
-
-        def go(st):
-            req = exec_pb2.ForwardRequest(namespace=ns, op=self.name, version=version,
-                                          target=target or "")
-            for row in arrays:
-                req.inputs.add().tensors.extend([st.tensor(a) for a in row])
-            for k, v in pb_attrs.items():
-                req.attrs[k].CopyFrom(v)
-            if any(flags):
-                req.requires_grad.extend(flags)
-            req.outputs.extend(st.placements(estimate))
-            resp = self.client._executor.Forward(req, timeout=self.client.timeout)
-            return resp, st.results(resp.outputs)
-
-        resp, outs = run_call(self.client, ns, go)
-        if version == 0 and resp.version and resp.version != record.version:
+        fwd = self._session.forward(self.name, arrays, pb_attrs, version=version, target=target,
+                                    requires_grad=flags if any(flags) else None)
+        outs = fwd.outputs
+        if version == 0 and fwd.version and fwd.version != record.version:
             self.refresh()  # a newer version ran; map arguments with it next time
 
         if not wrap and not any(flags):
@@ -326,7 +174,7 @@ class Op:
                 ts = [v if isinstance(v, Tensor) else None for v in row]
                 graph_inputs.append(ts if (p.param_type == "dynamic") else (ts[0] if ts else None))
             non_diff = set(opdef.backward.non_differentiable)
-            node = OpNode(self, ns, resp.context_id, graph_inputs,
+            node = OpNode(self, ns, fwd.context_id, graph_inputs,
                           [(o.shape, o.dtype) for o in outs], opdef, record.version)
             for j, (t, p) in enumerate(zip(results, sorted(opdef.outputs, key=lambda q: q.index))):
                 if p.name in non_diff:
@@ -349,14 +197,13 @@ class OpNode(Node):
         self.version = version
         self._finalizer = None
         if context_id:
-            self._finalizer = weakref.finalize(self, op.client._forget_context, namespace,
+            self._finalizer = weakref.finalize(self, op._session.release_context_later,
                                                context_id)
 
     def name(self):
         return "%sBackward" % self.op.name
 
     def apply(self, grads, retain_graph):
-        client = self.op.client
         if not self.context_id:
             if not self.bprop:
                 # What opjitd answers for a backward through such an op's
@@ -373,29 +220,17 @@ class OpNode(Node):
                 "this server does not implement autograd (UNIMPLEMENTED)"
                 % (self.op.qualified_name, self.bprop))
         grads = [None if g is None else np.ascontiguousarray(g) for g in grads]
-        estimate = sum(_align(a.nbytes) for row in self.inputs
-                       for a in (row if isinstance(row, list) else [row])
-                       if isinstance(a, Tensor)) + 64
-
-        def go(st):
-            req = exec_pb2.BackwardRequest(namespace=self.namespace, context_id=self.context_id,
-                                           retain_context=bool(retain_graph))
-            for g in grads:
-                req.grad_outputs.append(exec_pb2.Tensor() if g is None else st.tensor(g))
-            req.outputs.extend(st.placements(estimate))
-            resp = client._executor.Backward(req, timeout=client.timeout)
-            flat = [t for arg in resp.grad_inputs for t in arg.tensors]
-            arrs = st.results(flat)
-            return resp, arrs
-
-        resp, arrs = run_call(client, self.namespace, go)
+        # The input grads have their inputs' shapes and dtypes.
+        grad_bytes = sum(_align(a.nbytes) for row in self.inputs
+                         for a in (row if isinstance(row, list) else [row])
+                         if isinstance(a, Tensor)) + 64
+        per_input = self.op._session.backward(self.context_id, grads,
+                                              retain_context=bool(retain_graph),
+                                              grad_bytes=grad_bytes)
         if not retain_graph and self._finalizer is not None:
             self._finalizer.detach()  # the server dropped the context
-        out, k = [], 0
-        for i, arg in enumerate(resp.grad_inputs):
-            n = len(arg.tensors)
-            got = arrs[k:k + n]
-            k += n
+        out = []
+        for i, got in enumerate(per_input):
             slot = self.inputs[i] if i < len(self.inputs) else None
             if isinstance(slot, list):
                 out.append(got if got else None)
@@ -465,7 +300,6 @@ def gradcheck(client_or_op, op_name=None, inputs=None, attrs=None, atol=0.0, rto
         if op_name is None:
             raise InvalidArgument("gradcheck(client, op_name, ...): op_name is missing")
         op = client_or_op.op(op_name, version=version)
-    client = op.client
     pb_attrs = {}
     groups = []
     if inputs is not None or attrs:
@@ -484,16 +318,12 @@ def gradcheck(client_or_op, op_name=None, inputs=None, attrs=None, atol=0.0, rto
             d = attr_defs.get(k)
             pb_attrs[k] = T.attr_value(k, v, d.value_type if d is not None else "")
 
-    def go(st):
-        req = exec_pb2.GradCheckRequest(namespace=op.namespace, op=op.name,
-                                        version=version or op.version, atol=atol, rtol=rtol,
-                                        eps=eps, seed=seed,
-                                        random_shape=list(random_shape or ()))
-        for row in groups:
-            req.inputs.add().tensors.extend([st.tensor(a) for a in row])
-        for k, v in pb_attrs.items():
-            req.attrs[k].CopyFrom(v)
-        return client._executor.GradCheck(req, timeout=client.timeout)
-
+    req = exec_pb2.GradCheckRequest(namespace=op.namespace, op=op.name,
+                                    version=version or op.version, atol=atol, rtol=rtol, eps=eps,
+                                    seed=seed, random_shape=list(random_shape or ()))
     # The server perturbs the inputs itself, so GradCheck takes inline tensors only.
-    return GradCheckResult(run_call(client, op.namespace, go, inline=True))
+    for row in groups:
+        req.inputs.add().tensors.extend([T.inline_tensor(a) for a in row])
+    for k, v in pb_attrs.items():
+        req.attrs[k].CopyFrom(v)
+    return GradCheckResult(op._session.gradcheck(req))

@@ -1,0 +1,714 @@
+"""How a client's calls travel: staging, placement, prepared handles, the fast channel.
+
+A :class:`Transport` belongs to one ``Client``. It owns
+
+* the shared-memory pools (one per namespace, :mod:`opjit._shm`) and the
+  decision to fall back to inline bytes when shared memory cannot be used;
+* the lease renewer (regions, handles and channels share the client's lease);
+* the prepared handles: one ``Prepare`` per call shape (namespace, op,
+  version, target, input dtypes and shapes, attrs), cached; the server's
+  answer says where every output goes and how big it is;
+* the fast channels (:mod:`opjit._fast`), one per namespace, opened lazily
+  on a same-host server;
+* backward contexts of dropped graphs, released in batches.
+
+:class:`Session` is the small surface ``opjit.Op``, ``OpNode`` and
+``gradcheck`` use (``Client.session(namespace)``).
+
+Which path a forward takes:
+
+=======================================  ==========================================
+situation                                path
+=======================================  ==========================================
+inline transport (a remote server, or    ``Forward`` with inline tensors
+shared memory unusable)
+``fast="off"``, or a server without      ``Forward`` with shm inputs; outputs placed
+``Prepare``                              by the server (``alloc_in``) in a free tail
+shm, the handle can run on a channel     the fast channel (no gRPC at all)
+(CPU, process isolation), no gradient
+shm otherwise (``requires_grad``, GPU,   ``Forward`` with the handle; outputs at the
+no channel)                              exact offsets the client allocated
+=======================================  ==========================================
+
+Failures are retried where the call certainly did not run or is safe to
+repeat, deciding on the server's reason, never on its text:
+``STALE_HANDLE`` (the op changed: prepare again, once), ``REGION_NOT_REGISTERED``
+(the server forgot our regions: new ones), outputs that did not fit an
+``alloc_in`` tail (inline outputs), a closed channel before the call ran
+(reopen once, else gRPC).
+"""
+
+import collections
+import logging
+import os
+import threading
+import time
+import weakref
+
+import grpc
+import numpy as np
+
+from opjit import _fast
+from opjit import _tensors as T
+from opjit._proto import exec_pb2, memory_pb2
+from opjit._shm import ShmPool, ShmUnavailable
+from opjit.errors import (FailedPrecondition, InvalidArgument, OpjitError, error_from_rpc,
+                          error_from_status)
+
+_log = logging.getLogger("opjit")
+
+FAST_MODES = ("auto", "on", "off")
+_HANDLE_CACHE = 1024          # prepared call shapes kept per client
+_CHANNEL_RETRY_S = 5.0        # after OpenChannel was refused, try again this much later
+_MIN_OUTPUT_TAIL = 64 << 10   # alloc_in: the smallest free tail offered for outputs
+
+
+class ShmUnavailableError(FailedPrecondition):
+    """transport="shm" (or fast="on") was asked for, but it cannot be used."""
+
+
+def fast_mode_from_env(value=None):
+    """The fast-path mode: `value`, else $OPJIT_FAST ("1"/"on", "0"/"off",
+    "auto"), else "auto"."""
+    if value is None:
+        value = os.environ.get("OPJIT_FAST", "auto")
+    v = str(value).strip().lower()
+    v = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off",
+         "": "auto"}.get(v, v)
+    if v not in FAST_MODES:
+        raise InvalidArgument('fast must be "auto", "on" or "off" (or $OPJIT_FAST 1/0); got %r'
+                              % (value,))
+    return v
+
+
+def _rpc(fn, request, timeout):
+    try:
+        return fn(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise error_from_rpc(e) from None
+
+
+class Forwarded:
+    """What a forward returned: ``outputs`` (ndarrays), ``version`` (the op
+    version that ran), ``context_id`` (a backward context, or ""),
+    ``kernel_ms`` and ``path`` ("fast", "handle" or "grpc")."""
+
+    __slots__ = ("outputs", "version", "context_id", "kernel_ms", "path")
+
+    def __init__(self, outputs, version, context_id, kernel_ms, path):
+        self.outputs = outputs
+        self.version = version
+        self.context_id = context_id
+        self.kernel_ms = kernel_ms
+        self.path = path
+
+
+class Prepared:
+    """A cached Prepare answer: the handle and each output's dtype, shape and size."""
+
+    __slots__ = ("key", "namespace", "handle", "version", "fast", "outputs", "null_inputs")
+
+    def __init__(self, key, namespace, resp, groups):
+        self.key = key
+        self.namespace = namespace
+        self.handle = resp.handle
+        self.version = resp.version
+        self.outputs = [(T.numpy_dtype(s.dtype), tuple(s.shape), int(s.byte_size))
+                        for s in resp.outputs]
+        n_given = sum(len(g) for g in groups)
+        n_absent = sum(1 for g in groups if not g)
+        # The flat inputs in call order; an absent optional input is either
+        # listed (a null slot, region 0) or left out.
+        if len(resp.inputs) == n_given:
+            self.null_inputs = False
+            self.fast = bool(resp.fast)
+        elif n_absent and len(resp.inputs) == n_given + n_absent:
+            self.null_inputs = True
+            self.fast = bool(resp.fast)
+        else:
+            self.null_inputs = False
+            self.fast = False  # cannot map our inputs onto its list: gRPC with the handle
+
+
+class _Staging:
+    """One call's tensors in shared memory (or inline), and its outputs."""
+
+    def __init__(self, transport, pool, inline_outputs=False):
+        self.transport = transport
+        self.pool = pool
+        self.temps = []      # blocks freed when the call ends
+        self.outs = []       # exact output blocks (prepared calls)
+        self.reserved = None  # an alloc_in tail (plain calls)
+        self.inline_outputs = inline_outputs
+
+    # ---- prepared calls: exact blocks ------------------------------------------
+
+    def place(self, arr):
+        """(region, offset) of arr's bytes in the pool: by reference when it
+        already lives there, else a copy in a temporary block."""
+        loc = self.pool.locate(arr) if arr.nbytes else None
+        if loc is not None:
+            return loc
+        region, off = self.pool.alloc(arr.nbytes)
+        self.temps.append((region, off))
+        if arr.nbytes:
+            np.copyto(self.pool.view(region, off, arr.dtype, arr.shape, track=False), arr)
+        return region, off
+
+    def reserve(self, nbytes):
+        """A block of nbytes for an output, tracked by the view made of it."""
+        region, off = self.pool.alloc(nbytes)
+        self.outs.append((region, off, nbytes))
+        return region, off
+
+    def output_views(self, specs):
+        """The outputs as arrays over their blocks (see ShmPool.view)."""
+        copy = self.transport.copy_outputs
+        out = []
+        for (region, off, nbytes), (dtype, shape, _) in zip(self.outs, specs):
+            if nbytes == 0:
+                self.pool.free(region, off)
+                out.append(np.empty(shape, dtype))
+                continue
+            v = self.pool.view(region, off, dtype, shape, track=True)
+            out.append(v.copy() if copy else v)
+        self.outs = []
+        return out
+
+    # ---- plain calls: protobuf tensors --------------------------------------------
+
+    def tensor(self, arr):
+        if self.pool is not None and arr.nbytes > 0:
+            region, off = self.place(arr)
+            return exec_pb2.Tensor(dtype=T.dtype_name(arr.dtype), shape=list(arr.shape),
+                                   shm=exec_pb2.ShmRef(region=region.name, offset=off))
+        return T.inline_tensor(arr)
+
+    def placements(self, min_bytes):
+        """alloc_in: the free tail of a region of at least min_bytes."""
+        if self.pool is None or self.inline_outputs:
+            return []
+        region, off = self.pool.reserve_tail(max(min_bytes, _MIN_OUTPUT_TAIL))
+        self.reserved = (region, off)
+        return [exec_pb2.OutputPlacement(alloc_in=exec_pb2.ShmRef(region=region.name, offset=off))]
+
+    def results(self, tensors):
+        shm = []
+        for t in tensors:
+            if t.WhichOneof("data") == "shm":
+                if self.reserved is None or t.shm.region != self.reserved[0].name:
+                    raise InvalidArgument("the server placed an output in region %r, which this "
+                                          "call did not offer" % t.shm.region)
+                shm.append((t.shm.offset, T.numpy_dtype(t.dtype), tuple(t.shape)))
+        views = []
+        if self.reserved is not None:
+            region, at = self.reserved
+            self.reserved = None
+            views = self.pool.place_outputs(region, at, shm)
+        out, k = [], 0
+        copy = self.transport.copy_outputs
+        for t in tensors:
+            if t.WhichOneof("data") == "shm":
+                v = views[k]
+                k += 1
+                out.append(v.copy() if copy else v)
+            else:
+                out.append(T.array_from_inline(t))
+        return out
+
+    def done(self):
+        if self.pool is None:
+            return
+        for region, off in self.temps:
+            self.pool.free(region, off)
+        self.temps = []
+        for region, off, _ in self.outs:
+            self.pool.free(region, off)
+        self.outs = []
+        if self.reserved is not None:
+            self.pool.free(*self.reserved)
+            self.reserved = None
+
+
+class Transport:
+    """The calls, memory and leases of one Client (see the module docstring)."""
+
+    def __init__(self, executor, memory, client_id, *, transport="auto", local=True, fast=None,
+                 spin_us=None, lease_ms=60000, region_bytes=16 << 20, timeout=None,
+                 copy_outputs=False):
+        self.executor = executor
+        self.memory = memory
+        self.client_id = client_id
+        self.timeout = timeout
+        self.copy_outputs = copy_outputs
+        self.lease_ms = lease_ms
+        self.region_bytes = region_bytes
+        self.spin_us = spin_us
+        self.fast_mode = fast_mode_from_env(fast)
+        if transport == "auto" and not local:
+            transport = "inline"
+        self._shm_mode = transport
+        self.shm_failure = None if transport != "inline" else "transport is inline"
+        self._fast_failure = None
+        if self.fast_mode == "off":
+            self._fast_failure = "fast is off"
+        elif not local:
+            self._fast_failure = "the server is not on this host"
+        elif not _fast.supported():
+            self._fast_failure = "the fast channel needs x86-64 Linux"
+        self._prepare_ok = self.fast_mode != "off"
+        self._lock = threading.Lock()
+        self._pools = {}
+        self._prepared = collections.OrderedDict()
+        self._released_handles = []   # (namespace, handle) evicted from the cache
+        self._handle_namespaces = set()
+        self._channels = {}
+        self._channel_refused = {}    # namespace -> monotonic time to try again (inf: never)
+        self._channel_lock = threading.Lock()
+        self._dead_contexts = []
+        self.calls = {"fast": 0, "handle": 0, "grpc": 0}  # forwards per path
+        self._closed = False
+        self._stop = threading.Event()
+        self._renewer = None
+
+    # ---- memory --------------------------------------------------------------------
+
+    def pool(self, namespace):
+        """The region pool of `namespace`, or None when tensors go inline."""
+        if self.shm_failure:
+            return None
+        with self._lock:
+            pool = self._pools.get(namespace)
+            if pool is None:
+                pool = ShmPool(self.memory, namespace, self.client_id, lease_ms=self.lease_ms,
+                               region_bytes=self.region_bytes,
+                               timeout=self.timeout if self.timeout else 30.0)
+                self._pools[namespace] = pool
+                self._start_renewer()
+            return pool
+
+    def shm_failed(self, why):
+        """Shared memory cannot be used: raise (transport="shm") or go inline."""
+        if self._shm_mode == "shm":
+            raise ShmUnavailableError(why)
+        if not self.shm_failure:
+            _log.info("opjit: using inline tensors: %s", why)
+            self.shm_failure = why
+
+    def empty(self, namespace, shape, dtype):
+        pool = self.pool(namespace)
+        if pool is not None:
+            try:
+                return pool.empty(shape, dtype)
+            except ShmUnavailable as e:
+                if e.permanent:
+                    self.shm_failed(str(e))
+        return np.empty(shape, dtype)
+
+    def shm_stats(self):
+        out = {"regions": 0, "bytes": 0, "blocks": 0, "used_bytes": 0}
+        for pool in list(self._pools.values()):
+            for k, v in pool.stats().items():
+                out[k] += v
+        return out
+
+    # ---- leases ----------------------------------------------------------------------
+
+    def _start_renewer(self):
+        if self._renewer is not None:
+            return
+        ref = weakref.ref(self)
+        period = max(self.lease_ms / 3000.0, 0.05)
+        stop = self._stop
+
+        def loop():
+            while not stop.wait(period):
+                t = ref()
+                if t is None:
+                    return
+                try:
+                    t.renew()
+                except Exception as e:  # daemon restarting etc.: the next call sees it
+                    _log.debug("opjit: lease renewal failed: %s", e)
+                del t
+
+        self._renewer = threading.Thread(target=loop, name="opjit-lease", daemon=True)
+        self._renewer.start()
+
+    def renew(self):
+        """Releases queued contexts and handles, and renews the client's lease."""
+        self.flush_contexts()
+        self._flush_handles()
+        for ns, pool in list(self._pools.items()):
+            pool.renew(force=ns in self._channels or ns in self._handle_namespaces)
+
+    # ---- contexts ----------------------------------------------------------------------
+
+    def release_context(self, namespace, context_id):
+        _rpc(self.executor.ReleaseContext, exec_pb2.ReleaseContextRequest(
+            namespace=namespace, context_id=context_id), self.timeout)
+
+    def forget_context(self, namespace, context_id):
+        """Queues a context for release (safe from finalizers: no RPC here)."""
+        self._dead_contexts.append((namespace, context_id))
+
+    def flush_contexts(self):
+        while self._dead_contexts:
+            try:
+                ns, cid = self._dead_contexts.pop()
+            except IndexError:  # another thread took the last one
+                return
+            try:
+                self.executor.ReleaseContext(exec_pb2.ReleaseContextRequest(
+                    namespace=ns, context_id=cid), timeout=5.0)
+            except grpc.RpcError:
+                pass  # already used, expired, or an older server
+
+    # ---- prepared handles ------------------------------------------------------------
+
+    def _prepare(self, ns, name, version, target, groups, attrs):
+        """The cached Prepared for this call shape (Prepare on a miss), or None
+        when the server has no Prepare."""
+        key = (ns, name, version, target,
+               tuple(tuple((a.dtype.str, a.shape) for a in g) for g in groups),
+               tuple(sorted((k, v.SerializeToString(deterministic=True))
+                            for k, v in attrs.items())) if attrs else ())
+        p = self._prepared.get(key)
+        if p is not None:
+            return p
+        req = exec_pb2.PrepareRequest(namespace=ns, op=name, version=version, target=target,
+                                      client_id=self.client_id)
+        for g in groups:
+            req.inputs.add().tensors.extend(
+                [exec_pb2.Tensor(dtype=T.dtype_name(a.dtype), shape=list(a.shape)) for a in g])
+        for k, v in attrs.items():
+            req.attrs[k].CopyFrom(v)
+        try:
+            resp = self.executor.Prepare(req, timeout=self.timeout)
+        except grpc.RpcError as e:
+            err = error_from_rpc(e)
+            if err.code == grpc.StatusCode.UNIMPLEMENTED and self.fast_mode != "on":
+                _log.debug("opjit: the server has no Prepare; calls go over plain gRPC")
+                self._prepare_ok = False
+                return None
+            raise err from None
+        if not resp.handle:
+            self._prepare_ok = False
+            return None
+        p = Prepared(key, ns, resp, groups)
+        with self._lock:
+            self._handle_namespaces.add(ns)
+            self._prepared[key] = p
+            while len(self._prepared) > _HANDLE_CACHE:
+                _, old = self._prepared.popitem(last=False)
+                self._released_handles.append((old.namespace, old.handle))
+        return p
+
+    def _forget_prepared(self, p):
+        with self._lock:
+            if self._prepared.get(p.key) is p:
+                del self._prepared[p.key]
+
+    def _flush_handles(self):
+        with self._lock:
+            todo, self._released_handles = self._released_handles, []
+        by_ns = collections.defaultdict(list)
+        for ns, h in todo:
+            by_ns[ns].append(h)
+        for ns, hs in by_ns.items():
+            try:
+                self.executor.ReleaseHandles(exec_pb2.ReleaseHandlesRequest(
+                    namespace=ns, client_id=self.client_id, handles=hs), timeout=5.0)
+            except grpc.RpcError as e:
+                _log.debug("opjit: ReleaseHandles failed: %s", e.details())
+
+    # ---- fast channels -----------------------------------------------------------------
+
+    def channel(self, namespace):
+        """The open fast channel of `namespace`, opening it on first use; None
+        when there is none (fast="off", a remote server, refused...)."""
+        ch = self._channels.get(namespace)
+        if ch is not None and not ch.closed:
+            return ch
+        if self._fast_failure:
+            return None
+        retry_at = self._channel_refused.get(namespace)
+        if retry_at is not None and time.monotonic() < retry_at:
+            return None
+        with self._channel_lock:
+            ch = self._channels.get(namespace)
+            if ch is not None and not ch.closed:
+                return ch
+            return self._open_channel(namespace)
+
+    def _open_channel(self, ns):
+        on = self.fast_mode == "on"
+        try:
+            resp = self.executor.OpenChannel(exec_pb2.OpenChannelRequest(
+                namespace=ns, client_id=self.client_id, lease_ms=self.lease_ms),
+                timeout=self.timeout)
+        except grpc.RpcError as e:
+            err = error_from_rpc(e)
+            if on:
+                raise err from None
+            code = err.code
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self._channel_refused[ns] = float("inf")
+            elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION):
+                self._channel_refused[ns] = time.monotonic() + _CHANNEL_RETRY_S
+            _log.debug("opjit: no fast channel for namespace %r (%s); using gRPC", ns, err)
+            return None
+        try:
+            ch = _fast.FastChannel(resp, spin_us=self.spin_us)
+        except (OSError, _fast.ChannelError) as e:
+            try:
+                self.memory.UnregisterRegion(memory_pb2.UnregisterRegionRequest(
+                    namespace=ns, name=resp.region), timeout=5.0)
+            except grpc.RpcError:
+                pass
+            if on:
+                raise ShmUnavailableError("fast=\"on\": cannot map the fast channel: %s" % e) \
+                    from None
+            self._channel_refused[ns] = float("inf")
+            _log.debug("opjit: cannot map the fast channel (%s); using gRPC", e)
+            return None
+        self._channels[ns] = ch
+        self._handle_namespaces.add(ns)
+        _log.debug("opjit: fast channel %d for namespace %r (executor %d, spin %d us)",
+                   resp.channel_id, ns, ch.worker_pid, ch.spin_ns // 1000)
+        return ch
+
+    def _drop_channel(self, ns, ch):
+        with self._channel_lock:
+            if self._channels.get(ns) is ch:
+                del self._channels[ns]
+        ch.close()
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def forward(self, ns, name, version, target, groups, attrs, flags=None):
+        """Runs a forward; returns Forwarded. See the module docstring for the paths.
+
+        groups: per declared input, a list of ndarrays (empty: absent);
+        attrs: {name: opjit.v1.AttrValue}; flags: one requires_grad bool per
+        declared input, or None.
+        """
+        if self._dead_contexts:
+            self.flush_contexts()
+        target = target or ""
+        inline = inline_outputs = stale_retried = reopened = False
+        for attempt in range(6):
+            pool = None if inline else self.pool(ns)
+            prep = None
+            try:
+                if pool is not None and self._prepare_ok:
+                    prep = self._prepare(ns, name, version, target, groups, attrs)
+                    if prep is not None:
+                        return self._forward_prepared(ns, pool, prep, groups, flags)
+                return self._forward_plain(ns, pool, name, version, target, groups, attrs, flags,
+                                           inline_outputs)
+            except ShmUnavailable as e:
+                if e.permanent:
+                    self.shm_failed(str(e))
+                else:
+                    inline = True
+            except _fast.ChannelClosed:
+                self._drop_channel(ns, self._channels.get(ns) or _NoChannel)
+                if reopened:  # closed twice in a row: gRPC for a while
+                    self._channel_refused[ns] = time.monotonic() + _CHANNEL_RETRY_S
+                reopened = True
+            except OpjitError as err:
+                if prep is not None and err.reason == "STALE_HANDLE" and not stale_retried:
+                    self._forget_prepared(prep)
+                    stale_retried = True
+                    continue
+                if pool is None or attempt == 5:
+                    raise
+                if err.reason == "REGION_NOT_REGISTERED":
+                    pool.forget_regions()
+                elif err.reason == "REGION_TOO_SMALL" and prep is None and not inline_outputs \
+                        and err.metadata.get("tensor", "").startswith("outputs["):
+                    inline_outputs = True
+                else:
+                    raise
+        raise OpjitError("the call could not be placed")  # pragma: no cover
+
+    def _forward_plain(self, ns, pool, name, version, target, groups, attrs, flags,
+                       inline_outputs):
+        st = _Staging(self, pool, inline_outputs)
+        try:
+            req = exec_pb2.ForwardRequest(namespace=ns, op=name, version=version, target=target)
+            for g in groups:
+                req.inputs.add().tensors.extend([st.tensor(a) for a in g])
+            for k, v in attrs.items():
+                req.attrs[k].CopyFrom(v)
+            if flags and any(flags):
+                req.requires_grad.extend(flags)
+            in_bytes = sum(a.nbytes for g in groups for a in g)
+            req.outputs.extend(st.placements(in_bytes + 64 * (len(groups) + 1)))
+            resp = _rpc(self.executor.Forward, req, self.timeout)
+            outs = st.results(resp.outputs)
+            self.calls["grpc"] += 1
+            return Forwarded(outs, resp.version, resp.context_id, resp.kernel_ms, "grpc")
+        finally:
+            st.done()
+
+    def _forward_prepared(self, ns, pool, prep, groups, flags):
+        st = _Staging(self, pool)
+        try:
+            placed = [[st.place(a) for a in g] for g in groups]
+            outs = [st.reserve(nbytes) for _, _, nbytes in prep.outputs]
+            grad = bool(flags) and any(flags)
+            ch = None
+            if prep.fast and not grad:
+                ch = self.channel(ns)
+            if ch is not None and all(r.id for g in placed for r, _ in g) and \
+                    all(r.id for r, _ in outs):
+                refs = []
+                for g in placed:
+                    if not g and prep.null_inputs:
+                        refs += (0, 0)
+                    for r, off in g:
+                        refs += (r.id, off)
+                for r, off in outs:
+                    refs += (r.id, off)
+                deadline = time.monotonic_ns() + int(self.timeout * 1e9) if self.timeout else 0
+                reply = ch.call(prep.handle, refs, deadline)
+                if reply.code != 0:
+                    raise error_from_status(reply.code, reply.message, reason=reply.reason)
+                self.calls["fast"] += 1
+                return Forwarded(st.output_views(prep.outputs), prep.version, "",
+                                 reply.kernel_ms, "fast")
+            req = exec_pb2.ForwardRequest(namespace=ns, handle=prep.handle,
+                                          client_id=self.client_id)
+            for g, locs in zip(groups, placed):
+                req.inputs.add().tensors.extend([
+                    exec_pb2.Tensor(dtype=T.dtype_name(a.dtype), shape=list(a.shape),
+                                    shm=exec_pb2.ShmRef(region=r.name, offset=off))
+                    for a, (r, off) in zip(g, locs)])
+            for r, off in outs:
+                req.outputs.add().shm.CopyFrom(exec_pb2.ShmRef(region=r.name, offset=off))
+            if grad:
+                req.requires_grad.extend(flags)
+            resp = _rpc(self.executor.Forward, req, self.timeout)
+            for t, (r, off) in zip(resp.outputs, outs):
+                if t.WhichOneof("data") != "shm" or t.shm.region != r.name or t.shm.offset != off:
+                    raise InvalidArgument("the server answered a prepared call with outputs "
+                                          "elsewhere than the placements it was given")
+            self.calls["handle"] += 1
+            return Forwarded(st.output_views(prep.outputs), resp.version or prep.version,
+                             resp.context_id, resp.kernel_ms, "handle")
+        finally:
+            st.done()
+
+    # ---- backward, gradcheck --------------------------------------------------------------
+
+    def backward(self, ns, context_id, grads, retain_context=False, grad_bytes=0):
+        """Runs Backward on a context; returns one list of arrays per forward input.
+
+        grads: one array (or None: a missing grad) per forward output;
+        grad_bytes: the space the input grads need (their inputs' sizes).
+        """
+        inline = inline_outputs = False
+        for attempt in range(4):
+            pool = None if inline else self.pool(ns)
+            st = _Staging(self, pool, inline_outputs)
+            try:
+                req = exec_pb2.BackwardRequest(namespace=ns, context_id=context_id,
+                                               retain_context=bool(retain_context))
+                for g in grads:
+                    req.grad_outputs.append(exec_pb2.Tensor() if g is None else st.tensor(g))
+                req.outputs.extend(st.placements(grad_bytes))
+                resp = _rpc(self.executor.Backward, req, self.timeout)
+                flat = st.results([t for arg in resp.grad_inputs for t in arg.tensors])
+                out, k = [], 0
+                for arg in resp.grad_inputs:
+                    out.append(flat[k:k + len(arg.tensors)])
+                    k += len(arg.tensors)
+                return out
+            except ShmUnavailable as e:
+                if e.permanent:
+                    self.shm_failed(str(e))
+                else:
+                    inline = True
+            except OpjitError as err:
+                if pool is None or attempt == 3:
+                    raise
+                if err.reason == "REGION_NOT_REGISTERED":
+                    pool.forget_regions()
+                elif err.reason == "REGION_TOO_SMALL" and not inline_outputs and \
+                        err.metadata.get("tensor", "").startswith("outputs["):
+                    inline_outputs = True
+                else:
+                    raise
+            finally:
+                st.done()
+        raise OpjitError("the call could not be placed")  # pragma: no cover
+
+    def gradcheck(self, request):
+        """GradCheck (its tensors travel inline: the server perturbs them itself)."""
+        return _rpc(self.executor.GradCheck, request, self.timeout)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def close(self):
+        """Closes the channels, releases handles and regions (ReleaseClient)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self.flush_contexts()
+        for ch in list(self._channels.values()):
+            ch.close()
+        with self._lock:
+            handle_ns = set(self._handle_namespaces)
+            self._prepared.clear()
+            self._released_handles = []
+        for ns in handle_ns:
+            try:  # empty list: every handle of this client
+                self.executor.ReleaseHandles(exec_pb2.ReleaseHandlesRequest(
+                    namespace=ns, client_id=self.client_id), timeout=5.0)
+            except grpc.RpcError as e:
+                _log.debug("opjit: ReleaseHandles failed: %s", e.details())
+        for ns, pool in list(self._pools.items()):
+            pool.close(force=ns in self._channels or ns in handle_ns)
+        self._channels.clear()
+
+
+class _NoChannelType:
+    def close(self):
+        pass
+
+
+_NoChannel = _NoChannelType()
+
+
+class Session:
+    """A client's calls in one namespace: the surface Op, OpNode and gradcheck use.
+
+    Get one with ``Client.session(namespace)``.
+    """
+
+    __slots__ = ("_t", "namespace")
+
+    def __init__(self, transport, namespace):
+        self._t = transport
+        self.namespace = namespace
+
+    def forward(self, op, groups, attrs=None, version=0, target=None, requires_grad=None):
+        """Runs op's forward. groups: per declared input, a list of ndarrays
+        (empty: an absent optional input); attrs: {name: opjit.v1.AttrValue};
+        requires_grad: one bool per declared input, or None. Returns Forwarded."""
+        return self._t.forward(self.namespace, op, version, target, groups, attrs or {},
+                               requires_grad)
+
+    def backward(self, context_id, grads, retain_context=False, grad_bytes=0):
+        """Backward on a context kept by a forward; one list of arrays per input."""
+        return self._t.backward(self.namespace, context_id, grads, retain_context, grad_bytes)
+
+    def gradcheck(self, request):
+        return self._t.gradcheck(request)
+
+    def release_context_later(self, context_id):
+        """Queues a context for release; safe to call from a finalizer."""
+        self._t.forget_context(self.namespace, context_id)
