@@ -26,6 +26,7 @@ How memory is handed out:
 
 import collections
 import logging
+import math
 import mmap
 import os
 import threading
@@ -214,14 +215,22 @@ class ShmPool:
         """
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
-        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        nbytes = n * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return np.empty(shape, dtype)
+        if not track:
+            return region.base[offset:offset + nbytes].view(dtype).reshape(shape)
         owner = np.frombuffer(region.mm, dtype=np.uint8, count=nbytes, offset=offset)
         if track:
             weakref.finalize(owner, self._defer_free, region, offset)
         return owner.view(dtype).reshape(shape)
+
+    def write(self, region, offset, arr):
+        """Copies arr's elements into region at offset (row-major, arr's dtype)."""
+        if arr.flags.c_contiguous:
+            region.base[offset:offset + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+        else:
+            np.copyto(self.view(region, offset, arr.dtype, arr.shape, track=False), arr)
 
     def place_outputs(self, region, reserved_at, outputs):
         """Turns the tail reservation into one tracked block per output.
@@ -233,7 +242,7 @@ class ShmPool:
             region.release(reserved_at)
             blocks = []
             for off, dtype, shape in outputs:
-                n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+                n = math.prod(int(d) for d in shape)
                 nbytes = n * np.dtype(dtype).itemsize
                 if nbytes:
                     region.take(off, off + nbytes)
@@ -246,7 +255,7 @@ class ShmPool:
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in np.atleast_1d(shape)) if not isinstance(shape, int) \
             else (shape,)
-        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        n = math.prod(int(d) for d in shape)
         nbytes = n * dtype.itemsize
         if nbytes == 0:
             return np.empty(shape, dtype)

@@ -152,7 +152,7 @@ class _Staging:
         region, off = self.pool.alloc(arr.nbytes)
         self.temps.append((region, off))
         if arr.nbytes:
-            np.copyto(self.pool.view(region, off, arr.dtype, arr.shape, track=False), arr)
+            self.pool.write(region, off, arr)
         return region, off
 
     def reserve(self, nbytes):
@@ -556,36 +556,46 @@ class Transport:
     def _forward_prepared(self, ns, pool, prep, groups, flags):
         st = _Staging(self, pool)
         try:
-            placed = [[st.place(a) for a in g] for g in groups]
-            outs = [st.reserve(nbytes) for _, _, nbytes in prep.outputs]
-            grad = bool(flags) and any(flags)
-            ch = None
-            if prep.fast and not grad:
-                ch = self.channel(ns)
-            if ch is not None and all(r.id for g in placed for r, _ in g) and \
-                    all(r.id for r, _ in outs):
+            grad = flags is not None and any(flags)
+            ch = self.channel(ns) if prep.fast and not grad else None
+            if ch is not None:
+                # Inputs in call order (a null slot for an absent optional
+                # input when the handle counts one), then the outputs.
                 refs = []
-                for g in placed:
-                    if not g and prep.null_inputs:
-                        refs += (0, 0)
-                    for r, off in g:
+                ids_ok = True
+                for g in groups:
+                    if not g:
+                        if prep.null_inputs:
+                            refs += (0, 0)
+                        continue
+                    for a in g:
+                        r, off = st.place(a)
+                        ids_ok = ids_ok and r.id != 0
                         refs += (r.id, off)
-                for r, off in outs:
+                for _, _, nbytes in prep.outputs:
+                    r, off = st.reserve(nbytes)
+                    ids_ok = ids_ok and r.id != 0
                     refs += (r.id, off)
-                deadline = time.monotonic_ns() + int(self.timeout * 1e9) if self.timeout else 0
-                reply = ch.call(prep.handle, refs, deadline)
-                if reply.code != 0:
-                    raise error_from_status(reply.code, reply.message, reason=reply.reason)
-                self.calls["fast"] += 1
-                return Forwarded(st.output_views(prep.outputs), prep.version, "",
-                                 reply.kernel_ms, "fast")
+                if ids_ok:  # else: a server without region ids; gRPC below
+                    timeout = self.timeout
+                    reply = ch.call(prep.handle, refs,
+                                    time.monotonic_ns() + int(timeout * 1e9) if timeout else 0)
+                    if reply.code:
+                        raise error_from_status(reply.code, reply.message, reason=reply.reason)
+                    self.calls["fast"] += 1
+                    return Forwarded(st.output_views(prep.outputs), prep.version, "",
+                                     reply.kernel_ms, "fast")
+                st.done()
+                st = _Staging(self, pool)
             req = exec_pb2.ForwardRequest(namespace=ns, handle=prep.handle,
                                           client_id=self.client_id)
-            for g, locs in zip(groups, placed):
-                req.inputs.add().tensors.extend([
-                    exec_pb2.Tensor(dtype=T.dtype_name(a.dtype), shape=list(a.shape),
+            for g in groups:
+                arg = req.inputs.add()
+                for a in g:
+                    r, off = st.place(a)
+                    arg.tensors.add(dtype=T.dtype_name(a.dtype), shape=list(a.shape),
                                     shm=exec_pb2.ShmRef(region=r.name, offset=off))
-                    for a, (r, off) in zip(g, locs)])
+            outs = [st.reserve(nbytes) for _, _, nbytes in prep.outputs]
             for r, off in outs:
                 req.outputs.add().shm.CopyFrom(exec_pb2.ShmRef(region=r.name, offset=off))
             if grad:

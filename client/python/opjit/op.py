@@ -48,6 +48,8 @@ class Op:
         self.version = version
         self.target = target
         self._defs = {}
+        self._plans = {}   # id(OpDef) -> (OpDef, inputs by index, input names, attr defs)
+        self._attr_pb = {}  # (name, type, value) -> AttrValue, for hashable attr values
         self._lock = threading.Lock()
 
     def __repr__(self):
@@ -73,11 +75,33 @@ class Op:
     def refresh(self):
         with self._lock:
             self._defs.clear()
+            self._plans.clear()
+            self._attr_pb.clear()
+
+    def _plan(self, opdef):
+        plan = self._plans.get(id(opdef))
+        if plan is None or plan[0] is not opdef:
+            inputs = sorted(opdef.inputs, key=lambda p: p.index)
+            plan = (opdef, inputs, [p.name for p in inputs], {a.name: a for a in opdef.attrs})
+            with self._lock:
+                self._plans[id(opdef)] = plan
+        return plan
+
+    def _attr(self, k, v, attr_defs):
+        try:
+            key = (k, type(v), v)
+            pb = self._attr_pb.get(key)
+        except TypeError:  # unhashable (a list): converted each time
+            key = pb = None
+        if pb is None:
+            d = attr_defs.get(k)
+            pb = T.attr_value(k, v, d.value_type if d is not None else "")
+            if key is not None and len(self._attr_pb) < 256:
+                self._attr_pb[key] = pb
+        return pb
 
     def _bind(self, opdef, args, kwargs):
-        inputs = sorted(opdef.inputs, key=lambda p: p.index)
-        attr_defs = {a.name: a for a in opdef.attrs}
-        names = [p.name for p in inputs]
+        _, inputs, names, attr_defs = self._plan(opdef)
         if len(args) > len(inputs):
             raise InvalidArgument("op %s takes %d input(s) (%s); got %d positional arguments"
                                   % (self.name, len(inputs), ", ".join(names), len(args)))
@@ -118,10 +142,7 @@ class Op:
                     raise InvalidArgument("op %s: input %s is %s, not dynamic: pass one tensor"
                                           % (self.name, p.name, ptype))
                 groups.append([v])
-        pb_attrs = {}
-        for k, v in attrs.items():
-            d = attr_defs.get(k)
-            pb_attrs[k] = T.attr_value(k, v, d.value_type if d is not None else "")
+        pb_attrs = {k: self._attr(k, v, attr_defs) for k, v in attrs.items()}
         return inputs, groups, pb_attrs
 
     def __call__(self, *args, **kwargs):
