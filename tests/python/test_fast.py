@@ -106,6 +106,117 @@ def used_fast(client, before):
     return client.call_counts()["fast"] > before["fast"]
 
 
+# A stand-in executor for the channel protocol alone (no daemon): serves
+# `count` calls on the channel at argv[1] and answers each with kernel_ms =
+# the first tensor's offset, or STALE_HANDLE for any handle but 7. Mode
+# "close": sets the header's closed flag instead of answering (after taking
+# the call when argv[3] is "running", before when it is "submitted").
+STUB_EXECUTOR = textwrap.dedent(r'''
+    import ctypes, mmap, os, struct, sys
+    from opjit import _fast as F
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    mm = mmap.mmap(fd, 0)
+    os.close(fd)
+    count, mode = int(sys.argv[2]), sys.argv[3]
+    sc = F._syscall()
+    wake = lambda w: sc(F._SYS_FUTEX, ctypes.c_void_p(ctypes.addressof(w)), F._FUTEX_WAKE,
+                        ctypes.c_long(64), None, None, F._ZERO)
+    closed = ctypes.c_uint32.from_buffer(mm, F.H_CLOSED)
+    states = [ctypes.c_uint32.from_buffer(mm, F.HEADER_BYTES + i * F.SLOT_BYTES)
+              for i in range(8)]
+    served = 0
+    while served < count:
+        for i, st in enumerate(states):
+            if st.value != F.SUBMITTED:
+                continue
+            base = F.HEADER_BYTES + i * F.SLOT_BYTES
+            if mode != "ok":
+                if mode == "running":
+                    st.value = F.RUNNING
+                closed.value = 1
+                for s in states:
+                    wake(s)
+                sys.exit(0)
+            st.value = F.RUNNING
+            n, _, handle, seq, deadline = struct.unpack_from("<IIQQq", mm, base + F.S_N_TENSORS)
+            refs = struct.unpack_from("<%dQ" % (2 * n), mm, base + F.S_TENSORS)
+            if handle == 7:
+                struct.pack_into("<iId", mm, base + F.S_CODE, 0, 0, float(refs[1]))
+            else:
+                msg = b"unknown handle %d" % handle
+                struct.pack_into("<iId", mm, base + F.S_CODE, 9, len(msg), 0.0)
+                mm[base + F.S_REASON:base + F.S_REASON + 12] = b"STALE_HANDLE"
+                mm[base + F.S_MESSAGE:base + F.S_MESSAGE + len(msg)] = msg
+            st.value = F.DONE
+            wake(st)
+            served += 1
+''')
+
+
+@pytest.mark.parametrize("mode", ["ok", "running", "submitted"])
+def test_channel_protocol_against_a_stub_executor(mode, monkeypatch):
+    """The client's half of server/runner/fast_channel.h, against a Python
+    executor: replies, errors, 8 slots shared by 12 threads, and a channel
+    closed with a call running (a crash) or not yet taken (retry)."""
+    from opjit import _fast
+    import struct
+    import threading
+    if not _fast.supported():
+        pytest.skip("the fast channel is x86-64 Linux only")
+    monkeypatch.setattr(_fast, "_DEAD_GRACE_NS", 200_000_000)
+    key = "opjit-test-stub-%d-%s" % (os.getpid(), mode)
+    path = "/dev/shm/" + key
+    size = _fast.HEADER_BYTES + 8 * _fast.SLOT_BYTES
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.seek(0)
+        f.write(struct.pack("<IIIIII", _fast.MAGIC, _fast.VERSION, 8, _fast.SLOT_BYTES, 64, 0))
+    calls = 2 + 12 * 50
+    stub = subprocess.Popen(["/usr/bin/python3", "-c", STUB_EXECUTOR, path, str(calls), mode])
+    try:
+        info = exec_pb2.OpenChannelResponse(shm_key="/" + key, byte_size=size, slots=8,
+                                            max_tensors=64, spin_us=20, worker_pid=stub.pid)
+        ch = _fast.FastChannel(info)
+        if mode == "running":
+            r = ch.call(7, [1, 64, 1, 128])
+            assert r.code == 10 and r.reason == "KERNEL_CRASHED"  # ABORTED, as gRPC says
+            assert ch.closed
+            with pytest.raises(_fast.ChannelClosed):
+                ch.call(7, [1, 64, 1, 128])
+            return
+        if mode == "submitted":
+            with pytest.raises(_fast.ChannelClosed):
+                ch.call(7, [1, 64, 1, 128])
+            return
+        r = ch.call(7, [1, 4096, 1, 128])
+        assert (r.code, r.reason, r.kernel_ms) == (0, "", 4096.0)
+        r = ch.call(8, [1, 0])
+        e = error_from_status(r.code, r.message, reason=r.reason)
+        assert isinstance(e, opjit.FailedPrecondition) and e.reason == "STALE_HANDLE"
+        assert e.message == "unknown handle 8"
+        wrong = []
+
+        def work(k):
+            for j in range(50):
+                off = 64 * (k * 50 + j)
+                if ch.call(7, [1, off, 1, 0]).kernel_ms != off:
+                    wrong.append(off)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not wrong
+        assert stub.wait(30) == 0
+        ch.close()
+    finally:
+        if stub.poll() is None:
+            stub.kill()
+        stub.wait()
+        os.unlink(path)
+
+
 def test_fast_mode_from_env_and_argument(daemon, monkeypatch):
     monkeypatch.setenv("OPJIT_FAST", "0")
     with opjit.Client(daemon.unix_address) as c:
