@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -32,6 +33,17 @@ constexpr int64_t kDeathGraceNs = 3'000'000'000;
 constexpr int64_t kDeadlineGraceNs = 5'000'000'000;
 // Most cached call shapes per client; past it the cache starts over.
 constexpr size_t kMaxCachedHandles = 1024;
+
+// Spinning pays only while the executor has a core to run on: with more
+// waiters spinning than spare cores, the spinners take the executor's CPU
+// and every call waits for a time slice. At most this many threads of the
+// process spin at once (half the cores, at least one); the others sleep on
+// the futex at once.
+std::atomic<int> g_spinners{0};
+int MaxSpinners() {
+  static const int n = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+  return n;
+}
 
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -175,7 +187,19 @@ void FastChannel::GiveSlot(int slot) {
 
 bool FastChannel::WorkerGone() const {
   const pid_t pid = info_.worker_pid();
-  return pid > 0 && ::kill(pid, 0) == -1 && errno == ESRCH;
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) == -1) return errno == ESRCH;
+  // Exited but not yet reaped by its parent: a zombie serves nothing.
+  char path[64], buf[256];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT;
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')');
+  return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
 }
 
 FastChannel::Result FastChannel::Call(uint64_t handle, std::span<const FastTensorRef> tensors,
@@ -224,11 +248,14 @@ FastChannel::Result FastChannel::Call(uint64_t handle, std::span<const FastTenso
   // Spin first: a wake-up costs far more than a short kernel.
   uint32_t state = s->state.load(std::memory_order_acquire);
   if (state != fast::kDone && spin_ns_ > 0) {
-    const int64_t spin_end = fast::MonotonicNs() + spin_ns_;
-    for (int i = 0; (state = s->state.load(std::memory_order_acquire)) != fast::kDone; ++i) {
-      CpuRelax();
-      if ((i & 63) == 63 && fast::MonotonicNs() > spin_end) break;
+    if (g_spinners.fetch_add(1, std::memory_order_relaxed) < MaxSpinners()) {
+      const int64_t spin_end = fast::MonotonicNs() + spin_ns_;
+      for (int i = 0; (state = s->state.load(std::memory_order_acquire)) != fast::kDone; ++i) {
+        CpuRelax();
+        if ((i & 63) == 63 && fast::MonotonicNs() > spin_end) break;
+      }
     }
+    g_spinners.fetch_sub(1, std::memory_order_relaxed);
   }
   // Then sleep on the slot's state, announced by client_waiting.
   int64_t dead_since = 0;

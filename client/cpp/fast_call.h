@@ -5,6 +5,7 @@
 // open channels).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
