@@ -174,8 +174,13 @@ class FastChannel:
         except ProcessLookupError:
             return False
         except PermissionError:  # another uid (a sandbox): it exists
+            pass
+        try:  # a zombie (exited, not yet reaped by the daemon) is dead too
+            with open("/proc/%d/stat" % self.worker_pid, "rb") as f:
+                stat = f.read()
+            return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+        except OSError:
             return True
-        return True
 
     def close(self):
         """Stops using the channel (the daemon closes it with the client's regions).

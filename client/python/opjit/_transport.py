@@ -106,7 +106,8 @@ class Forwarded:
 class Prepared:
     """A cached Prepare answer: the handle and each output's dtype, shape and size."""
 
-    __slots__ = ("key", "namespace", "handle", "version", "fast", "outputs", "null_inputs")
+    __slots__ = ("key", "namespace", "handle", "version", "fast", "outputs", "null_inputs",
+                 "n_tensors")
 
     def __init__(self, key, namespace, resp, groups):
         self.key = key
@@ -117,6 +118,7 @@ class Prepared:
                         for s in resp.outputs]
         n_given = sum(len(g) for g in groups)
         n_absent = sum(1 for g in groups if not g)
+        self.n_tensors = len(resp.inputs) + len(resp.outputs)
         # The flat inputs in call order; an absent optional input is either
         # listed (a null slot, region 0) or left out.
         if len(resp.inputs) == n_given:
@@ -558,6 +560,8 @@ class Transport:
         try:
             grad = flags is not None and any(flags)
             ch = self.channel(ns) if prep.fast and not grad else None
+            if ch is not None and prep.n_tensors > ch.max_tensors:
+                ch = None  # more tensors than a slot holds: gRPC with the handle
             if ch is not None:
                 # Inputs in call order (a null slot for an absent optional
                 # input when the handle counts one), then the outputs.
