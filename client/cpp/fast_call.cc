@@ -396,6 +396,8 @@ struct ChannelCall {
   double kernel_ms = 0;
   // No channel could be opened, so the call never ran (gRPC may serve it).
   bool no_channel = false;
+  // More tensors than a slot of this channel holds: the call never ran.
+  bool too_many = false;
 };
 
 // Runs one call on the channel of `ns`; a call that never ran because the
@@ -408,6 +410,12 @@ ChannelCall RunOnChannel(Client& client, FastState& st, const std::string& ns, u
     if (!channel.ok()) {
       out.status = channel.status();
       out.no_channel = true;
+      return out;
+    }
+    if (tensors.size() > (*channel)->max_tensors()) {
+      out.status = absl::InvalidArgumentError(absl::StrCat(
+          "a fast call takes at most ", (*channel)->max_tensors(), " tensors; got ", tensors.size()));
+      out.too_many = true;
       return out;
     }
     FastChannel::Result r = (*channel)->Call(handle, tensors, deadline_ns);
@@ -599,6 +607,8 @@ std::optional<absl::StatusOr<v1::ForwardResponse>> Client::ForwardFast(
     const int64_t deadline_ns =
         fast::MonotonicNs() + std::chrono::duration_cast<std::chrono::nanoseconds>(timeout_).count();
     ChannelCall r = RunOnChannel(*this, *fast_, ns, call->handle, refs, deadline_ns);
+    // More tensors than a slot holds (many dynamic inputs): gRPC serves it.
+    if (r.too_many) return std::nullopt;
     if (r.no_channel) {
       // auto: this server or namespace offers no channel now; gRPC serves
       // the call. on: the fast path was required.
