@@ -339,7 +339,10 @@ struct Caller {
   absl::Status PrepareRaw() {
     v1::PrepareRequest p;
     p.set_op("leaky_relu");
-    *p.add_inputs() = req.inputs(0);
+    // Prepare takes dtype and shape only.
+    auto* t = p.add_inputs()->add_tensors();
+    t->set_dtype(req.inputs(0).tensors(0).dtype());
+    *t->mutable_shape() = req.inputs(0).tensors(0).shape();
     auto call = client->PrepareHandle(p);
     if (!call.ok()) return call.status();
     prepared = *std::move(call);
