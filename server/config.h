@@ -86,6 +86,12 @@ struct DaemonConfig {
   int64_t wait_spin_us = 50;             // the daemon's busy-wait for a call's result before it sleeps
   int quarantine_after = 3;              // crashes in a row that quarantine a kernel
 
+  // [fast]: prepared calls and same-host fast channels (server/exec/channels.h)
+  bool fast_enabled = true;         // fast channels at all
+  int64_t fast_channels = 16;       // open channels per namespace (one executor process each)
+  int64_t fast_spin_us = 50;        // a channel executor's (and its client's) spin before sleeping
+  int64_t fast_handles = 4096;      // prepared handles per namespace
+
   // [shm]
   int64_t shm_quota_mb = 4096;  // shared memory per namespace
   int64_t lease_ms = 300000;    // a client's regions are released unless renewed within this

@@ -34,7 +34,9 @@
 #include "server/common/sha256.h"
 #include "server/cache/disk_cache.h"
 #include "server/config.h"
+#include "server/exec/channels.h"
 #include "server/exec/executor.h"
+#include "server/exec/handles.h"
 #include "server/gpu/driver_probe.h"
 #include "server/loader/loader.h"
 #include "server/runner/in_process_runner.h"
@@ -356,6 +358,16 @@ int Run(int argc, char** argv) {
     return 1;
   }
 
+  // Prepared handles and fast channels.
+  exec::HandleTable handles({.max_per_namespace = static_cast<size_t>(cfg->fast_handles),
+                             .lease_ms = cfg->lease_ms},
+                            registry->get());
+  exec::ChannelManager channels({.enabled = cfg->fast_enabled && cfg->fast_channels > 0,
+                                 .per_namespace = static_cast<size_t>(cfg->fast_channels),
+                                 .spin_us = cfg->fast_spin_us},
+                                regions->get(), &handles, kernel_runner.get());
+  (*registry)->SetChangeListener([&channels] { channels.OnRegistryChanged(); });
+
   // Releases the regions of clients whose lease lapsed, and idle contexts.
   std::mutex reaper_mu;
   std::condition_variable reaper_cv;
@@ -370,6 +382,10 @@ int Run(int argc, char** argv) {
         Logger("tensor")->info("released {} region(s) whose lease lapsed", n);
       }
       kernel_runner->Maintain();
+      channels.Maintain();
+      handles.Expire([&](const std::string& ns, const std::string& owner) {
+        return (*regions)->HasOwner(ns, owner);
+      });
       if (int n = (*autograd)->ExpireContexts(std::chrono::steady_clock::now()); n > 0) {
         Logger("autograd")->info("released {} backward context(s) past their TTL", n);
       }
@@ -401,7 +417,9 @@ int Run(int argc, char** argv) {
                      .executor = executor->get(),
                      .autograd = autograd->get(),
                      .access = access_control->get(),
-                     .quotas = &quotas};
+                     .quotas = &quotas,
+                     .handles = &handles,
+                     .channels = &channels};
   rpc::GrpcServerOptions sopts;
   sopts.listen = cfg->listen;
   sopts.max_message_bytes = static_cast<int>(cfg->max_message_bytes);
@@ -477,6 +495,7 @@ int Run(int argc, char** argv) {
   }
   reaper_cv.notify_all();
   reaper.join();
+  channels.Shutdown();
   autograd->reset();
   executor->reset();
   kernel_runner.reset();

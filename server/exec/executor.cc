@@ -67,6 +67,8 @@ struct CallState {
   std::shared_ptr<const Checked> checked;
   std::string shape_key;  // set while building
   Executor::Callback done;
+  // Set for PrepareAsync: the call stops once it is checked.
+  Executor::PrepareCallback prepared;
   Clock::time_point t0;
 };
 
@@ -87,8 +89,17 @@ struct Executor::Impl {
 
   void Fail(CallState& st, absl::Status s) {
     failures.fetch_add(1, std::memory_order_relaxed);
+    if (st.prepared) return st.prepared(std::move(s));
     st.done(std::move(s));
   }
+  // Checks the call (from the call-shape cache when it can) and runs it or,
+  // for PrepareAsync, answers what it would run.
+  void Start(std::shared_ptr<CallState> st);
+  // A prepared call is complete: answers it with what it runs.
+  void AnswerPrepared(CallState& st, const std::shared_ptr<KernelInstance>& inst);
+  // The instance spec of a checked call (outputs filled in when known).
+  absl::StatusOr<runner::InstanceSpec> SpecFor(const ForwardCall& call, const FlatInputs& flat,
+                                               const Checked& c, const OpPlan& plan);
 
   // Queues `task` on the execution pool, or answers RESOURCE_EXHAUSTED.
   void SubmitOrRefuse(std::function<void()> task, const std::shared_ptr<CallState>& st) {
@@ -150,6 +161,15 @@ absl::StatusOr<std::shared_ptr<KernelInstance>> Executor::Impl::Instance(const F
     instance_hits.fetch_add(1, std::memory_order_relaxed);
     return std::const_pointer_cast<KernelInstance>(hit);
   }
+  OPJIT_ASSIGN_OR_RETURN(runner::InstanceSpec spec, SpecFor(call, flat, c, plan));
+  OPJIT_ASSIGN_OR_RETURN(std::shared_ptr<KernelInstance> inst, runner->Instance(spec));
+  instances->Put(key, inst, 1);
+  return inst;
+}
+
+absl::StatusOr<runner::InstanceSpec> Executor::Impl::SpecFor(const ForwardCall& call,
+                                                             const FlatInputs& flat,
+                                                             const Checked& c, const OpPlan& plan) {
   const OpDef& def = c.record->def;
   runner::InstanceSpec spec;
   spec.ns = call.ns;
@@ -157,7 +177,7 @@ absl::StatusOr<std::shared_ptr<KernelInstance>> Executor::Impl::Instance(const F
   spec.kernel = plan.kernel;
   spec.def = std::shared_ptr<const OpDef>(c.record, &c.record->def);
   spec.impl_index = plan.impl_index;
-  spec.entry = entry;
+  spec.entry = c.impl->entry;
   spec.inputs = FlatInputDescs(flat);
   for (const registry::TensorParam* p : c.input_params) spec.input_names.push_back(p->name);
   // Output shapes from declarative rules are known now, so Init can run at
@@ -165,9 +185,7 @@ absl::StatusOr<std::shared_ptr<KernelInstance>> Executor::Impl::Instance(const F
   OPJIT_ASSIGN_OR_RETURN(auto rule_descs, RuleDescs(call, c));
   if (rule_descs) spec.outputs = *std::move(rule_descs);
   spec.attrs = c.attrs;
-  OPJIT_ASSIGN_OR_RETURN(std::shared_ptr<KernelInstance> inst, runner->Instance(spec));
-  instances->Put(key, inst, 1);
-  return inst;
+  return spec;
 }
 
 absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const ForwardCall& call,
@@ -284,13 +302,25 @@ absl::StatusOr<std::unique_ptr<Executor>> Executor::Create(const ExecutorOptions
   return std::unique_ptr<Executor>(new Executor(std::move(impl)));
 }
 
+void Executor::PrepareAsync(ForwardCall call, PrepareCallback done) {
+  auto st = std::make_shared<CallState>();
+  st->t0 = Clock::now();
+  st->call = std::move(call);
+  st->prepared = std::move(done);
+  impl_->Start(std::move(st));
+}
+
 void Executor::ForwardAsync(ForwardCall call, Callback done) {
-  Impl* impl = impl_.get();
-  impl->calls.fetch_add(1, std::memory_order_relaxed);
+  impl_->calls.fetch_add(1, std::memory_order_relaxed);
   auto st = std::make_shared<CallState>();
   st->t0 = Clock::now();
   st->call = std::move(call);
   st->done = std::move(done);
+  impl_->Start(std::move(st));
+}
+
+void Executor::Impl::Start(std::shared_ptr<CallState> st) {
+  Impl* impl = this;
   Flatten(st->call, &st->flat_inputs);
   if (impl->TryCachedShape(st)) return;
 
@@ -365,8 +395,34 @@ bool Executor::Impl::TryCachedShape(std::shared_ptr<CallState>& st) {
   if (inst == nullptr) return false;  // evicted: look it up (or create it) again
   instance_hits.fetch_add(1, std::memory_order_relaxed);
   st->checked = std::move(hit);
+  if (st->prepared) {
+    AnswerPrepared(*st, inst);
+    return true;
+  }
   Run(std::move(st), std::move(inst));
   return true;
+}
+
+void Executor::Impl::AnswerPrepared(CallState& st, const std::shared_ptr<KernelInstance>& inst) {
+  (void)inst;  // kept alive by the caller until the answer is built
+  const Checked& c = *st.checked;
+  PreparedCall p;
+  p.record = c.record;
+  p.target = c.impl->target;
+  p.inputs = FlatInputDescs(st.flat_inputs);
+  p.outputs = c.out_descs;
+  for (auto* list : {&p.inputs, &p.outputs}) {
+    for (const TensorDesc& d : *list) {
+      auto bytes = tensor::ByteSize(d.dtype, d.shape);
+      if (!bytes.ok()) return Fail(st, bytes.status());
+      (list == &p.inputs ? p.input_bytes : p.output_bytes).push_back(*bytes);
+    }
+  }
+  auto spec = SpecFor(st.call, st.flat_inputs, c, *c.plan);
+  if (!spec.ok()) return Fail(st, spec.status());
+  p.instance = *std::move(spec);
+  p.instance.outputs = c.out_descs;
+  st.prepared(std::move(p));
 }
 
 void Executor::Impl::Dispatch(std::shared_ptr<CallState> st, std::shared_ptr<const OpPlan> plan) {
@@ -385,6 +441,7 @@ void Executor::Impl::Dispatch(std::shared_ptr<CallState> st, std::shared_ptr<con
   // Checked is complete: share it with later calls of this shape.
   st->checked = std::move(st->building);
   shapes->Put(st->shape_key, st->checked, 1);
+  if (st->prepared) return AnswerPrepared(*st, inst);
   Run(std::move(st), std::move(inst));
 }
 

@@ -143,6 +143,19 @@ struct ForwardResult {
   std::shared_ptr<const registry::OpRecord> record;
 };
 
+// A call shape checked once (Executor::PrepareAsync): what a handle runs.
+struct PreparedCall {
+  std::shared_ptr<const registry::OpRecord> record;  // the op version it runs
+  registry::Target target = registry::Target::kCpu;
+  std::vector<TensorDesc> inputs;     // flat, in call order
+  std::vector<uint64_t> input_bytes;  // per flat input
+  std::vector<TensorDesc> outputs;
+  std::vector<uint64_t> output_bytes;
+  // The kernel instance's spec with its outputs known, for an executor
+  // process that serves a fast channel (server/exec/channels.h).
+  runner::InstanceSpec instance;
+};
+
 struct ExecutorOptions {
   // Execution pool threads. Default: 2.
   int pool_threads = 2;
@@ -186,6 +199,13 @@ class Executor {
 
   // Blocking form, for tests, tools and benchmarks.
   absl::StatusOr<ForwardResult> Forward(ForwardCall call);
+
+  // Checks `call` as ForwardAsync does (op version, counts, dtypes, attrs,
+  // the kernel compiled, its instance created and the output shapes known)
+  // without running it; its tensors need only dtype and shape. `done` runs
+  // once, as for ForwardAsync; errors are ForwardAsync's before the kernel.
+  using PrepareCallback = std::function<void(absl::StatusOr<PreparedCall>)>;
+  void PrepareAsync(ForwardCall call, PrepareCallback done);
 
   ExecutorStats Stats() const;
 

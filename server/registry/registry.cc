@@ -108,6 +108,7 @@ absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def) {
     ops_[key].versions[record->version] = std::move(record);
   }
   generation_.fetch_add(1, std::memory_order_acq_rel);
+  if (change_listener_) change_listener_();
   log->info("registered {}/{} version {} ({})", key.first, key.second, result.record.version,
             ShortHash(result.record.content_hash));
   return result;
@@ -199,6 +200,7 @@ absl::StatusOr<int> Registry::Delete(const std::string& ns, const std::string& n
     }
   }
   generation_.fetch_add(1, std::memory_order_acq_rel);
+  if (change_listener_) change_listener_();
   Logger("registry")
       ->info("deleted {}/{} {} ({} versions)", ns, name,
              version == 0 ? std::string("all versions") : absl::StrCat("version ", version), count);

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -107,6 +108,11 @@ class Registry {
   // had one value is current as long as it still has it.
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
+  // Called after every change of generation() (with the writer's lock held:
+  // it must be quick and must not call back into the registry). Set it
+  // before the registry is shared.
+  void SetChangeListener(std::function<void()> listener) { change_listener_ = std::move(listener); }
+
  private:
   using Key = std::pair<std::string, std::string>;  // (ns, name)
   struct OpEntry {
@@ -132,6 +138,7 @@ class Registry {
   // with write_mu_ held.
   std::map<Key, int64_t> high_water_ ABSL_GUARDED_BY(write_mu_);
   std::atomic<uint64_t> generation_{1};
+  std::function<void()> change_listener_;
 };
 
 }  // namespace opjit::registry

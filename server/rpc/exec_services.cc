@@ -11,12 +11,15 @@
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/autograd/autograd.h"
+#include "server/exec/channels.h"
 #include "server/exec/executor.h"
+#include "server/exec/handles.h"
 #include "server/access/access.h"
 #include "server/access/quotas.h"
 #include "server/rpc/caller.h"
 #include "server/rpc/services.h"
 #include "server/rpc/status_util.h"
+#include "server/runner/fast_channel.h"
 #include "server/tensor/region_manager.h"
 
 namespace opjit::rpc {
@@ -33,6 +36,7 @@ void InfoToProto(const tensor::RegionInfo& info, v1::RegionInfo* out) {
   out->set_daemon_owned(info.daemon_owned);
   out->set_client_id(ClientIdOf(info.owner));
   out->set_lease_expires_unix_ms(info.lease_expires_unix_ms);
+  out->set_id(info.id);
 }
 
 absl::StatusOr<registry::AttrValue> TypedAttr(const v1::AttrValue& v) {
@@ -175,6 +179,60 @@ void OutputToProto(exec::OutputResult& o, v1::Tensor* t) {
   }
 }
 
+absl::StatusOr<registry::Target> TargetFromProto(const std::string& target) {
+  if (target.empty()) return registry::Target::kCpu;
+  auto t = registry::ParseTarget(target);
+  if (!t) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target: unknown \"", target, "\" (expected CPU or GPU)"));
+  }
+  return *t;
+}
+
+// The call of a prepared handle: op, version (the one prepared), target,
+// attrs and principal from the handle; tensors and placements from `req`,
+// whose inputs must have the prepared dtypes and shapes.
+absl::StatusOr<exec::ForwardCall> CallFromHandle(const exec::Handle& h,
+                                                 const v1::ForwardRequest& req,
+                                                 const grpc::CallbackServerContext& ctx) {
+  if (!req.op().empty() || req.version() != 0 || !req.target().empty() || !req.attrs().empty()) {
+    return absl::InvalidArgumentError(
+        "a call with a handle takes op, version, target and attrs from it; leave them empty");
+  }
+  exec::ForwardCall call = h.call;
+  call.version = h.prepared.record->version;
+  auto inputs = InputsFromProto(req.inputs());
+  if (!inputs.ok()) return inputs.status();
+  call.inputs = *std::move(inputs);
+  size_t flat = 0;
+  for (size_t i = 0; i < call.inputs.size(); ++i) {
+    for (size_t k = 0; k < call.inputs[i].size(); ++k, ++flat) {
+      const runner::TensorDesc& got = call.inputs[i][k].desc;
+      if (flat >= h.prepared.inputs.size() || !(got == h.prepared.inputs[flat])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "inputs[", i, "][", k, "] is ", runner::DescString(got), "; handle ", h.id,
+            " was prepared for ",
+            flat < h.prepared.inputs.size() ? runner::DescString(h.prepared.inputs[flat])
+                                            : std::string("fewer inputs"),
+            " (prepare the new shape)"));
+      }
+    }
+  }
+  if (flat != h.prepared.inputs.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the call passes ", flat, " input tensors; handle ",
+                                                   h.id, " was prepared for ",
+                                                   h.prepared.inputs.size()));
+  }
+  for (int j = 0; j < req.outputs_size(); ++j) {
+    auto p = PlacementFromProto(req.outputs(j), j);
+    if (!p.ok()) return p.status();
+    call.outputs.push_back(*std::move(p));
+  }
+  call.deadline = SteadyDeadline(ctx);
+  call.request_id = next_forward_id.fetch_add(1, std::memory_order_relaxed);
+  return call;
+}
+
 // Builds the domain call. The returned call points into `req` (inline bytes),
 // which outlives it: the request lives until the reactor finishes.
 absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
@@ -183,14 +241,9 @@ absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
   call.ns = NamespaceOrDefault(req.namespace_());
   call.op = req.op();
   call.version = req.version();
-  if (!req.target().empty()) {
-    auto t = registry::ParseTarget(req.target());
-    if (!t) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("target: unknown \"", req.target(), "\" (expected CPU or GPU)"));
-    }
-    call.target = *t;
-  }
+  auto target = TargetFromProto(req.target());
+  if (!target.ok()) return target.status();
+  call.target = *target;
   auto inputs = InputsFromProto(req.inputs());
   if (!inputs.ok()) return inputs.status();
   call.inputs = *std::move(inputs);
@@ -270,7 +323,9 @@ grpc::ServerUnaryReactor* MemoryService::RenewLease(grpc::CallbackServerContext*
                                                     v1::RenewLeaseResponse* resp) {
   const std::string ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
-  auto expiry = core_.regions->Renew(ns, RegionOwner(caller, req->client_id()), req->lease_ms());
+  const std::string owner = RegionOwner(caller, req->client_id());
+  if (core_.handles != nullptr) core_.handles->Renew(ns, owner);
+  auto expiry = core_.regions->Renew(ns, owner, req->lease_ms());
   if (expiry.ok()) resp->set_lease_expires_unix_ms(*expiry);
   return FinishNow(ctx, expiry.status());
 }
@@ -280,7 +335,9 @@ grpc::ServerUnaryReactor* MemoryService::ReleaseClient(grpc::CallbackServerConte
                                                        v1::ReleaseClientResponse* resp) {
   const std::string ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
-  auto n = core_.regions->ReleaseOwner(ns, RegionOwner(caller, req->client_id()));
+  const std::string owner = RegionOwner(caller, req->client_id());
+  auto n = core_.regions->ReleaseOwner(ns, owner);  // closes its channels too
+  if (core_.handles != nullptr) core_.handles->Release(ns, owner, {});
   if (n.ok()) resp->set_released(*n);
   return FinishNow(ctx, n.status());
 }
@@ -293,7 +350,17 @@ grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* 
   if (core_.quotas != nullptr) {
     if (absl::Status s = core_.quotas->AdmitCall(ns); !s.ok()) return FinishNow(ctx, s);
   }
-  auto call = CallFromProto(*req, *ctx);
+  absl::StatusOr<exec::ForwardCall> call;
+  if (req->handle() != 0) {
+    if (core_.handles == nullptr) {
+      return FinishNow(ctx, absl::UnimplementedError("this server has no prepared calls"));
+    }
+    auto h = core_.handles->Get(ns, RegionOwner(caller, req->client_id()), req->handle());
+    if (!h.ok()) return FinishNow(ctx, h.status());
+    call = CallFromHandle(**h, *req, *ctx);
+  } else {
+    call = CallFromProto(*req, *ctx);
+  }
   if (!call.ok()) return FinishNow(ctx, call.status());
   call->principal = RegionScope(caller);
   auto* reactor = ctx->DefaultReactor();
@@ -442,6 +509,108 @@ grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext
         reactor->Finish(grpc::Status::OK);
       });
   return reactor;
+}
+
+}  // namespace opjit::rpc
+
+namespace opjit::rpc {
+
+grpc::ServerUnaryReactor* ExecutorService::Prepare(grpc::CallbackServerContext* ctx,
+                                                   const v1::PrepareRequest* req,
+                                                   v1::PrepareResponse* resp) {
+  exec::ForwardCall call;
+  call.ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
+  if (core_.handles == nullptr) {
+    return FinishNow(ctx, absl::UnimplementedError("this server has no prepared calls"));
+  }
+  call.op = req->op();
+  call.version = req->version();
+  auto target = TargetFromProto(req->target());
+  if (!target.ok()) return FinishNow(ctx, target.status());
+  call.target = *target;
+  auto inputs = InputsFromProto(req->inputs());
+  if (!inputs.ok()) return FinishNow(ctx, inputs.status());
+  call.inputs = *std::move(inputs);
+  // Only dtypes and shapes count; data, if any, is ignored.
+  for (auto& group : call.inputs) {
+    for (auto& t : group) {
+      t.in_shm = false;
+      t.region.clear();
+      t.offset = 0;
+      t.inline_bytes = {};
+    }
+  }
+  auto attrs = AttrsFromProto(req->attrs());
+  if (!attrs.ok()) return FinishNow(ctx, attrs.status());
+  call.attrs = *std::move(attrs);
+  call.principal = RegionScope(caller);
+  call.deadline = SteadyDeadline(*ctx);
+  exec::ForwardCall kept = call;
+  const std::string owner = RegionOwner(caller, req->client_id());
+  auto* reactor = ctx->DefaultReactor();
+  CoreRefs core = core_;
+  core_.executor->PrepareAsync(
+      std::move(call), [reactor, resp, core, owner, kept = std::move(kept)](
+                           absl::StatusOr<exec::PreparedCall> p) mutable {
+        if (!p.ok()) return reactor->Finish(ToGrpcStatus(p.status()));
+        const bool fast = p->target == registry::Target::kCpu && core.channels != nullptr &&
+                          core.channels->enabled();
+        const int64_t version = p->record->version;
+        const exec::PreparedCall& prepared = *p;
+        for (size_t i = 0; i < prepared.inputs.size(); ++i) {
+          v1::TensorSpec* t = resp->add_inputs();
+          t->set_dtype(prepared.inputs[i].dtype);
+          for (int64_t d : prepared.inputs[i].shape) t->add_shape(d);
+          t->set_byte_size(prepared.input_bytes[i]);
+        }
+        for (size_t j = 0; j < prepared.outputs.size(); ++j) {
+          v1::TensorSpec* t = resp->add_outputs();
+          t->set_dtype(prepared.outputs[j].dtype);
+          for (int64_t d : prepared.outputs[j].shape) t->add_shape(d);
+          t->set_byte_size(prepared.output_bytes[j]);
+        }
+        const std::string ns = kept.ns;
+        auto h = core.handles->Add(ns, owner, std::move(kept), *std::move(p), fast);
+        if (!h.ok()) return reactor->Finish(ToGrpcStatus(h.status()));
+        resp->set_handle((*h)->id);
+        resp->set_version(version);
+        resp->set_fast(fast);
+        reactor->Finish(grpc::Status::OK);
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ExecutorService::ReleaseHandles(grpc::CallbackServerContext* ctx,
+                                                          const v1::ReleaseHandlesRequest* req,
+                                                          v1::ReleaseHandlesResponse* resp) {
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  if (core_.handles == nullptr) return FinishNow(ctx, absl::OkStatus());
+  std::vector<uint64_t> ids(req->handles().begin(), req->handles().end());
+  resp->set_released(core_.handles->Release(ns, RegionOwner(caller, req->client_id()), ids));
+  return FinishNow(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* ExecutorService::OpenChannel(grpc::CallbackServerContext* ctx,
+                                                       const v1::OpenChannelRequest* req,
+                                                       v1::OpenChannelResponse* resp) {
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  if (core_.channels == nullptr) {
+    return FinishNow(ctx, absl::UnimplementedError("this server has no fast channels"));
+  }
+  auto info = core_.channels->Open(ns, RegionOwner(caller, req->client_id()), req->lease_ms());
+  if (!info.ok()) return FinishNow(ctx, info.status());
+  resp->set_channel_id(info->id);
+  resp->set_shm_key(info->shm_key);
+  resp->set_byte_size(info->byte_size);
+  resp->set_slots(fast::kSlots);
+  resp->set_max_tensors(fast::kMaxTensors);
+  resp->set_spin_us(info->spin_us);
+  resp->set_worker_pid(info->pid);
+  resp->set_region(info->region);
+  return FinishNow(ctx, absl::OkStatus());
 }
 
 }  // namespace opjit::rpc

@@ -1,5 +1,8 @@
 #include "server/rpc/services.h"
 
+#include "server/exec/channels.h"
+#include "server/exec/handles.h"
+
 #include <unistd.h>
 
 #include <atomic>
@@ -300,6 +303,8 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
   if (core_.executor != nullptr) resp->set_exec_queued(core_.executor->Stats().queued);
   if (core_.autograd != nullptr) resp->set_backward_contexts(core_.autograd->LiveContexts());
   if (core_.regions != nullptr) resp->set_regions(core_.regions->GetStats().regions);
+  if (core_.handles != nullptr) resp->set_handles(static_cast<int64_t>(core_.handles->size()));
+  if (core_.channels != nullptr) resp->set_channels(static_cast<int64_t>(core_.channels->size()));
   return FinishNow(ctx, absl::OkStatus());
 }
 

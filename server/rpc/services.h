@@ -28,6 +28,8 @@ class KernelCompiler;
 }
 namespace exec {
 class Executor;
+class HandleTable;
+class ChannelManager;
 }
 namespace tensor {
 class RegionManager;
@@ -54,6 +56,10 @@ struct CoreRefs {
   access::AccessControl* access = nullptr;
   // Per-namespace compile and call quotas; null: none.
   access::QuotaManager* quotas = nullptr;
+  // Prepared handles and fast channels; null: Prepare / OpenChannel answer
+  // UNIMPLEMENTED.
+  exec::HandleTable* handles = nullptr;
+  exec::ChannelManager* channels = nullptr;
 };
 
 // Static facts reported by GetServerInfo.
@@ -143,6 +149,15 @@ class ExecutorService final : public v1::Executor::CallbackService {
   grpc::ServerUnaryReactor* GradCheck(grpc::CallbackServerContext* ctx,
                                       const v1::GradCheckRequest* req,
                                       v1::GradCheckResponse* resp) override;
+  grpc::ServerUnaryReactor* Prepare(grpc::CallbackServerContext* ctx,
+                                    const v1::PrepareRequest* req,
+                                    v1::PrepareResponse* resp) override;
+  grpc::ServerUnaryReactor* ReleaseHandles(grpc::CallbackServerContext* ctx,
+                                           const v1::ReleaseHandlesRequest* req,
+                                           v1::ReleaseHandlesResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenChannel(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenChannelRequest* req,
+                                        v1::OpenChannelResponse* resp) override;
 
  private:
   CoreRefs core_;

@@ -12,7 +12,10 @@
 //
 // Flags: --parent-pid P --arena-bytes N --memory-bytes N --uid U --gid G
 //        --spin-us N --scratch-dir D --namespace NS [--allow-library L]...
-//        [--read-only PATH]...
+//        [--read-only PATH]... [--channel-bytes N]
+//
+// With --channel-bytes, the worker serves one client's fast channel
+// (fast_channel.h), mapped from fd 5, instead of the daemon's call slot.
 
 #include <errno.h>
 #include <sched.h>
@@ -37,6 +40,8 @@
 #include "server/common/worker_sanitizer.h"
 #include "server/common/sandbox.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/common/error_info.h"
+#include "server/runner/fast_channel.h"
 #include "server/runner/kernel_host.h"
 #include "server/runner/worker_protocol.h"
 
@@ -46,6 +51,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kSock = 3;
 constexpr int kArena = 4;
+constexpr int kChannel = 5;
+constexpr size_t kMaxBindings = 4096;
 // Bounds on what a worker keeps; the oldest go first.
 constexpr size_t kMaxKernels = 128;
 constexpr size_t kMaxInstances = 1024;
@@ -107,6 +114,15 @@ struct Flags {
   int64_t uid = -1, gid = -1, spin_us = 50;
   std::string scratch_dir = "/tmp", ns;
   std::vector<std::string> libraries, read_only;
+  uint64_t channel_bytes = 0;  // > 0: serve a fast channel
+};
+
+// A prepared handle this channel's client may call: which instance, and the
+// byte size of each tensor (inputs then outputs).
+struct Binding {
+  uint64_t instance_id = 0;
+  uint32_t n_in = 0, n_out = 0;
+  std::vector<uint64_t> nbytes;
 };
 
 class Worker {
@@ -115,6 +131,8 @@ class Worker {
       : flags_(std::move(flags)), host_(std::move(host)), slot_(slot), data_(data) {}
 
   int Loop();
+  // Serves a fast channel mapped at `channel` until the daemon stops it.
+  int ChannelLoop(void* channel);
 
  private:
   void Reply(int32_t code, uint64_t need, std::string_view message, std::string_view payload = {});
@@ -125,6 +143,15 @@ class Worker {
   void HandleCall();
   // The call's reply, in the slot.
   void Answer(int32_t code, uint64_t need, std::string_view message, double kernel_ms);
+
+  // Fast channel.
+  void ServeSlot(fast::Slot* slot);
+  absl::Status RunSlot(fast::Slot* slot, double* kernel_ms);
+  // Asks the daemon for a handle's binding or a region, serving its control
+  // frames until its grant; the grant's status.
+  absl::Status Want(wire::Msg type, uint64_t id);
+  std::map<uint64_t, Binding> bindings_;
+  uint64_t handle_epoch_ = 0, region_epoch_ = 0;
 
   const Flags flags_;
   std::unique_ptr<KernelHost> host_;
@@ -209,6 +236,27 @@ void Worker::HandleControl(wire::Msg type, const std::string& payload, int fd) {
       m->data = static_cast<char*>(m->base) + (offset - map_offset);
       m->size = size;
       regions_.Put(serial, std::move(m));
+      return Reply(0, 0, {});
+    }
+    case wire::Msg::kBindHandle: {
+      wire::Reader r(payload);
+      const uint64_t handle = r.U64();
+      Binding b;
+      b.instance_id = r.U64();
+      b.n_in = r.U32();
+      b.n_out = r.U32();
+      if (!r.ok() || uint64_t{b.n_in} + b.n_out > fast::kMaxTensors) {
+        return ReplyStatus(absl::InvalidArgumentError("bad binding frame"));
+      }
+      for (uint32_t i = 0; i < b.n_in + b.n_out; ++i) b.nbytes.push_back(r.U64());
+      if (!r.done()) return ReplyStatus(absl::InvalidArgumentError("bad binding frame"));
+      InstanceEntry* e = instances_.Get(b.instance_id);
+      if (e == nullptr) return Reply(wire::kNeedInstance, b.instance_id, {});
+      if (e->spec.inputs.size() != b.n_in || e->spec.outputs.size() != b.n_out) {
+        return ReplyStatus(absl::InvalidArgumentError("the binding does not match its instance"));
+      }
+      if (bindings_.size() >= kMaxBindings) bindings_.clear();
+      bindings_[handle] = std::move(b);
       return Reply(0, 0, {});
     }
     case wire::Msg::kDropRegion: {
@@ -300,6 +348,199 @@ void Worker::HandleCall() {
   Answer(static_cast<int32_t>(st.code()), 0, wire::MessageWithReason(st), ms);
 }
 
+absl::Status Worker::Want(wire::Msg type, uint64_t id) {
+  wire::Writer w;
+  w.U64(id);
+  if (!wire::SendFrame(kSock, type, w.out()).ok()) _exit(0);
+  for (;;) {
+    wire::Msg got;
+    std::string payload;
+    int fd = -1;
+    if (!wire::RecvFrame(kSock, &got, &payload, absl::InfiniteFuture(), &fd).ok()) _exit(0);
+    if (got != wire::Msg::kGrant) {
+      HandleControl(got, payload, fd);
+      continue;
+    }
+    if (fd >= 0) ::close(fd);
+    wire::Reader r(payload);
+    const int32_t code = r.I32();
+    const std::string reason = r.Str();
+    const std::string message = r.Str();
+    if (!r.done()) _exit(0);
+    if (code == 0) return absl::OkStatus();
+    absl::Status s(static_cast<absl::StatusCode>(code), message);
+    return reason.empty() ? s : WithReason(s, reason);
+  }
+}
+
+// One call of the channel's client. Every field is read once, into locals:
+// the client may rewrite the slot while the kernel runs.
+absl::Status Worker::RunSlot(fast::Slot* slot, double* kernel_ms) {
+  auto* epochs = slot_;  // the daemon's words (the private arena)
+  if (const uint64_t e = epochs->handle_epoch.load(std::memory_order_acquire); e != handle_epoch_) {
+    bindings_.clear();
+    handle_epoch_ = e;
+  }
+  if (const uint64_t e = epochs->region_epoch.load(std::memory_order_acquire); e != region_epoch_) {
+    regions_ = Lru<std::shared_ptr<Mapping>>(kMaxRegions);
+    region_epoch_ = e;
+  }
+  const uint64_t handle = slot->handle;
+  const uint32_t n = slot->n_tensors;
+  const int64_t deadline_ns = slot->deadline_ns;
+  if (n > fast::kMaxTensors) {
+    return absl::InvalidArgumentError(absl::StrCat("a call passes at most ", fast::kMaxTensors,
+                                                   " tensors; this one says ", n));
+  }
+  fast::TensorRef refs[fast::kMaxTensors];
+  std::memcpy(refs, slot->tensors, n * sizeof(fast::TensorRef));
+  // The binding; the daemon is asked at most twice (a binding whose
+  // instance this worker evicted is asked for again).
+  Binding* b = nullptr;
+  InstanceEntry* e = nullptr;
+  for (int attempt = 0; attempt < 2 && e == nullptr; ++attempt) {
+    auto it = bindings_.find(handle);
+    if (it == bindings_.end()) {
+      if (absl::Status s = Want(wire::Msg::kWantHandle, handle); !s.ok()) return s;
+      it = bindings_.find(handle);
+      if (it == bindings_.end()) return absl::InternalError("the daemon granted no binding");
+    }
+    b = &it->second;
+    e = instances_.Get(b->instance_id);
+    if (e == nullptr || !e->outputs_known) {
+      e = nullptr;
+      bindings_.erase(it);
+    }
+  }
+  if (e == nullptr) return absl::InternalError("the handle's kernel instance is missing");
+  if (n != b->n_in + b->n_out) {
+    return absl::InvalidArgumentError(absl::StrCat("the call passes ", n, " tensors; handle ",
+                                                   handle, " takes ", b->n_in, " inputs and ",
+                                                   b->n_out, " outputs"));
+  }
+  if (deadline_ns != 0 && fast::MonotonicNs() > deadline_ns) {
+    return WithReason(absl::DeadlineExceededError("the deadline passed before the kernel started"),
+                      reason::kKernelTimeout);
+  }
+  struct Span {
+    uint64_t region, begin, end;
+  };
+  absl::InlinedVector<HostTensor, 8> in, out;
+  absl::InlinedVector<Span, 8> spans;
+  for (uint32_t i = 0; i < n; ++i) {
+    const bool input = i < b->n_in;
+    const uint32_t k = input ? i : i - b->n_in;
+    auto what = [&] { return absl::StrCat(input ? "inputs[" : "outputs[", k, "]"); };
+    const uint64_t nbytes = b->nbytes[i];
+    HostTensor t;
+    t.desc = input ? e->spec.inputs[k] : e->spec.outputs[k];
+    if (refs[i].region == 0) {
+      if (nbytes != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what(), " names no region (id 0), but takes ", nbytes, " bytes"));
+      }
+      (input ? in : out).push_back(std::move(t));
+      continue;
+    }
+    std::shared_ptr<Mapping>* m = regions_.Get(refs[i].region);
+    if (m == nullptr) {
+      if (absl::Status s = Want(wire::Msg::kWantRegion, refs[i].region); !s.ok()) {
+        return Annotate(s, absl::StrCat(what(), ": "));
+      }
+      m = regions_.Get(refs[i].region);
+      if (m == nullptr) return absl::InternalError("the daemon granted no region");
+    }
+    const uint64_t size = (*m)->size, off = refs[i].offset;
+    if (off > size || nbytes > size - off) {
+      return WithReason(absl::InvalidArgumentError(absl::StrCat(
+                            what(), ": ", nbytes, " bytes at offset ", off, " do not fit region id ",
+                            refs[i].region, " (", size, " bytes)")),
+                        reason::kRegionTooSmall, {{"tensor", what()}});
+    }
+    // Outputs must not overlap an input or each other (as on the gRPC path).
+    if (!input && nbytes > 0) {
+      for (const Span& sp : spans) {
+        if (sp.region == refs[i].region && off < sp.end && sp.begin < off + nbytes) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(what(), " overlaps another tensor of the call in region id ",
+                           refs[i].region));
+        }
+      }
+    }
+    spans.push_back({refs[i].region, off, off + nbytes});
+    t.data = (*m)->data + off;
+    (input ? in : out).push_back(std::move(t));
+  }
+  const auto t0 = Clock::now();
+  absl::Status st = e->inst->Run(in, out);
+  *kernel_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  return st;
+}
+
+void Worker::ServeSlot(fast::Slot* slot) {
+  uint32_t expected = fast::kSubmitted;
+  if (!slot->state.compare_exchange_strong(expected, fast::kRunning, std::memory_order_acq_rel)) {
+    return;
+  }
+  double kernel_ms = 0;
+  const absl::Status st = RunSlot(slot, &kernel_ms);
+  const auto why = GetReason(st);
+  const std::string reason = why ? why->reason : "";
+  const absl::string_view message = st.message();
+  slot->code = static_cast<int32_t>(st.code());
+  std::memset(slot->reason, 0, sizeof slot->reason);
+  std::memcpy(slot->reason, reason.data(), std::min(reason.size(), sizeof slot->reason - 1));
+  const size_t len = std::min<size_t>(message.size(), fast::kMessageBytes);
+  if (len > 0) std::memcpy(slot->message, message.data(), len);
+  slot->message_len = static_cast<uint32_t>(len);
+  slot->kernel_ms = kernel_ms;
+  slot->state.store(fast::kDone, std::memory_order_seq_cst);
+  if (slot->client_waiting.load(std::memory_order_seq_cst) != 0) {
+    fast::FutexWake(&slot->state, 1 << 30);
+  }
+}
+
+int Worker::ChannelLoop(void* channel) {
+  fast::Header* hdr = fast::HeaderOf(channel);
+  const uint32_t n_slots = fast::kSlots;
+  uint32_t next = 0;
+  for (;;) {
+    const uint32_t bell = hdr->doorbell.load(std::memory_order_acquire);
+    bool served = false;
+    for (uint32_t k = 0; k < n_slots; ++k) {
+      const uint32_t i = (next + k) % n_slots;
+      fast::Slot* slot = fast::SlotAt(channel, i);
+      if (slot->state.load(std::memory_order_acquire) == fast::kSubmitted) {
+        ServeSlot(slot);
+        next = i + 1;
+        served = true;
+        break;
+      }
+    }
+    if (served) continue;
+    // Spin for the next call, then sleep on the doorbell (announced first;
+    // the client wakes us after it rings). The timeout bounds what a lost
+    // wake-up could cost.
+    const auto until = Clock::now() + std::chrono::microseconds(flags_.spin_us);
+    int n = 0;
+    bool rang = false;
+    while (flags_.spin_us > 0) {
+      if (hdr->doorbell.load(std::memory_order_acquire) != bell) {
+        rang = true;
+        break;
+      }
+      ::sched_yield();
+      if ((++n & 7) == 0 && Clock::now() > until) break;
+    }
+    if (rang) continue;
+    hdr->worker_sleeping.store(1, std::memory_order_seq_cst);
+    if (hdr->doorbell.load(std::memory_order_seq_cst) == bell) {
+      fast::FutexWait(&hdr->doorbell, bell, 100'000'000);
+    }
+    hdr->worker_sleeping.store(0, std::memory_order_seq_cst);
+  }
+}
+
 int Worker::Loop() {
   for (;;) {
     // Spin a little: the next call of a busy caller often comes at once.
@@ -369,6 +610,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (a == "--namespace") f->ns = v;
     else if (a == "--allow-library") f->libraries.push_back(v);
     else if (a == "--read-only") f->read_only.push_back(v);
+    else if (a == "--channel-bytes") f->channel_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else return false;
   }
   return f->arena_bytes > 0;
@@ -382,8 +624,9 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "opjit-exec-worker: bad arguments; it is started by opjitd\n");
     return 2;
   }
-  // Nothing of the daemon's but the channel and the arena.
-  ::syscall(SYS_close_range, 5u, ~0u, 0u);
+  // Nothing of the daemon's but the channel, the arena and (fast channels)
+  // the client's channel memory.
+  ::syscall(SYS_close_range, flags.channel_bytes > 0 ? 6u : 5u, ~0u, 0u);
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (flags.parent_pid != 0 && ::getppid() != flags.parent_pid) return 3;
   ::signal(SIGPIPE, SIG_IGN);
@@ -394,6 +637,16 @@ int Main(int argc, char** argv) {
   if (arena == MAP_FAILED) {
     std::fprintf(stderr, "opjit-exec-worker: cannot map the arena: %s\n", std::strerror(errno));
     return 4;
+  }
+  void* channel = nullptr;
+  if (flags.channel_bytes > 0) {
+    if (flags.channel_bytes < fast::kChannelBytes) return 2;
+    channel = ::mmap(nullptr, fast::kChannelBytes, PROT_READ | PROT_WRITE, MAP_SHARED, kChannel, 0);
+    ::close(kChannel);
+    if (channel == MAP_FAILED) {
+      std::fprintf(stderr, "opjit-exec-worker: cannot map the channel: %s\n", std::strerror(errno));
+      return 4;
+    }
   }
   KernelHostOptions hopts;
   hopts.allowed_libraries = flags.libraries;
@@ -439,7 +692,7 @@ int Main(int argc, char** argv) {
   if (!wire::SendFrame(kSock, wire::Msg::kHello, hello.out()).ok()) return 7;
   Worker worker(std::move(flags), *std::move(host), static_cast<wire::SlotHeader*>(arena),
                 static_cast<char*>(arena) + wire::kSlotBytes);
-  return worker.Loop();
+  return channel != nullptr ? worker.ChannelLoop(channel) : worker.Loop();
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -116,6 +117,44 @@ class KernelInstance {
   virtual absl::Status Run(const RunArgs& args) = 0;
 };
 
+// A fast channel's executor (fast_channel.h): a sandboxed process that
+// serves one client's slot ring directly. It asks the daemon, through these
+// resolvers, for what a call names the first time it sees it.
+struct HandleBinding {
+  InstanceSpec spec;  // outputs known
+  std::vector<uint64_t> input_bytes, output_bytes;
+};
+
+struct ChannelSpec {
+  std::string ns;
+  std::string label;  // for logs
+  // The ring, shared with the client (a region of the client's).
+  std::shared_ptr<const tensor::Region> memory;
+  // The executor's spin for its next call before it sleeps.
+  int64_t spin_us = 50;
+  // A handle the client calls: its binding, or the status the call gets
+  // (STALE_HANDLE...).
+  std::function<absl::StatusOr<HandleBinding>(uint64_t handle)> resolve_handle;
+  // A region id the client names: the region if it is the client's.
+  std::function<absl::StatusOr<std::shared_ptr<const tensor::Region>>(uint64_t id)> resolve_region;
+};
+
+class Channel {
+ public:
+  // Closes it (as Close).
+  virtual ~Channel() = default;
+  virtual int pid() const = 0;
+  // False once the executor died or was stopped: the channel takes no calls.
+  virtual bool alive() const = 0;
+  // The executor forgets its handle bindings (the registry changed) or its
+  // region mappings (regions were released) and asks again.
+  virtual void InvalidateHandles() = 0;
+  virtual void InvalidateRegions() = 0;
+  // Stops the executor; calls in flight fail, waiters are woken, and the
+  // ring is marked closed.
+  virtual void Close() = 0;
+};
+
 struct RunnerStats {
   uint64_t workers_live = 0;     // executor processes now
   uint64_t workers_started = 0;  // since start
@@ -130,6 +169,13 @@ class KernelRunner {
   // A new instance for `spec`. Init runs here when the outputs are known
   // (in-daemon), or lazily in each worker (process). Errors: those of Run.
   virtual absl::StatusOr<std::shared_ptr<KernelInstance>> Instance(const InstanceSpec& spec) = 0;
+  // A fast channel (see ChannelSpec). UNIMPLEMENTED where kernels do not
+  // run in executor processes.
+  virtual absl::StatusOr<std::shared_ptr<Channel>> OpenChannel(const ChannelSpec& spec) {
+    (void)spec;
+    return absl::UnimplementedError(
+        "fast channels need kernels in executor processes ([exec] isolation = \"process\")");
+  }
   // Housekeeping (stopping idle workers); called about once a second.
   virtual void Maintain() {}
   virtual RunnerStats Stats() const = 0;

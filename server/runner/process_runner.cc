@@ -22,6 +22,8 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "server/common/error_info.h"
@@ -30,7 +32,9 @@
 #include "server/common/spawn_thread.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/runner/fast_channel.h"
 #include "server/runner/worker_protocol.h"
+#include "server/tensor/guarded_copy.h"
 #include "server/tensor/region.h"
 
 extern char** environ;
@@ -155,7 +159,25 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
     return p.get();
   }
 
-  absl::StatusOr<std::unique_ptr<Worker>> Spawn(const std::string& ns);
+  // A new worker of `ns`; with `channel`, one that serves that fast
+  // channel's ring (mapped from fd 5) instead of the daemon's slot.
+  absl::StatusOr<std::unique_ptr<Worker>> Spawn(const std::string& ns,
+                                                const tensor::Region* channel = nullptr,
+                                                int64_t channel_spin_us = 0);
+  // How a worker that stopped answering ended, as the status of the call it
+  // ran (ABORTED or RESOURCE_EXHAUSTED, reason KERNEL_CRASHED); reaps it.
+  absl::Status DeathStatus(Worker& w, const absl::Status& s, const std::string& label,
+                           const std::string& ns);
+  // A call stopped at its deadline (`by_call`) or the kernel time limit.
+  absl::Status TimeoutStatus(bool by_call) const {
+    return WithReason(absl::DeadlineExceededError(absl::StrCat(
+                          "the kernel ran past ",
+                          by_call ? std::string("the call's deadline")
+                                  : absl::StrCat("the server's kernel time limit (",
+                                                 options.kernel_timeout_ms, " ms)"),
+                          "; its executor process was stopped")),
+                      reason::kKernelTimeout);
+  }
   // An idle worker of `ns`, or a new one; waits for one until `deadline`.
   absl::StatusOr<std::unique_ptr<Worker>> Acquire(const std::string& ns, Clock::time_point deadline);
   void Release(const std::string& ns, std::unique_ptr<Worker> w);
@@ -188,7 +210,9 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   }
 };
 
-absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::string& ns) {
+absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::string& ns,
+                                                                   const tensor::Region* channel,
+                                                                   int64_t channel_spin_us) {
   auto w = std::make_unique<Worker>();
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
@@ -243,10 +267,14 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
       "--memory-bytes", std::to_string(options.memory_bytes),
       "--uid", std::to_string(options.uid),
       "--gid", std::to_string(options.gid),
-      "--spin-us", std::to_string(options.spin_us),
+      "--spin-us", std::to_string(channel != nullptr ? channel_spin_us : options.spin_us),
       "--scratch-dir", scratch,
       "--namespace", ns,
   };
+  if (channel != nullptr) {
+    args.push_back("--channel-bytes");
+    args.push_back(std::to_string(channel->size()));
+  }
   for (const auto& lib : options.host.allowed_libraries) {
     args.push_back("--allow-library");
     args.push_back(lib);
@@ -274,6 +302,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, child_sock, 3);
   posix_spawn_file_actions_adddup2(&fa, w->arena_fd, 4);
+  if (channel != nullptr) posix_spawn_file_actions_adddup2(&fa, channel->fd(), 5);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
   // Its own process group, so a signal to the daemon's group spares it and
@@ -436,6 +465,43 @@ absl::StatusOr<Reply> ProcessRunner::Impl::Call(Worker& w, Clock::time_point dea
   return reply;
 }
 
+absl::Status ProcessRunner::Impl::DeathStatus(Worker& w, const absl::Status& s,
+                                              const std::string& label, const std::string& ns) {
+  const pid_t pid = w.pid;
+  auto log = Logger("runner");
+  // A closed channel: the process is dying; one that broke the protocol is
+  // killed.
+  w.Reap(/*kill=*/!absl::IsOutOfRange(s) && !absl::IsUnavailable(s), /*grace_ms=*/500);
+  const std::string how =
+      w.death.empty() || (w.killed_by_us && !absl::IsOutOfRange(s)) ? "broke the executor protocol"
+                                                                    : w.death;
+  log->error("{} (namespace {}): executor process {} {} ({})", label, ns, pid, how,
+             s.ToString());
+  if (!w.killed_by_us && w.death.find("SIGKILL") != std::string::npos) {
+    // Not opjitd's SIGKILL. Near its memory limit it was the OOM killer
+    // reacting to this kernel; otherwise someone else sent it (an operator,
+    // or the OOM killer on a machine short of memory).
+    const uint64_t limit = options.memory_bytes;
+    if (limit != 0 && w.peak_rss_bytes >= limit / 2) {
+      return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                            "the kernel's executor process was killed (SIGKILL) after using ",
+                            w.peak_rss_bytes >> 20, " MiB, near its ", limit >> 20, " MiB limit")),
+                        reason::kKernelCrashed, {{"cause", "memory"}});
+    }
+    return WithReason(absl::AbortedError(absl::StrCat(
+        "the kernel's executor process was killed (SIGKILL) from outside opjitd at ",
+        w.peak_rss_bytes >> 20,
+        " MiB, far below its memory limit (an operator, or the kernel's OOM killer on a machine "
+        "short of memory); only this call failed")),
+                      reason::kKernelCrashed, {{"cause", "killed"}});
+  }
+  return WithReason(absl::AbortedError(absl::StrCat("the kernel's executor process ", how,
+                                                    "; only this call failed, and the next one "
+                                                    "runs in a fresh process (Init runs again)")),
+                    reason::kKernelCrashed, {{"cause", "crash"}});
+}
+
+
 namespace {
 
 // An instance whose code lives in the namespace's workers. Each worker
@@ -483,46 +549,11 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
                          call_deadline <= Clock::now() + std::chrono::milliseconds(1);
     log->warn("{} (namespace {}): kernel stopped at {}; executor process {} killed", spec_.label,
               spec_.ns, by_call ? "the call's deadline" : "the kernel time limit", pid);
-    return WithReason(absl::DeadlineExceededError(absl::StrCat(
-                          "the kernel ran past ",
-                          by_call ? std::string("the call's deadline")
-                                  : absl::StrCat("the server's kernel time limit (",
-                                                 runner_->options.kernel_timeout_ms, " ms)"),
-                          "; its executor process was stopped")),
-                      reason::kKernelTimeout);
+    return runner_->TimeoutStatus(by_call);
   }
-  // A closed channel: the process is dying; one that broke the protocol is
-  // killed.
-  w.Reap(/*kill=*/!absl::IsOutOfRange(s) && !absl::IsUnavailable(s), /*grace_ms=*/500);
   runner_->crashes.fetch_add(1);
   runner_->NoteCrash(quarantine_key_);
-  const std::string how =
-      w.death.empty() || (w.killed_by_us && !absl::IsOutOfRange(s)) ? "broke the executor protocol"
-                                                                    : w.death;
-  log->error("{} (namespace {}): executor process {} {} ({})", spec_.label, spec_.ns, pid, how,
-             s.ToString());
-  if (!w.killed_by_us && w.death.find("SIGKILL") != std::string::npos) {
-    // Not opjitd's SIGKILL. Near its memory limit it was the OOM killer
-    // reacting to this kernel; otherwise someone else sent it (an operator,
-    // or the OOM killer on a machine short of memory).
-    const uint64_t limit = runner_->options.memory_bytes;
-    if (limit != 0 && w.peak_rss_bytes >= limit / 2) {
-      return WithReason(absl::ResourceExhaustedError(absl::StrCat(
-                            "the kernel's executor process was killed (SIGKILL) after using ",
-                            w.peak_rss_bytes >> 20, " MiB, near its ", limit >> 20, " MiB limit")),
-                        reason::kKernelCrashed, {{"cause", "memory"}});
-    }
-    return WithReason(absl::AbortedError(absl::StrCat(
-        "the kernel's executor process was killed (SIGKILL) from outside opjitd at ",
-        w.peak_rss_bytes >> 20,
-        " MiB, far below its memory limit (an operator, or the kernel's OOM killer on a machine "
-        "short of memory); only this call failed")),
-                      reason::kKernelCrashed, {{"cause", "killed"}});
-  }
-  return WithReason(absl::AbortedError(absl::StrCat("the kernel's executor process ", how,
-                                                    "; only this call failed, and the next one "
-                                                    "runs in a fresh process (Init runs again)")),
-                    reason::kKernelCrashed, {{"cause", "crash"}});
+  return runner_->DeathStatus(w, s, spec_.label, spec_.ns);
 }
 
 template <typename Op>
@@ -694,6 +725,291 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
 }
 
 }  // namespace
+
+namespace {
+
+// The daemon's side of a fast channel: the executor process serving the
+// client's ring, and a thread that answers what the executor asks for
+// (kWantHandle, kWantRegion), watches the running call's deadline and the
+// kernel time limit, and notices the executor's death. The daemon reads
+// nothing of the ring but running slots' state, seq and deadline, and only
+// through GuardedCopy (the client may shrink the object).
+class ChannelImpl : public Channel {
+ public:
+  ChannelImpl(std::shared_ptr<ProcessRunner::Impl> runner, ChannelSpec spec,
+              std::unique_ptr<Worker> w)
+      : runner_(std::move(runner)), spec_(std::move(spec)), w_(std::move(w)), pid_(w_->pid) {
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~ChannelImpl() override { Close(); }
+
+  int pid() const override { return pid_; }
+  bool alive() const override { return alive_.load(); }
+  void InvalidateHandles() override {
+    w_->slot->handle_epoch.fetch_add(1, std::memory_order_acq_rel);
+  }
+  void InvalidateRegions() override {
+    w_->slot->region_epoch.fetch_add(1, std::memory_order_acq_rel);
+  }
+  void Close() override {
+    std::lock_guard<std::mutex> lock(close_mu_);
+    if (closed_) return;
+    closed_ = true;
+    stop_.store(true);
+    // Unblocks the thread if it waits on the executor (an Init that hangs).
+    if (alive_.load()) ::kill(pid_, SIGKILL);
+    if (thread_.joinable()) thread_.join();
+    if (w_->pid > 0) {
+      w_->Reap(/*kill=*/true);
+      runner_->live.fetch_sub(1);
+    }
+    alive_.store(false);
+    MarkClosed();
+  }
+
+ private:
+  void Serve();
+  // Answers kWantHandle: the binding, creating the instance (and loading the
+  // kernel) in the executor as it asks. The outer status is a broken
+  // channel; the inner one is what the client's call gets.
+  absl::StatusOr<absl::Status> Bind(uint64_t handle, Clock::time_point deadline);
+  absl::StatusOr<absl::Status> AddRegion(uint64_t id, Clock::time_point deadline);
+  // The executor died (`s`: how the channel broke) or was stopped at a
+  // deadline (`timeout`): answers the running call, closes the ring.
+  void Ended(const absl::Status& s, std::optional<absl::Status> timeout, int running_slot);
+  // Reads slot i's state, seq and deadline; false if the ring shrank.
+  bool ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq, int64_t* deadline_ns) const;
+  // Writes a reply into slot i and wakes its client.
+  void PostReply(uint32_t i, const absl::Status& status);
+  // Sets the ring's closed flag and wakes every waiter.
+  void MarkClosed();
+
+  char* base() const { return reinterpret_cast<char*>(spec_.memory->data()); }
+
+  const std::shared_ptr<ProcessRunner::Impl> runner_;
+  const ChannelSpec spec_;
+  std::unique_ptr<Worker> w_;  // used by the thread only, until it ends
+  const int pid_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> alive_{true};
+  std::mutex close_mu_;
+  bool closed_ = false;  // guarded by close_mu_
+  std::map<uint64_t, uint64_t> instance_ids_;  // handle -> instance id (thread only)
+};
+
+bool ChannelImpl::ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq,
+                           int64_t* deadline_ns) const {
+  const char* slot = base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
+  return tensor::GuardedCopy(state, slot + offsetof(fast::Slot, state), 4).ok() &&
+         tensor::GuardedCopy(seq, slot + offsetof(fast::Slot, seq), 8).ok() &&
+         tensor::GuardedCopy(deadline_ns, slot + offsetof(fast::Slot, deadline_ns), 8).ok();
+}
+
+void ChannelImpl::PostReply(uint32_t i, const absl::Status& status) {
+  char* slot = base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
+  const int32_t code = static_cast<int32_t>(status.code());
+  const auto why = GetReason(status);
+  char reason[fast::kReasonBytes] = {};
+  if (why) std::memcpy(reason, why->reason.data(), std::min(why->reason.size(), sizeof reason - 1));
+  const absl::string_view message = status.message().substr(0, fast::kMessageBytes);
+  const uint32_t len = static_cast<uint32_t>(message.size());
+  const double kernel_ms = 0;
+  const uint32_t done = fast::kDone;
+  if (!tensor::GuardedCopy(slot + offsetof(fast::Slot, code), &code, 4).ok() ||
+      !tensor::GuardedCopy(slot + offsetof(fast::Slot, reason), reason, sizeof reason).ok() ||
+      !tensor::GuardedCopy(slot + offsetof(fast::Slot, message), message.data(), len).ok() ||
+      !tensor::GuardedCopy(slot + offsetof(fast::Slot, message_len), &len, 4).ok() ||
+      !tensor::GuardedCopy(slot + offsetof(fast::Slot, kernel_ms), &kernel_ms, 8).ok()) {
+    return;
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!tensor::GuardedCopy(slot + offsetof(fast::Slot, state), &done, 4).ok()) return;
+  fast::FutexWake(reinterpret_cast<std::atomic<uint32_t>*>(slot + offsetof(fast::Slot, state)),
+                  1 << 30);
+}
+
+void ChannelImpl::MarkClosed() {
+  const uint32_t one = 1;
+  char* hdr = base();
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!tensor::GuardedCopy(hdr + offsetof(fast::Header, closed), &one, 4).ok()) return;
+  for (uint32_t i = 0; i < fast::kSlots; ++i) {
+    char* slot = base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
+    fast::FutexWake(reinterpret_cast<std::atomic<uint32_t>*>(slot + offsetof(fast::Slot, state)),
+                    1 << 30);
+  }
+}
+
+absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_point deadline) {
+  absl::StatusOr<HandleBinding> b = spec_.resolve_handle(handle);
+  if (!b.ok()) return b.status();
+  if (b->input_bytes.size() != b->spec.inputs.size() ||
+      b->output_bytes.size() != b->spec.outputs.size() ||
+      b->input_bytes.size() + b->output_bytes.size() > fast::kMaxTensors) {
+    return absl::InvalidArgumentError(absl::StrCat("the handle's call passes more than ",
+                                                   fast::kMaxTensors,
+                                                   " tensors, too many for a fast channel"));
+  }
+  uint64_t& iid = instance_ids_[handle];
+  if (iid == 0) iid = runner_->next_instance_id.fetch_add(1);
+  wire::Writer bind;
+  bind.U64(handle);
+  bind.U64(iid);
+  bind.U32(static_cast<uint32_t>(b->input_bytes.size()));
+  bind.U32(static_cast<uint32_t>(b->output_bytes.size()));
+  for (uint64_t n : b->input_bytes) bind.U64(n);
+  for (uint64_t n : b->output_bytes) bind.U64(n);
+  for (int round = 0; round < 3; ++round) {
+    OPJIT_ASSIGN_OR_RETURN(Reply r, runner_->Control(*w_, wire::Msg::kBindHandle, bind.out(), deadline));
+    if (r.code != wire::kNeedInstance) return StatusOf(r);
+    OPJIT_ASSIGN_OR_RETURN(Reply made, runner_->Control(*w_, wire::Msg::kNewInstance,
+                                                        wire::EncodeInstance(iid, b->spec), deadline));
+    if (made.code == wire::kNeedKernel) {
+      OPJIT_ASSIGN_OR_RETURN(Reply loaded,
+                             runner_->Control(*w_, wire::Msg::kLoadKernel,
+                                              wire::EncodeKernel(*b->spec.kernel), deadline));
+      if (loaded.code != 0) return StatusOf(loaded);
+      OPJIT_ASSIGN_OR_RETURN(made, runner_->Control(*w_, wire::Msg::kNewInstance,
+                                                    wire::EncodeInstance(iid, b->spec), deadline));
+    }
+    if (made.code != 0) return StatusOf(made);
+  }
+  return absl::DataLossError("the executor process kept asking for the instance");
+}
+
+absl::StatusOr<absl::Status> ChannelImpl::AddRegion(uint64_t id, Clock::time_point deadline) {
+  auto region = spec_.resolve_region(id);
+  if (!region.ok()) return region.status();
+  wire::Writer wr;
+  wr.U64(id);
+  wr.U64((*region)->info().offset);
+  wr.U64((*region)->size());
+  OPJIT_ASSIGN_OR_RETURN(Reply r, runner_->Control(*w_, wire::Msg::kAddRegion, wr.out(), deadline,
+                                                   (*region)->fd()));
+  return StatusOf(r);
+}
+
+void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeout,
+                        int running_slot) {
+  absl::Status answer;
+  if (timeout) {
+    w_->Reap(/*kill=*/true);
+    runner_->timeouts.fetch_add(1);
+    answer = *timeout;
+  } else {
+    runner_->crashes.fetch_add(1);
+    answer = runner_->DeathStatus(*w_, s, spec_.label, spec_.ns);
+  }
+  runner_->live.fetch_sub(1);
+  alive_.store(false);
+  // The call that ran gets the status; calls still waiting to start never
+  // ran, and their clients see the ring closed.
+  for (uint32_t i = 0; i < fast::kSlots; ++i) {
+    uint32_t state = 0;
+    uint64_t seq = 0;
+    int64_t deadline_ns = 0;
+    if (!ReadSlot(i, &state, &seq, &deadline_ns)) break;
+    if (state == fast::kRunning || static_cast<int>(i) == running_slot) PostReply(i, answer);
+  }
+  MarkClosed();
+}
+
+void ChannelImpl::Serve() {
+  const int64_t limit_ns = runner_->options.kernel_timeout_ms * 1000000;
+  // The running call the watchdog follows: (slot, seq) and when it was seen.
+  int watched = -1;
+  uint64_t watched_seq = 0;
+  int64_t watched_since = 0;
+  while (!stop_.load()) {
+    pollfd p{w_->sock, POLLIN, 0};
+    const int r = ::poll(&p, 1, 20);
+    if (stop_.load()) return;
+    if (r > 0) {
+      wire::Msg type;
+      std::string payload;
+      int fd = -1;
+      absl::Status got = wire::RecvFrame(w_->sock, &type, &payload, absl::Now() + absl::Seconds(5), &fd);
+      if (fd >= 0) ::close(fd);
+      if (!got.ok()) return Ended(got, std::nullopt, -1);
+      wire::Reader rd(payload);
+      const uint64_t id = rd.U64();
+      if (!rd.done() || (type != wire::Msg::kWantHandle && type != wire::Msg::kWantRegion)) {
+        return Ended(absl::DataLossError("unexpected frame"), std::nullopt, -1);
+      }
+      const auto deadline = Clock::now() + std::chrono::milliseconds(runner_->options.kernel_timeout_ms);
+      absl::StatusOr<absl::Status> grant =
+          type == wire::Msg::kWantHandle ? Bind(id, deadline) : AddRegion(id, deadline);
+      if (!grant.ok()) {
+        if (stop_.load()) return;
+        if (absl::IsDeadlineExceeded(grant.status())) {
+          return Ended(grant.status(), runner_->TimeoutStatus(false), -1);
+        }
+        return Ended(grant.status(), std::nullopt, -1);
+      }
+      wire::Writer w;
+      w.I32(static_cast<int32_t>(grant->code()));
+      const auto why = GetReason(*grant);
+      w.Str(why ? why->reason : "");
+      w.Str(std::string(grant->message()));
+      if (!wire::SendFrame(w_->sock, wire::Msg::kGrant, w.out()).ok()) {
+        return Ended(absl::UnavailableError("the executor process is gone"), std::nullopt, -1);
+      }
+    } else if (r < 0 && errno != EINTR) {
+      return Ended(absl::InternalError("poll failed"), std::nullopt, -1);
+    }
+    // Watchdog: the running call's deadline, and the kernel time limit.
+    const int64_t now = fast::MonotonicNs();
+    bool running = false;
+    for (uint32_t i = 0; i < fast::kSlots; ++i) {
+      uint32_t state = 0;
+      uint64_t seq = 0;
+      int64_t deadline_ns = 0;
+      if (!ReadSlot(i, &state, &seq, &deadline_ns)) {
+        return Ended(absl::FailedPreconditionError("the client shrank its channel"),
+                     absl::FailedPreconditionError("the channel's memory shrank"), -1);
+      }
+      if (state != fast::kRunning) continue;
+      running = true;
+      if (static_cast<int>(i) != watched || seq != watched_seq) {
+        watched = static_cast<int>(i);
+        watched_seq = seq;
+        watched_since = now;
+      }
+      const bool by_call = deadline_ns > 0 && now > deadline_ns;
+      if (by_call || now - watched_since > limit_ns) {
+        Logger("runner")->warn("{} (namespace {}): fast-channel kernel stopped at {}; executor "
+                               "process {} killed", spec_.label, spec_.ns,
+                               by_call ? "the call's deadline" : "the kernel time limit", pid_);
+        return Ended(absl::DeadlineExceededError("stopped"), runner_->TimeoutStatus(by_call),
+                     static_cast<int>(i));
+      }
+      break;  // the executor runs one call at a time
+    }
+    if (!running) watched = -1;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Channel>> ProcessRunner::OpenChannel(const ChannelSpec& spec) {
+  if (spec.memory == nullptr || spec.memory->size() < fast::kChannelBytes || !spec.resolve_handle ||
+      !spec.resolve_region) {
+    return absl::InvalidArgumentError("bad channel spec");
+  }
+  // The ring's header, before the client (or the executor) sees it.
+  fast::Header h{};
+  h.magic = fast::kMagic;
+  h.version = fast::kVersion;
+  h.n_slots = fast::kSlots;
+  h.slot_bytes = fast::kSlotBytes;
+  h.max_tensors = fast::kMaxTensors;
+  h.spin_us = spec.spin_us;
+  OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> w, impl_->Spawn(spec.ns, spec.memory.get(), spec.spin_us));
+  h.worker_pid = static_cast<uint32_t>(w->pid);
+  OPJIT_RETURN_IF_ERROR(tensor::GuardedCopy(spec.memory->data(), &h, sizeof h));
+  return std::shared_ptr<Channel>(new ChannelImpl(impl_, spec, std::move(w)));
+}
 
 absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
     const ProcessRunnerOptions& options) {

@@ -78,6 +78,9 @@ class ProcessRunner : public KernelRunner {
   absl::StatusOr<std::shared_ptr<KernelInstance>> Instance(const InstanceSpec& spec) override;
   RunnerStats Stats() const override;
   const char* mode() const override { return "process"; }
+  // A dedicated executor process for one client's fast channel; counts
+  // against nothing here (the caller limits channels).
+  absl::StatusOr<std::shared_ptr<Channel>> OpenChannel(const ChannelSpec& spec) override;
   // Stops workers idle for longer than idle_ms.
   void Maintain() override;
 

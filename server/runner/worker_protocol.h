@@ -40,7 +40,7 @@
 
 namespace opjit::runner::wire {
 
-inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 
 // Frame types.
 enum class Msg : uint8_t {
@@ -52,6 +52,15 @@ enum class Msg : uint8_t {
   kAddRegion = 6,    // daemon -> worker: u64 serial, u64 size, + the fd
   kDropRegion = 7,   // daemon -> worker: u64 serial
   kReply = 8,        // worker -> daemon: i32 code, str message, str payload
+  // Fast channels (fast_channel.h). A channel's executor asks the daemon for
+  // what a client's call names the first time it sees it, and waits for the
+  // kGrant; the daemon answers with control frames (kLoadKernel,
+  // kNewInstance, kAddRegion, kBindHandle), each replied to, then kGrant.
+  kWantHandle = 9,   // worker -> daemon: u64 handle
+  kWantRegion = 10,  // worker -> daemon: u64 region id
+  kBindHandle = 11,  // daemon -> worker: u64 handle, u64 instance id, u32 n_in,
+                     //   u32 n_out, u64 bytes per tensor; kNeedInstance if absent
+  kGrant = 12,       // daemon -> worker: i32 code, str reason, str message (no reply)
 };
 
 // Slot state word: a phase in the low bits, and who sleeps.
@@ -90,6 +99,11 @@ struct alignas(64) SlotHeader {
   uint64_t need;
   double kernel_ms;
   char message[kMessageBytes];
+  // Fast channels: bumped by the daemon when handles may have gone stale
+  // (the registry changed) or regions were released; the executor then
+  // forgets its handle bindings or region mappings and asks again.
+  std::atomic<uint64_t> handle_epoch;
+  std::atomic<uint64_t> region_epoch;
 };
 
 // The slot: header then TensorRecs, kSlotBytes in all; the data area follows.

@@ -24,6 +24,9 @@ struct RegionInfo {
   // Wall-clock time (ms since the Unix epoch) at which the region is released
   // unless its owner renews. Kept by RegionManager; 0 in Region::info().
   int64_t lease_expires_unix_ms = 0;
+  // The region's number (Region::serial()), how fast-channel calls name it.
+  // Kept by RegionManager; 0 in Region::info().
+  uint64_t id = 0;
 };
 
 // One mmap'd window [offset, offset + byte_size) of a POSIX shm object.

@@ -364,6 +364,7 @@ absl::Status RegionManager::Unregister(const std::string& ns, const std::string&
   }
   if (doomed == nullptr) return RegionNotFound(ns, name);
   Logger("tensor")->debug("unregistered region '{}' in namespace '{}'", name, ns);
+  NotifyRemoved({doomed});
   return absl::OkStatus();  // `doomed` drops here, outside the lock.
 }
 
@@ -386,6 +387,7 @@ absl::StatusOr<int> RegionManager::ReleaseOwner(const std::string& ns, const std
     Logger("tensor")->debug("released {} region(s) of '{}' in namespace '{}'", doomed.size(), owner,
                             ns);
   }
+  NotifyRemoved(doomed);
   return static_cast<int>(doomed.size());
 }
 
@@ -438,13 +440,44 @@ int RegionManager::ExpireLeases(int64_t now_unix_ms) {
         "unregistered it",
         info.name, info.ns, info.owner, info.byte_size);
   }
+  NotifyRemoved(doomed);
   return static_cast<int>(doomed.size());
 }
 
 RegionInfo RegionManager::InfoOf(const Entry& entry) {
   RegionInfo info = entry.region->info();
   info.lease_expires_unix_ms = entry.lease_expires_unix_ms;
+  info.id = entry.region->serial();
   return info;
+}
+
+absl::StatusOr<std::shared_ptr<const Region>> RegionManager::AcquireById(
+    const std::string& ns, uint64_t id, const std::string& owner) const {
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto space = namespaces_.find(ns);
+    if (space != namespaces_.end()) {
+      for (const auto& [name, entry] : space->second.regions) {
+        if (entry.region->serial() == id && entry.region->info().owner == owner) {
+          return entry.region;
+        }
+      }
+    }
+  }
+  return WithReason(absl::NotFoundError(absl::StrCat("region id ", id,
+                                                     " is not one of this client's regions in "
+                                                     "namespace '", Clip(ns), "'")),
+                    reason::kRegionNotRegistered);
+}
+
+bool RegionManager::HasOwner(const std::string& ns, const std::string& owner) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto space = namespaces_.find(ns);
+  if (space == namespaces_.end()) return false;
+  for (const auto& [name, entry] : space->second.regions) {
+    if (entry.region->info().owner == owner) return true;
+  }
+  return false;
 }
 
 std::vector<RegionInfo> RegionManager::List(const std::string& ns,

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -169,6 +170,21 @@ class RegionManager {
   // `principal` restricts it as for Acquire.
   std::vector<RegionInfo> List(const std::string& ns, const std::string& principal = "") const;
 
+  // The region numbered `id` (RegionInfo::id) of `owner` in `ns`, for one
+  // call; NOT_FOUND (REGION_NOT_REGISTERED) when there is none or it is
+  // another owner's.
+  absl::StatusOr<std::shared_ptr<const Region>> AcquireById(const std::string& ns, uint64_t id,
+                                                            const std::string& owner) const;
+
+  // Whether `owner` holds any region in `ns`.
+  bool HasOwner(const std::string& ns, const std::string& owner) const;
+
+  // Called, outside the table's lock, with the regions each Unregister,
+  // ReleaseOwner or ExpireLeases removed. Set it before the manager is
+  // shared; it must not call back into removal methods.
+  using RemovalListener = std::function<void(const std::vector<std::shared_ptr<const Region>>&)>;
+  void SetRemovalListener(RemovalListener listener) { removal_listener_ = std::move(listener); }
+
   // Bytes held (and being mapped) per namespace, for metrics.
   std::map<std::string, uint64_t> BytesByNamespace() const;
 
@@ -188,6 +204,10 @@ class RegionManager {
   };
 
   explicit RegionManager(const RegionManagerOptions& options);
+  void NotifyRemoved(const std::vector<std::shared_ptr<const Region>>& removed) const {
+    if (removal_listener_ && !removed.empty()) removal_listener_(removed);
+  }
+  RemovalListener removal_listener_;
 
   // Checks the arguments common to CreateRegion and RegisterRegion and
   // reserves `name` and `bytes` in `ns`; returns the lease to grant.

@@ -1,0 +1,164 @@
+#include "server/exec/channels.h"
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
+#include "server/common/logging.h"
+#include "server/common/random.h"
+#include "server/common/status_macros.h"
+#include "server/exec/handles.h"
+#include "server/runner/fast_channel.h"
+#include "server/tensor/region.h"
+#include "server/tensor/region_manager.h"
+
+namespace opjit::exec {
+
+ChannelManager::ChannelManager(ChannelOptions options, tensor::RegionManager* regions,
+                               HandleTable* handles, runner::KernelRunner* runner)
+    : options_(options), regions_(regions), handles_(handles), runner_(runner) {
+  regions_->SetRemovalListener(
+      [this](const std::vector<std::shared_ptr<const tensor::Region>>& removed) {
+        OnRegionsRemoved(removed);
+      });
+}
+
+ChannelManager::~ChannelManager() { Shutdown(); }
+
+void ChannelManager::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  regions_->SetRemovalListener(nullptr);
+  std::map<uint64_t, Entry> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all.swap(channels_);
+  }
+  for (auto& [id, e] : all) e.channel->Close();
+}
+
+absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const std::string& owner,
+                                                 int64_t lease_ms) {
+  if (!options_.enabled) {
+    return absl::UnimplementedError("fast channels are disabled on this server ([fast] enabled)");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t used = 0;
+    for (const auto& [id, e] : channels_) used += e.ns == ns;
+    if (used >= options_.per_namespace) {
+      return QuotaExceeded("channels", std::to_string(options_.per_namespace), ns,
+                           "fast channels are open in this namespace; close some "
+                           "(ReleaseClient) or call over gRPC");
+    }
+  }
+  OPJIT_ASSIGN_OR_RETURN(std::string hex, RandomHex128());
+  const std::string name = absl::StrCat("opjit-channel-", hex.substr(0, 16));
+  OPJIT_ASSIGN_OR_RETURN(tensor::RegionInfo info,
+                         regions_->CreateRegion(ns, owner, name, fast::kChannelBytes, lease_ms));
+  auto region = regions_->Acquire(ns, name);
+  if (!region.ok()) return region.status();
+  const uint64_t region_id = info.id;
+
+  runner::ChannelSpec spec;
+  spec.ns = ns;
+  spec.label = absl::StrCat("channel of ", owner);
+  spec.memory = *region;
+  spec.spin_us = options_.spin_us;
+  HandleTable* handles = handles_;
+  tensor::RegionManager* regions = regions_;
+  spec.resolve_handle = [handles, ns, owner](uint64_t id) -> absl::StatusOr<runner::HandleBinding> {
+    auto h = handles->Get(ns, owner, id);
+    if (!h.ok()) return h.status();
+    if (!(*h)->fast) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "handle ", id, " cannot run on a fast channel (a GPU call); call it over gRPC"));
+    }
+    runner::HandleBinding b;
+    b.spec = (*h)->prepared.instance;
+    b.input_bytes = (*h)->prepared.input_bytes;
+    b.output_bytes = (*h)->prepared.output_bytes;
+    return b;
+  };
+  spec.resolve_region = [regions, ns, owner, region_id](uint64_t id)
+      -> absl::StatusOr<std::shared_ptr<const tensor::Region>> {
+    if (id == region_id) {
+      return WithReason(absl::InvalidArgumentError("a channel's own memory cannot hold tensors"),
+                        reason::kRegionNotRegistered);
+    }
+    return regions->AcquireById(ns, id, owner);
+  };
+  auto channel = runner_->OpenChannel(spec);
+  if (!channel.ok()) {
+    (void)regions_->Unregister(ns, name);
+    return channel.status();
+  }
+  ChannelInfo out;
+  out.region = name;
+  out.shm_key = info.shm_key;
+  out.byte_size = info.byte_size;
+  out.pid = (*channel)->pid();
+  out.spin_us = options_.spin_us;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out.id = next_id_++;
+    channels_[out.id] = Entry{out.id, ns, owner, name, region_id, *channel};
+  }
+  Logger("exec")->debug("opened fast channel {} for {} in namespace {} (executor {})", out.id,
+                        owner, ns, out.pid);
+  return out;
+}
+
+void ChannelManager::OnRegistryChanged() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, e] : channels_) e.channel->InvalidateHandles();
+}
+
+void ChannelManager::OnRegionsRemoved(
+    const std::vector<std::shared_ptr<const tensor::Region>>& removed) {
+  std::vector<std::shared_ptr<runner::Channel>> doomed;
+  std::set<std::pair<std::string, std::string>> owners;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& region : removed) {
+      const tensor::RegionInfo& info = region->info();
+      owners.insert({info.ns, info.owner});
+      for (auto it = channels_.begin(); it != channels_.end();) {
+        if (it->second.region_id == region->serial()) {
+          doomed.push_back(it->second.channel);
+          it = channels_.erase(it);
+          continue;
+        }
+        if (it->second.ns == info.ns && it->second.owner == info.owner) {
+          it->second.channel->InvalidateRegions();
+        }
+        ++it;
+      }
+    }
+  }
+  for (auto& c : doomed) c->Close();
+  // A client whose last region went (it left, or its lease lapsed) leaves
+  // no handles behind.
+  for (const auto& [ns, owner] : owners) {
+    if (!regions_->HasOwner(ns, owner)) handles_->Release(ns, owner, {});
+  }
+}
+
+void ChannelManager::Maintain() {
+  std::vector<std::pair<std::string, std::string>> dead;  // (ns, region)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, e] : channels_) {
+      if (!e.channel->alive()) dead.push_back({e.ns, e.region});
+    }
+  }
+  // Unregistering closes them (OnRegionsRemoved).
+  for (const auto& [ns, region] : dead) (void)regions_->Unregister(ns, region);
+}
+
+size_t ChannelManager::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return channels_.size();
+}
+
+}  // namespace opjit::exec

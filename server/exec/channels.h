@@ -1,0 +1,106 @@
+// Fast channels: same-host clients calling prepared handles through shared
+// memory, with no gRPC and no daemon hop (server/runner/fast_channel.h).
+//
+// A channel is
+//   * a region of the client's ("opjit-channel-<hex>"), created here: it
+//     shares the client's lease, counts against its namespace's shm quota,
+//     and closing it (UnregisterRegion, ReleaseClient, a lapsed lease)
+//     closes the channel;
+//   * a dedicated, sandboxed executor process serving that ring
+//     (KernelRunner::OpenChannel), which asks the daemon, the first time a
+//     call names them, for the handle (only the owner's, only current ones)
+//     and each region (only the owner's).
+//
+// Staleness: a registry change bumps every channel's handle epoch, so their
+// executors ask again and a stale handle answers STALE_HANDLE; a region
+// release bumps the region epoch of its owner's channels. The release of an
+// owner's last region also releases its handles.
+//
+// Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/runner/kernel_runner.h"
+
+namespace opjit::tensor {
+class Region;
+class RegionManager;
+}  // namespace opjit::tensor
+
+namespace opjit::exec {
+
+class HandleTable;
+
+struct ChannelOptions {
+  // Fast channels at all ([fast] enabled). Default: true.
+  bool enabled = true;
+  // Open channels per namespace (each is one executor process). Default: 16.
+  size_t per_namespace = 16;
+  // The executors' spin for their next call, and the spin advised to
+  // clients, before they sleep on a futex. Default: 50 us.
+  int64_t spin_us = 50;
+};
+
+struct ChannelInfo {
+  uint64_t id = 0;
+  std::string region;   // the channel's region name
+  std::string shm_key;  // what the client maps
+  uint64_t byte_size = 0;
+  int pid = 0;
+  int64_t spin_us = 0;
+};
+
+class ChannelManager {
+ public:
+  // None of the pointers is owned. Hooks itself into `regions` (removal
+  // listener); the caller forwards registry changes to OnRegistryChanged.
+  ChannelManager(ChannelOptions options, tensor::RegionManager* regions, HandleTable* handles,
+                 runner::KernelRunner* runner);
+  // Shutdown().
+  ~ChannelManager();
+  // Closes every channel and unhooks from the region manager (before that
+  // goes). Idempotent.
+  void Shutdown();
+
+  // Opens a channel for `owner` ("<principal>/<client id>") in `ns`.
+  // UNIMPLEMENTED when disabled or kernels run in the daemon;
+  // RESOURCE_EXHAUSTED (QUOTA_EXCEEDED) past the namespace's channels; the
+  // region manager's errors (shm quota).
+  absl::StatusOr<ChannelInfo> Open(const std::string& ns, const std::string& owner,
+                                    int64_t lease_ms);
+
+  void OnRegistryChanged();
+  void OnRegionsRemoved(const std::vector<std::shared_ptr<const tensor::Region>>& removed);
+  // Closes channels whose executor died (their regions are unregistered, so
+  // their clients open new ones). About once a second.
+  void Maintain();
+
+  size_t size() const;
+  bool enabled() const { return options_.enabled; }
+
+ private:
+  struct Entry {
+    uint64_t id = 0;
+    std::string ns, owner, region;
+    uint64_t region_id = 0;
+    std::shared_ptr<runner::Channel> channel;
+  };
+
+  const ChannelOptions options_;
+  tensor::RegionManager* const regions_;
+  HandleTable* const handles_;
+  runner::KernelRunner* const runner_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, Entry> channels_;  // by id
+  uint64_t next_id_ = 1;
+  bool shut_down_ = false;
+};
+
+}  // namespace opjit::exec
