@@ -120,7 +120,7 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
   OPJIT_CFG_TRY(CheckKeys(root, "",
                           {"state_dir", "listen", "log_level", "max_message_mb", "allow_insecure_tcp", "compiler",
                            "cache", "exec", "shm", "autograd", "socket_mode", "socket_group",
-                           "principal", "tls", "metrics", "health", "quota"}));
+                           "principal", "tls", "metrics", "health", "quota", "fast"}));
   OPJIT_CFG_TRY(ReadString(root, "socket_group", "", &cfg->socket_group));
   if (const toml::node* n = root.get("socket_mode")) {
     auto v = n->value<std::string>();

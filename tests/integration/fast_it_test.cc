@@ -516,3 +516,53 @@ TEST_F(FastIT, ClientKilledMidCallLeaksNothing) {
 
 }  // namespace
 }  // namespace opjit::testing
+
+namespace opjit::testing {
+namespace {
+
+// [fast] limits: channels per namespace, and the switch that turns channels
+// off (clients in "auto" then stay on gRPC; "on" is an error).
+TEST(FastLimitsIT, ChannelsPerNamespaceAndTheOffSwitch) {
+  TempDir tmp;
+  const std::string config = tmp.path() + "/opjitd.toml";
+  {
+    std::ofstream(config) << "[fast]\nchannels = 1\n";
+  }
+  Daemon daemon(tmp.path() + "/state", {"--config", config});
+  ASSERT_TRUE(daemon.Start()) << daemon.Log();
+  auto a = client::Client::Connect({.address = daemon.address(), .fast = "on"});
+  auto b = client::Client::Connect({.address = daemon.address(), .fast = "on"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto first = (*a)->OpenChannel("", 0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = (*b)->OpenChannel("", 0);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted) << second.status();
+  EXPECT_EQ(ReasonOf(second.status()), reason::kQuotaExceeded);
+  EXPECT_TRUE((*b)->OpenChannel("other-ns", 0).ok()) << "the limit is per namespace";
+  // Closing the first (its region goes with ReleaseClient) makes room.
+  ASSERT_TRUE((*a)->ReleaseRegions("").ok());
+  auto third = (*b)->OpenChannel("", 0);
+  EXPECT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(daemon.Stop(), 0);
+
+  TempDir tmp2;
+  {
+    std::ofstream(tmp2.path() + "/opjitd.toml") << "[fast]\nenabled = false\n";
+  }
+  Daemon off(tmp2.path() + "/state", {"--config", tmp2.path() + "/opjitd.toml"});
+  ASSERT_TRUE(off.Start()) << off.Log();
+  auto c = client::Client::Connect({.address = off.address(), .fast = "on"});
+  ASSERT_TRUE(c.ok());
+  auto refused = (*c)->OpenChannel("", 0);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << refused.status();
+  v1::PrepareRequest p;
+  p.set_op("missing");
+  auto prep = (*c)->Prepare(p);
+  ASSERT_FALSE(prep.ok());
+  EXPECT_EQ(prep.status().code(), absl::StatusCode::kNotFound) << "Prepare still works over gRPC";
+}
+
+}  // namespace
+}  // namespace opjit::testing
