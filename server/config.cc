@@ -233,9 +233,10 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
     OPJIT_CFG_TRY(ReadInt(*c, "quarantine_after", "exec.", &cfg->quarantine_after));
   }
   if (const toml::table* c = root["fast"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "fast.", {"enabled", "channels", "spin_us", "handles"}));
+    OPJIT_CFG_TRY(CheckKeys(*c, "fast.", {"enabled", "channels", "total_channels", "spin_us", "handles"}));
     OPJIT_CFG_TRY(ReadBool(*c, "enabled", "fast.", &cfg->fast_enabled));
     OPJIT_CFG_TRY(ReadInt(*c, "channels", "fast.", &cfg->fast_channels));
+    OPJIT_CFG_TRY(ReadInt(*c, "total_channels", "fast.", &cfg->fast_total_channels));
     OPJIT_CFG_TRY(ReadInt(*c, "spin_us", "fast.", &cfg->fast_spin_us));
     OPJIT_CFG_TRY(ReadInt(*c, "handles", "fast.", &cfg->fast_handles));
   }
@@ -351,10 +352,10 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
         "exec.isolation must be \"process\" or \"in-daemon\", not \"", cfg.isolation, "\""));
   }
   if (cfg.exec_workers < 1) return absl::InvalidArgumentError("exec.workers must be >= 1");
-  if (cfg.fast_channels < 0 || cfg.fast_handles < 1 || cfg.fast_spin_us < 0 ||
+  if (cfg.fast_channels < 0 || cfg.fast_total_channels < 0 || cfg.fast_handles < 1 || cfg.fast_spin_us < 0 ||
       cfg.fast_spin_us > 100000) {
     return absl::InvalidArgumentError(
-        "fast: channels must be >= 0, handles >= 1, spin_us in [0, 100000]");
+        "fast: channels and total_channels must be >= 0, handles >= 1, spin_us in [0, 100000]");
   }
   if (cfg.kernel_timeout_ms < 1) {
     return absl::InvalidArgumentError("exec.kernel_timeout_ms must be >= 1");

@@ -89,6 +89,7 @@ struct DaemonConfig {
   // [fast]: prepared calls and same-host fast channels (server/exec/channels.h)
   bool fast_enabled = true;         // fast channels at all
   int64_t fast_channels = 16;       // open channels per namespace (one executor process each)
+  int64_t fast_total_channels = 64; // open channels in all
   int64_t fast_spin_us = 50;        // a channel executor's (and its client's) spin before sleeping
   int64_t fast_handles = 4096;      // prepared handles per namespace
 

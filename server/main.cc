@@ -364,6 +364,7 @@ int Run(int argc, char** argv) {
                             registry->get());
   exec::ChannelManager channels({.enabled = cfg->fast_enabled && cfg->fast_channels > 0,
                                  .per_namespace = static_cast<size_t>(cfg->fast_channels),
+                                 .total = static_cast<size_t>(cfg->fast_total_channels),
                                  .spin_us = cfg->fast_spin_us},
                                 regions->get(), &handles, kernel_runner.get());
   (*registry)->SetChangeListener([&channels] { channels.OnRegistryChanged(); });

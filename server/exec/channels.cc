@@ -46,6 +46,10 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
     std::lock_guard<std::mutex> lock(mu_);
     size_t used = 0;
     for (const auto& [id, e] : channels_) used += e.ns == ns;
+    if (channels_.size() >= options_.total) {
+      return QuotaExceeded("channels", std::to_string(options_.total), "",
+                           "fast channels are open on this server; call over gRPC");
+    }
     if (used >= options_.per_namespace) {
       return QuotaExceeded("channels", std::to_string(options_.per_namespace), ns,
                            "fast channels are open in this namespace; close some "

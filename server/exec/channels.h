@@ -43,6 +43,9 @@ struct ChannelOptions {
   bool enabled = true;
   // Open channels per namespace (each is one executor process). Default: 16.
   size_t per_namespace = 16;
+  // Open channels in all, so that many namespaces cannot start an executor
+  // process each without bound. Default: 64.
+  size_t total = 64;
   // The executors' spin for their next call, and the spin advised to
   // clients, before they sleep on a futex. Default: 50 us.
   int64_t spin_us = 50;

@@ -28,6 +28,8 @@
 #include "server/exec/executor.h"
 #include "server/registry/registry.h"
 #include "server/rpc/grpc_server.h"
+#include "server/exec/channels.h"
+#include "server/exec/handles.h"
 #include "server/runner/process_runner.h"
 #include "server/tensor/region_manager.h"
 #include "tests/fuzz/fuzz_util.h"
@@ -44,6 +46,8 @@ struct Server {
   std::unique_ptr<opjit::runner::KernelRunner> runner;
   std::unique_ptr<opjit::exec::Executor> executor;
   std::unique_ptr<opjit::autograd::Autograd> autograd;
+  std::unique_ptr<opjit::exec::HandleTable> handles;
+  std::unique_ptr<opjit::exec::ChannelManager> channels;
   std::unique_ptr<opjit::rpc::GrpcServer> grpc;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Registry::Stub> reg;
@@ -94,11 +98,17 @@ Server* Start() {
   s->autograd = Must(opjit::autograd::Autograd::Create(
       {.ttl_ms = 60000, .namespace_bytes = 64 << 20, .gradcheck_threads = 1},
       s->registry.get(), s->executor.get()));
+  s->handles = std::make_unique<opjit::exec::HandleTable>(
+      opjit::exec::HandleTableOptions{.max_per_namespace = 64}, s->registry.get());
+  s->channels = std::make_unique<opjit::exec::ChannelManager>(
+      opjit::exec::ChannelOptions{.per_namespace = 2, .total = 4}, s->regions.get(),
+      s->handles.get(), s->runner.get());
   const std::string address = "unix:" + s->dir + "/opjitd.sock";
   s->grpc = Must(opjit::rpc::GrpcServer::Start(
       {.listen = {address}, .max_message_bytes = 8 << 20},
       {.registry = s->registry.get(), .compiler = s->compiler.get(), .regions = s->regions.get(),
-       .executor = s->executor.get(), .autograd = s->autograd.get()},
+       .executor = s->executor.get(), .autograd = s->autograd.get(),
+       .handles = s->handles.get(), .channels = s->channels.get()},
       {.version = "fuzz", .state_dir = s->dir, .listen = {address}}));
   s->channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
   s->reg = v1::Registry::NewStub(s->channel);
@@ -167,7 +177,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cleanup.server = s;
   if (size < 1 || size > (1 << 20)) return 0;
   const std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
-  switch (data[0] % 18) {
+  switch (data[0] % 21) {
     case 0: Call<v1::RegisterOpRequest, v1::RegisterOpResponse>(s->reg.get(), &v1::Registry::Stub::RegisterOp, body); break;
     case 1: Call<v1::GetOpRequest, v1::OpRecord>(s->reg.get(), &v1::Registry::Stub::GetOp, body); break;
     case 2: Call<v1::ListOpsRequest, v1::ListOpsResponse>(s->reg.get(), &v1::Registry::Stub::ListOps, body); break;
@@ -186,6 +196,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 15: Call<v1::GradCheckRequest, v1::GradCheckResponse>(s->exec.get(), &v1::Executor::Stub::GradCheck, body); break;
     case 16: Call<v1::ReleaseContextRequest, v1::ReleaseContextResponse>(s->exec.get(), &v1::Executor::Stub::ReleaseContext, body); break;
     case 17: Call<v1::GetServerInfoRequest, v1::ServerInfo>(s->info.get(), &v1::Server::Stub::GetServerInfo, body); break;
+    case 18: Call<v1::PrepareRequest, v1::PrepareResponse>(s->exec.get(), &v1::Executor::Stub::Prepare, body); break;
+    case 19: Call<v1::ReleaseHandlesRequest, v1::ReleaseHandlesResponse>(s->exec.get(), &v1::Executor::Stub::ReleaseHandles, body); break;
+    case 20: Call<v1::OpenChannelRequest, v1::OpenChannelResponse>(s->exec.get(), &v1::Executor::Stub::OpenChannel, body); break;
   }
   return 0;
 }

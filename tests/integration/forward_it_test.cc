@@ -438,7 +438,15 @@ TEST_F(ForwardIT, SlowKernelsQueueDeadlinesAndBackpressure) {
   daemon_ = std::make_unique<Daemon>(tmp_.path() + "/state3",
                                      std::vector<std::string>{"--config", cfg});
   ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
-  c_ = daemon_->NewClient();
+  // The execution pool's queue is what this test checks: its clients stay on
+  // gRPC (a fast channel has its own executor and never queues there).
+  auto grpc_only = [&](std::chrono::milliseconds timeout = std::chrono::seconds(120)) {
+    auto c = client::Client::Connect({.address = daemon_->address(), .timeout = timeout,
+                                      .fast = "off"});
+    EXPECT_TRUE(c.ok());
+    return *std::move(c);
+  };
+  c_ = grpc_only();
   Register("leaky_relu");
   // runs[1] = 1 says "started"; the kernel then waits until the client sets
   // x[1] != 0, and counts its completed runs in runs[0].
@@ -471,13 +479,11 @@ extern "C" int Gate(int, void** params, int*, int64_t**, const char**, void*, vo
   auto queue_depth = [&] { return c_->Info()->exec_queued(); };
 
   absl::StatusOr<v1::ForwardResponse> first, queued;
-  std::thread t1([&] { first = daemon_->NewClient()->Forward(gate); });
+  std::thread t1([&] { first = grpc_only()->Forward(gate); });
   while (runs[1] != 1.0f) std::this_thread::yield();  // the pool thread is busy
   const auto t2_start = std::chrono::steady_clock::now();
   std::thread t2([&] {
-    auto c = client::Client::Connect({.address = daemon_->address(),
-                                      .timeout = std::chrono::milliseconds(1000)});
-    queued = (*c)->Forward(gate);
+    queued = grpc_only(std::chrono::milliseconds(1000))->Forward(gate);
   });
   while (queue_depth() != 1) std::this_thread::yield();  // the second call waits
 
