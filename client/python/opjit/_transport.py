@@ -468,11 +468,16 @@ class Transport:
                     namespace=ns, name=resp.region), timeout=5.0)
             except grpc.RpcError:
                 pass
+            if isinstance(e, OSError):
+                # This /dev/shm is not the server's (another container...):
+                # shared memory as a whole is unusable, not just the channel.
+                raise ShmUnavailable("cannot map the fast channel %s: %s" % (resp.shm_key, e)) \
+                    from None
             if on:
-                raise ShmUnavailableError("fast=\"on\": cannot map the fast channel: %s" % e) \
+                raise ShmUnavailableError("fast=\"on\": the fast channel is unusable: %s" % e) \
                     from None
             self._channel_refused[ns] = float("inf")
-            _log.debug("opjit: cannot map the fast channel (%s); using gRPC", e)
+            _log.debug("opjit: the fast channel is unusable (%s); using gRPC", e)
             return None
         self._channels[ns] = ch
         self._handle_namespaces.add(ns)

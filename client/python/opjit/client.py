@@ -15,6 +15,7 @@ from google.protobuf import json_format
 
 from opjit._proto import (compile_pb2, compile_pb2_grpc, exec_pb2_grpc, memory_pb2_grpc, op_pb2,
                           registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
+from opjit._shm import ShmUnavailable
 from opjit._transport import Session, ShmUnavailableError, Transport
 from opjit.errors import InvalidArgument, NotFound, Unavailable, error_from_rpc
 from opjit.op import Op, split_name
@@ -309,7 +310,11 @@ class Client:
         ns = self.namespace if namespace is None else namespace
         if self._transport.pool(ns) is None:
             return False
-        return self._transport.channel(ns) is not None
+        try:
+            return self._transport.channel(ns) is not None
+        except ShmUnavailable as e:  # this /dev/shm is not the server's
+            self._transport.shm_failed(str(e))
+            return False
 
     def call_counts(self):
         """Forwards so far by path: {"fast": channel calls, "handle": prepared
