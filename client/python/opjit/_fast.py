@@ -59,6 +59,7 @@ _DEAD_GRACE_NS = 2_000_000_000  # after the executor died: how long the daemon g
 _DEADLINE_GRACE_NS = 10_000_000_000  # past the call's deadline without any reply
 
 # syscall(2) is variadic: every argument is passed as a full C long.
+_PROBE_EVERY = 32  # with the spin budget at 0: one full spin per this many calls
 _SYS_FUTEX = ctypes.c_long(202)  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = ctypes.c_long(0), ctypes.c_long(1)
 _ONE, _ZERO = ctypes.c_long(1), ctypes.c_long(0)
@@ -140,6 +141,12 @@ class FastChannel:
                                (SLOT_BYTES - S_TENSORS) // 16)
         server_spin = info.spin_us if info.spin_us > 0 else 0
         self.spin_ns = int((server_spin if spin_us is None else spin_us) * 1000)
+        # Adaptive spin: the budget halves each time a spin ends without the
+        # reply (on a busy machine the spinning core is what the executor
+        # waits for) and returns to spin_ns when a spin catches it; at 0,
+        # one call in _PROBE_EVERY spins the full budget to notice the change.
+        self._budget = self.spin_ns
+        self._since_probe = 0
         # ctypes views over the shared words; they pin the mapping until close().
         self._doorbell = ctypes.c_uint32.from_buffer(mm, H_DOORBELL)
         self._closed = ctypes.c_uint32.from_buffer(mm, H_CLOSED)
@@ -279,14 +286,22 @@ class FastChannel:
         state = self._state[i]
         if state.value == DONE:
             return DONE, False
-        if self.spin_ns > 0:
+        budget = self._budget
+        if budget == 0 and self.spin_ns:
+            self._since_probe += 1
+            if self._since_probe >= _PROBE_EVERY:
+                self._since_probe = 0
+                budget = self.spin_ns
+        if budget > 0:
             clock = time.perf_counter_ns
-            end = clock() + self.spin_ns
+            end = clock() + budget
             while state.value != DONE:
                 if clock() >= end:
                     break
             else:
+                self._budget = self.spin_ns
                 return DONE, False
+            self._budget = budget // 2 if budget >= 2000 else 0
         waiting = self._waiting[i]
         waiting.value = 1
         addr = self._state_addr[i]
