@@ -42,7 +42,7 @@ test-sanitize: deps
 	  -DOPJIT_BUILD_BENCH=OFF
 	cmake --build $(ASAN_BUILD) -j$(JOBS)
 	$(SANITIZER_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure --timeout 900 -j$(JOBS) \
-	  -L 'unit|integration'
+	  -L 'unit|integration' -LE variant
 	$(SANITIZER_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure -j$(JOBS) -L fuzz
 
 test-unit: build
