@@ -50,6 +50,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/proc_cpu.h"
 #include "client/cpp/opjit_client.h"
 #include "client/cpp/shm_region.h"
 
@@ -586,39 +587,7 @@ json RunOverhead(const OverheadConfig& cfg, const v1::ForwardRequest& req,
 // Process isolation: what the executor processes cost in CPU, and how long a
 // crashed kernel's op takes to answer again.
 
-// CPU seconds (user + system) of process `pid`; 0 if unreadable.
-double CpuSeconds(pid_t pid) {
-  std::istringstream in(ReadFile("/proc/" + std::to_string(pid) + "/stat"));
-  std::string all = in.str();
-  const auto close = all.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::istringstream rest(all.substr(close + 2));
-  std::string state;
-  long skip = 0, utime = 0, stime = 0;
-  rest >> state;
-  for (int i = 0; i < 10; ++i) rest >> skip;
-  rest >> utime >> stime;
-  return static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK);
-}
-
-// CPU seconds of the executor processes that are children of `daemon`.
-double WorkerCpuSeconds(pid_t daemon) {
-  double total = 0;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string name = e.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    const std::string stat = ReadFile((e.path() / "stat").string());
-    const auto open = stat.find('('), close = stat.rfind(')');
-    if (open == std::string::npos || close == std::string::npos) continue;
-    if (stat.substr(open + 1, close - open - 1) != "opjit-exec-work") continue;
-    std::istringstream rest(stat.substr(close + 2));
-    std::string state;
-    long ppid = 0;
-    rest >> state >> ppid;
-    if (ppid == daemon) total += CpuSeconds(std::stoi(name));
-  }
-  return total;
-}
+using opjit::bench::CpuSeconds;
 
 constexpr char kCrashySpec[] = R"({
   "name": "crashy",
@@ -1013,14 +982,14 @@ int Main(int argc, char** argv) {
       const bool hist = transport == "unix" && clients == 1;
       // CPU of both daemons and of the executors over the run: what the
       // spinning of the process runner costs.
-      const double cpu0 = CpuSeconds(daemon->pid()), wcpu0 = WorkerCpuSeconds(daemon->pid());
+      const double cpu0 = CpuSeconds(daemon->pid()), wcpu0 = opjit::bench::ExecutorCpuSeconds(daemon->pid());
       const double icpu0 = CpuSeconds(in_daemon->pid());
       const auto w0 = Clock::now();
       json row = RunOverhead(cfg, tiny, echo_payload, hist ? &histogram : nullptr);
       const double wall = UsSince(w0) * 1e-6;
       row["cpu"] = {{"wall_s", wall},
                     {"process_daemon_s", CpuSeconds(daemon->pid()) - cpu0},
-                    {"process_workers_s", WorkerCpuSeconds(daemon->pid()) - wcpu0},
+                    {"process_workers_s", opjit::bench::ExecutorCpuSeconds(daemon->pid()) - wcpu0},
                     {"in_daemon_s", CpuSeconds(in_daemon->pid()) - icpu0}};
       printf(
           "%-4s %d client%s  opjit p50 %s p99 %s %s | in-daemon p50 %s (process/in-daemon %s) | "

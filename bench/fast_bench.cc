@@ -52,6 +52,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/proc_cpu.h"
 #include "client/cpp/opjit_client.h"
 #include "client/cpp/shm_region.h"
 #include "server/runner/fast_channel.h"
@@ -87,39 +88,7 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-// CPU seconds (user + system) of process `pid`; 0 if unreadable.
-double CpuSeconds(pid_t pid) {
-  const std::string all = ReadFile("/proc/" + std::to_string(pid) + "/stat");
-  const auto close = all.rfind(')');
-  if (close == std::string::npos) return 0;
-  std::istringstream rest(all.substr(close + 2));
-  std::string state;
-  long skip = 0, utime = 0, stime = 0;
-  rest >> state;
-  for (int i = 0; i < 10; ++i) rest >> skip;
-  rest >> utime >> stime;
-  return static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK);
-}
-
-// CPU seconds of the executor processes (children of `daemon`), the
-// channels' executors included.
-double ExecutorCpuSeconds(pid_t daemon) {
-  double total = 0;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string name = e.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    const std::string stat = ReadFile((e.path() / "stat").string());
-    const auto open = stat.find('('), close = stat.rfind(')');
-    if (open == std::string::npos || close == std::string::npos) continue;
-    if (stat.substr(open + 1, close - open - 1) != "opjit-exec-work") continue;
-    std::istringstream rest(stat.substr(close + 2));
-    std::string state;
-    long ppid = 0;
-    rest >> state >> ppid;
-    if (ppid == daemon) total += CpuSeconds(std::stoi(name));
-  }
-  return total;
-}
+using opjit::bench::CpuSeconds;
 
 double SelfCpuSeconds() {
   rusage u;
@@ -418,11 +387,11 @@ struct CpuUse {
 };
 
 CpuUse MeasureCpu(pid_t daemon, const std::function<void()>& run) {
-  const double d0 = CpuSeconds(daemon), e0 = ExecutorCpuSeconds(daemon), c0 = SelfCpuSeconds();
+  const double d0 = CpuSeconds(daemon), e0 = opjit::bench::ExecutorCpuSeconds(daemon), c0 = SelfCpuSeconds();
   const auto t0 = Clock::now();
   run();
   const double s = UsSince(t0) * 1e-6;
-  return {(CpuSeconds(daemon) - d0) / s, (ExecutorCpuSeconds(daemon) - e0) / s,
+  return {(CpuSeconds(daemon) - d0) / s, (opjit::bench::ExecutorCpuSeconds(daemon) - e0) / s,
           (SelfCpuSeconds() - c0) / s};
 }
 

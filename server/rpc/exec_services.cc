@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
+#include "server/common/status_macros.h"
 #include "server/autograd/autograd.h"
 #include "server/exec/channels.h"
 #include "server/exec/executor.h"
@@ -179,6 +180,20 @@ void OutputToProto(exec::OutputResult& o, v1::Tensor* t) {
   }
 }
 
+// A forward's output placements, deadline and request id.
+absl::Status AddPlacementsAndDeadline(const v1::ForwardRequest& req,
+                                      const grpc::CallbackServerContext& ctx,
+                                      exec::ForwardCall* call) {
+  for (int j = 0; j < req.outputs_size(); ++j) {
+    auto p = PlacementFromProto(req.outputs(j), j);
+    if (!p.ok()) return p.status();
+    call->outputs.push_back(*std::move(p));
+  }
+  call->deadline = SteadyDeadline(ctx);
+  call->request_id = next_forward_id.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<registry::Target> TargetFromProto(const std::string& target) {
   if (target.empty()) return registry::Target::kCpu;
   auto t = registry::ParseTarget(target);
@@ -223,13 +238,7 @@ absl::StatusOr<exec::ForwardCall> CallFromHandle(const exec::Handle& h,
                                                    h.id, " was prepared for ",
                                                    h.prepared.inputs.size()));
   }
-  for (int j = 0; j < req.outputs_size(); ++j) {
-    auto p = PlacementFromProto(req.outputs(j), j);
-    if (!p.ok()) return p.status();
-    call.outputs.push_back(*std::move(p));
-  }
-  call.deadline = SteadyDeadline(ctx);
-  call.request_id = next_forward_id.fetch_add(1, std::memory_order_relaxed);
+  OPJIT_RETURN_IF_ERROR(AddPlacementsAndDeadline(req, ctx, &call));
   return call;
 }
 
@@ -250,13 +259,7 @@ absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
   auto attrs = AttrsFromProto(req.attrs());
   if (!attrs.ok()) return attrs.status();
   call.attrs = *std::move(attrs);
-  for (int j = 0; j < req.outputs_size(); ++j) {
-    auto p = PlacementFromProto(req.outputs(j), j);
-    if (!p.ok()) return p.status();
-    call.outputs.push_back(*std::move(p));
-  }
-  call.deadline = SteadyDeadline(ctx);
-  call.request_id = next_forward_id.fetch_add(1, std::memory_order_relaxed);
+  OPJIT_RETURN_IF_ERROR(AddPlacementsAndDeadline(req, ctx, &call));
   return call;
 }
 
