@@ -784,9 +784,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (cmd == "stats") args->positional = {"stats"};
+  // One call per process: opening a fast channel (starting its executor)
+  // would cost more than it saves, so the CLI stays on gRPC unless
+  // OPJIT_FAST says otherwise.
   auto client = Client::Connect({.address = g.server,
                                  .timeout = std::chrono::milliseconds(
-                                     static_cast<int64_t>(g.timeout_s * 1000))});
+                                     static_cast<int64_t>(g.timeout_s * 1000)),
+                                 .fast = std::getenv("OPJIT_FAST") != nullptr ? "" : "off"});
   if (!client.ok()) return Fail(client.status());
   Client& c = **client;
   g_address = c.address();
