@@ -55,6 +55,12 @@ uint64_t Align64(uint64_t x) { return (x + 63) & ~uint64_t{63}; }
 // gRPC threads and the worker need it more than the spinner).
 inline void CpuRelax() { ::sched_yield(); }
 
+// The key crash streaks are kept under: namespace, label (op and version)
+// and the kernel's content.
+std::string QuarantineKey(const InstanceSpec& spec) {
+  return absl::StrCat(spec.ns, "\x1f", spec.label, "\x1f", spec.kernel->cache_key);
+}
+
 std::string SignalText(int sig) {
   const char* name = sigabbrev_np(sig);
   return absl::StrCat(name != nullptr ? absl::StrCat("SIG", name) : "signal", " (signal ", sig, ")");
@@ -512,8 +518,7 @@ class RemoteInstance : public KernelInstance {
       : runner_(std::move(runner)),
         spec_(std::move(spec)),
         id_(id),
-        quarantine_key_(absl::StrCat(spec_.ns, "\x1f", spec_.label, "\x1f",
-                                     spec_.kernel->cache_key)) {}
+        quarantine_key_(QuarantineKey(spec_)) {}
 
   absl::StatusOr<std::vector<int64_t>> InferShape() override;
   absl::Status Run(const RunArgs& args) override;
@@ -796,6 +801,10 @@ class ChannelImpl : public Channel {
   std::mutex close_mu_;
   bool closed_ = false;  // guarded by close_mu_
   std::map<uint64_t, uint64_t> instance_ids_;  // handle -> instance id (thread only)
+  // handle -> its kernel's quarantine key, as the pool uses (thread only):
+  // a kernel that crashes channel executors is quarantined like one that
+  // crashes pool workers.
+  std::map<uint64_t, std::string> quarantine_keys_;
 };
 
 bool ChannelImpl::ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq,
@@ -851,6 +860,9 @@ absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_poin
                                                    fast::kMaxTensors,
                                                    " tensors, too many for a fast channel"));
   }
+  const std::string qkey = QuarantineKey(b->spec);
+  if (absl::Status q = runner_->QuarantineCheck(qkey, b->spec.label); !q.ok()) return q;
+  quarantine_keys_[handle] = qkey;
   uint64_t& iid = instance_ids_[handle];
   if (iid == 0) iid = runner_->next_instance_id.fetch_add(1);
   wire::Writer bind;
@@ -900,6 +912,18 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
   } else {
     runner_->crashes.fetch_add(1);
     answer = runner_->DeathStatus(*w_, s, spec_.label, spec_.ns);
+    // The kernel that ran counts a crash towards its quarantine.
+    for (uint32_t i = 0; i < fast::kSlots; ++i) {
+      uint32_t state = 0;
+      uint64_t seq = 0, handle = 0;
+      int64_t deadline_ns = 0;
+      if (!ReadSlot(i, &state, &seq, &deadline_ns) || state != fast::kRunning) continue;
+      const char* slot = base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
+      if (!tensor::GuardedCopy(&handle, slot + offsetof(fast::Slot, handle), 8).ok()) break;
+      if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
+        runner_->NoteCrash(k->second);
+      }
+    }
   }
   runner_->live.fetch_sub(1);
   alive_.store(false);

@@ -391,6 +391,17 @@ TEST_F(FastIT, CrashingKernelFailsItsCallLikeGrpcAndTheNextCallWorks) {
   EXPECT_EQ(base[1024 + 3], 42.0f);
   // The dead channel's region went away; one channel region remains.
   EXPECT_EQ(RegionsOf(c_->client_id()).size(), channel_before.size());
+
+  // Crashes on channels count towards the kernel's quarantine as on the pool
+  // ([exec] quarantine_after = 3): two so far, a third, then it is refused
+  // without starting anything.
+  auto third = c_->Forward(ShmCall("segv", 16, "buf", 0, 4096));
+  EXPECT_EQ(ReasonOf(third.status()), "KERNEL_CRASHED") << third.status();
+  auto refused = c_->Forward(ShmCall("segv", 16, "buf", 0, 4096));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_EQ(ReasonOf(refused.status()), "KERNEL_QUARANTINED") << refused.status();
+  auto still_fine = c_->Forward(ShmCall("double", 16, "buf", 0, 4096));
+  EXPECT_TRUE(still_fine.ok()) << still_fine.status();
 }
 
 TEST_F(FastIT, DeadlineStopsASlowKernel) {
