@@ -96,7 +96,7 @@ struct Executor::Impl {
   // for PrepareAsync, answers what it would run.
   void Start(std::shared_ptr<CallState> st);
   // A prepared call is complete: answers it with what it runs.
-  void AnswerPrepared(CallState& st, const std::shared_ptr<KernelInstance>& inst);
+  void AnswerPrepared(CallState& st);
   // The instance spec of a checked call (outputs filled in when known).
   absl::StatusOr<runner::InstanceSpec> SpecFor(const ForwardCall& call, const FlatInputs& flat,
                                                const Checked& c, const OpPlan& plan);
@@ -396,15 +396,14 @@ bool Executor::Impl::TryCachedShape(std::shared_ptr<CallState>& st) {
   instance_hits.fetch_add(1, std::memory_order_relaxed);
   st->checked = std::move(hit);
   if (st->prepared) {
-    AnswerPrepared(*st, inst);
+    AnswerPrepared(*st);
     return true;
   }
   Run(std::move(st), std::move(inst));
   return true;
 }
 
-void Executor::Impl::AnswerPrepared(CallState& st, const std::shared_ptr<KernelInstance>& inst) {
-  (void)inst;  // kept alive by the caller until the answer is built
+void Executor::Impl::AnswerPrepared(CallState& st) {
   const Checked& c = *st.checked;
   PreparedCall p;
   p.record = c.record;
@@ -441,7 +440,7 @@ void Executor::Impl::Dispatch(std::shared_ptr<CallState> st, std::shared_ptr<con
   // Checked is complete: share it with later calls of this shape.
   st->checked = std::move(st->building);
   shapes->Put(st->shape_key, st->checked, 1);
-  if (st->prepared) return AnswerPrepared(*st, inst);
+  if (st->prepared) return AnswerPrepared(*st);
   Run(std::move(st), std::move(inst));
 }
 

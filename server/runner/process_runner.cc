@@ -790,6 +790,9 @@ class ChannelImpl : public Channel {
   void MarkClosed();
 
   char* base() const { return reinterpret_cast<char*>(spec_.memory->data()); }
+  char* SlotBase(uint32_t i) const {
+    return base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
+  }
 
   const std::shared_ptr<ProcessRunner::Impl> runner_;
   const ChannelSpec spec_;
@@ -809,14 +812,14 @@ class ChannelImpl : public Channel {
 
 bool ChannelImpl::ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq,
                            int64_t* deadline_ns) const {
-  const char* slot = base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
+  const char* slot = SlotBase(i);
   return tensor::GuardedCopy(state, slot + offsetof(fast::Slot, state), 4).ok() &&
          tensor::GuardedCopy(seq, slot + offsetof(fast::Slot, seq), 8).ok() &&
          tensor::GuardedCopy(deadline_ns, slot + offsetof(fast::Slot, deadline_ns), 8).ok();
 }
 
 void ChannelImpl::PostReply(uint32_t i, const absl::Status& status) {
-  char* slot = base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
+  char* slot = SlotBase(i);
   const int32_t code = static_cast<int32_t>(status.code());
   const auto why = GetReason(status);
   char reason[fast::kReasonBytes] = {};
@@ -844,7 +847,7 @@ void ChannelImpl::MarkClosed() {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (!tensor::GuardedCopy(hdr + offsetof(fast::Header, closed), &one, 4).ok()) return;
   for (uint32_t i = 0; i < fast::kSlots; ++i) {
-    char* slot = base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
+    char* slot = SlotBase(i);
     fast::FutexWake(reinterpret_cast<std::atomic<uint32_t>*>(slot + offsetof(fast::Slot, state)),
                     1 << 30);
   }
@@ -912,29 +915,25 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
   } else {
     runner_->crashes.fetch_add(1);
     answer = runner_->DeathStatus(*w_, s, spec_.label, spec_.ns);
-    // The kernel that ran counts a crash towards its quarantine.
-    for (uint32_t i = 0; i < fast::kSlots; ++i) {
-      uint32_t state = 0;
-      uint64_t seq = 0, handle = 0;
-      int64_t deadline_ns = 0;
-      if (!ReadSlot(i, &state, &seq, &deadline_ns) || state != fast::kRunning) continue;
-      const char* slot = base() + fast::kHeaderBytes + uint64_t{i} * fast::kSlotBytes;
-      if (!tensor::GuardedCopy(&handle, slot + offsetof(fast::Slot, handle), 8).ok()) break;
+  }
+  runner_->live.fetch_sub(1);
+  alive_.store(false);
+  // The call that ran gets the status (and, for a crash, its kernel counts
+  // one towards its quarantine); calls still waiting to start never ran, and
+  // their clients see the ring closed.
+  for (uint32_t i = 0; i < fast::kSlots; ++i) {
+    uint32_t state = 0;
+    uint64_t seq = 0, handle = 0;
+    int64_t deadline_ns = 0;
+    if (!ReadSlot(i, &state, &seq, &deadline_ns)) break;
+    if (state != fast::kRunning && static_cast<int>(i) != running_slot) continue;
+    if (!timeout &&
+        tensor::GuardedCopy(&handle, SlotBase(i) + offsetof(fast::Slot, handle), 8).ok()) {
       if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
         runner_->NoteCrash(k->second);
       }
     }
-  }
-  runner_->live.fetch_sub(1);
-  alive_.store(false);
-  // The call that ran gets the status; calls still waiting to start never
-  // ran, and their clients see the ring closed.
-  for (uint32_t i = 0; i < fast::kSlots; ++i) {
-    uint32_t state = 0;
-    uint64_t seq = 0;
-    int64_t deadline_ns = 0;
-    if (!ReadSlot(i, &state, &seq, &deadline_ns)) break;
-    if (state == fast::kRunning || static_cast<int>(i) == running_slot) PostReply(i, answer);
+    PostReply(i, answer);
   }
   MarkClosed();
 }
