@@ -19,6 +19,16 @@ PKGS=(
   # ATen kernels (kernels/examples/aten, tests/python/test_aten.py): libtorch's
   # headers and libraries, pybind11 and Python's headers for <torch/extension.h>
   libtorch-dev pybind11-dev python3-dev
+  # Scale-out (issue 17): the PostgreSQL registry store (libpq; the server for
+  # the throwaway databases of the tests), the Redis cache tier (hiredis; the
+  # server for the tests), sd_notify, the Debian package and the pip install
+  # (dpkg-dev, python3-venv, python3-pip, python3-grpc-tools), the container
+  # image and its pod (mmdebstrap, podman with runc, buildah) and the manifest
+  # check (kubectl from kubernetes-client).
+  libpq-dev postgresql-15 libhiredis-dev redis-server libsystemd-dev
+  dpkg-dev python3-venv python3-pip python3-setuptools python3-grpc-tools
+  mmdebstrap podman buildah runc uidmap slirp4netns fuse-overlayfs containernetworking-plugins
+  kubernetes-client
 )
 if [ "${1:-}" = "--bench" ]; then
   # torch.utils.cpp_extension.load_inline needs libtorch's headers, pybind11

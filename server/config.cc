@@ -120,7 +120,7 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
   OPJIT_CFG_TRY(CheckKeys(root, "",
                           {"state_dir", "listen", "log_level", "max_message_mb", "allow_insecure_tcp", "compiler",
                            "cache", "exec", "shm", "autograd", "socket_mode", "socket_group",
-                           "principal", "tls", "metrics", "health", "quota", "fast"}));
+                           "principal", "tls", "metrics", "health", "quota", "fast", "registry"}));
   OPJIT_CFG_TRY(ReadString(root, "socket_group", "", &cfg->socket_group));
   if (const toml::node* n = root.get("socket_mode")) {
     auto v = n->value<std::string>();
@@ -251,10 +251,25 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
     OPJIT_CFG_TRY(ReadInt(*c, "context_mb", "autograd.", &cfg->context_mb));
   }
   if (const toml::table* c = root["cache"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "cache.", {"memory_entries", "memory_mb", "disk_mb"}));
+    OPJIT_CFG_TRY(CheckKeys(*c, "cache.", {"memory_entries", "memory_mb", "disk_mb", "remote"}));
     OPJIT_CFG_TRY(ReadInt(*c, "memory_entries", "cache.", &cfg->cache_memory_entries));
     OPJIT_CFG_TRY(ReadInt(*c, "memory_mb", "cache.", &cfg->cache_memory_mb));
     OPJIT_CFG_TRY(ReadInt(*c, "disk_mb", "cache.", &cfg->cache_disk_mb));
+    if (const toml::table* r = (*c)["remote"].as_table()) {
+      OPJIT_CFG_TRY(CheckKeys(*r, "cache.remote.", {"url", "key_file", "timeout_ms", "max_mb", "ttl_s"}));
+      OPJIT_CFG_TRY(ReadString(*r, "url", "cache.remote.", &cfg->cache_remote_url));
+      OPJIT_CFG_TRY(ReadString(*r, "key_file", "cache.remote.", &cfg->cache_remote_key_file));
+      OPJIT_CFG_TRY(ReadInt(*r, "timeout_ms", "cache.remote.", &cfg->cache_remote_timeout_ms));
+      OPJIT_CFG_TRY(ReadInt(*r, "max_mb", "cache.remote.", &cfg->cache_remote_max_mb));
+      OPJIT_CFG_TRY(ReadInt(*r, "ttl_s", "cache.remote.", &cfg->cache_remote_ttl_s));
+    }
+  }
+  if (const toml::table* c = root["registry"].as_table()) {
+    OPJIT_CFG_TRY(CheckKeys(*c, "registry.", {"backend", "url", "password_file", "poll_ms"}));
+    OPJIT_CFG_TRY(ReadString(*c, "backend", "registry.", &cfg->registry_backend));
+    OPJIT_CFG_TRY(ReadString(*c, "url", "registry.", &cfg->registry_url));
+    OPJIT_CFG_TRY(ReadString(*c, "password_file", "registry.", &cfg->registry_password_file));
+    OPJIT_CFG_TRY(ReadInt(*c, "poll_ms", "registry.", &cfg->registry_poll_ms));
   }
   return absl::OkStatus();
 }
@@ -381,6 +396,28 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
       cfg.compile_long_after_ms < 0 || cfg.compile_long_workers < 0) {
     return absl::InvalidArgumentError(
         "compiler.recycle_after, recycle_memory_mb, long_after_ms and long_workers must be >= 0");
+  }
+  if (cfg.registry_backend != "sqlite" && cfg.registry_backend != "postgres") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "registry.backend must be \"sqlite\" or \"postgres\", not \"", cfg.registry_backend, "\""));
+  }
+  if (cfg.registry_backend == "postgres" && cfg.registry_url.empty()) {
+    return absl::InvalidArgumentError(
+        "registry.backend = \"postgres\" needs registry.url (a libpq connection string such as "
+        "\"host=db.example port=5432 dbname=opjit user=opjit\")");
+  }
+  if (cfg.registry_poll_ms < 50 || cfg.registry_poll_ms > 600000) {
+    return absl::InvalidArgumentError("registry.poll_ms must be in [50, 600000]");
+  }
+  if (!cfg.cache_remote_url.empty() && cfg.cache_remote_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "cache.remote.url needs cache.remote.key_file: the cluster key that authenticates "
+        "shared entries (the same file on every daemon, e.g. 32 random bytes)");
+  }
+  if (cfg.cache_remote_timeout_ms < 1 || cfg.cache_remote_timeout_ms > 60000 ||
+      cfg.cache_remote_max_mb < 1 || cfg.cache_remote_ttl_s < 0) {
+    return absl::InvalidArgumentError(
+        "cache.remote: timeout_ms must be in [1, 60000], max_mb >= 1, ttl_s >= 0");
   }
   if (cfg.max_message_bytes < (1 << 20)) {
     return absl::InvalidArgumentError("max_message_mb must be >= 1");

@@ -105,6 +105,20 @@ struct DaemonConfig {
   int64_t cache_memory_entries = 512;
   int64_t cache_memory_mb = 512;
   int64_t cache_disk_mb = 2048;
+
+  // [cache.remote]: a Redis tier shared by daemons, behind memory and disk
+  // (server/cache/remote_tier.h). Off while url is empty.
+  std::string cache_remote_url;        // "redis://host:port" or "unix:/path/redis.sock"
+  std::string cache_remote_key_file;   // the cluster's HMAC key (required with url)
+  int64_t cache_remote_timeout_ms = 250;  // connect and per-command timeout
+  int64_t cache_remote_max_mb = 64;       // larger artifacts are not shared
+  int64_t cache_remote_ttl_s = 7 * 24 * 3600;  // entries expire (0: never)
+
+  // [registry]: where op versions are stored (server/registry/store.h).
+  std::string registry_backend = "sqlite";  // "sqlite": <state_dir>/registry.db; "postgres"
+  std::string registry_url;                 // postgres: a libpq connection string or URI
+  std::string registry_password_file;       // postgres: password, kept out of the config
+  int64_t registry_poll_ms = 2000;          // postgres: backstop poll behind LISTEN/NOTIFY
 };
 
 inline constexpr const char* kDefaultTcpAddress = "127.0.0.1:7878";
