@@ -38,6 +38,9 @@ fi
 
 missing=()
 for p in "${PKGS[@]}"; do
+  # Some images carry kubectl from another package (Google's "kubectl"), which
+  # conflicts with Debian's kubernetes-client on /usr/bin/kubectl: either serves.
+  if [ "$p" = kubernetes-client ] && command -v kubectl >/dev/null; then continue; fi
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
     missing+=("$p")
   fi
