@@ -25,6 +25,8 @@
 #include "server/access/access.h"
 #include "server/access/quotas.h"
 #include "server/common/health_monitor.h"
+#include "server/common/paths.h"
+#include "server/common/systemd_notify.h"
 #include "server/common/logging.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/metrics/http_exporter.h"
@@ -58,13 +60,17 @@ std::string ExeDir() {
   return ec ? std::string(".") : exe.parent_path().string();
 }
 
+// opjit-compile-worker and the other helpers: <exe>/../libexec/opjit, else
+// beside opjitd (the build tree).
+std::string HelperDir() { return FindHelperDir(ExeDir()); }
+
 // Kernel headers: the configured dir, else installed next to the binary, else
 // the source tree this binary was built from.
 // The process runner's options from the [exec] config.
 runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
                                                       const runner::KernelHostOptions& host) {
   runner::ProcessRunnerOptions o;
-  o.worker_path = ExeDir() + "/opjit-exec-worker";
+  o.worker_path = HelperDir() + "/opjit-exec-worker";
   o.workers_per_namespace = cfg.exec_workers;
   o.idle_ms = cfg.worker_idle_ms;
   o.kernel_timeout_ms = cfg.kernel_timeout_ms;
@@ -254,7 +260,7 @@ int Run(int argc, char** argv) {
 
   compiler::KernelCompilerOptions copts;
   copts.cache_dir = cfg->state_dir + "/cache";
-  copts.worker_path = ExeDir() + "/opjit-compile-worker";
+  copts.worker_path = HelperDir() + "/opjit-compile-worker";
   copts.workers = cfg->compile_workers;
   copts.timeout_ms = cfg->compile_timeout_ms;
   copts.memory_limit_bytes = static_cast<uint64_t>(cfg->compile_memory_limit_mb) << 20;
@@ -458,14 +464,25 @@ int Run(int argc, char** argv) {
       {"compile workers", [p = copts.worker_path] { return ProbeExecutable(p); }, 10});
   if (cfg->isolation == "process") {
     probes.push_back({"executor workers",
-                      [p = ExeDir() + "/opjit-exec-worker"] { return ProbeExecutable(p); }, 10});
+                      [p = HelperDir() + "/opjit-exec-worker"] { return ProbeExecutable(p); }, 10});
   }
   probes.push_back({"registry store", [r = registry->get()] { return r->ProbeStore(); }});
   rpc::GrpcServer* grpc_server = server->get();
+  // systemd (Type=notify): READY=1 once started and SERVING, WATCHDOG=1 while
+  // healthy; no-ops without $NOTIFY_SOCKET.
+  systemd::ReadyGate ready;
   auto health = std::make_unique<HealthMonitor>(
       std::move(probes), std::chrono::milliseconds(std::max<int64_t>(cfg->health_interval_ms, 50)),
-      [grpc_server](bool serving, const std::string&) { grpc_server->SetServing(serving); });
+      [grpc_server, &ready](bool serving, const std::string& why) {
+        grpc_server->SetServing(serving);
+        ready.SetServing(serving, why);
+      });
   health_ptr = health.get();
+  auto watchdog = systemd::WatchdogPinger::Start([&health] { return health->serving(); });
+  if (watchdog) {
+    log->info("systemd watchdog: a ping every {} ms while healthy",
+              std::chrono::duration_cast<std::chrono::milliseconds>(watchdog->period()).count());
+  }
 
   std::unique_ptr<metrics::HttpExporter> exporter;
   if (!cfg->metrics_listen.empty()) {
@@ -481,9 +498,13 @@ int Run(int argc, char** argv) {
   log->info("opjitd {} ready: state {}, {} op(s), listening on {}", OPJIT_VERSION,
             cfg->state_dir, (*registry)->Size(), absl::StrJoin((*server)->bound(), ", "));
 
+  ready.StartupDone();
+
   int sig = 0;
   sigwait(&signals, &sig);
   log->info("{} received, shutting down", strsignal(sig));
+  systemd::NotifyStopping();
+  watchdog.reset();
   exporter.reset();
   health_ptr = nullptr;
   health.reset();

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <system_error>
 
 namespace opjit {
 
@@ -19,6 +21,17 @@ std::string DefaultSocketAddress(const std::string& state_dir) {
 std::string DefaultServerAddress() {
   if (const char* s = std::getenv("OPJIT_SERVER"); s != nullptr && *s) return s;
   return DefaultSocketAddress(DefaultStateDir());
+}
+
+std::string FindHelperDir(const std::string& exe_dir) {
+  const std::filesystem::path libexec =
+      std::filesystem::path(exe_dir) / ".." / "libexec" / "opjit";
+  if (::access((libexec / "opjit-compile-worker").c_str(), X_OK) == 0) {
+    std::error_code ec;
+    std::filesystem::path canonical = std::filesystem::canonical(libexec, ec);
+    return ec ? libexec.string() : canonical.string();
+  }
+  return exe_dir;
 }
 
 }  // namespace opjit

@@ -14,4 +14,10 @@ std::string DefaultSocketAddress(const std::string& state_dir);
 // Where clients connect by default: $OPJIT_SERVER, else the default socket.
 std::string DefaultServerAddress();
 
+// Where opjitd's helper programs (opjit-compile-worker, opjit-exec-worker,
+// opjit-gpu-sandbox) live, given the directory of opjitd itself:
+// <exe_dir>/../libexec/opjit in an installed tree (cmake --install, the
+// Debian package; wherever it was unpacked), else exe_dir (the build tree).
+std::string FindHelperDir(const std::string& exe_dir);
+
 }  // namespace opjit

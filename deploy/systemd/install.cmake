@@ -1,0 +1,34 @@
+# Installs the configuration and systemd files; run by `cmake --install` (see
+# the top-level CMakeLists.txt, which sets OPJIT_SOURCE_DIR and OPJIT_BINARY_DIR first). Runs at
+# install time, so a prefix given there (`--prefix /usr`) is the one used.
+#   prefix /usr:  /etc/opjit/opjitd.toml, /usr/lib/systemd/system/opjitd.service
+#   other prefix: <prefix>/etc/opjit/opjitd.toml, and the unit's paths rewritten
+#                 from /usr/bin and /etc to <prefix>/bin and <prefix>/etc.
+# Both honour DESTDIR.
+
+set(_prefix "${CMAKE_INSTALL_PREFIX}")
+# GNUInstallDirs' rule for SYSCONFDIR.
+if(_prefix STREQUAL "/usr")
+  set(_etc "/etc")
+elseif(_prefix MATCHES "^/opt/")
+  set(_etc "/etc${_prefix}")
+else()
+  set(_etc "${_prefix}/etc")
+endif()
+set(_src "${OPJIT_SOURCE_DIR}/deploy")
+
+file(INSTALL DESTINATION "${_etc}/opjit" TYPE FILE FILES "${_src}/opjitd.toml")
+
+set(_unit "${_src}/systemd/opjitd.service")
+if(NOT _prefix STREQUAL "/usr")
+  file(READ "${_unit}" _text)
+  string(REPLACE "/usr/bin/" "${_prefix}/bin/" _text "${_text}")
+  string(REPLACE "/etc/opjit/" "${_etc}/opjit/" _text "${_text}")
+  set(_unit "${OPJIT_BINARY_DIR}/deploy/opjitd.service")
+  file(WRITE "${_unit}" "${_text}")
+endif()
+file(INSTALL DESTINATION "${_prefix}/lib/systemd/system" TYPE FILE FILES "${_unit}")
+file(INSTALL DESTINATION "${_prefix}/lib/sysusers.d" TYPE FILE
+     FILES "${_src}/systemd/opjit.sysusers" RENAME opjit.conf)
+file(INSTALL DESTINATION "${_prefix}/lib/tmpfiles.d" TYPE FILE
+     FILES "${_src}/systemd/opjit.tmpfiles" RENAME opjit.conf)
