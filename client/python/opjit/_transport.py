@@ -194,7 +194,9 @@ class _Staging:
         self.reserved = (region, off)
         return [exec_pb2.OutputPlacement(alloc_in=exec_pb2.ShmRef(region=region.name, offset=off))]
 
-    def results(self, tensors):
+    def results(self, tensors, inline_views=None):
+        """Output arrays of `tensors`; `inline_views`: per tensor, its inline
+        bytes when the response was read with T.split_inline_response."""
         shm = []
         for t in tensors:
             if t.WhichOneof("data") == "shm":
@@ -209,13 +211,13 @@ class _Staging:
             views = self.pool.place_outputs(region, at, shm)
         out, k = [], 0
         copy = self.transport.copy_outputs
-        for t in tensors:
+        for j, t in enumerate(tensors):
             if t.WhichOneof("data") == "shm":
                 v = views[k]
                 k += 1
                 out.append(v.copy() if copy else v)
             else:
-                out.append(T.array_from_inline(t))
+                out.append(T.array_from_inline(t, inline_views[j] if inline_views else None))
         return out
 
     def done(self):
@@ -237,8 +239,12 @@ class Transport:
 
     def __init__(self, executor, memory, client_id, *, transport="auto", local=True, fast=None,
                  spin_us=None, lease_ms=60000, region_bytes=16 << 20, timeout=None,
-                 copy_outputs=False):
+                 copy_outputs=False, raw_forward=None):
         self.executor = executor
+        # Executor.Forward with bytes in and out (the wire format written and
+        # read by _tensors: one copy of the tensor bytes each way); None:
+        # inline calls use the generated stub.
+        self.raw_forward = raw_forward
         self.memory = memory
         self.client_id = client_id
         self.timeout = timeout
@@ -542,6 +548,8 @@ class Transport:
 
     def _forward_plain(self, ns, pool, name, version, target, groups, attrs, flags,
                        inline_outputs):
+        if pool is None and self.raw_forward is not None:
+            return self._forward_inline(ns, name, version, target, groups, attrs, flags)
         st = _Staging(self, pool, inline_outputs)
         try:
             req = exec_pb2.ForwardRequest(namespace=ns, op=name, version=version, target=target)
@@ -559,6 +567,22 @@ class Transport:
             return Forwarded(outs, resp.version, resp.context_id, resp.kernel_ms, "grpc")
         finally:
             st.done()
+
+    def _forward_inline(self, ns, name, version, target, groups, attrs, flags):
+        """A plain forward with every tensor inline, both ways (see the wire
+        helpers in opjit._tensors: one copy of the bytes each way)."""
+        req = exec_pb2.ForwardRequest(namespace=ns, op=name, version=version, target=target)
+        for k, v in attrs.items():
+            req.attrs[k].CopyFrom(v)
+        if flags and any(flags):
+            req.requires_grad.extend(flags)
+        data = _rpc(self.raw_forward, T.encode_inline_request(req, groups), self.timeout)
+        resp, views = T.split_inline_response(data)
+        del data
+        st = _Staging(self, None)
+        outs = st.results(resp.outputs, views)
+        self.calls["grpc"] += 1
+        return Forwarded(outs, resp.version, resp.context_id, resp.kernel_ms, "grpc")
 
     def _forward_prepared(self, ns, pool, prep, groups, flags):
         st = _Staging(self, pool)

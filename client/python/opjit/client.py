@@ -15,6 +15,7 @@ from google.protobuf import json_format
 
 from opjit._proto import (compile_pb2, compile_pb2_grpc, exec_pb2_grpc, memory_pb2_grpc, op_pb2,
                           registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
+from opjit import _routing
 from opjit._shm import ShmUnavailable
 from opjit._transport import Session, ShmUnavailableError, Transport
 from opjit.errors import InvalidArgument, NotFound, Unavailable, error_from_rpc
@@ -23,7 +24,10 @@ from opjit.op import Op, split_name
 __all__ = ["Client", "ShmUnavailableError", "default_address", "normalize_address",
            "is_local_address", "load_spec", "OpjitWarning"]
 
-_MAX_MESSAGE = 256 << 20
+# The client's own message limits, either way: the server's max_message_mb
+# decides what it takes; this only has to be at least that (gRPC's hard
+# limit is 2 GiB).
+_MAX_MESSAGE = 1 << 30
 
 
 class OpjitWarning(UserWarning):
@@ -31,10 +35,13 @@ class OpjitWarning(UserWarning):
 
 
 def default_address():
-    """$OPJIT_SERVER, else the daemon's default socket (as opjitd and the CLI pick it)."""
+    """$OPJIT_SERVER, else the daemon's default socket (as opjitd and the CLI pick it).
+
+    $OPJIT_SERVER may name several servers, comma-separated; each is normalized.
+    """
     addr = os.environ.get("OPJIT_SERVER")
     if addr:
-        return normalize_address(addr)
+        return ",".join(normalize_address(a) for a in _routing.split_addresses(addr))
     state = os.environ.get("OPJIT_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".opjit")
     return "unix:" + os.path.join(state, "opjitd.sock")
 
@@ -170,9 +177,10 @@ class Client:
     """A connection to opjitd.
 
     Args:
-      addr: "unix:/path.sock", a bare socket path, or "host:port". Default:
-        $OPJIT_SERVER, else unix:$OPJIT_STATE_DIR/opjitd.sock, else
-        unix:~/.opjit/opjitd.sock.
+      addr: "unix:/path.sock", a bare socket path, or "host:port"; or several
+        of them, as a list or a comma-separated string (see `routing`).
+        Default: $OPJIT_SERVER (which may be such a list), else
+        unix:$OPJIT_STATE_DIR/opjitd.sock, else unix:~/.opjit/opjitd.sock.
       namespace: the namespace for ops and regions ("" = the server's "default").
       transport: "auto" (shared memory when the server is on this host and a
         region can be created and mapped, else inline bytes), "shm" (shared
@@ -199,6 +207,16 @@ class Client:
         $OPJIT_FAST ("1"/"on", "0"/"off", "auto"), else "auto".
       spin_us: how long a fast call spins on its reply before it sleeps on a
         futex (default: the server's advice, OpenChannelResponse.spin_us).
+      routing: with several addresses, "failover" (calls go to the first
+        daemon that answers a health check, and move on to the next when it
+        stops answering, for calls safe to repeat) or "affinity" (op calls go
+        to the daemon that ranks first for their namespace and op name by
+        rendezvous hashing, so a kernel stays warm on one daemon; failover
+        within that ranking). See opjit._routing. With several addresses,
+        shared memory and the fast path are used only on unix-socket
+        addresses; TCP addresses get inline tensors. Ignored with one address.
+      health_timeout: seconds a health check may take before its daemon counts
+        as down (several addresses only).
 
     Thread-safe; one Client per process is enough. Use as a context manager or
     call close(); at interpreter exit open clients are closed.
@@ -207,44 +225,91 @@ class Client:
     def __init__(self, addr=None, namespace="", transport="auto", timeout=None,
                  copy_outputs=False, region_bytes=16 << 20, lease_ms=60000, token=None,
                  tls_ca=None, tls_cert=None, tls_key=None, tls_server_name=None, fast=None,
-                 spin_us=None):
+                 spin_us=None, routing="failover", health_timeout=1.0):
         if transport not in ("auto", "shm", "inline"):
             raise InvalidArgument('transport must be "auto", "shm" or "inline"')
-        self.address = normalize_address(addr) if addr else default_address()
+        if routing not in _routing.ROUTING_MODES:
+            raise InvalidArgument('routing must be "failover" or "affinity"; got %r' % (routing,))
+        addresses = [normalize_address(a)
+                     for a in _routing.split_addresses(addr if addr else default_address())]
+        if not addresses:
+            raise InvalidArgument("no server address given")
+        self.addresses = addresses
+        self.routing = routing
         self.namespace = namespace or ""
         self.client_id = "py-%s-%d-%s" % (
             "".join(c if c.isalnum() else "-" for c in socket.gethostname())[:32], os.getpid(),
             uuid.uuid4().hex[:12])
-        options = [
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
-        ]
         tls_ca = tls_ca if tls_ca is not None else os.environ.get("OPJIT_TLS_CA")
         token = token if token is not None else os.environ.get("OPJIT_TOKEN")
-        if tls_ca and not self.address.startswith(("unix:", "unix-abstract:")):
-            creds = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca),
-                                                 private_key=_read(tls_key),
-                                                 certificate_chain=_read(tls_cert))
-            if tls_server_name:
-                options.append(("grpc.ssl_target_name_override", tls_server_name))
-            channel = grpc.secure_channel(self.address, creds, options=options)
-        else:
-            channel = grpc.insecure_channel(self.address, options=options)
-        self._raw_channel = channel
-        if token:
-            channel = grpc.intercept_channel(channel, _AuthInterceptor(token))
-        self._channel = channel
-        self._server = server_pb2_grpc.ServerStub(self._channel)
-        self._registry = registry_pb2_grpc.RegistryStub(self._channel)
-        self._compiler = compile_pb2_grpc.CompilerStub(self._channel)
-        self._memory = memory_pb2_grpc.MemoryStub(self._channel)
-        self._executor = exec_pb2_grpc.ExecutorStub(self._channel)
-        self._transport = Transport(
-            self._executor, self._memory, self.client_id, transport=transport,
-            local=is_local_address(self.address), fast=fast, spin_us=spin_us, lease_ms=lease_ms,
-            region_bytes=region_bytes, timeout=timeout, copy_outputs=copy_outputs)
+        several = len(addresses) > 1
+        endpoints = []
+        for address in addresses:
+            options = [
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ]
+            if tls_ca and not address.startswith(("unix:", "unix-abstract:")):
+                creds = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca),
+                                                     private_key=_read(tls_key),
+                                                     certificate_chain=_read(tls_cert))
+                if tls_server_name:
+                    options.append(("grpc.ssl_target_name_override", tls_server_name))
+                raw = grpc.secure_channel(address, creds, options=options)
+            else:
+                raw = grpc.insecure_channel(address, options=options)
+            channel = grpc.intercept_channel(raw, _AuthInterceptor(token)) if token else raw
+            stubs = {
+                "server": server_pb2_grpc.ServerStub(channel),
+                "registry": registry_pb2_grpc.RegistryStub(channel),
+                "compiler": compile_pb2_grpc.CompilerStub(channel),
+                "memory": memory_pb2_grpc.MemoryStub(channel),
+                "executor": exec_pb2_grpc.ExecutorStub(channel),
+            }
+            # One address: shared memory wherever this host's /dev/shm is the
+            # server's (loopback TCP too). Several: only on unix sockets, so
+            # a region never has to follow a call to another daemon.
+            local = (address.startswith(("unix:", "unix-abstract:")) if several
+                     else is_local_address(address))
+            transport_ = Transport(
+                stubs["executor"], stubs["memory"], self.client_id, transport=transport,
+                local=local, fast=fast, spin_us=spin_us, lease_ms=lease_ms,
+                region_bytes=region_bytes, timeout=timeout, copy_outputs=copy_outputs,
+                raw_forward=channel.unary_unary("/opjit.v1.Executor/Forward"))
+            endpoints.append(_routing.Endpoint(address, raw, channel, stubs, transport_))
+        self._router = _routing.Router(endpoints, routing=routing, health_timeout=health_timeout)
+        self._several = several
         self._closed = False
         _live_clients.add(self)
+
+    # The current endpoint's channel, stubs and transport (with one address:
+    # the only one).
+    address = property(lambda self: self._router.current.address,
+                       doc="The address calls go to now (the first, with one address).")
+    _raw_channel = property(lambda self: self._router.current.raw_channel)
+    _channel = property(lambda self: self._router.current.channel)
+    _server = property(lambda self: self._router.current.stubs["server"])
+    _registry = property(lambda self: self._router.current.stubs["registry"])
+    _compiler = property(lambda self: self._router.current.stubs["compiler"])
+    _memory = property(lambda self: self._router.current.stubs["memory"])
+    _executor = property(lambda self: self._router.current.stubs["executor"])
+    _transport = property(lambda self: self._router.current.transport)
+
+    def _rpc(self, stub, method, request, idempotent=True):
+        """stub.method(request) on the current endpoint; with several
+        addresses, through the router (failover where safe)."""
+        if not self._several:
+            return _call(getattr(self._router.current.stubs[stub], method), request,
+                         self.timeout)
+        return self._router.call(
+            lambda ep: _call(getattr(ep.stubs[stub], method), request, self.timeout),
+            idempotent=idempotent)
+
+    def preferred_addresses(self, op, namespace=None):
+        """The addresses in the order an op call of `op` tries them under
+        routing="affinity" (its rendezvous ranking), best first."""
+        ns = self.namespace if namespace is None else namespace
+        return _routing.rendezvous_order(ns, op, self.addresses)
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -257,8 +322,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        self._transport.close()
-        self._channel.close()
+        for ep in self._router.endpoints:
+            ep.close()
         _live_clients.discard(self)
 
     def __enter__(self):
@@ -268,6 +333,8 @@ class Client:
         self.close()
 
     def __repr__(self):
+        if self._several:
+            return "opjit.Client(%r, routing=%r)" % (self.addresses, self.routing)
         return "opjit.Client(%r, transport=%r, fast=%r)" % (self.address, self.transport,
                                                              self.fast)
 
@@ -278,7 +345,8 @@ class Client:
 
     @timeout.setter
     def timeout(self, value):
-        self._transport.timeout = value
+        for ep in self._router.endpoints:
+            ep.transport.timeout = value
 
     @property
     def copy_outputs(self):
@@ -287,7 +355,8 @@ class Client:
 
     @copy_outputs.setter
     def copy_outputs(self, value):
-        self._transport.copy_outputs = bool(value)
+        for ep in self._router.endpoints:
+            ep.transport.copy_outputs = bool(value)
 
     @property
     def transport(self):
@@ -318,17 +387,32 @@ class Client:
 
     def call_counts(self):
         """Forwards so far by path: {"fast": channel calls, "handle": prepared
-        calls over gRPC, "grpc": plain gRPC calls}."""
-        return dict(self._transport.calls)
+        calls over gRPC, "grpc": plain gRPC calls} (summed over the addresses)."""
+        out = {}
+        for ep in self._router.endpoints:
+            for k, v in ep.transport.calls.items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def session(self, namespace=None):
         """The call surface of `namespace` (default: the client's) that
         opjit.Op uses: forward, backward, gradcheck and context release, over
-        whichever transport applies (see opjit._transport)."""
-        return Session(self._transport, self.namespace if namespace is None else namespace)
+        whichever transport applies (see opjit._transport; with several
+        addresses, routed as opjit._routing says)."""
+        ns = self.namespace if namespace is None else namespace
+        if self._several:
+            return _routing.RoutedSession(self._router, ns)
+        return Session(self._transport, ns)
 
     def wait_ready(self, timeout=10.0):
-        """Blocks until the server answers (Unavailable after `timeout` seconds)."""
+        """Blocks until the server answers (Unavailable after `timeout` seconds).
+        With several addresses: until one of them answers a health check (it
+        becomes the current one)."""
+        if self._several:
+            if self._router.wait_ready(timeout) is None:
+                raise Unavailable("no opjitd answered on any of %s within %.1f s"
+                                  % (", ".join(self.addresses), timeout))
+            return self
         try:
             grpc.channel_ready_future(self._raw_channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -340,7 +424,7 @@ class Client:
 
     def info(self):
         """opjit.v1.ServerInfo: version, CPU target, GPU availability, listen addresses."""
-        return _call(self._server.GetServerInfo, server_pb2.GetServerInfoRequest(), self.timeout)
+        return self._rpc("server", "GetServerInfo", server_pb2.GetServerInfoRequest())
 
     def register(self, spec, base_dir=None):
         """Registers an op; returns opjit.v1.RegisterOpResponse (.record.version, .created).
@@ -357,7 +441,8 @@ class Client:
         op = load_spec(spec, base_dir)
         if self.namespace and not op.namespace:
             op.namespace = self.namespace
-        resp = _call(self._registry.RegisterOp, registry_pb2.RegisterOpRequest(op=op), self.timeout)
+        resp = self._rpc("registry", "RegisterOp", registry_pb2.RegisterOpRequest(op=op),
+                         idempotent=False)
         for w in resp.warnings:
             warnings.warn("register %s/%s: %s" % (resp.record.op.namespace, resp.record.op.name, w),
                           OpjitWarning, stacklevel=2)
@@ -376,29 +461,29 @@ class Client:
                                          namespace=ns,
                                          entry=entry or "", file_name=file_name or "",
                                          compile_options=list(options), libraries=list(libraries))
-        return _call(self._compiler.Compile, req, self.timeout)
+        return self._rpc("compiler", "Compile", req)
 
     def cache_stats(self):
-        return _call(self._compiler.GetCacheStats, compile_pb2.GetCacheStatsRequest(), self.timeout)
+        return self._rpc("compiler", "GetCacheStats", compile_pb2.GetCacheStatsRequest())
 
     def ops(self, namespace=None, all_versions=False, with_sources=False):
         """A list of opjit.v1.OpRecord (latest versions unless all_versions)."""
         ns = self.namespace if namespace is None else namespace
-        resp = _call(self._registry.ListOps, registry_pb2.ListOpsRequest(
-            namespace=ns, all_versions=all_versions, with_sources=with_sources), self.timeout)
+        resp = self._rpc("registry", "ListOps", registry_pb2.ListOpsRequest(
+            namespace=ns, all_versions=all_versions, with_sources=with_sources))
         return list(resp.ops)
 
     def describe(self, name, version=0):
         """opjit.v1.OpRecord of `name` ("ns/name" works); the latest unless `version`."""
         ns, n = split_name(name, self.namespace)
-        return _call(self._registry.GetOp, registry_pb2.GetOpRequest(
-            namespace=ns, name=n, version=version), self.timeout)
+        return self._rpc("registry", "GetOp", registry_pb2.GetOpRequest(
+            namespace=ns, name=n, version=version))
 
     def delete(self, name, version=0):
         """Deletes every version (or one); returns how many were removed."""
         ns, n = split_name(name, self.namespace)
-        return _call(self._registry.DeleteOp, registry_pb2.DeleteOpRequest(
-            namespace=ns, name=n, version=version), self.timeout).deleted
+        return self._rpc("registry", "DeleteOp", registry_pb2.DeleteOpRequest(
+            namespace=ns, name=n, version=version), idempotent=False).deleted
 
     def op(self, name, version=0, target=None):
         """A callable for the registered op `name` (see Op)."""
