@@ -38,6 +38,8 @@ inline constexpr char kCompileFailed[] = "COMPILE_FAILED";
 inline constexpr char kInvalidSpec[] = "INVALID_SPEC";
 inline constexpr char kMalformedRequest[] = "MALFORMED_REQUEST";
 inline constexpr char kWorkerUnavailable[] = "WORKER_UNAVAILABLE";
+// The registry database cannot be reached now; reads are served, writes are not.
+inline constexpr char kStoreUnavailable[] = "STORE_UNAVAILABLE";
 inline constexpr char kNotDifferentiable[] = "NOT_DIFFERENTIABLE";
 }  // namespace reason
 

@@ -1,5 +1,6 @@
 #include "server/registry/registry.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -9,6 +10,8 @@
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/registry/canonical.h"
+#include "server/registry/postgres_store.h"
+#include "server/registry/sqlite_store.h"
 #include "server/registry/validate.h"
 
 namespace opjit::registry {
@@ -26,34 +29,99 @@ std::string ShortHash(const std::string& hash) { return hash.substr(0, 12); }
 
 absl::StatusOr<std::unique_ptr<Registry>> Registry::Create(const Options& options) {
   auto log = Logger("registry");
-  if (options.db_path.empty()) {
-    return absl::InvalidArgumentError("registry: db_path must be set");
+  std::unique_ptr<Store> store;
+  if (options.backend == "sqlite") {
+    if (options.db_path.empty()) {
+      return absl::InvalidArgumentError("registry: db_path must be set");
+    }
+    OPJIT_ASSIGN_OR_RETURN(store, SqliteStore::Open(options.db_path));
+  } else if (options.backend == "postgres") {
+    if (options.poll_ms <= 0) {
+      return absl::InvalidArgumentError("registry: poll_ms must be positive");
+    }
+    OPJIT_ASSIGN_OR_RETURN(store, PostgresStore::Open({.url = options.url,
+                                                       .password = options.password}));
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("registry: unknown backend \"",
+                                                   options.backend,
+                                                   "\" (expected sqlite or postgres)"));
   }
-  OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Store> store, Store::Open(options.db_path));
-  OPJIT_ASSIGN_OR_RETURN(std::vector<OpRecord> records, store->LoadAll());
-  OPJIT_ASSIGN_OR_RETURN(std::vector<Store::HighWater> marks, store->LoadHighWater());
+  OPJIT_ASSIGN_OR_RETURN(Store::Snapshot snap, store->LoadSnapshot());
+  OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<ChangeWatcher> watcher, store->Watch());
+  for (const OpRecord& rec : snap.records) {
+    // Rules may have tightened since the record was stored; keep serving it.
+    if (absl::Status s = ValidateOpDef(rec.def); !s.ok()) {
+      log->warn("stored op {}/{} version {} no longer validates: {}", rec.def.ns, rec.def.name,
+                rec.version, s.ToString());
+    }
+  }
   std::unique_ptr<Registry> reg(new Registry(std::move(store), options));
-  size_t versions = records.size();
+  size_t versions = snap.records.size();
   {
     absl::MutexLock wlock(&reg->write_mu_);
-    absl::MutexLock lock(&reg->mu_);
-    for (const Store::HighWater& m : marks) reg->high_water_[{m.ns, m.name}] = m.max_version;
-    for (OpRecord& rec : records) {
-      // Rules may have tightened since the record was stored; keep serving it.
-      if (absl::Status s = ValidateOpDef(rec.def); !s.ok()) {
-        log->warn("stored op {}/{} version {} no longer validates: {}", rec.def.ns, rec.def.name,
-                  rec.version, s.ToString());
-      }
-      Key key{rec.def.ns, rec.def.name};
-      int64_t& mark = reg->high_water_[key];
-      mark = std::max(mark, rec.version);
-      int64_t version = rec.version;
-      reg->ops_[key].versions[version] = std::make_shared<const OpRecord>(std::move(rec));
-    }
-    log->info("registry opened from {}: {} ops, {} versions", options.db_path, reg->ops_.size(),
-              versions);
+    reg->Apply(std::move(snap));
+    absl::ReaderMutexLock lock(&reg->mu_);
+    log->info("registry opened from {}: {} ops, {} versions", reg->store_->Describe(),
+              reg->ops_.size(), versions);
+  }
+  if (watcher != nullptr) {
+    reg->watcher_ = std::move(watcher);
+    reg->sync_thread_ = std::thread([r = reg.get()] { r->SyncLoop(); });
   }
   return reg;
+}
+
+Registry::~Registry() {
+  if (sync_thread_.joinable()) {
+    stop_.store(true);
+    watcher_->Interrupt();
+    sync_thread_.join();
+  }
+}
+
+void Registry::Apply(Store::Snapshot snap) {
+  std::map<Key, OpEntry> ops;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (OpRecord& rec : snap.records) {
+      Key key{rec.def.ns, rec.def.name};
+      int64_t version = rec.version;
+      std::shared_ptr<const OpRecord> ptr;
+      // Keep the record callers may already hold when it did not change.
+      if (auto it = ops_.find(key); it != ops_.end()) {
+        auto vit = it->second.versions.find(version);
+        if (vit != it->second.versions.end() && vit->second->content_hash == rec.content_hash) {
+          ptr = vit->second;
+        }
+      }
+      if (ptr == nullptr) ptr = std::make_shared<const OpRecord>(std::move(rec));
+      ops[std::move(key)].versions[version] = std::move(ptr);
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ops_.swap(ops);
+  }
+  store_generation_ = snap.generation;
+  // `ops` (the old maps) is freed here, outside mu_.
+}
+
+void Registry::Changed() {
+  generation_.fetch_add(1, std::memory_order_acq_rel);
+  if (change_listener_) change_listener_();
+}
+
+void Registry::NoteLocalWrite(uint64_t store_generation) {
+  ++local_writes_;
+  max_local_generation_ = std::max(max_local_generation_, store_generation);
+  if (store_generation == store_generation_ + 1) {
+    store_generation_ = store_generation;
+  } else if (watcher_ != nullptr) {
+    // Someone else wrote in between: the memory misses it. Reload now rather
+    // than at the next notification or poll.
+    watcher_->Interrupt();
+  }
+  Changed();
 }
 
 absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def) {
@@ -63,69 +131,57 @@ absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def) {
   }
   std::string hash = ContentHash(def);
   Key key{def.ns, def.name};
+  const Store::Limits limits{options_.max_ops_per_namespace, options_.max_versions_per_op};
 
   absl::MutexLock wlock(&write_mu_);
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    auto it = ops_.find(key);
-    if (it != ops_.end()) {
-      const auto& latest = it->second.versions.rbegin()->second;
-      if (latest->content_hash == hash) {
-        log->debug("register {}/{}: unchanged, version {} ({})", def.ns, def.name, latest->version,
-                   ShortHash(hash));
-        return RegisterResult{*latest, /*created=*/false};
+  OPJIT_ASSIGN_OR_RETURN(Store::InsertResult inserted,
+                         store_->RegisterVersion(def, hash, NowUnixMs(), limits));
+  if (!inserted.created) {
+    log->debug("register {}/{}: unchanged, version {} ({})", def.ns, def.name,
+               inserted.record.version, ShortHash(hash));
+    if (watcher_ != nullptr) {
+      bool current;
+      {
+        absl::ReaderMutexLock lock(&mu_);
+        auto it = ops_.find(key);
+        current = it != ops_.end() &&
+                  it->second.versions.rbegin()->first == inserted.record.version;
       }
-      if (options_.max_versions_per_op > 0 &&
-          it->second.versions.size() >= options_.max_versions_per_op) {
-        return QuotaExceeded("versions", absl::StrCat(options_.max_versions_per_op), def.ns,
-                             absl::StrCat("op \"", def.name, "\" already has that many versions; "
-                                          "delete old ones (DeleteOp with a version) first"));
-      }
-    } else if (options_.max_ops_per_namespace > 0) {
-      size_t in_ns = 0;
-      for (auto o = ops_.lower_bound({def.ns, ""}); o != ops_.end() && o->first.first == def.ns;
-           ++o) {
-        ++in_ns;
-      }
-      if (in_ns >= options_.max_ops_per_namespace) {
-        return QuotaExceeded("ops", absl::StrCat(options_.max_ops_per_namespace), def.ns,
-                             "the namespace already holds that many ops; delete some first");
-      }
+      // Another daemon registered it and we have not caught up yet.
+      if (!current) watcher_->Interrupt();
     }
+    return RegisterResult{std::move(inserted.record), /*created=*/false};
   }
-  int64_t& mark = high_water_[key];
-  auto record = std::make_shared<OpRecord>();
-  record->version = mark + 1;
-  record->content_hash = std::move(hash);
-  record->created_unix_ms = NowUnixMs();
-  record->def = std::move(def);
-  // Durable before it is visible or acknowledged.
-  OPJIT_RETURN_IF_ERROR(store_->Insert(*record));
-  mark = record->version;
+  auto record = std::make_shared<const OpRecord>(std::move(inserted.record));
   RegisterResult result{*record, /*created=*/true};
   {
     absl::MutexLock lock(&mu_);
     ops_[key].versions[record->version] = std::move(record);
   }
-  generation_.fetch_add(1, std::memory_order_acq_rel);
-  if (change_listener_) change_listener_();
+  NoteLocalWrite(inserted.generation);
   log->info("registered {}/{} version {} ({})", key.first, key.second, result.record.version,
             ShortHash(result.record.content_hash));
   return result;
 }
 
-absl::Status Registry::NotFound(const std::string& ns, const std::string& name,
-                                int64_t version) const {
-  auto it = ops_.find({ns, name});
-  if (it == ops_.end() || version == 0) {
+std::vector<int64_t> Registry::VersionsOf(const Key& key) const {
+  std::vector<int64_t> have;
+  auto it = ops_.find(key);
+  if (it != ops_.end()) {
+    for (const auto& [v, rec] : it->second.versions) have.push_back(v);
+  }
+  return have;
+}
+
+absl::Status Registry::NotFound(const std::string& ns, const std::string& name, int64_t version,
+                                const std::vector<int64_t>& versions) {
+  if (versions.empty() || version == 0) {
     return WithReason(absl::NotFoundError(absl::StrCat("op \"", ns, "/", name, "\" not found")),
                       reason::kOpNotFound, {{"op", name}});
   }
-  std::vector<int64_t> have;
-  for (const auto& [v, rec] : it->second.versions) have.push_back(v);
   return WithReason(
       absl::NotFoundError(absl::StrCat("op \"", ns, "/", name, "\" has no version ", version,
-                                       " (versions: ", absl::StrJoin(have, ", "), ")")),
+                                       " (versions: ", absl::StrJoin(versions, ", "), ")")),
       reason::kVersionNotFound, {{"op", name}, {"version", absl::StrCat(version)}});
 }
 
@@ -140,7 +196,7 @@ absl::StatusOr<std::shared_ptr<const OpRecord>> Registry::GetShared(const std::s
     auto vit = versions.find(version);
     if (vit != versions.end()) return vit->second;
   }
-  absl::Status s = NotFound(ns, name, version);
+  absl::Status s = NotFound(ns, name, version, VersionsOf({ns, name}));
   Logger("registry")->debug("get {}/{} version {}: {}", ns, name, version, s.ToString());
   return s;
 }
@@ -179,32 +235,120 @@ std::vector<OpRecord> Registry::List(const std::string& ns, bool all_versions) c
 absl::StatusOr<int> Registry::Delete(const std::string& ns, const std::string& name,
                                      int64_t version) {
   absl::MutexLock wlock(&write_mu_);
-  int count = 0;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    auto it = ops_.find({ns, name});
-    if (it == ops_.end() || (version != 0 && !it->second.versions.count(version))) {
-      return NotFound(ns, name, version);
+  OPJIT_ASSIGN_OR_RETURN(Store::DeleteResult deleted, store_->DeleteOp(ns, name, version));
+  if (deleted.deleted == 0) {
+    if (watcher_ != nullptr) {
+      bool stale;
+      {
+        absl::ReaderMutexLock lock(&mu_);
+        stale = VersionsOf({ns, name}) != deleted.live_versions;
+      }
+      if (stale) watcher_->Interrupt();  // another daemon changed it; catch up
     }
-    count = version == 0 ? static_cast<int>(it->second.versions.size()) : 1;
+    return NotFound(ns, name, version, deleted.live_versions);
   }
-  OPJIT_RETURN_IF_ERROR(store_->DeleteOp(ns, name, version));
   {
     absl::MutexLock lock(&mu_);
     auto it = ops_.find({ns, name});
-    if (version == 0) {
-      ops_.erase(it);
-    } else {
-      it->second.versions.erase(version);
-      if (it->second.versions.empty()) ops_.erase(it);
+    if (it != ops_.end()) {
+      if (version == 0) {
+        ops_.erase(it);
+      } else {
+        it->second.versions.erase(version);
+        if (it->second.versions.empty()) ops_.erase(it);
+      }
     }
   }
-  generation_.fetch_add(1, std::memory_order_acq_rel);
-  if (change_listener_) change_listener_();
+  NoteLocalWrite(deleted.generation);
   Logger("registry")
       ->info("deleted {}/{} {} ({} versions)", ns, name,
-             version == 0 ? std::string("all versions") : absl::StrCat("version ", version), count);
-  return count;
+             version == 0 ? std::string("all versions") : absl::StrCat("version ", version),
+             deleted.deleted);
+  return deleted.deleted;
+}
+
+absl::StatusOr<bool> Registry::CheckAndReload() {
+  uint64_t seen, writes;
+  {
+    absl::MutexLock wlock(&write_mu_);
+    seen = store_generation_;
+    writes = local_writes_;
+  }
+  OPJIT_ASSIGN_OR_RETURN(uint64_t current, watcher_->Generation());
+  if (current == seen) return false;
+  const auto start = std::chrono::steady_clock::now();
+  OPJIT_ASSIGN_OR_RETURN(Store::Snapshot snap, watcher_->LoadSnapshot());
+  absl::MutexLock wlock(&write_mu_);
+  if (snap.generation == store_generation_) return false;  // a local write caught up
+  // A local write that committed after the snapshot was taken would be lost
+  // from memory by applying it; take a newer snapshot instead.
+  if (local_writes_ != writes && snap.generation < max_local_generation_) return true;
+  const uint64_t from = store_generation_;
+  size_t versions = snap.records.size();
+  Apply(std::move(snap));
+  reloads_.fetch_add(1, std::memory_order_relaxed);
+  Changed();
+  size_t ops;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    ops = ops_.size();
+  }
+  Logger("registry")->info(
+      "registry reloaded (changed elsewhere): generation {} -> {}, {} ops, {} versions, {} ms",
+      from, store_generation_, ops, versions,
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                            start)
+          .count());
+  return false;
+}
+
+void Registry::SyncLoop() {
+  auto log = Logger("registry");
+  using Clock = std::chrono::steady_clock;
+  const int64_t poll_ms = options_.poll_ms;
+  const int64_t max_backoff_ms = std::min<int64_t>(poll_ms, PostgresStore::kMaxBackoffMs);
+  int64_t backoff_ms = 50;
+  bool check = true;  // compare generations before waiting (writes may predate LISTEN)
+  bool failing = false;
+  Clock::time_point next_poll = Clock::now();
+  while (!stop_.load()) {
+    if (check) {
+      absl::StatusOr<bool> again = CheckAndReload();
+      if (!again.ok()) {
+        if (!failing) log->warn("registry sync: {}", again.status().ToString());
+        failing = true;
+        // Wait out the backoff (Wait reconnects, or sleeps when it cannot).
+        (void)watcher_->Wait(backoff_ms);
+        backoff_ms = std::min(backoff_ms * 2, max_backoff_ms);
+        continue;
+      }
+      if (failing) log->info("registry sync: working again");
+      failing = false;
+      backoff_ms = 50;
+      check = *again;
+      next_poll = Clock::now() + std::chrono::milliseconds(poll_ms);
+      if (check) continue;
+    }
+    int64_t left = std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(next_poll - Clock::now()).count());
+    absl::StatusOr<ChangeWatcher::Event> ev = watcher_->Wait(left);
+    if (!ev.ok()) {
+      check = true;  // notifications may have been lost with the connection
+      continue;
+    }
+    switch (ev->kind) {
+      case ChangeWatcher::Event::kNotified: {
+        absl::MutexLock wlock(&write_mu_);
+        // Our own writes are announced too; those are in memory already.
+        check = ev->generation > store_generation_;
+        break;
+      }
+      case ChangeWatcher::Event::kTimeout:
+      case ChangeWatcher::Event::kInterrupted:
+        check = true;
+        break;
+    }
+  }
 }
 
 std::vector<std::string> Registry::Warnings(const OpDef& def) const {

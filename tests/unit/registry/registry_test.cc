@@ -15,6 +15,7 @@
 
 #include "server/common/logging.h"
 #include "server/registry/canonical.h"
+#include "server/registry/sqlite_store.h"
 #include "tests/unit/registry/test_util.h"
 
 namespace opjit::registry {
@@ -357,7 +358,7 @@ TEST(RegistryCrashTest, KillNineLosesNothingAcknowledged) {
 
   // Every acknowledged op is there and intact; at most one more (committed
   // but not yet acknowledged when the kill landed).
-  auto store = Store::Open(path);
+  auto store = SqliteStore::Open(path);
   ASSERT_TRUE(store.ok()) << store.status();
   auto records = (*store)->LoadAll();  // parses every row and checks its hash
   ASSERT_TRUE(records.ok()) << records.status();

@@ -1,4 +1,4 @@
-#include "server/registry/store.h"
+#include "server/registry/sqlite_store.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -50,11 +50,11 @@ std::string RawQuery(const std::string& path, const std::string& sql) {
   return out;
 }
 
-TEST(StoreTest, CreatesSchemaInWalMode) {
+TEST(SqliteStoreTest, CreatesSchemaInWalMode) {
   TempDir dir;
   std::string path = dir.File("registry.db");
   {
-    auto store = Store::Open(path);
+    auto store = SqliteStore::Open(path);
     ASSERT_TRUE(store.ok()) << store.status();
     auto all = (*store)->LoadAll();
     ASSERT_TRUE(all.ok()) << all.status();
@@ -64,11 +64,11 @@ TEST(StoreTest, CreatesSchemaInWalMode) {
   EXPECT_EQ(RawQuery(path, "PRAGMA journal_mode"), "wal");  // persistent in the file
 }
 
-TEST(StoreTest, InsertLoadDelete) {
+TEST(SqliteStoreTest, InsertLoadDelete) {
   TempDir dir;
-  auto store = Store::Open(dir.File("r.db"));
+  auto store = SqliteStore::Open(dir.File("r.db"));
   ASSERT_TRUE(store.ok()) << store.status();
-  Store& s = **store;
+  SqliteStore& s = **store;
   ASSERT_TRUE(s.Insert(Record("b", 1)).ok());
   ASSERT_TRUE(s.Insert(Record("a", 2)).ok());
   ASSERT_TRUE(s.Insert(Record("a", 1)).ok());
@@ -101,24 +101,24 @@ TEST(StoreTest, InsertLoadDelete) {
   EXPECT_EQ((*marks)[0].max_version, 2);
 }
 
-TEST(StoreTest, InsertChecksHash) {
+TEST(SqliteStoreTest, InsertChecksHash) {
   TempDir dir;
-  auto store = Store::Open(dir.File("r.db"));
+  auto store = SqliteStore::Open(dir.File("r.db"));
   ASSERT_TRUE(store.ok());
   OpRecord rec = Record("a", 1);
   rec.content_hash = std::string(64, '0');
   EXPECT_EQ((*store)->Insert(rec).code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(StoreTest, SurvivesReopen) {
+TEST(SqliteStoreTest, SurvivesReopen) {
   TempDir dir;
   std::string path = dir.File("r.db");
   {
-    auto store = Store::Open(path);
+    auto store = SqliteStore::Open(path);
     ASSERT_TRUE(store.ok());
     ASSERT_TRUE((*store)->Insert(Record("a", 1)).ok());
   }
-  auto store = Store::Open(path);
+  auto store = SqliteStore::Open(path);
   ASSERT_TRUE(store.ok()) << store.status();
   auto all = (*store)->LoadAll();
   ASSERT_TRUE(all.ok());
@@ -126,24 +126,24 @@ TEST(StoreTest, SurvivesReopen) {
   EXPECT_EQ((*all)[0].def, Record("a", 1).def);
 }
 
-TEST(StoreTest, GarbageFileIsDataLossNamingPath) {
+TEST(SqliteStoreTest, GarbageFileIsDataLossNamingPath) {
   TempDir dir;
   std::string path = dir.File("r.db");
   {
     std::ofstream f(path, std::ios::binary);
     for (int i = 0; i < 1000; ++i) f << "this is not a sqlite database at all ";
   }
-  auto store = Store::Open(path);
+  auto store = SqliteStore::Open(path);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kDataLoss) << store.status();
   EXPECT_THAT(std::string(store.status().message()), HasSubstr(path));
 }
 
-TEST(StoreTest, CorruptPagesAreDataLoss) {
+TEST(SqliteStoreTest, CorruptPagesAreDataLoss) {
   TempDir dir;
   std::string path = dir.File("r.db");
   {
-    auto store = Store::Open(path);
+    auto store = SqliteStore::Open(path);
     ASSERT_TRUE(store.ok());
     for (int i = 1; i <= 20; ++i) ASSERT_TRUE((*store)->Insert(Record("a", i)).ok());
   }
@@ -155,23 +155,23 @@ TEST(StoreTest, CorruptPagesAreDataLoss) {
     std::string junk(8192, '\x5a');
     f.write(junk.data(), junk.size());
   }
-  auto store = Store::Open(path);
+  auto store = SqliteStore::Open(path);
   absl::Status s = store.ok() ? (*store)->LoadAll().status() : store.status();
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr(path));
 }
 
-TEST(StoreTest, TamperedRowIsDataLoss) {
+TEST(SqliteStoreTest, TamperedRowIsDataLoss) {
   TempDir dir;
   std::string path = dir.File("r.db");
   {
-    auto store = Store::Open(path);
+    auto store = SqliteStore::Open(path);
     ASSERT_TRUE(store.ok());
     ASSERT_TRUE((*store)->Insert(Record("a", 1)).ok());
   }
   RawExec(path, "UPDATE op_versions SET def_json = replace(def_json, 'version 1', 'version 9')");
-  auto store = Store::Open(path);
+  auto store = SqliteStore::Open(path);
   ASSERT_TRUE(store.ok());
   auto all = (*store)->LoadAll();
   ASSERT_FALSE(all.ok());
@@ -186,21 +186,21 @@ TEST(StoreTest, TamperedRowIsDataLoss) {
   EXPECT_THAT(std::string(all.status().message()), HasSubstr("does not parse"));
 }
 
-TEST(StoreTest, NewerSchemaIsFailedPrecondition) {
+TEST(SqliteStoreTest, NewerSchemaIsFailedPrecondition) {
   TempDir dir;
   std::string path = dir.File("r.db");
-  ASSERT_TRUE(Store::Open(path).ok());
+  ASSERT_TRUE(SqliteStore::Open(path).ok());
   RawExec(path, "PRAGMA user_version=7");
-  auto store = Store::Open(path);
+  auto store = SqliteStore::Open(path);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(store.status().message()), HasSubstr("schema version 7"));
 }
 
-TEST(StoreTest, MissingDirectoryNamesPath) {
+TEST(SqliteStoreTest, MissingDirectoryNamesPath) {
   TempDir dir;
   std::string path = dir.File("no/such/dir/r.db");
-  auto store = Store::Open(path);
+  auto store = SqliteStore::Open(path);
   ASSERT_FALSE(store.ok());
   EXPECT_THAT(std::string(store.status().message()), HasSubstr(path));
 }
