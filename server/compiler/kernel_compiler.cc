@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -17,6 +18,7 @@
 #include "server/cache/disk_cache.h"
 #include "server/cache/file_digest_cache.h"
 #include "server/cache/lru_cache.h"
+#include "server/cache/remote_tier.h"
 #include "server/cache/single_flight.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
@@ -58,13 +60,28 @@ struct MemoryEntry {
   std::vector<Dependency> deps;
 };
 
+using Writes = std::vector<std::tuple<std::string, std::string, std::string>>;
+
 // What one compile flight produces for all its waiters.
 struct FlightResult {
   std::shared_ptr<const MemoryEntry> entry;
-  std::string hit;  // "disk" or ""
-  // Disk writes of a fresh compile, in order: (kind, key, bytes). They run
-  // after the waiters have their answer; fsync is not on their critical path.
-  std::vector<std::tuple<std::string, std::string, std::string>> persist;
+  std::string hit;  // "disk", "remote" or ""
+  // Disk writes of a fresh compile or a remote hit, in order: (kind, key,
+  // bytes). They run after the waiters have their answer; fsync is not on
+  // their critical path.
+  Writes persist;
+  // Also offer them to the remote tier (a fresh compile, not a remote hit).
+  bool share = false;
+};
+
+// Where a verified cached artifact came from.
+enum class Tier { kDisk, kRemote };
+
+// A cached artifact that passed every check, and the bytes it was read from.
+struct Found {
+  std::shared_ptr<MemoryEntry> entry;
+  std::string final_key;
+  std::string blob;
 };
 
 constexpr char kManifestMagic[] = "opjit-manifest 2";
@@ -143,6 +160,7 @@ struct KernelCompiler::Impl {
   KernelCompilerOptions options;
   std::unique_ptr<CompileBackend> cpu, gpu;
   std::unique_ptr<cache::DiskCache> disk;
+  std::unique_ptr<cache::RemoteTier> remote;  // null when off
   std::unique_ptr<cache::LruCache<MemoryEntry>> memory;
   cache::SingleFlight<FlightResult> flights;
   // Headers are re-hashed when their stat changes, checked at most once per
@@ -163,7 +181,16 @@ struct KernelCompiler::Impl {
   // `stamps`: trust a file whose size and mtime match the recorded stamp
   // (disk hits, where the digest memo is cold); otherwise ask the digest memo.
   bool DependenciesUnchanged(const std::vector<Dependency>& deps, bool stamps);
-  // Disk, else a compile; the same for every backend.
+  // For a manifest from another host, whose stamps mean nothing here: true if
+  // every dependency still has its recorded digest, with each stamp replaced
+  // by this host's (taken before the digest, as DigestDependencies does).
+  bool RestampDependencies(std::vector<Dependency>* deps);
+  // What `tier` holds for the job, verified as a unit: the manifest decodes,
+  // its dependencies still hash the same, the final key follows from them,
+  // and the artifact decodes and passes the backend's checks. nullopt if any
+  // step fails (logged when an entry exists but is unusable).
+  std::optional<Found> Lookup(Tier tier, const CompileJob& job, const std::string& request_key);
+  // Disk, else the remote tier, else a compile; the same for every backend.
   absl::StatusOr<FlightResult> Produce(const CompileJob& job, const std::string& request_key);
 };
 
@@ -213,31 +240,76 @@ bool KernelCompiler::Impl::DependenciesUnchanged(const std::vector<Dependency>& 
   return true;
 }
 
+bool KernelCompiler::Impl::RestampDependencies(std::vector<Dependency>* deps) {
+  for (auto& d : *deps) {
+    int64_t size, mtime_ns;
+    if (!Stamp(d.path, &size, &mtime_ns)) return false;
+    auto digest = digests->Digest(d.path);
+    if (!digest.ok() || *digest != d.digest) return false;
+    d.size = size;
+    d.mtime_ns = mtime_ns;
+  }
+  return true;
+}
+
+std::optional<Found> KernelCompiler::Impl::Lookup(Tier tier, const CompileJob& job,
+                                                  const std::string& request_key) {
+  CompileBackend* backend = For(job.target);
+  const std::string kind = backend->DiskKind();
+  const auto get = [&](const std::string& k, const std::string& key) {
+    return tier == Tier::kDisk ? disk->Get(k, key) : remote->Get(k, key);
+  };
+  const char* where = tier == Tier::kDisk ? "disk" : "remote";
+  // The manifest names the dependencies; if they still hash the same, the
+  // artifact under the final key is what a compile would produce.
+  auto manifest = get("manifest", request_key);
+  if (!manifest.ok()) return std::nullopt;
+  Found found;
+  std::vector<Dependency> deps;
+  if (!DecodeManifest(*manifest, &found.final_key, &deps)) {
+    Logger("compiler")->warn("key={} {} manifest does not decode; recompiling",
+                             request_key.substr(0, 12), where);
+    return std::nullopt;
+  }
+  // A remote manifest's stamps were taken on another host: only content
+  // digests count, and the stamps kept are this host's.
+  const bool unchanged =
+      tier == Tier::kDisk ? DependenciesUnchanged(deps, true) : RestampDependencies(&deps);
+  if (!unchanged || FinalKey(request_key, deps) != found.final_key) return std::nullopt;
+  auto blob = get(kind, found.final_key);
+  if (!blob.ok()) return std::nullopt;
+  auto kernel = backend->Decode(*blob);
+  absl::Status checked = kernel.ok() ? backend->Check(job, kernel->get()) : kernel.status();
+  if (!checked.ok()) {
+    Logger("compiler")->warn("key={} cached {} entry ({}) is unusable ({}); recompiling",
+                             found.final_key.substr(0, 12), kind, where, checked.ToString());
+    return std::nullopt;
+  }
+  (*kernel)->cache_key = found.final_key;
+  found.entry = std::make_shared<MemoryEntry>();
+  found.entry->kernel = *std::move(kernel);
+  found.entry->deps = std::move(deps);
+  found.blob = *std::move(blob);
+  return found;
+}
+
 absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job,
                                                            const std::string& request_key) {
   auto log = Logger("compiler");
   CompileBackend* backend = For(job.target);
   const std::string kind = backend->DiskKind();
-  // Disk: the manifest names the dependencies; if they still hash the same,
-  // the artifact under the final key is what a compile would produce.
-  if (auto manifest = disk->Get("manifest", request_key); manifest.ok()) {
-    std::string final_key;
-    std::vector<Dependency> deps;
-    if (DecodeManifest(*manifest, &final_key, &deps) && DependenciesUnchanged(deps, true) &&
-        FinalKey(request_key, deps) == final_key) {
-      if (auto blob = disk->Get(kind, final_key); blob.ok()) {
-        auto kernel = backend->Decode(*blob);
-        absl::Status checked = kernel.ok() ? backend->Check(job, kernel->get()) : kernel.status();
-        if (checked.ok()) {
-          (*kernel)->cache_key = final_key;
-          auto entry = std::make_shared<MemoryEntry>();
-          entry->kernel = *std::move(kernel);
-          entry->deps = std::move(deps);
-          return FlightResult{std::move(entry), "disk"};
-        }
-        log->warn("key={} cached {} entry is unusable ({}); recompiling", final_key.substr(0, 12),
-                  kind, checked.ToString());
-      }
+  if (auto found = Lookup(Tier::kDisk, job, request_key)) {
+    return FlightResult{std::move(found->entry), "disk"};
+  }
+  if (remote != nullptr) {
+    if (auto found = Lookup(Tier::kRemote, job, request_key)) {
+      log->debug("key={} {} from the remote tier", found->final_key.substr(0, 12), kind);
+      FlightResult result{found->entry, "remote"};
+      // To disk as a compile would write it, so a restart hits disk.
+      result.persist.emplace_back(kind, found->final_key, std::move(found->blob));
+      result.persist.emplace_back("manifest", request_key,
+                                  EncodeManifest(found->final_key, found->entry->deps));
+      return result;
     }
   }
 
@@ -256,6 +328,7 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   OPJIT_RETURN_IF_ERROR(backend->Check(job, &k));
   k.cache_key = final_key;
   FlightResult result;
+  result.share = true;
   // The artifact before the manifest: a manifest never names one that was
   // not written.
   result.persist.emplace_back(kind, final_key, backend->Encode(k));
@@ -309,6 +382,9 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
   impl->gpu = MakeGpuBackend(options);
   OPJIT_ASSIGN_OR_RETURN(impl->disk, cache::DiskCache::Create(
                                          {.dir = options.cache_dir, .max_bytes = options.disk_bytes}));
+  if (!options.remote.url.empty()) {
+    OPJIT_ASSIGN_OR_RETURN(impl->remote, cache::RemoteTier::Create(options.remote));
+  }
   impl->memory = std::make_unique<cache::LruCache<MemoryEntry>>(options.memory_entries,
                                                                 options.memory_bytes);
   impl->digests = std::make_unique<cache::FileDigestCache>(options.header_recheck_ms);
@@ -404,9 +480,18 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
     if (result.ok()) {
       impl->memory->Put(request_key, result->entry, result->entry->kernel->binary_bytes());
     }
-    std::vector<std::tuple<std::string, std::string, std::string>> persist;
+    Writes persist;
+    const bool share = result.ok() && result->share && impl->remote != nullptr;
     if (result.ok()) persist = std::move(result->persist);
     impl->flights.Complete(request_key, result);
+    // The remote tier first: Put only queues, and other daemons may be
+    // waiting for it. Artifact before manifest there too; if the artifact is
+    // not taken (too large, queue full, Redis down), neither is the manifest.
+    if (share) {
+      for (const auto& [kind, key, bytes] : persist) {
+        if (!impl->remote->Put(kind, key, bytes)) break;
+      }
+    }
     for (const auto& [kind, key, bytes] : persist) {
       if (absl::Status s = impl->disk->Put(kind, key, bytes); !s.ok()) {
         Logger("compiler")->warn("key={} not cached on disk ({}): {}", key.substr(0, 12), kind,
@@ -449,10 +534,19 @@ KernelCacheStats KernelCompiler::Stats() const {
   s.compile_failures = impl_->compile_failures.load();
   s.single_flight_joins = impl_->joins.load();
   s.compile_ms_total = impl_->compile_us_total.load() / 1000.0;
+  if (impl_->remote != nullptr) {
+    const auto r = impl_->remote->Stats();
+    s.remote_hits = r.hits;
+    s.remote_misses = r.misses;
+    s.remote_rejected = r.rejected;
+    s.remote_errors = r.errors;
+    s.remote_puts = r.puts;
+  }
   return s;
 }
 
 uint64_t KernelCompiler::Clear(bool memory_only) {
+  // The remote tier is left alone: other daemons use it.
   uint64_t removed = impl_->memory->Stats().entries;
   impl_->memory->Clear();
   if (!memory_only) {

@@ -7,8 +7,15 @@
 //                  libraries, file name, source)
 //   memory LRU[key1] ─hit─▶ artifact (dependencies re-verified by digest)
 //   disk manifest[key1] ─▶ dependency digests ─▶ final key ─▶ disk artifact
+//   remote manifest[key1] ─▶ the same checks ─▶ remote artifact ─▶ disk
 //   miss ─▶ single-flight ─▶ backend compile (a sandboxed process) ─▶
-//        backend checks ─▶ disk (artifact, then manifest) ─▶ memory LRU
+//        backend checks ─▶ remote and disk (artifact, then manifest) ─▶ memory
+//
+// The remote tier (optional, cache/remote_tier.h) is a Redis shared by the
+// daemons of a cluster: what one compiles, the others fetch instead of
+// compiling. Its entries are authenticated with the cluster key, and a remote
+// hit passes every check a disk hit does (dependency digests, the final key,
+// the backend's checks); it is then written to disk, so a restart hits disk.
 //
 // Nothing here loads or runs user code: an artifact is bytes (an ELF object
 // for the CPU, CUBIN/PTX or a shared object for the GPU). Kernel runners
@@ -30,6 +37,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/cache/remote_tier.h"
 #include "server/registry/op_def.h"
 
 namespace opjit::compiler {
@@ -94,7 +102,7 @@ struct CompiledKernel {
 
 struct CompileOutcome {
   std::shared_ptr<const CompiledKernel> kernel;
-  std::string cache_hit;  // "memory", "disk", or "" when compiled now
+  std::string cache_hit;  // "memory", "disk", "remote", or "" when compiled now
   double total_ms = 0;
   std::string diagnostics;  // the kernel's warnings, naming the job's file_name
 };
@@ -144,6 +152,9 @@ struct KernelCompilerOptions {
   // cost no syscalls). Default: 1000 ms; tests use 0.
   int header_recheck_ms = 1000;
   std::vector<std::string> gpu_archs = {"sm_80", "sm_90"};
+  // The Redis tier shared with other daemons, behind memory and disk. Off
+  // while remote.url is empty. Default: off.
+  cache::RemoteTierOptions remote;
 };
 
 struct KernelCacheStats {
@@ -151,12 +162,23 @@ struct KernelCacheStats {
   uint64_t disk_entries = 0, disk_bytes = 0, disk_hits = 0, disk_misses = 0, disk_corrupt = 0;
   uint64_t compiles = 0, compile_failures = 0, single_flight_joins = 0, evictions = 0;
   double compile_ms_total = 0;
+  // The remote tier's counters (all 0 when it is off). A lookup reads the
+  // manifest, then the artifact: each read counts as a hit or a miss.
+  // rejected: entries that failed authentication (counted in misses too);
+  // errors: failed or timed-out Redis connects and commands; puts: entries
+  // written.
+  uint64_t remote_hits = 0, remote_misses = 0, remote_rejected = 0, remote_errors = 0,
+           remote_puts = 0;
 };
 
 class KernelCompiler {
  public:
   using Callback = std::function<void(absl::StatusOr<CompileOutcome>)>;
 
+  // Starts the compile backends and opens the disk cache (and the remote
+  // tier, which connects lazily). INVALID_ARGUMENT for bad options (a
+  // malformed remote url or a short remote key among them); the disk cache's
+  // and the CPU backend's errors as they give them.
   static absl::StatusOr<std::unique_ptr<KernelCompiler>> Create(const KernelCompilerOptions& options);
   ~KernelCompiler();
 
@@ -177,6 +199,9 @@ class KernelCompiler {
   KernelCacheStats Stats() const;
   // Drops the memory cache (and, unless memory_only, the disk cache). Kernels
   // in use stay loaded until their last user lets go. Returns entries removed.
+  // Never flushes the remote tier: other daemons share it, and its entries
+  // expire on their own (remote.ttl_s); after a full Clear the next lookups
+  // may be remote hits.
   uint64_t Clear(bool memory_only);
 
   // Toolchain identity (compiler version, triple, CPU, features).
