@@ -7,6 +7,7 @@
 // message goes to stderr), 2 bad usage, 3 a gradcheck mismatch.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstring>
@@ -74,7 +75,9 @@ Commands:
   help                              this text (also --help, -h, COMMAND --help)
 
 NAME may be qualified with a namespace: ns/name (default namespace "default").
-ADDR: unix:/path.sock, /path.sock or host:port. Default: $OPJIT_SERVER, else
+ADDR: unix:/path.sock, /path.sock or host:port, or several of them
+comma-separated (the first that answers; the next when it stops answering,
+for calls safe to repeat). Default: $OPJIT_SERVER, else
 the daemon's default socket ($OPJIT_STATE_DIR or ~/.opjit)/opjitd.sock.
 $OPJIT_TOKEN is sent as "authorization: Bearer <token>"; with $OPJIT_TLS_CA
 set, TCP goes over TLS checked against that CA.
@@ -497,7 +500,14 @@ int CmdRun(Client& c, const Globals& g, const Args& a) {
   }
 
   std::string transport = a.Get("--transport", "auto");
-  if (transport == "auto") transport = c.address().rfind("unix:", 0) == 0 ? "shm" : "inline";
+  if (transport == "auto") {
+    // Shared memory only when every server is on this host (a unix socket).
+    const auto& all = c.addresses();
+    transport = std::all_of(all.begin(), all.end(),
+                            [](const std::string& a) { return a.rfind("unix:", 0) == 0; })
+                    ? "shm"
+                    : "inline";
+  }
   if (transport != "shm" && transport != "inline") {
     return UsageError("--transport takes auto, shm or inline");
   }
@@ -793,7 +803,7 @@ int main(int argc, char** argv) {
                                  .fast = std::getenv("OPJIT_FAST") != nullptr ? "" : "off"});
   if (!client.ok()) return Fail(client.status());
   Client& c = **client;
-  g_address = c.address();
+  g_address = absl::StrJoin(c.addresses(), ",");
   try {
     if (cmd == "info") return CmdInfo(c, g);
     if (cmd == "register") return CmdRegister(c, g, *args);

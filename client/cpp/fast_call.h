@@ -84,7 +84,9 @@ class FastChannel {
 // What a Client keeps for the fast path.
 struct FastState {
   FastMode mode = FastMode::kAuto;
-  bool unix_socket = false;
+  // The daemon the fast path would reach is on a unix socket (with several
+  // addresses: the home daemon, once chosen).
+  std::atomic<bool> unix_socket{false};
 
   std::mutex mu;
   // Prepared handles by call shape (see ShapeKey in fast_call.cc).

@@ -1,18 +1,23 @@
 #include "client/cpp/opjit_client.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <sstream>
+#include <thread>
 
 #include <google/protobuf/util/json_util.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/cord.h"
 #include "client/cpp/fast_call.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "opjit/v1/error.pb.h"
 #include "server/common/error_info.h"
 #include "server/common/paths.h"
@@ -79,6 +84,107 @@ std::string NormalizeAddress(const std::string& address) {
   return address;
 }
 
+std::vector<std::string> SplitAddresses(std::string_view list) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t end = list.find(',', start);
+    if (end == std::string_view::npos) end = list.size();
+    std::string_view item = list.substr(start, end - start);
+    while (!item.empty() && std::isspace(static_cast<unsigned char>(item.front()))) item.remove_prefix(1);
+    while (!item.empty() && std::isspace(static_cast<unsigned char>(item.back()))) item.remove_suffix(1);
+    if (!item.empty()) out.push_back(NormalizeAddress(std::string(item)));
+    start = end + 1;
+  }
+  return out;
+}
+
+uint64_t RendezvousScore(std::string_view ns, std::string_view op, std::string_view address) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](std::string_view part) {
+    for (unsigned char c : part) h = (h ^ c) * 0x100000001b3ull;
+  };
+  mix(ns.empty() ? std::string_view("default") : ns);
+  mix(std::string_view("\0", 1));
+  mix(op);
+  mix(std::string_view("\0", 1));
+  mix(address);
+  // splitmix64's finalizer: FNV alone spreads nearby strings poorly.
+  h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+  h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+  return h ^ (h >> 31);
+}
+
+std::vector<std::string> RendezvousOrder(std::string_view ns, std::string_view op,
+                                         std::vector<std::string> addresses) {
+  std::stable_sort(addresses.begin(), addresses.end(), [&](const std::string& a, const std::string& b) {
+    return RendezvousScore(ns, op, a) > RendezvousScore(ns, op, b);
+  });
+  return addresses;
+}
+
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+// An endpoint that failed is skipped this long (unless every one is down).
+constexpr auto kDownFor = std::chrono::seconds(2);
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             SteadyClock::now().time_since_epoch())
+      .count();
+}
+
+bool IsUnix(const std::string& address) { return address.rfind("unix:", 0) == 0; }
+
+// UNAVAILABLE that no daemon sent: every daemon error carries a reason
+// (google.rpc.ErrorInfo); gRPC's own connection failures carry none.
+bool TransportUnavailable(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable && !GetReason(s).has_value();
+}
+
+// A call whose tensors all travel inline and that leaves nothing behind on
+// the server: safe to send to any daemon, and again to another.
+bool InlineOnly(const v1::ForwardRequest& r) {
+  if (r.handle() != 0) return false;
+  for (bool g : r.requires_grad()) {
+    if (g) return false;
+  }
+  for (const auto& arg : r.inputs()) {
+    for (const auto& t : arg.tensors()) {
+      if (t.has_shm()) return false;
+    }
+  }
+  for (const auto& p : r.outputs()) {
+    if (p.has_shm() || p.has_alloc_in()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct Client::Endpoint {
+  std::string address;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Registry::Stub> registry;
+  std::unique_ptr<v1::Compiler::Stub> compiler;
+  std::unique_ptr<v1::Server::Stub> server;
+  std::unique_ptr<v1::Memory::Stub> memory;
+  std::unique_ptr<v1::Executor::Stub> executor;
+  // Passed a health check or a call since it last failed.
+  std::atomic<bool> healthy{false};
+  std::atomic<int64_t> down_until_ns{0};
+
+  void MarkDown() {
+    healthy.store(false);
+    down_until_ns.store(SteadyNs() + std::chrono::nanoseconds(kDownFor).count());
+  }
+  void MarkUp() {
+    healthy.store(true);
+    down_until_ns.store(0);
+  }
+};
+
 Client::Client() : fast_(std::make_unique<FastState>()) {}
 
 Client::~Client() {
@@ -96,7 +202,7 @@ Client::~Client() {
     for (const auto& [ns, ch] : fast_->channels) channel_regions.emplace_back(ns, ch->region());
     fast_->channels.clear();
   }
-  if (channel_ == nullptr || (handle_ns.empty() && channel_regions.empty())) return;
+  if (endpoints_.empty() || (handle_ns.empty() && channel_regions.empty())) return;
   timeout_ = std::chrono::milliseconds(500);
   for (const auto& [ns, region] : channel_regions) (void)UnregisterRegion(ns, region);
   for (const auto& ns : handle_ns) (void)ReleaseHandles(ns, {});
@@ -104,19 +210,30 @@ Client::~Client() {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   std::unique_ptr<Client> c(new Client());
-  c->address_ = NormalizeAddress(options.address.empty() ? DefaultServerAddress() : options.address);
+  if (!options.addresses.empty()) {
+    for (const auto& a : options.addresses) {
+      for (auto& one : SplitAddresses(a)) c->addresses_.push_back(std::move(one));
+    }
+  } else {
+    c->addresses_ = SplitAddresses(options.address.empty() ? DefaultServerAddress() : options.address);
+  }
+  if (c->addresses_.empty()) return absl::InvalidArgumentError("no server address given");
+  c->address_ = c->addresses_.front();
+  c->routing_ = options.routing;
+  c->health_timeout_ = options.health_timeout;
   auto mode = ParseFastMode(EnvOr(options.fast, "OPJIT_FAST"));
   if (!mode.ok()) return mode.status();
   c->fast_->mode = *mode;
-  c->fast_->unix_socket = c->address_.rfind("unix:", 0) == 0;
+  // With several addresses the home daemon decides (see Home()).
+  c->fast_->unix_socket = c->addresses_.size() == 1 && IsUnix(c->address_);
   c->timeout_ = options.timeout;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
   c->token_ = EnvOr(options.token, "OPJIT_TOKEN");
   const std::string ca_file = EnvOr(options.tls_ca_file, "OPJIT_TLS_CA");
-  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-  if (!ca_file.empty() && c->address_.rfind("unix:", 0) != 0) {
+  std::shared_ptr<grpc::ChannelCredentials> tls;
+  if (!ca_file.empty()) {
     std::ifstream in(ca_file, std::ios::binary);
     std::stringstream pem;
     pem << in.rdbuf();
@@ -125,17 +242,24 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
     }
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = pem.str();
-    creds = grpc::SslCredentials(ssl);
+    tls = grpc::SslCredentials(ssl);
   }
-  c->channel_ = grpc::CreateCustomChannel(c->address_, creds, args);
-  if (c->channel_ == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("bad server address ", c->address_));
+  for (const std::string& address : c->addresses_) {
+    auto e = std::make_unique<Endpoint>();
+    e->address = address;
+    e->channel = grpc::CreateCustomChannel(
+        address, tls != nullptr && !IsUnix(address) ? tls : grpc::InsecureChannelCredentials(),
+        args);
+    if (e->channel == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("bad server address ", address));
+    }
+    e->registry = v1::Registry::NewStub(e->channel);
+    e->compiler = v1::Compiler::NewStub(e->channel);
+    e->server = v1::Server::NewStub(e->channel);
+    e->memory = v1::Memory::NewStub(e->channel);
+    e->executor = v1::Executor::NewStub(e->channel);
+    c->endpoints_.push_back(std::move(e));
   }
-  c->registry_ = v1::Registry::NewStub(c->channel_);
-  c->compiler_ = v1::Compiler::NewStub(c->channel_);
-  c->server_ = v1::Server::NewStub(c->channel_);
-  c->memory_ = v1::Memory::NewStub(c->channel_);
-  c->executor_ = v1::Executor::NewStub(c->channel_);
   auto id = RandomHex128();
   if (!id.ok()) return id.status();
   c->client_id_ = "cpp-" + id->substr(0, 16);
@@ -149,18 +273,143 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
   return ctx;
 }
 
-absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {
-  if (channel_->WaitForConnected(std::chrono::system_clock::now() + timeout)) {
-    return absl::OkStatus();
+std::string Client::current_address() const {
+  return endpoints_[current_.load() % endpoints_.size()]->address;
+}
+
+std::vector<std::string> Client::PreferredAddresses(const std::string& ns,
+                                                    const std::string& op) const {
+  return RendezvousOrder(ns, op, addresses_);
+}
+
+std::vector<Client::Endpoint*> Client::Order(const std::string& ns, const std::string& op) const {
+  std::vector<Endpoint*> eps;
+  if (!op.empty() && routing_ == Routing::kAffinity) {
+    for (const std::string& a : RendezvousOrder(ns, op, addresses_)) {
+      for (const auto& e : endpoints_) {
+        if (e->address == a && std::find(eps.begin(), eps.end(), e.get()) == eps.end()) {
+          eps.push_back(e.get());
+          break;
+        }
+      }
+    }
+  } else {
+    const size_t k = current_.load() % endpoints_.size();
+    for (size_t i = 0; i < endpoints_.size(); ++i) {
+      eps.push_back(endpoints_[(k + i) % endpoints_.size()].get());
+    }
   }
+  const int64_t now = SteadyNs();
+  std::stable_partition(eps.begin(), eps.end(),
+                        [now](Endpoint* e) { return e->down_until_ns.load() <= now; });
+  return eps;
+}
+
+bool Client::Check(Endpoint& e) const {
+  // grpc.health.v1.Health/Check with the empty HealthCheckRequest (service
+  // ""); SERVING is status (field 1) = 1.
+  grpc::GenericStub stub(e.channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + health_timeout_);
+  if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
+  grpc::Slice empty("");
+  grpc::ByteBuffer request(&empty, 1), response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  const grpc::Status s = done.get_future().get();
+  std::vector<grpc::Slice> slices;
+  std::string body;
+  if (s.ok() && response.Dump(&slices).ok()) {
+    for (const auto& sl : slices) body.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  if (s.ok() && body == std::string("\x08\x01", 2)) {
+    e.MarkUp();
+    return true;
+  }
+  e.MarkDown();
+  return false;
+}
+
+absl::StatusOr<Client::Endpoint*> Client::Home() {
+  std::lock_guard<std::mutex> lock(home_mu_);
+  if (home_ != nullptr) return home_;
+  for (Endpoint* e : Order("", "")) {
+    if (e->healthy.load() || Check(*e)) {
+      home_ = e;
+      fast_->unix_socket = IsUnix(e->address);
+      return e;
+    }
+  }
+  return absl::UnavailableError(absl::StrCat("no opjitd answered a health check at any of ",
+                                             absl::StrJoin(addresses_, ", ")));
+}
+
+absl::Status Client::Invoke(CallKind kind, const EndpointCall& fn, const std::string& ns,
+                            const std::string& op) {
+  if (endpoints_.size() == 1) {
+    auto ctx = NewContext();
+    return FromGrpc(fn(*endpoints_.front(), ctx.get()));
+  }
+  if (kind == CallKind::kPinned) {
+    auto home = Home();
+    if (!home.ok()) return home.status();
+    auto ctx = NewContext();
+    return FromGrpc(fn(**home, ctx.get()));
+  }
+  absl::Status last;
+  for (Endpoint* e : Order(ns, op)) {
+    if (!e->healthy.load() && !Check(*e)) {
+      last = absl::UnavailableError(absl::StrCat("no answer to a health check at ", e->address));
+      continue;
+    }
+    auto ctx = NewContext();
+    absl::Status s = FromGrpc(fn(*e, ctx.get()));
+    if (TransportUnavailable(s)) {
+      e->MarkDown();
+      if (kind == CallKind::kOnce) return s;  // it may have reached the daemon
+      last = s;
+      continue;
+    }
+    if (op.empty() || routing_ != Routing::kAffinity) {
+      for (size_t i = 0; i < endpoints_.size(); ++i) {
+        if (endpoints_[i].get() == e) current_.store(i);
+      }
+    }
+    return s;
+  }
+  return absl::UnavailableError(absl::StrCat("no opjitd answered at any of ",
+                                             absl::StrJoin(addresses_, ", "), " (last: ",
+                                             last.message(), ")"));
+}
+
+absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::system_clock::now() + timeout;
+  if (endpoints_.size() > 1) {
+    do {
+      for (Endpoint* e : Order("", "")) {
+        if (Check(*e)) {
+          for (size_t i = 0; i < endpoints_.size(); ++i) {
+            if (endpoints_[i].get() == e) current_.store(i);
+          }
+          return absl::OkStatus();
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } while (std::chrono::system_clock::now() < until);
+    return absl::UnavailableError(absl::StrCat("no opjitd answering at any of ",
+                                               absl::StrJoin(addresses_, ", ")));
+  }
+  if (endpoints_.front()->channel->WaitForConnected(until)) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat("no opjitd answering at ", address_,
                                              " (start one with `opjitd`, or set OPJIT_SERVER)"));
 }
 
 absl::StatusOr<v1::ServerInfo> Client::Info() {
   v1::ServerInfo out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(server_->GetServerInfo(ctx.get(), v1::GetServerInfoRequest(), &out));
+  absl::Status s = Invoke(CallKind::kIdempotent, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.server->GetServerInfo(ctx, v1::GetServerInfoRequest(), &out);
+  });
   if (!s.ok()) return s;
   return out;
 }
@@ -169,8 +418,9 @@ absl::StatusOr<v1::RegisterOpResponse> Client::Register(const v1::OpDef& op) {
   v1::RegisterOpRequest req;
   *req.mutable_op() = op;
   v1::RegisterOpResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(registry_->RegisterOp(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kOnce, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.registry->RegisterOp(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out;
 }
@@ -182,8 +432,9 @@ absl::StatusOr<v1::OpRecord> Client::Get(const std::string& ns, const std::strin
   req.set_name(name);
   req.set_version(version);
   v1::OpRecord out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(registry_->GetOp(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kIdempotent, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.registry->GetOp(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out;
 }
@@ -195,8 +446,9 @@ absl::StatusOr<std::vector<v1::OpRecord>> Client::List(const std::string& ns, bo
   req.set_all_versions(all_versions);
   req.set_with_sources(with_sources);
   v1::ListOpsResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(registry_->ListOps(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kIdempotent, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.registry->ListOps(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return std::vector<v1::OpRecord>(out.ops().begin(), out.ops().end());
 }
@@ -208,24 +460,27 @@ absl::StatusOr<int> Client::Delete(const std::string& ns, const std::string& nam
   req.set_name(name);
   req.set_version(version);
   v1::DeleteOpResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(registry_->DeleteOp(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kOnce, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.registry->DeleteOp(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out.deleted();
 }
 
 absl::StatusOr<v1::CompileResponse> Client::Compile(const v1::CompileRequest& request) {
   v1::CompileResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(compiler_->Compile(ctx.get(), request, &out));
+  absl::Status s = Invoke(CallKind::kIdempotent, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.compiler->Compile(ctx, request, &out);
+  });
   if (!s.ok()) return s;
   return out;
 }
 
 absl::StatusOr<v1::CacheStats> Client::CacheStats() {
   v1::CacheStats out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(compiler_->GetCacheStats(ctx.get(), v1::GetCacheStatsRequest(), &out));
+  absl::Status s = Invoke(CallKind::kIdempotent, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.compiler->GetCacheStats(ctx, v1::GetCacheStatsRequest(), &out);
+  });
   if (!s.ok()) return s;
   return out;
 }
@@ -234,8 +489,9 @@ absl::StatusOr<uint64_t> Client::ClearCache(bool memory_only) {
   v1::ClearCacheRequest req;
   req.set_memory_only(memory_only);
   v1::ClearCacheResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(compiler_->ClearCache(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kOnce, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.compiler->ClearCache(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out.removed();
 }
@@ -250,8 +506,9 @@ absl::StatusOr<v1::RegionInfo> Client::CreateRegion(const std::string& ns,
   req.set_client_id(client_id_);
   req.set_lease_ms(lease_ms);
   v1::RegionInfo out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(memory_->CreateRegion(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.memory->CreateRegion(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   RememberRegion(*fast_, ns, out);
   return out;
@@ -270,8 +527,9 @@ absl::StatusOr<v1::RegionInfo> Client::RegisterRegion(const std::string& ns,
   req.set_client_id(client_id_);
   req.set_lease_ms(lease_ms);
   v1::RegionInfo out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(memory_->RegisterRegion(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.memory->RegisterRegion(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   RememberRegion(*fast_, ns, out);
   return out;
@@ -283,16 +541,18 @@ absl::Status Client::UnregisterRegion(const std::string& ns, const std::string& 
   req.set_name(name);
   v1::UnregisterRegionResponse out;
   ForgetRegions(*fast_, ns, &name);
-  auto ctx = NewContext();
-  return FromGrpc(memory_->UnregisterRegion(ctx.get(), req, &out));
+  return Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.memory->UnregisterRegion(ctx, req, &out);
+  });
 }
 
 absl::StatusOr<std::vector<v1::RegionInfo>> Client::ListRegions(const std::string& ns) {
   v1::ListRegionsRequest req;
   req.set_namespace_(ns);
   v1::ListRegionsResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(memory_->ListRegions(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.memory->ListRegions(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return std::vector<v1::RegionInfo>(out.regions().begin(), out.regions().end());
 }
@@ -303,8 +563,9 @@ absl::StatusOr<int64_t> Client::RenewLease(const std::string& ns, int64_t lease_
   req.set_client_id(client_id_);
   req.set_lease_ms(lease_ms);
   v1::RenewLeaseResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(memory_->RenewLease(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.memory->RenewLease(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out.lease_expires_unix_ms();
 }
@@ -316,29 +577,38 @@ absl::StatusOr<int> Client::ReleaseRegions(const std::string& ns) {
   v1::ReleaseClientResponse out;
   // The client's regions, handles and channels in `ns` end together.
   ForgetRegions(*fast_, ns, nullptr);
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(memory_->ReleaseClient(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.memory->ReleaseClient(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out.released();
 }
 
 absl::StatusOr<v1::ForwardResponse> Client::Forward(const v1::ForwardRequest& request) {
+  if (endpoints_.size() > 1 && !InlineOnly(request)) {
+    // Its regions or handle are the home daemon's: pin it first (which
+    // also tells whether the fast path can reach it).
+    if (auto home = Home(); !home.ok()) return home.status();
+  }
   if (auto fast = ForwardFast(request)) return *std::move(fast);
   return ForwardGrpc(request);
 }
 
 absl::StatusOr<v1::ForwardResponse> Client::ForwardGrpc(const v1::ForwardRequest& request) {
   v1::ForwardResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(executor_->Forward(ctx.get(), request, &out));
+  absl::Status s = Invoke(
+      InlineOnly(request) ? CallKind::kIdempotent : CallKind::kPinned,
+      [&](Endpoint& e, grpc::ClientContext* ctx) { return e.executor->Forward(ctx, request, &out); },
+      request.namespace_(), request.op());
   if (!s.ok()) return s;
   return out;
 }
 
 absl::StatusOr<v1::BackwardResponse> Client::Backward(const v1::BackwardRequest& request) {
   v1::BackwardResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(executor_->Backward(ctx.get(), request, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.executor->Backward(ctx, request, &out);
+  });
   if (!s.ok()) return s;
   return out;
 }
@@ -348,16 +618,18 @@ absl::Status Client::ReleaseContext(const std::string& ns, const std::string& co
   req.set_namespace_(ns);
   req.set_context_id(context_id);
   v1::ReleaseContextResponse out;
-  auto ctx = NewContext();
-  return FromGrpc(executor_->ReleaseContext(ctx.get(), req, &out));
+  return Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.executor->ReleaseContext(ctx, req, &out);
+  });
 }
 
 absl::StatusOr<v1::PrepareResponse> Client::Prepare(const v1::PrepareRequest& request) {
   v1::PrepareRequest req = request;
   if (req.client_id().empty()) req.set_client_id(client_id_);
   v1::PrepareResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(executor_->Prepare(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.executor->Prepare(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out;
 }
@@ -379,8 +651,9 @@ absl::StatusOr<int> Client::ReleaseHandles(const std::string& ns,
     }
   }
   v1::ReleaseHandlesResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(executor_->ReleaseHandles(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.executor->ReleaseHandles(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out.released();
 }
@@ -392,16 +665,19 @@ absl::StatusOr<v1::OpenChannelResponse> Client::OpenChannel(const std::string& n
   req.set_client_id(client_id_);
   req.set_lease_ms(lease_ms);
   v1::OpenChannelResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(executor_->OpenChannel(ctx.get(), req, &out));
+  absl::Status s = Invoke(CallKind::kPinned, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.executor->OpenChannel(ctx, req, &out);
+  });
   if (!s.ok()) return s;
   return out;
 }
 
 absl::StatusOr<v1::GradCheckResponse> Client::GradCheck(const v1::GradCheckRequest& request) {
   v1::GradCheckResponse out;
-  auto ctx = NewContext();
-  absl::Status s = FromGrpc(executor_->GradCheck(ctx.get(), request, &out));
+  absl::Status s = Invoke(
+      CallKind::kIdempotent,
+      [&](Endpoint& e, grpc::ClientContext* ctx) { return e.executor->GradCheck(ctx, request, &out); },
+      request.namespace_(), request.op());
   if (!s.ok()) return s;
   return out;
 }
@@ -412,6 +688,15 @@ v1::Tensor InlineTensor(const std::string& dtype, const std::vector<int64_t>& sh
   t.set_dtype(dtype);
   for (int64_t d : shape) t.add_shape(d);
   t.set_inline_data(std::string(bytes));
+  return t;
+}
+
+v1::Tensor InlineTensor(const std::string& dtype, const std::vector<int64_t>& shape,
+                        std::string&& bytes) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_inline_data(std::move(bytes));
   return t;
 }
 

@@ -4,9 +4,12 @@
 // Thread-safety: a Client may be used from many threads at once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -23,9 +26,17 @@
 
 namespace opjit::client {
 
+// How a Client with several server addresses picks one for a call (see
+// "Several servers" at Client).
+enum class Routing {
+  kFailover,  // the first daemon that answers; the next when it stops answering
+  kAffinity,  // op calls by rendezvous hash of (namespace, op) over the addresses
+};
+
 struct ClientOptions {
-  // "unix:/path.sock", "/path.sock" (a unix socket), or "host:port".
-  // Default: $OPJIT_SERVER, else the daemon's default socket.
+  // "unix:/path.sock", "/path.sock" (a unix socket), or "host:port"; or
+  // several of them, comma-separated. Default: $OPJIT_SERVER (which may be
+  // such a list), else the daemon's default socket.
   std::string address;
   // Deadline of each call. Default: 120 s (a cold compile can take seconds).
   std::chrono::milliseconds timeout{120000};
@@ -46,6 +57,13 @@ struct ClientOptions {
   //   "off":  every call over gRPC.
   // Default: $OPJIT_FAST ("1"/"on", "0"/"off", "auto"), else "auto".
   std::string fast;
+  // Several addresses as a list (when not empty, `address` is ignored).
+  std::vector<std::string> addresses;
+  // With several addresses: how calls are routed. Default: kFailover.
+  Routing routing = Routing::kFailover;
+  // With several addresses: how long a health check may take before its
+  // daemon counts as down. Default: 1 s.
+  std::chrono::milliseconds health_timeout{1000};
 };
 
 // A call shape checked once by the server (Prepare): run it with
@@ -73,15 +91,47 @@ struct FastState;  // fast_call.h: handle cache, region ids, open channels
 // (server/common/error_info.h), e.g. "QUOTA_EXCEEDED", and decide on it,
 // never on the message text.
 
+// Several servers. Given several addresses, a Client keeps a channel to
+// each and routes every call:
+//  - calls safe to repeat (Info, Get, List, Compile, CacheStats, GradCheck,
+//    and Forward with every tensor inline, no handle and no requires_grad)
+//    go to the current daemon (kFailover: at first the first that answers a
+//    gRPC health check within health_timeout) or, under kAffinity, to the
+//    daemon that ranks first for the call's (namespace, op) by rendezvous
+//    hashing (RendezvousOrder), so the daemon with the kernel warm gets it
+//    and adding a daemon moves few ops. When one fails with UNAVAILABLE
+//    from the transport (a daemon's own UNAVAILABLE carries a reason and is
+//    returned as is), that daemon is skipped for a while and the call moves
+//    on to the next;
+//  - calls that change state (Register, Delete, ClearCache) go to a daemon
+//    that just answered a health check, and are not repeated elsewhere once
+//    sent;
+//  - calls on state one daemon holds (regions, prepared handles, fast
+//    channels, backward contexts, Forward with shm tensors, a handle or
+//    requires_grad) all go to one "home" daemon, the first healthy one at
+//    the first such call, pinned from then on. Shared memory and the fast
+//    path are per host: the fast path is used only when the home address is
+//    a unix socket.
+// With one address everything behaves as it always did.
 class Client {
  public:
-  // Creates a channel; does not contact the server (see WaitForReady).
+  // Creates the channels; does not contact the server (see WaitForReady).
+  // INVALID_ARGUMENT for an empty address list or a bad address.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options = {});
 
+  // The first address (the only one, with one).
   const std::string& address() const { return address_; }
+  // Every address, normalized, in the order given.
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  // Where calls that are not routed by affinity go now.
+  std::string current_address() const;
+  // The addresses in the order an op call of (ns, op) tries them under
+  // kAffinity, best first.
+  std::vector<std::string> PreferredAddresses(const std::string& ns, const std::string& op) const;
 
   // Blocks until the server accepts connections or `timeout` passes
-  // (UNAVAILABLE then, naming the address).
+  // (UNAVAILABLE then, naming the address). With several addresses: until
+  // one of them answers a health check (it becomes the current one).
   absl::Status WaitForReady(std::chrono::milliseconds timeout);
 
   absl::StatusOr<v1::ServerInfo> Info();
@@ -168,14 +218,34 @@ class Client {
   std::optional<absl::StatusOr<v1::ForwardResponse>> ForwardFast(const v1::ForwardRequest& request);
   std::unique_ptr<grpc::ClientContext> NewContext() const;
 
+  // One address: its channel and stubs, and whether it answers.
+  struct Endpoint;
+  using EndpointCall = std::function<grpc::Status(Endpoint&, grpc::ClientContext*)>;
+  enum class CallKind {
+    kIdempotent,  // safe to repeat on another daemon
+    kOnce,        // sent to a daemon that just answered; never repeated
+    kPinned,      // on the home daemon (its state), never elsewhere
+  };
+  // Runs `fn` on the endpoint(s) `kind` says (see "Several servers");
+  // `op` non-empty: an op call of (ns, op), routed by affinity when asked.
+  absl::Status Invoke(CallKind kind, const EndpointCall& fn, const std::string& ns = "",
+                      const std::string& op = "");
+  // The endpoints in the order a call tries them; down ones last.
+  std::vector<Endpoint*> Order(const std::string& ns, const std::string& op) const;
+  // A health check on `e` (marks it up or down).
+  bool Check(Endpoint& e) const;
+  // The home endpoint, chosen (the first healthy one) and pinned on first use.
+  absl::StatusOr<Endpoint*> Home();
+
   std::string address_;
+  std::vector<std::string> addresses_;
+  Routing routing_ = Routing::kFailover;
+  std::chrono::milliseconds health_timeout_{1000};
   std::chrono::milliseconds timeout_{0};
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Registry::Stub> registry_;
-  std::unique_ptr<v1::Compiler::Stub> compiler_;
-  std::unique_ptr<v1::Server::Stub> server_;
-  std::unique_ptr<v1::Memory::Stub> memory_;
-  std::unique_ptr<v1::Executor::Stub> executor_;
+  std::vector<std::unique_ptr<Endpoint>> endpoints_;
+  std::atomic<size_t> current_{0};
+  std::mutex home_mu_;
+  Endpoint* home_ = nullptr;  // guarded by home_mu_ (set once)
   std::string client_id_;
   std::string token_;
   std::unique_ptr<FastState> fast_;
@@ -185,6 +255,9 @@ class Client {
 // An inline tensor holding a copy of `bytes`.
 v1::Tensor InlineTensor(const std::string& dtype, const std::vector<int64_t>& shape,
                         std::string_view bytes);
+// An inline tensor taking `bytes` over (no copy: for big tensors).
+v1::Tensor InlineTensor(const std::string& dtype, const std::vector<int64_t>& shape,
+                        std::string&& bytes);
 // A tensor in a registered region.
 v1::Tensor ShmTensor(const std::string& dtype, const std::vector<int64_t>& shape,
                      const std::string& region, uint64_t offset);
@@ -201,5 +274,15 @@ absl::StatusOr<v1::OpDef> ParseOpSpec(std::string_view json, const std::string& 
 
 // "unix:" + path for a bare path; otherwise unchanged.
 std::string NormalizeAddress(const std::string& address);
+// The addresses of a comma-separated list, trimmed and normalized (empty
+// items dropped).
+std::vector<std::string> SplitAddresses(std::string_view list);
+// The rendezvous score of `address` for (ns, op) (ns "" counts as
+// "default"): FNV-1a 64 of "ns\0op\0address" through splitmix64's
+// finalizer, as the Python client computes it. Higher wins.
+uint64_t RendezvousScore(std::string_view ns, std::string_view op, std::string_view address);
+// `addresses` ranked for (ns, op), best first.
+std::vector<std::string> RendezvousOrder(std::string_view ns, std::string_view op,
+                                         std::vector<std::string> addresses);
 
 }  // namespace opjit::client
