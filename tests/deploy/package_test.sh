@@ -1,0 +1,185 @@
+#!/bin/bash
+# The Debian package, end to end (ctest label "deploy"):
+#   1. cpack builds opjit_<version>_<arch>.deb from the build tree (timed);
+#   2. its control data: name, version, dependencies, conffiles, maintainer
+#      scripts; systemd-analyze verifies the unit and scores its hardening;
+#   3. dpkg installs it into a temp root (chrootless: the postinst runs with
+#      $DPKG_ROOT set and must not create users on this host);
+#   4. the installed opjitd (its helpers from <root>/usr/libexec/opjit, its
+#      headers from <root>/usr/share/opjit/include, the shipped config) serves
+#      the installed opjit CLI and Python package: an op is registered, run, and
+#      its output numbers checked. The daemon runs under what the unit's
+#      hardening amounts to (unit_sandbox.sh: non-root, no_new_privs, no
+#      capabilities, read-only system, private /tmp, the unit's syscall,
+#      address-family and namespace filters), so the unit's options are shown
+#      not to break it.
+# usage: package_test.sh BUILD_DIR SOURCE_DIR
+set -euo pipefail
+
+BUILD=$(cd "$1" && pwd)
+SRC=$(cd "$2" && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+for tool in cpack dpkg dpkg-deb; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "SKIP: $tool is not installed"
+    exit 77
+  fi
+done
+if [ ! -x "$BUILD/bin/opjitd" ] || [ ! -d "$BUILD/python/opjit/v1" ]; then
+  echo "FAIL: build the tree first (bin/opjitd, python/opjit)"
+  exit 1
+fi
+
+# Under the build dir, not /tmp: the hardened daemon gets a private /tmp.
+WORK=$(mktemp -d "$BUILD/deploy-test.XXXXXX")
+chmod 0755 "$WORK"
+DAEMON_PID=""
+cleanup() {
+  if [ -n "$DAEMON_PID" ] && kill -0 "$DAEMON_PID" 2>/dev/null; then
+    kill -TERM "$DAEMON_PID" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$DAEMON_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$DAEMON_PID" 2>/dev/null || true
+  fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; [ -f "$WORK/opjitd.log" ] && tail -40 "$WORK/opjitd.log"; exit 1; }
+
+# ---- 1. cpack ------------------------------------------------------------------
+t0=$(date +%s.%N)
+cpack --config "$BUILD/CPackConfig.cmake" -G DEB -B "$WORK/pkg" >"$WORK/cpack.log" 2>&1 ||
+  { cat "$WORK/cpack.log"; fail "cpack"; }
+t1=$(date +%s.%N)
+DEB=$(ls "$WORK"/pkg/opjit_*.deb)
+printf 'cpack: %s in %.1f s, %s KiB\n' "$(basename "$DEB")" "$(echo "$t1 - $t0" | bc)" \
+  "$(( $(stat -c %s "$DEB") / 1024 ))"
+
+# ---- 2. control data, unit -----------------------------------------------------------
+VERSION=$(sed -n 's/^project(opjit VERSION \([0-9.]*\).*/\1/p' "$SRC/CMakeLists.txt")
+[ "$(dpkg-deb -f "$DEB" Package)" = opjit ] || fail "package name"
+[ "$(dpkg-deb -f "$DEB" Version)" = "$VERSION" ] || fail "version is not project()'s $VERSION"
+DEPENDS=$(dpkg-deb -f "$DEB" Depends)
+echo "Depends: $DEPENDS"
+for dep in libc6 libstdc++6 libclang-cpp16 libllvm16 libgrpc++1.51 libc6-dev libstdc++-12-dev \
+           libclang-common-16-dev python3-grpcio python3-protobuf python3-numpy; do
+  echo "$DEPENDS" | tr ',|' '\n\n' | sed 's/^ *//; s/ .*//' | grep -qxF "$dep" ||
+    fail "Depends lacks $dep"
+done
+dpkg-deb -e "$DEB" "$WORK/control"
+for f in postinst prerm postrm conffiles; do [ -f "$WORK/control/$f" ] || fail "no $f"; done
+grep -qx /etc/opjit/opjitd.toml "$WORK/control/conffiles" || fail "opjitd.toml is not a conffile"
+# Stripped: no debug sections in the big binaries.
+dpkg-deb -x "$DEB" "$WORK/x"
+for b in usr/bin/opjitd usr/libexec/opjit/opjit-compile-worker; do
+  if readelf -S "$WORK/x/$b" | grep -q '\.debug_info'; then fail "$b is not stripped"; fi
+done
+if dpkg-deb -c "$DEB" | grep -Eq '_test$|_bench$|/tests?/'; then fail "tests or benches packaged"; fi
+
+if command -v systemd-analyze >/dev/null; then
+  # The unit as installed, with ExecStart= pointing into the unpacked package
+  # (verify checks that the binary exists; --root= would need a whole system).
+  sed "s|=/usr/bin/opjitd |=$WORK/x/usr/bin/opjitd |" "$WORK/x/usr/lib/systemd/system/opjitd.service" \
+    >"$WORK/opjitd.service"
+  grep -q "^ExecStart=$WORK/x/usr/bin/opjitd " "$WORK/opjitd.service" || fail "ExecStart= is not /usr/bin/opjitd"
+  systemd-analyze verify --man=no "$WORK/opjitd.service" >"$WORK/verify.log" 2>&1 ||
+    { cat "$WORK/verify.log"; fail "systemd-analyze verify"; }
+  grep -v "^$" "$WORK/verify.log" || true
+  echo "systemd-analyze verify: ok"
+  if systemd-analyze security --offline=yes "$WORK/opjitd.service" \
+       >"$WORK/security.log" 2>&1; then
+    score=$(grep -o 'Overall exposure level for opjitd.service: [0-9.]*' "$WORK/security.log" |
+            grep -o '[0-9.]*$')
+    echo "systemd-analyze security: exposure $score (0 best, 10 worst)"
+    awk -v s="$score" 'BEGIN { exit !(s <= 2.5) }' || { cat "$WORK/security.log"; fail "exposure $score > 2.5"; }
+  fi
+else
+  echo "note: no systemd-analyze; unit not verified"
+fi
+
+# ---- 3. dpkg into a temp root ------------------------------------------------------
+ROOT="$WORK/root"
+mkdir -p "$ROOT/var/lib/dpkg/info" "$ROOT/var/lib/dpkg/updates" "$ROOT/var/log"
+touch "$ROOT/var/lib/dpkg/status"
+passwd_before=$(md5sum /etc/passwd /etc/group)
+dpkg --root="$ROOT" --force-script-chrootless --force-depends --force-not-root \
+  -i "$DEB" >"$WORK/dpkg.log" 2>&1 || { cat "$WORK/dpkg.log"; fail "dpkg -i"; }
+[ "$(dpkg --root="$ROOT" -s opjit | sed -n 's/^Status: //p')" = "install ok installed" ] ||
+  fail "package not configured"
+[ "$passwd_before" = "$(md5sum /etc/passwd /etc/group)" ] || fail "postinst changed this host's users"
+for f in usr/bin/opjitd usr/bin/opjit \
+         usr/libexec/opjit/opjit-compile-worker usr/libexec/opjit/opjit-exec-worker \
+         usr/libexec/opjit/opjit-gpu-sandbox \
+         usr/share/opjit/include/opjit/kernel.h usr/share/opjit/include/custom_aot_extra.h \
+         etc/opjit/opjitd.toml \
+         usr/lib/systemd/system/opjitd.service usr/lib/sysusers.d/opjit.conf \
+         usr/lib/tmpfiles.d/opjit.conf \
+         usr/lib/python3/dist-packages/opjit/__init__.py \
+         usr/lib/python3/dist-packages/opjit/v1/exec_pb2_grpc.py \
+         var/lib/opjit; do
+  [ -e "$ROOT/$f" ] || fail "missing /$f"
+done
+[ -x "$ROOT/usr/bin/opjitd" ] || fail "opjitd not executable"
+echo "dpkg --root: installed, $(find "$ROOT/usr" -type f | wc -l) files"
+
+# ---- 4. the installed daemon, CLI and Python package ---------------------------------
+STATE="$WORK/state"
+mkdir -p "$STATE"
+SOCK="unix:$STATE/s.sock"
+# The source tree's kernel headers and the build tree's binaries are hidden
+# from it: the installed tree must stand alone.
+OPJIT_SANDBOX_HIDE="$SRC/kernels $BUILD/bin" \
+  "$HERE/unit_sandbox.sh" "$ROOT/usr/lib/systemd/system/opjitd.service" "$STATE" "$WORK/sandbox.txt" -- \
+  "$ROOT/usr/bin/opjitd" --config "$ROOT/etc/opjit/opjitd.toml" --state-dir "$STATE" \
+  --listen "$SOCK" >"$WORK/opjitd.log" 2>&1 &
+DAEMON_PID=$!
+CLI="$ROOT/usr/bin/opjit"
+for _ in $(seq 300); do
+  "$CLI" --server "$SOCK" info >/dev/null 2>&1 && break
+  kill -0 "$DAEMON_PID" 2>/dev/null || fail "opjitd exited"
+  sleep 0.1
+done
+"$CLI" --server "$SOCK" info >"$WORK/info.txt" 2>&1 || fail "opjitd did not answer"
+cat "$WORK/sandbox.txt"
+
+cp "$SRC/kernels/examples/leaky_relu.json" "$SRC/kernels/examples/leaky_relu.cc" "$WORK/"
+"$CLI" --server "$SOCK" register "$WORK/leaky_relu.json" || fail "register"
+/usr/bin/python3 -c "import numpy as np; np.save('$WORK/x.npy', np.array([-2, -1, 0, 3], np.float32))"
+"$CLI" --server "$SOCK" run leaky_relu --in "$WORK/x.npy" --attr alpha=0.5 --out "$WORK/y.npy" ||
+  fail "run"
+/usr/bin/python3 - "$WORK/y.npy" <<'EOF' || fail "wrong output"
+import sys
+import numpy as np
+y = np.load(sys.argv[1])
+print("leaky_relu([-2, -1, 0, 3], alpha=0.5) =", y.tolist())
+assert y.dtype == np.float32 and y.tolist() == [-1.0, -0.5, 0.0, 3.0], y
+EOF
+
+# The compile and executor workers that ran are the installed ones.
+helpers=$(for p in $(pgrep -P "$DAEMON_PID"); do
+            readlink "/proc/$p/exe" || true; done | sort -u)
+echo "daemon's helper processes: ${helpers:-none alive}"
+echo "$helpers" | grep -q "^$ROOT/usr/libexec/opjit/opjit-exec-worker$" ||
+  fail "the executor is not the installed one"
+# Compile workers may be gone by now; the daemon names the one it uses.
+grep -q "worker $ROOT/usr/libexec/opjit/opjit-compile-worker," "$WORK/opjitd.log" ||
+  fail "the compile worker is not the installed one"
+
+# The installed Python package (Debian's dist-packages layout) talks to it.
+env -u PYTHONPATH PYTHONPATH="$ROOT/usr/lib/python3/dist-packages" PYTHONDONTWRITEBYTECODE=1 \
+  /usr/bin/python3 - "$SOCK" "$ROOT" <<'EOF' || fail "installed Python package"
+import sys
+import numpy as np
+import opjit
+assert opjit.__file__.startswith(sys.argv[2]), opjit.__file__
+with opjit.Client(sys.argv[1]) as c:
+    y = np.asarray(c.op("leaky_relu")(np.array([-4.0, 2.0], np.float32), alpha=0.25))
+    print("python client: leaky_relu([-4, 2], alpha=0.25) =", y.tolist())
+    assert y.tolist() == [-1.0, 2.0], y
+EOF
+
+kill -TERM "$DAEMON_PID"
+wait "$DAEMON_PID" || fail "opjitd exited with $? on SIGTERM"
+DAEMON_PID=""
+grep -q "bye" "$WORK/opjitd.log" || fail "no clean shutdown"
+echo "PASS"
