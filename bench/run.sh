@@ -44,6 +44,10 @@ run call "$BUILD/bin/call_bench" "$OUT/call.json"
 run fast "$BUILD/bin/fast_bench" "$OUT/fast.json" >"$OUT/fast.md"
 run py "$PY" bench/py_bench.py "$OUT/py.json" --build "$BUILD"
 run plots "$PY" bench/plots.py "$PLOTS" "$OUT/py.json" "$OUT/call.json" >"$OUT/plots.md"
+# Inline tensors over TCP against a gRPC echo of the same bytes (remote clients).
+run inline "$PY" bench/inline_bench.py "$OUT/inline.json" --build "$BUILD" --md "$OUT/inline.md"
 
 "$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
+# Its own table, after the report's sections.
+cat "$OUT/inline.md" >>bench/results.md 2>/dev/null
 cat bench/results.md
