@@ -12,7 +12,9 @@
 #      hardening amounts to (unit_sandbox.sh: non-root, no_new_privs, no
 #      capabilities, read-only system, private /tmp, the unit's syscall,
 #      address-family and namespace filters), so the unit's options are shown
-#      not to break it.
+#      not to break it;
+#   5. the postinst, run twice on copies of /etc and /var/lib in a private
+#      mount namespace, creates the opjit user, group and directories once.
 # usage: package_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 
@@ -182,4 +184,45 @@ kill -TERM "$DAEMON_PID"
 wait "$DAEMON_PID" || fail "opjitd exited with $? on SIGTERM"
 DAEMON_PID=""
 grep -q "bye" "$WORK/opjitd.log" || fail "no clean shutdown"
+
+# ---- 5. the postinst on a real root -------------------------------------------------
+# In a private mount namespace over copies of /etc, /var/lib and the
+# sysusers.d/tmpfiles.d dirs (this host is left alone): run twice, it creates
+# the opjit user and group once and the directories; with systemd-sysusers
+# (the package's sysusers.d file present) and with adduser (absent).
+if [ "$(id -u)" = 0 ] && unshare -m true 2>/dev/null; then
+  for how in sysusers adduser; do
+    unshare -m -- /bin/bash -s "$WORK" "$how" "$WORK/x" <<'EOS' || fail "postinst ($how)"
+set -euo pipefail
+WORK=$1 HOW=$2 PKG=$3
+mount --make-rprivate /
+T="$WORK/postinst-$HOW"
+mkdir -p "$T"
+mount -t tmpfs tmpfs "$T"
+mkdir -p "$T/var-lib" "$T/sysusers.d" "$T/tmpfiles.d"
+cp -a /etc "$T/etc"
+cp -a /usr/lib/tmpfiles.d/. "$T/tmpfiles.d/"
+cp -a /usr/lib/sysusers.d/. "$T/sysusers.d/"
+cp "$PKG/usr/lib/tmpfiles.d/opjit.conf" "$T/tmpfiles.d/"
+[ "$HOW" = sysusers ] && cp "$PKG/usr/lib/sysusers.d/opjit.conf" "$T/sysusers.d/"
+mount --bind "$T/etc" /etc
+mount --bind "$T/var-lib" /var/lib
+mount --bind "$T/sysusers.d" /usr/lib/sysusers.d
+mount --bind "$T/tmpfiles.d" /usr/lib/tmpfiles.d
+! getent passwd opjit >/dev/null || { echo "opjit exists before the postinst"; exit 1; }
+env -u DPKG_ROOT sh "$PKG/../control/postinst" configure ""
+env -u DPKG_ROOT sh "$PKG/../control/postinst" configure 0.1.0  # again: idempotent
+[ "$(getent passwd opjit | wc -l)" = 1 ] && [ "$(getent group opjit | wc -l)" = 1 ] ||
+  { echo "user/group opjit not created exactly once"; exit 1; }
+[ "$(stat -c '%U:%G %a' /var/lib/opjit)" = "opjit:opjit 750" ] ||
+  { echo "/var/lib/opjit: $(stat -c '%U:%G %a' /var/lib/opjit)"; exit 1; }
+[ -d /etc/opjit ] || { echo "no /etc/opjit"; exit 1; }
+shell=$(getent passwd opjit | cut -d: -f7)
+echo "postinst via $HOW: $(getent passwd opjit | cut -d: -f1,3,4,6) shell $shell," \
+     "/var/lib/opjit $(stat -c '%U:%G %a' /var/lib/opjit); second run: no change"
+EOS
+  done
+else
+  echo "note: postinst on a real root not run (needs root and unshare -m)"
+fi
 echo "PASS"
