@@ -20,6 +20,7 @@ Exits 0 when everything holds, 1 with the reason otherwise.
 """
 
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -94,8 +95,12 @@ def main():
     with tempfile.TemporaryDirectory(prefix="opjit-notify-") as tmp:
         mybin = os.path.join(tmp, "bin")
         os.mkdir(mybin)
-        # A hard link, so /proc/self/exe (and so the helpers' place) is mybin.
-        os.link(os.path.join(bindir, "opjitd"), os.path.join(mybin, "opjitd"))
+        # A hard link (a copy across file systems), not a symlink: /proc/self/exe,
+        # and so the helpers' place, must be mybin.
+        try:
+            os.link(os.path.join(bindir, "opjitd"), os.path.join(mybin, "opjitd"))
+        except OSError:
+            shutil.copy2(os.path.join(bindir, "opjitd"), os.path.join(mybin, "opjitd"))
         for helper in ("opjit-compile-worker", "opjit-exec-worker", "opjit-gpu-sandbox"):
             os.symlink(os.path.join(bindir, helper), os.path.join(mybin, helper))
         worker = os.path.join(mybin, "opjit-compile-worker")
