@@ -19,6 +19,7 @@
 #include <thread>
 #include <algorithm>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/str_join.h"
@@ -53,6 +54,26 @@
 
 namespace opjit {
 namespace {
+
+// A secret named by the config (`what`, e.g. "cache.remote.key_file"): the
+// file's bytes without trailing newlines. Refused when empty; a file that
+// others can read is used, with a warning.
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path, const char* what) {
+  struct stat st;
+  std::ifstream in(path, std::ios::binary);
+  if (!in || stat(path.c_str(), &st) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!bytes.empty() && (bytes.back() == '\n' || bytes.back() == '\r')) bytes.pop_back();
+  if (bytes.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", path, " is empty"));
+  if ((st.st_mode & 077) != 0) {
+    Logger("opjitd")->warn("{} {} can be read by other users (mode {:o}); chmod 600 it", what,
+                           path, st.st_mode & 0777);
+  }
+  return bytes;
+}
 
 std::string ExeDir() {
   std::error_code ec;
@@ -149,6 +170,10 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
   m.DeclareGauge("opjit_cache_hits_total", "Compile cache hits (memory and disk).", {"tier"});
   m.DeclareGauge("opjit_cache_misses_total", "Compile cache misses.", {"tier"});
   m.DeclareGauge("opjit_cache_entries", "Compiled kernels cached.", {"tier"});
+  m.DeclareGauge("opjit_cache_remote_rejected_total",
+                 "Shared-tier entries that failed authentication (served as misses).", {});
+  m.DeclareGauge("opjit_cache_remote_errors_total",
+                 "Shared-tier (Redis) connects and commands that failed or timed out.", {});
   m.DeclareGauge("opjit_compiles_total", "Compiles run (cache misses that compiled).", {});
   m.DeclareGauge("opjit_compile_failures_total", "Compiles that failed.", {});
   m.DeclareGauge("opjit_compile_seconds_total", "Seconds spent compiling.", {});
@@ -175,6 +200,12 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
     r.Set("opjit_cache_misses_total", {"disk"}, static_cast<double>(c.disk_misses));
     r.Set("opjit_cache_entries", {"memory"}, static_cast<double>(c.memory_entries));
     r.Set("opjit_cache_entries", {"disk"}, static_cast<double>(c.disk_entries));
+    if (c.remote_enabled) {
+      r.Set("opjit_cache_hits_total", {"remote"}, static_cast<double>(c.remote_hits));
+      r.Set("opjit_cache_misses_total", {"remote"}, static_cast<double>(c.remote_misses));
+      r.Set("opjit_cache_remote_rejected_total", {}, static_cast<double>(c.remote_rejected));
+      r.Set("opjit_cache_remote_errors_total", {}, static_cast<double>(c.remote_errors));
+    }
     r.Set("opjit_compiles_total", {}, static_cast<double>(c.compiles));
     r.Set("opjit_compile_failures_total", {}, static_cast<double>(c.compile_failures));
     r.Set("opjit_compile_seconds_total", {}, c.compile_ms_total / 1000.0);
@@ -249,10 +280,22 @@ int Run(int argc, char** argv) {
     return 1;
   }
 
-  auto registry = registry::Registry::Create(
-      {.db_path = cfg->state_dir + "/registry.db",
-       .max_ops_per_namespace = static_cast<size_t>(cfg->quota_ops),
-       .max_versions_per_op = static_cast<size_t>(cfg->quota_versions)});
+  registry::Registry::Options reg_opts{
+      .db_path = cfg->state_dir + "/registry.db",
+      .max_ops_per_namespace = static_cast<size_t>(cfg->quota_ops),
+      .max_versions_per_op = static_cast<size_t>(cfg->quota_versions)};
+  reg_opts.backend = cfg->registry_backend;
+  reg_opts.url = cfg->registry_url;
+  reg_opts.poll_ms = cfg->registry_poll_ms;
+  if (!cfg->registry_password_file.empty()) {
+    auto password = ReadSecretFile(cfg->registry_password_file, "registry.password_file");
+    if (!password.ok()) {
+      log->error("{}", std::string(password.status().message()));
+      return 1;
+    }
+    reg_opts.password = std::move(*password);
+  }
+  auto registry = registry::Registry::Create(reg_opts);
   if (!registry.ok()) {
     log->error("registry: {}", registry.status().ToString());
     return 1;
@@ -275,6 +318,19 @@ int Run(int argc, char** argv) {
   copts.recycle_memory_bytes = cfg->compile_recycle_memory_mb > 0
                                    ? static_cast<uint64_t>(cfg->compile_recycle_memory_mb) << 20
                                    : copts.memory_limit_bytes / 2;
+  if (!cfg->cache_remote_url.empty()) {
+    auto key = ReadSecretFile(cfg->cache_remote_key_file, "cache.remote.key_file");
+    if (!key.ok()) {
+      log->error("{}", std::string(key.status().message()));
+      return 1;
+    }
+    copts.remote = {.url = cfg->cache_remote_url,
+                    .key = std::move(*key),
+                    .timeout_ms = cfg->cache_remote_timeout_ms,
+                    .max_bytes = static_cast<uint64_t>(cfg->cache_remote_max_mb) << 20,
+                    .ttl_s = cfg->cache_remote_ttl_s};
+    log->info("cache: remote tier {}", cfg->cache_remote_url);
+  }
   copts.long_after_ms = cfg->compile_long_after_ms;
   copts.long_workers = cfg->compile_long_workers;
   auto compiler = compiler::KernelCompiler::Create(copts);

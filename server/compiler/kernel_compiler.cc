@@ -536,6 +536,7 @@ KernelCacheStats KernelCompiler::Stats() const {
   s.compile_ms_total = impl_->compile_us_total.load() / 1000.0;
   if (impl_->remote != nullptr) {
     const auto r = impl_->remote->Stats();
+    s.remote_enabled = true;
     s.remote_hits = r.hits;
     s.remote_misses = r.misses;
     s.remote_rejected = r.rejected;

@@ -169,6 +169,7 @@ struct KernelCacheStats {
   // written.
   uint64_t remote_hits = 0, remote_misses = 0, remote_rejected = 0, remote_errors = 0,
            remote_puts = 0;
+  bool remote_enabled = false;  // [cache.remote] is configured
 };
 
 class KernelCompiler {

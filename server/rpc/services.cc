@@ -247,6 +247,12 @@ grpc::ServerUnaryReactor* CompilerService::GetCacheStats(grpc::CallbackServerCon
   resp->set_compile_ms_total(s.compile_ms_total);
   resp->set_single_flight_joins(s.single_flight_joins);
   resp->set_evictions(s.evictions);
+  resp->set_remote_enabled(s.remote_enabled);
+  resp->set_remote_hits(s.remote_hits);
+  resp->set_remote_misses(s.remote_misses);
+  resp->set_remote_rejected(s.remote_rejected);
+  resp->set_remote_errors(s.remote_errors);
+  resp->set_remote_puts(s.remote_puts);
   return FinishNow(ctx, absl::OkStatus());
 }
 
