@@ -14,8 +14,10 @@
 // other daemons' changes (NOTIFY) and also compares the stored generation
 // every poll_ms; when it differs from the one the memory was loaded at, it
 // reloads everything and swaps it in. Another daemon's change is visible here
-// typically within a few milliseconds (NOTIFY, then the reload), and at most
-// about poll_ms later if a notification was lost. While the database is
+// typically within ~10 ms of its commit (NOTIFY, then the reload; < 50 ms in
+// tests on a loaded machine), and at most about poll_ms (+ the reload) if a
+// notification was lost. A daemon's own writes update its memory directly
+// and cause no reload. While the database is
 // down, reads keep being served from memory and writes fail with UNAVAILABLE
 // (reason STORE_UNAVAILABLE); ProbeStore() fails.
 //

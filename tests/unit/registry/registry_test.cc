@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/registry/canonical.h"
 #include "server/registry/sqlite_store.h"
@@ -230,9 +231,43 @@ TEST_F(RegistryTest, DanglingBackwardOpIsAWarning) {
   EXPECT_TRUE(reg_->Warnings(ValidDef("plain")).empty());
 }
 
+TEST_F(RegistryTest, QuotasOnOpsAndVersions) {
+  Registry::Options options{.db_path = path_, .max_ops_per_namespace = 2,
+                            .max_versions_per_op = 2};
+  reg_.reset();
+  auto reg = Registry::Create(options);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  reg_ = std::move(*reg);
+  MustRegister(ValidDef("a"));
+  MustRegister(ValidDef("b"));
+  auto third = reg_->Register(ValidDef("c"));
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  auto why = GetReason(third.status());
+  ASSERT_TRUE(why.has_value());
+  EXPECT_EQ(why->reason, reason::kQuotaExceeded);
+  EXPECT_EQ(why->metadata["quota"], "ops");
+  // Another namespace has its own count; a known op is not a new one.
+  OpDef other = ValidDef("c");
+  other.ns = "team";
+  MustRegister(other);
+  EXPECT_EQ(MustRegister(WithDoc(ValidDef("a"), "2")).record.version, 2);
+  auto v3 = reg_->Register(WithDoc(ValidDef("a"), "3"));
+  ASSERT_FALSE(v3.ok());
+  EXPECT_EQ(GetReason(v3.status())->metadata["quota"], "versions");
+  // Re-registering the latest is not a new version, so the quota does not apply.
+  EXPECT_FALSE(MustRegister(WithDoc(ValidDef("a"), "2")).created);
+  ASSERT_TRUE(reg_->Delete("default", "a", 1).ok());
+  EXPECT_EQ(MustRegister(WithDoc(ValidDef("a"), "3")).record.version, 3);
+  EXPECT_EQ(reg_->Size(), 3u);
+}
+
 TEST(RegistryCreateTest, Errors) {
   auto empty = Registry::Create({});
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  auto unknown = Registry::Create({.db_path = "/nonexistent/r.db", .backend = "etcd"});
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("etcd"));
   TempDir dir;
   std::string path = dir.File("r.db");
   {

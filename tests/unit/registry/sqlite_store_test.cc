@@ -101,6 +101,61 @@ TEST(SqliteStoreTest, InsertLoadDelete) {
   EXPECT_EQ((*marks)[0].max_version, 2);
 }
 
+TEST(SqliteStoreTest, RegisterVersionDecidesInTheStore) {
+  TempDir dir;
+  auto store = SqliteStore::Open(dir.File("r.db"));
+  ASSERT_TRUE(store.ok()) << store.status();
+  SqliteStore& s = **store;
+  OpDef def = ValidDef("a");
+  auto first = s.RegisterVersion(def, ContentHash(def), 1000, {});
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(first->created);
+  EXPECT_EQ(first->record.version, 1);
+  EXPECT_EQ(first->record.created_unix_ms, 1000);
+  const uint64_t gen = first->generation;
+  EXPECT_GT(gen, 0u);
+
+  auto same = s.RegisterVersion(def, ContentHash(def), 2000, {});
+  ASSERT_TRUE(same.ok());
+  EXPECT_FALSE(same->created);
+  EXPECT_EQ(same->record.version, 1);
+  EXPECT_EQ(same->record.created_unix_ms, 1000);
+  EXPECT_EQ(same->record.def, def);
+
+  OpDef def2 = def;
+  def2.doc = "two";
+  auto second = s.RegisterVersion(def2, ContentHash(def2), 3000, {});
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->record.version, 2);
+  EXPECT_EQ(second->generation, gen + 1);
+
+  auto quota = s.RegisterVersion(def, ContentHash(def), 4000, {.max_versions_per_op = 2});
+  EXPECT_EQ(quota.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.LoadAll()->size(), 2u);  // nothing stored
+  EXPECT_EQ(s.RegisterVersion(def, std::string(64, '0'), 0, {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  auto none = s.DeleteOp("default", "a", 7);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->deleted, 0);
+  EXPECT_EQ(none->live_versions, (std::vector<int64_t>{1, 2}));
+  auto all = s.DeleteOp("default", "a", 0);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->deleted, 2);
+  EXPECT_EQ(all->generation, gen + 2);
+  // After the delete, the high-water mark decides: version 3.
+  auto again = s.RegisterVersion(def, ContentHash(def), 5000, {});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->record.version, 3);
+
+  auto snap = s.LoadSnapshot();
+  ASSERT_TRUE(snap.ok());
+  EXPECT_EQ(snap->generation, gen + 3);
+  ASSERT_EQ(snap->records.size(), 1u);
+  ASSERT_EQ(snap->high_water.size(), 1u);
+  EXPECT_EQ(snap->high_water[0].max_version, 3);
+}
+
 TEST(SqliteStoreTest, InsertChecksHash) {
   TempDir dir;
   auto store = SqliteStore::Open(dir.File("r.db"));
