@@ -59,10 +59,6 @@ packages() { sed -e 's/#.*//' "$@" | tr -s ' \n' '\n' | awk NF | paste -sd, -; }
 
 # Hooks of each base (their text is part of the base's hash).
 hooks_runtime() {
-  # dpkg without fsync (eatmydata during the build only; it is removed
-  # again): most of mmdebstrap's time is dpkg syncing on a slow disk.
-  [ -d /usr/share/mmdebstrap/hooks/eatmydata ] &&
-    MM_ARGS+=(--hook-directory=/usr/share/mmdebstrap/hooks/eatmydata)
   MM_ARGS+=(--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
             --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*')
 }
@@ -79,7 +75,7 @@ base() {
   local name=$1
   shift
   local hash img tar pkgs
-  hash=$( { echo "$RECIPE $SUITE ${OPJIT_DEBIAN_MIRROR:-}"; cat "$@"; declare -f "hooks_$name"; } |
+  hash=$( { echo "$RECIPE $SUITE ${OPJIT_DEBIAN_MIRROR:-}"; cat "$@"; declare -f "hooks_$name" hooks_runtime; } |
           sha256sum | cut -c1-16)
   img=localhost/opjit-$name-base:$hash
   tar=$CACHE/$name-base-$hash.tar
@@ -91,8 +87,12 @@ base() {
       MM_ARGS=(--variant=apt --format=tar --include="$pkgs" --quiet)
       "hooks_$name"
       log "$name base: mmdebstrap $SUITE (+$(echo "$pkgs" | tr , ' ' | wc -w) packages)"
-      timed "$name base: mmdebstrap" mmdebstrap "${MM_ARGS[@]}" "$SUITE" "$tar.tmp" \
-        ${OPJIT_DEBIAN_MIRROR:+"$OPJIT_DEBIAN_MIRROR"} >&2
+      if ! timed "$name base: mmdebstrap" mmdebstrap "${MM_ARGS[@]}" "$SUITE" "$tar.tmp" \
+             ${OPJIT_DEBIAN_MIRROR:+"$OPJIT_DEBIAN_MIRROR"} > "$CACHE/$name-base.log" 2>&1; then
+        tail -30 "$CACHE/$name-base.log" >&2
+        rm -f "$tar.tmp"
+        exit 1
+      fi
       mv "$tar.tmp" "$tar"
       # Older tarballs of this base are stale.
       find "$CACHE" -maxdepth 1 -name "$name-base-*.tar" ! -name "$(basename "$tar")" -delete
@@ -152,7 +152,7 @@ image_services() {
 # Both bases at once: mmdebstrap spends much of its time downloading.
 both_bases() {
   local rt_out=$CACHE/.runtime-base.name sv_out=$CACHE/.services-base.name pid rc=0
-  base runtime "$HERE/packages-runtime.txt" > "$rt_out" &
+  base runtime "$HERE/packages-runtime.txt" > "$rt_out" < /dev/null &
   pid=$!
   base services "$HERE/packages-services.txt" > "$sv_out" || rc=$?
   wait $pid || rc=$?
