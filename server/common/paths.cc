@@ -20,7 +20,14 @@ std::string DefaultSocketAddress(const std::string& state_dir) {
 
 std::string DefaultServerAddress() {
   if (const char* s = std::getenv("OPJIT_SERVER"); s != nullptr && *s) return s;
-  return DefaultSocketAddress(DefaultStateDir());
+  const std::string own = DefaultStateDir() + "/opjitd.sock";
+  // The system daemon (deploy/systemd) when the user runs none of their own.
+  const char* state = std::getenv("OPJIT_STATE_DIR");
+  if ((state == nullptr || *state == '\0') && ::access(own.c_str(), F_OK) != 0 &&
+      ::access(kSystemSocket, F_OK) == 0) {
+    return std::string("unix:") + kSystemSocket;
+  }
+  return "unix:" + own;
 }
 
 std::string FindHelperDir(const std::string& exe_dir) {

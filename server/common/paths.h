@@ -11,7 +11,12 @@ std::string DefaultStateDir();
 // "unix:<state_dir>/opjitd.sock".
 std::string DefaultSocketAddress(const std::string& state_dir);
 
-// Where clients connect by default: $OPJIT_SERVER, else the default socket.
+// Where the packaged systemd unit's opjitd listens.
+inline constexpr const char* kSystemSocket = "/run/opjit/opjitd.sock";
+
+// Where clients connect by default: $OPJIT_SERVER, else the user's default
+// socket, else (when that does not exist and OPJIT_STATE_DIR is unset) the
+// system daemon's kSystemSocket if it exists.
 std::string DefaultServerAddress();
 
 // Where opjitd's helper programs (opjit-compile-worker, opjit-exec-worker,

@@ -43,7 +43,16 @@ def default_address():
     if addr:
         return ",".join(normalize_address(a) for a in _routing.split_addresses(addr))
     state = os.environ.get("OPJIT_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".opjit")
-    return "unix:" + os.path.join(state, "opjitd.sock")
+    own = os.path.join(state, "opjitd.sock")
+    # The system daemon (deploy/systemd) when the user runs none of their own.
+    if not os.path.exists(own) and not os.environ.get("OPJIT_STATE_DIR") and \
+            os.path.exists(SYSTEM_SOCKET):
+        return "unix:" + SYSTEM_SOCKET
+    return "unix:" + own
+
+
+# Where the packaged systemd unit's opjitd listens.
+SYSTEM_SOCKET = "/run/opjit/opjitd.sock"
 
 
 def normalize_address(addr):
