@@ -34,8 +34,7 @@ struct PgConfig {
   std::string Scrub(std::string text) const {
     for (const std::string& secret : secrets) {
       if (secret.empty()) continue;
-      for (size_t pos = text.find(secret); pos != std::string::npos;
-           pos = text.find(secret, pos)) {
+      for (size_t pos = text.find(secret); pos != std::string::npos; pos = text.find(secret, pos)) {
         text.replace(pos, secret.size(), "***");
       }
     }
@@ -95,11 +94,10 @@ int64_t NowUnixMs() {
 
 // What a client may be told when the database cannot be used now.
 absl::Status Unavailable(absl::string_view what) {
-  return WithReason(
-      absl::UnavailableError(absl::StrCat(
-          "the registry database is unavailable (", what,
-          "); registered ops are still served, changes fail until it is back")),
-      reason::kStoreUnavailable);
+  return WithReason(absl::UnavailableError(absl::StrCat(
+                        "the registry database is unavailable (", what,
+                        "); registered ops are still served, changes fail until it is back")),
+                    reason::kStoreUnavailable);
 }
 
 // SQLSTATEs that mean "not now" rather than "wrong": connection problems
@@ -130,7 +128,9 @@ class PgResult {
   std::string Text(int row, int col) const {
     return std::string(PQgetvalue(r_, row, col), PQgetlength(r_, row, col));
   }
-  int64_t Int(int row, int col) const { return std::strtoll(PQgetvalue(r_, row, col), nullptr, 10); }
+  int64_t Int(int row, int col) const {
+    return std::strtoll(PQgetvalue(r_, row, col), nullptr, 10);
+  }
   // Rows an INSERT/UPDATE/DELETE touched.
   int64_t Affected() const { return std::strtoll(PQcmdTuples(r_), nullptr, 10); }
 
@@ -185,8 +185,7 @@ class PgConnection {
     values.push_back(nullptr);
     PGconn* c = PQconnectdbParams(keys.data(), values.data(), /*expand_dbname=*/1);
     if (c == nullptr || PQstatus(c) != CONNECTION_OK) {
-      std::string detail =
-          c == nullptr ? "out of memory" : config_->Scrub(Trim(PQerrorMessage(c)));
+      std::string detail = c == nullptr ? "out of memory" : config_->Scrub(Trim(PQerrorMessage(c)));
       if (c != nullptr) PQfinish(c);
       backoff_ms_ = std::clamp<int64_t>(backoff_ms_ * 2, 50, PostgresStore::kMaxBackoffMs);
       next_attempt_ = now + std::chrono::milliseconds(backoff_ms_);
@@ -215,8 +214,8 @@ class PgConnection {
     if (!connected()) return Unavailable(what);
     std::vector<const char*> p;
     for (const std::string& s : params) p.push_back(s.c_str());
-    PgResult result(PQexecParams(conn_, sql, static_cast<int>(p.size()), nullptr, p.data(),
-                                 nullptr, nullptr, /*resultFormat=*/0));
+    PgResult result(PQexecParams(conn_, sql, static_cast<int>(p.size()), nullptr, p.data(), nullptr,
+                                 nullptr, /*resultFormat=*/0));
     return Check(what, std::move(result));
   }
 
@@ -228,7 +227,8 @@ class PgConnection {
 
   // Ends the open transaction, if any, ignoring errors.
   void Rollback() {
-    if (connected() && PQtransactionStatus(conn_) != PQTRANS_IDLE) PQclear(PQexec(conn_, "ROLLBACK"));
+    if (connected() && PQtransactionStatus(conn_) != PQTRANS_IDLE)
+      PQclear(PQexec(conn_, "ROLLBACK"));
   }
 
   // Logs a failure: the first after a success at warn, the rest at debug,
@@ -312,7 +312,8 @@ absl::StatusOr<Store::Snapshot> LoadSnapshotOn(PgConnection& c) {
         OPJIT_ASSIGN_OR_RETURN(
             PgResult gen,
             c.Exec("loading the registry", "SELECT generation FROM opjit_generation WHERE id = 1"));
-        if (gen.rows() != 1) return absl::DataLossError(absl::StrCat(kWhere, ": no generation row"));
+        if (gen.rows() != 1)
+          return absl::DataLossError(absl::StrCat(kWhere, ": no generation row"));
         snap.generation = static_cast<uint64_t>(gen.Int(0, 0));
         OPJIT_ASSIGN_OR_RETURN(
             PgResult rows,
@@ -348,9 +349,8 @@ absl::StatusOr<uint64_t> BumpGeneration(PgConnection& c) {
                                               "generation + 1 WHERE id = 1 RETURNING generation"));
   if (gen.rows() != 1) return absl::DataLossError(absl::StrCat(kWhere, ": no generation row"));
   std::string g = gen.Text(0, 0);
-  OPJIT_RETURN_IF_ERROR(c.Exec("notifying", "SELECT pg_notify($1, $2)",
-                               {PostgresStore::kChannel, g})
-                            .status());
+  OPJIT_RETURN_IF_ERROR(
+      c.Exec("notifying", "SELECT pg_notify($1, $2)", {PostgresStore::kChannel, g}).status());
   return static_cast<uint64_t>(gen.Int(0, 0));
 }
 
@@ -384,10 +384,9 @@ absl::StatusOr<std::vector<int64_t>> LiveVersions(PgConnection& c, const std::st
 class PgWatcher final : public ChangeWatcher {
  public:
   explicit PgWatcher(std::shared_ptr<const PgConfig> config)
-      : conn_(std::move(config), "watcher",
-              [](PgConnection& c) {
-                return c.Exec("listening", "LISTEN opjit_registry").status();
-              }),
+      : conn_(
+            std::move(config), "watcher",
+            [](PgConnection& c) { return c.Exec("listening", "LISTEN opjit_registry").status(); }),
         efd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
   ~PgWatcher() override {
     if (efd_ >= 0) close(efd_);
@@ -411,10 +410,12 @@ class PgWatcher final : public ChangeWatcher {
         return ev;
       }
       int64_t left = std::max<int64_t>(
-          0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+          0,
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
       pollfd fds[2] = {{PQsocket(conn_.get()), POLLIN, 0}, {efd_, POLLIN, 0}};
       int n = poll(fds, 2, static_cast<int>(std::min<int64_t>(left, 1 << 30)));
-      if (n < 0 && errno != EINTR) return absl::InternalError(absl::StrCat("poll: ", strerror(errno)));
+      if (n < 0 && errno != EINTR)
+        return absl::InternalError(absl::StrCat("poll: ", strerror(errno)));
       if (n > 0 && (fds[1].revents & POLLIN) != 0) {
         uint64_t count;
         (void)!read(efd_, &count, sizeof(count));
@@ -435,9 +436,9 @@ class PgWatcher final : public ChangeWatcher {
 
   absl::StatusOr<uint64_t> Generation() override {
     OPJIT_RETURN_IF_ERROR(conn_.Ensure());
-    OPJIT_ASSIGN_OR_RETURN(
-        PgResult gen,
-        conn_.Exec("reading the generation", "SELECT generation FROM opjit_generation WHERE id = 1"));
+    OPJIT_ASSIGN_OR_RETURN(PgResult gen,
+                           conn_.Exec("reading the generation",
+                                      "SELECT generation FROM opjit_generation WHERE id = 1"));
     if (gen.rows() != 1) return absl::DataLossError(absl::StrCat(kWhere, ": no generation row"));
     return static_cast<uint64_t>(gen.Int(0, 0));
   }
@@ -530,12 +531,12 @@ absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options
   // Create the schema when it is missing, one daemon at a time.
   int64_t found_version = 0;
   absl::Status s = Transaction(*conn, "creating the schema", [&](bool*) -> absl::Status {
-    OPJIT_ASSIGN_OR_RETURN(PgResult exists,
-                           conn->Exec("reading the schema version",
-                                      "SELECT to_regclass('opjit_schema') IS NOT NULL"));
+    OPJIT_ASSIGN_OR_RETURN(
+        PgResult exists,
+        conn->Exec("reading the schema version", "SELECT to_regclass('opjit_schema') IS NOT NULL"));
     if (exists.rows() == 1 && exists.Text(0, 0) == "t") {
-      OPJIT_ASSIGN_OR_RETURN(PgResult v, conn->Exec("reading the schema version",
-                                                    "SELECT version FROM opjit_schema"));
+      OPJIT_ASSIGN_OR_RETURN(
+          PgResult v, conn->Exec("reading the schema version", "SELECT version FROM opjit_schema"));
       found_version = v.rows() == 1 ? v.Int(0, 0) : 0;
       // Up to date: nothing to create (and no CREATE privilege needed).
       if (found_version >= kSchemaVersion) return absl::OkStatus();
@@ -544,8 +545,8 @@ absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options
                                      {absl::StrCat(kSchemaLockKey)})
                               .status());
     OPJIT_RETURN_IF_ERROR(conn->ExecScript("creating the schema", kSchemaSql));
-    OPJIT_ASSIGN_OR_RETURN(PgResult v, conn->Exec("reading the schema version",
-                                                  "SELECT version FROM opjit_schema"));
+    OPJIT_ASSIGN_OR_RETURN(
+        PgResult v, conn->Exec("reading the schema version", "SELECT version FROM opjit_schema"));
     found_version = v.rows() == 1 ? v.Int(0, 0) : 0;
     if (found_version == 0) {
       OPJIT_RETURN_IF_ERROR(conn->Exec("creating the schema",
@@ -558,9 +559,9 @@ absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options
   });
   OPJIT_RETURN_IF_ERROR(s);
   if (found_version > kSchemaVersion) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(kWhere, " has schema version ", found_version,
-                     ", newer than this opjit understands (", kSchemaVersion, ")"));
+    return absl::FailedPreconditionError(absl::StrCat(kWhere, " has schema version ", found_version,
+                                                      ", newer than this opjit understands (",
+                                                      kSchemaVersion, ")"));
   }
   Logger("registry")->info("{}: connected, schema version {}", kWhere, found_version);
   return std::unique_ptr<PostgresStore>(new PostgresStore(std::move(config), std::move(conn)));
@@ -587,8 +588,8 @@ absl::StatusOr<Store::InsertResult> PostgresStore::RegisterVersion(const OpDef& 
                                                                    const Limits& limits) {
   const std::string json = ToJson(def);
   if (Sha256Hex(json) != content_hash) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "op ", def.ns, "/", def.name, ": content_hash does not match the definition"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("op ", def.ns, "/", def.name, ": content_hash does not match the definition"));
   }
   absl::MutexLock lock(&mu_);
   PgConnection& c = *conn_;
@@ -606,9 +607,9 @@ absl::StatusOr<Store::InsertResult> PostgresStore::RegisterVersion(const OpDef& 
     if (latest.rows() == 1) {
       latest_version = latest.Int(0, 0);
       if (latest.Text(0, 1) == content_hash) {
-        OPJIT_ASSIGN_OR_RETURN(result.record,
-                               DecodeRow(kWhere, def.ns, def.name, latest_version,
-                                         latest.Text(0, 1), latest.Text(0, 2), latest.Int(0, 3)));
+        OPJIT_ASSIGN_OR_RETURN(
+            result.record, DecodeRow(kWhere, def.ns, def.name, latest_version, latest.Text(0, 1),
+                                     latest.Text(0, 2), latest.Int(0, 3)));
         *commit = false;  // unchanged
         return absl::OkStatus();
       }

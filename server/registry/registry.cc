@@ -39,11 +39,10 @@ absl::StatusOr<std::unique_ptr<Registry>> Registry::Create(const Options& option
     if (options.poll_ms <= 0) {
       return absl::InvalidArgumentError("registry: poll_ms must be positive");
     }
-    OPJIT_ASSIGN_OR_RETURN(store, PostgresStore::Open({.url = options.url,
-                                                       .password = options.password}));
+    OPJIT_ASSIGN_OR_RETURN(store,
+                           PostgresStore::Open({.url = options.url, .password = options.password}));
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("registry: unknown backend \"",
-                                                   options.backend,
+    return absl::InvalidArgumentError(absl::StrCat("registry: unknown backend \"", options.backend,
                                                    "\" (expected sqlite or postgres)"));
   }
   OPJIT_ASSIGN_OR_RETURN(Store::Snapshot snap, store->LoadSnapshot());
@@ -144,8 +143,8 @@ absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def) {
       {
         absl::ReaderMutexLock lock(&mu_);
         auto it = ops_.find(key);
-        current = it != ops_.end() &&
-                  it->second.versions.rbegin()->first == inserted.record.version;
+        current =
+            it != ops_.end() && it->second.versions.rbegin()->first == inserted.record.version;
       }
       // Another daemon registered it and we have not caught up yet.
       if (!current) watcher_->Interrupt();
@@ -293,12 +292,13 @@ absl::StatusOr<bool> Registry::CheckAndReload() {
     absl::ReaderMutexLock lock(&mu_);
     ops = ops_.size();
   }
-  Logger("registry")->info(
-      "registry reloaded (changed elsewhere): generation {} -> {}, {} ops, {} versions, {} ms",
-      from, store_generation_, ops, versions,
-      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
-                                                            start)
-          .count());
+  Logger("registry")
+      ->info(
+          "registry reloaded (changed elsewhere): generation {} -> {}, {} ops, {} versions, {} ms",
+          from, store_generation_, ops, versions,
+          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                start)
+              .count());
   return false;
 }
 
@@ -360,10 +360,10 @@ std::vector<std::string> Registry::Warnings(const OpDef& def) const {
       found = ops_.count({def.ns, def.backward.op}) != 0;
     }
     if (!found) {
-      out.push_back(absl::StrCat(
-          "backward.op: \"", def.backward.op, "\" is not a registered op in namespace \"", def.ns,
-          "\"; the op is registered, but its backward fails until \"", def.backward.op,
-          "\" is registered"));
+      out.push_back(absl::StrCat("backward.op: \"", def.backward.op,
+                                 "\" is not a registered op in namespace \"", def.ns,
+                                 "\"; the op is registered, but its backward fails until \"",
+                                 def.backward.op, "\" is registered"));
     }
   }
   return out;

@@ -98,7 +98,8 @@ absl::Status SqliteStore::Error(int rc, const std::string& what) {
                     "backup or move it away to start an empty registry)");
   }
   absl::Status status(code, text);
-  if (code == absl::StatusCode::kUnavailable) status = WithReason(status, reason::kStoreUnavailable);
+  if (code == absl::StatusCode::kUnavailable)
+    status = WithReason(status, reason::kStoreUnavailable);
   return status;
 }
 
@@ -309,8 +310,8 @@ absl::Status SqliteStore::Insert(const OpRecord& record) {
 absl::StatusOr<std::vector<int64_t>> SqliteStore::LiveVersions(const std::string& ns,
                                                                const std::string& name) {
   Stmt st;
-  int rc = st.Prepare(
-      db_, "SELECT version FROM op_versions WHERE ns = ? AND name = ? ORDER BY version");
+  int rc =
+      st.Prepare(db_, "SELECT version FROM op_versions WHERE ns = ? AND name = ? ORDER BY version");
   if (rc != SQLITE_OK) return Error(rc, "reading versions");
   st.BindText(1, ns);
   st.BindText(2, name);
@@ -346,8 +347,8 @@ absl::StatusOr<Store::InsertResult> SqliteStore::RegisterInTxn(const OpDef& def,
                                                                const Limits& limits) {
   std::string json = ToJson(def);
   if (Sha256Hex(json) != content_hash) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "op ", def.ns, "/", def.name, ": content_hash does not match the definition"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("op ", def.ns, "/", def.name, ": content_hash does not match the definition"));
   }
   InsertResult result;
   int64_t latest = 0;

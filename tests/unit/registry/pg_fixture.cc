@@ -97,7 +97,8 @@ absl::StatusOr<std::unique_ptr<PgServer>> PgServer::Start() {
         "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb; set OPJIT_PG_BIN)");
   }
   if (geteuid() == 0 && access("/usr/bin/setpriv", X_OK) != 0) {
-    return absl::NotFoundError("running as root, and setpriv (to run PostgreSQL as nobody) is missing");
+    return absl::NotFoundError(
+        "running as root, and setpriv (to run PostgreSQL as nobody) is missing");
   }
   std::string tmpl = (fs::temp_directory_path() / "opjit_pg_XXXXXX").string();
   if (mkdtemp(tmpl.data()) == nullptr) return absl::InternalError("mkdtemp failed");
@@ -120,7 +121,8 @@ absl::StatusOr<std::unique_ptr<PgServer>> PgServer::Start() {
       return absl::InternalError(absl::StrCat("cannot copy ", cached, ": ", ec.message()));
     }
   } else {
-    absl::Status s = server->Run("initdb", "-D " + data + " -A trust -U postgres --no-sync -E UTF8");
+    absl::Status s =
+        server->Run("initdb", "-D " + data + " -A trust -U postgres --no-sync -E UTF8");
     if (!s.ok()) return s;
     if (!cached.empty()) {
       // Publish it whole (rename), or not at all when another process won.
@@ -204,12 +206,11 @@ absl::Status PgServer::Stop(bool immediate) {
 }
 
 absl::Status PgServer::Restart() {
-  absl::Status s = Run(
-      "pg_ctl",
-      absl::StrCat("-D ", dir_, "/data -l ", dir_, "/server.log -w -t 30 -o '-k ", dir_, " -p ",
-                   port_,
-                   " -c listen_addresses=127.0.0.1 -c fsync=off "
-                   "-c full_page_writes=off -c max_connections=200' start"));
+  absl::Status s =
+      Run("pg_ctl", absl::StrCat("-D ", dir_, "/data -l ", dir_, "/server.log -w -t 30 -o '-k ",
+                                 dir_, " -p ", port_,
+                                 " -c listen_addresses=127.0.0.1 -c fsync=off "
+                                 "-c full_page_writes=off -c max_connections=200' start"));
   if (s.ok()) running_ = true;
   return s;
 }

@@ -263,7 +263,8 @@ TEST_F(PostgresRegistryTest, ConcurrentRegistrationsAgreeAcrossDaemons) {
     ASSERT_NE(daemons.back().reg, nullptr);
   }
   // Raise the high-water mark to 1 and leave no live version.
-  ASSERT_EQ(MustRegister(*daemons[0].reg, WithDoc(ValidDef("contended"), "seed")).record.version, 1);
+  ASSERT_EQ(MustRegister(*daemons[0].reg, WithDoc(ValidDef("contended"), "seed")).record.version,
+            1);
   ASSERT_TRUE(daemons[0].reg->Delete("default", "contended", 0).ok());
 
   constexpr int kThreads = 12;
@@ -482,8 +483,9 @@ TEST_F(PostgresRegistryTest, SchemaCreationAndChecks) {
 
   std::string db = url_.substr(url_.rfind('/') + 1);
   ASSERT_TRUE(server()
-                  ->Query(db, "UPDATE opjit_op_versions SET def_json = "
-                              "replace(def_json, 'alpha * x', 'beta * x')")
+                  ->Query(db,
+                          "UPDATE opjit_op_versions SET def_json = "
+                          "replace(def_json, 'alpha * x', 'beta * x')")
                   .ok());
   auto tampered = Registry::Create(Options());
   ASSERT_FALSE(tampered.ok());

@@ -232,8 +232,7 @@ TEST_F(RegistryTest, DanglingBackwardOpIsAWarning) {
 }
 
 TEST_F(RegistryTest, QuotasOnOpsAndVersions) {
-  Registry::Options options{.db_path = path_, .max_ops_per_namespace = 2,
-                            .max_versions_per_op = 2};
+  Registry::Options options{.db_path = path_, .max_ops_per_namespace = 2, .max_versions_per_op = 2};
   reg_.reset();
   auto reg = Registry::Create(options);
   ASSERT_TRUE(reg.ok()) << reg.status();
