@@ -20,8 +20,9 @@ struct DaemonConfig {
   std::vector<std::string> listen;
   // trace, debug, info, warn, error. Default: info.
   std::string log_level = "info";
-  // Largest gRPC message, both directions. Default: 64 MiB.
-  int64_t max_message_bytes = 64ll << 20;
+  // Largest gRPC message, both directions: inline tensors of a call must fit
+  // (256 MiB of them, plus headers). Default: 320 MiB.
+  int64_t max_message_bytes = 320ll << 20;
   // TCP addresses other than loopback are refused without TLS unless this
   // is set. Default: false.
   bool allow_insecure_tcp = false;
