@@ -55,6 +55,12 @@ for tool in mmdebstrap podman; do
 done
 mkdir -p "$CACHE"
 
+logged() {  # logged FILE CMD...: CMD's output goes to FILE
+  local file=$1
+  shift
+  "$@" > "$file" 2>&1
+}
+
 packages() { sed -e 's/#.*//' "$@" | tr -s ' \n' '\n' | awk NF | paste -sd, -; }
 
 # Hooks of each base (their text is part of the base's hash).
@@ -87,8 +93,8 @@ base() {
       MM_ARGS=(--variant=apt --format=tar --include="$pkgs" --quiet)
       "hooks_$name"
       log "$name base: mmdebstrap $SUITE (+$(echo "$pkgs" | tr , ' ' | wc -w) packages)"
-      if ! timed "$name base: mmdebstrap" mmdebstrap "${MM_ARGS[@]}" "$SUITE" "$tar.tmp" \
-             ${OPJIT_DEBIAN_MIRROR:+"$OPJIT_DEBIAN_MIRROR"} > "$CACHE/$name-base.log" 2>&1; then
+      if ! timed "$name base: mmdebstrap" logged "$CACHE/$name-base.log" mmdebstrap "${MM_ARGS[@]}" \
+             "$SUITE" "$tar.tmp" ${OPJIT_DEBIAN_MIRROR:+"$OPJIT_DEBIAN_MIRROR"}; then
         tail -30 "$CACHE/$name-base.log" >&2
         rm -f "$tar.tmp"
         exit 1
@@ -123,14 +129,24 @@ stage_tree() {
   podman import --quiet "$stage.tar" localhost/opjit-tree:latest >/dev/null
 }
 
+# drop_previous TAG OLD_ID: removes the image TAG pointed at before a
+# rebuild, unless TAG still does or a container uses it.
+drop_previous() {
+  local now
+  now=$(podman image inspect --format '{{.Id}}' "$1" 2>/dev/null || true)
+  [ -n "$2" ] && [ "$2" != "$now" ] && podman rmi "$2" >/dev/null 2>&1 || true
+}
+
 image_fast() {
-  local rt=$1
+  local rt=$1 old
+  old=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
   timed "fast: cmake --install + import of the tree" stage_tree
   timed "fast: podman build (TREE=host build)" podman build --quiet --format docker \
     -f "$HERE/Containerfile" --build-arg RUNTIME_BASE="$rt" \
     --build-arg TREE=localhost/opjit-tree:latest --build-arg WITH_NVRTC="$WITH_NVRTC" \
     -t "$IMAGE" "$ROOT" >/dev/null
   podman rmi --force localhost/opjit-tree:latest >/dev/null 2>&1 || true
+  drop_previous "$IMAGE" "$old"
   log "built $IMAGE"
 }
 
@@ -143,9 +159,11 @@ image_full() {
 }
 
 image_services() {
-  local sb=$1
+  local sb=$1 old
+  old=$(podman image inspect --format '{{.Id}}' "$SERVICES_IMAGE" 2>/dev/null || true)
   timed "services: podman build" podman build --quiet --format docker \
     -f "$HERE/Containerfile.services" --build-arg SERVICES_BASE="$sb" -t "$SERVICES_IMAGE" "$ROOT" >/dev/null
+  drop_previous "$SERVICES_IMAGE" "$old"
   log "built $SERVICES_IMAGE"
 }
 
@@ -161,15 +179,22 @@ both_bases() {
   SV=$(cat "$sv_out")
 }
 
-T0=$(date +%s)
-case "${1:-fast}" in
-  fast) image_fast "$(base runtime "$HERE/packages-runtime.txt")" ;;
-  full)
-    rt=$(base runtime "$HERE/packages-runtime.txt")
-    image_full "$rt" "$(base build "$HERE/packages-build.txt")" ;;
-  services) image_services "$(base services "$HERE/packages-services.txt")" ;;
-  ci) both_bases; image_fast "$RT"; image_services "$SV" ;;
-  bases) both_bases ;;
-  *) sed -n '2,30p' "$0"; exit 2 ;;
-esac
-log "total: $(( $(date +%s) - T0 ))s"
+# The whole file is read before anything runs (an edit of this script
+# during a build does not change the running one).
+main() {
+  local T0
+  T0=$(date +%s)
+  case "${1:-fast}" in
+    fast) image_fast "$(base runtime "$HERE/packages-runtime.txt")" ;;
+    full)
+      rt=$(base runtime "$HERE/packages-runtime.txt")
+      image_full "$rt" "$(base build "$HERE/packages-build.txt")" ;;
+    services) image_services "$(base services "$HERE/packages-services.txt")" ;;
+    ci) both_bases; image_fast "$RT"; image_services "$SV" ;;
+    bases) both_bases ;;
+    *) sed -n '2,30p' "$0"; exit 2 ;;
+  esac
+  log "total: $(( $(date +%s) - T0 ))s"
+}
+main "$@"
+exit
