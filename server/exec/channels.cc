@@ -38,7 +38,8 @@ void ChannelManager::Shutdown() {
 }
 
 absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const std::string& owner,
-                                                 int64_t lease_ms) {
+                                                 int64_t lease_ms,
+                                                 std::optional<uid_t> client_uid) {
   if (!options_.enabled) {
     return absl::UnimplementedError("fast channels are disabled on this server ([fast] enabled)");
   }
@@ -59,7 +60,8 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
   OPJIT_ASSIGN_OR_RETURN(std::string hex, RandomHex128());
   const std::string name = absl::StrCat("opjit-channel-", hex.substr(0, 16));
   OPJIT_ASSIGN_OR_RETURN(tensor::RegionInfo info,
-                         regions_->CreateRegion(ns, owner, name, fast::kChannelBytes, lease_ms));
+                         regions_->CreateRegion(ns, owner, name, fast::kChannelBytes, lease_ms,
+                                                client_uid));
   auto region = regions_->Acquire(ns, name);
   if (!region.ok()) return region.status();
   const uint64_t region_id = info.id;

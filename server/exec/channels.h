@@ -19,10 +19,13 @@
 // Thread-safe.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,9 +78,11 @@ class ChannelManager {
   // Opens a channel for `owner` ("<principal>/<client id>") in `ns`.
   // UNIMPLEMENTED when disabled or kernels run in the daemon;
   // RESOURCE_EXHAUSTED (QUOTA_EXCEEDED) past the namespace's channels; the
-  // region manager's errors (shm quota).
+  // region manager's errors (shm quota). `client_uid` (SO_PEERCRED, where
+  // known) is granted access to the ring as for RegionManager::CreateRegion.
   absl::StatusOr<ChannelInfo> Open(const std::string& ns, const std::string& owner,
-                                    int64_t lease_ms);
+                                    int64_t lease_ms,
+                                    std::optional<uid_t> client_uid = std::nullopt);
 
   void OnRegistryChanged();
   void OnRegionsRemoved(const std::vector<std::shared_ptr<const tensor::Region>>& removed);

@@ -270,8 +270,10 @@ grpc::ServerUnaryReactor* MemoryService::CreateRegion(grpc::CallbackServerContex
                                                       v1::RegionInfo* resp) {
   const std::string ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
+  // caller.uid (SO_PEERCRED) is granted access to the object when the client
+  // runs as another user than the daemon.
   auto info = core_.regions->CreateRegion(ns, RegionOwner(caller, req->client_id()), req->name(),
-                                          req->byte_size(), req->lease_ms());
+                                          req->byte_size(), req->lease_ms(), caller.uid);
   if (info.ok()) InfoToProto(*info, resp);
   return FinishNow(ctx, info.status());
 }
@@ -603,7 +605,8 @@ grpc::ServerUnaryReactor* ExecutorService::OpenChannel(grpc::CallbackServerConte
   if (core_.channels == nullptr) {
     return FinishNow(ctx, absl::UnimplementedError("this server has no fast channels"));
   }
-  auto info = core_.channels->Open(ns, RegionOwner(caller, req->client_id()), req->lease_ms());
+  auto info = core_.channels->Open(ns, RegionOwner(caller, req->client_id()), req->lease_ms(),
+                                   caller.uid);
   if (!info.ok()) return FinishNow(ctx, info.status());
   resp->set_channel_id(info->id);
   resp->set_shm_key(info->shm_key);

@@ -4,11 +4,13 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -53,10 +55,50 @@ absl::Status ShmError(int err, const std::string& what, const std::string& key) 
   return absl::ErrnoToStatus(err, absl::StrCat(what, " shared memory object '", key, "'"));
 }
 
+// The kernel's POSIX ACL xattr format (linux/posix_acl_xattr.h): a
+// little-endian header {u32 version = 2} and entries {u16 tag, u16 perm,
+// u32 id}, sorted by tag, then by id.
+constexpr uint32_t kAclXattrVersion = 2;
+constexpr uint16_t kAclUserObj = 0x01;
+constexpr uint16_t kAclUser = 0x02;
+constexpr uint16_t kAclGroupObj = 0x04;
+constexpr uint16_t kAclMask = 0x10;
+constexpr uint16_t kAclOther = 0x20;
+constexpr uint16_t kAclReadWrite = 6;
+constexpr uint32_t kAclUndefinedId = 0xffffffffu;
+
+void PutLe(std::string* out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+}
+
 }  // namespace
 
+absl::Status GrantUserReadWrite(int fd, uid_t uid) {
+  std::string acl;
+  PutLe(&acl, kAclXattrVersion, 4);
+  auto entry = [&](uint16_t tag, uint16_t perm, uint32_t id) {
+    PutLe(&acl, tag, 2);
+    PutLe(&acl, perm, 2);
+    PutLe(&acl, id, 4);
+  };
+  entry(kAclUserObj, kAclReadWrite, kAclUndefinedId);
+  entry(kAclUser, kAclReadWrite, static_cast<uint32_t>(uid));
+  entry(kAclGroupObj, 0, kAclUndefinedId);
+  entry(kAclMask, kAclReadWrite, kAclUndefinedId);
+  entry(kAclOther, 0, kAclUndefinedId);
+  if (::fsetxattr(fd, "system.posix_acl_access", acl.data(), acl.size(), 0) != 0) {
+    const int e = errno;
+    if (e == EOPNOTSUPP) {
+      return absl::FailedPreconditionError("the file system does not support POSIX ACLs");
+    }
+    return absl::ErrnoToStatus(e, "set a POSIX ACL");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Region>> Region::CreateShm(const std::string& shm_key,
-                                                          uint64_t byte_size, RegionInfo info) {
+                                                          uint64_t byte_size, RegionInfo info,
+                                                          std::optional<uid_t> client_uid) {
   if (byte_size == 0) return absl::InvalidArgumentError("region size must be > 0 bytes");
   if (byte_size > static_cast<uint64_t>(std::numeric_limits<off_t>::max()) ||
       byte_size > std::numeric_limits<size_t>::max()) {
@@ -72,6 +114,26 @@ absl::StatusOr<std::unique_ptr<Region>> Region::CreateShm(const std::string& shm
   };
   // The umask may have cleared bits of 0600; the client needs exactly rw.
   if (::fchmod(fd.get(), 0600) != 0) return fail(ShmError(errno, "chmod", shm_key));
+  // A client of another user (the daemon runs as its own service user) can
+  // open the object only through an ACL entry for its uid. The daemon stays
+  // the owner: in the sticky /dev/shm only the owner may unlink.
+  if (client_uid.has_value() && *client_uid != ::geteuid()) {
+    absl::Status granted = GrantUserReadWrite(fd.get(), *client_uid);
+    if (!granted.ok()) {
+      Logger("tensor")->warn("cannot grant uid {} access to shm object {}: {}", *client_uid,
+                             shm_key, granted.ToString());
+      if (absl::IsFailedPrecondition(granted)) {
+        return fail(absl::FailedPreconditionError(
+            "the client runs as another user than the daemon, and the shared-memory file "
+            "system (/dev/shm) does not support the POSIX ACLs that would let it open the "
+            "daemon's regions. Mount /dev/shm with ACL support, run the client as the "
+            "daemon's user, or use inline transfers (transport \"grpc\")"));
+      }
+      return fail(absl::Status(granted.code(),
+                               absl::StrCat("cannot grant the client access to a shared-memory "
+                                            "region: ", granted.message())));
+    }
+  }
   if (::ftruncate(fd.get(), static_cast<off_t>(byte_size)) != 0) {
     return fail(ShmError(errno, "size", shm_key));
   }

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace opjit::tensor {
@@ -45,6 +46,14 @@ struct RegionInfo {
 // region (or has the key) can do that, and only to its own calls.
 //
 // Thread-safe: immutable after creation.
+// Sets the POSIX access ACL of the open file `fd` (which this process owns)
+// to: owner rw, user `uid` rw, owning group none, others none (mask rw), via
+// the "system.posix_acl_access" xattr, so no libacl is needed. Replaces any
+// ACL the file had; the mode's group bits then show the mask (0660).
+// FAILED_PRECONDITION when the file system does not support POSIX ACLs
+// (EOPNOTSUPP); other failures as their errno's code.
+absl::Status GrantUserReadWrite(int fd, uid_t uid);
+
 class Region {
  public:
   // Creates a new shm object `shm_key` with shm_open(O_CREAT | O_EXCL, 0600),
@@ -54,8 +63,17 @@ class Region {
   // on any failure the object is unlinked again. The region unlinks the key
   // when destroyed. `info` supplies ns/name/owner; its shm_key, offset,
   // byte_size and daemon_owned are overwritten.
-  static absl::StatusOr<std::unique_ptr<Region>> CreateShm(const std::string& shm_key,
-                                                           uint64_t byte_size, RegionInfo info);
+  //
+  // `client_uid`: the uid of the client that will shm_open the object, where
+  // known (SO_PEERCRED). When it differs from the daemon's euid, the object
+  // gets a POSIX access ACL granting exactly that uid read-write (see
+  // GrantUserReadWrite); the daemon stays the owner, so it can still unlink
+  // the key in a sticky /dev/shm. FAILED_PRECONDITION, naming the remedies,
+  // when the file system has no ACL support: a region the client cannot open
+  // is never handed out.
+  static absl::StatusOr<std::unique_ptr<Region>> CreateShm(
+      const std::string& shm_key, uint64_t byte_size, RegionInfo info,
+      std::optional<uid_t> client_uid = std::nullopt);
 
   // Maps [offset, offset + byte_size) of the existing shm object `shm_key`
   // read-write. The window must lie within the object (INVALID_ARGUMENT naming

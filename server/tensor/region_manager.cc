@@ -246,7 +246,8 @@ absl::StatusOr<RegionInfo> RegionManager::Commit(const std::string& ns, const st
 absl::StatusOr<RegionInfo> RegionManager::CreateRegion(const std::string& ns,
                                                        const std::string& owner,
                                                        const std::string& name, uint64_t bytes,
-                                                       int64_t lease_ms) {
+                                                       int64_t lease_ms,
+                                                       std::optional<uid_t> client_uid) {
   OPJIT_ASSIGN_OR_RETURN(int64_t lease, Reserve(ns, owner, name, bytes, lease_ms));
   RegionInfo info;
   info.ns = ns;
@@ -261,7 +262,7 @@ absl::StatusOr<RegionInfo> RegionManager::CreateRegion(const std::string& ns,
       region = hex.status();
       break;
     }
-    region = Region::CreateShm(key_prefix_ + *hex, bytes, info);
+    region = Region::CreateShm(key_prefix_ + *hex, bytes, info, client_uid);
     if (!absl::IsAlreadyExists(region.status())) break;
   }
   if (!region.ok()) {

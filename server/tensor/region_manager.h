@@ -99,7 +99,7 @@ class RegionManager {
   RegionManager& operator=(const RegionManager&) = delete;
 
   // Creates a zero-filled shm object of `bytes` bytes with a fresh unguessable
-  // key (mode 0600, pages reserved up front), maps it, and registers it as
+  // key (mode 0600 plus the client's ACL entry, pages reserved up front), maps it, and registers it as
   // `name` in `ns`, leased to `owner` for `lease_ms` (0: the default; longer
   // than the maximum: cut to it). Returns its info; the client maps
   // info.shm_key to fill it.
@@ -107,9 +107,15 @@ class RegionManager {
   // owner (at most 256 printable characters), zero bytes or a negative lease;
   // ALREADY_EXISTS if `name` is taken in `ns`; RESOURCE_EXHAUSTED over the
   // namespace's quota or region count, or when /dev/shm is full.
+  //
+  // `client_uid`: the uid of the connected client (SO_PEERCRED), where known.
+  // When it is not the daemon's euid, that uid (and only it) is granted
+  // read-write by an ACL on the object (Region::CreateShm); FAILED_PRECONDITION
+  // where /dev/shm cannot hold ACLs. Unknown (TCP): mode 0600 only.
   absl::StatusOr<RegionInfo> CreateRegion(const std::string& ns, const std::string& owner,
                                           const std::string& name, uint64_t bytes,
-                                          int64_t lease_ms);
+                                          int64_t lease_ms,
+                                          std::optional<uid_t> client_uid = std::nullopt);
 
   // Maps the window [offset, offset + byte_size) of the client's existing shm
   // object `shm_key` and registers it as `name` in `ns`. The key must start
