@@ -6,7 +6,7 @@
 #include <hiredis/hiredis.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,8 +17,6 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-
-extern char** environ;
 
 namespace opjit::cache::testing {
 
@@ -71,10 +69,15 @@ class RedisServer {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    if (::posix_spawn(&pid_, kRedisServer, nullptr, nullptr, argv.data(), environ) != 0) {
-      pid_ = -1;
-      return ::testing::AssertionFailure() << "cannot spawn redis-server";
+    // fork + exec rather than posix_spawn: the child dies with the test even
+    // when the test crashes (only async-signal-safe calls in the child).
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::execv(kRedisServer, argv.data());
+      ::_exit(127);
     }
+    if (pid_ < 0) return ::testing::AssertionFailure() << "cannot fork for redis-server";
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (std::chrono::steady_clock::now() < deadline) {
       redisContext* c = Connect();
