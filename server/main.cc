@@ -18,6 +18,7 @@
 #include <string>
 #include <thread>
 #include <algorithm>
+#include <atomic>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -54,6 +55,9 @@
 
 namespace opjit {
 namespace {
+
+// The registry store's last health probe (opjit_registry_store_up).
+std::atomic<bool> store_up{true};
 
 // A secret named by the config (`what`, e.g. "cache.remote.key_file"): the
 // file's bytes without trailing newlines. Refused when empty; a file that
@@ -183,6 +187,8 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
   m.DeclareGauge("opjit_executor_worker_timeouts_total", "Executor processes killed at a deadline.", {});
   m.DeclareGauge("opjit_quarantined_kernels_total", "Kernels refused after repeated crashes.", {});
   m.DeclareGauge("opjit_serving", "1 when grpc.health reports SERVING.", {});
+  m.DeclareGauge("opjit_registry_store_up",
+                 "1 when the registry store answered its last health probe.", {});
   m.AddCollector([=](metrics::Registry& r) {
     r.ClearGauge("opjit_shm_bytes");
     for (const auto& [ns, b] : regions->BytesByNamespace()) {
@@ -216,6 +222,7 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
     r.Set("opjit_executor_worker_timeouts_total", {}, static_cast<double>(w.worker_timeouts));
     r.Set("opjit_quarantined_kernels_total", {}, static_cast<double>(w.quarantined));
     r.Set("opjit_serving", {}, (*health == nullptr || (*health)->serving()) ? 1.0 : 0.0);
+    r.Set("opjit_registry_store_up", {}, store_up.load() ? 1.0 : 0.0);
   });
 }
 
@@ -522,7 +529,34 @@ int Run(int argc, char** argv) {
     probes.push_back({"executor workers",
                       [p = HelperDir() + "/opjit-exec-worker"] { return ProbeExecutable(p); }, 10});
   }
-  probes.push_back({"registry store", [r = registry->get()] { return r->ProbeStore(); }});
+  if (cfg->registry_backend == "sqlite") {
+    probes.push_back({"registry store", [r = registry->get()] {
+                        absl::Status s = r->ProbeStore();
+                        store_up.store(s.ok());
+                        return s;
+                      }});
+  } else {
+    // A shared database that is down stops registrations, not calls (the
+    // registry is in memory): the daemon stays SERVING, so neither a
+    // balancer nor the systemd watchdog takes away what still works. Writes
+    // answer STORE_UNAVAILABLE meanwhile; the log and opjit_registry_store_up
+    // tell the operator.
+    probes.push_back({"registry store", [r = registry->get(), log] {
+                        static std::atomic<bool> was_up{true};
+                        const absl::Status s = r->ProbeStore();
+                        store_up.store(s.ok());
+                        if (was_up.exchange(s.ok()) != s.ok()) {
+                          if (s.ok()) {
+                            log->info("registry database reachable again");
+                          } else {
+                            log->warn("registry database unreachable: {} (calls go on; "
+                                      "registrations fail until it is back)",
+                                      std::string(s.message()));
+                          }
+                        }
+                        return absl::OkStatus();
+                      }});
+  }
   rpc::GrpcServer* grpc_server = server->get();
   // systemd (Type=notify): READY=1 once started and SERVING, WATCHDOG=1 while
   // healthy; no-ops without $NOTIFY_SOCKET.
