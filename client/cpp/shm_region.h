@@ -2,8 +2,11 @@
 // created, or create one to register with it.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -30,7 +33,15 @@ class ShmMapping {
   // fails here (RESOURCE_EXHAUSTED) rather than as SIGBUS later, and maps it.
   // ALREADY_EXISTS if the key is taken. The mapping unlinks the key when
   // destroyed.
-  static absl::StatusOr<std::unique_ptr<ShmMapping>> Create(const std::string& key, uint64_t bytes);
+  //
+  // `grant_uid`: for an object to be registered (RegisterRegion) with a
+  // daemon that runs as another user, pass the daemon's uid
+  // (ServerInfo.daemon_uid): unless it is this process's euid, the object
+  // gets a POSIX ACL entry giving exactly that uid read-write (this process
+  // stays the owner, as RegisterRegion requires). FAILED_PRECONDITION when
+  // /dev/shm does not support ACLs.
+  static absl::StatusOr<std::unique_ptr<ShmMapping>> Create(
+      const std::string& key, uint64_t bytes, std::optional<uid_t> grant_uid = std::nullopt);
 
   // Maps the first `bytes` bytes (> 0) of the existing shm object `key`.
   // NOT_FOUND if it does not exist, INVALID_ARGUMENT if it is smaller than

@@ -59,9 +59,9 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
   }
   OPJIT_ASSIGN_OR_RETURN(std::string hex, RandomHex128());
   const std::string name = absl::StrCat("opjit-channel-", hex.substr(0, 16));
-  OPJIT_ASSIGN_OR_RETURN(tensor::RegionInfo info,
-                         regions_->CreateRegion(ns, owner, name, fast::kChannelBytes, lease_ms,
-                                                client_uid));
+  OPJIT_ASSIGN_OR_RETURN(
+      tensor::RegionInfo info,
+      regions_->CreateRegion(ns, owner, name, fast::kChannelBytes, lease_ms, client_uid));
   auto region = regions_->Acquire(ns, name);
   if (!region.ok()) return region.status();
   const uint64_t region_id = info.id;

@@ -81,8 +81,8 @@ class ChannelManager {
   // region manager's errors (shm quota). `client_uid` (SO_PEERCRED, where
   // known) is granted access to the ring as for RegionManager::CreateRegion.
   absl::StatusOr<ChannelInfo> Open(const std::string& ns, const std::string& owner,
-                                    int64_t lease_ms,
-                                    std::optional<uid_t> client_uid = std::nullopt);
+                                   int64_t lease_ms,
+                                   std::optional<uid_t> client_uid = std::nullopt);
 
   void OnRegistryChanged();
   void OnRegionsRemoved(const std::vector<std::shared_ptr<const tensor::Region>>& removed);

@@ -299,6 +299,7 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
     std::lock_guard<std::mutex> lock(bound_mu_);
     for (const auto& l : bound_.empty() ? facts_.listen : bound_) resp->add_listen(l);
   }
+  resp->set_daemon_uid(static_cast<uint32_t>(::geteuid()));  // for RegisterRegion's ACL
   if (!who.admin()) return FinishNow(ctx, absl::OkStatus());
   resp->set_state_dir(facts_.state_dir);
   resp->set_uptime_ms(std::chrono::duration_cast<std::chrono::milliseconds>(

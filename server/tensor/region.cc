@@ -129,9 +129,9 @@ absl::StatusOr<std::unique_ptr<Region>> Region::CreateShm(const std::string& shm
             "daemon's regions. Mount /dev/shm with ACL support, run the client as the "
             "daemon's user, or use inline transfers (transport \"grpc\")"));
       }
-      return fail(absl::Status(granted.code(),
-                               absl::StrCat("cannot grant the client access to a shared-memory "
-                                            "region: ", granted.message())));
+      return fail(absl::Status(
+          granted.code(), absl::StrCat("cannot grant the client access to a shared-memory region: ",
+                                       granted.message())));
     }
   }
   if (::ftruncate(fd.get(), static_cast<off_t>(byte_size)) != 0) {

@@ -99,9 +99,9 @@ class RegionManager {
   RegionManager& operator=(const RegionManager&) = delete;
 
   // Creates a zero-filled shm object of `bytes` bytes with a fresh unguessable
-  // key (mode 0600 plus the client's ACL entry, pages reserved up front), maps it, and registers it as
-  // `name` in `ns`, leased to `owner` for `lease_ms` (0: the default; longer
-  // than the maximum: cut to it). Returns its info; the client maps
+  // key (mode 0600 plus the client's ACL entry, pages reserved up front),
+  // maps it, and registers it as `name` in `ns`, leased to `owner` for
+  // `lease_ms` (0: the default; longer than the maximum: cut to it). Returns its info; the client maps
   // info.shm_key to fill it.
   // Errors: INVALID_ARGUMENT for a bad name ([A-Za-z0-9_.-]{1,128}), ns or
   // owner (at most 256 printable characters), zero bytes or a negative lease;

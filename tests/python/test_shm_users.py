@@ -269,3 +269,44 @@ def test_daemon_regions_of_a_same_uid_client_carry_no_acl(user_daemon):
             proc.stdin.write("\n")
             proc.stdin.close()
             proc.wait(60)
+
+
+# Runs as CLIENT_UID: creates two shm objects of its own, one granting the
+# daemon's uid (ServerInfo.daemon_uid) by ACL as ShmMapping::Create(key, n,
+# daemon_uid) does in the C++ client, one plain 0600, and registers both.
+REGISTER = r"""
+import os, struct, sys, grpc, opjit
+from opjit.v1 import memory_pb2, memory_pb2_grpc
+addr, ns = sys.argv[1:3]
+with opjit.Client(addr, namespace=ns, timeout=30) as c:
+    duid = c.info().daemon_uid
+print(duid)
+m = memory_pb2_grpc.MemoryStub(grpc.insecure_channel(addr))
+for grant in (True, False):
+    key = "/opjit-users-reg-%d-%d" % (os.getpid(), grant)
+    fd = os.open("/dev/shm" + key, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 8192)
+    if grant:
+        os.setxattr(fd, "system.posix_acl_access", struct.pack(
+            "<IHHIHHIHHIHHIHHI", 2, 1, 6, 0xffffffff, 2, 6, duid, 4, 0, 0xffffffff,
+            0x10, 6, 0xffffffff, 0x20, 0, 0xffffffff))
+    os.close(fd)
+    try:
+        m.RegisterRegion(memory_pb2.RegisterRegionRequest(
+            namespace=ns, name=key[1:], shm_key=key, byte_size=8192, client_id="reg"), timeout=10)
+        print("OK")
+    except grpc.RpcError as e:
+        print(e.code().name)
+    finally:
+        os.unlink("/dev/shm" + key)
+"""
+
+
+def test_register_region_of_another_uid_needs_the_daemon_granted(user_daemon):
+    r = subprocess.run(as_uid(CLIENT_UID) + ["/usr/bin/python3", "-c", REGISTER,
+                                             user_daemon.address, user_daemon.namespace],
+                       capture_output=True, text=True, timeout=60, env=client_env())
+    assert r.returncode == 0, r.stderr
+    # The daemon (nobody) maps the object that grants it; the plain 0600 one it
+    # cannot open, and says so.
+    assert r.stdout.split() == [str(NOBODY.pw_uid), "OK", "PERMISSION_DENIED"], r.stdout + r.stderr

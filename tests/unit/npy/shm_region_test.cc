@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <regex>
 #include <string>
@@ -84,6 +86,46 @@ TEST(ShmMappingTest, RejectsBadKeysAndSizes) {
     EXPECT_EQ(ShmMapping::Open(key, 10).status().code(), absl::StatusCode::kInvalidArgument);
   }
   EXPECT_EQ(ShmMapping::Create(TestKey(), 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// An object to register with a daemon of another user grants exactly that
+// uid (ServerInfo.daemon_uid) by a POSIX ACL; one for our own uid gets none.
+TEST(ShmMappingTest, CreateGrantsTheDaemonUidByAcl) {
+  const std::string key = TestKey();
+  const uid_t daemon_uid = ::geteuid() == 65000 ? 65001 : 65000;
+  auto granted = ShmMapping::Create(key, 4096, daemon_uid);
+  if (absl::IsFailedPrecondition(granted.status())) GTEST_SKIP() << "/dev/shm takes no ACLs";
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  const std::string path = "/dev/shm" + key;
+  char acl[64];
+  ssize_t n = ::getxattr(path.c_str(), "system.posix_acl_access", acl, sizeof(acl));
+  ASSERT_GT(n, 0) << std::strerror(errno);
+  // The xattr: {u32 version 2}, then {u16 tag, u16 perm, u32 id} little-endian.
+  std::string want;
+  auto put = [&want](uint32_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) want.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  put(2, 4);
+  const uint32_t entries[][3] = {{0x01, 6, 0xffffffffu},   // owner rw
+                                 {0x02, 6, daemon_uid},    // the daemon rw
+                                 {0x04, 0, 0xffffffffu},   // owning group none
+                                 {0x10, 6, 0xffffffffu},   // mask rw
+                                 {0x20, 0, 0xffffffffu}};  // others none
+  for (const auto& e : entries) {
+    put(e[0], 2);
+    put(e[1], 2);
+    put(e[2], 4);
+  }
+  EXPECT_EQ(std::string(acl, static_cast<size_t>(n)), want);
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, ::geteuid());  // still ours: RegisterRegion checks the owner
+  granted->reset();
+
+  auto own = ShmMapping::Create(key, 4096, ::geteuid());
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_LT(::getxattr(path.c_str(), "system.posix_acl_access", acl, sizeof(acl)), 0);
+  EXPECT_EQ(errno, ENODATA);
 }
 
 }  // namespace
