@@ -57,8 +57,8 @@ std::vector<AclEntry> ReadAcl(const std::string& path, int* err) {
   }
   std::vector<AclEntry> out;
   for (ssize_t at = 4; at < n; at += 8) {
-    out.push_back({static_cast<uint16_t>(Le(buf + at, 2)), static_cast<uint16_t>(Le(buf + at + 2, 2)),
-                   Le(buf + at + 4, 4)});
+    out.push_back({static_cast<uint16_t>(Le(buf + at, 2)),
+                   static_cast<uint16_t>(Le(buf + at + 2, 2)), Le(buf + at + 4, 4)});
   }
   return out;
 }
