@@ -36,17 +36,7 @@ fi
 # Under the build dir, not /tmp: the hardened daemon gets a private /tmp.
 WORK=$(mktemp -d "$BUILD/deploy-test.XXXXXX")
 chmod 0755 "$WORK"
-DAEMON_PID=""
-cleanup() {
-  if [ -n "$DAEMON_PID" ] && kill -0 "$DAEMON_PID" 2>/dev/null; then
-    kill -TERM "$DAEMON_PID" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$DAEMON_PID" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$DAEMON_PID" 2>/dev/null || true
-  fi
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*"; [ -f "$WORK/opjitd.log" ] && tail -40 "$WORK/opjitd.log"; exit 1; }
+. "$(dirname "$0")/lib.sh"
 
 # ---- 1. cpack ------------------------------------------------------------------
 t0=$(date +%s.%N)

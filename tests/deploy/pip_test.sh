@@ -22,17 +22,7 @@ fi
 [ -x "$BUILD/bin/opjitd" ] || { echo "FAIL: build bin/opjitd first"; exit 1; }
 
 WORK=$(mktemp -d /tmp/opjit-pip.XXXXXX)
-DAEMON_PID=""
-cleanup() {
-  if [ -n "$DAEMON_PID" ] && kill -0 "$DAEMON_PID" 2>/dev/null; then
-    kill -TERM "$DAEMON_PID" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$DAEMON_PID" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$DAEMON_PID" 2>/dev/null || true
-  fi
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*"; [ -f "$WORK/opjitd.log" ] && tail -30 "$WORK/opjitd.log"; exit 1; }
+. "$(dirname "$0")/lib.sh"
 
 "$PY" -m venv --system-site-packages "$WORK/venv"
 # No network: where a network namespace can be made, pip runs in one.
