@@ -5,9 +5,10 @@
   container_pod.py BUILD_DIR
 
 Steps (each one's wall time is printed):
-1. build-image.sh ci: the runtime and services bases (mmdebstrap, cached in
-   podman's storage and under BUILD_DIR/container), the opjit image from the
-   host's build tree (cmake --install), the services image.
+1. build-image.sh ci: the runtime base (mmdebstrap, cached in podman's
+   storage and under BUILD_DIR/container), the opjit image from the host's
+   build tree (cmake --install), the services image (PostgreSQL and Redis
+   installed on the runtime base).
 2. The image on its own (podman run, its default config, no network): its
    HEALTHCHECK (`podman healthcheck run`) passes once the daemon serves and
    fails once the daemon is stopped (SIGSTOP).
