@@ -28,7 +28,7 @@ PKGS=(
   libpq-dev postgresql-15 libhiredis-dev redis-server libsystemd-dev
   dpkg-dev python3-venv python3-pip python3-setuptools python3-grpc-tools
   mmdebstrap podman buildah runc uidmap slirp4netns fuse-overlayfs containernetworking-plugins
-  kubernetes-client
+  kubernetes-client python3-yaml
 )
 if [ "${1:-}" = "--bench" ]; then
   # torch.utils.cpp_extension.load_inline needs libtorch's headers, pybind11
