@@ -79,8 +79,39 @@ if [ "$(opt ProtectHome)" = yes ]; then
   note "ProtectHome=yes: inaccessible:$hidden"
 fi
 if [ "$(opt PrivateTmp)" = yes ]; then
+  # The test's own files (a checkout under /tmp, say) stay where they are:
+  # the top directory under /tmp or /var/tmp of each is bound back into the
+  # fresh tmpfs, through an fd opened before it hides them.
+  keep=() tops=" " fd=10
+  for p in "$STATE" "$UNIT" "$HERE" "$REPORT" "$1"; do
+    for t in /tmp /var/tmp; do
+      case "$p" in "$t"/*)
+        top="$t/$(echo "${p#"$t"/}" | cut -d/ -f1)"
+        case "$tops" in *" $top "*) ;; *)
+          eval "exec $fd<\"\$top\""
+          keep+=("$fd:$top") tops="$tops$top " fd=$((fd + 1)) ;;
+        esac ;;
+      esac
+    done
+  done
   mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp
   [ -d /var/tmp ] && mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /var/tmp
+  for k in "${keep[@]:-}"; do
+    [ -n "$k" ] || continue
+    top=${k#*:}
+    mkdir -p "$top"
+    mount --no-canonicalize --bind "/proc/self/fd/${k%%:*}" "$top"
+    eval "exec ${k%%:*}<&-"
+    # A new bind is writable: as read-only as ProtectSystem made it, but the state dir.
+    if [ "$(opt ProtectSystem)" = strict ]; then
+      mount -o remount,bind,ro "$top"
+      case "$STATE/" in "$top"/*)
+        mount --bind "$STATE" "$STATE"
+        mount -o remount,bind,rw "$STATE" ;;
+      esac
+    fi
+    note "PrivateTmp=yes: $top kept (the test's files)"
+  done
   note "PrivateTmp=yes: fresh /tmp and /var/tmp"
 fi
 for d in ${OPJIT_SANDBOX_HIDE:-}; do
