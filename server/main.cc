@@ -542,10 +542,8 @@ int Run(int argc, char** argv) {
     // answer STORE_UNAVAILABLE meanwhile; the log and opjit_registry_store_up
     // tell the operator.
     probes.push_back({"registry store", [r = registry->get(), log] {
-                        static std::atomic<bool> was_up{true};
                         const absl::Status s = r->ProbeStore();
-                        store_up.store(s.ok());
-                        if (was_up.exchange(s.ok()) != s.ok()) {
+                        if (store_up.exchange(s.ok()) != s.ok()) {
                           if (s.ok()) {
                             log->info("registry database reachable again");
                           } else {
