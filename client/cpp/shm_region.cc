@@ -1,12 +1,12 @@
 #include "client/cpp/shm_region.h"
 
+#include "server/common/posix_acl.h"
 #include "server/common/random.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
-#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,40 +41,17 @@ absl::StatusOr<uint8_t*> Map(int fd, uint64_t bytes, const std::string& key) {
   return static_cast<uint8_t*>(p);
 }
 
-// Gives `uid` read-write on `fd` by a POSIX access ACL, written as the
-// kernel's "system.posix_acl_access" xattr (no libacl): header {u32 2}, then
-// {u16 tag, u16 perm, u32 id} little-endian, sorted by tag: owner rw, user
-// `uid` rw, owning group none, mask rw, others none. Mirrors the daemon's
-// GrantUserReadWrite (server/tensor/region.h).
+// Gives the daemon's `uid` read-write on `fd` (server/common/posix_acl.h),
+// with a message that tells the user what to do instead.
 absl::Status GrantReadWrite(int fd, uid_t uid, const std::string& key) {
-  std::string acl;
-  auto put = [&acl](uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i) acl.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-  };
-  put(2, 4);
-  const uint32_t undefined = 0xffffffffu;
-  const struct {
-    uint16_t tag, perm;
-    uint32_t id;
-  } entries[] = {{0x01, 6, undefined},
-                 {0x02, 6, static_cast<uint32_t>(uid)},
-                 {0x04, 0, undefined},
-                 {0x10, 6, undefined},
-                 {0x20, 0, undefined}};
-  for (const auto& e : entries) {
-    put(e.tag, 2);
-    put(e.perm, 2);
-    put(e.id, 4);
-  }
-  if (::fsetxattr(fd, "system.posix_acl_access", acl.data(), acl.size(), 0) == 0) {
-    return absl::OkStatus();
-  }
-  if (errno == EOPNOTSUPP) {
+  absl::Status s = GrantUserReadWrite(fd, uid);
+  if (s.ok()) return s;
+  if (absl::IsFailedPrecondition(s)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot grant the daemon's uid ", uid, " access to shm ", key,
         ": /dev/shm does not support POSIX ACLs; run as the daemon's user or use CreateRegion"));
   }
-  return absl::ErrnoToStatus(errno, absl::StrCat("set the ACL of shm ", key));
+  return absl::Status(s.code(), absl::StrCat("set the ACL of shm ", key, ": ", s.message()));
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
+#include "server/common/posix_acl.h"
 
 namespace opjit::tensor {
 namespace {
@@ -55,46 +55,7 @@ absl::Status ShmError(int err, const std::string& what, const std::string& key) 
   return absl::ErrnoToStatus(err, absl::StrCat(what, " shared memory object '", key, "'"));
 }
 
-// The kernel's POSIX ACL xattr format (linux/posix_acl_xattr.h): a
-// little-endian header {u32 version = 2} and entries {u16 tag, u16 perm,
-// u32 id}, sorted by tag, then by id.
-constexpr uint32_t kAclXattrVersion = 2;
-constexpr uint16_t kAclUserObj = 0x01;
-constexpr uint16_t kAclUser = 0x02;
-constexpr uint16_t kAclGroupObj = 0x04;
-constexpr uint16_t kAclMask = 0x10;
-constexpr uint16_t kAclOther = 0x20;
-constexpr uint16_t kAclReadWrite = 6;
-constexpr uint32_t kAclUndefinedId = 0xffffffffu;
-
-void PutLe(std::string* out, uint64_t value, int bytes) {
-  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
-}
-
 }  // namespace
-
-absl::Status GrantUserReadWrite(int fd, uid_t uid) {
-  std::string acl;
-  PutLe(&acl, kAclXattrVersion, 4);
-  auto entry = [&](uint16_t tag, uint16_t perm, uint32_t id) {
-    PutLe(&acl, tag, 2);
-    PutLe(&acl, perm, 2);
-    PutLe(&acl, id, 4);
-  };
-  entry(kAclUserObj, kAclReadWrite, kAclUndefinedId);
-  entry(kAclUser, kAclReadWrite, static_cast<uint32_t>(uid));
-  entry(kAclGroupObj, 0, kAclUndefinedId);
-  entry(kAclMask, kAclReadWrite, kAclUndefinedId);
-  entry(kAclOther, 0, kAclUndefinedId);
-  if (::fsetxattr(fd, "system.posix_acl_access", acl.data(), acl.size(), 0) != 0) {
-    const int e = errno;
-    if (e == EOPNOTSUPP) {
-      return absl::FailedPreconditionError("the file system does not support POSIX ACLs");
-    }
-    return absl::ErrnoToStatus(e, "set a POSIX ACL");
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<std::unique_ptr<Region>> Region::CreateShm(const std::string& shm_key,
                                                           uint64_t byte_size, RegionInfo info,

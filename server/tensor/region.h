@@ -46,14 +46,6 @@ struct RegionInfo {
 // region (or has the key) can do that, and only to its own calls.
 //
 // Thread-safe: immutable after creation.
-// Sets the POSIX access ACL of the open file `fd` (which this process owns)
-// to: owner rw, user `uid` rw, owning group none, others none (mask rw), via
-// the "system.posix_acl_access" xattr, so no libacl is needed. Replaces any
-// ACL the file had; the mode's group bits then show the mask (0660).
-// FAILED_PRECONDITION when the file system does not support POSIX ACLs
-// (EOPNOTSUPP); other failures as their errno's code.
-absl::Status GrantUserReadWrite(int fd, uid_t uid);
-
 class Region {
  public:
   // Creates a new shm object `shm_key` with shm_open(O_CREAT | O_EXCL, 0600),

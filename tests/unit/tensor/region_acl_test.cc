@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "server/common/posix_acl.h"
 #include "server/tensor/region.h"
 #include "server/tensor/region_manager.h"
 #include "tests/unit/tensor/test_util.h"
