@@ -1,7 +1,8 @@
 'use strict';
 // Registers MindSpore's aot leaky_relu kernel (kernels/examples) and runs it
 // on a Float32Array. Needs a running opjitd ($OPJIT_SERVER or the default
-// socket):   node client/node/example.js
+// socket; $OPJIT_TOKEN and $OPJIT_TLS_CA for one with principals and TLS):
+//   node client/node/example.js
 const path = require('node:path');
 const { Client } = require('./opjit_client');
 
@@ -24,6 +25,14 @@ async function main() {
     console.log('leaky_relu(x) =', Array.from(y.data), 'shape', y.shape);
     const [y2] = await client.forward('leaky_relu', [x], { alpha: 0.5 });
     console.log('leaky_relu(x, alpha=0.5) =', Array.from(y2.data));
+
+    // Errors carry a machine-readable reason: decide on it, not on the text.
+    try {
+      await client.forward('no_such_op', [x]);
+    } catch (e) {
+      if (e.reason !== 'OP_NOT_FOUND') throw e;
+      console.log(`no_such_op: ${e.reason} (${e.code})`);
+    }
   } finally {
     client.close();
   }

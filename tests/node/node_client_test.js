@@ -5,6 +5,11 @@
 // $OPJITD names the daemon (default <repo>/build/bin/opjitd). When
 // client/node/node_modules is missing it runs `npm ci` there first; if npm
 // cannot fetch the packages, it prints why and exits 77 (ctest: skipped).
+//
+// Three daemons, each in its own temp dir: one without principals (unix
+// socket), one with principals on plaintext loopback TCP (bearer tokens,
+// namespaces, roles), one with principals and [tls] (a CA made here with
+// openssl; without openssl that suite is skipped and says why).
 
 const { execFileSync, spawn } = require('node:child_process');
 const fs = require('node:fs');
@@ -35,6 +40,12 @@ function ensureModules() {
 
 ensureModules();
 
+// The clients below name their token and TLS settings; the caller's own must
+// not leak in (the tests that check these defaults set them themselves).
+delete process.env.OPJIT_TOKEN;
+delete process.env.OPJIT_TLS_CA;
+
+const crypto = require('node:crypto');
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const { Client } = require(path.join(NODE_DIR, 'opjit_client.js'));
@@ -42,49 +53,70 @@ const { Client } = require(path.join(NODE_DIR, 'opjit_client.js'));
 const OPJITD = process.env.OPJITD || path.join(REPO, 'build', 'bin', 'opjitd');
 const EXAMPLES = path.join(REPO, 'kernels', 'examples');
 
-let daemon;
-let stateDir;
-let client;
-
-async function startDaemon() {
-  stateDir = fs.mkdtempSync(path.join(os.tmpdir(), 'opjit-node-'));
-  const sock = path.join(stateDir, 'opjitd.sock');
-  const log = fs.openSync(path.join(stateDir, 'opjitd.log'), 'w');
-  daemon = spawn(OPJITD, ['--state-dir', stateDir, '--listen', `unix:${sock}`],
-    { stdio: ['ignore', log, log] });
+// A started opjitd in its own temp dir: { dir, state, unix, tcp, log, close() }.
+// `config` (TOML text) goes to --config; `tcp` adds --listen 127.0.0.1:0 and
+// reads the bound address back from <state>/endpoints.
+async function startDaemon({ config = null, tcp = false } = {}) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'opjit-node-'));
+  const state = path.join(dir, 'state');
+  const unix = `unix:${path.join(dir, 'opjitd.sock')}`;
+  const logPath = path.join(dir, 'opjitd.log');
+  const args = ['--state-dir', state, '--listen', unix];
+  if (tcp) args.push('--listen', '127.0.0.1:0');
+  if (config !== null) {
+    fs.writeFileSync(path.join(dir, 'opjitd.toml'), config);
+    args.push('--config', path.join(dir, 'opjitd.toml'));
+  }
+  const log = fs.openSync(logPath, 'w');
+  const proc = spawn(OPJITD, args, { stdio: ['ignore', log, log] });
+  fs.closeSync(log);
   let exited = null;
-  daemon.on('exit', (code, signal) => { exited = { code, signal }; });
-  client = new Client(`unix:${sock}`, { timeoutMs: 120000 });
+  proc.on('exit', (code, signal) => { exited = { code, signal }; });
+  const d = {
+    dir, state, unix, tcp: null, logPath, proc,
+    // The unix-socket caller is this process's uid: the daemon's own, an admin.
+    admin: new Client(unix, { timeoutMs: 120000, token: '', tls: false }),
+    async close() {
+      d.admin.close();
+      if (proc.exitCode === null && proc.signalCode === null) {
+        const done = new Promise((r) => proc.once('exit', r));
+        proc.kill('SIGTERM');
+        await done;
+      }
+      fs.rmSync(dir, { recursive: true, force: true });
+    },
+  };
+  const endpoints = path.join(state, 'endpoints');
   const deadline = Date.now() + 60000;
   let last;
-  while (Date.now() < deadline) {
-    if (exited) break;
-    if (fs.existsSync(path.join(stateDir, 'endpoints'))) {
+  while (Date.now() < deadline && !exited) {
+    if (fs.existsSync(endpoints)) {
       try {
-        await client.info();
-        return;
+        await d.admin.info();
+        const addrs = fs.readFileSync(endpoints, 'utf8').split(/\s+/).filter(Boolean);
+        d.tcp = addrs.find((a) => !a.startsWith('unix:')) || null;
+        if (!tcp || d.tcp) return d;
       } catch (e) {
         last = e;
       }
     }
     await new Promise((r) => setTimeout(r, 50));
   }
-  const text = fs.readFileSync(path.join(stateDir, 'opjitd.log'), 'utf8');
+  const text = fs.readFileSync(logPath, 'utf8');
+  await d.close();
   throw new Error(`opjitd did not start (${exited ? JSON.stringify(exited) : last}):\n${text}`);
 }
 
-async function stopDaemon() {
-  if (client) client.close();
-  if (daemon && daemon.exitCode === null) {
-    const done = new Promise((r) => daemon.once('exit', r));
-    daemon.kill('SIGTERM');
-    await done;
-  }
-  if (stateDir) fs.rmSync(stateDir, { recursive: true, force: true });
-}
+let plain; // the daemon without principals (every local caller is admin)
+let stateDir;
+let client;
 
-test.before(startDaemon);
-test.after(stopDaemon);
+test.before(async () => {
+  plain = await startDaemon();
+  stateDir = plain.state;
+  client = plain.admin;
+});
+test.after(async () => { if (plain) await plain.close(); });
 
 test('info answers', async () => {
   const info = await client.info();
@@ -134,5 +166,293 @@ test('errors carry the status code and the server message', async () => {
     assert.equal(e.code, 'INVALID_ARGUMENT');
     assert.match(e.details, /int32/);
     return true;
+  });
+});
+
+// ---- structured errors: decide on .reason ---------------------------------------------------
+
+// y = x <body>, float32 -> float32 (the kernel ABI of kernels/examples).
+const COPY = `#include <cstdint>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  for (int64_t i = 0; i < k; ++i) y[i] = x[i] BODY;
+  return 0;
+}
+`;
+
+function spec(name, body, namespace = '', extra = {}) {
+  return {
+    name, namespace,
+    inputs: [{ index: 0, name: 'x' }],
+    outputs: [{ index: 0, name: 'y' }],
+    dtype_formats: [{ dtypes: ['float32', 'float32'] }],
+    implementations: [{ target: 'CPU', source: COPY.replace('BODY', body), entry: 'K' }],
+    ...extra,
+  };
+}
+
+// Rejects with an OpjitError; runs check(e) on it.
+async function rejectsWith(promise, check) {
+  await assert.rejects(promise, (e) => {
+    assert.equal(e.name, 'OpjitError', String(e));
+    check(e);
+    return true;
+  });
+}
+
+// The syntax error ("int y = ;") is on line 3.
+const BROKEN = 'extern "C" int K() {\n  int x = 1;\n  int y = ;\n  return x;\n}\n';
+
+test('a compile error has reason COMPILE_FAILED and diagnostics with the right line', async () => {
+  await rejectsWith(client.compile(BROKEN, { entry: 'K', fileName: 'broken.cc' }), (e) => {
+    assert.equal(e.code, 'INVALID_ARGUMENT');
+    assert.equal(e.grpcCode, 3);
+    assert.equal(e.reason, 'COMPILE_FAILED');
+    assert.ok(e.diagnostics.length >= 1, `no diagnostics in ${JSON.stringify(e.diagnostics)}`);
+    const err = e.diagnostics.find((d) => d.severity === 'error');
+    assert.ok(err, JSON.stringify(e.diagnostics));
+    assert.equal(err.file, 'broken.cc');
+    assert.equal(err.line, 3);
+    assert.ok(err.column > 0);
+    assert.ok(err.text.length > 0);
+  });
+  // The same through RegisterOp, whose implementations compile at registration.
+  const bad = spec('broken_op', '* 2.0f');
+  bad.implementations[0].source = BROKEN;
+  bad.implementations[0].source_file = 'broken_op.cc';
+  await rejectsWith(client.registerOp(bad), (e) => {
+    assert.equal(e.code, 'INVALID_ARGUMENT');
+    assert.equal(e.reason, 'COMPILE_FAILED');
+    assert.ok(e.diagnostics.some((d) => d.line === 3 && d.severity === 'error'),
+      JSON.stringify(e.diagnostics));
+  });
+});
+
+test('forward on an unknown op has reason OP_NOT_FOUND', async () => {
+  await rejectsWith(client.forward('no_such_op', [Float32Array.of(1)]), (e) => {
+    assert.equal(e.code, 'NOT_FOUND');
+    assert.equal(e.reason, 'OP_NOT_FOUND');
+    assert.deepEqual(e.diagnostics, []);
+  });
+});
+
+test('an error made by gRPC itself (no daemon) has the code name as its reason', async () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'opjit-node-none-'));
+  const c = new Client(`unix:${path.join(dir, 'absent.sock')}`, { timeoutMs: 2000 });
+  try {
+    await rejectsWith(c.info(), (e) => {
+      assert.ok(['UNAVAILABLE', 'DEADLINE_EXCEEDED'].includes(e.code), e.code);
+      assert.equal(e.reason, e.code);
+      assert.deepEqual(e.metadata, {});
+    });
+  } finally {
+    c.close();
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+test('registration warnings are returned and passed to onWarning', async () => {
+  const seen = [];
+  const c = new Client(plain.unix, { onWarning: (text) => seen.push(text) });
+  try {
+    const r = await c.registerOp(spec('dangling', '* 2.0f', '', { backward: { op: 'no_such_grad_op' } }));
+    assert.equal(r.warnings.length, 1, JSON.stringify(r.warnings));
+    assert.match(r.warnings[0], /backward\.op/);
+    assert.deepEqual(seen, [`register default/dangling: ${r.warnings[0]}`]);
+    const rec = await c.describe('dangling');
+    assert.deepEqual(rec.warnings, r.warnings);
+    const clean = await c.registerOp(spec('clean', '* 2.0f'));
+    assert.deepEqual(clean.warnings, []);
+    assert.equal(seen.length, 1);
+  } finally {
+    c.close();
+  }
+});
+
+// ---- principals and bearer tokens ------------------------------------------------------------
+
+const TOKENS = { alice: 'tok-alice-0123456789', bob: 'tok-bob-0123456789', carol: 'tok-carol-0123456789' };
+const sha256 = (t) => crypto.createHash('sha256').update(t).digest('hex');
+const PRINCIPALS = [
+  ['alice', 'user', 'alice'], ['bob', 'user', 'bob'], ['carol', 'reader', 'alice'],
+].map(([name, role, ns]) => `[[principal]]\nname = "${name}"\nrole = "${role}"\n` +
+  `namespaces = ["${ns}"]\ntoken_sha256 = ["${sha256(TOKENS[name])}"]\n`).join('');
+
+test.describe('a daemon with principals, plaintext loopback TCP', () => {
+  let d;
+  const clients = [];
+  const as = (who, namespace = '') => {
+    const c = new Client(d.tcp, { token: who ? TOKENS[who] : '', namespace, tls: false, timeoutMs: 120000 });
+    clients.push(c);
+    return c;
+  };
+  test.before(async () => { d = await startDaemon({ config: PRINCIPALS, tcp: true }); });
+  test.after(async () => {
+    for (const c of clients) c.close();
+    if (d) await d.close();
+  });
+
+  test('no token over TCP is UNAUTHENTICATED', async () => {
+    await rejectsWith(as(null).listOps({ namespace: 'alice' }), (e) => {
+      assert.equal(e.code, 'UNAUTHENTICATED');
+      assert.equal(e.reason, 'UNAUTHENTICATED');
+    });
+    const wrong = new Client(d.tcp, { token: 'not-a-token', tls: false });
+    clients.push(wrong);
+    await rejectsWith(wrong.info(), (e) => assert.equal(e.reason, 'UNAUTHENTICATED'));
+  });
+
+  test('$OPJIT_TOKEN is the default token', async () => {
+    const saved = process.env.OPJIT_TOKEN;
+    process.env.OPJIT_TOKEN = TOKENS.alice;
+    try {
+      const c = new Client(d.tcp, { tls: false });
+      clients.push(c);
+      const info = await c.info();
+      assert.equal(info.principal, 'alice');
+    } finally {
+      if (saved === undefined) delete process.env.OPJIT_TOKEN;
+      else process.env.OPJIT_TOKEN = saved;
+    }
+  });
+
+  test('a user registers and calls in its namespace', async () => {
+    const alice = as('alice', 'alice');
+    const info = await alice.info();
+    assert.equal(info.principal, 'alice');
+    assert.equal(info.role, 'user');
+    const r = await alice.registerOp(spec('scale', '* 2.0f'));
+    assert.equal(r.record.op.namespace, 'alice');
+    const [y] = await alice.forward('scale', [Float32Array.of(1, -2, 3)]);
+    assert.deepEqual(Array.from(y.data), [2, -4, 6]);
+  });
+
+  test('another namespace is NOT_FOUND', async () => {
+    const bob = as('bob', 'alice');
+    await rejectsWith(bob.forward('scale', [Float32Array.of(1)]), (e) => {
+      assert.equal(e.code, 'NOT_FOUND');
+      assert.equal(e.reason, 'NAMESPACE_NOT_FOUND');
+    });
+    await rejectsWith(bob.registerOp(spec('scale', '* -1.0f')), (e) => {
+      assert.equal(e.code, 'NOT_FOUND');
+      assert.equal(e.reason, 'NAMESPACE_NOT_FOUND');
+    });
+    // Alice's op is intact.
+    const [y] = await as('alice', 'alice').forward('scale', [Float32Array.of(4)]);
+    assert.deepEqual(Array.from(y.data), [8]);
+  });
+
+  test('a reader calls but cannot register: PERMISSION_DENIED', async () => {
+    const carol = as('carol', 'alice');
+    const [y] = await carol.forward('scale', [Float32Array.of(5)]);
+    assert.deepEqual(Array.from(y.data), [10]);
+    await rejectsWith(carol.registerOp(spec('scale', '* -1.0f')), (e) => {
+      assert.equal(e.code, 'PERMISSION_DENIED');
+      assert.equal(e.reason, 'PERMISSION_DENIED');
+      assert.deepEqual(e.metadata, { role: 'reader', action: 'write' });
+    });
+  });
+});
+
+// ---- TLS ---------------------------------------------------------------------------------------
+
+// A CA and a server certificate for localhost/127.0.0.1 in `dir`; null
+// when openssl is not there.
+function makePki(dir) {
+  const run = (...args) => execFileSync('openssl', args, { cwd: dir, stdio: 'pipe' });
+  try {
+    run('version');
+  } catch (e) {
+    return null;
+  }
+  run('req', '-x509', '-newkey', 'rsa:2048', '-nodes', '-days', '2', '-subj', '/CN=opjit-node-test-ca',
+    '-keyout', 'ca.key', '-out', 'ca.pem');
+  fs.writeFileSync(path.join(dir, 'san.ext'), 'subjectAltName=DNS:localhost,IP:127.0.0.1\n');
+  for (const name of ['server', 'client']) {
+    run('req', '-newkey', 'rsa:2048', '-nodes', '-subj', `/CN=${name === 'server' ? 'localhost' : 'alice'}`,
+      '-keyout', `${name}.key`, '-out', `${name}.csr`);
+    run('x509', '-req', '-in', `${name}.csr`, '-CA', 'ca.pem', '-CAkey', 'ca.key', '-CAcreateserial',
+      '-days', '2', '-extfile', 'san.ext', '-out', `${name}.pem`);
+  }
+  return Object.fromEntries(['ca.pem', 'server.pem', 'server.key', 'client.pem', 'client.key']
+    .map((f) => [f, path.join(dir, f)]));
+}
+
+const pkiDir = fs.mkdtempSync(path.join(os.tmpdir(), 'opjit-node-pki-'));
+process.on('exit', () => fs.rmSync(pkiDir, { recursive: true, force: true }));
+const pki = makePki(pkiDir);
+const noTls = pki ? false : 'openssl is not installed: cannot make certificates for the TLS tests';
+if (noTls) console.log(`SKIP (TLS tests): ${noTls}`);
+
+test.describe('a daemon with principals and TLS', { skip: noTls }, () => {
+  let d;
+  let port;
+  const clients = [];
+  const open = (opts) => {
+    const c = new Client(`localhost:${port}`, { timeoutMs: 30000, ...opts });
+    clients.push(c);
+    return c;
+  };
+  test.before(async () => {
+    d = await startDaemon({
+      tcp: true,
+      config: `${PRINCIPALS}[tls]\ncert = "${pki['server.pem']}"\nkey = "${pki['server.key']}"\n` +
+        `client_ca = "${pki['ca.pem']}"\nrequire_client_cert = false\n`,
+    });
+    port = d.tcp.split(':').pop();
+  });
+  test.after(async () => {
+    for (const c of clients) c.close();
+    if (d) await d.close();
+  });
+
+  test('with the CA (file or Buffer) and a token, calls go over TLS', async () => {
+    const alice = open({ token: TOKENS.alice, namespace: 'alice', tls: { ca: pki['ca.pem'] } });
+    const info = await alice.info();
+    assert.equal(info.principal, 'alice');
+    assert.ok(info.authenticated);
+    await alice.registerOp(spec('tls_scale', '* 3.0f'));
+    const [y] = await alice.forward('tls_scale', [Float32Array.of(2)]);
+    assert.deepEqual(Array.from(y.data), [6]);
+    // A Buffer CA, a client certificate, and the server name given explicitly.
+    const withCert = open({
+      token: TOKENS.carol,
+      tls: { ca: fs.readFileSync(pki['ca.pem']), cert: pki['client.pem'], key: pki['client.key'], serverName: 'localhost' },
+    });
+    assert.equal((await withCert.info()).principal, 'carol');
+  });
+
+  test('$OPJIT_TLS_CA is the default CA', async () => {
+    const saved = process.env.OPJIT_TLS_CA;
+    process.env.OPJIT_TLS_CA = pki['ca.pem'];
+    try {
+      assert.equal((await open({ token: TOKENS.bob }).info()).principal, 'bob');
+    } finally {
+      if (saved === undefined) delete process.env.OPJIT_TLS_CA;
+      else process.env.OPJIT_TLS_CA = saved;
+    }
+  });
+
+  test('without the CA, or without TLS, the client cannot connect: UNAVAILABLE', async () => {
+    await rejectsWith(open({ token: TOKENS.alice, tls: true }).info(), (e) => {
+      assert.equal(e.code, 'UNAVAILABLE');
+      assert.equal(e.reason, 'UNAVAILABLE');
+    });
+    await rejectsWith(open({ token: TOKENS.alice, tls: false }).info(), (e) => {
+      assert.equal(e.code, 'UNAVAILABLE');
+    });
+    // serverName is what the certificate is checked against.
+    await rejectsWith(open({ token: TOKENS.alice, tls: { ca: pki['ca.pem'], serverName: 'not-localhost' } }).info(),
+      (e) => assert.equal(e.code, 'UNAVAILABLE'));
+  });
+
+  test('TLS without a token is still UNAUTHENTICATED', async () => {
+    await rejectsWith(open({ token: '', tls: { ca: pki['ca.pem'] } }).listOps({ namespace: 'alice' }), (e) => {
+      assert.equal(e.code, 'UNAUTHENTICATED');
+      assert.equal(e.reason, 'UNAUTHENTICATED');
+    });
   });
 });
