@@ -1,6 +1,7 @@
 #include "server/access/quotas.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -58,7 +59,11 @@ void QuotaManager::ChargeCompileForTest(const std::string& ns, double seconds) {
 }
 
 absl::Status QuotaManager::AdmitCall(const std::string& ns) {
-  if (options_.calls_per_second <= 0) return absl::OkStatus();
+  return AdmitCalls(ns, 1).status();
+}
+
+absl::StatusOr<uint64_t> QuotaManager::AdmitCalls(const std::string& ns, uint64_t n) {
+  if (options_.calls_per_second <= 0 || n == 0) return n;
   const Clock::time_point now = Clock::now();
   absl::MutexLock lock(&mu_);
   Space& space = spaces_[ns];
@@ -74,8 +79,15 @@ absl::Status QuotaManager::AdmitCall(const std::string& ns) {
     return QuotaExceeded("calls_per_second", absl::StrFormat("%g", options_.calls_per_second), ns,
                          "slow down, or ask the operator for a higher quota");
   }
-  space.tokens -= 1;
-  return absl::OkStatus();
+  const uint64_t granted =
+      std::min<uint64_t>(n, static_cast<uint64_t>(std::floor(space.tokens)));
+  space.tokens -= static_cast<double>(granted);
+  return granted;
+}
+
+uint64_t QuotaManager::CallCreditBatch() const {
+  if (options_.calls_per_second <= 0) return 4096;
+  return static_cast<uint64_t>(std::clamp(std::floor(options_.calls_per_second / 50), 1.0, 64.0));
 }
 
 }  // namespace opjit::access

@@ -69,6 +69,19 @@ class QuotaManager {
   // OK, or QUOTA_EXCEEDED "calls_per_second".
   absl::Status AdmitCall(const std::string& ns);
 
+  // Up to `n` calls at once from the namespace's bucket: the call credit a
+  // fast channel's executor asks for (server/exec/channels.h). Returns how
+  // many were granted, from 1 to n (all n when calls_per_second is 0), or
+  // QUOTA_EXCEEDED "calls_per_second" with AdmitCall's message when the
+  // bucket holds less than one call. n == 0 grants nothing and returns 0.
+  absl::StatusOr<uint64_t> AdmitCalls(const std::string& ns, uint64_t n);
+
+  // How many calls a fast channel asks for at once: a fiftieth of a second's
+  // worth of calls_per_second (so credit a channel holds, unused, is at most
+  // ~20 ms of the namespace's budget), at least 1 and at most 64; 4096 when
+  // calls_per_second is 0 (no bound).
+  uint64_t CallCreditBatch() const;
+
   // For tests: pretend `seconds` of compiling happened now in `ns`.
   void ChargeCompileForTest(const std::string& ns, double seconds);
 

@@ -139,5 +139,61 @@ TEST(QuotaTest, CallsPerSecondIsATokenBucket) {
   EXPECT_TRUE(q.AdmitCall("b").ok());
 }
 
+// Credit for fast channels comes out of the same bucket as AdmitCall: a
+// batch is granted whole while the bucket holds it, partly when it holds
+// less, and refused with AdmitCall's own status when it holds less than one
+// call. (Rate 10/s: a token takes 100 ms to come back, far longer than this
+// test runs between two calls.)
+TEST(QuotaTest, AdmitCallsGrantsBatchesFromTheSameBucket) {
+  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 0, .calls_per_second = 10});
+  auto first = q.AdmitCalls("a", 4);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(*first, 4u);
+  EXPECT_TRUE(q.AdmitCall("a").ok());  // one more through the gRPC path
+  auto rest = q.AdmitCalls("a", 64);   // 5 left of 10: a partial batch
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(*rest, 5u);
+  auto refused = q.AdmitCalls("a", 64);
+  ASSERT_FALSE(refused.ok());
+  auto grpc = q.AdmitCall("a");  // the gRPC path shares the empty bucket
+  ASSERT_FALSE(grpc.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(GetReason(refused.status())->reason, reason::kQuotaExceeded);
+  EXPECT_EQ(GetReason(refused.status())->metadata.at("quota"), "calls_per_second");
+  EXPECT_EQ(refused.status().message(), grpc.message()) << "the same answer on both paths";
+  EXPECT_NE(refused.status().message().find("calls_per_second (10)"), absl::string_view::npos);
+  // Another namespace has its own bucket; a zero batch takes nothing.
+  auto b = q.AdmitCalls("b", 64);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(*b, 10u);
+  auto none = q.AdmitCalls("a", 0);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(*none, 0u);
+}
+
+TEST(QuotaTest, AdmitCallsWithoutABoundGrantsEverything) {
+  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 0, .calls_per_second = 0});
+  for (int i = 0; i < 3; ++i) {
+    auto g = q.AdmitCalls("a", q.CallCreditBatch());
+    ASSERT_TRUE(g.ok());
+    EXPECT_EQ(*g, q.CallCreditBatch());
+  }
+  EXPECT_EQ(q.CallCreditBatch(), 4096u);
+}
+
+// A channel's batch is ~20 ms of the namespace's rate, between 1 and 64.
+TEST(QuotaTest, CallCreditBatchFollowsTheRate) {
+  auto batch = [](double rate) {
+    return QuotaManager({.concurrent_compiles = 0, .compile_seconds_per_minute = 0,
+                         .calls_per_second = rate})
+        .CallCreditBatch();
+  };
+  EXPECT_EQ(batch(10), 1u);
+  EXPECT_EQ(batch(50), 1u);
+  EXPECT_EQ(batch(1000), 20u);
+  EXPECT_EQ(batch(20000), 64u);
+  EXPECT_EQ(batch(1e9), 64u);
+}
+
 }  // namespace
 }  // namespace opjit::access
