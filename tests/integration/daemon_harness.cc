@@ -44,6 +44,23 @@ TempDir::~TempDir() {
 std::string BinDir() { return std::string(OPJIT_BINARY_DIR) + "/bin"; }
 std::string SourceDir() { return OPJIT_SOURCE_DIR; }
 
+v1::OpDef FloatUnaryOp(const std::string& name, const std::string& entry, const std::string& source) {
+  v1::OpDef op;
+  op.set_name(name);
+  auto* in = op.add_inputs();
+  in->set_index(0);
+  in->set_name("x");
+  op.add_outputs()->set_name("y");
+  auto* df = op.add_dtype_formats();
+  df->add_dtypes("float32");
+  df->add_dtypes("float32");
+  auto* impl = op.add_implementations();
+  impl->set_target("CPU");
+  impl->set_entry(entry);
+  impl->set_source(source);
+  return op;
+}
+
 ProcessResult RunProcess(const std::vector<std::string>& argv,
                          const std::vector<std::string>& extra_env) {
   int out_pipe[2], err_pipe[2];

@@ -35,6 +35,10 @@ ProcessResult RunProcess(const std::vector<std::string>& argv,
 std::string BinDir();     // <build>/bin
 std::string SourceDir();  // repository root
 
+// An elementwise CPU op: one float32 input "x", one float32 output "y", the
+// kernel `source` with its entry `entry`.
+v1::OpDef FloatUnaryOp(const std::string& name, const std::string& entry, const std::string& source);
+
 class Daemon {
  public:
   // `state_dir` holds the registry and cache; the socket is <state_dir>/opjitd.sock.

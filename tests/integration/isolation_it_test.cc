@@ -106,18 +106,6 @@ class IsolationIT : public ::testing::Test {
   // n) and, optionally, an Init. Returns the registration's status.
   absl::Status RegisterKernel(const std::string& ns, const std::string& name,
                               const std::string& body, const std::string& init = "") {
-    v1::OpDef op;
-    op.set_namespace_(ns);
-    op.set_name(name);
-    auto* in = op.add_inputs();
-    in->set_name("x");
-    op.add_outputs()->set_name("y");
-    auto* df = op.add_dtype_formats();
-    df->add_dtypes("float32");
-    df->add_dtypes("float32");
-    auto* impl = op.add_implementations();
-    impl->set_target("CPU");
-    impl->set_entry("K");
     std::string src = kHeader;
     if (!init.empty()) {
       src += "extern \"C\" int KInit(int*, int64_t**, const char**, AotExtra* extra) {\n" + init +
@@ -128,7 +116,8 @@ class IsolationIT : public ::testing::Test {
            "  float* y = static_cast<float*>(params[1]);\n  const int64_t n = shapes[0][0];\n"
            "  (void)x; (void)y; (void)n;\n" +
            body + "\n  return 0;\n}\n";
-    impl->set_source(src);
+    v1::OpDef op = FloatUnaryOp(name, "K", src);
+    op.set_namespace_(ns);
     return c_->Register(op).status();
   }
 

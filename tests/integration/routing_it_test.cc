@@ -72,19 +72,7 @@ TEST(RoutingAddresses, RendezvousMatchesThePythonClientAndMovesFewOps) {
 // An op whose kernel writes `mark` into every output element: which daemon
 // ran a call shows in its result.
 v1::OpDef MarkOp(const std::string& name, float mark) {
-  v1::OpDef op;
-  op.set_name(name);
-  auto* in = op.add_inputs();
-  in->set_index(0);
-  in->set_name("x");
-  op.add_outputs()->set_name("y");
-  auto* df = op.add_dtype_formats();
-  df->add_dtypes("float32");
-  df->add_dtypes("float32");
-  auto* impl = op.add_implementations();
-  impl->set_target("CPU");
-  impl->set_entry("Mark");
-  impl->set_source(absl::StrCat(R"(#include <cstdint>
+  return FloatUnaryOp(name, "Mark", absl::StrCat(R"(#include <cstdint>
 extern "C" int Mark(int nparam, void** params, int* ndims, int64_t** shapes,
                     const char** dtypes, void* stream, void* extra) {
   int64_t n = 1;
@@ -96,7 +84,6 @@ extern "C" int Mark(int nparam, void** params, int* ndims, int64_t** shapes,
   return 0;
 }
 )"));
-  return op;
 }
 
 class RoutingIT : public ::testing::Test {
