@@ -500,6 +500,16 @@ int Run(int argc, char** argv) {
   sopts.socket_mode = cfg->socket_mode;
   sopts.socket_group = cfg->socket_group;
   sopts.interceptors.push_back(rpc::MakeMetricsInterceptorFactory(&metrics));
+  // Fast-channel calls never pass through gRPC: they draw credit from the
+  // same calls_per_second bucket and are counted in the same metrics.
+  channels.SetAccounting(
+      {.admit = [&quotas](const std::string& ns) {
+         return quotas.AdmitCalls(ns, quotas.CallCreditBatch());
+       },
+       .record = [&metrics](const std::string& ns, const std::string& op, absl::StatusCode code,
+                            uint64_t calls, double kernel_seconds) {
+         rpc::CountChannelCalls(&metrics, ns, op, code, calls, kernel_seconds);
+       }});
   auto server = rpc::GrpcServer::Start(std::move(sopts), core, facts);
   if (!server.ok()) {
     log->error("{}", std::string(server.status().message()));

@@ -84,6 +84,7 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
     b.spec = (*h)->prepared.instance;
     b.input_bytes = (*h)->prepared.input_bytes;
     b.output_bytes = (*h)->prepared.output_bytes;
+    b.op = (*h)->call.op;
     return b;
   };
   spec.resolve_region = [regions, ns, owner, region_id](uint64_t id)
@@ -94,6 +95,19 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
     }
     return regions->AcquireById(ns, id, owner);
   };
+  ChannelAccounting accounting;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    accounting = accounting_;
+  }
+  if (accounting.admit) spec.admit_calls = [admit = accounting.admit, ns] { return admit(ns); };
+  if (accounting.record) {
+    spec.record_calls = [record = accounting.record, ns](const std::string& op,
+                                                         absl::StatusCode code, uint64_t calls,
+                                                         double kernel_seconds) {
+      record(ns, op, code, calls, kernel_seconds);
+    };
+  }
   auto channel = runner_->OpenChannel(spec);
   if (!channel.ok()) {
     (void)regions_->Unregister(ns, name);
@@ -113,6 +127,11 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
   Logger("exec")->debug("opened fast channel {} for {} in namespace {} (executor {})", out.id,
                         owner, ns, out.pid);
   return out;
+}
+
+void ChannelManager::SetAccounting(ChannelAccounting accounting) {
+  std::lock_guard<std::mutex> lock(mu_);
+  accounting_ = std::move(accounting);
 }
 
 void ChannelManager::OnRegistryChanged() {

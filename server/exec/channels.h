@@ -11,6 +11,18 @@
 //     call names them, for the handle (only the owner's, only current ones)
 //     and each region (only the owner's).
 //
+// Quota and metrics: calls on a channel never pass through the daemon, so
+// the executor serves a call only on credit, which it asks the channel's
+// thread for in batches (ChannelAccounting::admit: the namespace's
+// [quota] calls_per_second bucket); with none granted the call answers
+// QUOTA_EXCEEDED as a gRPC Forward would. Credit a channel holds unused
+// lapses when it closes. What the executor served is read from its count
+// table and handed to ChannelAccounting::record (at least once a second,
+// and when the channel ends). The counts come from the executor, which also
+// runs the namespace's kernels: a kernel that takes its executor over can
+// make them wrong for its own namespace only, never higher than the credit
+// granted; and it cannot mint credit, which only the daemon grants.
+//
 // Staleness: a registry change bumps every channel's handle epoch, so their
 // executors ask again and a stale handle answers STALE_HANDLE; a region
 // release bumps the region epoch of its owner's channels. The release of an
@@ -22,6 +34,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -54,6 +67,20 @@ struct ChannelOptions {
   int64_t spin_us = 50;
 };
 
+// What channel calls cost and how they are counted (main wires these to the
+// quota manager and the metrics registry). Either may be empty: no bound,
+// not counted.
+struct ChannelAccounting {
+  // Call credit for namespace `ns`: how many calls (>= 1), or the status
+  // of the call that waits for it (QUOTA_EXCEEDED).
+  std::function<absl::StatusOr<uint64_t>(const std::string& ns)> admit;
+  // `calls` calls of `op` in `ns` that answered `code`, and their kernels'
+  // seconds. From the channels' threads.
+  std::function<void(const std::string& ns, const std::string& op, absl::StatusCode code,
+                     uint64_t calls, double kernel_seconds)>
+      record;
+};
+
 struct ChannelInfo {
   uint64_t id = 0;
   std::string region;   // the channel's region name
@@ -84,6 +111,10 @@ class ChannelManager {
                                    int64_t lease_ms,
                                    std::optional<uid_t> client_uid = std::nullopt);
 
+  // Sets how channels opened from now on are charged and counted. Call it
+  // before the first Open (channels already open keep what they had).
+  void SetAccounting(ChannelAccounting accounting);
+
   void OnRegistryChanged();
   void OnRegionsRemoved(const std::vector<std::shared_ptr<const tensor::Region>>& removed);
   // Closes channels whose executor died (their regions are unregistered, so
@@ -109,6 +140,7 @@ class ChannelManager {
   std::map<uint64_t, Entry> channels_;  // by id
   uint64_t next_id_ = 1;
   bool shut_down_ = false;
+  ChannelAccounting accounting_;  // guarded by mu_
 };
 
 }  // namespace opjit::exec

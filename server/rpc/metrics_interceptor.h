@@ -1,11 +1,21 @@
 // Counts every RPC for the Prometheus endpoint: opjit_rpc_calls_total by
-// method, namespace, op and status code, and opjit_rpc_latency_seconds by
-// method. The namespace and op are read from the decoded request (its
-// "namespace" and "op"/"name" fields, or op.namespace/op.name of
-// RegisterOp), so every method is covered without per-handler code.
+// method, namespace, op, status code and transport ("grpc"), and
+// opjit_rpc_latency_seconds by method. The namespace and op are read from
+// the decoded request (its "namespace" and "op"/"name" fields, or
+// op.namespace/op.name of RegisterOp), so every method is covered without
+// per-handler code.
+//
+// Calls on fast channels never pass through gRPC; CountChannelCalls adds
+// them to the same family as method "Forward", transport "channel", and
+// their kernel time to opjit_channel_kernel_seconds_total{namespace,op}.
+// They have no latency histogram (the daemon does not see them go by).
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <string>
+
+#include "absl/status/status.h"
 
 #include <grpcpp/support/server_interceptor.h>
 
@@ -15,8 +25,14 @@ class Registry;
 
 namespace opjit::rpc {
 
-// Declares the two families in `metrics` (which must outlive the server).
+// Declares the families in `metrics` (which must outlive the server).
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeMetricsInterceptorFactory(
     metrics::Registry* metrics);
+
+// Counts `calls` fast-channel calls of `op` in `ns` that answered `code`,
+// whose kernels ran `kernel_seconds` in all. The families must have been
+// declared (MakeMetricsInterceptorFactory). Thread-safe.
+void CountChannelCalls(metrics::Registry* metrics, const std::string& ns, const std::string& op,
+                       absl::StatusCode code, uint64_t calls, double kernel_seconds);
 
 }  // namespace opjit::rpc

@@ -125,6 +125,18 @@ struct Binding {
   std::vector<uint64_t> nbytes;
 };
 
+// The status a kGrant or a refused kCredit carries: i32 code, str reason,
+// str message.
+absl::Status ReadGrantStatus(wire::Reader& r) {
+  const int32_t code = r.I32();
+  const std::string reason = r.Str();
+  const std::string message = r.Str();
+  if (!r.ok() || code == 0) return absl::OkStatus();
+  if (code < 0 || code > 16) return absl::InternalError("the daemon sent a bad status");
+  absl::Status s(static_cast<absl::StatusCode>(code), message);
+  return reason.empty() ? s : WithReason(s, reason);
+}
+
 class Worker {
  public:
   Worker(Flags flags, std::unique_ptr<KernelHost> host, wire::SlotHeader* slot, char* data)
@@ -146,12 +158,27 @@ class Worker {
 
   // Fast channel.
   void ServeSlot(fast::Slot* slot);
-  absl::Status RunSlot(fast::Slot* slot, double* kernel_ms);
+  absl::Status RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_ms);
   // Asks the daemon for a handle's binding or a region, serving its control
   // frames until its grant; the grant's status.
   absl::Status Want(wire::Msg type, uint64_t id);
+  // Asks the daemon for call credit for the call on `handle` that waits:
+  // OK with credit_ > 0, or the status that call answers (QUOTA_EXCEEDED).
+  absl::Status AskCredit(uint64_t handle);
+  // Counts a served call in the arena's table (wire::CallCounts).
+  void Count(uint64_t handle, absl::StatusCode code, double kernel_ms);
+  wire::CallCount* CountEntry(uint64_t handle, uint64_t code);
   std::map<uint64_t, Binding> bindings_;
   uint64_t handle_epoch_ = 0, region_epoch_ = 0;
+  // Calls this executor may still serve before it asks the daemon again.
+  // Nothing else grants it: without credit no call runs.
+  uint64_t credit_ = 0;
+  // Index of the arena's count table, by (handle, code); the entry of the
+  // last call, which the next one usually shares.
+  std::map<std::pair<uint64_t, uint64_t>, wire::CallCount*> count_index_;
+  uint64_t counts_used_ = 0;
+  uint64_t last_count_handle_ = 0, last_count_code_ = ~uint64_t{0};
+  wire::CallCount* last_count_ = nullptr;
 
   const Flags flags_;
   std::unique_ptr<KernelHost> host_;
@@ -363,19 +390,80 @@ absl::Status Worker::Want(wire::Msg type, uint64_t id) {
     }
     if (fd >= 0) ::close(fd);
     wire::Reader r(payload);
-    const int32_t code = r.I32();
-    const std::string reason = r.Str();
-    const std::string message = r.Str();
+    absl::Status s = ReadGrantStatus(r);
     if (!r.done()) _exit(0);
-    if (code == 0) return absl::OkStatus();
-    absl::Status s(static_cast<absl::StatusCode>(code), message);
-    return reason.empty() ? s : WithReason(s, reason);
+    return s;
   }
+}
+
+absl::Status Worker::AskCredit(uint64_t handle) {
+  wire::Writer w;
+  w.U64(handle);
+  if (!wire::SendFrame(kSock, wire::Msg::kWantCredit, w.out()).ok()) _exit(0);
+  for (;;) {
+    wire::Msg got;
+    std::string payload;
+    int fd = -1;
+    if (!wire::RecvFrame(kSock, &got, &payload, absl::InfiniteFuture(), &fd).ok()) _exit(0);
+    if (got != wire::Msg::kCredit) {
+      HandleControl(got, payload, fd);
+      continue;
+    }
+    if (fd >= 0) ::close(fd);
+    wire::Reader r(payload);
+    const uint64_t granted = r.U64();
+    if (granted > 0) {
+      if (!r.done()) _exit(0);
+      credit_ = granted;
+      return absl::OkStatus();
+    }
+    absl::Status s = ReadGrantStatus(r);
+    if (!r.done()) _exit(0);
+    return s.ok() ? absl::ResourceExhaustedError("the server granted no call credit") : s;
+  }
+}
+
+wire::CallCount* Worker::CountEntry(uint64_t handle, uint64_t code) {
+  auto it = count_index_.find({handle, code});
+  if (it != count_index_.end()) return it->second;
+  wire::CallCounts* table = wire::CallCountsOf(slot_);
+  // A full table (a client naming many handles) keeps one entry per code
+  // for the rest, under handle 0.
+  if (counts_used_ >= wire::kCallCounts - wire::kCallCountsSpare && handle != 0) {
+    return CountEntry(0, code);
+  }
+  if (counts_used_ >= wire::kCallCounts) return nullptr;  // not reached: codes are 0..16
+  wire::CallCount* e = &table->entries[counts_used_++];
+  e->handle.store(handle, std::memory_order_relaxed);
+  e->code.store(code, std::memory_order_relaxed);
+  e->calls.store(0, std::memory_order_relaxed);
+  e->kernel_ns.store(0, std::memory_order_relaxed);
+  table->used.store(counts_used_, std::memory_order_release);
+  count_index_[{handle, code}] = e;
+  return e;
+}
+
+void Worker::Count(uint64_t handle, absl::StatusCode code, double kernel_ms) {
+  const uint64_t c = static_cast<uint64_t>(code);
+  if (last_count_ == nullptr || handle != last_count_handle_ || c != last_count_code_) {
+    last_count_ = CountEntry(handle, c);
+    last_count_handle_ = handle;
+    last_count_code_ = c;
+    if (last_count_ == nullptr) return;
+  }
+  // One writer (this thread): plain load-and-store keeps it a single write
+  // the daemon reads whole.
+  last_count_->calls.store(last_count_->calls.load(std::memory_order_relaxed) + 1,
+                           std::memory_order_relaxed);
+  const double ns = kernel_ms > 0 ? kernel_ms * 1e6 : 0;
+  last_count_->kernel_ns.store(
+      last_count_->kernel_ns.load(std::memory_order_relaxed) + static_cast<uint64_t>(ns),
+      std::memory_order_relaxed);
 }
 
 // One call of the channel's client. Every field is read once, into locals:
 // the client may rewrite the slot while the kernel runs.
-absl::Status Worker::RunSlot(fast::Slot* slot, double* kernel_ms) {
+absl::Status Worker::RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_ms) {
   auto* epochs = slot_;  // the daemon's words (the private arena)
   if (const uint64_t e = epochs->handle_epoch.load(std::memory_order_acquire); e != handle_epoch_) {
     bindings_.clear();
@@ -385,7 +473,6 @@ absl::Status Worker::RunSlot(fast::Slot* slot, double* kernel_ms) {
     regions_ = Lru<std::shared_ptr<Mapping>>(kMaxRegions);
     region_epoch_ = e;
   }
-  const uint64_t handle = slot->handle;
   const uint32_t n = slot->n_tensors;
   const int64_t deadline_ns = slot->deadline_ns;
   if (n > fast::kMaxTensors) {
@@ -482,8 +569,17 @@ void Worker::ServeSlot(fast::Slot* slot) {
   if (!slot->state.compare_exchange_strong(expected, fast::kRunning, std::memory_order_acq_rel)) {
     return;
   }
+  // The call runs only on credit; the daemon grants it (or refuses it,
+  // and counts the refusal itself).
+  const uint64_t handle = slot->handle;
   double kernel_ms = 0;
-  const absl::Status st = RunSlot(slot, &kernel_ms);
+  absl::Status st;
+  if (credit_ == 0) st = AskCredit(handle);
+  if (st.ok()) {
+    --credit_;
+    st = RunSlot(slot, handle, &kernel_ms);
+    Count(handle, st.code(), kernel_ms);
+  }
   const auto why = GetReason(st);
   const std::string reason = why ? why->reason : "";
   const absl::string_view message = st.message();

@@ -123,6 +123,7 @@ class KernelInstance {
 struct HandleBinding {
   InstanceSpec spec;  // outputs known
   std::vector<uint64_t> input_bytes, output_bytes;
+  std::string op;  // the op as the handle names it, for metrics
 };
 
 struct ChannelSpec {
@@ -137,6 +138,19 @@ struct ChannelSpec {
   std::function<absl::StatusOr<HandleBinding>(uint64_t handle)> resolve_handle;
   // A region id the client names: the region if it is the client's.
   std::function<absl::StatusOr<std::shared_ptr<const tensor::Region>>(uint64_t id)> resolve_region;
+  // Call credit: the executor serves a call only while it holds credit and,
+  // with none, asks for a batch through this: how many calls it may serve
+  // (>= 1), or the status the waiting call answers (QUOTA_EXCEEDED). Unused
+  // credit lapses with the channel. Empty: no bound (large batches).
+  std::function<absl::StatusOr<uint64_t>()> admit_calls;
+  // Counts calls for metrics: `calls` calls of `op` (a handle's, or "" for
+  // a handle the channel could not name) that answered `code`, and the
+  // seconds their kernels ran. Called from the channel's own thread, at
+  // least once a second while calls happen, and when the channel ends.
+  // Empty: not counted.
+  std::function<void(const std::string& op, absl::StatusCode code, uint64_t calls,
+                     double kernel_seconds)>
+      record_calls;
 };
 
 class Channel {

@@ -733,17 +733,28 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
 
 namespace {
 
+// Call credit granted at once when the channel has no admit_calls (no
+// bound): large, so the executor rarely asks.
+constexpr uint64_t kUnboundedCredit = 4096;
+// How often the channel's thread reads the executor's call counts.
+constexpr int64_t kCountEveryNs = 250'000'000;
+
 // The daemon's side of a fast channel: the executor process serving the
 // client's ring, and a thread that answers what the executor asks for
-// (kWantHandle, kWantRegion), watches the running call's deadline and the
-// kernel time limit, and notices the executor's death. The daemon reads
-// nothing of the ring but running slots' state, seq and deadline, and only
-// through GuardedCopy (the client may shrink the object).
+// (kWantHandle, kWantRegion, kWantCredit), watches the running call's
+// deadline and the kernel time limit, notices the executor's death, and
+// hands the executor's call counts to spec.record_calls. The daemon reads
+// nothing of the ring but running slots' state, seq, deadline and handle,
+// and only through GuardedCopy (the client may shrink the object).
 class ChannelImpl : public Channel {
  public:
   ChannelImpl(std::shared_ptr<ProcessRunner::Impl> runner, ChannelSpec spec,
               std::unique_ptr<Worker> w)
-      : runner_(std::move(runner)), spec_(std::move(spec)), w_(std::move(w)), pid_(w_->pid) {
+      : runner_(std::move(runner)),
+        spec_(std::move(spec)),
+        w_(std::move(w)),
+        pid_(w_->pid),
+        opened_ns_(fast::MonotonicNs()) {
     thread_ = std::thread([this] { Serve(); });
   }
   ~ChannelImpl() override { Close(); }
@@ -770,6 +781,7 @@ class ChannelImpl : public Channel {
     }
     alive_.store(false);
     MarkClosed();
+    TakeCounts();  // what the executor served since the thread last looked
   }
 
  private:
@@ -779,6 +791,20 @@ class ChannelImpl : public Channel {
   // channel; the inner one is what the client's call gets.
   absl::StatusOr<absl::Status> Bind(uint64_t handle, Clock::time_point deadline);
   absl::StatusOr<absl::Status> AddRegion(uint64_t id, Clock::time_point deadline);
+  // Answers kWantCredit for the call on `handle`: a batch of credit, or the
+  // refusal (counted here, as the executor does not count it).
+  absl::Status GrantCredit(uint64_t handle);
+  // Reads the executor's count table (wire::CallCounts) and records what
+  // grew since the last read, trusting it no further than the credit
+  // granted and the time the channel has been open. The channel's thread
+  // only, or Close() after that thread ended.
+  void TakeCounts();
+  // The op a handle names, for metrics: from its binding, else asked of
+  // the daemon once; "" when unknown.
+  const std::string& OpOf(uint64_t handle);
+  void Record(uint64_t handle, absl::StatusCode code, uint64_t calls, double kernel_seconds) {
+    if (spec_.record_calls && calls > 0) spec_.record_calls(OpOf(handle), code, calls, kernel_seconds);
+  }
   // The executor died (`s`: how the channel broke) or was stopped at a
   // deadline (`timeout`): answers the running call, closes the ring.
   void Ended(const absl::Status& s, std::optional<absl::Status> timeout, int running_slot);
@@ -808,6 +834,17 @@ class ChannelImpl : public Channel {
   // a kernel that crashes channel executors is quarantined like one that
   // crashes pool workers.
   std::map<uint64_t, std::string> quarantine_keys_;
+  // Metrics and credit (the thread, then Close() once it ended).
+  struct Seen {
+    uint64_t handle = 0, code = 0, calls = 0, kernel_ns = 0;
+  };
+  const int64_t opened_ns_;
+  std::vector<Seen> seen_;                // by count table entry
+  std::map<uint64_t, std::string> ops_;  // handle -> op name
+  uint64_t granted_ = 0;                  // credit granted, in calls
+  uint64_t counted_ = 0;                  // calls counted from the table
+  uint64_t kernel_counted_ns_ = 0;
+  int64_t last_count_ns_ = 0;
 };
 
 bool ChannelImpl::ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq,
@@ -864,6 +901,7 @@ absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_poin
                                                    " tensors, too many for a fast channel"));
   }
   const std::string qkey = QuarantineKey(b->spec);
+  ops_[handle] = b->op;
   if (absl::Status q = runner_->QuarantineCheck(qkey, b->spec.label); !q.ok()) return q;
   quarantine_keys_[handle] = qkey;
   uint64_t& iid = instance_ids_[handle];
@@ -927,15 +965,80 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
     int64_t deadline_ns = 0;
     if (!ReadSlot(i, &state, &seq, &deadline_ns)) break;
     if (state != fast::kRunning && static_cast<int>(i) != running_slot) continue;
-    if (!timeout &&
-        tensor::GuardedCopy(&handle, SlotBase(i) + offsetof(fast::Slot, handle), 8).ok()) {
+    const bool named =
+        tensor::GuardedCopy(&handle, SlotBase(i) + offsetof(fast::Slot, handle), 8).ok();
+    if (!timeout && named) {
       if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
         runner_->NoteCrash(k->second);
       }
     }
     PostReply(i, answer);
+    // The executor never counted this call (it died in it); the daemon
+    // answered it, so the daemon counts it.
+    Record(named ? handle : 0, answer.code(), 1, 0);
   }
   MarkClosed();
+  TakeCounts();
+}
+
+absl::Status ChannelImpl::GrantCredit(uint64_t handle) {
+  absl::StatusOr<uint64_t> granted = kUnboundedCredit;
+  if (spec_.admit_calls) granted = spec_.admit_calls();
+  if (granted.ok() && *granted == 0) {
+    granted = absl::ResourceExhaustedError("the server granted no call credit");
+  }
+  wire::Writer w;
+  if (granted.ok()) {
+    granted_ += *granted;
+    w.U64(*granted);
+  } else {
+    w.U64(0);
+    w.I32(static_cast<int32_t>(granted.status().code()));
+    const auto why = GetReason(granted.status());
+    w.Str(why ? why->reason : "");
+    w.Str(std::string(granted.status().message()));
+    Record(handle, granted.status().code(), 1, 0);
+  }
+  return wire::SendFrame(w_->sock, wire::Msg::kCredit, w.out());
+}
+
+const std::string& ChannelImpl::OpOf(uint64_t handle) {
+  if (auto it = ops_.find(handle); it != ops_.end()) return it->second;
+  if (ops_.size() >= 4096) ops_.clear();  // handles the client made up
+  std::string op;
+  if (handle != 0) {
+    if (auto b = spec_.resolve_handle(handle); b.ok()) op = b->op;
+  }
+  return ops_[handle] = std::move(op);
+}
+
+void ChannelImpl::TakeCounts() {
+  last_count_ns_ = fast::MonotonicNs();
+  if (!spec_.record_calls) return;
+  wire::CallCounts* table = wire::CallCountsOf(w_->slot);
+  const uint64_t used =
+      std::min<uint64_t>(table->used.load(std::memory_order_acquire), wire::kCallCounts);
+  if (seen_.size() < used) seen_.resize(used);
+  const uint64_t open_ns = static_cast<uint64_t>(std::max<int64_t>(last_count_ns_ - opened_ns_, 0));
+  for (uint64_t i = 0; i < used; ++i) {
+    const wire::CallCount& e = table->entries[i];
+    const uint64_t handle = e.handle.load(std::memory_order_relaxed);
+    const uint64_t code = e.code.load(std::memory_order_relaxed);
+    const uint64_t calls = e.calls.load(std::memory_order_relaxed);
+    const uint64_t kernel_ns = e.kernel_ns.load(std::memory_order_relaxed);
+    Seen& seen = seen_[i];
+    if (seen.handle != handle || seen.code != code) seen = Seen{handle, code, 0, 0};
+    uint64_t dc = calls > seen.calls ? calls - seen.calls : 0;
+    uint64_t dk = kernel_ns > seen.kernel_ns ? kernel_ns - seen.kernel_ns : 0;
+    seen.calls = calls;
+    seen.kernel_ns = kernel_ns;
+    if (code > 16) continue;  // not a status code: a kernel wrote here
+    dc = std::min(dc, granted_ - counted_);
+    dk = std::min(dk, open_ns > kernel_counted_ns_ ? open_ns - kernel_counted_ns_ : 0);
+    counted_ += dc;
+    kernel_counted_ns_ += dk;
+    if (dc > 0) Record(handle, static_cast<absl::StatusCode>(code), dc, dk / 1e9);
+  }
 }
 
 void ChannelImpl::Serve() {
@@ -957,32 +1060,41 @@ void ChannelImpl::Serve() {
       if (!got.ok()) return Ended(got, std::nullopt, -1);
       wire::Reader rd(payload);
       const uint64_t id = rd.U64();
-      if (!rd.done() || (type != wire::Msg::kWantHandle && type != wire::Msg::kWantRegion)) {
+      if (!rd.done() || (type != wire::Msg::kWantHandle && type != wire::Msg::kWantRegion &&
+                         type != wire::Msg::kWantCredit)) {
         return Ended(absl::DataLossError("unexpected frame"), std::nullopt, -1);
       }
-      const auto deadline = Clock::now() + std::chrono::milliseconds(runner_->options.kernel_timeout_ms);
-      absl::StatusOr<absl::Status> grant =
-          type == wire::Msg::kWantHandle ? Bind(id, deadline) : AddRegion(id, deadline);
-      if (!grant.ok()) {
-        if (stop_.load()) return;
-        if (absl::IsDeadlineExceeded(grant.status())) {
-          return Ended(grant.status(), runner_->TimeoutStatus(false), -1);
+      if (type == wire::Msg::kWantCredit) {
+        TakeCounts();
+        if (!GrantCredit(id).ok()) {
+          return Ended(absl::UnavailableError("the executor process is gone"), std::nullopt, -1);
         }
-        return Ended(grant.status(), std::nullopt, -1);
-      }
-      wire::Writer w;
-      w.I32(static_cast<int32_t>(grant->code()));
-      const auto why = GetReason(*grant);
-      w.Str(why ? why->reason : "");
-      w.Str(std::string(grant->message()));
-      if (!wire::SendFrame(w_->sock, wire::Msg::kGrant, w.out()).ok()) {
-        return Ended(absl::UnavailableError("the executor process is gone"), std::nullopt, -1);
+      } else {
+        const auto deadline = Clock::now() + std::chrono::milliseconds(runner_->options.kernel_timeout_ms);
+        absl::StatusOr<absl::Status> grant =
+            type == wire::Msg::kWantHandle ? Bind(id, deadline) : AddRegion(id, deadline);
+        if (!grant.ok()) {
+          if (stop_.load()) return;
+          if (absl::IsDeadlineExceeded(grant.status())) {
+            return Ended(grant.status(), runner_->TimeoutStatus(false), -1);
+          }
+          return Ended(grant.status(), std::nullopt, -1);
+        }
+        wire::Writer w;
+        w.I32(static_cast<int32_t>(grant->code()));
+        const auto why = GetReason(*grant);
+        w.Str(why ? why->reason : "");
+        w.Str(std::string(grant->message()));
+        if (!wire::SendFrame(w_->sock, wire::Msg::kGrant, w.out()).ok()) {
+          return Ended(absl::UnavailableError("the executor process is gone"), std::nullopt, -1);
+        }
       }
     } else if (r < 0 && errno != EINTR) {
       return Ended(absl::InternalError("poll failed"), std::nullopt, -1);
     }
     // Watchdog: the running call's deadline, and the kernel time limit.
     const int64_t now = fast::MonotonicNs();
+    if (now - last_count_ns_ >= kCountEveryNs) TakeCounts();
     bool running = false;
     for (uint32_t i = 0; i < fast::kSlots; ++i) {
       uint32_t state = 0;

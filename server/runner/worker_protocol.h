@@ -40,7 +40,7 @@
 
 namespace opjit::runner::wire {
 
-inline constexpr uint32_t kProtocolVersion = 2;
+inline constexpr uint32_t kProtocolVersion = 3;
 
 // Frame types.
 enum class Msg : uint8_t {
@@ -61,6 +61,12 @@ enum class Msg : uint8_t {
   kBindHandle = 11,  // daemon -> worker: u64 handle, u64 instance id, u32 n_in,
                      //   u32 n_out, u64 bytes per tensor; kNeedInstance if absent
   kGrant = 12,       // daemon -> worker: i32 code, str reason, str message (no reply)
+  // Call credit ([quota] calls_per_second): a channel's executor serves a
+  // call only while it holds credit; with none it asks, naming the handle
+  // of the call that waits, and waits for the kCredit.
+  kWantCredit = 13,  // worker -> daemon: u64 handle
+  kCredit = 14,      // daemon -> worker: u64 calls granted; when 0, i32 code,
+                     //   str reason, str message: what the waiting call answers
 };
 
 // Slot state word: a phase in the low bits, and who sleeps.
@@ -112,6 +118,35 @@ inline constexpr size_t kMaxTensors = (kSlotBytes - sizeof(SlotHeader)) / sizeof
 
 inline TensorRec* Records(SlotHeader* slot) {
   return reinterpret_cast<TensorRec*>(reinterpret_cast<char*>(slot) + sizeof(SlotHeader));
+}
+
+// Fast channels: what the executor served, for the daemon's metrics. A
+// channel's executor takes no calls through the slot, so the table lives in
+// the slot's record area. One entry per (handle, status code), counters only
+// growing; the executor writes an entry's key before it publishes `used`
+// (release), and the daemon reads the table when it likes (the arena is
+// sealed against shrinking). The daemon trusts none of it: it counts no
+// more calls than it granted credit for, and no more kernel time than the
+// channel has been open.
+struct CallCount {
+  std::atomic<uint64_t> handle;     // 0: calls of handles beyond the table's room
+  std::atomic<uint64_t> code;       // an absl status code, 0..16
+  std::atomic<uint64_t> calls;
+  std::atomic<uint64_t> kernel_ns;  // summed time inside the kernel
+};
+inline constexpr size_t kCallCounts = 1024;
+// Entries kept for handle 0, one per status code, once the table is full.
+inline constexpr size_t kCallCountsSpare = 17;
+struct CallCounts {
+  std::atomic<uint64_t> used;  // entries written, at most kCallCounts
+  CallCount entries[kCallCounts];
+};
+inline constexpr size_t kCallCountsOffset = 4096;
+static_assert(sizeof(SlotHeader) <= kCallCountsOffset &&
+              kCallCountsOffset + sizeof(CallCounts) <= kSlotBytes);
+
+inline CallCounts* CallCountsOf(SlotHeader* slot) {
+  return reinterpret_cast<CallCounts*>(reinterpret_cast<char*>(slot) + kCallCountsOffset);
 }
 
 // Little-endian (host) byte writer/reader for frame payloads. The reader
