@@ -46,8 +46,14 @@ run py "$PY" bench/py_bench.py "$OUT/py.json" --build "$BUILD"
 run plots "$PY" bench/plots.py "$PLOTS" "$OUT/py.json" "$OUT/call.json" >"$OUT/plots.md"
 # Inline tensors over TCP against a gRPC echo of the same bytes (remote clients).
 run inline "$PY" bench/inline_bench.py "$OUT/inline.json" --build "$BUILD" --md "$OUT/inline.md"
+# What identity costs per call (principals, tokens, TLS) against the open default.
+run auth "$BUILD/bin/auth_bench" "$OUT/auth.json" >"$OUT/auth.md"
 
 "$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
 # Its own table, after the report's sections.
 cat "$OUT/inline.md" >>bench/results.md 2>/dev/null
+if [ -s "$OUT/auth.md" ]; then
+  printf '\n## Identity per call (tiny op, gRPC)\n\n' >>bench/results.md
+  cat "$OUT/auth.md" >>bench/results.md
+fi
 cat bench/results.md
