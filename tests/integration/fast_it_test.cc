@@ -71,8 +71,16 @@ int64_t InfoCount(client::Client& c, const std::string& field) {
 
 class FastIT : public ::testing::Test {
  protected:
+  // The daemon's config file, if any (TOML).
+  virtual std::string Config() const { return ""; }
+
   void SetUp() override {
-    daemon_ = std::make_unique<Daemon>(tmp_.path() + "/state");
+    std::vector<std::string> args;
+    if (const std::string config = Config(); !config.empty()) {
+      std::ofstream(tmp_.path() + "/opjitd.toml") << config;
+      args = {"--config", tmp_.path() + "/opjitd.toml"};
+    }
+    daemon_ = std::make_unique<Daemon>(tmp_.path() + "/state", args);
     ASSERT_TRUE(daemon_->Start()) << daemon_->Log();
     c_ = Connect("on");
   }
@@ -523,6 +531,87 @@ TEST_F(FastIT, ClientKilledMidCallLeaksNothing) {
   base[0] = 1.0f;
   auto r = c_->Forward(ShmCall("sleep", 16, "after", 0, 4096));
   ASSERT_TRUE(r.ok()) << r.status() << daemon_->Log();
+}
+
+
+// [quota] calls_per_second bounds calls on a fast channel as it bounds gRPC
+// Forwards, from the same per-namespace bucket: the channel's executor runs
+// a call only on credit the daemon grants from it.
+class FastQuotaIT : public FastIT {
+ protected:
+  std::string Config() const override { return "[quota]\ncalls_per_second = 50\n"; }
+};
+
+TEST_F(FastQuotaIT, ChannelAndGrpcCallsShareCallsPerSecond) {
+  Register("double", kDouble);
+  float* base = MakeRegion("buf", 1 << 16);
+  ASSERT_NE(base, nullptr);
+  for (int i = 0; i < 16; ++i) base[i] = static_cast<float>(i);
+  auto id = c_->RegionId("", "buf");
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto call = PrepareFloat("double", 16);
+  ASSERT_TRUE(call.ok()) << call.status();
+  ASSERT_TRUE(call->fast);
+  const FastTensorRef refs[] = {{*id, 0}, {*id, 4096}};
+
+  // The bucket starts full (one second's worth, 50) and refills at 50/s:
+  // raw channel calls (CallPrepared never takes gRPC) get ~50 answers, then
+  // QUOTA_EXCEEDED, well within the first second.
+  int ok = 0;
+  absl::Status refused;
+  const auto t0 = Clock::now();
+  while (Clock::now() - t0 < std::chrono::seconds(3)) {
+    auto r = c_->CallPrepared(*call, refs);
+    if (!r.ok()) {
+      refused = r.status();
+      break;
+    }
+    ++ok;
+  }
+  const double first = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_FALSE(refused.ok()) << "no refusal after " << ok << " channel calls in " << first << " s";
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_EQ(ReasonOf(refused), reason::kQuotaExceeded) << refused;
+  EXPECT_NE(refused.message().find("calls_per_second (50)"), std::string::npos) << refused;
+  EXPECT_LT(first, 1.0);
+  EXPECT_GE(ok, 45);
+  EXPECT_LE(ok, 50 + static_cast<int>(50 * first) + 2);
+  EXPECT_EQ(base[1024 + 7], 14.0f) << "the calls that were granted ran";
+
+  // Then both transports at once, in turns, for 1.5 s from an empty bucket:
+  // together they get what refills (~75), not twice that, and both are
+  // refused with the same answer.
+  auto grpc = Connect("off");
+  const v1::ForwardRequest req = ShmCall("double", 16, "buf", 0, 8192);
+  int ok_channel = 0, ok_grpc = 0, refused_grpc = 0;
+  absl::Status grpc_refusal;
+  const auto t1 = Clock::now();
+  while (Clock::now() - t1 < std::chrono::milliseconds(1500)) {
+    auto f = c_->CallPrepared(*call, refs);
+    if (f.ok()) {
+      ++ok_channel;
+    } else {
+      ASSERT_EQ(ReasonOf(f.status()), reason::kQuotaExceeded) << f.status();
+    }
+    auto g = grpc->Forward(req);
+    if (g.ok()) {
+      ++ok_grpc;
+    } else {
+      ASSERT_EQ(ReasonOf(g.status()), reason::kQuotaExceeded) << g.status();
+      ++refused_grpc;
+      grpc_refusal = g.status();
+    }
+  }
+  const double window = std::chrono::duration<double>(Clock::now() - t1).count();
+  const int total = ok_channel + ok_grpc;
+  EXPECT_LE(total, static_cast<int>(50 * window) + 3)
+      << ok_channel << " on the channel, " << ok_grpc << " over gRPC in " << window << " s";
+  EXPECT_GE(total, static_cast<int>(50 * window * 0.5))
+      << ok_channel << " on the channel, " << ok_grpc << " over gRPC in " << window << " s";
+  EXPECT_GT(ok_channel, 0);
+  ASSERT_GT(refused_grpc, 0);
+  EXPECT_EQ(grpc_refusal.code(), refused.code());
+  EXPECT_EQ(grpc_refusal.message(), refused.message()) << "the channel answers as gRPC does";
 }
 
 }  // namespace

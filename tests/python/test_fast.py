@@ -8,11 +8,13 @@ handles and channel are all gone once its lease lapses.
 """
 
 import os
+import re
 import signal
 import subprocess
 import tempfile
 import textwrap
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ import opjit
 from opjit._proto import exec_pb2, memory_pb2
 from opjit.errors import error_from_status
 
-from conftest import Daemon, opjitd_binary
+from conftest import Daemon, TempDaemon, opjitd_binary
 
 F32 = opjit.DataType.F32_Default
 
@@ -520,3 +522,110 @@ def test_server_info_counts_handles_and_channels(daemon, fast_ops):
             assert info.handles >= base_h + 1 and info.channels >= base_c + 1
         info = admin.info()
         assert info.handles == base_h and info.channels == base_c
+
+
+# ---- quota and metrics on the channel ---------------------------------------------------------
+
+class MeteredDaemon(TempDaemon):
+    """A daemon of its own with a metrics endpoint and `config` added."""
+
+    def __init__(self, config):
+        self.spawn('[metrics]\nlisten = "127.0.0.1:0"\n' + config, prefix="opjit-fm-")
+        path = os.path.join(self.state, "metrics_endpoint")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(path) as f:
+            self.metrics = f.read().strip()
+
+    def samples(self):
+        """[(name, {label: value}, value)] of one scrape."""
+        text = urllib.request.urlopen("http://%s/metrics" % self.metrics, timeout=10).read().decode()
+        out = []
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            out.append((name, dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)), float(value)))
+        return out
+
+    def value(self, name, **labels):
+        return sum(v for n, l, v in self.samples()
+                   if n == name and all(l.get(k) == w for k, w in labels.items()))
+
+    def wait_value(self, want, name, **labels):
+        """The series' value once it reaches `want` (channels report at least
+        once a second), or what it was after 10 s."""
+        deadline = time.monotonic() + 10
+        while True:
+            got = self.value(name, **labels)
+            if got >= want or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
+
+def test_channel_calls_are_counted_by_op_namespace_and_code():
+    d = MeteredDaemon("[quota]\ncalls_per_second = 1000\n")
+    try:
+        n = 40
+        with opjit.Client(d.unix_address, namespace="fm", timeout=60, fast="on") as c:
+            c.register(add_op(1.0))
+            f = c.op("fast_add")
+            x = c.asarray(np.ones(16, np.float32))
+            before = c.call_counts()
+            for _ in range(n):
+                np.testing.assert_array_equal(f(x), np.full(16, 2, np.float32))
+            after = c.call_counts()
+            assert after["fast"] - before.get("fast", 0) == n, after  # every one on the channel
+            assert after.get("grpc", 0) == before.get("grpc", 0)
+            assert after.get("handle", 0) == before.get("handle", 0)
+        with opjit.Client(d.unix_address, namespace="fm", timeout=60, fast="off") as g:
+            for _ in range(3):
+                g.op("fast_add")(np.ones(4, np.float32))
+        channel = dict(method="Forward", namespace="fm", op="fast_add", transport="channel")
+        assert d.wait_value(n, "opjit_rpc_calls_total", code="OK", **channel) == n, d.samples()
+        assert d.value("opjit_rpc_calls_total", method="Forward", namespace="fm", op="fast_add",
+                       code="OK", transport="grpc") == 3
+        assert d.value("opjit_channel_kernel_seconds_total", namespace="fm", op="fast_add") > 0
+    finally:
+        d.close()
+
+
+def test_channel_calls_are_under_calls_per_second():
+    d = MeteredDaemon("[quota]\ncalls_per_second = 50\n")
+    try:
+        with opjit.Client(d.unix_address, namespace="fq", timeout=60, fast="on") as c:
+            c.register(add_op(1.0))
+            f = c.op("fast_add")
+            x = c.asarray(np.ones(16, np.float32))
+            g = opjit.Client(d.unix_address, namespace="fq", timeout=60, fast="off")
+            g_add = g.op("fast_add")
+            y = np.ones(4, np.float32)
+            before = c.call_counts().get("fast", 0)
+            ok, t0 = 0, time.monotonic()
+            with pytest.raises(opjit.errors.ResourceExhausted) as refused:
+                while time.monotonic() - t0 < 3:
+                    f(x)
+                    ok += 1
+            took = time.monotonic() - t0
+            # gRPC in the same namespace finds the bucket empty too (a token
+            # comes back every 20 ms: of a few quick calls, most are refused).
+            grpc_refused = []
+            for _ in range(5):
+                try:
+                    g_add(y)
+                except opjit.errors.ResourceExhausted as e:
+                    grpc_refused.append(e)
+            g.close()
+            assert refused.value.reason == "QUOTA_EXCEEDED"
+            assert "calls_per_second (50)" in str(refused.value)
+            assert took < 1 and 45 <= ok <= 50 + 50 * took + 2, (ok, took)
+            assert c.call_counts()["fast"] - before >= ok  # they went over the channel
+            assert len(grpc_refused) >= 3
+            assert all(e.reason == "QUOTA_EXCEEDED" for e in grpc_refused)
+        channel = dict(method="Forward", namespace="fq", op="fast_add", transport="channel")
+        assert d.wait_value(ok, "opjit_rpc_calls_total", code="OK", **channel) == ok
+        assert d.wait_value(1, "opjit_rpc_calls_total", code="RESOURCE_EXHAUSTED", **channel) >= 1
+    finally:
+        d.close()
