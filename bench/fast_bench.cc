@@ -20,6 +20,13 @@
 //
 // Starts its own opjitd (OPJITD, default: next to this binary) in a temp
 // state dir; FAST_BENCH_EXEC="key = value; ..." adds [exec] settings.
+// Channel calls draw credit from [quota] calls_per_second like gRPC calls:
+// FAST_BENCH_QUOTA sets it (default 1e7: never reached here, and the
+// smallest batch of credit a busy namespace gets, 64 calls, so the cost of
+// asking for credit is in the numbers; 0 is no bound, 4096-call batches).
+// FAST_BENCH_COMPARE=OPJITD2 starts a second daemon from another build (say,
+// the one before a change) and adds its fast sides to the tiny calls'
+// alternation, so both builds are measured side by side in one run.
 // Prints a markdown table (medians and ratios) and writes the raw numbers to
 // OUT.json. A part that fails is reported as such; no number is made up.
 #include <fcntl.h>
@@ -218,6 +225,8 @@ class Daemon {
       std::replace(lines.begin(), lines.end(), ';', '\n');
       toml << "[exec]\n" << lines << "\n";
     }
+    const char* quota = std::getenv("FAST_BENCH_QUOTA");
+    toml << "[quota]\ncalls_per_second = " << (quota != nullptr ? quota : "10000000") << "\n";
     toml.close();
     log_ = dir + "/opjitd.log";
     std::vector<std::string> argv = {binary,    "--state-dir", dir + "/state", "--listen",
@@ -456,9 +465,13 @@ int Main(int argc, char** argv) {
   const std::string dir = tmpl;
   json result;
   result["machine"] = {{"cores", std::thread::hardware_concurrency()}};
-  Daemon daemon;
+  const char* quota_env = std::getenv("FAST_BENCH_QUOTA");
+  result["quota_calls_per_second"] = quota_env != nullptr ? quota_env : "10000000";
+  Daemon daemon, compare;
+  const char* compare_binary = std::getenv("FAST_BENCH_COMPARE");
   auto finish = [&](int rc) {
     daemon.Stop();
+    compare.Stop();
     if (!out_path.empty()) std::ofstream(out_path) << result.dump(2) << "\n";
     std::error_code ec;
     fs::remove_all(dir, ec);
@@ -469,14 +482,25 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "fast_bench: %s\n", err->c_str());
     return finish(1);
   }
-  {
-    auto admin = Client::Connect({.address = daemon.address(), .fast = "off"});
+  auto register_op = [](const std::string& address) -> absl::Status {
+    auto admin = Client::Connect({.address = address, .fast = "off"});
+    if (!admin.ok()) return admin.status();
     auto spec = opjit::client::LoadOpSpec(std::string(OPJIT_SOURCE_DIR) +
                                           "/kernels/examples/leaky_relu.json");
-    absl::Status s = spec.ok() ? (*admin)->Register(*spec).status() : spec.status();
+    return spec.ok() ? (*admin)->Register(*spec).status() : spec.status();
+  };
+  if (absl::Status s = register_op(daemon.address()); !s.ok()) {
+    result["error"] = "register leaky_relu: " + s.ToString();
+    std::fprintf(stderr, "fast_bench: %s\n", s.ToString().c_str());
+    return finish(1);
+  }
+  if (compare_binary != nullptr) {
+    fs::create_directories(dir + "/compare");
+    std::optional<std::string> err = compare.Start(compare_binary, dir + "/compare");
+    absl::Status s = err ? absl::UnavailableError(*err) : register_op(compare.address());
     if (!s.ok()) {
-      result["error"] = "register leaky_relu: " + s.ToString();
-      std::fprintf(stderr, "fast_bench: %s\n", s.ToString().c_str());
+      result["error"] = "the FAST_BENCH_COMPARE daemon: " + s.ToString();
+      std::fprintf(stderr, "fast_bench: %s\n", result["error"].get<std::string>().c_str());
       return finish(1);
     }
   }
@@ -489,26 +513,43 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "fast_bench: %s\n", result["error"].get<std::string>().c_str());
     return finish(1);
   }
-  Samples s_fast, s_raw, s_grpc, s_sock, s_shm;
+  Samples s_fast, s_raw, s_grpc, s_sock, s_shm, s_cfast, s_craw;
   if (absl::Status st = (*fast)->PrepareRaw(); !st.ok()) s_raw.error = st.ToString();
-  Alternate({{[&] { return (*fast)->Forward(); }, &s_fast},
-             {[&] { return (*fast)->Raw(); }, &s_raw},
-             {[&] { return (*grpc)->Forward(); }, &s_grpc},
-             {[&]() -> absl::StatusOr<double> {
-                if (!socket_floor.Call()) return absl::InternalError("socketpair floor failed");
-                return -1.0;
-              },
-              &s_sock},
-             {[&]() -> absl::StatusOr<double> {
-                shm_floor.Call();
-                return -1.0;
-              },
-              &s_shm}},
-            /*rounds=*/200, /*batch=*/50, /*warmup=*/500);
+  std::vector<std::pair<std::function<absl::StatusOr<double>()>, Samples*>> tiny_sides = {
+      {[&] { return (*fast)->Forward(); }, &s_fast},
+      {[&] { return (*fast)->Raw(); }, &s_raw},
+      {[&] { return (*grpc)->Forward(); }, &s_grpc},
+      {[&]() -> absl::StatusOr<double> {
+         if (!socket_floor.Call()) return absl::InternalError("socketpair floor failed");
+         return -1.0;
+       },
+       &s_sock},
+      {[&]() -> absl::StatusOr<double> {
+         shm_floor.Call();
+         return -1.0;
+       },
+       &s_shm}};
+  absl::StatusOr<std::unique_ptr<Caller>> cfast = absl::UnavailableError("no FAST_BENCH_COMPARE");
+  if (compare_binary != nullptr) {
+    cfast = Caller::Make(compare.address(), "on", "tiny_cf", kTinyFloats);
+    if (!cfast.ok()) {
+      s_cfast.error = s_craw.error = cfast.status().ToString();
+    } else {
+      if (absl::Status st = (*cfast)->PrepareRaw(); !st.ok()) s_craw.error = st.ToString();
+      tiny_sides.push_back({[&] { return (*cfast)->Forward(); }, &s_cfast});
+      tiny_sides.push_back({[&] { return (*cfast)->Raw(); }, &s_craw});
+    }
+  }
+  Alternate(tiny_sides, /*rounds=*/200, /*batch=*/50, /*warmup=*/500);
   if (s_fast.error.empty() && !(*fast)->OutputRight(kTinyFloats)) s_fast.error = "wrong output";
   result["tiny"] = {{"fast", SamplesJson(s_fast)},           {"fast_raw", SamplesJson(s_raw)},
                     {"grpc", SamplesJson(s_grpc)},           {"socketpair_floor", SamplesJson(s_sock)},
                     {"shm_spin_floor", SamplesJson(s_shm)}};
+  if (compare_binary != nullptr) {
+    result["tiny"]["compare"] = {{"opjitd", compare_binary},
+                                 {"fast", SamplesJson(s_cfast)},
+                                 {"fast_raw", SamplesJson(s_craw)}};
+  }
 
   // --- 1 MiB and 64 MiB through shm.
   // Batches of several calls: a loop of calls is what this measures; the
@@ -604,16 +645,23 @@ int Main(int argc, char** argv) {
   auto p50 = [](const Samples& s) { return s.error.empty() ? Percentile(s.us, 0.5) : NAN; };
   auto p99 = [](const Samples& s) { return s.error.empty() ? Percentile(s.us, 0.99) : NAN; };
   const double sock = p50(s_sock);
-  std::printf("### Fast path (C++ client), %u cores\n\n", std::thread::hardware_concurrency());
+  std::printf("### Fast path (C++ client), %u cores, [quota] calls_per_second = %s\n\n",
+              std::thread::hardware_concurrency(),
+              result["quota_calls_per_second"].get<std::string>().c_str());
   std::printf("| tiny call, 16 float32 in shm | p50 µs | p99 µs | vs socketpair floor | vs gRPC |\n");
   std::printf("| --- | --- | --- | --- | --- |\n");
   const double g50 = p50(s_grpc);
-  for (const auto& [label, s] : std::vector<std::pair<const char*, const Samples*>>{
-           {"fast path (Client::Forward)", &s_fast},
-           {"fast path, raw (CallPrepared)", &s_raw},
-           {"gRPC path (unix socket)", &s_grpc},
-           {"floor: socketpair ping-pong", &s_sock},
-           {"floor: shm slot, spin 20 µs then futex", &s_shm}}) {
+  std::vector<std::pair<const char*, const Samples*>> tiny_rows = {
+      {"fast path (Client::Forward)", &s_fast},
+      {"fast path, raw (CallPrepared)", &s_raw},
+      {"gRPC path (unix socket)", &s_grpc},
+      {"floor: socketpair ping-pong", &s_sock},
+      {"floor: shm slot, spin 20 µs then futex", &s_shm}};
+  if (compare_binary != nullptr) {
+    tiny_rows.insert(tiny_rows.begin() + 2, {"FAST_BENCH_COMPARE: fast path (Client::Forward)", &s_cfast});
+    tiny_rows.insert(tiny_rows.begin() + 3, {"FAST_BENCH_COMPARE: fast path, raw", &s_craw});
+  }
+  for (const auto& [label, s] : tiny_rows) {
     if (!s->error.empty()) {
       std::printf("| %s | failed: %s | | | |\n", label, s->error.c_str());
       continue;
