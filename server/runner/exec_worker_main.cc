@@ -15,7 +15,10 @@
 //        [--read-only PATH]... [--channel-bytes N]
 //
 // With --channel-bytes, the worker serves one client's fast channel
-// (fast_channel.h), mapped from fd 5, instead of the daemon's call slot.
+// (fast_channel.h), mapped from fd 5, instead of the daemon's call slot. It
+// runs a call only on credit the daemon grants ([quota] calls_per_second,
+// kWantCredit), and counts what it served in its arena (wire::CallCounts)
+// for the daemon's metrics.
 
 #include <errno.h>
 #include <sched.h>

@@ -583,11 +583,27 @@ def test_channel_calls_are_counted_by_op_namespace_and_code():
         with opjit.Client(d.unix_address, namespace="fm", timeout=60, fast="off") as g:
             for _ in range(3):
                 g.op("fast_add")(np.ones(4, np.float32))
+        # A kernel that kills its executor: the calls that executor served
+        # before are still counted (the daemon reads its count table after
+        # its death), and the crash itself as the daemon answered it.
+        with opjit.Client(d.unix_address, namespace="fm", timeout=60, fast="on") as c:
+            c.register(unary("fast_crash", CRASH_SRC, "FastCrash"))
+            crash = c.op("fast_crash")
+            x = c.asarray(np.ones(4, np.float32))
+            for _ in range(5):
+                crash(x)
+            x[0] = -1
+            with pytest.raises(opjit.errors.Aborted):
+                crash(x)
+            assert c.call_counts()["fast"] >= 5  # the crash shows in the metrics below
         channel = dict(method="Forward", namespace="fm", op="fast_add", transport="channel")
         assert d.wait_value(n, "opjit_rpc_calls_total", code="OK", **channel) == n, d.samples()
         assert d.value("opjit_rpc_calls_total", method="Forward", namespace="fm", op="fast_add",
                        code="OK", transport="grpc") == 3
         assert d.value("opjit_channel_kernel_seconds_total", namespace="fm", op="fast_add") > 0
+        crashed = dict(method="Forward", namespace="fm", op="fast_crash", transport="channel")
+        assert d.wait_value(5, "opjit_rpc_calls_total", code="OK", **crashed) == 5
+        assert d.wait_value(1, "opjit_rpc_calls_total", code="ABORTED", **crashed) == 1
     finally:
         d.close()
 
