@@ -419,6 +419,9 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
     return absl::InvalidArgumentError(
         "cache.remote: timeout_ms must be in [1, 60000], max_mb >= 1, ttl_s >= 0");
   }
+  if (cfg.quota_calls_per_second < 0) {
+    cfg.quota_calls_per_second = cfg.principals.empty() ? 0 : kSharedCallsPerSecond;
+  }
   if (cfg.max_message_bytes < (1 << 20)) {
     return absl::InvalidArgumentError("max_message_mb must be >= 1");
   }

@@ -11,6 +11,9 @@
 
 namespace opjit {
 
+// [quota] calls_per_second's default on a daemon with principals.
+inline constexpr double kSharedCallsPerSecond = 20000;
+
 struct DaemonConfig {
   // Everything the daemon keeps: registry.db, cache/, the lock file.
   // Default: $OPJIT_STATE_DIR, else $HOME/.opjit, else /tmp/opjit-<uid>.
@@ -48,7 +51,10 @@ struct DaemonConfig {
   // executor processes are exec.workers) and for the whole server.
   int quota_concurrent_compiles = 8;
   double quota_compile_seconds_per_minute = 120;
-  double quota_calls_per_second = 20000;
+  // Unset (< 0): kSharedCallsPerSecond once principals are configured, else 0
+  // (no bound: the embedded single-user daemon has nobody to share with, and
+  // one C++ client on a fast channel makes ~300,000 calls/s).
+  double quota_calls_per_second = -1;
   int64_t quota_ops = 1000;
   int64_t quota_versions = 100;
   int64_t quota_namespaces = 64;

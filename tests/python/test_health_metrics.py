@@ -130,8 +130,8 @@ def metricsd():
     with open(path) as f:
         d.metrics = f.read().strip()
     # Traffic: a registration (a compile), calls, a failing call, a region and a context.
-    # Over gRPC: calls on a fast channel never pass through the daemon, so the
-    # per-RPC metrics below count only gRPC traffic.
+    # Over gRPC, so that the exact counts below are transport="grpc" ones
+    # (fast-channel calls are counted too; test_fast.py checks those).
     with opjit.Client(d.unix_address, namespace="mx", timeout=60, fast="off") as c:
         c.register(dict(SPEC, namespace="mx"))
         f = c.op("twice")

@@ -59,6 +59,25 @@ TEST(ConfigTest, NonLoopbackTcpIsRefusedWithoutAnExplicitOptIn) {
   std::filesystem::remove(toml);
 }
 
+TEST(ConfigTest, CallsPerSecondIsBoundedOnlyOnASharedDaemonUnlessSet) {
+  auto single = Load({"--state-dir", "/tmp/opjit-config-test"});
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ(single->quota_calls_per_second, 0);  // no principals: no bound
+  const std::string shared = TomlFile(
+      "[[principal]]\nname = \"alice\"\nrole = \"user\"\nnamespaces = [\"alice\"]\n"
+      "uids = [1001]\n");
+  auto with_principals = Load({"--config", shared});
+  ASSERT_TRUE(with_principals.ok()) << with_principals.status();
+  EXPECT_EQ(with_principals->quota_calls_per_second, kSharedCallsPerSecond);
+  const std::string set = TomlFile("[quota]\ncalls_per_second = 500\n");
+  auto explicit_rate = Load({"--config", set});
+  ASSERT_TRUE(explicit_rate.ok()) << explicit_rate.status();
+  EXPECT_EQ(explicit_rate->quota_calls_per_second, 500);
+  const std::string negative = TomlFile("[quota]\ncalls_per_second = -1\n");
+  EXPECT_EQ(Load({"--config", negative}).status().code(), absl::StatusCode::kInvalidArgument);
+  std::filesystem::remove(negative);
+}
+
 TEST(ConfigTest, CompilerLaneAndRecyclingKeys) {
   const std::string toml = TomlFile(
       "[compiler]\nlong_after_ms = 250\nlong_workers = 1\nrecycle_after = 10\n"
