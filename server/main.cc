@@ -584,7 +584,25 @@ int Run(int argc, char** argv) {
 
   std::unique_ptr<metrics::HttpExporter> exporter;
   if (!cfg->metrics_listen.empty()) {
-    auto e = metrics::HttpExporter::Start(cfg->metrics_listen, [&metrics] { return metrics.Render(); });
+    // With principals, a scrape needs a bearer token: an admin's sees every
+    // series, another principal's only its namespaces' (issue 14).
+    access::AccessControl* access = access_control->get();
+    auto e = metrics::HttpExporter::Start(
+        cfg->metrics_listen, [&metrics, access](const metrics::HttpExporter::Request& request) {
+          using Response = metrics::HttpExporter::Response;
+          if (!access->enabled()) return Response::Metrics(metrics.Render());
+          access::PeerInfo peer;
+          peer.transport = access::PeerInfo::Transport::kTcp;
+          peer.authorization = request.authorization;
+          auto principal = access->Authenticate(peer);
+          if (!principal.ok()) {
+            Logger("metrics")->debug("metrics scrape refused: {}", principal.status().ToString());
+            return Response::Unauthorized("opjit");
+          }
+          if ((*principal)->admin()) return Response::Metrics(metrics.Render());
+          return Response::Metrics(metrics.Render(
+              metrics::Registry::RenderFilter::Namespaces((*principal)->namespaces)));
+        });
     if (!e.ok()) {
       log->error("metrics: {}", std::string(e.status().message()));
       return 1;

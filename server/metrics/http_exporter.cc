@@ -24,7 +24,6 @@
 namespace opjit::metrics {
 namespace {
 
-constexpr char kMetricsContentType[] = "text/plain; version=0.0.4; charset=utf-8";
 constexpr char kIndexBody[] =
     "opjit metrics exporter\n"
     "Prometheus metrics are at /metrics\n";
@@ -99,8 +98,8 @@ bool SendAll(int fd, std::string_view data, int wake_fd, int64_t deadline_ms) {
   return true;
 }
 
-std::string Response(std::string_view status, std::string_view content_type, std::string_view body,
-                     std::string_view extra_headers = "") {
+std::string HttpResponse(std::string_view status, std::string_view content_type,
+                         std::string_view body, std::string_view extra_headers = "") {
   std::string out;
   out.reserve(160 + body.size());
   out.append("HTTP/1.0 ").append(status);
@@ -113,7 +112,83 @@ std::string Response(std::string_view status, std::string_view content_type, std
 
 std::string TextResponse(std::string_view status, std::string_view body,
                          std::string_view extra_headers = "") {
-  return Response(status, "text/plain; charset=utf-8", body, extra_headers);
+  return HttpResponse(status, "text/plain; charset=utf-8", body, extra_headers);
+}
+
+std::string_view StatusLine(int status) {
+  switch (status) {
+    case 200:
+      return "200 OK";
+    case 401:
+      return "401 Unauthorized";
+    case 403:
+      return "403 Forbidden";
+    case 404:
+      return "404 Not Found";
+    case 503:
+      return "503 Service Unavailable";
+    default:
+      return "500 Internal Server Error";
+  }
+}
+
+bool HasLineBreak(std::string_view s) { return s.find_first_of("\r\n") != std::string_view::npos; }
+
+// Serialises what a handler answered; header lines that would split the
+// response are dropped.
+std::string HandlerResponse(const HttpExporter::Response& r) {
+  std::string extra;
+  for (const auto& [name, value] : r.headers) {
+    if (name.empty() || HasLineBreak(name) || HasLineBreak(value) ||
+        name.find(':') != std::string::npos) {
+      Logger("metrics")->warn("metrics exporter: dropping a malformed response header");
+      continue;
+    }
+    absl::StrAppend(&extra, name, ": ", value, "\r\n");
+  }
+  std::string_view content_type = r.content_type;
+  if (content_type.empty() || HasLineBreak(content_type)) content_type = "text/plain";
+  return HttpResponse(StatusLine(r.status), content_type, r.body, extra);
+}
+
+std::string_view TrimSpaces(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? char(c - 'A' + 'a') : c; };
+    if (lower(a[i]) != lower(b[i])) return false;
+  }
+  return true;
+}
+
+// Parses the header lines of a request head (everything after the request
+// line, up to the blank line) into `*request`. False for a malformed head: a
+// line without a colon or with an empty name, an obsolete folded line, a
+// space before the colon, or a second Authorization header. The head was
+// already bounded by Options::max_request_bytes, so this is linear in it.
+bool ParseHeaders(std::string_view headers, HttpExporter::Request* request) {
+  while (!headers.empty()) {
+    const size_t eol = headers.find('\n');
+    std::string_view line = headers.substr(0, eol);
+    headers = eol == std::string_view::npos ? std::string_view() : headers.substr(eol + 1);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty()) break;  // the blank line that ends the head
+    if (line.front() == ' ' || line.front() == '\t') return false;  // obs-fold (RFC 9112 5.2)
+    const size_t colon = line.find(':');
+    if (colon == std::string_view::npos || colon == 0) return false;
+    const std::string_view name = line.substr(0, colon);
+    if (name.find_first_of(" \t") != std::string_view::npos) return false;
+    if (EqualsIgnoreCase(name, "authorization")) {
+      if (request->authorization.has_value()) return false;
+      request->authorization = std::string(TrimSpaces(line.substr(colon + 1)));
+    }
+  }
+  return true;
 }
 
 // Parses "host:port" into an IPv4 socket address.
@@ -158,6 +233,21 @@ absl::Status ParseListen(const std::string& listen, sockaddr_in* addr) {
 
 }  // namespace
 
+HttpExporter::Response HttpExporter::Response::Metrics(std::string body) {
+  Response r;
+  r.body = std::move(body);
+  return r;
+}
+
+HttpExporter::Response HttpExporter::Response::Unauthorized(const std::string& realm) {
+  Response r;
+  r.status = 401;
+  r.content_type = "text/plain; charset=utf-8";
+  r.body = "unauthorized: send \"Authorization: Bearer <token>\"\n";
+  r.headers.emplace_back("WWW-Authenticate", absl::StrCat("Bearer realm=\"", realm, "\""));
+  return r;
+}
+
 absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(
     const std::string& listen, std::function<std::string()> render) {
   return Start(listen, std::move(render), Options{});
@@ -166,6 +256,20 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(
 absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(
     const std::string& listen, std::function<std::string()> render, const Options& options) {
   if (!render) return absl::InvalidArgumentError("metrics exporter needs a render function");
+  return Start(
+      listen, [render = std::move(render)](const Request&) { return Response::Metrics(render()); },
+      options);
+}
+
+absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const std::string& listen,
+                                                                  Handler handler) {
+  return Start(listen, std::move(handler), Options{});
+}
+
+absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const std::string& listen,
+                                                                  Handler handler,
+                                                                  const Options& options) {
+  if (!handler) return absl::InvalidArgumentError("metrics exporter needs a handler");
   sockaddr_in addr;
   if (absl::Status s = ParseListen(listen, &addr); !s.ok()) return s;
 
@@ -202,18 +306,18 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(
   clamped.write_timeout_ms = std::max(clamped.write_timeout_ms, 1);
   std::unique_ptr<HttpExporter> exporter(new HttpExporter(fd.release(), wake.release(), port,
                                                           absl::StrCat(host, ":", port),
-                                                          std::move(render), clamped));
+                                                          std::move(handler), clamped));
   Logger("metrics")->debug("serving metrics on http://{}/metrics", exporter->address());
   return exporter;
 }
 
 HttpExporter::HttpExporter(int listen_fd, int wake_fd, int port, std::string address,
-                           std::function<std::string()> render, const Options& options)
+                           Handler handler, const Options& options)
     : listen_fd_(listen_fd),
       wake_fd_(wake_fd),
       port_(port),
       address_(std::move(address)),
-      render_(std::move(render)),
+      handler_(std::move(handler)),
       options_(options) {
   thread_ = std::thread([this] { Loop(); });
 }
@@ -307,7 +411,10 @@ void HttpExporter::HandleConnection(int fd) {
                              sp2 != std::string_view::npos && sp2 > sp1 + 1 &&
                              line.find(' ', sp2 + 1) == std::string_view::npos &&
                              line.substr(sp2 + 1).substr(0, 5) == "HTTP/";
-    if (!well_formed) {
+    HttpExporter::Request parsed;
+    const size_t line_end = request.find('\n') + 1;
+    if (!well_formed ||
+        !ParseHeaders(std::string_view(request).substr(line_end, head_end - line_end), &parsed)) {
       response = TextResponse("400 Bad Request", "bad request\n");
     } else {
       const std::string_view method = line.substr(0, sp1);
@@ -322,7 +429,7 @@ void HttpExporter::HandleConnection(int fd) {
         response =
             TextResponse("405 Method Not Allowed", "only GET is supported\n", "Allow: GET\r\n");
       } else if (path == "/metrics") {
-        response = Response("200 OK", kMetricsContentType, render_());
+        response = HandlerResponse(handler_(parsed));
       } else if (path == "/") {
         response = TextResponse("200 OK", kIndexBody);
       } else {

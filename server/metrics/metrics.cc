@@ -378,7 +378,7 @@ void Registry::AddCollector(std::function<void(Registry&)> fn) {
   collectors_.push_back(std::move(fn));
 }
 
-std::string Registry::Render() {
+std::string Registry::Render(const RenderFilter& filter) {
   absl::MutexLock render_lock(&render_mu_);
   std::vector<std::function<void(Registry&)>> collectors;
   {
@@ -391,11 +391,29 @@ std::string Registry::Render() {
   absl::MutexLock lock(&mu_);
   for (const auto& family : families_) {
     const Family& f = *family;
+    // Index of the "namespace" label; a filtered render shows only families
+    // that have one.
+    const auto ns_label = std::find(f.label_names.begin(), f.label_names.end(), "namespace");
+    const size_t ns_index = static_cast<size_t>(ns_label - f.label_names.begin());
+    if (!filter.all && ns_label == f.label_names.end()) continue;
+    const auto shown = [&](const std::vector<std::string>& values) {
+      if (filter.all) return true;
+      if (std::all_of(values.begin(), values.end(),
+                      [](const std::string& v) { return v == kOtherLabelValue; })) {
+        return false;  // the overflow series mixes namespaces
+      }
+      return filter.namespaces.count(values[ns_index]) > 0;
+    };
+    if (!filter.all && std::none_of(f.series.begin(), f.series.end(),
+                                    [&](const auto& kv) { return shown(kv.first); })) {
+      continue;
+    }
     absl::StrAppend(&out, "# HELP ", f.name, " ");
     AppendEscaped(&out, f.help, /*quote=*/false);
     absl::StrAppend(&out, "\n# TYPE ", f.name, " ", TypeName(f.type), "\n");
     if (f.type != Type::kHistogram) {
       for (const auto& [values, series] : f.series) {
+        if (!shown(values)) continue;
         out.append(f.name);
         AppendLabels(&out, f.label_names, values, nullptr);
         out.push_back(' ');
@@ -413,6 +431,7 @@ std::string Registry::Render() {
     }
     les.push_back("+Inf");
     for (const auto& [values, series] : f.series) {
+      if (!shown(values)) continue;
       uint64_t cumulative = 0;
       for (size_t i = 0; i < les.size(); ++i) {
         cumulative += series.bucket_counts[i];

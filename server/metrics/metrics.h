@@ -104,6 +104,23 @@ class Registry {
   // any method but Render(); it must stay callable as long as the registry.
   void AddCollector(std::function<void(Registry&)> fn);
 
+  // Which series a Render() shows.
+  struct RenderFilter {
+    // Every series (the default), or, when false, only the series whose
+    // "namespace" label is one of `namespaces`: families without a
+    // "namespace" label (server-wide ones) are left out, and so are the
+    // overflow series (every label value "_other", which may sum up several
+    // namespaces). A family none of whose series is shown has no HELP/TYPE
+    // lines either.
+    bool all = true;
+    std::set<std::string> namespaces;
+
+    static RenderFilter Everything() { return {}; }
+    static RenderFilter Namespaces(std::set<std::string> namespaces) {
+      return {false, std::move(namespaces)};
+    }
+  };
+
   // Runs the collectors, then returns every family in declaration order in
   // the Prometheus text exposition format 0.0.4:
   //   # HELP <name> <help, with \ and newline escaped>
@@ -116,7 +133,11 @@ class Registry {
   // Values: integers print without exponent or fraction (up to 2^53), other
   // values in the shortest form that round-trips, NaN, +Inf, -Inf.
   // Holds the registry lock while formatting (time linear in the series).
-  std::string Render();
+  std::string Render() { return Render(RenderFilter::Everything()); }
+  // As above, restricted to what `filter` shows (families that show nothing
+  // are omitted entirely, HELP and TYPE included; with RenderFilter::Everything
+  // empty families keep their HELP and TYPE lines).
+  std::string Render(const RenderFilter& filter);
 
  private:
   enum class Type { kCounter, kGauge, kHistogram };

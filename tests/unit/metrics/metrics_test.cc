@@ -16,6 +16,9 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
+#include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -373,6 +376,159 @@ TEST(RegistryTest, ConcurrentUpdatesAreCounted) {
   EXPECT_NE(text.find("h_bucket{le=\"0.5\"} 0\n"), std::string::npos) << text;
 }
 
+// Checks `text` line by line against the text exposition format 0.0.4 as
+// Prometheus parses it: HELP then TYPE once per family, before its samples;
+// every sample belongs to the family typed last (with _bucket/_sum/_count for
+// histograms); label values are quoted with only \\, \" and \n escapes.
+// Returns "" or the first problem.
+std::string ExpositionProblem(const std::string& text) {
+  static const std::regex kHelp(R"(# HELP ([a-zA-Z_:][a-zA-Z0-9_:]*) .*)");
+  static const std::regex kType(R"(# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (counter|gauge|histogram))");
+  static const std::regex kSample(
+      R"(([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*")(,[a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*")*\})? (-?[0-9.e+]+|NaN|\+Inf|-Inf))");
+  if (!text.empty() && text.back() != '\n') return "no final newline";
+  std::set<std::string> seen;
+  std::string help, family, type;
+  std::istringstream in(text);
+  std::string line;
+  std::smatch m;
+  while (std::getline(in, line)) {
+    if (std::regex_match(line, m, kHelp)) {
+      if (!seen.insert(m[1]).second) return "family twice: " + line;
+      help = m[1];
+    } else if (std::regex_match(line, m, kType)) {
+      if (m[1] != help) return "TYPE without its HELP: " + line;
+      family = m[1];
+      type = m[2];
+    } else if (std::regex_match(line, m, kSample)) {
+      const std::string name = m[1];
+      const bool ok =
+          name == family ||
+          (type == "histogram" &&
+           (name == family + "_bucket" || name == family + "_sum" || name == family + "_count"));
+      if (!ok) return "sample outside its family: " + line;
+    } else {
+      return "unparsable line: " + line;
+    }
+  }
+  return "";
+}
+
+// The families and series a daemon has: per-namespace ones, server-wide ones,
+// a histogram with a namespace label, and one family only bob uses.
+void DeclareTenantMetrics(Registry& r) {
+  r.DeclareCounter("calls_total", "Calls.", {"method", "namespace", "op"});
+  r.DeclareGauge("shm_bytes", "Shared memory.", {"namespace"});
+  r.DeclareGauge("cache_hits_total", "Cache hits.", {"tier"});
+  r.DeclareGauge("namespaces", "Namespaces.", {});
+  r.DeclareHistogram("kernel_seconds", "Kernel time.", {"namespace"}, {1});
+  r.DeclareCounter("bob_only_total", "Only bob has these.", {"op", "namespace"});
+  r.DeclareCounter("nobody_total", "Declared, never updated.", {"namespace"});
+  r.Inc("calls_total", {"Forward", "alice", "scale"}, 3);
+  r.Inc("calls_total", {"Forward", "alice", "we\\ird\"op\nname"});
+  r.Inc("calls_total", {"Forward", "bob", "secret_bob_op"}, 7);
+  r.Inc("calls_total", {"Forward", "carol", "carols"}, 2);
+  r.Set("shm_bytes", {"alice"}, 4096);
+  r.Set("shm_bytes", {"bob"}, 8192);
+  r.Set("cache_hits_total", {"memory"}, 11);
+  r.Set("namespaces", {}, 3);
+  r.Observe("kernel_seconds", {"alice"}, 0.5);
+  r.Observe("kernel_seconds", {"bob"}, 2);
+  r.Inc("bob_only_total", {"secret_bob_op", "bob"});
+}
+
+TEST(RegistryTest, FilteredRenderShowsOnlyTheNamespacesSeries) {
+  Registry r;
+  DeclareTenantMetrics(r);
+  const std::string alice = r.Render(Registry::RenderFilter::Namespaces({"alice"}));
+  EXPECT_EQ(alice,
+            "# HELP calls_total Calls.\n"
+            "# TYPE calls_total counter\n"
+            "calls_total{method=\"Forward\",namespace=\"alice\",op=\"scale\"} 3\n"
+            "calls_total{method=\"Forward\",namespace=\"alice\",op=\"we\\\\ird\\\"op\\nname\"} 1\n"
+            "# HELP shm_bytes Shared memory.\n"
+            "# TYPE shm_bytes gauge\n"
+            "shm_bytes{namespace=\"alice\"} 4096\n"
+            "# HELP kernel_seconds Kernel time.\n"
+            "# TYPE kernel_seconds histogram\n"
+            "kernel_seconds_bucket{namespace=\"alice\",le=\"1\"} 1\n"
+            "kernel_seconds_bucket{namespace=\"alice\",le=\"+Inf\"} 1\n"
+            "kernel_seconds_sum{namespace=\"alice\"} 0.5\n"
+            "kernel_seconds_count{namespace=\"alice\"} 1\n");
+  EXPECT_EQ(ExpositionProblem(alice), "");
+  for (const char* hidden : {"bob", "carol", "cache_hits", "namespaces ", "nobody_total"}) {
+    EXPECT_EQ(alice.find(hidden), std::string::npos) << hidden;
+  }
+
+  // Several namespaces; the namespace label need not come first.
+  const std::string two = r.Render(Registry::RenderFilter::Namespaces({"bob", "carol"}));
+  EXPECT_EQ(ExpositionProblem(two), "");
+  EXPECT_NE(two.find("calls_total{method=\"Forward\",namespace=\"bob\",op=\"secret_bob_op\"} 7\n"),
+            std::string::npos)
+      << two;
+  EXPECT_NE(two.find("calls_total{method=\"Forward\",namespace=\"carol\",op=\"carols\"} 2\n"),
+            std::string::npos)
+      << two;
+  EXPECT_NE(two.find("# TYPE bob_only_total counter\n"
+                     "bob_only_total{op=\"secret_bob_op\",namespace=\"bob\"} 1\n"),
+            std::string::npos)
+      << two;
+  EXPECT_EQ(two.find("alice"), std::string::npos) << two;
+  EXPECT_EQ(two.find("# HELP shm_bytes"), two.rfind("# HELP shm_bytes"));
+
+  // A namespace nobody used, and none at all: nothing, not even HELP lines.
+  EXPECT_EQ(r.Render(Registry::RenderFilter::Namespaces({"dave"})), "");
+  EXPECT_EQ(r.Render(Registry::RenderFilter::Namespaces({})), "");
+}
+
+TEST(RegistryTest, UnfilteredRenderStillShowsEverything) {
+  Registry r;
+  DeclareTenantMetrics(r);
+  const std::string all = r.Render();
+  EXPECT_EQ(all, r.Render(Registry::RenderFilter::Everything()));
+  EXPECT_EQ(ExpositionProblem(all), "");
+  for (const char* shown :
+       {"namespace=\"alice\",op=\"scale\"} 3\n", "op=\"secret_bob_op\"} 7\n",
+        "cache_hits_total{tier=\"memory\"} 11\n", "\nnamespaces 3\n",
+        "# TYPE nobody_total counter\n",  // empty families keep HELP/TYPE unfiltered
+        "kernel_seconds_count{namespace=\"bob\"} 1\n"}) {
+    EXPECT_NE(all.find(shown), std::string::npos) << shown;
+  }
+}
+
+TEST(RegistryTest, FilteredRenderLeavesOutTheOverflowSeries) {
+  Registry::Options options;
+  options.max_series_per_family = 2;
+  Registry r(options);
+  r.DeclareCounter("calls_total", "Calls.", {"namespace", "op"});
+  r.Inc("calls_total", {"alice", "a"});
+  r.Inc("calls_total", {"bob", "b"});
+  r.Inc("calls_total", {"bob", "c"}, 5);  // folded into _other/_other
+  EXPECT_NE(r.Render().find("calls_total{namespace=\"_other\",op=\"_other\"} 5\n"),
+            std::string::npos);
+  // Even a principal of a namespace called "_other" does not see it: it sums
+  // up other namespaces.
+  EXPECT_EQ(r.Render(Registry::RenderFilter::Namespaces({"alice", "_other"})),
+            "# HELP calls_total Calls.\n"
+            "# TYPE calls_total counter\n"
+            "calls_total{namespace=\"alice\",op=\"a\"} 1\n");
+}
+
+TEST(RegistryTest, FilteredRenderRunsCollectors) {
+  Registry r;
+  r.DeclareGauge("shm_bytes", "Shared memory.", {"namespace"});
+  int runs = 0;
+  r.AddCollector([&runs](Registry& reg) {
+    ++runs;
+    reg.Set("shm_bytes", {"alice"}, runs);
+  });
+  EXPECT_EQ(r.Render(Registry::RenderFilter::Namespaces({"alice"})),
+            "# HELP shm_bytes Shared memory.\n"
+            "# TYPE shm_bytes gauge\n"
+            "shm_bytes{namespace=\"alice\"} 1\n");
+  EXPECT_EQ(runs, 1);
+}
+
 // ---------------------------------------------------------------------------
 // HttpExporter
 
@@ -574,8 +730,130 @@ TEST(HttpExporterTest, LocalhostAndAddressErrors) {
     auto s = HttpExporter::Start(bad, [] { return std::string(); });
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << s.status();
   }
-  auto no_render = HttpExporter::Start("127.0.0.1:0", nullptr);
+  auto no_render = HttpExporter::Start("127.0.0.1:0", std::function<std::string()>());
   EXPECT_EQ(no_render.status().code(), absl::StatusCode::kInvalidArgument);
+  auto no_handler = HttpExporter::Start("127.0.0.1:0", HttpExporter::Handler());
+  EXPECT_EQ(no_handler.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+std::unique_ptr<HttpExporter> StartHandlerOrDie(HttpExporter::Handler handler) {
+  auto exporter = HttpExporter::Start("127.0.0.1:0", std::move(handler));
+  EXPECT_TRUE(exporter.ok()) << exporter.status();
+  return exporter.ok() ? std::move(*exporter) : nullptr;
+}
+
+// A handler like the daemon's: only the bearer token "good" gets the body.
+HttpExporter::Response RequireToken(const HttpExporter::Request& request) {
+  if (request.authorization != "Bearer good") return HttpExporter::Response::Unauthorized("opjit");
+  return HttpExporter::Response::Metrics("m 1\n");
+}
+
+TEST(HttpExporterTest, HandlerRefusesWithoutAuthorization) {
+  auto exporter = StartHandlerOrDie(RequireToken);
+  ASSERT_NE(exporter, nullptr);
+  const int port = exporter->port();
+  for (const std::string& head :
+       {std::string("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"),
+        std::string("GET /metrics HTTP/1.1\r\nAuthorization: Bearer bad\r\n\r\n"),
+        std::string("GET /metrics HTTP/1.1\r\nAuthorization: Basic Z29vZA==\r\n\r\n"),
+        std::string("GET /metrics HTTP/1.1\r\nAuthorization:\r\n\r\n")}) {
+    HttpResponse resp = Fetch(port, head);
+    EXPECT_EQ(resp.status_line, "HTTP/1.0 401 Unauthorized") << head;
+    EXPECT_NE(resp.headers.find("WWW-Authenticate: Bearer realm=\"opjit\"\r\n"), std::string::npos)
+        << resp.headers;
+    EXPECT_NE(resp.headers.find("Content-Type: text/plain; charset=utf-8\r\n"), std::string::npos)
+        << resp.headers;
+    EXPECT_NE(resp.body.find("Bearer"), std::string::npos) << resp.body;
+    EXPECT_EQ(resp.body.find("m 1"), std::string::npos) << resp.body;
+  }
+  // The index and unknown paths do not ask the handler.
+  EXPECT_EQ(Fetch(port, "GET / HTTP/1.0\r\n\r\n").status_line, "HTTP/1.0 200 OK");
+  EXPECT_EQ(Fetch(port, "GET /x HTTP/1.0\r\n\r\n").status_line, "HTTP/1.0 404 Not Found");
+
+  HttpResponse resp = Fetch(port, "GET /metrics HTTP/1.1\r\nAuthorization: Bearer good\r\n\r\n");
+  EXPECT_EQ(resp.status_line, "HTTP/1.0 200 OK");
+  EXPECT_NE(resp.headers.find("Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"),
+            std::string::npos)
+      << resp.headers;
+  EXPECT_EQ(resp.headers.find("WWW-Authenticate"), std::string::npos) << resp.headers;
+  EXPECT_EQ(resp.body, "m 1\n");
+}
+
+TEST(HttpExporterTest, AuthorizationHeaderIsPassedThroughCaseInsensitively) {
+  std::vector<std::optional<std::string>> seen;
+  auto exporter = StartHandlerOrDie([&seen](const HttpExporter::Request& request) {
+    seen.push_back(request.authorization);
+    return HttpExporter::Response::Metrics("m 1\n");
+  });
+  ASSERT_NE(exporter, nullptr);
+  const int port = exporter->port();
+  const std::vector<std::string> heads = {
+      "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer abc\r\n\r\n",
+      "GET /metrics HTTP/1.1\r\nauthorization: Bearer lower\r\nAccept: */*\r\n\r\n",
+      "GET /metrics HTTP/1.1\r\nAUTHORIZATION:\t  Bearer  padded \t\r\n\r\n",
+      "GET /metrics?x=1 HTTP/1.0\nAuThOrIzAtIoN:Bearer bare-lf\n\n",
+      "GET /metrics HTTP/1.1\r\nX-Authorization: Bearer other\r\nAuthorizations: y\r\n\r\n",
+      "GET /metrics HTTP/1.1\r\n\r\nAuthorization: Bearer in-the-body\r\n",
+  };
+  for (const std::string& head : heads) {
+    EXPECT_EQ(Fetch(port, head).status_line, "HTTP/1.0 200 OK") << head;
+  }
+  ASSERT_EQ(seen.size(), heads.size());
+  EXPECT_EQ(seen[0], std::optional<std::string>("Bearer abc"));
+  EXPECT_EQ(seen[1], std::optional<std::string>("Bearer lower"));
+  EXPECT_EQ(seen[2], std::optional<std::string>("Bearer  padded"));
+  EXPECT_EQ(seen[3], std::optional<std::string>("Bearer bare-lf"));
+  EXPECT_EQ(seen[4], std::nullopt);  // other headers that merely contain the name
+  EXPECT_EQ(seen[5], std::nullopt);  // after the head: a body, never read
+}
+
+TEST(HttpExporterTest, MalformedHeadersAreBadRequests) {
+  int calls = 0;
+  auto exporter = StartHandlerOrDie([&calls](const HttpExporter::Request&) {
+    ++calls;
+    return HttpExporter::Response::Metrics("m 1\n");
+  });
+  ASSERT_NE(exporter, nullptr);
+  for (const char* head : {
+           // Two Authorization headers: which one counts is ambiguous.
+           "GET /metrics HTTP/1.1\r\nAuthorization: Bearer a\r\nauthorization: Bearer b\r\n\r\n",
+           "GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n",
+           "GET /metrics HTTP/1.1\r\n: empty name\r\n\r\n",
+           "GET /metrics HTTP/1.1\r\nAuthorization : Bearer a\r\n\r\n",
+           // An obsolete folded continuation line.
+           "GET /metrics HTTP/1.1\r\nAuthorization: Bearer\r\n a\r\n\r\n",
+       }) {
+    EXPECT_EQ(Fetch(exporter->port(), head).status_line, "HTTP/1.0 400 Bad Request") << head;
+  }
+  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(Fetch(exporter->port(), "GET /metrics HTTP/1.0\r\n\r\n").body, "m 1\n");
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(HttpExporterTest, HandlerStatusHeadersAndContentType) {
+  LogCapture log;
+  HttpExporter::Response answer;
+  auto exporter = StartHandlerOrDie([&answer](const HttpExporter::Request&) { return answer; });
+  ASSERT_NE(exporter, nullptr);
+  answer.status = 403;
+  answer.content_type = "text/plain";
+  answer.body = "no\n";
+  answer.headers = {
+      {"X-Fine", "yes"}, {"X-Split", "a\r\nSet-Cookie: injected"}, {"X-Bad\nName", "v"}, {"", "v"}};
+  HttpResponse resp = Fetch(exporter->port(), "GET /metrics HTTP/1.0\r\n\r\n");
+  EXPECT_EQ(resp.status_line, "HTTP/1.0 403 Forbidden");
+  EXPECT_NE(resp.headers.find("Content-Type: text/plain\r\n"), std::string::npos);
+  EXPECT_NE(resp.headers.find("X-Fine: yes\r\n"), std::string::npos) << resp.headers;
+  EXPECT_EQ(resp.headers.find("X-Split"), std::string::npos) << resp.headers;
+  EXPECT_EQ(resp.headers.find("Set-Cookie"), std::string::npos) << resp.headers;
+  EXPECT_EQ(resp.headers.find("X-Bad"), std::string::npos) << resp.headers;
+  EXPECT_EQ(resp.body, "no\n");
+  EXPECT_GE(log.Count("dropping a malformed response header"), 3);
+
+  answer = HttpExporter::Response{};
+  answer.status = 299;  // not one the exporter knows
+  EXPECT_EQ(Fetch(exporter->port(), "GET /metrics HTTP/1.0\r\n\r\n").status_line,
+            "HTTP/1.0 500 Internal Server Error");
 }
 
 }  // namespace
