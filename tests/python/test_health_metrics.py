@@ -8,8 +8,12 @@ NOT_SERVING and back to SERVING.
 
 Metrics: the endpoint is scraped by Debian's prometheus server started in a
 temp dir on loopback, and the text is parsed with prometheus_client's parser.
+With principals configured, a scrape needs a bearer token: an admin's sees
+every series, a user's only its namespaces' series (issue 14).
 """
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +22,8 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import grpc
@@ -201,34 +207,172 @@ def free_port():
     return port
 
 
-def test_prometheus_server_scrapes_the_endpoint(metricsd, tmp_path):
+@contextlib.contextmanager
+def prometheus(tmp_path, jobs):
+    """Debian's prometheus scraping every second with `jobs` (the YAML of
+    scrape_configs entries); yields query(promql) -> the result list, or []
+    while prometheus is not answering yet."""
     cfg = tmp_path / "prometheus.yml"
-    cfg.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: opjit\n"
-                   "    static_configs:\n      - targets: ['%s']\n" % metricsd.metrics)
+    cfg.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n" + jobs)
     port = free_port()
     log = open(tmp_path / "prometheus.log", "wb")
     prom = subprocess.Popen(["prometheus", "--config.file", str(cfg), "--storage.tsdb.path",
                              str(tmp_path / "data"), "--web.listen-address", "127.0.0.1:%d" % port],
                             stdout=log, stderr=subprocess.STDOUT)
+
+    def query(promql):
+        try:
+            q = urllib.request.urlopen("http://127.0.0.1:%d/api/v1/query?%s" % (
+                port, urllib.parse.urlencode({"query": promql})), timeout=5).read()
+            return json.loads(q)["data"]["result"]
+        except (OSError, ValueError, KeyError):
+            return []
+
     try:
-        deadline = time.monotonic() + 60
-        result = []
-        while time.monotonic() < deadline and not result:
-            time.sleep(1)
-            try:
-                q = urllib.request.urlopen(
-                    "http://127.0.0.1:%d/api/v1/query?query=opjit_rpc_calls_total"
-                    "%%7Bmethod%%3D%%22Forward%%22%%2Cop%%3D%%22twice%%22%%7D" % port,
-                    timeout=5).read()
-                result = json.loads(q)["data"]["result"]
-            except (OSError, ValueError, KeyError):
-                continue
-        assert result, (tmp_path / "prometheus.log").read_text()[-2000:]
-        assert float(result[0]["value"][1]) >= 5
-        up = json.loads(urllib.request.urlopen(
-            "http://127.0.0.1:%d/api/v1/query?query=up" % port, timeout=5).read())
-        assert up["data"]["result"][0]["value"][1] == "1"
+        yield query
     finally:
         prom.terminate()
         prom.wait(30)
         log.close()
+
+
+def wait_query(tmp_path, query, promql, ok=bool, timeout=60):
+    """Polls `promql` until ok(result); returns the result."""
+    deadline = time.monotonic() + timeout
+    result = query(promql)
+    while not ok(result) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        result = query(promql)
+    assert ok(result), (promql, result, (tmp_path / "prometheus.log").read_text()[-2000:])
+    return result
+
+
+def test_prometheus_server_scrapes_the_endpoint(metricsd, tmp_path):
+    job = ("  - job_name: opjit\n    static_configs:\n      - targets: ['%s']\n"
+           % metricsd.metrics)
+    with prometheus(tmp_path, job) as query:
+        result = wait_query(tmp_path, query, 'opjit_rpc_calls_total{method="Forward",op="twice"}')
+        assert float(result[0]["value"][1]) >= 5
+        assert query("up")[0]["value"][1] == "1"
+
+
+# ---- metrics with principals -------------------------------------------------------------------
+
+TOKENS = {"alice": "tok-alice-metrics-0123456789", "bob": "tok-bob-metrics-0123456789",
+          "admin": "tok-admin-metrics-0123456789"}
+
+
+def sha(token):
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def scrape(address, authorization=None):
+    """(HTTP status, headers, body) of GET /metrics."""
+    req = urllib.request.Request("http://%s/metrics" % address)
+    if authorization is not None:
+        req.add_header("Authorization", authorization)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def authd():
+    """A daemon with principals alice (user of "alice"), bob (user of "bob")
+    and an admin; alice and bob each registered and called an op."""
+    config = "".join([
+        '[[principal]]\nname = "alice"\nrole = "user"\nnamespaces = ["alice"]\n'
+        'token_sha256 = ["%s"]\n' % sha(TOKENS["alice"]),
+        '[[principal]]\nname = "bob"\nrole = "user"\nnamespaces = ["bob"]\n'
+        'token_sha256 = ["%s"]\n' % sha(TOKENS["bob"]),
+        '[[principal]]\nname = "root-admin"\nrole = "admin"\ntoken_sha256 = ["%s"]\n'
+        % sha(TOKENS["admin"]),
+        '[metrics]\nlisten = "127.0.0.1:0"\n',
+    ])
+    d = Daemon(config)
+    deadline = time.monotonic() + 30
+    path = os.path.join(d.state, "metrics_endpoint")
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(path) as f:
+        d.metrics = f.read().strip()
+    # Over the unix socket, with each user's token (root's uid alone would be admin).
+    for who, op, calls in (("alice", "alice_visible_op", 3), ("bob", "bob_secret_op", 4)):
+        with opjit.Client(d.unix_address, namespace=who, token=TOKENS[who], timeout=60,
+                          fast="off") as c:
+            c.register(dict(SPEC, name=op, namespace=who))
+            f = c.op(op)
+            for _ in range(calls):
+                f(np.ones(4, np.float32))
+    yield d
+    assert d.proc.poll() is None, "opjitd died:\n" + d.read_log()
+    d.close()
+
+
+def test_metrics_need_a_bearer_token_once_principals_exist(authd):
+    refusals = [scrape(authd.metrics, h) for h in (
+        None, "Bearer wrong-token", "Bearer " + sha(TOKENS["alice"]), "Basic YWxpY2U6eA==",
+        "Bearer", TOKENS["alice"])]
+    for status, headers, body in refusals:
+        assert status == 401, body
+        assert headers["WWW-Authenticate"] == 'Bearer realm="opjit"'
+        assert "opjit_" not in body and "_op" not in body
+    # One answer for a missing, malformed and unknown token alike.
+    assert len({body for _, _, body in refusals}) == 1
+
+
+def test_a_users_scrape_shows_only_its_namespaces_series(authd):
+    status, headers, body = scrape(authd.metrics, "Bearer " + TOKENS["alice"])
+    assert status == 200, body
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert "bob" not in body, "bob's namespace and op names must not leak"
+    fams = families(body)
+    calls = samples(fams["opjit_rpc_calls"], method="Forward", namespace="alice",
+                    op="alice_visible_op", code="OK")
+    assert calls and calls[0].value >= 3
+    for fam in fams.values():
+        for s in fam.samples:
+            assert s.labels.get("namespace") == "alice", (fam.name, s)
+    # Server-wide families (cache, workers, health, latency by method) are for admins.
+    for name in ("opjit_serving", "opjit_cache_misses_total", "opjit_executor_workers",
+                 "opjit_rpc_latency_seconds", "opjit_namespaces"):
+        assert "# HELP %s " % name not in body and "\n%s" % name not in body, name
+    r = subprocess.run(["promtool", "check", "metrics"], input=body, text=True,
+                       capture_output=True)
+    assert r.returncode in (0, 3), r.stdout + r.stderr
+    assert "error" not in r.stderr.lower(), r.stderr
+    # Bob, likewise, sees his and not alice's.
+    status, _, body = scrape(authd.metrics, "bearer " + TOKENS["bob"])
+    assert status == 200 and "bob_secret_op" in body and "alice" not in body, body
+
+
+def test_an_admin_scrape_shows_everything(authd):
+    status, _, body = scrape(authd.metrics, "Bearer " + TOKENS["admin"])
+    assert status == 200, body
+    fams = families(body)
+    for ns, op, n in (("alice", "alice_visible_op", 3), ("bob", "bob_secret_op", 4)):
+        calls = samples(fams["opjit_rpc_calls"], method="Forward", namespace=ns, op=op, code="OK")
+        assert calls and calls[0].value >= n, (ns, op)
+    assert samples(fams["opjit_serving"])[0].value == 1
+    assert samples(fams["opjit_executor_worker_starts_total"])[0].value >= 1
+    assert samples(fams["opjit_namespaces"])[0].value >= 3  # default, alice, bob
+
+
+def test_prometheus_scrapes_with_a_credentials_file(authd, tmp_path):
+    token_file = tmp_path / "alice.token"
+    token_file.write_text(TOKENS["alice"] + "\n")
+    os.chmod(token_file, 0o600)
+    jobs = ("  - job_name: alice\n    authorization: {type: Bearer, credentials_file: '%s'}\n"
+            "    static_configs:\n      - targets: ['%s']\n"
+            "  - job_name: anonymous\n    static_configs:\n      - targets: ['%s']\n"
+            % (token_file, authd.metrics, authd.metrics))
+    with prometheus(tmp_path, jobs) as query:
+        wait_query(tmp_path, query, 'up{job="alice"} == 1')
+        wait_query(tmp_path, query, 'up{job="anonymous"}')
+        assert query('up{job="anonymous"}')[0]["value"][1] == "0"  # refused: 401
+        result = wait_query(tmp_path, query,
+                            'opjit_rpc_calls_total{job="alice",op="alice_visible_op"}')
+        assert float(result[0]["value"][1]) >= 3
+        assert query('opjit_rpc_calls_total{op="bob_secret_op"}') == []
