@@ -41,7 +41,9 @@ struct DaemonConfig {
   std::string tls_cert, tls_key, tls_client_ca;
   bool tls_require_client_cert = false;
 
-  // [metrics] listen: "host:port" of the Prometheus endpoint ("": off).
+  // [metrics] listen: "host:port" of the Prometheus endpoint ("": off). With
+  // principals, a scrape needs a bearer token; non-admins see only their
+  // namespaces' series.
   std::string metrics_listen;
 
   // [health] interval_ms: how often workers and the store are probed.
