@@ -63,6 +63,22 @@ inline void OnFatalSignal(int sig) {
   raise(sig);
 }
 
+// Waits for child `pid` to exit, for at most `patience`, then SIGKILLs it.
+// Returns its wait status.
+inline int WaitOrKill(pid_t pid, std::chrono::seconds patience) {
+  int status = 0;
+  const auto give_up = Clock::now() + patience;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (Clock::now() > give_up) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return status;
+}
+
 // ---------------------------------------------------------------------------
 // The opjitd under test: its own temp state dir, a unix socket and a TCP port.
 
@@ -138,16 +154,7 @@ class DaemonProcess {
   std::string Stop() {
     if (pid_ <= 0) return "";
     kill(pid_, SIGTERM);
-    int status = 0;
-    const auto give_up = Clock::now() + std::chrono::seconds(20);
-    while (waitpid(pid_, &status, WNOHANG) == 0) {
-      if (Clock::now() > give_up) {
-        kill(pid_, SIGKILL);
-        waitpid(pid_, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    const int status = WaitOrKill(pid_, std::chrono::seconds(20));
     pid_ = -1;
     g_daemon_pid = -1;
     if (WIFEXITED(status)) return "exit " + std::to_string(WEXITSTATUS(status));

@@ -188,16 +188,7 @@ class ForkedEcho {
     if (pipe_w_ >= 0) close(pipe_w_);
     pipe_w_ = -1;
     if (pid_ <= 0) return;
-    int status = 0;
-    const auto give_up = Clock::now() + std::chrono::seconds(10);
-    while (waitpid(pid_, &status, WNOHANG) == 0) {
-      if (Clock::now() > give_up) {
-        kill(pid_, SIGKILL);
-        waitpid(pid_, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    opjit::bench::WaitOrKill(pid_, std::chrono::seconds(10));
     pid_ = -1;
   }
 

@@ -93,18 +93,7 @@ class FastIT : public ::testing::Test {
   }
 
   void Register(const std::string& name, const std::string& body) {
-    v1::OpDef op;
-    op.set_name(name);
-    op.add_inputs()->set_name("x");
-    op.add_outputs()->set_name("y");
-    auto* df = op.add_dtype_formats();
-    df->add_dtypes("float32");
-    df->add_dtypes("float32");
-    auto* impl = op.add_implementations();
-    impl->set_target("CPU");
-    impl->set_entry("K");
-    impl->set_source(KernelSource(body));
-    auto r = c_->Register(op);
+    auto r = c_->Register(FloatUnaryOp(name, "K", KernelSource(body)));
     ASSERT_TRUE(r.ok()) << r.status();
   }
 

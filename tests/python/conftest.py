@@ -6,6 +6,7 @@ and on 127.0.0.1:0 (the chosen port is read from <state>/endpoints). It is
 stopped with SIGTERM at the end of the session.
 """
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -122,6 +123,23 @@ class TempDaemon:
         self.log.close()
         import shutil
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def token_sha(token):
+    """What the config keeps of a bearer token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def principal_toml(name, role, namespaces=(), token=None, uids=()):
+    """One [[principal]] table of opjitd's config."""
+    lines = ['[[principal]]', 'name = "%s"' % name, 'role = "%s"' % role]
+    if namespaces:
+        lines.append("namespaces = [%s]" % ", ".join('"%s"' % n for n in namespaces))
+    if token is not None:
+        lines.append('token_sha256 = ["%s"]' % token_sha(token))
+    if uids:
+        lines.append("uids = [%s]" % ", ".join(str(u) for u in uids))
+    return "\n".join(lines) + "\n"
 
 
 def opjitd_binary():

@@ -8,10 +8,7 @@ TCP is TLS with a CA made here by openssl; client certificates are optional
 on one daemon and required on another.
 """
 
-import hashlib
 import os
-import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -22,10 +19,9 @@ import pytest
 
 import opjit
 from opjit.v1 import (compile_pb2, compile_pb2_grpc, error_pb2, exec_pb2, exec_pb2_grpc,
-                      memory_pb2, memory_pb2_grpc, op_pb2, registry_pb2, registry_pb2_grpc,
-                      server_pb2, server_pb2_grpc)
+                      memory_pb2, memory_pb2_grpc, op_pb2, registry_pb2, registry_pb2_grpc)
 
-from conftest import TempDaemon, opjitd_binary
+from conftest import TempDaemon, opjitd_binary, principal_toml
 
 TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789",
           "carol": "tok-carol-0123456789", "admin": "tok-admin-0123456789"}
@@ -49,21 +45,13 @@ def spec(name, body, ns, doc=""):
             "implementations": [{"target": "CPU", "source": COPY % body, "entry": "K"}]}
 
 
-def sha(t):
-    return hashlib.sha256(t.encode()).hexdigest()
-
-
 def principals_toml():
     return "\n".join([
-        '[[principal]]\nname = "alice"\nrole = "user"\nnamespaces = ["alice"]\n'
-        'token_sha256 = ["%s"]\n' % sha(TOKENS["alice"]),
-        '[[principal]]\nname = "bob"\nrole = "user"\nnamespaces = ["bob"]\n'
-        'token_sha256 = ["%s"]\n' % sha(TOKENS["bob"]),
-        '[[principal]]\nname = "carol"\nrole = "reader"\nnamespaces = ["alice"]\n'
-        'token_sha256 = ["%s"]\n' % sha(TOKENS["carol"]),
-        '[[principal]]\nname = "root-admin"\nrole = "admin"\ntoken_sha256 = ["%s"]\n'
-        % sha(TOKENS["admin"]),
-        '[[principal]]\nname = "nobody"\nrole = "user"\nnamespaces = ["shared"]\nuids = [65534]\n',
+        principal_toml("alice", "user", ["alice"], TOKENS["alice"]),
+        principal_toml("bob", "user", ["bob"], TOKENS["bob"]),
+        principal_toml("carol", "reader", ["alice"], TOKENS["carol"]),
+        principal_toml("root-admin", "admin", token=TOKENS["admin"]),
+        principal_toml("nobody", "user", ["shared"], uids=[65534]),
     ])
 
 

@@ -10,7 +10,6 @@ skipped. Run as the ctest `attack_suite` (tests/python/CMakeLists.txt).
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,9 +23,9 @@ import pytest
 
 import opjit
 from opjit.v1 import (compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc, memory_pb2, memory_pb2_grpc,
-                      op_pb2, registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
+                      registry_pb2, registry_pb2_grpc)
 
-from conftest import EXAMPLES, REPO, TempDaemon, opjitd_binary
+from conftest import EXAMPLES, REPO, TempDaemon, opjitd_binary, principal_toml
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import soak  # noqa: E402  (bench/soak.py: process helpers)
@@ -324,14 +323,10 @@ def shared():
     """A daemon with principals: alice (user of "alice", by token) and mallory
     (user of "mallory", by token). The test itself (root) is admin on the
     unix socket, which is world-reachable so that other uids can try it."""
-    import hashlib
-    h = lambda t: hashlib.sha256(t.encode()).hexdigest()  # noqa: E731
     d = OwnDaemon('socket_mode = "0666"\n'
-                  '[[principal]]\nname = "alice"\nrole = "user"\nnamespaces = ["alice"]\n'
-                  'token_sha256 = ["%s"]\n'
-                  '[[principal]]\nname = "mallory"\nrole = "user"\nnamespaces = ["mallory"]\n'
-                  'token_sha256 = ["%s"]\n[quota]\nnamespaces = 6\n'
-                  % (h("alice-token-0123456789"), h(MALLORY_TOKEN)))
+                  + principal_toml("alice", "user", ["alice"], "alice-token-0123456789")
+                  + principal_toml("mallory", "user", ["mallory"], MALLORY_TOKEN)
+                  + '[quota]\nnamespaces = 6\n')
     os.chmod(d.dir, 0o755)
     yield d
     d.close()

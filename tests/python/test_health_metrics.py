@@ -13,11 +13,9 @@ every series, a user's only its namespaces' series (issue 14).
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -32,7 +30,7 @@ import pytest
 
 import opjit
 
-from conftest import TempDaemon, opjitd_binary
+from conftest import TempDaemon, opjitd_binary, principal_toml, token_sha
 
 SRC = r"""#include <cstdint>
 extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
@@ -126,15 +124,20 @@ def test_health_is_not_serving_while_the_store_cannot_be_written(healthd):
 
 # ---- metrics -----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def metricsd():
-    d = Daemon('[metrics]\nlisten = "127.0.0.1:0"\n')
+def metrics_address(d):
+    """host:port of the daemon's metrics endpoint, once it has written it."""
     deadline = time.monotonic() + 30
     path = os.path.join(d.state, "metrics_endpoint")
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
     with open(path) as f:
-        d.metrics = f.read().strip()
+        return f.read().strip()
+
+
+@pytest.fixture(scope="module")
+def metricsd():
+    d = Daemon('[metrics]\nlisten = "127.0.0.1:0"\n')
+    d.metrics = metrics_address(d)
     # Traffic: a registration (a compile), calls, a failing call, a region and a context.
     # Over gRPC, so that the exact counts below are transport="grpc" ones
     # (fast-channel calls are counted too; test_fast.py checks those).
@@ -262,10 +265,6 @@ TOKENS = {"alice": "tok-alice-metrics-0123456789", "bob": "tok-bob-metrics-01234
           "admin": "tok-admin-metrics-0123456789"}
 
 
-def sha(token):
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def scrape(address, authorization=None):
     """(HTTP status, headers, body) of GET /metrics."""
     req = urllib.request.Request("http://%s/metrics" % address)
@@ -283,21 +282,13 @@ def authd():
     """A daemon with principals alice (user of "alice"), bob (user of "bob")
     and an admin; alice and bob each registered and called an op."""
     config = "".join([
-        '[[principal]]\nname = "alice"\nrole = "user"\nnamespaces = ["alice"]\n'
-        'token_sha256 = ["%s"]\n' % sha(TOKENS["alice"]),
-        '[[principal]]\nname = "bob"\nrole = "user"\nnamespaces = ["bob"]\n'
-        'token_sha256 = ["%s"]\n' % sha(TOKENS["bob"]),
-        '[[principal]]\nname = "root-admin"\nrole = "admin"\ntoken_sha256 = ["%s"]\n'
-        % sha(TOKENS["admin"]),
+        principal_toml("alice", "user", ["alice"], TOKENS["alice"]),
+        principal_toml("bob", "user", ["bob"], TOKENS["bob"]),
+        principal_toml("root-admin", "admin", token=TOKENS["admin"]),
         '[metrics]\nlisten = "127.0.0.1:0"\n',
     ])
     d = Daemon(config)
-    deadline = time.monotonic() + 30
-    path = os.path.join(d.state, "metrics_endpoint")
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with open(path) as f:
-        d.metrics = f.read().strip()
+    d.metrics = metrics_address(d)
     # Over the unix socket, with each user's token (root's uid alone would be admin).
     for who, op, calls in (("alice", "alice_visible_op", 3), ("bob", "bob_secret_op", 4)):
         with opjit.Client(d.unix_address, namespace=who, token=TOKENS[who], timeout=60,
@@ -313,7 +304,7 @@ def authd():
 
 def test_metrics_need_a_bearer_token_once_principals_exist(authd):
     refusals = [scrape(authd.metrics, h) for h in (
-        None, "Bearer wrong-token", "Bearer " + sha(TOKENS["alice"]), "Basic YWxpY2U6eA==",
+        None, "Bearer wrong-token", "Bearer " + token_sha(TOKENS["alice"]), "Basic YWxpY2U6eA==",
         "Bearer", TOKENS["alice"])]
     for status, headers, body in refusals:
         assert status == 401, body
