@@ -6,6 +6,7 @@
 #include <chrono>
 #include <string>
 
+#include "server/common/error_info.h"
 #include "server/metrics/metrics.h"
 #include "server/rpc/status_util.h"
 
@@ -25,6 +26,25 @@ std::string StringField(const google::protobuf::Message& m, const char* name) {
     return "";
   }
   return m.GetReflection()->GetString(m, f);
+}
+
+// What a failed call may not put in its labels. A caller that was refused,
+// or that named a namespace it cannot see, must not make series in that
+// namespace (its principals' scrapes show them), and names that match no op
+// must not fill the family's label cap and push real series into "_other".
+// Neither label value can be a real namespace or op name.
+void ScrubLabels(const grpc::Status& status, std::string* ns, std::string* op) {
+  if (status.ok()) return;
+  const std::string reason = ReasonOf(status);
+  if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+      status.error_code() == grpc::StatusCode::PERMISSION_DENIED ||
+      reason == reason::kNamespaceNotFound) {
+    *ns = "(refused)";
+    *op = "";
+  } else if (reason == reason::kOpNotFound || reason == reason::kVersionNotFound ||
+             reason == reason::kInvalidSpec || reason == reason::kMalformedRequest) {
+    *op = "(invalid)";
+  }
 }
 
 // "/opjit.v1.Executor/Forward" -> "Forward".
@@ -62,6 +82,7 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
     }
     if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::Status status = m->GetSendStatus();
+      ScrubLabels(status, &ns_, &op_);
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
       metrics_->Inc(kCalls, {method_, ns_.empty() ? "default" : ns_, op_,

@@ -121,6 +121,16 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
                       rich.SerializeAsString());
 }
 
+std::string ReasonOf(const grpc::Status& status) {
+  v1::Status rich;
+  if (status.ok() || !rich.ParseFromString(status.error_details())) return "";
+  for (const auto& any : rich.details()) {
+    v1::ErrorInfo info;
+    if (any.type_url() == kErrorInfoType && info.ParseFromString(any.value())) return info.reason();
+  }
+  return "";
+}
+
 grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));

@@ -16,6 +16,10 @@ namespace opjit::rpc {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
+// The ErrorInfo reason a status made by ToGrpcStatus carries ("" for OK or
+// none).
+std::string ReasonOf(const grpc::Status& status);
+
 // Answers a callback unary call now with `status`.
 grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const absl::Status& status);
 

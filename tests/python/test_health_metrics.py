@@ -171,9 +171,11 @@ def test_metrics_parse_and_count_calls_by_op_namespace_and_code(metricsd):
     calls = fams["opjit_rpc_calls"]  # the parser drops _total from counter family names
     ok = samples(calls, method="Forward", namespace="mx", op="twice", code="OK")
     assert ok and ok[0].value >= 5
-    missing = [s for s in calls.samples if s.labels.get("op") == "missing" and
-               s.labels.get("code") == "NOT_FOUND" and s.labels.get("namespace") == "mx"]
+    # A call naming an op that does not exist is counted under "(invalid)",
+    # never under the made-up name (which could fill the family's label cap).
+    missing = samples(calls, namespace="mx", op="(invalid)", code="NOT_FOUND")
     assert missing and missing[0].value >= 1
+    assert not [s for s in calls.samples if s.labels.get("op") == "missing"]
     lat = fams["opjit_rpc_latency_seconds"]
     count = samples(lat, "opjit_rpc_latency_seconds_count", method="Forward")
     assert count and count[0].value >= 5
@@ -297,6 +299,16 @@ def authd():
             f = c.op(op)
             for _ in range(calls):
                 f(np.ones(4, np.float32))
+    # Probes that must not become series in alice's namespace: bob naming it,
+    # a caller with a wrong token, and alice naming an op that does not exist.
+    probes = ((TOKENS["bob"], "bob_probe_op", opjit.NotFound),
+              ("wrong-token-0123456789", "anon_probe_op", opjit.OpjitError),
+              (TOKENS["alice"], "alice_typo_op", opjit.NotFound))
+    for token, op, error in probes:
+        with opjit.Client(d.unix_address, namespace="alice", token=token, timeout=60,
+                          fast="off") as c:
+            with pytest.raises(error):
+                c.op(op)(np.ones(4, np.float32))
     yield d
     assert d.proc.poll() is None, "opjitd died:\n" + d.read_log()
     d.close()
@@ -319,6 +331,7 @@ def test_a_users_scrape_shows_only_its_namespaces_series(authd):
     assert status == 200, body
     assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
     assert "bob" not in body, "bob's namespace and op names must not leak"
+    assert "probe" not in body and "alice_typo_op" not in body, "probes make no series"
     fams = families(body)
     calls = samples(fams["opjit_rpc_calls"], method="Forward", namespace="alice",
                     op="alice_visible_op", code="OK")
@@ -349,6 +362,11 @@ def test_an_admin_scrape_shows_everything(authd):
     assert samples(fams["opjit_serving"])[0].value == 1
     assert samples(fams["opjit_executor_worker_starts_total"])[0].value >= 1
     assert samples(fams["opjit_namespaces"])[0].value >= 3  # default, alice, bob
+    # Refused calls are counted without their namespace and op; a call naming no
+    # existing op keeps its namespace but not the made-up name.
+    assert "probe_op" not in body and "alice_typo_op" not in body
+    assert samples(fams["opjit_rpc_calls"], namespace="(refused)")
+    assert samples(fams["opjit_rpc_calls"], namespace="alice", op="(invalid)", code="NOT_FOUND")
 
 
 def test_prometheus_scrapes_with_a_credentials_file(authd, tmp_path):
