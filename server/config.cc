@@ -144,7 +144,10 @@ absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
       OPJIT_CFG_TRY(ReadString(*t, "name", where, &p.name));
       OPJIT_CFG_TRY(ReadString(*t, "role", where, &role));
       auto r = access::ParseRole(role);
-      if (!r) return BadKey(absl::StrCat(where, "role"), "expected \"admin\", \"user\" or \"reader\"");
+      if (!r) {
+        return BadKey(absl::StrCat(where, "role"),
+                      "expected \"admin\", \"user\", \"reader\" or \"metrics\"");
+      }
       p.role = *r;
       OPJIT_CFG_TRY(ReadStrings(*t, "namespaces", where, &p.namespaces));
       OPJIT_CFG_TRY(ReadStrings(*t, "token_sha256", where, &p.token_sha256));

@@ -584,8 +584,9 @@ int Run(int argc, char** argv) {
 
   std::unique_ptr<metrics::HttpExporter> exporter;
   if (!cfg->metrics_listen.empty()) {
-    // With principals, a scrape needs a bearer token: an admin's sees every
-    // series, another principal's only its namespaces' (issue 14).
+    // With principals, a scrape needs a bearer token: an admin's or a metrics
+    // principal's sees every series, another principal's only its
+    // namespaces' (issue 14).
     access::AccessControl* access = access_control->get();
     auto e = metrics::HttpExporter::Start(
         cfg->metrics_listen, [&metrics, access](const metrics::HttpExporter::Request& request) {
@@ -599,7 +600,7 @@ int Run(int argc, char** argv) {
             Logger("metrics")->debug("metrics scrape refused: {}", principal.status().ToString());
             return Response::Unauthorized("opjit");
           }
-          if ((*principal)->admin()) return Response::Metrics(metrics.Render());
+          if ((*principal)->scrapes_all()) return Response::Metrics(metrics.Render());
           return Response::Metrics(metrics.Render(
               metrics::Registry::RenderFilter::Namespaces((*principal)->namespaces)));
         });

@@ -64,6 +64,8 @@ const char* RoleName(Role role) {
       return "user";
     case Role::kAdmin:
       return "admin";
+    case Role::kMetrics:
+      return "metrics";
   }
   return "?";
 }
@@ -72,6 +74,7 @@ std::optional<Role> ParseRole(const std::string& name) {
   if (name == "reader") return Role::kReader;
   if (name == "user") return Role::kUser;
   if (name == "admin") return Role::kAdmin;
+  if (name == "metrics") return Role::kMetrics;
   return std::nullopt;
 }
 
@@ -117,7 +120,11 @@ absl::StatusOr<std::unique_ptr<AccessControl>> AccessControl::Create(AccessOptio
     if (!names.insert(c.name).second) {
       return absl::InvalidArgumentError(absl::StrCat(where, "defined twice"));
     }
-    if (c.role != Role::kAdmin && c.namespaces.empty()) {
+    if (c.role == Role::kMetrics && !c.namespaces.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "a metrics principal scrapes every namespace's series and has no namespaces"));
+    }
+    if (c.role != Role::kAdmin && c.role != Role::kMetrics && c.namespaces.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(where, "a ", RoleName(c.role),
                                                      " needs at least one namespace"));
     }
@@ -204,6 +211,9 @@ absl::Status AccessControl::Check(const Principal& principal, const std::string&
       break;
     case Role::kReader:
       allowed = action == Action::kDescribe || action == Action::kCall;
+      break;
+    case Role::kMetrics:
+      allowed = false;  // it sees no namespace: refused above already
       break;
   }
   if (!allowed) {

@@ -35,9 +35,12 @@
 
 namespace opjit::access {
 
-enum class Role { kReader, kUser, kAdmin };
+// kMetrics is for a metrics scraper: it sees every series of the Prometheus
+// endpoint and may do nothing over gRPC (it sees no namespace), so the
+// scraper never holds a token that can run code or clear caches.
+enum class Role { kReader, kUser, kAdmin, kMetrics };
 
-// "admin", "user", "reader".
+// "admin", "user", "reader", "metrics".
 const char* RoleName(Role role);
 std::optional<Role> ParseRole(const std::string& name);
 
@@ -55,7 +58,7 @@ const char* ActionName(Action action);
 struct PrincipalConfig {
   std::string name;  // [A-Za-z0-9_.@-]{1,64}
   Role role = Role::kUser;
-  std::vector<std::string> namespaces;     // ignored for admins (they have all)
+  std::vector<std::string> namespaces;     // ignored for admins (they have all); none for metrics
   std::vector<std::string> token_sha256;   // lowercase hex sha256 of each bearer token
   std::vector<uint32_t> uids;              // unix-socket peers with these uids
   std::vector<uint32_t> gids;              // ... or this primary gid
@@ -91,6 +94,8 @@ struct Principal {
   std::set<std::string> namespaces;  // empty for admins: all
   std::optional<uid_t> uid;          // of a unix-socket peer
   bool admin() const { return role == Role::kAdmin; }
+  // Whether a metrics scrape shows it every series (else: its namespaces').
+  bool scrapes_all() const { return role == Role::kAdmin || role == Role::kMetrics; }
   // Whether the principal may see `ns` at all.
   bool Sees(const std::string& ns) const { return admin() || namespaces.count(ns) > 0; }
 };

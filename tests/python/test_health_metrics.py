@@ -264,7 +264,8 @@ def test_prometheus_server_scrapes_the_endpoint(metricsd, tmp_path):
 # ---- metrics with principals -------------------------------------------------------------------
 
 TOKENS = {"alice": "tok-alice-metrics-0123456789", "bob": "tok-bob-metrics-0123456789",
-          "admin": "tok-admin-metrics-0123456789"}
+          "admin": "tok-admin-metrics-0123456789",
+          "scraper": "tok-scraper-metrics-0123456789"}
 
 
 def scrape(address, authorization=None):
@@ -287,6 +288,7 @@ def authd():
         principal_toml("alice", "user", ["alice"], TOKENS["alice"]),
         principal_toml("bob", "user", ["bob"], TOKENS["bob"]),
         principal_toml("root-admin", "admin", token=TOKENS["admin"]),
+        principal_toml("prometheus", "metrics", token=TOKENS["scraper"]),
         '[metrics]\nlisten = "127.0.0.1:0"\n',
     ])
     d = Daemon(config)
@@ -367,6 +369,24 @@ def test_an_admin_scrape_shows_everything(authd):
     assert "probe_op" not in body and "alice_typo_op" not in body
     assert samples(fams["opjit_rpc_calls"], namespace="(refused)")
     assert samples(fams["opjit_rpc_calls"], namespace="alice", op="(invalid)", code="NOT_FOUND")
+
+
+def test_a_metrics_principal_scrapes_everything_and_can_do_nothing_else(authd):
+    status, _, body = scrape(authd.metrics, "Bearer " + TOKENS["scraper"])
+    assert status == 200, body
+    fams = families(body)
+    for ns, op in (("alice", "alice_visible_op"), ("bob", "bob_secret_op")):
+        assert samples(fams["opjit_rpc_calls"], method="Forward", namespace=ns, op=op, code="OK")
+    assert samples(fams["opjit_serving"])[0].value == 1
+    # Over gRPC it sees no namespace: it can neither list, call nor register.
+    with opjit.Client(authd.unix_address, namespace="alice", token=TOKENS["scraper"], timeout=30,
+                      fast="off") as c:
+        assert c.ops(namespace="") == []  # every namespace: none it can see
+        with pytest.raises(opjit.NotFound) as e:
+            c.op("alice_visible_op")(np.ones(4, np.float32))
+        assert e.value.reason == "NAMESPACE_NOT_FOUND"
+        with pytest.raises(opjit.NotFound):
+            c.register(dict(SPEC, name="scraper_op", namespace="alice"))
 
 
 def test_prometheus_scrapes_with_a_credentials_file(authd, tmp_path):

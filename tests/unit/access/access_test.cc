@@ -114,6 +114,30 @@ TEST(AccessTest, BadConfigIsRefused) {
   EXPECT_EQ(AccessControl::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(AccessTest, AMetricsPrincipalScrapesAllAndMayDoNothingOverGrpc) {
+  AccessOptions o = TwoUsers();
+  o.principals.push_back({.name = "prometheus", .role = Role::kMetrics, .token_sha256 = {Sha256Hex("tm")}});
+  auto ac = AccessControl::Create(o);
+  ASSERT_TRUE(ac.ok()) << ac.status();
+  auto scraper = (*ac)->Authenticate(Tcp("Bearer tm"));
+  ASSERT_TRUE(scraper.ok()) << scraper.status();
+  EXPECT_EQ(RoleName((*scraper)->role), std::string("metrics"));
+  EXPECT_TRUE((*scraper)->scrapes_all());
+  EXPECT_FALSE((*scraper)->admin());
+  auto alice = *(*ac)->Authenticate(Tcp("Bearer ta"));
+  EXPECT_FALSE(alice->scrapes_all());
+  for (Action a : {Action::kDescribe, Action::kCall, Action::kWrite}) {
+    absl::Status s = (*ac)->Check(**scraper, "alice", a);
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << ActionName(a);
+    EXPECT_EQ(GetReason(s)->reason, "NAMESPACE_NOT_FOUND");
+  }
+  EXPECT_EQ((*ac)->Check(**scraper, "", Action::kAdmin).code(), absl::StatusCode::kPermissionDenied);
+  // It scrapes every namespace, so it names none.
+  o.principals.back().namespaces = {"alice"};
+  EXPECT_EQ(AccessControl::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseRole("metrics"), Role::kMetrics);
+}
+
 TEST(QuotaTest, ConcurrentCompilesAndCompileSeconds) {
   QuotaManager q({.concurrent_compiles = 1, .compile_seconds_per_minute = 2, .calls_per_second = 0});
   auto t1 = q.BeginCompile("a");
