@@ -20,7 +20,6 @@ import glob
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,15 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 ROUNDS = 5
 CLIENTS = 4
+
+
+def count_acks(pattern):
+    """Registrations acknowledged so far: whole lines in the clients' files."""
+    n = 0
+    for path in glob.glob(pattern.replace("%d", "*")):
+        with open(path) as f:
+            n += sum(1 for line in f if line.endswith("\n"))
+    return n
 
 
 def main():
@@ -61,7 +69,14 @@ def main():
     for rnd in range(1, ROUNDS + 1):
         procs, _ = soak.run_clients(CLIENTS, daemon.address, build, 30, rnd, work, acked=acked,
                                     wait=False)
-        time.sleep(rng.uniform(3.0, 7.0))
+        # The kill lands at a random moment once the load is real: after the
+        # first registration of this round was acknowledged (on a loaded CI
+        # machine the client processes can take seconds to start), then
+        # 0.5-4 s more.
+        give_up = time.monotonic() + 60
+        while count_acks(acked) <= acks_before and time.monotonic() < give_up:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.5, 4.0))
         with open(os.path.join(state, "opjitd.log"), errors="replace") as f:
             log = f.read()
         for line in log.splitlines():
