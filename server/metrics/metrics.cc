@@ -323,6 +323,29 @@ void Registry::Set(const std::string& name, const std::vector<std::string>& labe
   if (!warning.empty()) Logger("metrics")->warn("{}", warning);
 }
 
+void Registry::SetCounter(const std::string& name, const std::vector<std::string>& label_values,
+                          double v) {
+  std::string warning;
+  {
+    absl::MutexLock lock(&mu_);
+    if (Family* f = FindLocked(name, label_values.size(), &warning)) {
+      if (f->type != Type::kCounter) {
+        WarnOnceLocked(
+            absl::StrCat("setcounter:", name),
+            absl::StrCat("ignoring SetCounter of ", TypeName(f->type), " \"", name, "\""),
+            &warning);
+      } else if (!(v >= 0)) {
+        WarnOnceLocked(absl::StrCat("negative:", name),
+                       absl::StrCat("ignoring SetCounter of counter \"", name, "\" to ", v),
+                       &warning);
+      } else {
+        SeriesLocked(*f, label_values, &warning).value = v;
+      }
+    }
+  }
+  if (!warning.empty()) Logger("metrics")->warn("{}", warning);
+}
+
 void Registry::Observe(const std::string& name, const std::vector<std::string>& label_values,
                        double v) {
   std::string warning;
@@ -404,8 +427,10 @@ std::string Registry::Render(const RenderFilter& filter) {
       }
       return filter.namespaces.count(values[ns_index]) > 0;
     };
-    if (!filter.all && std::none_of(f.series.begin(), f.series.end(),
-                                    [&](const auto& kv) { return shown(kv.first); })) {
+    // A family with no series to show gets no HELP/TYPE lines: a declared
+    // family without samples is a lint error to promtool.
+    if (std::none_of(f.series.begin(), f.series.end(),
+                     [&](const auto& kv) { return shown(kv.first); })) {
       continue;
     }
     absl::StrAppend(&out, "# HELP ", f.name, " ");

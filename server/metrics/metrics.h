@@ -88,6 +88,12 @@ class Registry {
   void Inc(const std::string& name, const std::vector<std::string>& label_values, double v = 1);
   // Sets a gauge series to `v`.
   void Set(const std::string& name, const std::vector<std::string>& label_values, double v);
+  // Sets a counter series to `v`: for collectors that mirror a total kept
+  // elsewhere (a subsystem's own monotonic count), so the family is still
+  // typed counter. `v` must be >= 0 (NaN and negative values are ignored with
+  // a warning); the caller keeps it monotonic (a lower value reads as a
+  // counter reset to Prometheus).
+  void SetCounter(const std::string& name, const std::vector<std::string>& label_values, double v);
   // Records `v` in a histogram series: counts it in every bucket whose bound
   // is >= v (and +Inf), adds it to _sum and 1 to _count. NaN is ignored with
   // a warning.
@@ -121,8 +127,10 @@ class Registry {
     }
   };
 
-  // Runs the collectors, then returns every family in declaration order in
-  // the Prometheus text exposition format 0.0.4:
+  // Runs the collectors, then returns every family that has at least one
+  // series, in declaration order, in the Prometheus text exposition format
+  // 0.0.4 (a family with no series yet has no HELP/TYPE lines either, so
+  // every declared family has samples, as promtool wants):
   //   # HELP <name> <help, with \ and newline escaped>
   //   # TYPE <name> counter|gauge|histogram
   //   <name>{<label>="<value>",...} <value>
@@ -135,8 +143,7 @@ class Registry {
   // Holds the registry lock while formatting (time linear in the series).
   std::string Render() { return Render(RenderFilter::Everything()); }
   // As above, restricted to what `filter` shows (families that show nothing
-  // are omitted entirely, HELP and TYPE included; with RenderFilter::Everything
-  // empty families keep their HELP and TYPE lines).
+  // are omitted entirely, HELP and TYPE included).
   std::string Render(const RenderFilter& filter);
 
  private:

@@ -146,9 +146,37 @@ TEST(RegistryTest, FamiliesInDeclarationOrderSeriesSorted) {
             "zeta{k=\"c\"} 3\n"
             "# HELP alpha A.\n"
             "# TYPE alpha counter\n"
-            "alpha 1\n"
-            "# HELP empty No series yet.\n"
-            "# TYPE empty histogram\n");
+            "alpha 1\n");  // "empty" has no series: no HELP/TYPE either
+}
+
+TEST(RegistryTest, EmptyFamiliesAppearWithTheirFirstSeries) {
+  Registry r;
+  r.DeclareCounter("c_total", "C.", {"op"});
+  r.DeclareGauge("g", "G.", {"namespace"});
+  EXPECT_EQ(r.Render(), "");
+  r.Set("g", {"alice"}, 1);
+  EXPECT_EQ(r.Render(), "# HELP g G.\n# TYPE g gauge\ng{namespace=\"alice\"} 1\n");
+  r.ClearGauge("g");
+  EXPECT_EQ(r.Render(), "");
+}
+
+TEST(RegistryTest, SetCounterMirrorsATotalKeptElsewhere) {
+  LogCapture log;
+  Registry r;
+  r.DeclareCounter("compiles_total", "Compiles.", {"tier"});
+  r.DeclareGauge("g", "G.", {});
+  r.SetCounter("compiles_total", {"disk"}, 7);
+  r.SetCounter("compiles_total", {"disk"}, 9);
+  r.SetCounter("compiles_total", {"disk"}, -1);            // ignored
+  r.SetCounter("compiles_total", {"disk"}, std::nan(""));  // ignored
+  r.SetCounter("g", {}, 1);                                // not a counter
+  r.Inc("compiles_total", {"disk"});
+  EXPECT_EQ(r.Render(),
+            "# HELP compiles_total Compiles.\n"
+            "# TYPE compiles_total counter\n"
+            "compiles_total{tier=\"disk\"} 10\n");
+  EXPECT_EQ(log.Count("ignoring SetCounter of counter \"compiles_total\""), 1);
+  EXPECT_EQ(log.Count("ignoring SetCounter of gauge"), 1);
 }
 
 TEST(RegistryTest, FormatsValues) {
@@ -302,10 +330,7 @@ TEST(RegistryTest, MisuseIsIgnoredAndLoggedOnce) {
     r.Observe("h", {}, std::nan(""));
     r.ClearGauge("c");  // not a gauge
   }
-  EXPECT_EQ(r.Render(),
-            "# HELP c C.\n# TYPE c counter\n"
-            "# HELP g G.\n# TYPE g gauge\n"
-            "# HELP h H.\n# TYPE h histogram\n");
+  EXPECT_EQ(r.Render(), "");  // nothing was recorded
   EXPECT_EQ(log.Count("undeclared metric \"undeclared_total\""), 1);
   EXPECT_EQ(log.Count("label values"), 1);
   EXPECT_EQ(log.Count("ignoring Inc of counter \"c\""), 1);
@@ -343,9 +368,11 @@ TEST(RegistryTest, InvalidDeclarationsAreIgnored) {
   r.DeclareHistogram("h", "", {"le"}, {1});
   r.DeclareGauge("ns:ok_name", "Colons are allowed.", {"_x1"});
   r.Inc("c1", {"v"});
+  r.Set("ns:ok_name", {"y"}, 1);
   EXPECT_EQ(r.Render(),
             "# HELP ns:ok_name Colons are allowed.\n"
-            "# TYPE ns:ok_name gauge\n");
+            "# TYPE ns:ok_name gauge\n"
+            "ns:ok_name{_x1=\"y\"} 1\n");
   EXPECT_EQ(log.Count("ignoring declaration"), 6);
 }
 
@@ -419,7 +446,7 @@ std::string ExpositionProblem(const std::string& text) {
 void DeclareTenantMetrics(Registry& r) {
   r.DeclareCounter("calls_total", "Calls.", {"method", "namespace", "op"});
   r.DeclareGauge("shm_bytes", "Shared memory.", {"namespace"});
-  r.DeclareGauge("cache_hits_total", "Cache hits.", {"tier"});
+  r.DeclareCounter("cache_hits_total", "Cache hits.", {"tier"});
   r.DeclareGauge("namespaces", "Namespaces.", {});
   r.DeclareHistogram("kernel_seconds", "Kernel time.", {"namespace"}, {1});
   r.DeclareCounter("bob_only_total", "Only bob has these.", {"op", "namespace"});
@@ -430,7 +457,7 @@ void DeclareTenantMetrics(Registry& r) {
   r.Inc("calls_total", {"Forward", "carol", "carols"}, 2);
   r.Set("shm_bytes", {"alice"}, 4096);
   r.Set("shm_bytes", {"bob"}, 8192);
-  r.Set("cache_hits_total", {"memory"}, 11);
+  r.SetCounter("cache_hits_total", {"memory"}, 11);
   r.Set("namespaces", {}, 3);
   r.Observe("kernel_seconds", {"alice"}, 0.5);
   r.Observe("kernel_seconds", {"bob"}, 2);
@@ -490,10 +517,10 @@ TEST(RegistryTest, UnfilteredRenderStillShowsEverything) {
   for (const char* shown :
        {"namespace=\"alice\",op=\"scale\"} 3\n", "op=\"secret_bob_op\"} 7\n",
         "cache_hits_total{tier=\"memory\"} 11\n", "\nnamespaces 3\n",
-        "# TYPE nobody_total counter\n",  // empty families keep HELP/TYPE unfiltered
         "kernel_seconds_count{namespace=\"bob\"} 1\n"}) {
     EXPECT_NE(all.find(shown), std::string::npos) << shown;
   }
+  EXPECT_EQ(all.find("nobody_total"), std::string::npos) << all;  // no series, no HELP/TYPE
 }
 
 TEST(RegistryTest, FilteredRenderLeavesOutTheOverflowSeries) {
