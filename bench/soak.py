@@ -210,9 +210,19 @@ def fd_count(pid):
     return len(os.listdir("/proc/%d/fd" % pid)) - workers
 
 
-def shm_objects():
-    """The opjit objects in /dev/shm (the daemon's are opjit.<tag>.<hex>)."""
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("opjit"))
+def instance_prefix(state_dir):
+    """The /dev/shm name prefix of the daemon on `state_dir`: its objects are
+    opjit.<tag>.<hex>, where tag is the first 12 hex digits of the sha256 of
+    the absolute, normalised state directory (server/main.cc)."""
+    path = os.path.normpath(os.path.abspath(state_dir))
+    return "opjit.%s." % hashlib.sha256(path.encode()).hexdigest()[:12]
+
+
+def shm_objects(prefix):
+    """This soak's daemon's objects in /dev/shm, and no one else's: another
+    opjitd on the host, or another test of the same ctest run, has another
+    state directory and so another prefix."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 
 
 def register_base_ops(client):
@@ -362,8 +372,10 @@ def main():
 
     seconds = args.minutes * 60
     work = tempfile.mkdtemp(prefix="opjit-soak-")
-    shm_before = shm_objects()
-    daemon = Daemon(build, os.path.join(work, "state")).start()
+    state_dir = os.path.join(work, "state")
+    shm_prefix = instance_prefix(state_dir)
+    shm_before = shm_objects(shm_prefix)
+    daemon = Daemon(build, state_dir).start()
     failures = []
     try:
         with opjit.Client(daemon.address, timeout=60) as c:
@@ -387,11 +399,11 @@ def main():
         while fds_after > fds_before and time.monotonic() < settle:
             time.sleep(0.5)
             fds_after = fd_count(daemon.pid)
-        shm_running = shm_objects()
+        shm_running = shm_objects(shm_prefix)
         alive = daemon.proc.poll() is None
     finally:
         daemon.stop()
-    shm_after = shm_objects()
+    shm_after = shm_objects(shm_prefix)
 
     lat = collections.defaultdict(list)
     errors = collections.Counter()

@@ -229,6 +229,15 @@ absl::Status NvrtcError(const NvrtcCompiler::Api& api, nvrtcResult r, const char
   if (!log.empty()) absl::StrAppend(&what, "\n", log);
   switch (r) {
     case NVRTC_ERROR_COMPILATION:
+      // Under the sandbox's RLIMIT_AS, NVRTC may report running out of
+      // memory as a compile error of the source ("catastrophic error: out of
+      // memory"). That is the limit, not a bug in the kernel: say so.
+      if (log.find("catastrophic error: out of memory") != std::string::npos) {
+        return absl::ResourceExhaustedError(
+            "the GPU compile ran out of memory (the compile sandbox's memory limit); "
+            "simplify the source (its macro or template expansion) or ask the "
+            "operator to raise [compiler] memory_limit_mb");
+      }
       return WithReason(absl::InvalidArgumentError(absl::StrCat("compile failed:\n", log)),
                         reason::kCompileFailed);
     case NVRTC_ERROR_INVALID_OPTION:

@@ -82,7 +82,13 @@ def main():
         for line in log.splitlines():
             if "region manager for instance" in line:
                 tag = line.split("instance ")[1].split(":")[0]
-        live_shm = [n for n in soak.shm_objects() if tag and n.startswith("opjit.%s." % tag)]
+        # Only this daemon's objects count (another opjitd or test may run
+        # beside this one); its prefix follows from its state directory, and
+        # the daemon's own log must agree, or the check below proves nothing.
+        prefix = soak.instance_prefix(state)
+        check(tag is not None and prefix == "opjit.%s." % tag,
+              "round %d: the log names instance %r, the state dir gives %r" % (rnd, tag, prefix))
+        live_shm = soak.shm_objects(prefix)
         daemon.kill9()
         for p in procs:
             p.terminate()
@@ -98,7 +104,7 @@ def main():
               % (rnd, v.stdout.strip()[-500:]))
 
         daemon = soak.Daemon(build, state).start()
-        left = [n for n in soak.shm_objects() if tag and n.startswith("opjit.%s." % tag)]
+        left = soak.shm_objects(prefix)
         check(not left, "round %d: shm objects of the killed daemon left: %s" % (rnd, left[:5]))
 
         with opjit.Client(daemon.address, timeout=60) as c:

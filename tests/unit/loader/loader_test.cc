@@ -40,14 +40,21 @@ TEST(DetectHostTargetTest, DescribesTheHost) {
   EXPECT_THAT(t.triple, HasSubstr("x86_64"));
   EXPECT_THAT(t.features, HasSubstr("+sse2"));
 #endif
-  EXPECT_EQ(t.features.find("-"), std::string::npos) << "only enabled features";
+  // Only enabled features, sorted and unique. LLVM's own names may contain
+  // dashes ("+amx-bf16", "+avx512-vp2intersect"), so a feature is judged by
+  // its leading sign alone: "+" enabled, "-" disabled.
   std::vector<std::string> parts;
   for (size_t pos = 0; pos <= t.features.size();) {
     size_t comma = std::min(t.features.find(',', pos), t.features.size());
     parts.push_back(t.features.substr(pos, comma - pos));
     pos = comma + 1;
   }
+  for (const std::string& f : parts) {
+    ASSERT_GE(f.size(), 2u) << "empty feature in '" << t.features << "'";
+    EXPECT_EQ(f[0], '+') << "a disabled or unsigned feature: " << f;
+  }
   EXPECT_TRUE(std::is_sorted(parts.begin(), parts.end()));
+  EXPECT_EQ(std::adjacent_find(parts.begin(), parts.end()), parts.end()) << "duplicates";
   std::printf("host: %s %s (%zu features)\n", t.triple.c_str(), t.cpu.c_str(), parts.size());
 }
 
