@@ -6,7 +6,7 @@ BUILD ?= build
 JOBS ?= 2
 ARGS ?=
 
-.PHONY: all deps configure build run test test-quick test-unit test-integration test-sanitize bench soak format clean
+.PHONY: all deps configure build run test test-quick test-unit test-integration test-sanitize test-gpu bench soak format clean
 
 all: build
 
@@ -44,6 +44,11 @@ test-sanitize: deps
 	$(SANITIZER_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure --timeout 900 -j$(JOBS) \
 	  -L 'unit|integration' -LE variant
 	$(SANITIZER_ENV) ctest --test-dir $(ASAN_BUILD) --output-on-failure -j$(JOBS) -L fuzz
+
+# Every GPU test, on a machine with a GPU (see README "Tests"): fails at once
+# where there is none; there a skipped GPU test is a failure.
+test-gpu: build
+	bash tests/gpu/run.sh $(BUILD)
 
 test-unit: build
 	ctest --test-dir $(BUILD) --output-on-failure -L unit -j$(JOBS)

@@ -29,6 +29,14 @@ PKGS=(
   dpkg-dev python3-venv python3-pip python3-setuptools python3-grpc-tools
   mmdebstrap podman buildah runc uidmap slirp4netns fuse-overlayfs containernetworking-plugins
   kubernetes-client python3-yaml
+  # podman only *recommends* catatonit, its pause binary for `podman kube
+  # play`, and --no-install-recommends below leaves recommendations out: every
+  # package a test uses is named here, never left to a recommendation.
+  catatonit
+  # Issue 25: the CLI's parser (CLI11, header-only), the Node.js client and its
+  # test (node, npm for `npm ci`), the package check (lintian), the newcomer
+  # check in a fresh root (bubblewrap).
+  libcli11-dev nodejs npm lintian bubblewrap
 )
 if [ "${1:-}" = "--bench" ]; then
   # torch.utils.cpp_extension.load_inline needs libtorch's headers, pybind11
@@ -41,6 +49,10 @@ for p in "${PKGS[@]}"; do
   # Some images carry kubectl from another package (Google's "kubectl"), which
   # conflicts with Debian's kubernetes-client on /usr/bin/kubectl: either serves.
   if [ "$p" = kubernetes-client ] && command -v kubectl >/dev/null; then continue; fi
+  # Likewise a Node.js that came with its own npm (NodeSource's build, as on
+  # these machines) serves; Debian's npm would conflict with it.
+  if { [ "$p" = nodejs ] || [ "$p" = npm ]; } && command -v node >/dev/null \
+     && command -v npm >/dev/null; then continue; fi
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
     missing+=("$p")
   fi

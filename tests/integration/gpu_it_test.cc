@@ -105,11 +105,17 @@ TEST_F(GpuIT, RegisterCompilesGpuImplementationsAndValidatesLaunchSpecs) {
   float y;
   std::memcpy(&y, cpu->outputs(0).inline_data().data(), 4);
   EXPECT_FLOAT_EQ(y, 7.0f);
+  call.set_target("GPU");
+  auto gpu = c_->Forward(call);
   if (access("/dev/nvidia0", F_OK) != 0) {
-    call.set_target("GPU");
-    auto gpu = c_->Forward(call);
     EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnavailable) << gpu.status();
     EXPECT_NE(gpu.status().message().find("libcuda"), std::string::npos) << gpu.status();
+  } else {
+    // A GPU (make test-gpu): the same answer from the device.
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    float yg;
+    std::memcpy(&yg, gpu->outputs(0).inline_data().data(), 4);
+    EXPECT_FLOAT_EQ(yg, 7.0f);
   }
 
   // A misspelt launch expression is refused at registration, naming the field.
