@@ -8,6 +8,7 @@
 //
 //   const { Client } = require('./opjit_client');
 //   const c = new Client();                       // $OPJIT_SERVER or the default socket
+//   const c2 = new Client('gpu1.lab:7878,gpu2.lab:7878');  // several: failover
 //   await c.registerSpecFile('kernels/examples/leaky_relu.json');
 //   const [y] = await c.forward('leaky_relu', [Float32Array.of(-1, 2)], { alpha: 0.1 });
 
@@ -41,18 +42,94 @@ function loadPackage() {
   return cachedPackage;
 }
 
-// The daemon's address: $OPJIT_SERVER, else unix:$OPJIT_STATE_DIR/opjitd.sock,
-// else unix:~/.opjit/opjitd.sock. Bare paths get "unix:".
+// Where the packaged systemd unit's opjitd listens.
+const SYSTEM_SOCKET = '/run/opjit/opjitd.sock';
+
+// The daemon's address, as opjitd, the CLI and the other clients pick it:
+// $OPJIT_SERVER (which may name several servers, comma-separated; each is
+// normalized), else unix:$OPJIT_STATE_DIR/opjitd.sock, else
+// unix:~/.opjit/opjitd.sock, or the system daemon's socket when the user
+// runs none of their own.
 function defaultAddress() {
-  if (process.env.OPJIT_SERVER) return normalizeAddress(process.env.OPJIT_SERVER);
+  if (process.env.OPJIT_SERVER) {
+    return splitAddresses(process.env.OPJIT_SERVER).map(normalizeAddress).join(',');
+  }
   const state = process.env.OPJIT_STATE_DIR || path.join(os.homedir(), '.opjit');
-  return 'unix:' + path.join(state, 'opjitd.sock');
+  const own = path.join(state, 'opjitd.sock');
+  if (!fs.existsSync(own) && !process.env.OPJIT_STATE_DIR && fs.existsSync(SYSTEM_SOCKET)) {
+    return 'unix:' + SYSTEM_SOCKET;
+  }
+  return 'unix:' + own;
 }
 
+// Bare paths ("/x.sock", "./x", "../x", "~/x", anything ending in ".sock")
+// become unix: addresses; host:port and unix:/dns:/ipv4:/ipv6: stay as they are.
 function normalizeAddress(addr) {
+  addr = String(addr);
   if (/^(unix|unix-abstract|dns|ipv4|ipv6):/.test(addr)) return addr;
-  if (addr.startsWith('/') || addr.startsWith('.') || addr.endsWith('.sock')) return 'unix:' + addr;
+  if (/^(\/|\.\/|\.\.\/|~)/.test(addr) || addr.endsWith('.sock')) {
+    if (addr === '~' || addr.startsWith('~/')) addr = path.join(os.homedir(), addr.slice(1));
+    return 'unix:' + addr;
+  }
   return addr;
+}
+
+// A list of addresses from an array or a comma-separated string (items
+// trimmed, empty ones dropped), not yet normalized.
+function splitAddresses(addr) {
+  if (Array.isArray(addr)) return addr.flatMap(splitAddresses);
+  return String(addr).split(',').map((a) => a.trim()).filter(Boolean);
+}
+
+// ---- several addresses: failover and affinity ----------------------------------------------
+//
+// The rules of the Python (opjit/_routing.py) and C++ clients:
+//  - routing 'failover' (the default): calls go to the current endpoint, at
+//    first the first that answers a grpc.health.v1 check within
+//    healthTimeoutMs. An endpoint is used only once it has passed a health
+//    check (and until it fails one, or a call to it fails from the
+//    transport).
+//  - a call that fails with UNAVAILABLE from the transport (no daemon
+//    answered; a daemon's own UNAVAILABLE carries a reason and is returned
+//    as is) marks its endpoint down for DOWN_FOR_MS (it is tried last
+//    meanwhile) and moves on to the next endpoint when the call is safe to
+//    repeat: info, listOps, describe, compile, forward (a kernel's outputs
+//    are a function of its inputs). Calls that change server state
+//    (registerOp, deleteOp) are sent only to an endpoint that just passed a
+//    health check and are never repeated elsewhere once sent: their
+//    transport error is returned as it came.
+//  - the endpoint that answered becomes the current one (calls stick to it).
+//  - routing 'affinity': forward goes to the endpoint that ranks highest for
+//    its (namespace, op) by rendezvous hashing, falling through that
+//    ranking when it is down; other calls route as under failover.
+//  - every attempt gets its own deadline (timeoutMs); when no endpoint took
+//    the call it rejects with UNAVAILABLE naming every address.
+// With one address none of this applies: calls go straight to it.
+
+const ROUTING_MODES = ['failover', 'affinity'];
+const DOWN_FOR_MS = 2000; // an endpoint that failed is skipped this long (unless all are down)
+
+const U64 = (1n << 64n) - 1n;
+
+// The affinity score of `address` for (namespace, op), higher wins: FNV-1a 64
+// of "namespace\0op\0address" (namespace '' counts as "default") through
+// splitmix64's finalizer, as the Python and C++ clients compute it, so all
+// three route an op to the same daemon.
+function rendezvousScore(namespace, op, address) {
+  let h = 0xcbf29ce484222325n;
+  for (const b of Buffer.from(`${namespace || 'default'}\0${op}\0${address}`, 'utf8')) {
+    h = ((h ^ BigInt(b)) * 0x100000001b3n) & U64;
+  }
+  h = ((h ^ (h >> 30n)) * 0xbf58476d1ce4e5b9n) & U64;
+  h = ((h ^ (h >> 27n)) * 0x94d049bb133111ebn) & U64;
+  return h ^ (h >> 31n);
+}
+
+// `addresses` ranked for (namespace, op), best first.
+function rendezvousOrder(namespace, op, addresses) {
+  const scored = addresses.map((a, i) => ({ a, i, s: rendezvousScore(namespace, op, a) }));
+  scored.sort((x, y) => (x.s === y.s ? x.i - y.i : (x.s > y.s ? -1 : 1)));
+  return scored.map((x) => x.a);
 }
 
 // The rich status the daemon sends in the "grpc-status-details-bin" trailer
@@ -114,6 +191,8 @@ const CODE_NAMES = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) =
 //                 else the status code's name. Decide on this.
 //   .metadata     the reason's metadata, e.g. { quota, limit, namespace }
 //   .diagnostics  for COMPILE_FAILED: [{ file, line, column, severity, text }]
+const FROM_DAEMON = Symbol('fromDaemon');
+
 class OpjitError extends Error {
   constructor(grpcError) {
     const name = CODE_NAMES[grpcError.code] || 'UNKNOWN';
@@ -127,7 +206,22 @@ class OpjitError extends Error {
     this.reason = rich.reason || name;
     this.metadata = rich.metadata;
     this.diagnostics = rich.diagnostics;
+    // Every daemon error carries a reason; gRPC's own (no daemon answered) none.
+    Object.defineProperty(this, FROM_DAEMON, { value: Boolean(rich.reason) });
   }
+}
+
+
+// An error made here, not by the daemon: { code, details } as gRPC's.
+function clientError(code, details, cause) {
+  const e = new OpjitError({ code: grpc.status[code], details });
+  if (cause) e.cause = cause;
+  return e;
+}
+
+// UNAVAILABLE that no daemon sent (a daemon's own carries a reason).
+function isTransportUnavailable(e) {
+  return e instanceof OpjitError && e.code === 'UNAVAILABLE' && !e[FROM_DAEMON];
 }
 
 // opjit dtype name -> TypedArray constructor (float16 travels as raw Uint16 bits).
@@ -230,12 +324,64 @@ function channelCredentials(address, tls) {
   return { creds: grpc.credentials.createSsl(readPem(t.ca), readPem(t.key), readPem(t.cert)), opts };
 }
 
+// One address: its channel and stubs, and whether it answers.
+class Endpoint {
+  constructor(address, pkg, tls, metadata) {
+    this.address = address;
+    const { creds, opts: tlsOpts } = channelCredentials(address, tls);
+    const opts = { 'grpc.max_receive_message_length': 256 << 20,
+      'grpc.max_send_message_length': 256 << 20, ...tlsOpts };
+    // One channel per address, shared by the stubs.
+    this.base = new grpc.Client(address, creds, opts);
+    const shared = { channelOverride: this.base.getChannel() };
+    this.stubs = {
+      server: new pkg.Server(address, creds, shared),
+      registry: new pkg.Registry(address, creds, shared),
+      compiler: new pkg.Compiler(address, creds, shared),
+      executor: new pkg.Executor(address, creds, shared),
+    };
+    this.metadata = metadata;
+    this.healthy = false; // passed a health check since it last failed
+    this.downUntil = 0;   // Date.now() before which it is tried last
+  }
+
+  // grpc.health.v1.Health/Check (service ""): true when it answers SERVING
+  // within timeoutMs. Marks the endpoint up or down.
+  check(timeoutMs) {
+    return new Promise((resolve) => {
+      const raw = (b) => b;
+      // HealthCheckRequest{} is the empty message; SERVING is field 1 = 1.
+      this.base.makeUnaryRequest('/grpc.health.v1.Health/Check', raw, raw, Buffer.alloc(0),
+        this.metadata.clone(), { deadline: new Date(Date.now() + timeoutMs) }, (err, resp) => {
+          const ok = !err && Buffer.isBuffer(resp) && resp.equals(Buffer.from([0x08, 0x01]));
+          if (ok) this.markUp();
+          else this.markDown();
+          resolve(ok);
+        });
+    });
+  }
+
+  markDown() {
+    this.healthy = false;
+    this.downUntil = Date.now() + DOWN_FOR_MS;
+  }
+
+  markUp() {
+    this.healthy = true;
+    this.downUntil = 0;
+  }
+
+  close() { this.base.close(); }
+}
+
 class Client {
-  // address: "unix:/path.sock", a bare socket path, or "host:port". Default:
-  //   $OPJIT_SERVER, else unix:$OPJIT_STATE_DIR/opjitd.sock, else
-  //   unix:~/.opjit/opjitd.sock.
+  // address: "unix:/path.sock", a bare socket path, or "host:port"; or
+  //   several of them, as an array or a comma-separated string (see
+  //   `routing`). Default: $OPJIT_SERVER (which may be such a list), else
+  //   unix:$OPJIT_STATE_DIR/opjitd.sock, else unix:~/.opjit/opjitd.sock.
   // Options:
-  //   timeoutMs  deadline of each call. Default: 120000 (a cold compile can take seconds).
+  //   timeoutMs  deadline of each call (of each attempt, with several
+  //              addresses). Default: 120000 (a cold compile can take seconds).
   //   namespace  the namespace of ops and compiles when a call names none.
   //              Default: '' (the server's "default").
   //   token      bearer token sent as "authorization: Bearer <token>" on
@@ -250,11 +396,26 @@ class Client {
   //   onWarning  called with (text, response) for each warning a RegisterOp
   //              response carries. Default: process.emitWarning(text,
   //              'OpjitWarning'); null ignores them (they stay in the response).
+  //   routing    with several addresses: 'failover' (the default: calls go
+  //              to the first daemon that answers a health check and move on
+  //              to the next when it stops answering, for calls safe to
+  //              repeat) or 'affinity' (forward goes to the daemon that ranks
+  //              first for its namespace and op by rendezvous hashing, as in
+  //              the Python and C++ clients). See "several addresses" above.
+  //   healthTimeoutMs  how long a health check may take before its daemon
+  //              counts as down (several addresses only). Default: 1000.
   constructor(address, {
     timeoutMs = 120000, namespace = '', token, tls,
     onWarning = (text) => process.emitWarning(text, 'OpjitWarning'),
+    routing = 'failover', healthTimeoutMs = 1000,
   } = {}) {
-    this.address = address ? normalizeAddress(address) : defaultAddress();
+    if (!ROUTING_MODES.includes(routing)) {
+      throw clientError('INVALID_ARGUMENT', `routing must be "failover" or "affinity"; got ${JSON.stringify(routing)}`);
+    }
+    this.addresses = splitAddresses(address || defaultAddress()).map(normalizeAddress);
+    if (!this.addresses.length) throw clientError('INVALID_ARGUMENT', 'no server address given');
+    this.routing = routing;
+    this.healthTimeoutMs = healthTimeoutMs;
     this.timeoutMs = timeoutMs;
     this.namespace = namespace;
     this.onWarning = onWarning;
@@ -263,48 +424,123 @@ class Client {
     this.metadata = new grpc.Metadata();
     if (token) this.metadata.set('authorization', `Bearer ${token}`);
     const pkg = loadPackage();
-    const { creds, opts: tlsOpts } = channelCredentials(this.address, tls);
-    const opts = { 'grpc.max_receive_message_length': 256 << 20,
-      'grpc.max_send_message_length': 256 << 20, ...tlsOpts };
-    this.server = new pkg.Server(this.address, creds, opts);
-    this.registry = new pkg.Registry(this.address, creds, opts);
-    this.compiler = new pkg.Compiler(this.address, creds, opts);
-    this.executor = new pkg.Executor(this.address, creds, opts);
+    this.endpoints = this.addresses.map((a) => new Endpoint(a, pkg, tls, this.metadata));
+    this.current = 0; // index of the endpoint calls go to first
   }
 
-  call(stub, method, request) {
+  // The address calls go to now (the first, until another one answered instead).
+  get address() { return this.endpoints[this.current].address; }
+
+  // The addresses in the order a forward of `op` tries them under routing
+  // 'affinity' (its rendezvous ranking), best first.
+  preferredAddresses(op, namespace = this.namespace) {
+    return rendezvousOrder(namespace, op, this.addresses);
+  }
+
+  // The endpoints in the order a call tries them: the op's rendezvous ranking
+  // (affinity, with a key), else from the current one on; those marked down last.
+  order(key) {
+    let eps;
+    if (key && this.routing === 'affinity') {
+      eps = rendezvousOrder(key[0], key[1], this.addresses)
+        .map((a) => this.endpoints.find((e) => e.address === a));
+    } else {
+      eps = [...this.endpoints.slice(this.current), ...this.endpoints.slice(0, this.current)];
+    }
+    const now = Date.now();
+    return [...eps.filter((e) => e.downUntil <= now), ...eps.filter((e) => e.downUntil > now)];
+  }
+
+  // One attempt of stub.method(request) on endpoint `ep`.
+  attempt(ep, stub, method, request) {
     return new Promise((resolve, reject) => {
       const deadline = new Date(Date.now() + this.timeoutMs);
-      stub[method](request, this.metadata.clone(), { deadline },
+      ep.stubs[stub][method](request, this.metadata.clone(), { deadline },
         (err, resp) => (err ? reject(new OpjitError(err)) : resolve(resp)));
     });
   }
 
-  info() { return this.call(this.server, 'GetServerInfo', {}); }
+  // stub.method(request), routed as "several addresses" above says.
+  // idempotent: safe to repeat on another daemon. key: [namespace, op] of an
+  // op call (affinity routing).
+  async call(stub, method, request, { idempotent = true, key = null } = {}) {
+    if (this.endpoints.length === 1) return this.attempt(this.endpoints[0], stub, method, request);
+    let last = null;
+    for (const ep of this.order(key)) {
+      if (!ep.healthy && !(await ep.check(this.healthTimeoutMs))) {
+        last = clientError('UNAVAILABLE', `no opjitd answered a health check at ${ep.address}`);
+        continue;
+      }
+      let resp;
+      try {
+        resp = await this.attempt(ep, stub, method, request);
+      } catch (e) {
+        if (!isTransportUnavailable(e)) throw e;
+        ep.markDown();
+        if (!idempotent) throw e; // it may have reached the daemon: never sent twice
+        last = e;
+        continue;
+      }
+      if (!key || this.routing !== 'affinity') this.current = this.endpoints.indexOf(ep);
+      return resp;
+    }
+    throw clientError('UNAVAILABLE', `no opjitd answered at any of ${this.addresses.join(', ')}` +
+      ` (last: ${last ? last.details : 'no address'})`, last);
+  }
+
+  // Resolves once the server answers (rejects UNAVAILABLE after timeoutMs).
+  // With several addresses: once one of them answers a health check (it
+  // becomes the current one).
+  async waitReady(timeoutMs = 10000) {
+    const deadline = Date.now() + timeoutMs;
+    if (this.endpoints.length === 1) {
+      const ep = this.endpoints[0];
+      await new Promise((resolve, reject) => ep.base.waitForReady(new Date(deadline), (err) => (err
+        ? reject(clientError('UNAVAILABLE', `no opjitd answered on ${ep.address} within ${timeoutMs / 1000} s`))
+        : resolve())));
+      return this;
+    }
+    for (;;) {
+      for (const ep of this.order(null)) {
+        if (await ep.check(Math.min(this.healthTimeoutMs, Math.max(deadline - Date.now(), 50)))) {
+          this.current = this.endpoints.indexOf(ep);
+          return this;
+        }
+      }
+      if (Date.now() >= deadline) {
+        throw clientError('UNAVAILABLE', `no opjitd answered on any of ${this.addresses.join(', ')}` +
+          ` within ${timeoutMs / 1000} s`);
+      }
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  }
+
+  info() { return this.call('server', 'GetServerInfo', {}); }
 
   async listOps({ namespace = this.namespace, allVersions = false } = {}) {
-    const r = await this.call(this.registry, 'ListOps', { namespace, all_versions: allVersions });
+    const r = await this.call('registry', 'ListOps', { namespace, all_versions: allVersions });
     return r.ops;
   }
 
   // The OpRecord; its .warnings lists problems found when it is served
   // (e.g. a backward.op not registered yet).
   describe(name, version = 0, namespace = this.namespace) {
-    return this.call(this.registry, 'GetOp', { namespace, name, version });
+    return this.call('registry', 'GetOp', { namespace, name, version });
   }
 
+  // Changes server state: never repeated on another daemon once sent.
   deleteOp(name, version = 0, namespace = this.namespace) {
-    return this.call(this.registry, 'DeleteOp', { namespace, name, version });
+    return this.call('registry', 'DeleteOp', { namespace, name, version }, { idempotent: false });
   }
 
   // Registers an OpDef (the client's namespace when it names none). Resolves
   // to the RegisterOpResponse: { record, created, compiled, warnings };
   // each warning (a problem that did not stop the registration) also goes to
-  // onWarning.
+  // onWarning. Changes server state: never repeated on another daemon once sent.
   async registerOp(opDef) {
     const op = camelToSnake(opDef);
     if (this.namespace && !op.namespace) op.namespace = this.namespace;
-    const resp = await this.call(this.registry, 'RegisterOp', { op });
+    const resp = await this.call('registry', 'RegisterOp', { op }, { idempotent: false });
     if (this.onWarning) {
       for (const w of resp.warnings) this.onWarning(`register ${resp.record.op.namespace}/${resp.record.op.name}: ${w}`, resp);
     }
@@ -315,7 +551,7 @@ class Client {
 
   // A compile error rejects with reason COMPILE_FAILED and .diagnostics.
   compile(source, { entry = '', language = 'c++', options = [], fileName = '', namespace = this.namespace } = {}) {
-    return this.call(this.compiler, 'Compile',
+    return this.call('compiler', 'Compile',
       { source, entry, language, compile_options: options, file_name: fileName, namespace });
   }
 
@@ -332,13 +568,16 @@ class Client {
       })),
       attrs: Object.fromEntries(Object.entries(attrs).map(([k, v]) => [k, toAttr(v)])),
     };
-    const resp = await this.call(this.executor, 'Forward', req);
+    const resp = await this.call('executor', 'Forward', req, { key: [namespace, op] });
     return resp.outputs.map(fromTensor);
   }
 
   close() {
-    for (const s of [this.server, this.registry, this.compiler, this.executor]) s.close();
+    for (const ep of this.endpoints) ep.close();
   }
 }
 
-module.exports = { Client, OpjitError, defaultAddress, loadSpecFile, toTensor, fromTensor, PROTO_DIR };
+module.exports = {
+  Client, OpjitError, defaultAddress, normalizeAddress, splitAddresses, rendezvousScore,
+  rendezvousOrder, loadSpecFile, toTensor, fromTensor, PROTO_DIR, DOWN_FOR_MS,
+};
