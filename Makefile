@@ -6,7 +6,7 @@ BUILD ?= build
 JOBS ?= 2
 ARGS ?=
 
-.PHONY: all deps configure build run test test-quick test-unit test-integration test-sanitize test-gpu bench soak format clean
+.PHONY: all deps configure build run test test-quick test-unit test-integration test-sanitize test-gpu bench soak format clean fresh-check
 
 all: build
 
@@ -69,6 +69,14 @@ SOAK_MINUTES ?= 10
 soak: build
 	/usr/bin/python3 bench/soak.py --clients $(SOAK_CLIENTS) --minutes $(SOAK_MINUTES) \
 	  --build $(BUILD) --json bench/out/soak.json
+
+# The newcomer check (deploy/fresh-check.sh, needs root): a fresh Debian 12
+# root from mmdebstrap, a clean clone of HEAD (uncommitted changes are not in
+# it), then install-deps, configure, build and the unit and integration suites
+# inside it. FRESH_ARGS=--all runs make test there instead; see --help.
+FRESH_ARGS ?=
+fresh-check:
+	bash deploy/fresh-check.sh --jobs $(JOBS) $(FRESH_ARGS)
 
 format:
 	find server client tests kernels bench -name '*.cc' -o -name '*.h' | xargs clang-format -i
