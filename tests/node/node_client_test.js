@@ -6,10 +6,11 @@
 // client/node/node_modules is missing it runs `npm ci` there first; if npm
 // cannot fetch the packages, it prints why and exits 77 (ctest: skipped).
 //
-// Three daemons, each in its own temp dir: one without principals (unix
-// socket), one with principals on plaintext loopback TCP (bearer tokens,
-// namespaces, roles), one with principals and [tls] (a CA made here with
-// openssl; without openssl that suite is skipped and says why).
+// Daemons, each in its own temp dir: one without principals (unix socket),
+// one with principals on plaintext loopback TCP (bearer tokens, namespaces,
+// roles), one with principals and [tls] (a CA made here with openssl;
+// without openssl that suite is skipped and says why), and four more for
+// address lists (failover, affinity; two of them are killed on purpose).
 
 const { execFileSync, spawn } = require('node:child_process');
 const fs = require('node:fs');
@@ -48,7 +49,10 @@ delete process.env.OPJIT_TLS_CA;
 const crypto = require('node:crypto');
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { Client } = require(path.join(NODE_DIR, 'opjit_client.js'));
+const net = require('node:net');
+const {
+  Client, normalizeAddress, splitAddresses, rendezvousOrder,
+} = require(path.join(NODE_DIR, 'opjit_client.js'));
 
 const OPJITD = process.env.OPJITD || path.join(REPO, 'build', 'bin', 'opjitd');
 const EXAMPLES = path.join(REPO, 'kernels', 'examples');
@@ -454,5 +458,247 @@ test.describe('a daemon with principals and TLS', { skip: noTls }, () => {
       assert.equal(e.code, 'UNAUTHENTICATED');
       assert.equal(e.reason, 'UNAUTHENTICATED');
     });
+  });
+});
+
+// ---- several addresses: failover and affinity ------------------------------------------------
+
+// A loopback TCP port nothing listens on (bound, then closed), as host:port.
+async function closedPort() {
+  const srv = net.createServer();
+  await new Promise((r) => srv.listen(0, '127.0.0.1', r));
+  const { port } = srv.address();
+  await new Promise((r) => srv.close(r));
+  return `127.0.0.1:${port}`;
+}
+
+// Registers y = x * factor as `name` on a daemon (through its admin client),
+// so the answer of a forward tells which daemon ran it.
+async function registerScale(d, name, factor) {
+  await d.admin.registerOp(spec(name, `* ${factor.toFixed(1)}f`));
+}
+
+// y = x * FACTOR, after sleeping a second.
+const SLOW = `#include <cstdint>
+#include <unistd.h>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  usleep(1000000);
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  for (int64_t i = 0; i < k; ++i) y[i] = x[i] * FACTOR;
+  return 0;
+}
+`;
+
+const forwardOne = async (c, op, v) => (await c.forward(op, [Float32Array.of(v)]))[0].data[0];
+
+test('addresses: comma lists, bare socket paths and ~ are normalized as in Python', () => {
+  assert.deepEqual(splitAddresses(' a:1 , ,unix:/b.sock,'), ['a:1', 'unix:/b.sock']);
+  assert.deepEqual(splitAddresses(['a:1,b:2', 'c:3']), ['a:1', 'b:2', 'c:3']);
+  assert.equal(normalizeAddress('/run/x.sock'), 'unix:/run/x.sock');
+  assert.equal(normalizeAddress('./x'), 'unix:./x');
+  assert.equal(normalizeAddress('rel.sock'), 'unix:rel.sock');
+  assert.equal(normalizeAddress('~/s.sock'), `unix:${path.join(os.homedir(), 's.sock')}`);
+  assert.equal(normalizeAddress('unix:/a'), 'unix:/a');
+  assert.equal(normalizeAddress('gpu1.lab:7878'), 'gpu1.lab:7878');
+  const c = new Client('/tmp/none-a.sock, 127.0.0.1:9,unix:/tmp/none-b.sock');
+  assert.deepEqual(c.addresses, ['unix:/tmp/none-a.sock', '127.0.0.1:9', 'unix:/tmp/none-b.sock']);
+  assert.equal(c.address, 'unix:/tmp/none-a.sock');
+  c.close();
+  assert.throws(() => new Client(' , '), (e) => e.code === 'INVALID_ARGUMENT' && /no server address/.test(e.message));
+  assert.throws(() => new Client('a:1', { routing: 'random' }), (e) => e.code === 'INVALID_ARGUMENT');
+});
+
+test('rendezvous ranking is the Python and C++ clients\' (same daemon for the same op)', () => {
+  // Computed by client/python/opjit/_routing.py.rendezvous_order.
+  const addrs = ['unix:/x/a.sock', '127.0.0.1:7001', '127.0.0.1:7002', 'gpu1.lab:7878'];
+  assert.deepEqual(rendezvousOrder('', 'leaky_relu', addrs),
+    ['127.0.0.1:7001', 'unix:/x/a.sock', '127.0.0.1:7002', 'gpu1.lab:7878']);
+  assert.deepEqual(rendezvousOrder('alice', 'scale', addrs),
+    ['gpu1.lab:7878', '127.0.0.1:7002', 'unix:/x/a.sock', '127.0.0.1:7001']);
+  assert.deepEqual(rendezvousOrder('default', 'arith3', addrs),
+    ['unix:/x/a.sock', 'gpu1.lab:7878', '127.0.0.1:7002', '127.0.0.1:7001']);
+  assert.deepEqual(rendezvousOrder('', 'scale', ['a:1', 'b:2', 'c:3']), ['a:1', 'c:3', 'b:2']);
+});
+
+test.describe('several addresses (two live daemons, dead addresses)', () => {
+  let a;
+  let b;
+  let tmp;
+  let deadSock; // a socket path nothing listens on (bare, as a user writes it)
+  let deadTcp;
+  const clients = [];
+  const open = (addr, opts = {}) => {
+    const c = new Client(addr, { token: '', tls: false, timeoutMs: 120000, ...opts });
+    clients.push(c);
+    return c;
+  };
+  test.before(async () => {
+    [a, b] = await Promise.all([startDaemon({ tcp: true }), startDaemon({ tcp: true })]);
+    await registerScale(a, 'scale', 2);
+    await registerScale(b, 'scale', 3);
+    tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'opjit-node-dead-'));
+    deadSock = path.join(tmp, 'dead.sock');
+    deadTcp = await closedPort();
+  });
+  test.after(async () => {
+    for (const c of clients) c.close();
+    await Promise.all([a, b].filter(Boolean).map((d) => d.close()));
+    if (tmp) fs.rmSync(tmp, { recursive: true, force: true });
+  });
+
+  test('OPJIT_SERVER=dead,live: every call goes to the live daemon, and sticks to it', async () => {
+    const saved = process.env.OPJIT_SERVER;
+    process.env.OPJIT_SERVER = `${deadSock},${a.tcp}`;
+    let c;
+    try {
+      c = open(undefined);
+    } finally {
+      if (saved === undefined) delete process.env.OPJIT_SERVER;
+      else process.env.OPJIT_SERVER = saved;
+    }
+    assert.deepEqual(c.addresses, [`unix:${deadSock}`, a.tcp]);
+    assert.equal((await c.info()).state_dir, a.state);
+    assert.equal(c.address, a.tcp);
+    assert.equal(await forwardOne(c, 'scale', 5), 10);
+    // A registration (never repeated elsewhere) goes to the live one too.
+    const r = await c.registerOp(spec('via_list', '* 4.0f'));
+    assert.equal(r.created, true);
+    assert.equal((await a.admin.describe('via_list')).op.name, 'via_list');
+    await rejectsWith(b.admin.describe('via_list'), (e) => assert.equal(e.reason, 'OP_NOT_FOUND'));
+    assert.deepEqual((await c.listOps()).map((o) => o.op.name).sort(), ['scale', 'via_list']);
+    assert.equal((await c.deleteOp('via_list')).deleted, 1);
+    // The dead address is no longer tried first: calls stay on the live one.
+    for (let i = 0; i < 5; ++i) assert.equal(await forwardOne(c, 'scale', i), 2 * i);
+    assert.equal(c.address, a.tcp);
+  });
+
+  test('the constructor takes the same list as an array or a string, unix and TCP alike', async () => {
+    const arr = open([deadTcp, `unix:${deadSock}`, b.unix]);
+    assert.equal((await arr.info()).state_dir, b.state);
+    assert.equal(arr.address, b.unix);
+    const str = open(`${deadTcp}, ${b.tcp}, ${a.tcp}`);
+    assert.equal(await forwardOne(str, 'scale', 1), 3); // b answers first
+    assert.equal(str.address, b.tcp);
+    const both = open(`${a.unix},${b.unix}`);
+    await both.waitReady(10000);
+    assert.equal(both.address, a.unix);
+    assert.equal(await forwardOne(both, 'scale', 1), 2);
+  });
+
+  test('only dead addresses: UNAVAILABLE naming every address', async () => {
+    const c = open(`${deadSock},${deadTcp}`, { healthTimeoutMs: 2000 });
+    const named = (e) => {
+      assert.equal(e.code, 'UNAVAILABLE');
+      assert.equal(e.reason, 'UNAVAILABLE');
+      assert.match(e.message, /no opjitd answered at any of /);
+      assert.ok(e.message.includes(`unix:${deadSock}, ${deadTcp}`), e.message);
+    };
+    await rejectsWith(c.info(), named);
+    await rejectsWith(c.forward('scale', [Float32Array.of(1)]), named);
+    await rejectsWith(c.registerOp(spec('nowhere', '* 1.0f')), named);
+    await rejectsWith(c.waitReady(300), (e) => {
+      assert.equal(e.code, 'UNAVAILABLE');
+      assert.ok(e.message.includes(`unix:${deadSock}, ${deadTcp}`), e.message);
+    });
+  });
+
+  test('a daemon\'s own error is returned as is, never retried elsewhere', async () => {
+    const c = open([a.unix, b.unix]);
+    await rejectsWith(c.forward('no_such_op', [Float32Array.of(1)]), (e) => assert.equal(e.reason, 'OP_NOT_FOUND'));
+    assert.equal(c.address, a.unix);
+  });
+
+  test('routing affinity: a forward goes to the daemon that ranks first for its op', async () => {
+    const c = open([a.unix, b.unix], { routing: 'affinity' });
+    const ranked = c.preferredAddresses('scale');
+    assert.deepEqual(ranked, rendezvousOrder('', 'scale', [a.unix, b.unix]));
+    const want = ranked[0] === a.unix ? 2 : 3;
+    for (let i = 1; i <= 3; ++i) assert.equal(await forwardOne(c, 'scale', i), want * i);
+    // Other calls route as under failover (the first that answers).
+    assert.equal((await c.info()).state_dir, a.state);
+  });
+
+  test('registration warnings come back through an address list and are emitted as OpjitWarning', async () => {
+    const c = open(`${deadSock},${a.unix}`, { onWarning: undefined });
+    const emitted = new Promise((resolve) => {
+      const on = (w) => {
+        if (w.name !== 'OpjitWarning') return;
+        process.off('warning', on);
+        resolve(w);
+      };
+      process.on('warning', on);
+    });
+    const r = await c.registerOp(spec('dangling_list', '* 2.0f', '', { backward: { op: 'no_such_grad_op' } }));
+    assert.equal(r.warnings.length, 1, JSON.stringify(r.warnings));
+    assert.match(r.warnings[0], /backward\.op/);
+    const w = await emitted;
+    assert.equal(w.message, `register default/dangling_list: ${r.warnings[0]}`);
+    assert.deepEqual((await a.admin.describe('dangling_list')).warnings, r.warnings);
+  });
+});
+
+test.describe('several addresses: a daemon killed mid-run', () => {
+  let c1;
+  let c2;
+  const clients = [];
+  const open = (addr, opts = {}) => {
+    const c = new Client(addr, { token: '', tls: false, timeoutMs: 120000, ...opts });
+    clients.push(c);
+    return c;
+  };
+  test.before(async () => {
+    [c1, c2] = await Promise.all([startDaemon(), startDaemon({ tcp: true })]);
+    await registerScale(c1, 'scale', 2);
+    await registerScale(c2, 'scale', 3);
+    for (const [d, f] of [[c1, 2], [c2, 3]]) {
+      await d.admin.registerOp({ ...spec('slow', ''), implementations: [{ target: 'CPU', source: SLOW.replace('FACTOR', `${f}.0f`), entry: 'K' }] });
+    }
+  });
+  test.after(async () => {
+    for (const c of clients) c.close();
+    await Promise.all([c1, c2].filter(Boolean).map((d) => d.close()));
+  });
+
+  test('safe calls move on to the next daemon; a state-changing call already sent is not repeated', async () => {
+    const c = open([c1.unix, c2.tcp]);
+    // A second client that was talking to the first daemon before it died.
+    const writer = open(`${c1.unix},${c2.tcp}`);
+    assert.equal((await writer.info()).state_dir, c1.state);
+    for (let i = 1; i <= 5; ++i) assert.equal(await forwardOne(c, 'scale', i), 2 * i);
+    assert.equal(c.address, c1.unix);
+
+    // A forward in flight (its kernel sleeps 1 s) when the first daemon is
+    // killed: the connection drops (UNAVAILABLE from the transport) and the
+    // forward, safe to repeat, runs again on the second daemon.
+    const exited = new Promise((r) => c1.proc.once('exit', r));
+    const slow = forwardOne(c, 'slow', 7);
+    setTimeout(() => c1.proc.kill('SIGKILL'), 100);
+    assert.equal(await slow, 21);
+    await exited;
+    // The client stays on the daemon that answered.
+    assert.equal(c.address, c2.tcp);
+    for (let i = 1; i <= 10; ++i) assert.equal(await forwardOne(c, 'scale', i), 3 * i);
+    assert.equal((await c.info()).state_dir, c2.state);
+
+    // The writer's daemon is gone: its registration fails (UNAVAILABLE from
+    // the transport, no daemon reason) and is not sent to the second daemon.
+    await rejectsWith(writer.registerOp(spec('once', '* 5.0f')), (e) => {
+      assert.equal(e.code, 'UNAVAILABLE');
+      assert.equal(e.reason, 'UNAVAILABLE');
+    });
+    await rejectsWith(c2.admin.describe('once'), (e) => assert.equal(e.reason, 'OP_NOT_FOUND'));
+    // The dead daemon is now marked down: the next registration goes to the
+    // one that answers a health check.
+    const r = await writer.registerOp(spec('once', '* 5.0f'));
+    assert.equal(r.created, true);
+    assert.equal(writer.address, c2.tcp);
+    assert.equal((await c2.admin.describe('once')).op.name, 'once');
+    // A new client given the dead address first never sends anything there.
+    const fresh = open([c1.unix, c2.tcp]);
+    assert.equal((await fresh.deleteOp('once')).deleted, 1);
+    assert.equal(fresh.address, c2.tcp);
   });
 });
