@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -103,6 +104,25 @@ absl::Status WithNvccHint(const absl::Status& status, const CompileJob& job) {
   return out;
 }
 
+// NVRTC's toolchain id without host paths, for keys (cache_key.h): the
+// library by its real file name (libnvrtc.so.12.4.127: the exact release),
+// neither the CUDA root nor the include dirs (which enter keys by content).
+std::string PortableNvrtcId(const std::string& id) {
+  std::vector<std::string> kept;
+  for (absl::string_view field : absl::StrSplit(id, ';')) {
+    if (absl::StartsWith(field, "cuda_root=") || absl::StartsWith(field, "include=")) continue;
+    if (absl::StartsWith(field, "lib=")) {
+      std::error_code ec;
+      std::filesystem::path lib(std::string(field.substr(4)));
+      std::filesystem::path real = std::filesystem::canonical(lib, ec);
+      kept.push_back(absl::StrCat("lib=", (ec ? lib : real).filename().string()));
+      continue;
+    }
+    kept.emplace_back(field);
+  }
+  return absl::StrJoin(kept, ";");
+}
+
 class GpuBackend : public CompileBackend {
  public:
   explicit GpuBackend(KernelCompilerOptions options) : options_(std::move(options)) {}
@@ -123,7 +143,7 @@ class GpuBackend : public CompileBackend {
       id = absl::StrCat(nvcc_id_, ";nvcc-aot");
     } else {
       OPJIT_ASSIGN_OR_RETURN(gpu::NvrtcCompiler * c, Nvrtc());
-      id = absl::StrCat(c->ToolchainId(), ";nvrtc");
+      id = absl::StrCat(PortableNvrtcId(c->ToolchainId()), ";nvrtc");
     }
     return absl::StrCat(id, ";archs=", absl::StrJoin(Archs(job), ","),
                         ";names=", absl::StrJoin(job.name_expressions, "\x1f"));

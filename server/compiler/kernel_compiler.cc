@@ -26,6 +26,8 @@
 #include "server/common/status_macros.h"
 #include "server/common/thread_pool.h"
 #include "server/compiler/backend.h"
+#include "server/compiler/cache_key.h"
+#include "server/compiler/compile_watch.h"
 
 namespace opjit::compiler {
 namespace {
@@ -36,8 +38,8 @@ double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-// A file the compile depends on, the digest of its content then, and its
-// stat stamp (size, mtime in ns) when it was hashed.
+// A file the compile depends on (its path on this host), the digest of its
+// content then, and its stat stamp (size, mtime in ns) when it was hashed.
 struct Dependency {
   std::string path;
   std::string digest;
@@ -84,19 +86,23 @@ struct Found {
   std::string blob;
 };
 
-constexpr char kManifestMagic[] = "opjit-manifest 2";
+constexpr char kManifestMagic[] = "opjit-manifest 3";
 
 // Manifest: the final key and each dependency, one per line:
-// "<digest> <size> <mtime_ns> <path>".
-std::string EncodeManifest(const std::string& final_key, const std::vector<Dependency>& deps) {
+// "<digest> <size> <mtime_ns> <portable name>" (cache_key.h: no host path
+// under an include root, so another daemon maps it onto its own roots).
+std::string EncodeManifest(const IncludeRoots& roots, const std::string& final_key,
+                           const std::vector<Dependency>& deps) {
   std::string out = absl::StrCat(kManifestMagic, "\n", final_key, "\n");
   for (const auto& d : deps) {
-    absl::StrAppend(&out, d.digest, " ", d.size, " ", d.mtime_ns, " ", d.path, "\n");
+    absl::StrAppend(&out, d.digest, " ", d.size, " ", d.mtime_ns, " ", roots.Portable(d.path),
+                    "\n");
   }
   return out;
 }
 
-bool DecodeManifest(const std::string& text, std::string* final_key,
+// False when it does not decode or names an include root this daemon lacks.
+bool DecodeManifest(const IncludeRoots& roots, const std::string& text, std::string* final_key,
                     std::vector<Dependency>* deps) {
   std::istringstream in(text);
   std::string line;
@@ -107,21 +113,21 @@ bool DecodeManifest(const std::string& text, std::string* final_key,
     Dependency d;
     if (!(fields >> d.digest >> d.size >> d.mtime_ns) || d.digest.size() != 64) return false;
     fields.get();  // the space before the path, which may itself hold spaces
-    std::getline(fields, d.path);
+    std::string name;
+    std::getline(fields, name);
+    d.path = roots.Local(name);
     if (d.path.empty()) return false;
     deps->push_back(std::move(d));
   }
   return true;
 }
 
-std::string FinalKey(const std::string& request_key, const std::vector<Dependency>& deps) {
-  Sha256 h;
-  h.UpdateField(request_key);
-  for (const auto& d : deps) {
-    h.UpdateField(d.path);
-    h.UpdateField(d.digest);
-  }
-  return h.HexDigest();
+std::string FinalKeyOf(const IncludeRoots& roots, const std::string& request_key,
+                       const std::vector<Dependency>& deps) {
+  std::vector<std::pair<std::string, std::string>> named;
+  named.reserve(deps.size());
+  for (const auto& d : deps) named.emplace_back(roots.Portable(d.path), d.digest);
+  return FinalKey(request_key, named);
 }
 
 bool IsNameBoundary(char c) {
@@ -168,14 +174,14 @@ struct KernelCompiler::Impl {
   std::unique_ptr<cache::FileDigestCache> digests;
   std::unique_ptr<ThreadPool> pool;
   std::string toolchain_id;  // the CPU backend's, for ServerInfo
+  IncludeRoots roots;        // include dirs by label, their tree digest
+  std::unique_ptr<CompileWatch> watch;  // logs slow compiles
 
   std::atomic<uint64_t> compiles{0}, compile_failures{0}, joins{0};
   std::atomic<uint64_t> compile_us_total{0};
 
   CompileBackend* For(registry::Target t) { return t == registry::Target::kGpu ? gpu.get() : cpu.get(); }
 
-  // SHA-256 of what the source and the backend's identity make of a job.
-  static std::string RequestKey(const CompileJob& job, const std::string& identity);
   absl::StatusOr<std::vector<Dependency>> DigestDependencies(
       const std::vector<std::string>& paths);
   // `stamps`: trust a file whose size and mtime match the recorded stamp
@@ -193,20 +199,6 @@ struct KernelCompiler::Impl {
   // Disk, else the remote tier, else a compile; the same for every backend.
   absl::StatusOr<FlightResult> Produce(const CompileJob& job, const std::string& request_key);
 };
-
-std::string KernelCompiler::Impl::RequestKey(const CompileJob& job, const std::string& identity) {
-  Sha256 h;
-  h.UpdateField(absl::StrCat("opjit-kernel-abi-", kKernelAbiVersion));
-  h.UpdateField(identity);
-  h.UpdateField(registry::TargetName(job.target));
-  h.UpdateField(job.language);
-  h.UpdateField(absl::StrJoin(job.options, "\x1f"));
-  h.UpdateField(absl::StrJoin(job.libraries, "\x1f"));
-  h.UpdateField(job.source);
-  // Always kernel.<ext> (see CompileJob::file_name), which __FILE__ sees.
-  h.UpdateField(job.file_name);
-  return h.HexDigest();
-}
 
 absl::StatusOr<std::vector<Dependency>> KernelCompiler::Impl::DigestDependencies(
     const std::vector<std::string>& paths) {
@@ -266,7 +258,7 @@ std::optional<Found> KernelCompiler::Impl::Lookup(Tier tier, const CompileJob& j
   if (!manifest.ok()) return std::nullopt;
   Found found;
   std::vector<Dependency> deps;
-  if (!DecodeManifest(*manifest, &found.final_key, &deps)) {
+  if (!DecodeManifest(roots, *manifest, &found.final_key, &deps)) {
     Logger("compiler")->warn("key={} {} manifest does not decode; recompiling",
                              request_key.substr(0, 12), where);
     return std::nullopt;
@@ -275,7 +267,7 @@ std::optional<Found> KernelCompiler::Impl::Lookup(Tier tier, const CompileJob& j
   // digests count, and the stamps kept are this host's.
   const bool unchanged =
       tier == Tier::kDisk ? DependenciesUnchanged(deps, true) : RestampDependencies(&deps);
-  if (!unchanged || FinalKey(request_key, deps) != found.final_key) return std::nullopt;
+  if (!unchanged || FinalKeyOf(roots, request_key, deps) != found.final_key) return std::nullopt;
   auto blob = get(kind, found.final_key);
   if (!blob.ok()) return std::nullopt;
   auto kernel = backend->Decode(*blob);
@@ -308,13 +300,16 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
       // To disk as a compile would write it, so a restart hits disk.
       result.persist.emplace_back(kind, found->final_key, std::move(found->blob));
       result.persist.emplace_back("manifest", request_key,
-                                  EncodeManifest(found->final_key, found->entry->deps));
+                                  EncodeManifest(roots, found->final_key, found->entry->deps));
       return result;
     }
   }
 
   compiles.fetch_add(1);
+  const uint64_t ticket = watch->Begin(absl::StrCat(job.label, " (", registry::TargetName(job.target),
+                                                    ", key ", request_key.substr(0, 12), ")"));
   auto out = backend->Compile(job);
+  watch->End(ticket, out.ok());
   if (!out.ok()) {
     compile_failures.fetch_add(1);
     return out.status();
@@ -322,7 +317,7 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   CompiledKernel& k = *out->kernel;
   compile_us_total.fetch_add(static_cast<uint64_t>(k.compile_ms * 1000));
   OPJIT_ASSIGN_OR_RETURN(auto deps, DigestDependencies(out->dependencies));
-  const std::string final_key = FinalKey(request_key, deps);
+  const std::string final_key = FinalKeyOf(roots, request_key, deps);
   log->debug("key={} compiled {} ({}) in {:.1f} ms ({} dependencies)", final_key.substr(0, 12),
              job.file_name, registry::TargetName(job.target), k.compile_ms, deps.size());
   OPJIT_RETURN_IF_ERROR(backend->Check(job, &k));
@@ -332,7 +327,7 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   // The artifact before the manifest: a manifest never names one that was
   // not written.
   result.persist.emplace_back(kind, final_key, backend->Encode(k));
-  result.persist.emplace_back("manifest", request_key, EncodeManifest(final_key, deps));
+  result.persist.emplace_back("manifest", request_key, EncodeManifest(roots, final_key, deps));
   auto entry = std::make_shared<MemoryEntry>();
   entry->kernel = std::move(out->kernel);
   entry->deps = std::move(deps);
@@ -350,6 +345,7 @@ CompileJob JobForImplementation(const registry::OpDef& def, const registry::Impl
   job.entry = impl.entry;
   job.options = impl.compile_options;
   job.libraries = impl.libraries;
+  job.label = absl::StrCat(def.ns, "/", def.name);
   if (impl.target == registry::Target::kGpu) {
     if (impl.launch.grid.empty()) {
       job.aot_shared_object = true;
@@ -389,6 +385,13 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
                                                                 options.memory_bytes);
   impl->digests = std::make_unique<cache::FileDigestCache>(options.header_recheck_ms);
   impl->toolchain_id = impl->cpu->ToolchainId();
+  const auto t_roots = Clock::now();
+  impl->roots = IncludeRoots::Create(options.kernel_include_dir, options.extra_include_dirs);
+  Logger("compiler")->debug("include roots digested in {:.1f} ms: {} files by content, {} by name",
+                            MsSince(t_roots), impl->roots.files_hashed(),
+                            impl->roots.files_listed_only());
+  impl->watch = std::make_unique<CompileWatch>(std::chrono::milliseconds(options.slow_compile_log_ms),
+                                               std::chrono::seconds(30));
   const int threads = options.pool_threads > 0
                           ? options.pool_threads
                           : options.workers + std::max(0, options.long_workers);
@@ -417,6 +420,7 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
   std::string display = std::filesystem::path(job.file_name).filename().string();
   if (display.empty() || display == "." || display == "..") display = canonical;
   job.file_name = canonical;
+  if (job.label.empty()) job.label = display;
   done = [done = std::move(done), canonical, display](absl::StatusOr<CompileOutcome> r) {
     if (!r.ok()) {
       done(display == canonical ? r.status() : RenameFile(r.status(), canonical, display));
@@ -431,7 +435,7 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
     done(identity.status());
     return;
   }
-  const std::string request_key = Impl::RequestKey(job, *identity);
+  const std::string request_key = RequestKey(job, *identity, impl->roots.Identity());
 
   // Checks the entry symbol of a kernel against this job and answers.
   auto finish = [t0, entry = job.entry, done](std::shared_ptr<const MemoryEntry> e,
@@ -560,5 +564,7 @@ uint64_t KernelCompiler::Clear(bool memory_only) {
 }
 
 const std::string& KernelCompiler::ToolchainId() const { return impl_->toolchain_id; }
+
+const std::string& KernelCompiler::IncludeIdentity() const { return impl_->roots.Identity(); }
 
 }  // namespace opjit::compiler

@@ -21,8 +21,13 @@
 // for the CPU, CUBIN/PTX or a shared object for the GPU). Kernel runners
 // (server/runner) load them, in sandboxed executor processes by default.
 //
-// The final key hashes key1 with the path and SHA-256 of every header the
-// compile read, so editing a header invalidates what included it.
+// The final key hashes key1 with the name and SHA-256 of every header the
+// compile read, so editing a header invalidates what included it. No key
+// holds a host path (cache_key.h): daemons installed under different prefixes
+// share the remote tier.
+//
+// A compile still running after slow_compile_log_ms is logged ("compiler"
+// logger, naming the op or the user's file name), and so is its end.
 //
 // Thread-safety: all methods are thread-safe. CompileAsync never blocks its
 // caller: work runs on an owned pool, and concurrent requests for one key share
@@ -64,6 +69,9 @@ struct CompileJob {
   std::vector<std::string> name_expressions;
   std::vector<std::string> archs;
   bool aot_shared_object = false;
+  // What logs call this compile: "namespace/op" for an op's implementation,
+  // else the user's file name (default: file_name). Never part of the key.
+  std::string label;
 };
 
 // What a GPU compile produced (nothing is loaded: that needs a device).
@@ -155,6 +163,9 @@ struct KernelCompilerOptions {
   // The Redis tier shared with other daemons, behind memory and disk. Off
   // while remote.url is empty. Default: off.
   cache::RemoteTierOptions remote;
+  // A compile still running after this long is logged (warn), again every
+  // 30 s, and its total time when it ends. 0: never. Default: 5000.
+  int slow_compile_log_ms = 5000;
 };
 
 struct KernelCacheStats {
@@ -207,6 +218,9 @@ class KernelCompiler {
 
   // Toolchain identity (compiler version, triple, CPU, features).
   const std::string& ToolchainId() const;
+  // The include roots' labels and tree digest (cache_key.h): part of every
+  // request key.
+  const std::string& IncludeIdentity() const;
 
  private:
   struct Impl;

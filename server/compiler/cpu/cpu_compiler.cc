@@ -238,8 +238,7 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
   c->toolchain_id_ = absl::StrCat(
       "clang=", h.clang_version, "; triple=", h.triple, "; cpu=", h.cpu,
       "; features=", absl::StrJoin(h.features, ","), "; flags=", h.fixed_flags,
-      "; abi=", kObjectAbi, "; include=", c->kernel_include_dir_, ",",
-      absl::StrJoin(c->allowed_extra_dirs_, ","));
+      "; abi=", kObjectAbi);
   if (!options.pch_dir.empty()) {
     std::error_code ec;
     fs::create_directories(options.pch_dir, ec);

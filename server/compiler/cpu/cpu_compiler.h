@@ -107,8 +107,9 @@ class CpuCompiler {
 
   // Everything about the toolchain that changes output bytes, for cache keys:
   // clang version, target triple, host CPU name, sorted target features,
-  // fixed flags, the object ABI version and the extra include dirs. Stable
-  // across runs on one machine. (PCHs never change output: not part of it.)
+  // fixed flags and the object ABI version. No path: the include dirs enter
+  // keys by content (server/compiler/cache_key.h). Stable across runs and
+  // install prefixes. (PCHs never change output: not part of it.)
   const std::string& ToolchainId() const { return toolchain_id_; }
 
   struct Stats {

@@ -63,13 +63,16 @@ class RemoteCacheTest : public ::testing::Test {
   }
 
   // A compiler ("daemon") with its own disk cache <dir>/<name>.
+  // `kernel_dir` and `extra_dir` default to the source tree's kernels/include
+  // and <dir>/inc.
   std::unique_ptr<KernelCompiler> Make(const std::string& name, std::string key = kClusterKey,
-                                       std::string url = "") {
+                                       std::string url = "", std::string kernel_dir = "",
+                                       std::string extra_dir = "") {
     KernelCompilerOptions o;
     o.cache_dir = dir_.Sub(name);
     o.worker_path = OPJIT_BINARY_DIR "/bin/opjit-compile-worker";
-    o.kernel_include_dir = OPJIT_SOURCE_DIR "/kernels/include";
-    o.extra_include_dirs = {dir_.Sub("inc")};
+    o.kernel_include_dir = kernel_dir.empty() ? OPJIT_SOURCE_DIR "/kernels/include" : kernel_dir;
+    o.extra_include_dirs = {extra_dir.empty() ? dir_.Sub("inc") : extra_dir};
     o.workers = 1;
     o.header_recheck_ms = 0;  // see header edits at once
     o.remote.url = url.empty() ? redis_->url() : url;
@@ -151,6 +154,67 @@ TEST_F(RemoteCacheTest, SecondDaemonGetsARemoteHitAndKeepsItOnDisk) {
   EXPECT_EQ(s3.compiles, 0u);
   EXPECT_EQ(s3.disk_hits, 2u);
   EXPECT_EQ(s3.remote_hits + s3.remote_misses, 0u);  // disk answered first
+}
+
+// Two daemons installed under different prefixes (opjit's kernel headers and
+// the extra include dir at other paths, with the same contents) share keys
+// and the tier; a third whose kernel header differs does not.
+TEST_F(RemoteCacheTest, InstallPrefixesShareKeysHeaderContentSplitsThem) {
+  namespace fs = std::filesystem;
+  const auto copy_tree = [&](const std::string& from, const std::string& to) {
+    fs::create_directories(to);
+    fs::copy(from, to, fs::copy_options::recursive);
+  };
+  copy_tree(OPJIT_SOURCE_DIR "/kernels/include", dir_.Sub("build/kernels/include"));
+  copy_tree(OPJIT_SOURCE_DIR "/kernels/include", dir_.Sub("usr/share/opjit/include"));
+  copy_tree(dir_.Sub("inc"), dir_.Sub("usr/include/extra"));
+  copy_tree(OPJIT_SOURCE_DIR "/kernels/include", dir_.Sub("edited/include"));
+  {
+    std::ofstream out(dir_.Sub("edited/include/opjit/kernel.h"), std::ios::app);
+    out << "// a local edit\n";
+  }
+  CompileJob job = Job();
+  job.source = "#include <opjit/kernel.h>\n" + job.source;
+
+  auto a = Make("a", kClusterKey, "", dir_.Sub("build/kernels/include"), dir_.Sub("inc"));
+  auto b = Make("b", kClusterKey, "", dir_.Sub("usr/share/opjit/include"),
+                dir_.Sub("usr/include/extra"));
+  auto c = Make("c", kClusterKey, "", dir_.Sub("edited/include"), dir_.Sub("inc"));
+  ASSERT_TRUE(a && b && c);
+  EXPECT_EQ(a->IncludeIdentity(), b->IncludeIdentity());
+  EXPECT_NE(a->IncludeIdentity(), c->IncludeIdentity());
+  EXPECT_EQ(a->ToolchainId().find(dir_.path()), std::string::npos);
+  auto compiled = a->Compile(job);
+  ASSERT_TRUE(compiled.ok()) << compiled.status();
+  AwaitRemotePuts(a.get(), 2);
+  EXPECT_EQ(redis_->Keys("opjit:v1:manifest:*").size(), 1u);
+
+  auto fetched = b->Compile(job);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_EQ(fetched->cache_hit, "remote");
+  EXPECT_EQ(fetched->kernel->cache_key, compiled->kernel->cache_key);
+  EXPECT_EQ(fetched->kernel->object, compiled->kernel->object);
+  EXPECT_EQ(b->Stats().compiles, 0u);
+  EXPECT_EQ(redis_->Keys("opjit:v1:manifest:*").size(), 1u);  // one request key
+
+  auto other = c->Compile(job);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(other->cache_hit, "");
+  EXPECT_EQ(c->Stats().compiles, 1u);
+  EXPECT_NE(other->kernel->cache_key, compiled->kernel->cache_key);
+  std::cout << "[ measure  ] key at prefix a " << compiled->kernel->cache_key.substr(0, 16)
+            << ", at prefix b " << fetched->kernel->cache_key.substr(0, 16) << " ("
+            << fetched->cache_hit << " hit), edited header "
+            << other->kernel->cache_key.substr(0, 16) << "\n";
+
+  // A header edited while a daemon runs: the final key follows it.
+  cache::testing::WriteFile(dir_.Sub("usr/include/extra/shared.h"),
+                            "constexpr float kScale = 5.0f;\n");
+  auto edited = b->Compile(job);
+  ASSERT_TRUE(edited.ok()) << edited.status();
+  EXPECT_EQ(edited->cache_hit, "");
+  EXPECT_NE(edited->kernel->cache_key, compiled->kernel->cache_key);
+  EXPECT_EQ(b->Stats().compiles, 1u);
 }
 
 TEST_F(RemoteCacheTest, AnotherClusterKeyRecompiles) {
