@@ -168,24 +168,28 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
                         autograd::Autograd* autograd, access::AccessControl* access,
                         HealthMonitor** health) {
   m.DeclareGauge("opjit_shm_bytes", "Shared memory held by a namespace's regions.", {"namespace"});
-  m.DeclareGauge("opjit_context_bytes", "Bytes of saved tensors in a namespace's backward contexts.",
-                 {"namespace"});
+  m.DeclareGauge("opjit_context_bytes",
+                 "Bytes of saved tensors in a namespace's backward contexts.", {"namespace"});
   m.DeclareGauge("opjit_namespaces", "Namespaces that exist.", {});
-  m.DeclareGauge("opjit_cache_hits_total", "Compile cache hits (memory and disk).", {"tier"});
-  m.DeclareGauge("opjit_cache_misses_total", "Compile cache misses.", {"tier"});
+  m.DeclareCounter("opjit_cache_hits_total", "Compile cache hits, by tier (memory, disk, remote).",
+                   {"tier"});
+  m.DeclareCounter("opjit_cache_misses_total", "Compile cache misses, by tier.", {"tier"});
   m.DeclareGauge("opjit_cache_entries", "Compiled kernels cached.", {"tier"});
-  m.DeclareGauge("opjit_cache_remote_rejected_total",
-                 "Shared-tier entries that failed authentication (served as misses).", {});
-  m.DeclareGauge("opjit_cache_remote_errors_total",
-                 "Shared-tier (Redis) connects and commands that failed or timed out.", {});
-  m.DeclareGauge("opjit_compiles_total", "Compiles run (cache misses that compiled).", {});
-  m.DeclareGauge("opjit_compile_failures_total", "Compiles that failed.", {});
-  m.DeclareGauge("opjit_compile_seconds_total", "Seconds spent compiling.", {});
+  m.DeclareCounter("opjit_cache_remote_rejected_total",
+                   "Shared-tier entries that failed authentication (served as misses).", {});
+  m.DeclareCounter("opjit_cache_remote_errors_total",
+                   "Shared-tier (Redis) connects and commands that failed or timed out.", {});
+  m.DeclareCounter("opjit_compiles_total", "Compiles run (cache misses that compiled).", {});
+  m.DeclareCounter("opjit_compile_failures_total", "Compiles that failed.", {});
+  m.DeclareCounter("opjit_compile_seconds_total", "Seconds spent compiling.", {});
   m.DeclareGauge("opjit_executor_workers", "Executor processes alive.", {});
-  m.DeclareGauge("opjit_executor_worker_starts_total", "Executor processes started.", {});
-  m.DeclareGauge("opjit_executor_worker_crashes_total", "Executor processes that died in a call.", {});
-  m.DeclareGauge("opjit_executor_worker_timeouts_total", "Executor processes killed at a deadline.", {});
-  m.DeclareGauge("opjit_quarantined_kernels_total", "Kernels refused after repeated crashes.", {});
+  m.DeclareCounter("opjit_executor_worker_starts_total", "Executor processes started.", {});
+  m.DeclareCounter("opjit_executor_worker_crashes_total", "Executor processes that died in a call.",
+                   {});
+  m.DeclareCounter("opjit_executor_worker_timeouts_total",
+                   "Executor processes killed at a deadline.", {});
+  m.DeclareCounter("opjit_quarantined_kernels_total", "Kernels refused after repeated crashes.",
+                   {});
   m.DeclareGauge("opjit_serving", "1 when grpc.health reports SERVING.", {});
   m.DeclareGauge("opjit_registry_store_up",
                  "1 when the registry store answered its last health probe.", {});
@@ -200,27 +204,28 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
     }
     r.Set("opjit_namespaces", {}, static_cast<double>(access->namespace_count()));
     const compiler::KernelCacheStats c = compiler->Stats();
-    r.Set("opjit_cache_hits_total", {"memory"}, static_cast<double>(c.memory_hits));
-    r.Set("opjit_cache_hits_total", {"disk"}, static_cast<double>(c.disk_hits));
-    r.Set("opjit_cache_misses_total", {"memory"}, static_cast<double>(c.memory_misses));
-    r.Set("opjit_cache_misses_total", {"disk"}, static_cast<double>(c.disk_misses));
+    r.SetCounter("opjit_cache_hits_total", {"memory"}, static_cast<double>(c.memory_hits));
+    r.SetCounter("opjit_cache_hits_total", {"disk"}, static_cast<double>(c.disk_hits));
+    r.SetCounter("opjit_cache_misses_total", {"memory"}, static_cast<double>(c.memory_misses));
+    r.SetCounter("opjit_cache_misses_total", {"disk"}, static_cast<double>(c.disk_misses));
     r.Set("opjit_cache_entries", {"memory"}, static_cast<double>(c.memory_entries));
     r.Set("opjit_cache_entries", {"disk"}, static_cast<double>(c.disk_entries));
     if (c.remote_enabled) {
-      r.Set("opjit_cache_hits_total", {"remote"}, static_cast<double>(c.remote_hits));
-      r.Set("opjit_cache_misses_total", {"remote"}, static_cast<double>(c.remote_misses));
-      r.Set("opjit_cache_remote_rejected_total", {}, static_cast<double>(c.remote_rejected));
-      r.Set("opjit_cache_remote_errors_total", {}, static_cast<double>(c.remote_errors));
+      r.SetCounter("opjit_cache_hits_total", {"remote"}, static_cast<double>(c.remote_hits));
+      r.SetCounter("opjit_cache_misses_total", {"remote"}, static_cast<double>(c.remote_misses));
+      r.SetCounter("opjit_cache_remote_rejected_total", {}, static_cast<double>(c.remote_rejected));
+      r.SetCounter("opjit_cache_remote_errors_total", {}, static_cast<double>(c.remote_errors));
     }
-    r.Set("opjit_compiles_total", {}, static_cast<double>(c.compiles));
-    r.Set("opjit_compile_failures_total", {}, static_cast<double>(c.compile_failures));
-    r.Set("opjit_compile_seconds_total", {}, c.compile_ms_total / 1000.0);
+    r.SetCounter("opjit_compiles_total", {}, static_cast<double>(c.compiles));
+    r.SetCounter("opjit_compile_failures_total", {}, static_cast<double>(c.compile_failures));
+    r.SetCounter("opjit_compile_seconds_total", {}, c.compile_ms_total / 1000.0);
     const runner::RunnerStats w = runner->Stats();
     r.Set("opjit_executor_workers", {}, static_cast<double>(w.workers_live));
-    r.Set("opjit_executor_worker_starts_total", {}, static_cast<double>(w.workers_started));
-    r.Set("opjit_executor_worker_crashes_total", {}, static_cast<double>(w.worker_crashes));
-    r.Set("opjit_executor_worker_timeouts_total", {}, static_cast<double>(w.worker_timeouts));
-    r.Set("opjit_quarantined_kernels_total", {}, static_cast<double>(w.quarantined));
+    r.SetCounter("opjit_executor_worker_starts_total", {}, static_cast<double>(w.workers_started));
+    r.SetCounter("opjit_executor_worker_crashes_total", {}, static_cast<double>(w.worker_crashes));
+    r.SetCounter("opjit_executor_worker_timeouts_total", {},
+                 static_cast<double>(w.worker_timeouts));
+    r.SetCounter("opjit_quarantined_kernels_total", {}, static_cast<double>(w.quarantined));
     r.Set("opjit_serving", {}, (*health == nullptr || (*health)->serving()) ? 1.0 : 0.0);
     r.Set("opjit_registry_store_up", {}, store_up.load() ? 1.0 : 0.0);
   });

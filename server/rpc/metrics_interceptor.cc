@@ -6,6 +6,7 @@
 #include <chrono>
 #include <string>
 
+#include "opjit/v1/error.pb.h"
 #include "server/common/error_info.h"
 #include "server/metrics/metrics.h"
 #include "server/rpc/status_util.h"
@@ -18,6 +19,25 @@ using grpc::experimental::InterceptionHookPoints;
 constexpr char kCalls[] = "opjit_rpc_calls_total";
 constexpr char kLatency[] = "opjit_rpc_latency_seconds";
 constexpr char kChannelKernel[] = "opjit_channel_kernel_seconds_total";
+constexpr char kQuotaRefusals[] = "opjit_quota_refusals_total";
+
+// The "quota" metadata of a QUOTA_EXCEEDED status ("" for any other status).
+// Its values are the server's own quota names, a small fixed set.
+std::string QuotaOf(const grpc::Status& status) {
+  if (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) return "";
+  v1::Status rich;
+  if (!rich.ParseFromString(status.error_details())) return "";
+  for (const auto& any : rich.details()) {
+    v1::ErrorInfo info;
+    if (any.type_url() != "type.googleapis.com/google.rpc.ErrorInfo" ||
+        !info.ParseFromString(any.value()) || info.reason() != reason::kQuotaExceeded) {
+      continue;
+    }
+    auto it = info.metadata().find("quota");
+    return it != info.metadata().end() && !it->second.empty() ? it->second : "unknown";
+  }
+  return "";
+}
 
 std::string StringField(const google::protobuf::Message& m, const char* name) {
   const google::protobuf::FieldDescriptor* f = m.GetDescriptor()->FindFieldByName(name);
@@ -62,6 +82,10 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
         // (health, reflection) may hand interceptors raw byte buffers.
         ours_(info->method() != nullptr &&
               std::string(info->method()).rfind("/opjit.v1.", 0) == 0),
+        // A Memory request's "name" is a region's, made up per client
+        // process: as an op label it would make a new series per client.
+        regions_(info->method() != nullptr &&
+                 std::string(info->method()).rfind("/opjit.v1.Memory/", 0) == 0),
         start_(std::chrono::steady_clock::now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
@@ -70,7 +94,7 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
       const auto* msg = static_cast<const google::protobuf::Message*>(m->GetRecvMessage());
       ns_ = StringField(*msg, "namespace");
       op_ = StringField(*msg, "op");
-      if (op_.empty()) op_ = StringField(*msg, "name");
+      if (op_.empty() && !regions_) op_ = StringField(*msg, "name");
       if (const auto* f = msg->GetDescriptor()->FindFieldByName("op");
           f != nullptr && f->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE &&
           !f->is_repeated()) {
@@ -85,10 +109,13 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
       ScrubLabels(status, &ns_, &op_);
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-      metrics_->Inc(kCalls, {method_, ns_.empty() ? "default" : ns_, op_,
-                             StatusCodeName(static_cast<absl::StatusCode>(status.error_code())),
-                             "grpc"});
+      metrics_->Inc(kCalls,
+                    {method_, ns_.empty() ? "default" : ns_, op_,
+                     StatusCodeName(static_cast<absl::StatusCode>(status.error_code())), "grpc"});
       metrics_->Observe(kLatency, {method_}, seconds);
+      if (const std::string quota = QuotaOf(status); !quota.empty()) {
+        metrics_->Inc(kQuotaRefusals, {method_, ns_.empty() ? "default" : ns_, quota});
+      }
     }
     m->Proceed();
   }
@@ -97,6 +124,7 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
   metrics::Registry* const metrics_;
   const std::string method_;
   const bool ours_;
+  const bool regions_;
   const std::chrono::steady_clock::time_point start_;
   std::string ns_, op_;
 };
@@ -115,8 +143,8 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
 
 }  // namespace
 
-std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeMetricsInterceptorFactory(
-    metrics::Registry* metrics) {
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
+MakeMetricsInterceptorFactory(metrics::Registry* metrics) {
   metrics->DeclareCounter(kCalls,
                           "Calls answered, by method, namespace, op, status code and transport "
                           "(grpc, or channel for Forwards on a same-host fast channel).",
@@ -124,6 +152,10 @@ std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeMetri
   metrics->DeclareCounter(kChannelKernel,
                           "Seconds inside kernels of calls on fast channels, by namespace and op.",
                           {"namespace", "op"});
+  metrics->DeclareCounter(kQuotaRefusals,
+                          "gRPC calls refused with QUOTA_EXCEEDED, by method, namespace and the "
+                          "quota that was full.",
+                          {"method", "namespace", "quota"});
   metrics->DeclareHistogram(kLatency, "RPC latency from the request's arrival to its status.",
                             {"method"},
                             {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,

@@ -184,24 +184,24 @@ def test_metrics_parse_and_count_calls_by_op_namespace_and_code(metricsd):
 
 
 def test_metrics_cover_cache_workers_and_bytes_per_namespace(metricsd):
-    fams = families(metricsd.text)
-    assert samples(fams["opjit_compiles_total"])[0].value >= 1
-    assert samples(fams["opjit_compile_seconds_total"])[0].value > 0
-    assert samples(fams["opjit_cache_misses_total"], tier="memory")[0].value >= 1
-    assert samples(fams["opjit_executor_worker_starts_total"])[0].value >= 1
+    fams = families(metricsd.text)  # counters' family names lose "_total" in this parser
+    assert samples(fams["opjit_compiles"])[0].value >= 1
+    assert samples(fams["opjit_compile_seconds"])[0].value > 0
+    assert samples(fams["opjit_cache_misses"], tier="memory")[0].value >= 1
+    assert samples(fams["opjit_executor_worker_starts"])[0].value >= 1
     assert samples(fams["opjit_shm_bytes"], namespace="mx")[0].value > 0
     assert samples(fams["opjit_serving"])[0].value == 1
-    assert "opjit_executor_worker_crashes_total" in fams
-    assert "opjit_quarantined_kernels_total" in fams
-    assert "opjit_context_bytes" in fams
+    assert fams["opjit_executor_worker_crashes"].type == "counter"
+    assert fams["opjit_quarantined_kernels"].type == "counter"
+    # No backward context is held: the family has no series, so no HELP/TYPE either.
+    assert "opjit_context_bytes" not in metricsd.text
 
 
 def test_promtool_accepts_the_exposition(metricsd):
     r = subprocess.run(["promtool", "check", "metrics"], input=metricsd.text, text=True,
                        capture_output=True)
-    # promtool exits 0, or 3 for naming-style lint warnings only; 1 is a parse error.
-    assert r.returncode in (0, 3), r.stdout + r.stderr
-    assert "error" not in r.stderr.lower(), r.stderr
+    # 0: parsed, and no lint complaint (3 would be lint problems, 1 a parse error).
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def free_port():
@@ -347,8 +347,7 @@ def test_a_users_scrape_shows_only_its_namespaces_series(authd):
         assert "# HELP %s " % name not in body and "\n%s" % name not in body, name
     r = subprocess.run(["promtool", "check", "metrics"], input=body, text=True,
                        capture_output=True)
-    assert r.returncode in (0, 3), r.stdout + r.stderr
-    assert "error" not in r.stderr.lower(), r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
     # Bob, likewise, sees his and not alice's.
     status, _, body = scrape(authd.metrics, "bearer " + TOKENS["bob"])
     assert status == 200 and "bob_secret_op" in body and "alice" not in body, body
@@ -362,7 +361,7 @@ def test_an_admin_scrape_shows_everything(authd):
         calls = samples(fams["opjit_rpc_calls"], method="Forward", namespace=ns, op=op, code="OK")
         assert calls and calls[0].value >= n, (ns, op)
     assert samples(fams["opjit_serving"])[0].value == 1
-    assert samples(fams["opjit_executor_worker_starts_total"])[0].value >= 1
+    assert samples(fams["opjit_executor_worker_starts"])[0].value >= 1
     assert samples(fams["opjit_namespaces"])[0].value >= 3  # default, alice, bob
     # Refused calls are counted without their namespace and op; a call naming no
     # existing op keeps its namespace but not the made-up name.
