@@ -4,6 +4,9 @@
 #   prefix /usr:  /etc/opjit/opjitd.toml, /usr/lib/systemd/system/opjitd.service
 #   other prefix: <prefix>/etc/opjit/opjitd.toml, and the unit's paths rewritten
 #                 from /usr/bin and /etc to <prefix>/bin and <prefix>/etc.
+#   both:         <prefix>/share/doc/opjit/{copyright,changelog.gz} (Debian's
+#                 names; the changelog compressed with gzip -9n, reproducibly),
+#                 <prefix>/share/lintian/overrides/opjit.
 # Both honour DESTDIR.
 
 set(_prefix "${CMAKE_INSTALL_PREFIX}")
@@ -32,3 +35,18 @@ file(INSTALL DESTINATION "${_prefix}/lib/sysusers.d" TYPE FILE
      FILES "${_src}/systemd/opjit.sysusers" RENAME opjit.conf)
 file(INSTALL DESTINATION "${_prefix}/lib/tmpfiles.d" TYPE FILE
      FILES "${_src}/systemd/opjit.tmpfiles" RENAME opjit.conf)
+
+# The package's documentation (lintian: copyright, changelog). opjit is its
+# own upstream, so its version has no Debian revision (a "native" package) and
+# the changelog is changelog.gz, not changelog.Debian.gz.
+set(_doc "${OPJIT_BINARY_DIR}/deploy/doc")
+file(MAKE_DIRECTORY "${_doc}")
+execute_process(COMMAND gzip -9nc "${_src}/debian/changelog"
+                OUTPUT_FILE "${_doc}/changelog.gz" RESULT_VARIABLE _rc)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "gzip of deploy/debian/changelog failed: ${_rc}")
+endif()
+file(INSTALL DESTINATION "${_prefix}/share/doc/opjit" TYPE FILE
+     FILES "${_src}/debian/copyright" "${_doc}/changelog.gz")
+file(INSTALL DESTINATION "${_prefix}/share/lintian/overrides" TYPE FILE
+     FILES "${_src}/debian/lintian-overrides" RENAME opjit)

@@ -2,7 +2,10 @@
 # The Debian package, end to end (ctest label "deploy"):
 #   1. cpack builds opjit_<version>_<arch>.deb from the build tree (timed);
 #   2. its control data: name, version, dependencies, conffiles, maintainer
-#      scripts; systemd-analyze verifies the unit and scores its hardening;
+#      scripts; its documentation (copyright, changelog, a man page for every
+#      program in /usr/bin and /usr/sbin); lintian finds no error and no
+#      warning (deliberate exceptions: deploy/debian/lintian-overrides);
+#      systemd-analyze verifies the unit and scores its hardening;
 #   3. dpkg installs it into a temp root (chrootless: the postinst runs with
 #      $DPKG_ROOT set and must not create users on this host);
 #   4. the installed opjitd (its helpers from <root>/usr/libexec/opjit, its
@@ -14,7 +17,11 @@
 #      address-family and namespace filters), so the unit's options are shown
 #      not to break it;
 #   5. the postinst, run twice on copies of /etc and /var/lib in a private
-#      mount namespace, creates the opjit user, group and directories once.
+#      mount namespace, creates the opjit user, group and directories once;
+#   6. the start without systemd, as deploy/README.md gives it (the same
+#      commands, checked to be there verbatim): adduser, the state and runtime
+#      directories, runuser; in a private mount namespace over copies of /etc,
+#      /var/lib and /run, with the package's /usr overlaid on the host's.
 # usage: package_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 
@@ -22,7 +29,7 @@ BUILD=$(cd "$1" && pwd)
 SRC=$(cd "$2" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
 
-for tool in cpack dpkg dpkg-deb; do
+for tool in cpack dpkg dpkg-deb lintian; do
   if ! command -v "$tool" >/dev/null; then
     echo "SKIP: $tool is not installed"
     exit 77
@@ -67,6 +74,30 @@ for b in usr/bin/opjitd usr/libexec/opjit/opjit-compile-worker; do
   if readelf -S "$WORK/x/$b" | grep -q '\.debug_info'; then fail "$b is not stripped"; fi
 done
 if dpkg-deb -c "$DEB" | grep -Eq '_test$|_bench$|/tests?/'; then fail "tests or benches packaged"; fi
+
+# Documentation: Debian's copyright and changelog (a native package's
+# changelog.gz, whose latest entry is this version), a man page for every
+# program on the PATH, and the lintian overrides.
+dpkg-deb -c "$DEB" | awk '{print $NF}' | sed 's|^\./|/|' >"$WORK/contents.txt"
+for f in /usr/share/doc/opjit/copyright /usr/share/doc/opjit/changelog.gz \
+         /usr/share/lintian/overrides/opjit; do
+  grep -qxF "$f" "$WORK/contents.txt" || fail "$f not in the package"
+done
+clog=$(gzip -dc "$WORK/x/usr/share/doc/opjit/changelog.gz" | dpkg-parsechangelog -l- -S Version)
+[ "$clog" = "$VERSION" ] || fail "changelog's latest entry is $clog, not $VERSION"
+progs=$(grep -E '^/usr/s?bin/[^/]+$' "$WORK/contents.txt" | xargs -n1 basename)
+for p in $progs; do
+  grep -Eqx "/usr/share/man/man[18]/$p\.[18]\.gz" "$WORK/contents.txt" || fail "no man page for $p"
+done
+echo "docs: copyright, changelog $clog, man pages for" $progs
+
+# lintian: no error and no warning (info tags and overrides are printed, not
+# fatal). As root it says "running with root privileges is not recommended".
+lintian --fail-on error,warning --display-info --show-overrides "$DEB" >"$WORK/lintian.log" 2>&1 ||
+  { cat "$WORK/lintian.log"; fail "lintian"; }
+echo "lintian $(lintian --version | awk '{print $2}'): no errors, no warnings;" \
+     "$(grep -c '^I: ' "$WORK/lintian.log" || true) info tags, $(grep -c '^O: ' "$WORK/lintian.log" || true) overridden"
+grep -E '^[IO]: ' "$WORK/lintian.log" | sed 's/^/  /' || true
 
 if command -v systemd-analyze >/dev/null; then
   # The unit as installed, with ExecStart= pointing into the unpacked package
@@ -214,5 +245,92 @@ EOS
   done
 else
   echo "note: postinst on a real root not run (needs root and unshare -m)"
+fi
+
+# ---- 6. the start without systemd, as deploy/README.md gives it ------------------
+# The commands, each also a line of deploy/README.md ("sudo " + command), so the
+# documentation and this test cannot drift apart.
+NOSYSTEMD=(
+  'adduser --system --group --home /var/lib/opjit --shell /usr/sbin/nologin opjit'
+  'install -d -o opjit -g opjit -m 0750 /var/lib/opjit'
+  'install -d -o opjit -g opjit -m 0755 /run/opjit'
+  "runuser -u opjit -- sh -c 'umask 0027 && exec /usr/bin/opjitd --config /etc/opjit/opjitd.toml --state-dir /var/lib/opjit --listen unix:/run/opjit/opjitd.sock'"
+)
+for c in "${NOSYSTEMD[@]}"; do
+  grep -qxF "sudo $c" "$SRC/deploy/README.md" || fail "deploy/README.md lacks the line: sudo $c"
+done
+# Run in a private mount namespace: copies of /etc (the package's config
+# added), empty /var/lib and /run, and the package's /usr overlaid on the
+# host's (so /usr/bin/opjitd is the packaged one); this host is left alone.
+if [ "$(id -u)" = 0 ] && unshare -m true 2>/dev/null; then
+  unshare -m -- /bin/bash -s "$WORK" "$WORK/x" "${NOSYSTEMD[@]}" <<'EOS' || fail "start without systemd"
+set -euo pipefail
+WORK=$1 PKG=$2
+shift 2
+mount --make-rprivate /
+T="$WORK/nosystemd"
+mkdir -p "$T"
+mount -t tmpfs tmpfs "$T"
+mkdir -p "$T/var-lib" "$T/run"
+cp -a /etc "$T/etc"
+cp -a "$PKG/etc/opjit" "$T/etc/"
+if ! mount -t overlay overlay -o "lowerdir=$PKG/usr:/usr" /usr 2>"$T/overlay.err"; then
+  echo "note: start without systemd not run (no overlayfs: $(cat "$T/overlay.err"))"
+  exit 0
+fi
+mount --bind "$T/etc" /etc
+mount --bind "$T/var-lib" /var/lib
+mount --bind "$T/run" /run
+! getent passwd opjit >/dev/null || { echo "opjit exists before adduser"; exit 1; }
+for c in "${@:1:3}"; do sh -c "$c"; done
+bash -c "exec $4" >"$T/opjitd.log" 2>&1 &
+RUNUSER=$!  # runuser itself (exec), which passes SIGTERM on to its child
+stop() {
+  kill -0 "$RUNUSER" 2>/dev/null || return 0
+  kill -TERM "$RUNUSER" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$RUNUSER" 2>/dev/null || break; sleep 0.1; done
+  pkill -KILL -P "$RUNUSER" 2>/dev/null || true
+  kill -KILL "$RUNUSER" 2>/dev/null || true
+}
+trap stop EXIT
+SOCK=unix:/run/opjit/opjitd.sock
+for _ in $(seq 300); do
+  /usr/bin/opjit --server "$SOCK" info >/dev/null 2>&1 && break
+  kill -0 "$RUNUSER" 2>/dev/null || { echo "opjitd exited:"; tail -20 "$T/opjitd.log"; exit 1; }
+  sleep 0.1
+done
+/usr/bin/opjit --server "$SOCK" info >/dev/null || { tail -20 "$T/opjitd.log"; exit 1; }
+# runuser forks: the daemon is a descendant of the background job.
+descendant() {
+  local c
+  for c in $(pgrep -P "$1"); do
+    if [ "$(cat "/proc/$c/comm" 2>/dev/null)" = "$2" ]; then echo "$c"; return 0; fi
+    descendant "$c" "$2" && return 0
+  done
+  return 1
+}
+DAEMON=$(descendant "$RUNUSER" opjitd) || { echo "no opjitd under runuser"; exit 1; }
+[ "$(stat -c %U "/proc/$DAEMON")" = opjit ] || { echo "opjitd does not run as opjit"; exit 1; }
+[ "$(readlink "/proc/$DAEMON/exe")" = /usr/bin/opjitd ] || { echo "not /usr/bin/opjitd"; exit 1; }
+sock=$(stat -c '%U:%G %a' /run/opjit/opjitd.sock)
+[ "$sock" = "opjit:opjit 660" ] || { echo "socket: $sock"; exit 1; }
+[ "$(stat -c %U /var/lib/opjit/registry.db)" = opjit ] || { echo "state not owned by opjit"; exit 1; }
+# Who may use it: a member of group opjit (usermod -aG, as the README says), not others.
+adduser --system --quiet --no-create-home opjit-member
+usermod -aG opjit opjit-member
+runuser -u opjit-member -- /usr/bin/opjit --server "$SOCK" info >/dev/null ||
+  { echo "a member of group opjit cannot use the socket"; exit 1; }
+if runuser -u nobody -- /usr/bin/opjit --server "$SOCK" info >"$T/nobody.txt" 2>&1; then
+  echo "nobody could use the socket"; exit 1
+fi
+kill -TERM "$DAEMON"
+wait "$RUNUSER" || { echo "runuser/opjitd exited with $? on SIGTERM"; tail -20 "$T/opjitd.log"; exit 1; }
+[ ! -e /run/opjit/opjitd.sock ] || { echo "socket left behind"; exit 1; }
+echo "start without systemd: opjitd as $(getent passwd opjit | cut -d: -f1,3,4)," \
+     "socket $sock; a group member is served, nobody is refused" \
+     "($(head -1 "$T/nobody.txt")); SIGTERM: clean exit, socket removed"
+EOS
+else
+  echo "note: start without systemd not run (needs root and unshare -m)"
 fi
 echo "PASS"
