@@ -15,8 +15,10 @@ executor, a registration refused by the ops quota, a call naming no op.
 import json
 import os
 import re
+import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -318,3 +320,87 @@ def test_readme_documents_every_exported_family_with_its_type_and_labels(opsd):
         assert name in rows, "README.md does not document %s" % name
         assert rows[name][0] == kind, (name, rows[name][0], kind)
         assert labels == rows[name][1], (name, labels, rows[name][1])
+
+
+# ---- a real Prometheus evaluating both -----------------------------------------------------------
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_prometheus_evaluates_the_rules_and_the_dashboard_on_the_daemon(opsd, tmp_path):
+    """Debian's prometheus scrapes this test's daemon every second with the
+    shipped rules loaded: every rule evaluates without error, and every
+    dashboard query is accepted (and the ones on always-present series
+    return data)."""
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                   "rule_files: ['%s']\n"
+                   "scrape_configs:\n  - job_name: opjit\n    static_configs:\n"
+                   "      - targets: ['%s']\n" % (ALERTS, opsd.metrics))
+    port = free_port()
+    log_path = tmp_path / "prometheus.log"
+
+    def api(path, **params):
+        url = "http://127.0.0.1:%d/api/v1/%s?%s" % (port, path, urllib.parse.urlencode(params))
+        try:
+            return json.loads(urllib.request.urlopen(url, timeout=5).read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read())
+        except (OSError, ValueError):
+            return None
+
+    def wait(ok, what, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = ok()
+            if got:
+                return got
+            time.sleep(0.5)
+        raise AssertionError("%s:\n%s" % (what, log_path.read_text()[-3000:]))
+
+    with open(log_path, "wb") as log:
+        prom = subprocess.Popen(["prometheus", "--config.file", str(cfg), "--storage.tsdb.path",
+                                 str(tmp_path / "data"), "--web.listen-address",
+                                 "127.0.0.1:%d" % port], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            # Three scrapes, so rates over them have two points or more.
+            wait(lambda: (api("query", query='count_over_time(up{job="opjit"}[1m]) >= 3') or {})
+                 .get("data", {}).get("result"), "prometheus did not scrape the daemon")
+            query = api("query", query='up{job="opjit"}')
+            assert query["data"]["result"][0]["value"][1] == "1", query
+
+            def rules_evaluated():
+                r = api("rules")
+                rules = [x for g in (r or {}).get("data", {}).get("groups", [])
+                         for x in g["rules"]]
+                return rules if rules and all(x.get("lastEvaluation", "").startswith("2")
+                                              and not x["lastEvaluation"].startswith("0001")
+                                              for x in rules) else None
+            rules = wait(rules_evaluated, "the rules were not evaluated")
+            assert {x["name"] for x in rules} == {x["alert"] for x in alert_rules()}
+            for x in rules:
+                assert x["health"] == "ok", (x["name"], x.get("lastError"))
+            # Nothing is wrong with this daemon: no alert fires or waits.
+            firing = [x["name"] for x in rules if x["state"] != "inactive"]
+            assert firing == [], firing
+
+            nonempty = ("opjit_rpc_calls_total", "opjit_registry_store_up", "opjit_serving",
+                        "opjit_compiles_total", "opjit_cache_hits_total",
+                        "opjit_executor_worker_crashes_total", "opjit_rpc_latency_seconds")
+            for q in dashboard_queries(dashboard()):
+                if q.startswith("label_values("):
+                    continue
+                promql = q.replace("$__rate_interval", "1m").replace("$job", "opjit").replace(
+                    "$instance", ".*")
+                r = api("query", query=promql)
+                assert r and r["status"] == "success", (q, r)
+                if any(n in q for n in nonempty):
+                    assert r["data"]["result"], ("no data", q)
+        finally:
+            prom.terminate()
+            prom.wait(30)
