@@ -102,7 +102,14 @@ def opsd():
                 g = fc.op("twice")
                 for _ in range(3):
                     g(np.ones(4, np.float32))
+            # Channels report their calls at least once a second: wait for them.
+            channel = re.compile(r'^opjit_rpc_calls_total\{method="Forward",namespace="default",'
+                                 r'op="twice",code="OK",transport="channel"\} 3$', re.M)
+            deadline = time.monotonic() + 30
             d.text = d.scrape()
+            while not channel.search(d.text) and time.monotonic() < deadline:
+                time.sleep(0.1)
+                d.text = d.scrape()
             del region
         yield d
         assert d.proc.poll() is None, "opjitd died:\n" + d.read_log()
