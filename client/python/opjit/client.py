@@ -5,6 +5,7 @@ import ipaddress
 import json
 import os
 import socket
+import time
 import uuid
 import warnings
 import weakref
@@ -121,11 +122,47 @@ def _read(path):
         return f.read()
 
 
-def _call(fn, request, timeout=None):
+# How often a progress callback hears from a call that is still waiting.
+PROGRESS_INTERVAL_S = 1.0
+
+
+def _call(fn, request, timeout=None, progress=None, started=None):
+    """fn(request); with `progress`, through fn.future(), calling
+    progress(elapsed_seconds) about once a second while the call waits and
+    once when it ends (`started`: the time.monotonic() elapsed counts from)."""
     try:
-        return fn(request, timeout=timeout)
+        if progress is None:
+            return fn(request, timeout=timeout)
+        return _call_with_progress(fn, request, timeout, progress,
+                                   time.monotonic() if started is None else started)
     except grpc.RpcError as e:
         raise error_from_rpc(e) from None
+
+
+def _call_with_progress(fn, request, timeout, progress, started):
+    if not callable(progress):
+        raise InvalidArgument("progress must be callable (it is called with the elapsed "
+                              "seconds)")
+    future = fn.future(request, timeout=timeout)
+    try:
+        while True:
+            # Wake on the next whole interval since `started`: 1 s, 2 s, ...
+            elapsed = time.monotonic() - started
+            wait = PROGRESS_INTERVAL_S - (elapsed % PROGRESS_INTERVAL_S)
+            try:
+                result = future.result(timeout=wait)
+                break
+            except grpc.FutureTimeoutError:
+                progress(time.monotonic() - started)
+    except grpc.RpcError:
+        progress(time.monotonic() - started)
+        raise
+    except BaseException:
+        # The callback raised (or KeyboardInterrupt): the call is given up.
+        future.cancel()
+        raise
+    progress(time.monotonic() - started)
+    return result
 
 
 def load_spec(spec, base_dir=None):
@@ -304,14 +341,17 @@ class Client:
     _executor = property(lambda self: self._router.current.stubs["executor"])
     _transport = property(lambda self: self._router.current.transport)
 
-    def _rpc(self, stub, method, request, idempotent=True):
+    def _rpc(self, stub, method, request, idempotent=True, progress=None):
         """stub.method(request) on the current endpoint; with several
-        addresses, through the router (failover where safe)."""
+        addresses, through the router (failover where safe). `progress`: see
+        _call (elapsed time counts from here, across failovers)."""
+        started = time.monotonic()
         if not self._several:
             return _call(getattr(self._router.current.stubs[stub], method), request,
-                         self.timeout)
+                         self.timeout, progress, started)
         return self._router.call(
-            lambda ep: _call(getattr(ep.stubs[stub], method), request, self.timeout),
+            lambda ep: _call(getattr(ep.stubs[stub], method), request, self.timeout, progress,
+                             started),
             idempotent=idempotent)
 
     def preferred_addresses(self, op, namespace=None):
@@ -435,13 +475,19 @@ class Client:
         """opjit.v1.ServerInfo: version, CPU target, GPU availability, listen addresses."""
         return self._rpc("server", "GetServerInfo", server_pb2.GetServerInfoRequest())
 
-    def register(self, spec, base_dir=None):
+    def register(self, spec, base_dir=None, progress=None):
         """Registers an op; returns opjit.v1.RegisterOpResponse (.record.version, .created).
 
         spec: a dict in protobuf's JSON mapping of OpDef (snake_case or
         lowerCamelCase keys), a path to a JSON spec file, a CustomRegOp
         builder, or an OpDef. ``source_file`` is read relative to `base_dir`
         (default: the spec file's directory, or the current directory).
+
+        progress: a callable, called with the seconds elapsed (a float) about
+        once a second while the server compiles the implementations, and once
+        when the call ends (also when it fails). An exception it raises gives
+        the call up (the server may still finish the registration) and
+        propagates.
 
         Problems that do not stop the registration (a backward.op that names
         no registered op yet) come back in the response's ``.warnings`` and
@@ -451,26 +497,30 @@ class Client:
         if self.namespace and not op.namespace:
             op.namespace = self.namespace
         resp = self._rpc("registry", "RegisterOp", registry_pb2.RegisterOpRequest(op=op),
-                         idempotent=False)
+                         idempotent=False, progress=progress)
         for w in resp.warnings:
             warnings.warn("register %s/%s: %s" % (resp.record.op.namespace, resp.record.op.name, w),
                           OpjitWarning, stacklevel=2)
         return resp
 
     def compile(self, source, entry=None, language="c++", options=(), libraries=(),
-                target="CPU", file_name=None, namespace=None):
+                target="CPU", file_name=None, namespace=None, progress=None):
         """Compiles without registering; returns opjit.v1.CompileResponse.
 
         A compile error raises InvalidArgument with reason COMPILE_FAILED and
         .diagnostics (file, line, column, severity, text). The compile is
         charged to `namespace` (default: the client's).
+
+        progress: a callable, called with the seconds elapsed (a float) about
+        once a second while the compile runs, and once when the call ends
+        (also when it fails); see register().
         """
         ns = self.namespace if namespace is None else namespace
         req = compile_pb2.CompileRequest(target=target, language=language, source=source,
                                          namespace=ns,
                                          entry=entry or "", file_name=file_name or "",
                                          compile_options=list(options), libraries=list(libraries))
-        return self._rpc("compiler", "Compile", req)
+        return self._rpc("compiler", "Compile", req, progress=progress)
 
     def cache_stats(self):
         return self._rpc("compiler", "GetCacheStats", compile_pb2.GetCacheStatsRequest())
