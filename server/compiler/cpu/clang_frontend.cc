@@ -321,6 +321,14 @@ struct ClangFrontend::Impl {
     const std::vector<std::string>& opts = for_pch ? req.pch_options : req.options;
     a.insert(a.end(), opts.begin(), opts.end());
     for (const std::string& d : req.include_dirs) a.insert(a.end(), {"-I", d});
+    // __FILE__ in a header names its include dir by place ("include0/..."),
+    // not by host path: an object is the same bytes under any install prefix,
+    // as its cache key is (server/compiler/cache_key.h), and messages built
+    // from __FILE__ (TORCH_CHECK's) show no host path. The longest matching
+    // prefix wins.
+    for (size_t i = 0; i < req.include_dirs.size(); ++i) {
+      a.push_back("-fmacro-prefix-map=" + req.include_dirs[i] + "=include" + std::to_string(i));
+    }
     if (!for_pch && !pch_path.empty()) {
       // A header touched but unchanged keeps the PCH valid.
       a.insert(a.end(), {"-include-pch", pch_path, "-fpch-validate-input-files-content"});

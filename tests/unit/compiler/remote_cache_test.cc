@@ -165,6 +165,9 @@ TEST_F(RemoteCacheTest, InstallPrefixesShareKeysHeaderContentSplitsThem) {
     fs::create_directories(to);
     fs::copy(from, to, fs::copy_options::recursive);
   };
+  // A header that quotes its own path: the objects must not.
+  cache::testing::WriteFile(dir_.Sub("inc/where.h"),
+                            "inline const char* Where() { return __FILE__; }\n");
   copy_tree(OPJIT_SOURCE_DIR "/kernels/include", dir_.Sub("build/kernels/include"));
   copy_tree(OPJIT_SOURCE_DIR "/kernels/include", dir_.Sub("usr/share/opjit/include"));
   copy_tree(dir_.Sub("inc"), dir_.Sub("usr/include/extra"));
@@ -174,7 +177,8 @@ TEST_F(RemoteCacheTest, InstallPrefixesShareKeysHeaderContentSplitsThem) {
     out << "// a local edit\n";
   }
   CompileJob job = Job();
-  job.source = "#include <opjit/kernel.h>\n" + job.source;
+  job.source = "#include <opjit/kernel.h>\n#include \"where.h\"\n" + job.source +
+               "extern \"C\" const char* WhereIsIt() { return Where(); }\n";
 
   auto a = Make("a", kClusterKey, "", dir_.Sub("build/kernels/include"), dir_.Sub("inc"));
   auto b = Make("b", kClusterKey, "", dir_.Sub("usr/share/opjit/include"),
@@ -196,6 +200,19 @@ TEST_F(RemoteCacheTest, InstallPrefixesShareKeysHeaderContentSplitsThem) {
   EXPECT_EQ(fetched->kernel->object, compiled->kernel->object);
   EXPECT_EQ(b->Stats().compiles, 0u);
   EXPECT_EQ(redis_->Keys("opjit:v1:manifest:*").size(), 1u);  // one request key
+
+  EXPECT_EQ(compiled->kernel->object.find(dir_.path()), std::string::npos);
+  EXPECT_NE(compiled->kernel->object.find("include1/where.h"), std::string::npos);
+  // Compiled at the other prefix (another cluster key: no tier), the same
+  // bytes.
+  auto alone = Make("d", "another-cluster-key-987654321", "",
+                    dir_.Sub("usr/share/opjit/include"), dir_.Sub("usr/include/extra"));
+  ASSERT_NE(alone, nullptr);
+  auto own = alone->Compile(job);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(own->cache_hit, "");
+  EXPECT_EQ(own->kernel->cache_key, compiled->kernel->cache_key);
+  EXPECT_EQ(own->kernel->object, compiled->kernel->object);
 
   auto other = c->Compile(job);
   ASSERT_TRUE(other.ok()) << other.status();
