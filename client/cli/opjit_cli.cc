@@ -2,101 +2,230 @@
 //
 //   opjit [--server ADDR] [--json] [--timeout SECONDS] COMMAND [ARGS]
 //
-// Each command takes its own flags (FlagsByCommand); an unknown one is bad
-// usage. Exit status: 0 success, 1 the server refused or failed the call (its
-// message goes to stderr), 2 bad usage, 3 a gradcheck mismatch.
+// Every command and flag is one entry of one table (Program()): CLI11 parses
+// from it, and the same table gives `opjit COMMAND --help`, the man page
+// (`opjit --man`) and the bash completion (`opjit --bash-completion`), which
+// the build writes. Exit status: see the kExit* constants (and ExitStatusDoc).
+// Errors about the command line, the local files and reaching the server are
+// one line on stderr.
+#include <errno.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <google/protobuf/util/json_util.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/cli/cli_docs.h"
 #include "client/cpp/npy.h"
 #include "client/cpp/opjit_client.h"
+#include "client/cpp/shm_region.h"
+#include "opjit/version.h"
 #include "server/common/error_info.h"
 #include "server/common/random.h"
 #include "server/common/sha256.h"
-#include "client/cpp/shm_region.h"
 
 namespace {
 
 using opjit::client::Client;
+using opjit::cli::CommandDoc;
+using opjit::cli::FlagDoc;
+using opjit::cli::ProgramDoc;
 
-constexpr const char kUsage[] =
-    R"(usage: opjit [--server ADDR] [--json] [--timeout SECONDS] COMMAND [ARGS]
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;       // the server refused or failed the call; a local file failed
+constexpr int kExitUsage = 2;        // bad command line
+constexpr int kExitMismatch = 3;     // gradcheck: backward disagrees with finite differences
+constexpr int kExitNotServing = 4;   // health: the server answered, not SERVING
+constexpr int kExitUnreachable = 5;  // health: no answer
 
-Commands:
-  info                              server version, CPU target, GPU availability
-  register SPEC.json [--namespace NS]
-                                    register an op from a JSON spec (opjit.v1.OpDef);
-                                    warnings go to stderr
-  ops [--namespace NS] [--all-versions]
-                                    list ops (latest versions unless --all-versions)
-  describe NAME [--version N]       show an op's full definition
-  delete NAME [--version N]         delete an op (all versions unless --version)
-  compile FILE [--lang c|c++|cuda] [--entry SYM] [--option OPT]... [--library LIB]...
-       [--name-expr EXPR]... [--arch sm_NN]... [--aot] [--namespace NS]
-                                    compile a kernel source without registering it.
-                                    .cu: nvcc (a shared object) with --aot or when the
-                                    source has host code (a <<<>>> launch, an extern "C"
-                                    host function); NVRTC (CUBIN+PTX) otherwise, and
-                                    always with --name-expr unless --aot
-  run OP --in X.npy [--in ...] [--attr NAME=VALUE]... [--out Y.npy]...
-       [--version N] [--target cpu|gpu] [--transport auto|shm|inline]
-                                    run an op's forward on .npy files; one --in per
-                                    declared input (a,b.npy for a dynamic input,
-                                    "none" for an absent optional one)
-  grad OP --in X.npy [--in ...] [--attr NAME=VALUE]... --grad-out DY.npy [--grad-out ...]
-       [--out DX.npy]... [--no-grad INDEX]... [--version N] [--target cpu|gpu]
-                                    forward with requires_grad, then backward: writes
-                                    one input grad per --out (inputs in --no-grad get none)
-  gradcheck OP [--in X.npy ...] [--attr NAME=VALUE]... [--shape 4,3] [--seed N]
-       [--eps E] [--atol A] [--rtol R] [--version N]
-                                    compare the op's backward with central finite
-                                    differences; exit 0 pass, 3 mismatch, 1 error
-  cache stats | stats               compile-cache counters (admins)
-  cache clear [--memory-only]       drop cached kernels (admins)
-  token                             print a new bearer token and the sha256 line
-                                    for a [[principal]] in opjitd's config (offline)
-  help                              this text (also --help, -h, COMMAND --help)
+constexpr const char kExitStatusDoc[] =
+    "Exit status: 0 success; 1 the server refused or failed the call, or a local\n"
+    "file could not be read or written (the reason on stderr); 2 bad usage; 3 a\n"
+    "gradcheck mismatch; `health` only: 4 the server answered but is not SERVING,\n"
+    "5 no server answered.";
 
-NAME may be qualified with a namespace: ns/name (default namespace "default").
-ADDR: unix:/path.sock, /path.sock or host:port, or several of them
-comma-separated (the first that answers; the next when it stops answering,
-for calls safe to repeat). Default: $OPJIT_SERVER, else
-the daemon's default socket ($OPJIT_STATE_DIR or ~/.opjit)/opjitd.sock.
-$OPJIT_TOKEN is sent as "authorization: Bearer <token>"; with $OPJIT_TLS_CA
-set, TCP goes over TLS checked against that CA.
-Exit status: 0 success; 1 the server refused or failed the call (its message
-goes to stderr); 2 bad usage; 3 gradcheck mismatch.
-)";
+constexpr const char kEnvironmentDoc[] =
+    "ADDR: unix:/path.sock, /path.sock or host:port, or several of them\n"
+    "comma-separated (the first that answers; the next when it stops answering,\n"
+    "for calls safe to repeat). Default: $OPJIT_SERVER, else the daemon's default\n"
+    "socket ($OPJIT_STATE_DIR or ~/.opjit)/opjitd.sock.\n"
+    "\n"
+    "$OPJIT_TOKEN is sent as \"authorization: Bearer <token>\"; with $OPJIT_TLS_CA\n"
+    "set, TCP goes over TLS checked against that CA.";
+
+// The whole command line: every command, every flag.
+const ProgramDoc& Program() {
+  static const ProgramDoc* const kProgram = [] {
+    auto* p = new ProgramDoc;
+    p->name = "opjit";
+    p->summary = "command-line client of opjitd, the JIT kernel daemon";
+    p->version = absl::StrCat(OPJIT_VERSION, " (", OPJIT_GIT_REVISION, ")");
+    p->globals = {
+        {"--server", "ADDR", "the daemon's address (see ENVIRONMENT / ADDR below)"},
+        {"--json", "", "print protobuf's JSON, for scripts (also accepted after the command)"},
+        {"--timeout", "SECONDS", "per-call deadline; default 120"},
+        {"--version", "", "print the version and git revision, and exit"},
+    };
+    const FlagDoc ns{"--namespace", "NS", ""};
+    const FlagDoc in{"--in", "X.npy",
+                     "an input, one per declared input in order: a.npy,b.npy for a dynamic "
+                     "input, none for an absent optional one",
+                     "", true, true};
+    const FlagDoc attr{"--attr", "NAME=VALUE", "an attribute of the op", "", false, true};
+    const FlagDoc version{"--version", "N", "the op version (default: the latest)"};
+    const FlagDoc target{"--target", "cpu|gpu",
+                         "which implementation runs; no GPU is a clear UNAVAILABLE, exit 1",
+                         "cpu gpu"};
+    auto with_help = [](FlagDoc f, std::string help) {
+      f.help = std::move(help);
+      return f;
+    };
+    p->commands = {
+        {"info", "", "", "", false,
+         "server version, CPU target, GPU availability, registry backend and cache tiers",
+         "", {}},
+        {"health", "", "", "", false, "a grpc.health.v1 check, with an exit status for scripts",
+         "Exit status: 0 SERVING; 4 the server answered NOT_SERVING (or UNKNOWN);\n"
+         "5 no server answered within --timeout (default here: 5 s); 1 the server\n"
+         "refused the check (an unknown --service: NOT_FOUND). The check sends no\n"
+         "token: the health service answers anyone, as probes need.",
+         {{"--service", "NAME", "the service to check; default \"\" (the whole server)"}}},
+        {"register", "SPEC.json", "an op spec (opjit.v1.OpDef as JSON)", "", true,
+         "register an op from a JSON spec; server warnings go to stderr", "",
+         {with_help(ns, "register into NS, overriding the spec's namespace")}},
+        {"ops", "", "", "", false, "list ops (latest versions unless --all-versions)", "",
+         {with_help(ns, "list one namespace"),
+          {"--all-versions", "", "every version, not just the latest"}}},
+        {"describe", "NAME", "the op: name or ns/name (default namespace \"default\")", "", false,
+         "show an op's full definition; warnings go to stderr", "",
+         {with_help(version, "one version (default: the latest)")}},
+        {"delete", "NAME", "the op: name or ns/name", "", false,
+         "delete an op (every version unless --version)", "",
+         {with_help(version, "delete only version N")}},
+        {"compile", "FILE", "the kernel source", "", true,
+         "compile a kernel source without registering it",
+         ".cu: nvcc (a shared object) with --aot or when the source has host code\n"
+         "(a <<<>>> launch, an extern \"C\" host function); NVRTC (CUBIN+PTX)\n"
+         "otherwise, and always with --name-expr unless --aot.",
+         {{"--lang", "c|c++|cuda",
+           "default from the extension (.c, .cu, else c++); cuda means the GPU", "c c++ cuda"},
+          {"--entry", "SYM", "the object must define SYM (CPU)"},
+          {"--option", "OPT", "a compile option", "", false, true},
+          {"--library", "LIB", "an allowed library to link", "", false, true},
+          {"--name-expr", "EXPR",
+           "an NVRTC name expression to lower (keeps the compile on NVRTC unless --aot)", "",
+           false, true},
+          {"--arch", "sm_NN", "GPU arch (default: the server's)", "", false, true},
+          {"--aot", "",
+           "force nvcc (a MindSpore aot .cu to a shared object); a .cu with host code goes "
+           "to nvcc anyway"},
+          with_help(ns, "whose compile quota is charged")}},
+        {"run", "OP", "the op: name or ns/name", "", false,
+         "run an op's forward on .npy files",
+         "--transport auto uses a shared-memory region when every server is on a\n"
+         "unix socket, inline bytes otherwise.",
+         {in, attr,
+          {"--out", "Y.npy", "where output j goes (the j-th --out)", "", true, true},
+          version, target,
+          {"--transport", "auto|shm|inline", "how tensors travel (default auto)",
+           "auto shm inline"}}},
+        {"grad", "OP", "the op: name or ns/name", "", false,
+         "forward with requires_grad, then backward; writes one input grad per --out", "",
+         {in, attr,
+          {"--grad-out", "DY.npy", "the gradient of forward output j (none for a missing one)",
+           "", true, true},
+          {"--out", "DX.npy", "where input i's gradient goes (none skips it)", "", true, true},
+          {"--no-grad", "INDEX", "an input that needs no gradient", "", false, true}, version,
+          target}},
+        {"gradcheck", "OP", "the op: name or ns/name", "", false,
+         "compare the op's backward with central finite differences",
+         "Exit status: 0 the backward matches, 3 it does not, 1 an error.",
+         {with_help(in, "an input (default: random inputs)"), attr,
+          {"--shape", "4,3", "shape of the random inputs"},
+          {"--seed", "N", "seed of the random inputs"},
+          {"--eps", "E", "the finite-difference step"},
+          {"--atol", "A", "absolute tolerance"},
+          {"--rtol", "R", "relative tolerance"}, version}},
+        {"cache", "ACTION", "stats (counters) or clear (drop cached kernels)", "stats clear",
+         false, "compile-cache counters, or drop cached kernels (admins)", "",
+         {{"--memory-only", "", "with clear: keep the disk cache"}}},
+        {"stats", "", "", "", false, "compile-cache counters (as `cache stats`; admins)", "", {}},
+        {"token", "", "", "", false,
+         "print a new bearer token and its sha256 line for opjitd's config (offline)",
+         "Prints two lines:\n"
+         "  token: <64 hex digits>\n"
+         "  token_sha256 = [\"<sha256 of the token>\"]\n"
+         "The second line is TOML: paste it into a [[principal]] of opjitd's config.\n"
+         "Give the token to the client ($OPJIT_TOKEN); a script takes it with\n"
+         "  opjit token | sed -n 's/^token: //p'",
+         {}},
+        {"help", "COMMAND", "a command", "", false,
+         "the overview, or a command's flags (as COMMAND --help)", "", {}},
+    };
+    std::string names;
+    for (const auto& c : p->commands) names += (names.empty() ? "" : " ") + c.name;
+    for (auto& c : p->commands) {
+      if (c.name == "help") c.positional_choices = names;
+      if (c.name != "help") c.flags.push_back({"--json", "", "print protobuf's JSON, for scripts"});
+    }
+    p->environment = kEnvironmentDoc;
+    p->exit_status = kExitStatusDoc;
+    return p;
+  }();
+  return *kProgram;
+}
+
+// Value names whose values are numbers, checked before anything is sent.
+bool IntegerValue(const std::string& value_name) {
+  return value_name == "N" || value_name == "INDEX";
+}
+bool NumberValue(const std::string& value_name) {
+  return value_name == "E" || value_name == "A" || value_name == "R" ||
+         value_name == "SECONDS";
+}
 
 struct Globals {
   std::string server;
   bool json = false;
   double timeout_s = 120;
+  bool timeout_given = false;
 };
 
-int UsageError(const std::string& msg) {
-  std::cerr << "opjit: " << msg << "\n\n" << kUsage;
-  return 2;
-}
+std::string g_command;  // the command being run, for messages
+std::string g_address;  // the server's address(es), for messages
 
-std::string g_address;  // for error messages
+// Bad usage: one line, naming where to look.
+int UsageError(const std::string& msg) {
+  std::cerr << "opjit: " << msg << " (see `opjit " << (g_command.empty() ? "" : g_command + " ")
+            << "--help`)\n";
+  return kExitUsage;
+}
 
 // Whether `s` says the server could not be reached (no answer from opjitd),
 // rather than opjitd answering UNAVAILABLE itself (no GPU, no compiler).
@@ -104,19 +233,88 @@ bool Unreachable(const absl::Status& s) {
   if (s.code() != absl::StatusCode::kUnavailable || opjit::GetReason(s).has_value()) return false;
   for (const char* what : {"failed to connect", "Connection refused", "No such file",
                            "connections to all backends failing", "Socket closed",
-                           "DNS resolution failed", "Connection reset", "Broken pipe"}) {
+                           "DNS resolution failed", "Connection reset", "Broken pipe",
+                           "Permission denied", "no opjitd answered", "no answer to a health",
+                           "Deadline Exceeded", "Timeout occurred"}) {
     if (std::string(s.message()).find(what) != std::string::npos) return true;
   }
   return false;
 }
 
-int Fail(const absl::Status& s) {
-  std::cerr << "opjit: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
-  if (Unreachable(s) && !g_address.empty()) {
-    std::cerr << "opjit: is opjitd running at " << g_address
-              << "? Start it with `make run`, or pass --server / set OPJIT_SERVER\n";
+// What connecting to unix socket `path` says (errno), without gRPC's words.
+int UnixConnectErrno(const std::string& path) {
+  sockaddr_un sa{};
+  if (path.size() >= sizeof(sa.sun_path)) return ENAMETOOLONG;
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path, path.c_str(), path.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errno;
+  const int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+  const int err = rc == 0 ? 0 : errno;
+  ::close(fd);
+  return err;
+}
+
+// One line: why `address` did not answer and what to do about it.
+std::string UnreachableLine(const std::string& address) {
+  constexpr const char kElsewhere[] = "or pass --server / set OPJIT_SERVER";
+  if (address.find(',') != std::string::npos) {
+    return absl::StrCat("no opjitd answered at any of ", address,
+                        ": check that they run and the addresses, ", kElsewhere);
   }
-  return 1;
+  if (address.rfind("unix:", 0) != 0) {
+    return absl::StrCat("cannot reach opjitd at ", address,
+                        ": check the address and that opjitd listens there (--listen), ",
+                        kElsewhere);
+  }
+  const std::string path = address.substr(5);
+  const bool system = path.rfind("/run/opjit/", 0) == 0;
+  switch (UnixConnectErrno(path)) {
+    case EACCES:
+    case EPERM:
+      if (system) {
+        return absl::StrCat("permission denied on ", path,
+                            ": join the opjit group (sudo usermod -aG opjit $USER, then log in "
+                            "again)");
+      }
+      return absl::StrCat("permission denied on ", path,
+                          ": ask the daemon's owner for access (socket_mode, socket_group), ",
+                          kElsewhere);
+    case ENOENT:
+      if (system) {
+        return absl::StrCat("no socket at ", path,
+                            ": is opjitd running? Start it with `sudo systemctl start opjitd`, ",
+                            kElsewhere);
+      }
+      return absl::StrCat("no socket at ", path,
+                          ": is opjitd running? Start it with `make run` (a build tree) or "
+                          "`opjitd`, ",
+                          kElsewhere);
+    case ECONNREFUSED:
+      return absl::StrCat("nothing listens on ", path,
+                          " (a stale socket): is opjitd running? Start it with `make run` or "
+                          "`opjitd`, ",
+                          kElsewhere);
+    default:
+      return absl::StrCat("cannot reach opjitd at ", address, ": is opjitd running? ",
+                          "Start it with `make run` or `opjitd`, ", kElsewhere);
+  }
+}
+
+int Fail(const absl::Status& s) {
+  if (Unreachable(s) && !g_address.empty()) {
+    std::cerr << "opjit: UNAVAILABLE: " << UnreachableLine(g_address) << "\n";
+    return kExitFailed;
+  }
+  std::cerr << "opjit: " << absl::StatusCodeToString(s.code()) << ": " << s.message();
+  if (s.code() == absl::StatusCode::kUnauthenticated) {
+    std::cerr << (std::getenv("OPJIT_TOKEN") == nullptr
+                      ? " (no token given: set OPJIT_TOKEN)"
+                      : " (check OPJIT_TOKEN: `opjit token` makes one, its sha256 goes in the "
+                        "daemon's config)");
+  }
+  std::cerr << "\n";
+  return kExitFailed;
 }
 
 std::string ToJson(const google::protobuf::Message& m) {
@@ -140,8 +338,8 @@ void SplitName(const std::string& qualified, std::string* ns, std::string* name)
   }
 }
 
-// Parses "--flag value" / "--flag=value" options after the command; the rest
-// are positional. Flags in `bool_flags` take no value.
+// A command's parsed arguments: its positional ones and its flags (a switch
+// has the value "1"), in the order given.
 struct Args {
   std::vector<std::string> positional;
   std::multimap<std::string, std::string> flags;
@@ -157,68 +355,50 @@ struct Args {
   bool Has(const std::string& k) const { return flags.count(k) > 0; }
 };
 
-// The flags each command takes: those that take a value, then switches.
-struct CommandFlags {
-  std::vector<std::string> value_flags, bool_flags;
-};
-
-const std::map<std::string, CommandFlags>& FlagsByCommand() {
-  static const auto* const kFlags = new std::map<std::string, CommandFlags>{
-      {"info", {}},
-      {"register", {{"--namespace"}, {}}},
-      {"ops", {{"--namespace"}, {"--all-versions"}}},
-      {"describe", {{"--version"}, {}}},
-      {"delete", {{"--version"}, {}}},
-      {"compile",
-       {{"--lang", "--entry", "--option", "--library", "--name-expr", "--arch", "--namespace"},
-        {"--aot"}}},
-      {"run", {{"--in", "--attr", "--out", "--version", "--target", "--transport"}, {}}},
-      {"grad", {{"--in", "--attr", "--grad-out", "--out", "--no-grad", "--version", "--target"}, {}}},
-      {"gradcheck",
-       {{"--in", "--attr", "--shape", "--seed", "--eps", "--atol", "--rtol", "--version"}, {}}},
-      {"cache", {{}, {"--memory-only"}}},
-      {"stats", {}},
-      {"token", {}},
-      {"help", {}},
-  };
-  return *kFlags;
-}
-
-absl::StatusOr<Args> ParseArgs(const std::string& cmd, const std::vector<std::string>& argv,
-                               const std::vector<std::string>& value_flags,
-                               const std::vector<std::string>& bool_flags) {
-  Args a;
-  for (size_t i = 0; i < argv.size(); ++i) {
-    const std::string& s = argv[i];
-    if (s.rfind("--", 0) != 0) {
-      a.positional.push_back(s);
-      continue;
+// While a long call runs, on a terminal: "  compiling… 7s" on stderr, once a
+// second after the first, erased when the call ends. Nothing when stderr is
+// not a terminal.
+class Progress {
+ public:
+  explicit Progress(std::string what) : what_(std::move(what)) {
+    if (::isatty(STDERR_FILENO) != 1) return;
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Progress() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
     }
-    std::string key = s, value;
-    bool has_eq = false;
-    if (auto eq = s.find('='); eq != std::string::npos) {
-      key = s.substr(0, eq);
-      value = s.substr(eq + 1);
-      has_eq = true;
+    cv_.notify_all();
+    thread_.join();
+  }
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+
+ private:
+  void Run() {
+    const auto start = std::chrono::steady_clock::now();
+    bool shown = false;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (int s = 1;; ++s) {
+      if (cv_.wait_until(lock, start + std::chrono::seconds(s), [this] { return done_; })) break;
+      std::fprintf(stderr, "\r  %s\u2026 %ds\033[K", what_.c_str(), s);
+      std::fflush(stderr);
+      shown = true;
     }
-    if (std::find(bool_flags.begin(), bool_flags.end(), key) != bool_flags.end()) {
-      a.flags.emplace(key, "1");
-    } else if (std::find(value_flags.begin(), value_flags.end(), key) != value_flags.end()) {
-      if (!has_eq) {
-        if (i + 1 >= argv.size()) return absl::InvalidArgumentError(key + " needs a value");
-        value = argv[++i];
-      }
-      a.flags.emplace(key, value);
-    } else {
-      std::vector<std::string> known = value_flags;
-      known.insert(known.end(), bool_flags.begin(), bool_flags.end());
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown option ", key, " for `", cmd, "`",
-          known.empty() ? " (it takes none)" : absl::StrCat(" (it takes ", absl::StrJoin(known, ", "), ")")));
+    if (shown) {
+      std::fputs("\r\033[K", stderr);
+      std::fflush(stderr);
     }
   }
-  return a;
-}
+
+  const std::string what_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;  // guarded by mu_
+  std::thread thread_;
+};
 
 // --target: "CPU" or "GPU" (any case), or "" when not given.
 absl::StatusOr<std::string> ParseTarget(const Args& a) {
@@ -234,13 +414,14 @@ absl::StatusOr<std::string> ParseTarget(const Args& a) {
 // An error from a call that ran on `target`, with what to try when the GPU
 // is not usable.
 int FailOn(const std::string& target, const absl::Status& s) {
-  int rc = Fail(s);
   if (target == "GPU" && s.code() == absl::StatusCode::kUnavailable && !Unreachable(s)) {
-    std::cerr << "opjit: the op could not run on the GPU; `opjit info` shows the server's GPU "
-                 "status. Without --target (or with --target cpu) it runs on the CPU, if the op "
-                 "has a CPU implementation\n";
+    std::cerr << "opjit: " << absl::StatusCodeToString(s.code()) << ": " << s.message()
+              << " (the op could not run on the GPU; `opjit info` shows the server's GPU status. "
+                 "Without --target, or with --target cpu, it runs on the CPU if the op has a CPU "
+                 "implementation)\n";
+    return kExitFailed;
   }
-  return rc;
+  return Fail(s);
 }
 
 int64_t ParseVersion(const Args& a) { return std::stoll(a.Get("--version", "0")); }
@@ -295,6 +476,20 @@ int CmdInfo(Client& c, const Globals& g) {
     std::printf("GPU:       unavailable: %s\n", info->gpu().reason().c_str());
   }
   std::printf("ops:       %lld\n", static_cast<long long>(info->ops()));
+  auto state = [](const opjit::v1::StoreStatus& s) {
+    return absl::StrCat(!s.enabled()   ? "off"
+                        : !s.checked() ? "not checked yet"
+                        : s.reachable() ? "reachable"
+                                        : "UNREACHABLE",
+                        s.detail().empty() ? "" : " (" + s.detail() + ")");
+  };
+  if (info->has_registry_store()) {
+    std::printf("registry:  %s, %s\n", info->registry_store().name().c_str(),
+                state(info->registry_store()).c_str());
+  }
+  for (const auto& t : info->cache_tiers()) {
+    std::printf("cache:     %-6s %s\n", t.name().c_str(), state(t).c_str());
+  }
   return 0;
 }
 
@@ -303,7 +498,11 @@ int CmdRegister(Client& c, const Globals& g, const Args& a) {
   auto spec = opjit::client::LoadOpSpec(a.positional[0]);
   if (!spec.ok()) return Fail(spec.status());
   if (a.Has("--namespace")) spec->set_namespace_(a.Get("--namespace"));
-  auto resp = c.Register(*spec);
+  absl::StatusOr<opjit::v1::RegisterOpResponse> resp;
+  {
+    Progress progress("registering (compiling its kernels)");
+    resp = c.Register(*spec);
+  }
   if (!resp.ok()) return Fail(resp.status());
   PrintWarnings(resp->warnings());
   if (g.json) {
@@ -411,7 +610,11 @@ int CmdCompile(Client& c, const Globals& g, const Args& a) {
   for (const auto& arch : a.All("--arch")) req.add_archs(arch);
   req.set_aot_shared_object(a.Has("--aot"));
   req.set_namespace_(a.Get("--namespace"));
-  auto resp = c.Compile(req);
+  absl::StatusOr<opjit::v1::CompileResponse> resp;
+  {
+    Progress progress("compiling");
+    resp = c.Compile(req);
+  }
   if (!resp.ok()) return Fail(resp.status());
   if (g.json) {
     std::cout << ToJson(*resp);
@@ -543,7 +746,11 @@ int CmdRun(Client& c, const Globals& g, const Args& a) {
     req.add_outputs()->mutable_alloc_in()->set_region(region);
     req.mutable_outputs(0)->mutable_alloc_in()->set_offset(outputs_at);
   }
-  auto resp = c.Forward(req);
+  absl::StatusOr<opjit::v1::ForwardResponse> resp;
+  {
+    Progress progress("running (a first call compiles)");
+    resp = c.Forward(req);
+  }
   if (mapping) (void)c.UnregisterRegion(ns, region);
   if (!resp.ok()) return FailOn(*target, resp.status());
 
@@ -613,7 +820,11 @@ int CmdGrad(Client& c, const Globals& g, const Args& a) {
     }
     req.add_requires_grad(!no_grad.count(static_cast<int>(i)));
   }
-  auto fwd = c.Forward(req);
+  absl::StatusOr<opjit::v1::ForwardResponse> fwd;
+  {
+    Progress progress("running forward (a first call compiles)");
+    fwd = c.Forward(req);
+  }
   if (!fwd.ok()) return FailOn(*target, fwd.status());
   if (fwd->context_id().empty()) {
     return Fail(absl::FailedPreconditionError("no input requires a grad, so there is no backward"));
@@ -630,7 +841,11 @@ int CmdGrad(Client& c, const Globals& g, const Args& a) {
     if (!arr.ok()) return Fail(absl::Status(arr.status().code(), absl::StrCat(path, ": ", arr.status().message())));
     *breq.add_grad_outputs() = opjit::client::InlineTensor(arr->dtype, arr->shape, arr->data);
   }
-  auto bwd = c.Backward(breq);
+  absl::StatusOr<opjit::v1::BackwardResponse> bwd;
+  {
+    Progress progress("running backward");
+    bwd = c.Backward(breq);
+  }
   if (!bwd.ok()) return FailOn(*target, bwd.status());
   const auto outs = a.All("--out");
   for (int i = 0; i < bwd->grad_inputs_size(); ++i) {
@@ -676,7 +891,11 @@ int CmdGradCheck(Client& c, const Globals& g, const Args& a) {
   req.set_eps(std::stod(a.Get("--eps", "0")));
   req.set_atol(std::stod(a.Get("--atol", "0")));
   req.set_rtol(std::stod(a.Get("--rtol", "0")));
-  auto r = c.GradCheck(req);
+  absl::StatusOr<opjit::v1::GradCheckResponse> r;
+  {
+    Progress progress("checking gradients");
+    r = c.GradCheck(req);
+  }
   if (!r.ok()) return Fail(r.status());
   if (g.json) {
     std::cout << ToJson(*r);
@@ -730,70 +949,338 @@ int CmdCache(Client& c, const Globals& g, const Args& a) {
   return UsageError("cache takes `stats` or `clear`");
 }
 
+
+// grpc.health.v1.Health/Check on each address in turn; the first that
+// answers decides. The request and the reply are decoded by hand (field 1 of
+// each), so no generated health stubs are needed.
+int CmdHealth(const Globals& g, const Args& a) {
+  const std::string service = a.Get("--service");
+  auto client = Client::Connect({.address = g.server, .fast = "off"});
+  if (!client.ok()) return UsageError(std::string(client.status().message()));
+  const auto addresses = (*client)->addresses();
+  g_address = absl::StrJoin(addresses, ",");
+  std::shared_ptr<grpc::ChannelCredentials> tls;
+  if (const char* ca = std::getenv("OPJIT_TLS_CA"); ca != nullptr && *ca != '\0') {
+    std::ifstream in(ca, std::ios::binary);
+    std::stringstream pem;
+    pem << in.rdbuf();
+    if (!in || pem.str().empty()) {
+      std::cerr << "opjit: cannot read the TLS CA file " << ca << " (OPJIT_TLS_CA)\n";
+      return kExitFailed;
+    }
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = pem.str();
+    tls = grpc::SslCredentials(ssl);
+  }
+  std::string request;
+  if (!service.empty()) {
+    request.push_back('\x0a');
+    for (size_t n = service.size(); ; n >>= 7) {  // varint length
+      request.push_back(static_cast<char>((n & 0x7f) | (n >= 0x80 ? 0x80 : 0)));
+      if (n < 0x80) break;
+    }
+    request += service;
+  }
+  const double timeout_s = g.timeout_given ? g.timeout_s : 5.0;
+  for (const std::string& address : addresses) {
+    const bool unix_socket = address.rfind("unix:", 0) == 0;
+    auto channel = grpc::CreateChannel(
+        address, tls != nullptr && !unix_socket ? tls : grpc::InsecureChannelCredentials());
+    grpc::GenericStub stub(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+    grpc::Slice slice(request);
+    grpc::ByteBuffer req(&slice, 1), resp;
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                   [&done](grpc::Status s) { done.set_value(std::move(s)); });
+    const grpc::Status s = done.get_future().get();
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      continue;  // no answer here: the next address
+    }
+    if (!s.ok()) {
+      g_address = address;
+      std::cerr << "opjit: " << absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code()))
+                << ": " << address << ": "
+                << (s.error_code() == grpc::StatusCode::NOT_FOUND
+                        ? absl::StrCat("no service \"", service, "\" in its health checks")
+                        : s.error_message())
+                << "\n";
+      return kExitFailed;
+    }
+    std::vector<grpc::Slice> slices;
+    std::string body;
+    if (resp.Dump(&slices).ok()) {
+      for (const auto& sl : slices) body.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
+    // HealthCheckResponse { ServingStatus status = 1; }: absent is UNKNOWN (0).
+    int status = 0;
+    if (body.size() >= 2 && body[0] == '\x08') status = static_cast<unsigned char>(body[1]);
+    static const char* const kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+    const std::string name = status >= 0 && status < 4 ? kNames[status] : absl::StrCat(status);
+    if (g.json) {
+      std::printf("{\"address\": \"%s\", \"service\": \"%s\", \"status\": \"%s\"}\n",
+                  address.c_str(), service.c_str(), name.c_str());
+    } else if (status == 1) {
+      std::printf("%s: SERVING\n", address.c_str());
+    }
+    if (status == 1) return kExitOk;
+    if (!g.json) std::cerr << "opjit: " << address << ": " << name << "\n";
+    return kExitNotServing;
+  }
+  std::cerr << "opjit: UNAVAILABLE: " << UnreachableLine(g_address) << "\n";
+  return kExitUnreachable;
+}
+
+int CmdToken(const Globals& g) {
+  auto a = opjit::RandomHex128();
+  auto b = opjit::RandomHex128();
+  if (!a.ok() || !b.ok()) return Fail(a.ok() ? b.status() : a.status());
+  const std::string token = *a + *b;
+  const std::string hash = opjit::Sha256Hex(token);
+  if (g.json) {
+    std::printf("{\"token\": \"%s\", \"token_sha256\": \"%s\"}\n", token.c_str(), hash.c_str());
+    return kExitOk;
+  }
+  // The first line for the client, the second (TOML) for the daemon's config.
+  std::printf("token: %s\ntoken_sha256 = [\"%s\"]\n", token.c_str(), hash.c_str());
+  return kExitOk;
+}
+
+// The CLI11 parser of `doc`: one subcommand per command. Extras are allowed
+// everywhere so that they can be reported in the CLI's own words (Parsed()).
+struct Parser {
+  CLI::App app;
+  Globals globals;
+  std::string timeout;
+  bool version = false, man = false, completion = false;
+  std::map<std::string, CLI::App*> commands;
+  std::map<const CLI::Option*, const FlagDoc*> flag_of;
+  std::map<std::string, CLI::Option*> positional_of;
+
+  explicit Parser(const ProgramDoc& doc) : app(doc.summary, doc.name) {
+    auto fmt = std::make_shared<CLI::Formatter>();
+    fmt->label("SUBCOMMAND", "COMMAND");
+    fmt->column_width(30);
+    app.formatter(fmt);
+    app.allow_extras();
+    app.require_subcommand(0, 1);
+    app.footer(absl::StrCat(doc.environment, "\n\n", doc.exit_status));
+    for (const auto& f : doc.globals) {
+      CLI::Option* o = nullptr;
+      if (f.name == "--server") o = app.add_option(f.name, globals.server, f.help);
+      if (f.name == "--timeout") o = app.add_option(f.name, timeout, f.help);
+      if (f.name == "--json") o = app.add_flag(f.name, globals.json, f.help);
+      if (f.name == "--version") o = app.add_flag(f.name, version, f.help);
+      if (o != nullptr && !f.value.empty()) o->type_name(f.value);
+    }
+    // For the build: the man page and the completion script (hidden).
+    app.add_flag("--man", man, "")->group("");
+    app.add_flag("--bash-completion", completion, "")->group("");
+    for (const auto& c : doc.commands) {
+      CLI::App* sub = app.add_subcommand(c.name, c.summary);
+      sub->allow_extras();
+      sub->group("Commands");
+      if (!c.details.empty()) sub->footer(c.details);
+      if (!c.positional.empty()) {
+        CLI::Option* p = sub->add_option(c.positional, c.positional_help)->type_name("");
+        if (c.name != "help") p->required();
+        positional_of[c.name] = p;
+      }
+      for (const auto& f : c.flags) {
+        CLI::Option* o = nullptr;
+        if (f.value.empty()) {
+          o = sub->add_flag(f.name)->description(f.help);
+          if (f.name == "--json") o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+        } else {
+          const std::string help = f.help + (f.repeatable ? " (repeatable)" : "");
+          o = sub->add_option(f.name, help)
+                  ->type_name(f.value)
+                  ->expected(1);
+          if (f.repeatable) o->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+        }
+        flag_of[o] = &f;
+      }
+      commands[c.name] = sub;
+    }
+  }
+};
+
+// The parsed command line as (command, Args), or an exit status to return at
+// once (help, version, documents, bad usage).
+struct Parsed {
+  std::string command;
+  Args args;
+  int exit = -1;  // >= 0: exit with it
+};
+
+Parsed Parse(Parser& p, int argc, char** argv) {
+  Parsed out;
+  try {
+    p.app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << p.app.help();
+    out.exit = kExitOk;
+    return out;
+  } catch (const CLI::ParseError& e) {
+    const auto subs = p.app.get_subcommands();
+    if (!subs.empty()) g_command = subs.front()->get_name();
+    std::string what = e.what();
+    // CLI11 says "OP is required"; name the command too.
+    if (!g_command.empty()) what = absl::StrCat("`", g_command, "`: ", what);
+    out.exit = UsageError(what);
+    return out;
+  }
+  if (p.version) {
+    std::printf("opjit %s (git %s)\n", OPJIT_VERSION, OPJIT_GIT_REVISION);
+    out.exit = kExitOk;
+    return out;
+  }
+  if (p.man || p.completion) {
+    std::cout << (p.man ? opjit::cli::ManPage(Program()) : opjit::cli::BashCompletion(Program()));
+    out.exit = kExitOk;
+    return out;
+  }
+  for (const std::string& extra : p.app.remaining()) {
+    out.exit = UsageError(extra.rfind("-", 0) == 0 ? "unknown option " + extra
+                                                   : "unknown command " + extra);
+    return out;
+  }
+  const auto subs = p.app.get_subcommands();
+  if (subs.empty()) {
+    out.exit = UsageError("no command given");
+    return out;
+  }
+  if (!p.timeout.empty()) {
+    char* end = nullptr;
+    p.globals.timeout_s = std::strtod(p.timeout.c_str(), &end);
+    if (end == p.timeout.c_str() || *end != '\0' || !(p.globals.timeout_s > 0)) {
+      out.exit = UsageError("--timeout needs a positive number of seconds, got \"" + p.timeout + "\"");
+      return out;
+    }
+    p.globals.timeout_given = true;
+  }
+  CLI::App* sub = subs.front();
+  out.command = sub->get_name();
+  g_command = out.command;
+  const CommandDoc* doc = nullptr;
+  for (const auto& c : Program().commands) {
+    if (c.name == out.command) doc = &c;
+  }
+  if (auto it = p.positional_of.find(out.command); it != p.positional_of.end()) {
+    for (const auto& v : it->second->results()) out.args.positional.push_back(v);
+  }
+  for (const std::string& extra : sub->remaining()) {
+    if (extra.rfind("-", 0) == 0 && extra.size() > 1) {
+      std::string known;
+      for (const auto& f : doc->flags) {
+        if (f.name != "--json") known += (known.empty() ? "" : ", ") + f.name;
+      }
+      const std::string name = extra.substr(0, extra.find('='));
+      if (out.command == "cache" && name == "--memory-only") {
+        out.exit = UsageError("--memory-only goes with `cache clear`");
+      } else if (name == "--server" || name == "--timeout") {
+        out.exit = UsageError(absl::StrCat(name, " goes before the command: opjit ", name,
+                                           " ... ", out.command));
+      } else {
+        out.exit = UsageError(absl::StrCat("unknown option ", name, " for `", out.command, "`",
+                                           known.empty() ? " (it takes none)"
+                                                         : " (it takes " + known + ")"));
+      }
+      return out;
+    }
+    if (doc->positional.empty()) {
+      out.exit = UsageError(absl::StrCat(out.command, " takes no arguments, got \"", extra, "\""));
+    } else {
+      out.exit = UsageError(absl::StrCat(out.command, " takes one ", doc->positional,
+                                         ", got another: \"", extra, "\""));
+    }
+    return out;
+  }
+  for (const CLI::Option* o : sub->get_options()) {
+    auto it = p.flag_of.find(o);
+    if (it == p.flag_of.end() || o->count() == 0) continue;
+    const FlagDoc& f = *it->second;
+    if (f.name == "--json") {
+      p.globals.json = true;
+      continue;
+    }
+    if (f.value.empty()) {
+      out.args.flags.emplace(f.name, "1");
+      continue;
+    }
+    for (const std::string& v : o->results()) {
+      char* end = nullptr;
+      if (IntegerValue(f.value)) {
+        errno = 0;
+        (void)std::strtoll(v.c_str(), &end, 10);
+        if (v.empty() || *end != '\0' || errno != 0) {
+          out.exit = UsageError(absl::StrCat(f.name, " takes an integer, got \"", v, "\""));
+          return out;
+        }
+      } else if (NumberValue(f.value)) {
+        (void)std::strtod(v.c_str(), &end);
+        if (v.empty() || *end != '\0') {
+          out.exit = UsageError(absl::StrCat(f.name, " takes a number, got \"", v, "\""));
+          return out;
+        }
+      } else if (!f.choices.empty() && f.name != "--target") {
+        std::vector<std::string> choices = absl::StrSplit(f.choices, ' ');
+        if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
+          out.exit = UsageError(absl::StrCat(f.name, " takes ", absl::StrJoin(choices, ", "),
+                                             "; got \"", v, "\""));
+          return out;
+        }
+      }
+      out.args.flags.emplace(f.name, v);
+    }
+  }
+  if (!doc->positional_choices.empty() && out.command != "help" && !out.args.positional.empty()) {
+    std::vector<std::string> choices = absl::StrSplit(doc->positional_choices, ' ');
+    const std::string& v = out.args.positional[0];
+    if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
+      out.exit = UsageError(absl::StrCat(out.command, " takes ", absl::StrJoin(choices, " or "),
+                                         ", got \"", v, "\""));
+      return out;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  Globals g;
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s == "--help" || s == "-h") {
-      std::cout << kUsage;
-      return 0;
-    } else if (s == "--json") {
-      g.json = true;
-    } else if (s == "--server" || s == "--timeout") {
-      if (i + 1 >= argc) return UsageError(s + " needs a value");
-      const std::string v = argv[++i];
-      if (s == "--server") {
-        g.server = v;
-      } else {
-        g.timeout_s = std::atof(v.c_str());
-        if (g.timeout_s <= 0) return UsageError("--timeout needs a positive number of seconds");
-      }
-    } else if (s.rfind("--server=", 0) == 0) {
-      g.server = s.substr(9);
-    } else if (s.rfind("--timeout=", 0) == 0) {
-      g.timeout_s = std::atof(s.c_str() + 10);
-      if (g.timeout_s <= 0) return UsageError("--timeout needs a positive number of seconds");
-    } else if (s.rfind("--", 0) == 0) {
-      return UsageError("unknown option " + s);
-    } else {
-      break;
-    }
-  }
-  if (i >= argc) return UsageError("no command");
-  const std::string cmd = argv[i++];
-  std::vector<std::string> rest(argv + i, argv + argc);
-  const auto flags = FlagsByCommand().find(cmd);
-  if (flags == FlagsByCommand().end()) return UsageError("unknown command " + cmd);
-  if (cmd == "help" || std::find(rest.begin(), rest.end(), "--help") != rest.end() ||
-      std::find(rest.begin(), rest.end(), "-h") != rest.end()) {
-    std::cout << kUsage;
-    return 0;
-  }
-  // --json is accepted after the command too, as scripts tend to put it there.
-  if (auto it = std::find(rest.begin(), rest.end(), "--json"); it != rest.end()) {
-    g.json = true;
-    rest.erase(it);
-  }
-  auto args = ParseArgs(cmd, rest, flags->second.value_flags, flags->second.bool_flags);
-  if (!args.ok()) return UsageError(std::string(args.status().message()));
-  if ((cmd == "info" || cmd == "ops" || cmd == "stats" || cmd == "token") &&
-      !args->positional.empty()) {
-    return UsageError(absl::StrCat(cmd, " takes no arguments, got \"", args->positional[0], "\""));
-  }
+  Parser parser(Program());
+  Parsed parsed = Parse(parser, argc, argv);
+  if (parsed.exit >= 0) return parsed.exit;
+  const Globals& g = parser.globals;
+  const std::string& cmd = parsed.command;
+  Args& args = parsed.args;
 
-  if (cmd == "token") {
-    auto a = opjit::RandomHex128();
-    auto b = opjit::RandomHex128();
-    if (!a.ok() || !b.ok()) return Fail(a.ok() ? b.status() : a.status());
-    const std::string token = *a + *b;
-    std::cout << "token:        " << token << "\n"
-              << "token_sha256: [\"" << opjit::Sha256Hex(token) << "\"]   # for opjitd's [[principal]]\n";
-    return 0;
+  if (cmd == "help") {
+    if (args.positional.empty()) {
+      // app.help() would show the selected command's (help's own) help.
+      std::cout << parser.app.get_formatter()->make_help(&parser.app, "opjit",
+                                                         CLI::AppFormatMode::Normal);
+      return kExitOk;
+    }
+    auto it = parser.commands.find(args.positional[0]);
+    if (it == parser.commands.end()) return UsageError("unknown command " + args.positional[0]);
+    std::cout << it->second->help("opjit");
+    return kExitOk;
   }
-  if (cmd == "stats") args->positional = {"stats"};
+  if (cmd == "token") return CmdToken(g);
+  if (cmd == "health") return CmdHealth(g, args);
+  if (cmd == "stats") args.positional = {"stats"};
+  if (cmd == "cache" && args.positional[0] == "stats" && args.Has("--memory-only")) {
+    return UsageError("--memory-only goes with `cache clear`");
+  }
+  // Flags checked before anything reaches the server.
+  if (auto target = ParseTarget(args); !target.ok()) {
+    return UsageError(std::string(target.status().message()));
+  }
   // One call per process: opening a fast channel (starting its executor)
   // would cost more than it saves, so the CLI stays on gRPC unless
   // OPJIT_FAST says otherwise.
@@ -801,21 +1288,21 @@ int main(int argc, char** argv) {
                                  .timeout = std::chrono::milliseconds(
                                      static_cast<int64_t>(g.timeout_s * 1000)),
                                  .fast = std::getenv("OPJIT_FAST") != nullptr ? "" : "off"});
-  if (!client.ok()) return Fail(client.status());
+  if (!client.ok()) return UsageError(std::string(client.status().message()));
   Client& c = **client;
   g_address = absl::StrJoin(c.addresses(), ",");
   try {
     if (cmd == "info") return CmdInfo(c, g);
-    if (cmd == "register") return CmdRegister(c, g, *args);
-    if (cmd == "ops") return CmdOps(c, g, *args);
-    if (cmd == "describe") return CmdDescribe(c, g, *args);
-    if (cmd == "delete") return CmdDelete(c, g, *args);
-    if (cmd == "compile") return CmdCompile(c, g, *args);
-    if (cmd == "cache" || cmd == "stats") return CmdCache(c, g, *args);
-    if (cmd == "run") return CmdRun(c, g, *args);
-    if (cmd == "grad") return CmdGrad(c, g, *args);
-    if (cmd == "gradcheck") return CmdGradCheck(c, g, *args);
-  } catch (const std::exception& e) {  // std::stoll on a bad --version
+    if (cmd == "register") return CmdRegister(c, g, args);
+    if (cmd == "ops") return CmdOps(c, g, args);
+    if (cmd == "describe") return CmdDescribe(c, g, args);
+    if (cmd == "delete") return CmdDelete(c, g, args);
+    if (cmd == "compile") return CmdCompile(c, g, args);
+    if (cmd == "cache" || cmd == "stats") return CmdCache(c, g, args);
+    if (cmd == "run") return CmdRun(c, g, args);
+    if (cmd == "grad") return CmdGrad(c, g, args);
+    if (cmd == "gradcheck") return CmdGradCheck(c, g, args);
+  } catch (const std::exception& e) {  // a number out of range
     return UsageError(std::string("bad argument: ") + e.what());
   }
   return UsageError("unknown command " + cmd);

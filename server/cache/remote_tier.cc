@@ -318,6 +318,7 @@ void RemoteTier::Release(Connection c, bool ok, const std::string& what) {
     absl::MutexLock lock(&conn_mu_);
     recovered = consecutive_failures_ > 0;
     consecutive_failures_ = 0;
+    contacted_ = true;
     retry_at_ = {};
     if (c.generation == generation_ && idle_.size() < kMaxIdle) {
       idle_.push_back(c);
@@ -337,6 +338,7 @@ void RemoteTier::RecordFailure(const std::string& what) {
     ++generation_;
     stale.swap(idle_);
     ++consecutive_failures_;
+    contacted_ = true;
     backoff = Backoff(consecutive_failures_);
     retry_at_ = Clock::now() + backoff;
   }
@@ -505,6 +507,9 @@ RemoteTierStats RemoteTier::Stats() const {
   s.puts = puts_.load();
   s.dropped = dropped_.load();
   s.oversize = oversize_.load();
+  absl::MutexLock lock(&conn_mu_);
+  s.consecutive_failures = consecutive_failures_;
+  s.contacted = contacted_;
   return s;
 }
 

@@ -38,6 +38,10 @@ struct RemoteTierStats {
   uint64_t puts = 0;      // Entries written (SET acknowledged).
   uint64_t dropped = 0;   // Puts not written: queue full, Redis down or backing off.
   uint64_t oversize = 0;  // Puts refused for a payload over max_bytes.
+  // Reachability, as last seen: whether Redis ever answered or failed, and
+  // the failures since it last answered (0: it answered last).
+  bool contacted = false;
+  int consecutive_failures = 0;
 };
 
 // A Redis-backed, authenticated blob tier. Entries live under
@@ -157,6 +161,7 @@ class RemoteTier {
   std::vector<Connection> idle_ ABSL_GUARDED_BY(conn_mu_);
   uint64_t generation_ ABSL_GUARDED_BY(conn_mu_) = 0;
   int consecutive_failures_ ABSL_GUARDED_BY(conn_mu_) = 0;
+  bool contacted_ ABSL_GUARDED_BY(conn_mu_) = false;  // answered or failed once
   // No connect is attempted before this.
   std::chrono::steady_clock::time_point retry_at_ ABSL_GUARDED_BY(conn_mu_);
 

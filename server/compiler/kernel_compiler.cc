@@ -546,6 +546,8 @@ KernelCacheStats KernelCompiler::Stats() const {
     s.remote_rejected = r.rejected;
     s.remote_errors = r.errors;
     s.remote_puts = r.puts;
+    s.remote_contacted = r.contacted;
+    s.remote_consecutive_failures = r.consecutive_failures;
   }
   return s;
 }

@@ -181,6 +181,9 @@ struct KernelCacheStats {
   uint64_t remote_hits = 0, remote_misses = 0, remote_rejected = 0, remote_errors = 0,
            remote_puts = 0;
   bool remote_enabled = false;  // [cache.remote] is configured
+  // The remote tier's reachability as last seen (RemoteTierStats).
+  bool remote_contacted = false;
+  int remote_consecutive_failures = 0;
 };
 
 class KernelCompiler {

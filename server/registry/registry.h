@@ -132,8 +132,20 @@ class Registry {
   // The namespaces that hold ops.
   std::vector<std::string> Namespaces() const;
 
-  // OK when the store can be written now (a probe row is written).
-  absl::Status ProbeStore() { return store_->Probe(); }
+  // OK when the store can be written now (a probe row is written). The
+  // outcome is kept for StoreProbed() (GetServerInfo reports it).
+  absl::Status ProbeStore() {
+    absl::Status s = store_->Probe();
+    store_probe_.store(s.ok() ? 1 : 2, std::memory_order_relaxed);
+    return s;
+  }
+  // The last ProbeStore's outcome: 0 never probed, 1 OK, 2 failed.
+  int StoreProbed() const { return store_probe_.load(std::memory_order_relaxed); }
+  // The store's kind: "sqlite" or "postgres" (no path).
+  std::string StoreBackend() const {
+    const std::string d = store_->Describe();
+    return d.substr(0, d.find(' '));
+  }
 
   // How many times the memory was reloaded because the store changed under
   // it (another daemon's write). For tests and metrics.
@@ -188,6 +200,7 @@ class Registry {
   absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   const Options options_;
   const std::unique_ptr<Store> store_;  // its own locking
+  std::atomic<int> store_probe_{0};     // see StoreProbed()
   // Reports other daemons' changes; null for a store only we write.
   std::unique_ptr<ChangeWatcher> watcher_;
   std::thread sync_thread_;

@@ -274,6 +274,51 @@ void ServerService::SetBound(std::vector<std::string> bound) {
   bound_ = std::move(bound);
 }
 
+namespace {
+
+// ServerInfo.registry_store and cache_tiers, from what the registry's health
+// probe and the cache tiers last saw (nothing here waits on a store).
+void FillStores(const CoreRefs& core, v1::ServerInfo* resp) {
+  if (core.registry != nullptr) {
+    auto* store = resp->mutable_registry_store();
+    store->set_name(core.registry->StoreBackend());
+    store->set_enabled(true);
+    const int probed = core.registry->StoreProbed();
+    store->set_checked(probed != 0);
+    store->set_reachable(probed == 1);
+    store->set_detail(probed == 0   ? ""
+                      : probed == 1 ? "its last health probe wrote to it"
+                                    : "its last health probe failed; registrations fail");
+  }
+  if (core.compiler == nullptr) return;
+  const compiler::KernelCacheStats c = core.compiler->Stats();
+  auto* memory = resp->add_cache_tiers();
+  memory->set_name("memory");
+  memory->set_enabled(true);
+  memory->set_checked(true);
+  memory->set_reachable(true);
+  memory->set_detail(absl::StrCat(c.memory_entries, " entries"));
+  auto* disk = resp->add_cache_tiers();
+  disk->set_name("disk");
+  disk->set_enabled(true);
+  disk->set_checked(true);
+  disk->set_reachable(true);
+  disk->set_detail(absl::StrCat(c.disk_entries, " entries"));
+  auto* redis = resp->add_cache_tiers();
+  redis->set_name("redis");
+  redis->set_enabled(c.remote_enabled);
+  if (!c.remote_enabled) return;
+  redis->set_checked(c.remote_contacted);
+  redis->set_reachable(c.remote_contacted && c.remote_consecutive_failures == 0);
+  redis->set_detail(!c.remote_contacted ? "connects at the first lookup"
+                    : c.remote_consecutive_failures == 0
+                        ? "its last command answered"
+                        : absl::StrCat(c.remote_consecutive_failures,
+                                       " failure(s) in a row; backing off"));
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                        const v1::GetServerInfoRequest*,
                                                        v1::ServerInfo* resp) {
@@ -300,6 +345,7 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
     for (const auto& l : bound_.empty() ? facts_.listen : bound_) resp->add_listen(l);
   }
   resp->set_daemon_uid(static_cast<uint32_t>(::geteuid()));  // for RegisterRegion's ACL
+  FillStores(core_, resp);
   if (!who.admin()) return FinishNow(ctx, absl::OkStatus());
   resp->set_state_dir(facts_.state_dir);
   resp->set_uptime_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
