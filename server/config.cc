@@ -1,11 +1,20 @@
 #include "server/config.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
+#include <map>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include <toml++/toml.h>
 
@@ -15,266 +24,433 @@
 namespace opjit {
 namespace {
 
-absl::Status BadKey(const std::string& path, const std::string& why) {
-  return absl::InvalidArgumentError(absl::StrCat("config ", path, ": ", why));
-}
+// Collects the problems of one config file: each names the key and, when the
+// file set it, its line.
+class Checker {
+ public:
+  explicit Checker(std::string file) : file_(std::move(file)) {}
 
+  // A problem with `key`, located at `node` (nullptr: where the key was set,
+  // if it was).
+  void Problem(const std::string& key, const std::string& message,
+               const toml::node* node = nullptr) {
+    int line = 0;
+    if (node != nullptr && node->source().begin.line > 0) {
+      line = static_cast<int>(node->source().begin.line);
+    } else if (auto l = lines_.find(key); l != lines_.end() && !flags_.count(key)) {
+      line = l->second;
+    }
+    problems_.push_back({Where(key, node), key, message, line});
+  }
+  // A problem with `key` (absent) caused by `cause` (set): located where
+  // `cause` was set.
+  void ProblemFrom(const std::string& key, const std::string& cause, const std::string& message) {
+    const size_t before = problems_.size();
+    Problem(cause, message);
+    problems_[before].key = key;
+  }
+  void ParseError(const toml::parse_error& e) {
+    problems_.push_back({absl::StrCat(file_, ":", e.source().begin.line, ":",
+                                      e.source().begin.column),
+                         "", std::string(e.description()),
+                         static_cast<int>(e.source().begin.line)});
+  }
+  // Remembers that `key` was set at `node`'s line.
+  void Saw(const std::string& key, const toml::node& node) {
+    lines_[key] = static_cast<int>(node.source().begin.line);
+  }
+  void SawFlag(const std::string& key, const std::string& flag) { flags_[key] = flag; }
+  bool Set(const std::string& key) const { return lines_.count(key) || flags_.count(key); }
+
+  std::vector<ConfigProblem> TakeProblems() {
+    std::stable_sort(problems_.begin(), problems_.end(),
+                     [](const ConfigProblem& a, const ConfigProblem& b) {
+                       return (a.line == 0 ? INT_MAX : a.line) < (b.line == 0 ? INT_MAX : b.line);
+                     });
+    return std::move(problems_);
+  }
+  bool ok() const { return problems_.empty(); }
+
+ private:
+  std::string Where(const std::string& key, const toml::node* node) const {
+    if (node != nullptr && node->source().begin.line > 0) {
+      return absl::StrCat(file_, ":", node->source().begin.line);
+    }
+    if (auto f = flags_.find(key); f != flags_.end()) return f->second;
+    if (auto l = lines_.find(key); l != lines_.end()) return absl::StrCat(file_, ":", l->second);
+    return file_.empty() ? "flags" : file_;
+  }
+
+  const std::string file_;
+  std::map<std::string, int> lines_;
+  std::map<std::string, std::string> flags_;
+  std::vector<ConfigProblem> problems_;
+};
+
+// Each Read* leaves *out alone when the key is absent, and on a bad value
+// (recording the problem).
 template <typename T>
-absl::Status ReadInt(const toml::table& t, const char* key, const std::string& where, T* out) {
+void ReadInt(Checker& ck, const toml::table& t, const char* key, const std::string& where, T* out,
+             int64_t lo = 0, int64_t hi = std::numeric_limits<T>::max()) {
   const toml::node* n = t.get(key);
-  if (n == nullptr) return absl::OkStatus();
-  auto v = n->value<int64_t>();
-  if (!v || *v < 0) return BadKey(absl::StrCat(where, key), "expected a non-negative integer");
+  if (n == nullptr) return;
+  const std::string name = absl::StrCat(where, key);
+  ck.Saw(name, *n);
+  std::optional<int64_t> v = n->is_integer() ? n->value<int64_t>() : std::nullopt;
+  if (!v) return ck.Problem(name, "expected an integer", n);
+  if (*v < lo || *v > hi) {
+    if (hi == std::numeric_limits<int64_t>::max() || hi == std::numeric_limits<T>::max()) {
+      return ck.Problem(name, absl::StrCat("expected an integer >= ", lo, ", not ", *v), n);
+    }
+    return ck.Problem(name, absl::StrCat("expected an integer in [", lo, ", ", hi, "], not ", *v),
+                      n);
+  }
   *out = static_cast<T>(*v);
-  return absl::OkStatus();
 }
 
-absl::Status ReadString(const toml::table& t, const char* key, const std::string& where,
-                        std::string* out) {
+void ReadString(Checker& ck, const toml::table& t, const char* key, const std::string& where,
+                std::string* out) {
   const toml::node* n = t.get(key);
-  if (n == nullptr) return absl::OkStatus();
+  if (n == nullptr) return;
+  ck.Saw(absl::StrCat(where, key), *n);
   auto v = n->value<std::string>();
-  if (!v) return BadKey(absl::StrCat(where, key), "expected a string");
+  if (!v) return ck.Problem(absl::StrCat(where, key), "expected a string", n);
   *out = *v;
-  return absl::OkStatus();
 }
 
-absl::Status ReadBool(const toml::table& t, const char* key, const std::string& where,
-                      bool* out) {
+void ReadBool(Checker& ck, const toml::table& t, const char* key, const std::string& where,
+              bool* out) {
   const toml::node* n = t.get(key);
-  if (n == nullptr) return absl::OkStatus();
+  if (n == nullptr) return;
+  ck.Saw(absl::StrCat(where, key), *n);
   auto v = n->value<bool>();
-  if (!v) return BadKey(absl::StrCat(where, key), "expected true or false");
+  if (!v) return ck.Problem(absl::StrCat(where, key), "expected true or false", n);
   *out = *v;
-  return absl::OkStatus();
 }
 
-absl::Status ReadStrings(const toml::table& t, const char* key, const std::string& where,
-                         std::vector<std::string>* out) {
+void ReadStrings(Checker& ck, const toml::table& t, const char* key, const std::string& where,
+                 std::vector<std::string>* out) {
   const toml::node* n = t.get(key);
-  if (n == nullptr) return absl::OkStatus();
+  if (n == nullptr) return;
+  const std::string name = absl::StrCat(where, key);
+  ck.Saw(name, *n);
   const toml::array* arr = n->as_array();
-  if (arr == nullptr) return BadKey(absl::StrCat(where, key), "expected an array of strings");
-  out->clear();
+  if (arr == nullptr) return ck.Problem(name, "expected an array of strings", n);
+  std::vector<std::string> values;
   for (const auto& e : *arr) {
     auto v = e.value<std::string>();
-    if (!v) return BadKey(absl::StrCat(where, key), "expected an array of strings");
-    out->push_back(*v);
+    if (!v) return ck.Problem(name, "expected an array of strings", &e);
+    values.push_back(*v);
   }
-  return absl::OkStatus();
+  *out = std::move(values);
 }
 
-absl::Status ReadDouble(const toml::table& t, const char* key, const std::string& where,
-                        double* out) {
+void ReadDouble(Checker& ck, const toml::table& t, const char* key, const std::string& where,
+                double* out) {
   const toml::node* n = t.get(key);
-  if (n == nullptr) return absl::OkStatus();
-  std::optional<double> v = n->value<double>();
-  if (!v || *v < 0) return BadKey(absl::StrCat(where, key), "expected a non-negative number");
+  if (n == nullptr) return;
+  const std::string name = absl::StrCat(where, key);
+  ck.Saw(name, *n);
+  std::optional<double> v =
+      n->is_integer() || n->is_floating_point() ? n->value<double>() : std::nullopt;
+  if (!v || !std::isfinite(*v) || *v < 0) return ck.Problem(name, "expected a non-negative number", n);
   *out = *v;
-  return absl::OkStatus();
 }
 
-absl::Status ReadIds(const toml::table& t, const char* key, const std::string& where,
-                     std::vector<uint32_t>* out) {
+void ReadIds(Checker& ck, const toml::table& t, const char* key, const std::string& where,
+             std::vector<uint32_t>* out) {
   const toml::node* n = t.get(key);
-  if (n == nullptr) return absl::OkStatus();
+  if (n == nullptr) return;
+  const std::string name = absl::StrCat(where, key);
+  ck.Saw(name, *n);
   const toml::array* arr = n->as_array();
-  if (arr == nullptr) return BadKey(absl::StrCat(where, key), "expected an array of integers");
+  if (arr == nullptr) return ck.Problem(name, "expected an array of integers", n);
   for (const auto& e : *arr) {
-    auto v = e.value<int64_t>();
+    std::optional<int64_t> v = e.is_integer() ? e.value<int64_t>() : std::nullopt;
     if (!v || *v < 0 || *v > 0xfffffffell) {
-      return BadKey(absl::StrCat(where, key), "expected an array of uids/gids");
+      return ck.Problem(name, "expected an array of uids/gids", &e);
     }
     out->push_back(static_cast<uint32_t>(*v));
   }
-  return absl::OkStatus();
 }
 
-absl::Status CheckKeys(const toml::table& t, const std::string& where,
-                       const std::set<std::string>& known) {
+// Records every key of `t` not in `known`; true when there was none.
+bool CheckKeys(Checker& ck, const toml::table& t, const std::string& where,
+               const std::set<std::string>& known) {
+  bool ok = true;
   for (const auto& [k, v] : t) {
     if (!known.count(std::string(k.str()))) {
-      return BadKey(absl::StrCat(where, std::string(k.str())),
-                    absl::StrCat("unknown key (known: ", absl::StrJoin(known, ", "), ")"));
+      ck.Problem(absl::StrCat(where, std::string(k.str())),
+                 absl::StrCat("unknown key (known here: ", absl::StrJoin(known, ", "), ")"), &v);
+      ok = false;
     }
   }
-  return absl::OkStatus();
+  return ok;
 }
 
-#define OPJIT_CFG_TRY(expr)                \
-  do {                                     \
-    absl::Status s_ = (expr);              \
-    if (!s_.ok()) return s_;               \
-  } while (0)
+// A section that must be a table, or nullptr (recording the problem when it
+// is something else).
+const toml::table* Section(Checker& ck, const toml::table& t, const char* key,
+                           const std::string& where) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return nullptr;
+  ck.Saw(absl::StrCat(where, key), *n);
+  if (const toml::table* s = n->as_table()) return s;
+  ck.Problem(absl::StrCat(where, key), absl::StrCat("expected a table ([", where, key, "])"), n);
+  return nullptr;
+}
 
-absl::Status ApplyToml(const std::string& path, DaemonConfig* cfg) {
-  toml::table root;
-  try {
-    // toml++ reports parse errors by exception; they stay inside this function.
-    root = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config ", path, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
-        std::string(e.description())));
-  }
-  OPJIT_CFG_TRY(CheckKeys(root, "",
-                          {"state_dir", "listen", "log_level", "max_message_mb", "allow_insecure_tcp", "compiler",
-                           "cache", "exec", "shm", "autograd", "socket_mode", "socket_group",
-                           "principal", "tls", "metrics", "health", "quota", "fast", "registry"}));
-  OPJIT_CFG_TRY(ReadString(root, "socket_group", "", &cfg->socket_group));
+void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
+  CheckKeys(ck, root, "",
+            {"state_dir", "listen", "log_level", "max_message_mb", "allow_insecure_tcp",
+             "compiler", "cache", "exec", "shm", "autograd", "socket_mode", "socket_group",
+             "principal", "tls", "metrics", "health", "quota", "fast", "registry"});
+  ReadString(ck, root, "socket_group", "", &cfg->socket_group);
   if (const toml::node* n = root.get("socket_mode")) {
+    ck.Saw("socket_mode", *n);
     auto v = n->value<std::string>();
     char* end = nullptr;
     const unsigned long mode = v ? std::strtoul(v->c_str(), &end, 8) : 0;
     if (!v || v->empty() || *end != '\0' || mode > 0777) {
-      return BadKey("socket_mode", "expected an octal mode string such as \"0660\"");
+      ck.Problem("socket_mode", "expected an octal mode string such as \"0660\"", n);
+    } else {
+      cfg->socket_mode = static_cast<unsigned>(mode);
     }
-    cfg->socket_mode = static_cast<unsigned>(mode);
   }
   if (const toml::node* n = root.get("principal")) {
+    ck.Saw("principal", *n);
     const toml::array* arr = n->as_array();
-    if (arr == nullptr) return BadKey("principal", "expected [[principal]] tables");
-    for (size_t i = 0; i < arr->size(); ++i) {
-      const toml::table* t = (*arr)[i].as_table();
-      const std::string where = absl::StrCat("principal[", i, "].");
-      if (t == nullptr) return BadKey(where, "expected a table");
-      OPJIT_CFG_TRY(CheckKeys(*t, where, {"name", "role", "namespaces", "token_sha256", "uids", "gids"}));
-      access::PrincipalConfig p;
-      std::string role = "user";
-      OPJIT_CFG_TRY(ReadString(*t, "name", where, &p.name));
-      OPJIT_CFG_TRY(ReadString(*t, "role", where, &role));
-      auto r = access::ParseRole(role);
-      if (!r) {
-        return BadKey(absl::StrCat(where, "role"),
-                      "expected \"admin\", \"user\", \"reader\" or \"metrics\"");
+    if (arr == nullptr) {
+      ck.Problem("principal", "expected [[principal]] tables", n);
+    } else {
+      for (size_t i = 0; i < arr->size(); ++i) {
+        const toml::table* t = (*arr)[i].as_table();
+        const std::string where = absl::StrCat("principal[", i, "].");
+        ck.Saw(absl::StrCat("principal[", i, "]"), (*arr)[i]);
+        if (t == nullptr) {
+          ck.Problem(absl::StrCat("principal[", i, "]"), "expected a table", &(*arr)[i]);
+          continue;
+        }
+        CheckKeys(ck, *t, where, {"name", "role", "namespaces", "token_sha256", "uids", "gids"});
+        access::PrincipalConfig p;
+        std::string role = "user";
+        ReadString(ck, *t, "name", where, &p.name);
+        ReadString(ck, *t, "role", where, &role);
+        if (auto r = access::ParseRole(role)) {
+          p.role = *r;
+        } else {
+          ck.Problem(absl::StrCat(where, "role"),
+                     "expected \"admin\", \"user\", \"reader\" or \"metrics\"", t->get("role"));
+        }
+        ReadStrings(ck, *t, "namespaces", where, &p.namespaces);
+        ReadStrings(ck, *t, "token_sha256", where, &p.token_sha256);
+        ReadIds(ck, *t, "uids", where, &p.uids);
+        ReadIds(ck, *t, "gids", where, &p.gids);
+        cfg->principals.push_back(std::move(p));
       }
-      p.role = *r;
-      OPJIT_CFG_TRY(ReadStrings(*t, "namespaces", where, &p.namespaces));
-      OPJIT_CFG_TRY(ReadStrings(*t, "token_sha256", where, &p.token_sha256));
-      OPJIT_CFG_TRY(ReadIds(*t, "uids", where, &p.uids));
-      OPJIT_CFG_TRY(ReadIds(*t, "gids", where, &p.gids));
-      cfg->principals.push_back(std::move(p));
     }
   }
-  if (const toml::table* c = root["tls"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "tls.", {"cert", "key", "client_ca", "require_client_cert"}));
-    OPJIT_CFG_TRY(ReadString(*c, "cert", "tls.", &cfg->tls_cert));
-    OPJIT_CFG_TRY(ReadString(*c, "key", "tls.", &cfg->tls_key));
-    OPJIT_CFG_TRY(ReadString(*c, "client_ca", "tls.", &cfg->tls_client_ca));
-    OPJIT_CFG_TRY(ReadBool(*c, "require_client_cert", "tls.", &cfg->tls_require_client_cert));
-    if (cfg->tls_cert.empty() != cfg->tls_key.empty()) {
-      return BadKey("tls", "cert and key go together");
-    }
+  if (const toml::table* c = Section(ck, root, "tls", "")) {
+    CheckKeys(ck, *c, "tls.", {"cert", "key", "client_ca", "require_client_cert"});
+    ReadString(ck, *c, "cert", "tls.", &cfg->tls_cert);
+    ReadString(ck, *c, "key", "tls.", &cfg->tls_key);
+    ReadString(ck, *c, "client_ca", "tls.", &cfg->tls_client_ca);
+    ReadBool(ck, *c, "require_client_cert", "tls.", &cfg->tls_require_client_cert);
   }
-  if (const toml::table* c = root["metrics"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "metrics.", {"listen"}));
-    OPJIT_CFG_TRY(ReadString(*c, "listen", "metrics.", &cfg->metrics_listen));
+  if (const toml::table* c = Section(ck, root, "metrics", "")) {
+    CheckKeys(ck, *c, "metrics.", {"listen"});
+    ReadString(ck, *c, "listen", "metrics.", &cfg->metrics_listen);
   }
-  if (const toml::table* c = root["health"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "health.", {"interval_ms"}));
-    OPJIT_CFG_TRY(ReadInt(*c, "interval_ms", "health.", &cfg->health_interval_ms));
+  if (const toml::table* c = Section(ck, root, "health", "")) {
+    CheckKeys(ck, *c, "health.", {"interval_ms"});
+    ReadInt(ck, *c, "interval_ms", "health.", &cfg->health_interval_ms, 50, 3600000);
   }
-  if (const toml::table* c = root["quota"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "quota.",
-                            {"shm_mb", "context_mb", "executor_processes", "concurrent_compiles",
-                             "compile_seconds_per_minute", "calls_per_second", "ops",
-                             "versions_per_op", "namespaces", "total_shm_mb", "total_context_mb"}));
-    OPJIT_CFG_TRY(ReadInt(*c, "shm_mb", "quota.", &cfg->shm_quota_mb));
-    OPJIT_CFG_TRY(ReadInt(*c, "context_mb", "quota.", &cfg->context_mb));
-    OPJIT_CFG_TRY(ReadInt(*c, "executor_processes", "quota.", &cfg->exec_workers));
-    OPJIT_CFG_TRY(ReadInt(*c, "concurrent_compiles", "quota.", &cfg->quota_concurrent_compiles));
-    OPJIT_CFG_TRY(ReadDouble(*c, "compile_seconds_per_minute", "quota.",
-                             &cfg->quota_compile_seconds_per_minute));
-    OPJIT_CFG_TRY(ReadDouble(*c, "calls_per_second", "quota.", &cfg->quota_calls_per_second));
-    OPJIT_CFG_TRY(ReadInt(*c, "ops", "quota.", &cfg->quota_ops));
-    OPJIT_CFG_TRY(ReadInt(*c, "versions_per_op", "quota.", &cfg->quota_versions));
-    OPJIT_CFG_TRY(ReadInt(*c, "namespaces", "quota.", &cfg->quota_namespaces));
-    OPJIT_CFG_TRY(ReadInt(*c, "total_shm_mb", "quota.", &cfg->quota_total_shm_mb));
-    OPJIT_CFG_TRY(ReadInt(*c, "total_context_mb", "quota.", &cfg->quota_total_context_mb));
+  if (const toml::table* c = Section(ck, root, "quota", "")) {
+    CheckKeys(ck, *c, "quota.",
+              {"shm_mb", "context_mb", "executor_processes", "concurrent_compiles",
+               "compile_seconds_per_minute", "calls_per_second", "ops", "versions_per_op",
+               "namespaces", "total_shm_mb", "total_context_mb"});
+    ReadInt(ck, *c, "shm_mb", "quota.", &cfg->shm_quota_mb);
+    ReadInt(ck, *c, "context_mb", "quota.", &cfg->context_mb);
+    ReadInt(ck, *c, "executor_processes", "quota.", &cfg->exec_workers, 1);
+    ReadInt(ck, *c, "concurrent_compiles", "quota.", &cfg->quota_concurrent_compiles);
+    ReadDouble(ck, *c, "compile_seconds_per_minute", "quota.",
+               &cfg->quota_compile_seconds_per_minute);
+    ReadDouble(ck, *c, "calls_per_second", "quota.", &cfg->quota_calls_per_second);
+    ReadInt(ck, *c, "ops", "quota.", &cfg->quota_ops);
+    ReadInt(ck, *c, "versions_per_op", "quota.", &cfg->quota_versions);
+    ReadInt(ck, *c, "namespaces", "quota.", &cfg->quota_namespaces);
+    ReadInt(ck, *c, "total_shm_mb", "quota.", &cfg->quota_total_shm_mb);
+    ReadInt(ck, *c, "total_context_mb", "quota.", &cfg->quota_total_context_mb);
   }
-  OPJIT_CFG_TRY(ReadString(root, "state_dir", "", &cfg->state_dir));
-  OPJIT_CFG_TRY(ReadStrings(root, "listen", "", &cfg->listen));
-  OPJIT_CFG_TRY(ReadString(root, "log_level", "", &cfg->log_level));
-  OPJIT_CFG_TRY(ReadBool(root, "allow_insecure_tcp", "", &cfg->allow_insecure_tcp));
+  ReadString(ck, root, "state_dir", "", &cfg->state_dir);
+  ReadStrings(ck, root, "listen", "", &cfg->listen);
+  ReadString(ck, root, "log_level", "", &cfg->log_level);
+  ReadBool(ck, root, "allow_insecure_tcp", "", &cfg->allow_insecure_tcp);
+  // gRPC takes the message size as an int.
   int64_t max_mb = cfg->max_message_bytes >> 20;
-  OPJIT_CFG_TRY(ReadInt(root, "max_message_mb", "", &max_mb));
+  ReadInt(ck, root, "max_message_mb", "", &max_mb, 1, 2047);
   cfg->max_message_bytes = max_mb << 20;
-  if (const toml::table* c = root["compiler"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "compiler.",
-                            {"workers", "timeout_ms", "memory_limit_mb", "threads",
-                             "extra_include_dirs", "allowed_libraries", "kernel_include_dir",
-                             "recycle_after", "recycle_memory_mb", "long_after_ms",
-                             "long_workers"}));
-    OPJIT_CFG_TRY(ReadInt(*c, "workers", "compiler.", &cfg->compile_workers));
-    OPJIT_CFG_TRY(ReadInt(*c, "timeout_ms", "compiler.", &cfg->compile_timeout_ms));
-    OPJIT_CFG_TRY(ReadInt(*c, "memory_limit_mb", "compiler.", &cfg->compile_memory_limit_mb));
-    OPJIT_CFG_TRY(ReadInt(*c, "threads", "compiler.", &cfg->compile_threads));
-    OPJIT_CFG_TRY(ReadInt(*c, "recycle_after", "compiler.", &cfg->compile_recycle_after));
-    OPJIT_CFG_TRY(ReadInt(*c, "recycle_memory_mb", "compiler.", &cfg->compile_recycle_memory_mb));
-    OPJIT_CFG_TRY(ReadInt(*c, "long_after_ms", "compiler.", &cfg->compile_long_after_ms));
-    OPJIT_CFG_TRY(ReadInt(*c, "long_workers", "compiler.", &cfg->compile_long_workers));
-    OPJIT_CFG_TRY(ReadStrings(*c, "extra_include_dirs", "compiler.", &cfg->extra_include_dirs));
-    OPJIT_CFG_TRY(ReadStrings(*c, "allowed_libraries", "compiler.", &cfg->allowed_libraries));
-    OPJIT_CFG_TRY(ReadString(*c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir));
+  if (const toml::table* c = Section(ck, root, "compiler", "")) {
+    CheckKeys(ck, *c, "compiler.",
+              {"workers", "timeout_ms", "memory_limit_mb", "threads", "extra_include_dirs",
+               "allowed_libraries", "kernel_include_dir", "recycle_after", "recycle_memory_mb",
+               "long_after_ms", "long_workers"});
+    ReadInt(ck, *c, "workers", "compiler.", &cfg->compile_workers, 1, 1024);
+    ReadInt(ck, *c, "timeout_ms", "compiler.", &cfg->compile_timeout_ms, 1);
+    ReadInt(ck, *c, "memory_limit_mb", "compiler.", &cfg->compile_memory_limit_mb, 64);
+    ReadInt(ck, *c, "threads", "compiler.", &cfg->compile_threads, 0, 1024);
+    ReadInt(ck, *c, "recycle_after", "compiler.", &cfg->compile_recycle_after);
+    ReadInt(ck, *c, "recycle_memory_mb", "compiler.", &cfg->compile_recycle_memory_mb);
+    ReadInt(ck, *c, "long_after_ms", "compiler.", &cfg->compile_long_after_ms);
+    ReadInt(ck, *c, "long_workers", "compiler.", &cfg->compile_long_workers, 0, 1024);
+    ReadStrings(ck, *c, "extra_include_dirs", "compiler.", &cfg->extra_include_dirs);
+    ReadStrings(ck, *c, "allowed_libraries", "compiler.", &cfg->allowed_libraries);
+    ReadString(ck, *c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir);
   }
-  if (const toml::table* c = root["exec"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "exec.",
-                            {"threads", "queue", "inline_max_bytes", "isolation", "workers",
-                             "worker_idle_ms", "kernel_timeout_ms", "worker_memory_mb",
-                             "worker_user", "worker_spin_us", "wait_spin_us", "quarantine_after"}));
-    OPJIT_CFG_TRY(ReadInt(*c, "threads", "exec.", &cfg->exec_threads));
-    OPJIT_CFG_TRY(ReadInt(*c, "queue", "exec.", &cfg->exec_queue));
-    OPJIT_CFG_TRY(ReadInt(*c, "inline_max_bytes", "exec.", &cfg->inline_max_bytes));
-    OPJIT_CFG_TRY(ReadString(*c, "isolation", "exec.", &cfg->isolation));
-    OPJIT_CFG_TRY(ReadInt(*c, "workers", "exec.", &cfg->exec_workers));
-    OPJIT_CFG_TRY(ReadInt(*c, "worker_idle_ms", "exec.", &cfg->worker_idle_ms));
-    OPJIT_CFG_TRY(ReadInt(*c, "kernel_timeout_ms", "exec.", &cfg->kernel_timeout_ms));
-    OPJIT_CFG_TRY(ReadInt(*c, "worker_memory_mb", "exec.", &cfg->worker_memory_mb));
-    OPJIT_CFG_TRY(ReadString(*c, "worker_user", "exec.", &cfg->worker_user));
-    OPJIT_CFG_TRY(ReadInt(*c, "worker_spin_us", "exec.", &cfg->worker_spin_us));
-    OPJIT_CFG_TRY(ReadInt(*c, "wait_spin_us", "exec.", &cfg->wait_spin_us));
-    OPJIT_CFG_TRY(ReadInt(*c, "quarantine_after", "exec.", &cfg->quarantine_after));
+  if (const toml::table* c = Section(ck, root, "exec", "")) {
+    CheckKeys(ck, *c, "exec.",
+              {"threads", "queue", "inline_max_bytes", "isolation", "workers", "worker_idle_ms",
+               "kernel_timeout_ms", "worker_memory_mb", "worker_user", "worker_spin_us",
+               "wait_spin_us", "quarantine_after"});
+    ReadInt(ck, *c, "threads", "exec.", &cfg->exec_threads, 1, 1024);
+    ReadInt(ck, *c, "queue", "exec.", &cfg->exec_queue);
+    ReadInt(ck, *c, "inline_max_bytes", "exec.", &cfg->inline_max_bytes);
+    ReadString(ck, *c, "isolation", "exec.", &cfg->isolation);
+    ReadInt(ck, *c, "workers", "exec.", &cfg->exec_workers, 1);
+    ReadInt(ck, *c, "worker_idle_ms", "exec.", &cfg->worker_idle_ms);
+    ReadInt(ck, *c, "kernel_timeout_ms", "exec.", &cfg->kernel_timeout_ms, 1);
+    ReadInt(ck, *c, "worker_memory_mb", "exec.", &cfg->worker_memory_mb, 16,
+            std::numeric_limits<int64_t>::max() >> 20);
+    ReadString(ck, *c, "worker_user", "exec.", &cfg->worker_user);
+    ReadInt(ck, *c, "worker_spin_us", "exec.", &cfg->worker_spin_us, 0, 1000000);
+    ReadInt(ck, *c, "wait_spin_us", "exec.", &cfg->wait_spin_us, 0, 1000000);
+    ReadInt(ck, *c, "quarantine_after", "exec.", &cfg->quarantine_after);
   }
-  if (const toml::table* c = root["fast"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "fast.", {"enabled", "channels", "total_channels", "spin_us", "handles"}));
-    OPJIT_CFG_TRY(ReadBool(*c, "enabled", "fast.", &cfg->fast_enabled));
-    OPJIT_CFG_TRY(ReadInt(*c, "channels", "fast.", &cfg->fast_channels));
-    OPJIT_CFG_TRY(ReadInt(*c, "total_channels", "fast.", &cfg->fast_total_channels));
-    OPJIT_CFG_TRY(ReadInt(*c, "spin_us", "fast.", &cfg->fast_spin_us));
-    OPJIT_CFG_TRY(ReadInt(*c, "handles", "fast.", &cfg->fast_handles));
+  if (const toml::table* c = Section(ck, root, "fast", "")) {
+    CheckKeys(ck, *c, "fast.", {"enabled", "channels", "total_channels", "spin_us", "handles"});
+    ReadBool(ck, *c, "enabled", "fast.", &cfg->fast_enabled);
+    ReadInt(ck, *c, "channels", "fast.", &cfg->fast_channels);
+    ReadInt(ck, *c, "total_channels", "fast.", &cfg->fast_total_channels);
+    ReadInt(ck, *c, "spin_us", "fast.", &cfg->fast_spin_us, 0, 100000);
+    ReadInt(ck, *c, "handles", "fast.", &cfg->fast_handles, 1);
   }
-  if (const toml::table* c = root["shm"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "shm.", {"quota_mb", "lease_ms"}));
-    OPJIT_CFG_TRY(ReadInt(*c, "quota_mb", "shm.", &cfg->shm_quota_mb));
-    OPJIT_CFG_TRY(ReadInt(*c, "lease_ms", "shm.", &cfg->lease_ms));
+  if (const toml::table* c = Section(ck, root, "shm", "")) {
+    CheckKeys(ck, *c, "shm.", {"quota_mb", "lease_ms"});
+    ReadInt(ck, *c, "quota_mb", "shm.", &cfg->shm_quota_mb);
+    ReadInt(ck, *c, "lease_ms", "shm.", &cfg->lease_ms, 1);
   }
-  if (const toml::table* c = root["autograd"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "autograd.", {"context_ttl_ms", "context_mb"}));
-    OPJIT_CFG_TRY(ReadInt(*c, "context_ttl_ms", "autograd.", &cfg->context_ttl_ms));
-    OPJIT_CFG_TRY(ReadInt(*c, "context_mb", "autograd.", &cfg->context_mb));
+  if (const toml::table* c = Section(ck, root, "autograd", "")) {
+    CheckKeys(ck, *c, "autograd.", {"context_ttl_ms", "context_mb"});
+    ReadInt(ck, *c, "context_ttl_ms", "autograd.", &cfg->context_ttl_ms, 1);
+    ReadInt(ck, *c, "context_mb", "autograd.", &cfg->context_mb);
   }
-  if (const toml::table* c = root["cache"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "cache.", {"memory_entries", "memory_mb", "disk_mb", "remote"}));
-    OPJIT_CFG_TRY(ReadInt(*c, "memory_entries", "cache.", &cfg->cache_memory_entries));
-    OPJIT_CFG_TRY(ReadInt(*c, "memory_mb", "cache.", &cfg->cache_memory_mb));
-    OPJIT_CFG_TRY(ReadInt(*c, "disk_mb", "cache.", &cfg->cache_disk_mb));
-    if (const toml::table* r = (*c)["remote"].as_table()) {
-      OPJIT_CFG_TRY(CheckKeys(*r, "cache.remote.", {"url", "key_file", "timeout_ms", "max_mb", "ttl_s"}));
-      OPJIT_CFG_TRY(ReadString(*r, "url", "cache.remote.", &cfg->cache_remote_url));
-      OPJIT_CFG_TRY(ReadString(*r, "key_file", "cache.remote.", &cfg->cache_remote_key_file));
-      OPJIT_CFG_TRY(ReadInt(*r, "timeout_ms", "cache.remote.", &cfg->cache_remote_timeout_ms));
-      OPJIT_CFG_TRY(ReadInt(*r, "max_mb", "cache.remote.", &cfg->cache_remote_max_mb));
-      OPJIT_CFG_TRY(ReadInt(*r, "ttl_s", "cache.remote.", &cfg->cache_remote_ttl_s));
+  if (const toml::table* c = Section(ck, root, "cache", "")) {
+    CheckKeys(ck, *c, "cache.", {"memory_entries", "memory_mb", "disk_mb", "remote"});
+    ReadInt(ck, *c, "memory_entries", "cache.", &cfg->cache_memory_entries);
+    ReadInt(ck, *c, "memory_mb", "cache.", &cfg->cache_memory_mb);
+    ReadInt(ck, *c, "disk_mb", "cache.", &cfg->cache_disk_mb);
+    if (const toml::table* r = Section(ck, *c, "remote", "cache.")) {
+      CheckKeys(ck, *r, "cache.remote.", {"url", "key_file", "timeout_ms", "max_mb", "ttl_s"});
+      ReadString(ck, *r, "url", "cache.remote.", &cfg->cache_remote_url);
+      ReadString(ck, *r, "key_file", "cache.remote.", &cfg->cache_remote_key_file);
+      ReadInt(ck, *r, "timeout_ms", "cache.remote.", &cfg->cache_remote_timeout_ms, 1, 60000);
+      ReadInt(ck, *r, "max_mb", "cache.remote.", &cfg->cache_remote_max_mb, 1);
+      ReadInt(ck, *r, "ttl_s", "cache.remote.", &cfg->cache_remote_ttl_s);
     }
   }
-  if (const toml::table* c = root["registry"].as_table()) {
-    OPJIT_CFG_TRY(CheckKeys(*c, "registry.", {"backend", "url", "password_file", "poll_ms"}));
-    OPJIT_CFG_TRY(ReadString(*c, "backend", "registry.", &cfg->registry_backend));
-    OPJIT_CFG_TRY(ReadString(*c, "url", "registry.", &cfg->registry_url));
-    OPJIT_CFG_TRY(ReadString(*c, "password_file", "registry.", &cfg->registry_password_file));
-    OPJIT_CFG_TRY(ReadInt(*c, "poll_ms", "registry.", &cfg->registry_poll_ms));
+  if (const toml::table* c = Section(ck, root, "registry", "")) {
+    CheckKeys(ck, *c, "registry.", {"backend", "url", "password_file", "poll_ms"});
+    ReadString(ck, *c, "backend", "registry.", &cfg->registry_backend);
+    ReadString(ck, *c, "url", "registry.", &cfg->registry_url);
+    ReadString(ck, *c, "password_file", "registry.", &cfg->registry_password_file);
+    ReadInt(ck, *c, "poll_ms", "registry.", &cfg->registry_poll_ms, 50, 600000);
   }
-  return absl::OkStatus();
+}
+
+// The checks across keys, once the file and the flags are in.
+void CheckCombined(Checker& ck, DaemonConfig& cfg) {
+  if (!ValidLogLevel(cfg.log_level)) {
+    ck.Problem("log_level", absl::StrCat("expected trace, debug, info, warn, error, critical or "
+                                         "off, not \"", cfg.log_level, "\""));
+  }
+  if (cfg.isolation != "process" && cfg.isolation != "in-daemon") {
+    ck.Problem("exec.isolation", absl::StrCat("expected \"process\" or \"in-daemon\", not \"",
+                                              cfg.isolation, "\""));
+  }
+  if (cfg.tls_cert.empty() != cfg.tls_key.empty()) {
+    ck.Problem(cfg.tls_cert.empty() ? "tls.key" : "tls.cert", "tls cert and key go together");
+  }
+  if (cfg.tls_require_client_cert && cfg.tls_client_ca.empty()) {
+    ck.Problem("tls.require_client_cert", "needs tls.client_ca (the CA that signs clients)");
+  }
+  std::error_code ec;
+  cfg.state_dir = std::filesystem::absolute(cfg.state_dir, ec).lexically_normal().string();
+  while (cfg.state_dir.size() > 1 && cfg.state_dir.back() == '/') cfg.state_dir.pop_back();
+  if (cfg.listen.empty()) cfg.listen = {DefaultSocketAddress(cfg.state_dir), kDefaultTcpAddress};
+  for (const std::string& address : cfg.listen) {
+    if (address.rfind("unix:", 0) == 0) {
+      if (address.size() == 5) ck.Problem("listen", "\"unix:\" needs a socket path");
+      continue;
+    }
+    if (address.rfind(':') == std::string::npos) {
+      ck.Problem("listen", absl::StrCat("\"", address, "\" is neither unix:/path nor host:port"));
+      continue;
+    }
+    if (IsLoopbackTcp(address) || cfg.allow_insecure_tcp) continue;
+    if (!cfg.tls_cert.empty() && !cfg.principals.empty()) continue;
+    ck.Problem("listen", absl::StrCat(
+        "listen address ", address,
+        " is not loopback: that needs TLS ([tls] cert and key) and principals ([[principal]] "
+        "with tokens), or anyone who can reach it could run code and read tensors. Listen on "
+        "127.0.0.1 or a unix socket, configure both, or set allow_insecure_tcp = true "
+        "(--allow-insecure-tcp) on a trusted network"));
+  }
+  if (cfg.registry_backend != "sqlite" && cfg.registry_backend != "postgres") {
+    ck.Problem("registry.backend", absl::StrCat("expected \"sqlite\" or \"postgres\", not \"",
+                                                cfg.registry_backend, "\""));
+  }
+  if (cfg.registry_backend == "postgres" && cfg.registry_url.empty()) {
+    ck.ProblemFrom("registry.url", "registry.backend",
+               "registry.backend = \"postgres\" needs registry.url (a libpq connection string "
+               "such as \"host=db.example port=5432 dbname=opjit user=opjit\")");
+  }
+  if (!cfg.cache_remote_url.empty() && cfg.cache_remote_key_file.empty()) {
+    ck.ProblemFrom("cache.remote.key_file", "cache.remote.url",
+               "cache.remote.url needs cache.remote.key_file: the cluster key that authenticates "
+               "shared entries (the same file on every daemon, e.g. 32 random bytes)");
+  }
+  for (size_t i = 0; i < cfg.principals.size(); ++i) {
+    const access::PrincipalConfig& p = cfg.principals[i];
+    if (!p.token_sha256.empty() || !p.uids.empty() || !p.gids.empty()) continue;
+    ck.Problem(absl::StrCat("principal[", i, "]"),
+               absl::StrCat("principal \"", p.name,
+                            "\" has no token_sha256, uids or gids: nobody can be it"));
+  }
+  for (const auto& [index, message] : access::PrincipalProblems(cfg.principals)) {
+    ck.Problem(absl::StrCat("principal[", index, "]"), message);
+  }
+  // Files the daemon reads at start: a missing one is a problem here, one
+  // this user may not read is not (the daemon may run as another user).
+  for (const auto& [key, path] :
+       std::vector<std::pair<const char*, const std::string*>>{
+           {"tls.cert", &cfg.tls_cert},
+           {"tls.key", &cfg.tls_key},
+           {"tls.client_ca", &cfg.tls_client_ca},
+           {"cache.remote.key_file", &cfg.cache_remote_key_file},
+           {"registry.password_file", &cfg.registry_password_file}}) {
+    struct stat st;
+    if (!path->empty() && ::stat(path->c_str(), &st) != 0 && errno == ENOENT) {
+      ck.Problem(key, "no such file");
+    }
+  }
+  if (cfg.quota_calls_per_second < 0) {
+    cfg.quota_calls_per_second = cfg.principals.empty() ? 0 : kSharedCallsPerSecond;
+  }
+}
+
+std::string Join(const std::vector<std::string>& v) {
+  return absl::StrCat("[", absl::StrJoin(v, ", "), "]");
 }
 
 }  // namespace
@@ -294,30 +470,111 @@ bool IsLoopbackTcp(const std::string& address) {
 }
 
 std::string Usage() {
-  return "usage: opjitd [--listen ADDR]... [--state-dir DIR] [--config FILE] [--log-level LEVEL]\n"
-         "              [--isolation process|in-daemon] [--allow-insecure-tcp]\n"
+  return "Usage: opjitd [OPTION]...\n"
+         "       opjitd --check-config FILE\n"
          "       opjitd --verify-cache [--state-dir DIR]\n"
+         "The opjit daemon: registers, compiles (JIT) and runs custom operator kernels for\n"
+         "clients over gRPC and shared memory.\n"
          "\n"
-         "  --listen ADDR     unix:/path/to.sock or host:port (port 0: any free port).\n"
-         "                    Repeatable. Default: unix:<state-dir>/opjitd.sock and 127.0.0.1:7878\n"
-         "  --allow-insecure-tcp  allow a TCP address other than loopback (no TLS, no auth:\n"
-         "                    anyone who reaches it can run code; trusted networks only)\n"
-         "  --state-dir DIR   registry, cache and socket live here.\n"
-         "                    Default: $OPJIT_STATE_DIR, else ~/.opjit\n"
-         "  --config FILE     TOML configuration (see deploy/opjitd.toml)\n"
-         "  --log-level L     trace, debug, info, warn, error (default info)\n"
-         "  --verify-cache    check every disk-cache entry's checksum (the daemon may be\n"
-         "                    running or not), print what does not verify, and exit:\n"
-         "                    status 0 when all verify, 1 otherwise\n"
-         "  --isolation M     where kernels run: process (sandboxed executor processes, the\n"
-         "                    default) or in-daemon (inside opjitd; unsafe, trusted users only)\n";
+         "Options:\n"
+         "  --config FILE         TOML configuration (every key: deploy/opjitd.toml);\n"
+         "                        the flags below override it. A SIGHUP reads it again\n"
+         "  --listen ADDR         unix:/path/to.sock or host:port (port 0: any free port).\n"
+         "                        Repeatable. Default: unix:<state-dir>/opjitd.sock and\n"
+         "                        127.0.0.1:7878\n"
+         "  --state-dir DIR       registry, cache, lock file and socket live here.\n"
+         "                        Default: $OPJIT_STATE_DIR, else ~/.opjit\n"
+         "  --log-level LEVEL     trace, debug, info, warn, error, critical or off\n"
+         "                        (default info)\n"
+         "  --isolation MODE      where kernels run: process (sandboxed executor processes,\n"
+         "                        the default) or in-daemon (inside opjitd; unsafe, trusted\n"
+         "                        users only)\n"
+         "  --allow-insecure-tcp  allow a TCP address other than loopback without TLS and\n"
+         "                        principals (anyone who reaches it can run code; trusted\n"
+         "                        networks only)\n"
+         "  --check-config FILE   validate FILE (syntax, every key, types, ranges,\n"
+         "                        principals) with the flags given applied over it, print\n"
+         "                        \"FILE: ok ...\" or one line per problem (FILE:LINE: key:\n"
+         "                        problem), and exit; starts nothing, touches no state dir\n"
+         "  --verify-cache        check every disk-cache entry's checksum (the daemon may be\n"
+         "                        running or not), print what does not verify, and exit\n"
+         "  -V, --version         print the version and git revision, and exit\n"
+         "  -h, --help            print this help, and exit\n"
+         "\n"
+         "Signals:\n"
+         "  SIGTERM, SIGINT       stop: in-flight calls get up to 5 s, the socket is removed\n"
+         "  SIGHUP                read the --config file again and apply what can change\n"
+         "                        while serving: [[principal]]s and their tokens, [quota]\n"
+         "                        concurrent_compiles, compile_seconds_per_minute,\n"
+         "                        calls_per_second and namespaces, and log_level. Each change\n"
+         "                        is logged; other changed keys are logged as needing a\n"
+         "                        restart; a file with problems is logged and ignored (the\n"
+         "                        running configuration stays)\n"
+         "\n"
+         "Exit status:\n"
+         "  0  stopped by SIGTERM/SIGINT; --check-config found no problem; --verify-cache\n"
+         "     found every entry intact; --help, --version\n"
+         "  1  could not start (state dir locked or unwritable, registry, listen address,\n"
+         "     ...); --check-config found problems; --verify-cache found corrupt entries\n"
+         "  2  bad flags or configuration\n";
+}
+
+std::string ConfigProblem::ToString() const {
+  if (key.empty()) return absl::StrCat(where, ": ", message);
+  return absl::StrCat(where, ": ", key, ": ", message);
+}
+
+bool ValidLogLevel(const std::string& level) {
+  static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn",
+                                                "error", "critical", "off"};
+  return kLevels.count(level) > 0;
+}
+
+ConfigResult BuildConfig(const std::string& path, const ConfigFlags& flags) {
+  ConfigResult result;
+  DaemonConfig& cfg = result.config;
+  cfg.config_file = path;
+  cfg.flags = flags;
+  Checker ck(path);
+  if (!path.empty()) {
+    toml::table root;
+    bool parsed = false;
+    try {
+      // toml++ reports parse errors by exception; they stay inside this function.
+      root = toml::parse_file(path);
+      parsed = true;
+    } catch (const toml::parse_error& e) {
+      ck.ParseError(e);
+    }
+    if (parsed) ApplyToml(ck, root, &cfg);
+  }
+  if (!flags.state_dir.empty()) {
+    cfg.state_dir = flags.state_dir;
+    ck.SawFlag("state_dir", "--state-dir");
+  }
+  if (!flags.listen.empty()) {
+    cfg.listen = flags.listen;
+    ck.SawFlag("listen", "--listen");
+  }
+  if (!flags.log_level.empty()) {
+    cfg.log_level = flags.log_level;
+    ck.SawFlag("log_level", "--log-level");
+  }
+  if (!flags.isolation.empty()) {
+    cfg.isolation = flags.isolation;
+    ck.SawFlag("exec.isolation", "--isolation");
+  }
+  if (flags.allow_insecure_tcp) cfg.allow_insecure_tcp = true;
+  if (cfg.state_dir.empty()) cfg.state_dir = DefaultStateDir();
+  CheckCombined(ck, cfg);
+  result.problems = ck.TakeProblems();
+  return result;
 }
 
 absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
   DaemonConfig cfg;
-  std::vector<std::string> flag_listen;
-  std::string flag_state_dir, flag_config, flag_log_level, flag_isolation;
-  bool flag_insecure = false;
+  ConfigFlags flags;
+  std::string flag_config;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     auto value = [&](const char* name) -> absl::StatusOr<std::string> {
@@ -331,8 +588,12 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
     };
     if (arg == "--help" || arg == "-h") return absl::CancelledError(Usage());
     absl::StatusOr<std::string> v;
+    if (arg == "--version" || arg == "-V") {
+      cfg.version = true;
+      continue;
+    }
     if (arg == "--allow-insecure-tcp") {
-      flag_insecure = true;
+      flags.allow_insecure_tcp = true;
       continue;
     }
     if (arg == "--verify-cache") {
@@ -341,94 +602,117 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
     }
     if (is("--listen")) {
       v = value("--listen");
-      if (v.ok()) flag_listen.push_back(*v);
+      if (v.ok()) flags.listen.push_back(*v);
     } else if (is("--state-dir")) {
       v = value("--state-dir");
-      if (v.ok()) flag_state_dir = *v;
+      if (v.ok()) flags.state_dir = *v;
     } else if (is("--config")) {
       v = value("--config");
       if (v.ok()) flag_config = *v;
+    } else if (is("--check-config")) {
+      v = value("--check-config");
+      if (v.ok()) cfg.check_config = *v;
     } else if (is("--isolation")) {
       v = value("--isolation");
-      if (v.ok()) flag_isolation = *v;
+      if (v.ok()) flags.isolation = *v;
     } else if (is("--log-level")) {
       v = value("--log-level");
-      if (v.ok()) flag_log_level = *v;
+      if (v.ok()) flags.log_level = *v;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", arg, "\n\n", Usage()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag ", arg, " (opjitd --help lists them)"));
     }
     if (!v.ok()) return v.status();
+    if (v->empty()) return absl::InvalidArgumentError(absl::StrCat(arg, " needs a value"));
   }
-  if (!flag_config.empty()) OPJIT_CFG_TRY(ApplyToml(flag_config, &cfg));
-  if (!flag_state_dir.empty()) cfg.state_dir = flag_state_dir;
-  if (!flag_listen.empty()) cfg.listen = flag_listen;
-  if (!flag_log_level.empty()) cfg.log_level = flag_log_level;
-  if (!flag_isolation.empty()) cfg.isolation = flag_isolation;
-  if (flag_insecure) cfg.allow_insecure_tcp = true;
-  if (cfg.isolation != "process" && cfg.isolation != "in-daemon") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "exec.isolation must be \"process\" or \"in-daemon\", not \"", cfg.isolation, "\""));
+  if (cfg.version || !cfg.check_config.empty()) {
+    cfg.config_file = flag_config;
+    cfg.flags = flags;
+    return cfg;
   }
-  if (cfg.exec_workers < 1) return absl::InvalidArgumentError("exec.workers must be >= 1");
-  if (cfg.fast_channels < 0 || cfg.fast_total_channels < 0 || cfg.fast_handles < 1 || cfg.fast_spin_us < 0 ||
-      cfg.fast_spin_us > 100000) {
-    return absl::InvalidArgumentError(
-        "fast: channels and total_channels must be >= 0, handles >= 1, spin_us in [0, 100000]");
+  const bool verify_cache = cfg.verify_cache;
+  ConfigResult built = BuildConfig(flag_config, flags);
+  if (!built.problems.empty()) {
+    std::vector<std::string> lines;
+    for (const ConfigProblem& p : built.problems) lines.push_back(p.ToString());
+    return absl::InvalidArgumentError(absl::StrJoin(lines, "\n"));
   }
-  if (cfg.kernel_timeout_ms < 1) {
-    return absl::InvalidArgumentError("exec.kernel_timeout_ms must be >= 1");
-  }
-  if (cfg.state_dir.empty()) cfg.state_dir = DefaultStateDir();
-  std::error_code ec;
-  cfg.state_dir = std::filesystem::absolute(cfg.state_dir, ec).lexically_normal().string();
-  while (cfg.state_dir.size() > 1 && cfg.state_dir.back() == '/') cfg.state_dir.pop_back();
-  if (cfg.listen.empty()) cfg.listen = {DefaultSocketAddress(cfg.state_dir), kDefaultTcpAddress};
-  for (const std::string& address : cfg.listen) {
-    if (address.rfind("unix:", 0) == 0 || IsLoopbackTcp(address) || cfg.allow_insecure_tcp) continue;
-    if (!cfg.tls_cert.empty() && !cfg.principals.empty()) continue;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "listen address ", address,
-        " is not loopback: that needs TLS ([tls] cert and key) and principals ([[principal]] "
-        "with tokens), or anyone who can reach it could run code and read tensors. Listen on "
-        "127.0.0.1 or a unix socket, configure both, or set allow_insecure_tcp = true "
-        "(--allow-insecure-tcp) on a trusted network"));
-  }
-  if (cfg.compile_workers < 1) return absl::InvalidArgumentError("compiler.workers must be >= 1");
-  if (cfg.compile_threads < 0) return absl::InvalidArgumentError("compiler.threads must be >= 0");
-  if (cfg.compile_recycle_after < 0 || cfg.compile_recycle_memory_mb < 0 ||
-      cfg.compile_long_after_ms < 0 || cfg.compile_long_workers < 0) {
-    return absl::InvalidArgumentError(
-        "compiler.recycle_after, recycle_memory_mb, long_after_ms and long_workers must be >= 0");
-  }
-  if (cfg.registry_backend != "sqlite" && cfg.registry_backend != "postgres") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "registry.backend must be \"sqlite\" or \"postgres\", not \"", cfg.registry_backend, "\""));
-  }
-  if (cfg.registry_backend == "postgres" && cfg.registry_url.empty()) {
-    return absl::InvalidArgumentError(
-        "registry.backend = \"postgres\" needs registry.url (a libpq connection string such as "
-        "\"host=db.example port=5432 dbname=opjit user=opjit\")");
-  }
-  if (cfg.registry_poll_ms < 50 || cfg.registry_poll_ms > 600000) {
-    return absl::InvalidArgumentError("registry.poll_ms must be in [50, 600000]");
-  }
-  if (!cfg.cache_remote_url.empty() && cfg.cache_remote_key_file.empty()) {
-    return absl::InvalidArgumentError(
-        "cache.remote.url needs cache.remote.key_file: the cluster key that authenticates "
-        "shared entries (the same file on every daemon, e.g. 32 random bytes)");
-  }
-  if (cfg.cache_remote_timeout_ms < 1 || cfg.cache_remote_timeout_ms > 60000 ||
-      cfg.cache_remote_max_mb < 1 || cfg.cache_remote_ttl_s < 0) {
-    return absl::InvalidArgumentError(
-        "cache.remote: timeout_ms must be in [1, 60000], max_mb >= 1, ttl_s >= 0");
-  }
-  if (cfg.quota_calls_per_second < 0) {
-    cfg.quota_calls_per_second = cfg.principals.empty() ? 0 : kSharedCallsPerSecond;
-  }
-  if (cfg.max_message_bytes < (1 << 20)) {
-    return absl::InvalidArgumentError("max_message_mb must be >= 1");
-  }
-  return cfg;
+  built.config.verify_cache = verify_cache;
+  return std::move(built.config);
+}
+
+std::map<std::string, std::string> SettingsOf(const DaemonConfig& c) {
+  auto n = [](auto v) { return absl::StrCat(v); };
+  auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  char mode[8];
+  std::snprintf(mode, sizeof(mode), "%04o", c.socket_mode);
+  return {
+      {"state_dir", c.state_dir},
+      {"listen", Join(c.listen)},
+      {"log_level", c.log_level},
+      {"max_message_mb", n(c.max_message_bytes >> 20)},
+      {"allow_insecure_tcp", b(c.allow_insecure_tcp)},
+      {"socket_mode", mode},
+      {"socket_group", c.socket_group},
+      {"tls.cert", c.tls_cert},
+      {"tls.key", c.tls_key},
+      {"tls.client_ca", c.tls_client_ca},
+      {"tls.require_client_cert", b(c.tls_require_client_cert)},
+      {"metrics.listen", c.metrics_listen},
+      {"health.interval_ms", n(c.health_interval_ms)},
+      {"quota.concurrent_compiles", n(c.quota_concurrent_compiles)},
+      {"quota.compile_seconds_per_minute", n(c.quota_compile_seconds_per_minute)},
+      {"quota.calls_per_second", n(c.quota_calls_per_second)},
+      {"quota.ops", n(c.quota_ops)},
+      {"quota.versions_per_op", n(c.quota_versions)},
+      {"quota.namespaces", n(c.quota_namespaces)},
+      {"quota.total_shm_mb", n(c.quota_total_shm_mb)},
+      {"quota.total_context_mb", n(c.quota_total_context_mb)},
+      {"compiler.workers", n(c.compile_workers)},
+      {"compiler.timeout_ms", n(c.compile_timeout_ms)},
+      {"compiler.memory_limit_mb", n(c.compile_memory_limit_mb)},
+      {"compiler.threads", n(c.compile_threads)},
+      {"compiler.recycle_after", n(c.compile_recycle_after)},
+      {"compiler.recycle_memory_mb", n(c.compile_recycle_memory_mb)},
+      {"compiler.long_after_ms", n(c.compile_long_after_ms)},
+      {"compiler.long_workers", n(c.compile_long_workers)},
+      {"compiler.extra_include_dirs", Join(c.extra_include_dirs)},
+      {"compiler.allowed_libraries", Join(c.allowed_libraries)},
+      {"compiler.kernel_include_dir", c.kernel_include_dir},
+      {"exec.threads", n(c.exec_threads)},
+      {"exec.queue", n(c.exec_queue)},
+      {"exec.inline_max_bytes", n(c.inline_max_bytes)},
+      {"exec.isolation", c.isolation},
+      {"exec.workers", n(c.exec_workers)},
+      {"exec.worker_idle_ms", n(c.worker_idle_ms)},
+      {"exec.kernel_timeout_ms", n(c.kernel_timeout_ms)},
+      {"exec.worker_memory_mb", n(c.worker_memory_mb)},
+      {"exec.worker_user", c.worker_user},
+      {"exec.worker_spin_us", n(c.worker_spin_us)},
+      {"exec.wait_spin_us", n(c.wait_spin_us)},
+      {"exec.quarantine_after", n(c.quarantine_after)},
+      {"fast.enabled", b(c.fast_enabled)},
+      {"fast.channels", n(c.fast_channels)},
+      {"fast.total_channels", n(c.fast_total_channels)},
+      {"fast.spin_us", n(c.fast_spin_us)},
+      {"fast.handles", n(c.fast_handles)},
+      {"shm.quota_mb", n(c.shm_quota_mb)},
+      {"shm.lease_ms", n(c.lease_ms)},
+      {"autograd.context_ttl_ms", n(c.context_ttl_ms)},
+      {"autograd.context_mb", n(c.context_mb)},
+      {"cache.memory_entries", n(c.cache_memory_entries)},
+      {"cache.memory_mb", n(c.cache_memory_mb)},
+      {"cache.disk_mb", n(c.cache_disk_mb)},
+      {"cache.remote.url", c.cache_remote_url},
+      {"cache.remote.key_file", c.cache_remote_key_file},
+      {"cache.remote.timeout_ms", n(c.cache_remote_timeout_ms)},
+      {"cache.remote.max_mb", n(c.cache_remote_max_mb)},
+      {"cache.remote.ttl_s", n(c.cache_remote_ttl_s)},
+      {"registry.backend", c.registry_backend},
+      {"registry.url", c.registry_url},
+      {"registry.password_file", c.registry_password_file},
+      {"registry.poll_ms", n(c.registry_poll_ms)},
+  };
 }
 
 }  // namespace opjit

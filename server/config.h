@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,14 @@ namespace opjit {
 
 // [quota] calls_per_second's default on a daemon with principals.
 inline constexpr double kSharedCallsPerSecond = 20000;
+
+// The flags that override the config file. Kept, so that a reload (SIGHUP)
+// applies them over the file again.
+struct ConfigFlags {
+  std::vector<std::string> listen;
+  std::string state_dir, log_level, isolation;
+  bool allow_insecure_tcp = false;
+};
 
 struct DaemonConfig {
   // Everything the daemon keeps: registry.db, cache/, the lock file.
@@ -64,6 +73,14 @@ struct DaemonConfig {
   int64_t quota_total_context_mb = 4096;
   // --verify-cache: check the disk cache and exit instead of serving.
   bool verify_cache = false;
+  // --check-config FILE: validate FILE and exit instead of serving.
+  std::string check_config;
+  // --version: print the version and exit.
+  bool version = false;
+  // --config FILE ("" when none): what a SIGHUP reads again.
+  std::string config_file;
+  // The flags given, applied again over the file on a reload.
+  ConfigFlags flags;
 
   // [compiler]
   int compile_workers = 2;
@@ -132,10 +149,46 @@ struct DaemonConfig {
 
 inline constexpr const char* kDefaultTcpAddress = "127.0.0.1:7878";
 
+// One problem of a configuration: where it is ("FILE:LINE" for a key set in
+// the file, "FILE" for one left at its default, "--flag" for a flag), the
+// key ("exec.workers", "principal[1].token_sha256"; "" when the file does not
+// parse) and what is wrong. Never holds a secret's value.
+struct ConfigProblem {
+  std::string where;
+  std::string key;
+  std::string message;
+  int line = 0;  // in the file; 0: none
+  // "where: key: message".
+  std::string ToString() const;
+};
+
+// A configuration and every problem found in it (not only the first), in
+// the order of their lines in the file.
+struct ConfigResult {
+  DaemonConfig config;
+  std::vector<ConfigProblem> problems;
+};
+
+// Defaults, then the TOML file `path` ("": none), then `flags`, then the
+// checks of every key's type and range, of the principals and of the keys
+// that go together. Touches nothing on disk but reading `path` (and looking
+// whether the files the config names exist). `config.config_file` and
+// `config.flags` are set; the config is only meaningful without problems.
+ConfigResult BuildConfig(const std::string& path, const ConfigFlags& flags);
+
 // Builds the configuration from defaults, the TOML file named by --config (if
-// any) and the flags. INVALID_ARGUMENT for unknown flags or keys and bad values;
-// --help returns CANCELLED with the usage text as message.
+// any) and the flags. INVALID_ARGUMENT for unknown flags or keys and bad
+// values, one problem per line; --help returns CANCELLED with the usage text
+// as message. With --check-config or --version only the flags are read.
 absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv);
+
+// Every setting but the principals, as "section.key" -> its value printed
+// (file paths as given; no secret is held in the config itself): what a
+// reload compares to tell which keys changed.
+std::map<std::string, std::string> SettingsOf(const DaemonConfig& cfg);
+
+// The log levels log_level and --log-level accept.
+bool ValidLogLevel(const std::string& level);
 
 std::string Usage();
 

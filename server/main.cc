@@ -19,11 +19,14 @@
 #include <thread>
 #include <algorithm>
 #include <atomic>
+#include <map>
+#include <set>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "server/access/access.h"
 #include "server/access/quotas.h"
 #include "server/common/health_monitor.h"
@@ -49,15 +52,19 @@
 #include "server/rpc/grpc_server.h"
 #include "server/tensor/region_manager.h"
 
-#ifndef OPJIT_VERSION
-#define OPJIT_VERSION "0.0.0"
-#endif
+#include "opjit/version.h"  // generated: OPJIT_VERSION, OPJIT_GIT_REVISION (cmake/version.cmake)
 
 namespace opjit {
 namespace {
 
-// The registry store's last health probe (opjit_registry_store_up).
+// The registry store's last health probe: opjit_registry_store_up, and the
+// grpc.health service kStoreHealthService.
 std::atomic<bool> store_up{true};
+
+// The grpc.health.v1 service name that answers NOT_SERVING while the
+// registry store cannot be written (registrations and deletes are refused
+// with UNAVAILABLE / STORE_UNAVAILABLE meanwhile), SERVING otherwise.
+constexpr char kStoreHealthService[] = "opjit.registry.store";
 
 // A secret named by the config (`what`, e.g. "cache.remote.key_file"): the
 // file's bytes without trailing newlines. Refused when empty; a file that
@@ -242,6 +249,178 @@ void WriteEndpoints(const std::string& state_dir, const std::vector<std::string>
   std::rename(tmp.c_str(), (state_dir + "/endpoints").c_str());
 }
 
+// opjitd --check-config FILE: every problem on its own line (stderr), or one
+// "ok" line (stdout). Reads FILE and nothing else; starts nothing.
+int CheckConfig(const DaemonConfig& flags_only) {
+  const ConfigResult r = BuildConfig(flags_only.check_config, flags_only.flags);
+  if (!r.problems.empty()) {
+    for (const ConfigProblem& p : r.problems) std::fprintf(stderr, "%s\n", p.ToString().c_str());
+    std::fprintf(stderr, "%s: %zu problem(s)\n", flags_only.check_config.c_str(),
+                 r.problems.size());
+    return 1;
+  }
+  const DaemonConfig& c = r.config;
+  std::printf("%s: ok: %zu principal(s), registry %s, listen %s%s%s, log_level %s\n",
+              flags_only.check_config.c_str(), c.principals.size(), c.registry_backend.c_str(),
+              absl::StrJoin(c.listen, ", ").c_str(),
+              c.metrics_listen.empty() ? "" : absl::StrCat(", metrics ", c.metrics_listen).c_str(),
+              c.cache_remote_url.empty() ? "" : ", cache.remote on", c.log_level.c_str());
+  return 0;
+}
+
+std::string Describe(const access::PrincipalConfig& p) {
+  return absl::StrCat("role ", access::RoleName(p.role), ", namespaces [",
+                      absl::StrJoin(p.namespaces, ", "), "], ", p.token_sha256.size(),
+                      " token(s), uids [", absl::StrJoin(p.uids, ", "), "], gids [",
+                      absl::StrJoin(p.gids, ", "), "]");
+}
+
+// One log line per principal added, removed or changed. Never a token or
+// its hash: only how many were added and removed.
+void LogPrincipalChanges(const std::vector<access::PrincipalConfig>& before,
+                         const std::vector<access::PrincipalConfig>& after) {
+  auto log = Logger("main");
+  std::map<std::string, const access::PrincipalConfig*> old_by_name, new_by_name;
+  for (const auto& p : before) old_by_name[p.name] = &p;
+  for (const auto& p : after) new_by_name[p.name] = &p;
+  for (const auto& [name, p] : old_by_name) {
+    if (!new_by_name.count(name)) log->info("reload: principal \"{}\" removed", name);
+  }
+  for (const auto& [name, p] : new_by_name) {
+    auto it = old_by_name.find(name);
+    if (it == old_by_name.end()) {
+      log->info("reload: principal \"{}\" added ({})", name, Describe(*p));
+      continue;
+    }
+    const access::PrincipalConfig& o = *it->second;
+    std::vector<std::string> what;
+    if (o.role != p->role) {
+      what.push_back(absl::StrCat("role ", access::RoleName(o.role), " -> ",
+                                  access::RoleName(p->role)));
+    }
+    if (o.namespaces != p->namespaces) {
+      what.push_back(absl::StrCat("namespaces [", absl::StrJoin(o.namespaces, ", "), "] -> [",
+                                  absl::StrJoin(p->namespaces, ", "), "]"));
+    }
+    const std::set<std::string> ot(o.token_sha256.begin(), o.token_sha256.end());
+    const std::set<std::string> nt(p->token_sha256.begin(), p->token_sha256.end());
+    size_t added = 0, removed = 0;
+    for (const auto& h : nt) added += ot.count(h) == 0;
+    for (const auto& h : ot) removed += nt.count(h) == 0;
+    if (added + removed > 0) {
+      what.push_back(absl::StrCat("tokens: ", added, " added, ", removed, " removed"));
+    }
+    if (o.uids != p->uids) {
+      what.push_back(absl::StrCat("uids [", absl::StrJoin(o.uids, ", "), "] -> [",
+                                  absl::StrJoin(p->uids, ", "), "]"));
+    }
+    if (o.gids != p->gids) {
+      what.push_back(absl::StrCat("gids [", absl::StrJoin(o.gids, ", "), "] -> [",
+                                  absl::StrJoin(p->gids, ", "), "]"));
+    }
+    if (!what.empty()) {
+      log->info("reload: principal \"{}\" changed: {}", name, absl::StrJoin(what, "; "));
+    }
+  }
+}
+
+bool SamePrincipals(const std::vector<access::PrincipalConfig>& a,
+                    const std::vector<access::PrincipalConfig>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].name != b[i].name || a[i].role != b[i].role || a[i].namespaces != b[i].namespaces ||
+        a[i].token_sha256 != b[i].token_sha256 || a[i].uids != b[i].uids ||
+        a[i].gids != b[i].gids) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// SIGHUP: reads the --config file again and applies what can change while
+// serving (principals and tokens, the QuotaManager's quotas, the namespace
+// bound, the log level), logging each change; other changed keys are logged
+// as needing a restart. A file with problems changes nothing. `running` is
+// what is in force, and is updated to what was applied.
+void Reload(DaemonConfig* running, access::AccessControl* access, access::QuotaManager* quotas) {
+  auto log = Logger("main");
+  if (running->config_file.empty()) {
+    log->info("SIGHUP: started without --config, nothing to reload");
+    return;
+  }
+  ConfigResult r = BuildConfig(running->config_file, running->flags);
+  if (!r.problems.empty()) {
+    log->error("SIGHUP: {} has {} problem(s); the running configuration stays:",
+               running->config_file, r.problems.size());
+    for (const ConfigProblem& p : r.problems) log->error("reload: {}", p.ToString());
+    return;
+  }
+  DaemonConfig& next = r.config;
+  if (running->principals.empty() != next.principals.empty()) {
+    log->error("SIGHUP: {} {} principals: switching between none (every local caller is admin) "
+               "and some needs a restart; the running configuration stays",
+               running->config_file, next.principals.empty() ? "removes every one of the"
+                                                             : "adds the first");
+    return;
+  }
+  int applied = 0;
+  if (!SamePrincipals(running->principals, next.principals)) {
+    if (absl::Status s = access->SetPrincipals(next.principals); !s.ok()) {
+      log->error("SIGHUP: principals not changed: {}", std::string(s.message()));
+    } else {
+      LogPrincipalChanges(running->principals, next.principals);
+      running->principals = next.principals;
+      ++applied;
+    }
+  }
+  auto changed = [&](const char* key, auto before, auto after) {
+    if (before == after) return false;
+    log->info("reload: {}: {} -> {}", key, before, after);
+    ++applied;
+    return true;
+  };
+  bool quota_changed = false;
+  quota_changed |= changed("quota.concurrent_compiles", running->quota_concurrent_compiles,
+                           next.quota_concurrent_compiles);
+  quota_changed |= changed("quota.compile_seconds_per_minute",
+                           running->quota_compile_seconds_per_minute,
+                           next.quota_compile_seconds_per_minute);
+  quota_changed |= changed("quota.calls_per_second", running->quota_calls_per_second,
+                           next.quota_calls_per_second);
+  if (quota_changed) {
+    running->quota_concurrent_compiles = next.quota_concurrent_compiles;
+    running->quota_compile_seconds_per_minute = next.quota_compile_seconds_per_minute;
+    running->quota_calls_per_second = next.quota_calls_per_second;
+    quotas->SetOptions({.concurrent_compiles = next.quota_concurrent_compiles,
+                        .compile_seconds_per_minute = next.quota_compile_seconds_per_minute,
+                        .calls_per_second = next.quota_calls_per_second});
+  }
+  if (changed("quota.namespaces", running->quota_namespaces, next.quota_namespaces)) {
+    running->quota_namespaces = next.quota_namespaces;
+    access->SetMaxNamespaces(static_cast<size_t>(next.quota_namespaces));
+  }
+  // Last, so that the lines above show at the level they were logged under.
+  const bool level_changed = changed("log_level", running->log_level, next.log_level);
+  // Whatever else differs waits for a restart: named, never its value.
+  const std::set<std::string> kApplied = {
+      "log_level", "quota.concurrent_compiles", "quota.compile_seconds_per_minute",
+      "quota.calls_per_second", "quota.namespaces"};
+  const auto before = SettingsOf(*running), after = SettingsOf(next);
+  std::vector<std::string> restart;
+  for (const auto& [key, value] : after) {
+    if (!kApplied.count(key) && before.at(key) != value) restart.push_back(key);
+  }
+  if (!restart.empty()) {
+    log->warn("reload: changed but not applied until a restart: {}", absl::StrJoin(restart, ", "));
+  }
+  log->info("SIGHUP: {} reloaded: {} change(s) applied{}", running->config_file, applied,
+            restart.empty() ? "" : absl::StrCat(", ", restart.size(), " need a restart"));
+  if (level_changed) {
+    running->log_level = next.log_level;
+    SetLogLevel(next.log_level);
+  }
+}
+
 int Run(int argc, char** argv) {
   auto cfg = LoadConfig(argc, argv);
   if (!cfg.ok()) {
@@ -249,9 +428,16 @@ int Run(int argc, char** argv) {
       std::fputs(std::string(cfg.status().message()).c_str(), stdout);
       return 0;
     }
-    std::fprintf(stderr, "opjitd: %s\n", std::string(cfg.status().message()).c_str());
+    for (absl::string_view line : absl::StrSplit(cfg.status().message(), '\n')) {
+      std::fprintf(stderr, "opjitd: %s\n", std::string(line).c_str());
+    }
     return 2;
   }
+  if (cfg->version) {
+    std::printf("opjitd %s (git %s)\n", OPJIT_VERSION, OPJIT_GIT_REVISION);
+    return 0;
+  }
+  if (!cfg->check_config.empty()) return CheckConfig(*cfg);
   SetLogLevel(cfg->log_level);
   if (cfg->verify_cache) {
     const std::string dir = cfg->state_dir + "/cache";
@@ -274,6 +460,7 @@ int Run(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGHUP);  // a reload (Reload), never a stop
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
@@ -544,33 +731,34 @@ int Run(int argc, char** argv) {
     probes.push_back({"executor workers",
                       [p = HelperDir() + "/opjit-exec-worker"] { return ProbeExecutable(p); }, 10});
   }
-  if (cfg->registry_backend == "sqlite") {
-    probes.push_back({"registry store", [r = registry->get()] {
-                        absl::Status s = r->ProbeStore();
-                        store_up.store(s.ok());
-                        return s;
-                      }});
-  } else {
-    // A shared database that is down stops registrations, not calls (the
-    // registry is in memory): the daemon stays SERVING, so neither a
-    // balancer nor the systemd watchdog takes away what still works. Writes
-    // answer STORE_UNAVAILABLE meanwhile; the log and opjit_registry_store_up
-    // tell the operator.
-    probes.push_back({"registry store", [r = registry->get(), log] {
-                        const absl::Status s = r->ProbeStore();
-                        if (store_up.exchange(s.ok()) != s.ok()) {
-                          if (s.ok()) {
-                            log->info("registry database reachable again");
-                          } else {
-                            log->warn("registry database unreachable: {} (calls go on; "
-                                      "registrations fail until it is back)",
-                                      std::string(s.message()));
-                          }
-                        }
-                        return absl::OkStatus();
-                      }});
-  }
+  // The registry store: opjit_registry_store_up and the grpc.health service
+  // "opjit.registry.store" follow every probe; a flip is logged. What the
+  // whole server ("") reports depends on the backend:
+  //  - postgres: a shared database that is down stops registrations and
+  //    deletes (UNAVAILABLE / STORE_UNAVAILABLE), not calls or reads (the
+  //    registry is in memory), so the server stays SERVING and neither a
+  //    balancer nor the systemd watchdog takes away what still works;
+  //  - sqlite: a local file that cannot be written means this host's disk is
+  //    failing, so the whole server is NOT_SERVING until it can be.
   rpc::GrpcServer* grpc_server = server->get();
+  grpc_server->SetServiceServing(kStoreHealthService, true);
+  probes.push_back({"registry store",
+                    [r = registry->get(), log, grpc_server,
+                     shared = cfg->registry_backend != "sqlite"] {
+                      const absl::Status s = r->ProbeStore();
+                      if (store_up.exchange(s.ok()) != s.ok()) {
+                        grpc_server->SetServiceServing(kStoreHealthService, s.ok());
+                        if (s.ok()) {
+                          log->info("registry store writable again");
+                        } else {
+                          log->warn("registry store cannot be written: {} ({}registrations and "
+                                    "deletes fail until it is back)",
+                                    std::string(s.message()),
+                                    shared ? "calls go on; " : "NOT_SERVING; ");
+                        }
+                      }
+                      return shared ? absl::OkStatus() : s;
+                    }});
   // systemd (Type=notify): READY=1 once started and SERVING, WATCHDOG=1 while
   // healthy; no-ops without $NOTIFY_SOCKET.
   systemd::ReadyGate ready;
@@ -617,13 +805,15 @@ int Run(int argc, char** argv) {
     log->info("metrics on http://{}/metrics", exporter->address());
     std::ofstream(cfg->state_dir + "/metrics_endpoint", std::ios::trunc) << exporter->address() << "\n";
   }
-  log->info("opjitd {} ready: state {}, {} op(s), listening on {}", OPJIT_VERSION,
-            cfg->state_dir, (*registry)->Size(), absl::StrJoin((*server)->bound(), ", "));
+  log->info("opjitd {} (git {}) ready: state {}, {} op(s), listening on {}", OPJIT_VERSION,
+            OPJIT_GIT_REVISION, cfg->state_dir, (*registry)->Size(), absl::StrJoin((*server)->bound(), ", "));
 
   ready.StartupDone();
 
   int sig = 0;
-  sigwait(&signals, &sig);
+  while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
+    Reload(&*cfg, access_control->get(), &quotas);
+  }
   log->info("{} received, shutting down", strsignal(sig));
   systemd::NotifyStopping();
   watchdog.reset();

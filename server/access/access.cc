@@ -104,76 +104,135 @@ std::optional<std::string> BearerToken(const std::string& authorization) {
   return token;
 }
 
-AccessControl::AccessControl(AccessOptions options) : options_(std::move(options)) {}
-
-absl::StatusOr<std::unique_ptr<AccessControl>> AccessControl::Create(AccessOptions options) {
-  std::unique_ptr<AccessControl> ac(new AccessControl(std::move(options)));
-  std::set<std::string> names;
-  absl::MutexLock lock(&ac->mu_);
-  ac->namespaces_.insert("default");
-  for (const PrincipalConfig& c : ac->options_.principals) {
+std::vector<std::pair<size_t, std::string>> PrincipalProblems(
+    const std::vector<PrincipalConfig>& principals) {
+  std::vector<std::pair<size_t, std::string>> problems;
+  std::set<std::string> names, tokens;
+  std::set<uint32_t> uids, gids;
+  for (size_t i = 0; i < principals.size(); ++i) {
+    const PrincipalConfig& c = principals[i];
+    auto problem = [&](const std::string& why) { problems.emplace_back(i, why); };
     const std::string where = absl::StrCat("principal \"", c.name, "\": ");
     if (!ValidName(c.name)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("principal name \"", c.name, "\" must match [A-Za-z0-9_.@-]{1,64}"));
-    }
-    if (!names.insert(c.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat(where, "defined twice"));
+      problem(absl::StrCat("principal name \"", c.name, "\" must match [A-Za-z0-9_.@-]{1,64}"));
+    } else if (!names.insert(c.name).second) {
+      problem(absl::StrCat(where, "defined twice"));
     }
     if (c.role == Role::kMetrics && !c.namespaces.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
+      problem(absl::StrCat(
           where, "a metrics principal scrapes every namespace's series and has no namespaces"));
     }
     if (c.role != Role::kAdmin && c.role != Role::kMetrics && c.namespaces.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, "a ", RoleName(c.role),
-                                                     " needs at least one namespace"));
+      problem(absl::StrCat(where, "a ", RoleName(c.role), " needs at least one namespace"));
     }
-    for (const std::string& ns : c.namespaces) ac->namespaces_.insert(ns);
     for (const std::string& h : c.token_sha256) {
       if (!ValidHexSha256(h)) {
-        return absl::InvalidArgumentError(absl::StrCat(
+        problem(absl::StrCat(
             where, "token_sha256 entries are 64 lowercase hex digits (opjit token prints one)"));
-      }
-      if (!ac->by_token_.emplace(h, &c).second) {
-        return absl::InvalidArgumentError(absl::StrCat(where, "a token is given to two principals"));
+      } else if (!tokens.insert(h).second) {
+        problem(absl::StrCat(where, "a token is given to two principals"));
       }
     }
     for (uint32_t uid : c.uids) {
-      if (!ac->by_uid_.emplace(uid, &c).second) {
-        return absl::InvalidArgumentError(absl::StrCat(where, "uid ", uid, " is mapped twice"));
-      }
+      if (!uids.insert(uid).second) problem(absl::StrCat(where, "uid ", uid, " is mapped twice"));
     }
     for (uint32_t gid : c.gids) {
-      if (!ac->by_gid_.emplace(gid, &c).second) {
-        return absl::InvalidArgumentError(absl::StrCat(where, "gid ", gid, " is mapped twice"));
-      }
+      if (!gids.insert(gid).second) problem(absl::StrCat(where, "gid ", gid, " is mapped twice"));
     }
   }
+  return problems;
+}
+
+AccessControl::AccessControl(AccessOptions options)
+    : daemon_uid_(options.daemon_uid), max_namespaces_(options.max_namespaces) {}
+
+absl::StatusOr<std::shared_ptr<const AccessControl::Table>> AccessControl::BuildTable(
+    std::vector<PrincipalConfig> principals) {
+  if (auto problems = PrincipalProblems(principals); !problems.empty()) {
+    return absl::InvalidArgumentError(problems.front().second);
+  }
+  auto t = std::make_shared<Table>();
+  t->principals = std::move(principals);
+  // The vector is not resized from here on: the maps point into it.
+  for (const PrincipalConfig& c : t->principals) {
+    for (const std::string& h : c.token_sha256) t->by_token.emplace(h, &c);
+    for (uint32_t uid : c.uids) t->by_uid.emplace(uid, &c);
+    for (uint32_t gid : c.gids) t->by_gid.emplace(gid, &c);
+  }
+  return std::shared_ptr<const Table>(std::move(t));
+}
+
+absl::StatusOr<std::unique_ptr<AccessControl>> AccessControl::Create(AccessOptions options) {
+  auto table = BuildTable(options.principals);
+  if (!table.ok()) return table.status();
+  std::unique_ptr<AccessControl> ac(new AccessControl(std::move(options)));
+  {
+    absl::MutexLock lock(&ac->table_mu_);
+    ac->table_ = *std::move(table);
+  }
+  absl::MutexLock lock(&ac->mu_);
+  ac->namespaces_.insert("default");
+  for (const PrincipalConfig& c : ac->table()->principals) {
+    ac->namespaces_.insert(c.namespaces.begin(), c.namespaces.end());
+  }
   return ac;
+}
+
+std::shared_ptr<const AccessControl::Table> AccessControl::table() const {
+  absl::ReaderMutexLock lock(&table_mu_);
+  return table_;
+}
+
+bool AccessControl::enabled() const { return !table()->principals.empty(); }
+
+absl::Status AccessControl::SetPrincipals(std::vector<PrincipalConfig> principals) {
+  auto next = BuildTable(std::move(principals));
+  if (!next.ok()) return next.status();
+  {
+    absl::MutexLock lock(&table_mu_);
+    if (table_->principals.empty() != (*next)->principals.empty()) {
+      return absl::FailedPreconditionError(
+          "switching between no principals (every local caller is admin) and principals "
+          "needs a restart");
+    }
+    table_ = *next;
+  }
+  absl::MutexLock lock(&mu_);
+  for (const PrincipalConfig& c : (*next)->principals) {
+    namespaces_.insert(c.namespaces.begin(), c.namespaces.end());
+  }
+  return absl::OkStatus();
+}
+
+void AccessControl::SetMaxNamespaces(size_t max_namespaces) {
+  absl::MutexLock lock(&mu_);
+  max_namespaces_ = max_namespaces;
 }
 
 absl::StatusOr<std::shared_ptr<const Principal>> AccessControl::Authenticate(
     const PeerInfo& peer) const {
   if (peer.transport == PeerInfo::Transport::kInProcess) return LocalAdmin(std::nullopt);
+  const std::shared_ptr<const Table> t = table();
+  const bool enabled = !t->principals.empty();
   if (peer.authorization.has_value()) {
     std::optional<std::string> token = BearerToken(*peer.authorization);
     if (!token) {
       return Unauthenticated("the authorization metadata must be \"Bearer <token>\"");
     }
-    auto it = by_token_.find(Sha256Hex(*token));
-    if (it == by_token_.end()) return Unauthenticated("the bearer token is not valid");
+    auto it = t->by_token.find(Sha256Hex(*token));
+    if (it == t->by_token.end()) return Unauthenticated("the bearer token is not valid");
     return FromConfig(*it->second, peer.uid);
   }
   if (peer.transport == PeerInfo::Transport::kUnix) {
     if (!peer.uid.has_value()) return Unauthenticated("the unix peer's credentials are unknown");
-    if (!enabled() || *peer.uid == options_.daemon_uid || *peer.uid == 0) {
+    if (!enabled || *peer.uid == daemon_uid_ || *peer.uid == 0) {
       return LocalAdmin(peer.uid);
     }
-    if (auto it = by_uid_.find(*peer.uid); it != by_uid_.end()) {
+    if (auto it = t->by_uid.find(*peer.uid); it != t->by_uid.end()) {
       return FromConfig(*it->second, peer.uid);
     }
     if (peer.gid.has_value()) {
-      if (auto it = by_gid_.find(*peer.gid); it != by_gid_.end()) {
+      if (auto it = t->by_gid.find(*peer.gid); it != t->by_gid.end()) {
         return FromConfig(*it->second, peer.uid);
       }
     }
@@ -183,7 +242,7 @@ absl::StatusOr<std::shared_ptr<const Principal>> AccessControl::Authenticate(
   }
   // TCP without a token: only the embedded default on loopback (or on an
   // address the operator opened with allow_insecure_tcp).
-  if (!enabled()) return LocalAdmin(std::nullopt);
+  if (!enabled) return LocalAdmin(std::nullopt);
   return Unauthenticated(
       "this server requires \"authorization: Bearer <token>\" metadata on TCP");
 }
@@ -226,8 +285,8 @@ absl::Status AccessControl::Check(const Principal& principal, const std::string&
   if (action == Action::kDescribe) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
   if (namespaces_.count(ns)) return absl::OkStatus();
-  if (namespaces_.size() >= options_.max_namespaces) {
-    return QuotaExceeded("namespaces", absl::StrCat(options_.max_namespaces), "",
+  if (namespaces_.size() >= max_namespaces_) {
+    return QuotaExceeded("namespaces", absl::StrCat(max_namespaces_), "",
                          absl::StrCat("the server already has that many namespaces; namespace '",
                                       ns, "' cannot be created"));
   }

@@ -26,6 +26,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -100,6 +101,13 @@ struct Principal {
   bool Sees(const std::string& ns) const { return admin() || namespaces.count(ns) > 0; }
 };
 
+// Every problem of a set of principals (bad name, token hash or role
+// combination; a duplicate name, token, uid or gid), as (index into
+// `principals`, message). Empty when they are valid. Messages never contain
+// a token hash.
+std::vector<std::pair<size_t, std::string>> PrincipalProblems(
+    const std::vector<PrincipalConfig>& principals);
+
 class AccessControl {
  public:
   // INVALID_ARGUMENT for a bad principal (name, token hash, duplicate token,
@@ -107,7 +115,7 @@ class AccessControl {
   static absl::StatusOr<std::unique_ptr<AccessControl>> Create(AccessOptions options);
 
   // Whether principals are configured (false: the embedded default).
-  bool enabled() const { return !options_.principals.empty(); }
+  bool enabled() const;
 
   // The caller's principal. UNAUTHENTICATED (reason UNAUTHENTICATED) for a
   // missing or unknown token, or an unmapped unix peer.
@@ -121,6 +129,19 @@ class AccessControl {
   // (QUOTA_EXCEEDED "namespaces").
   absl::Status Check(const Principal& principal, const std::string& ns, Action action);
 
+  // Replaces the principals (a config reload). Validated as Create does:
+  // INVALID_ARGUMENT and nothing changes when they are not valid;
+  // FAILED_PRECONDITION when the change would switch between no principals
+  // (the embedded default, where every local caller is admin) and some:
+  // that changes who may connect at all and needs a restart. A call already
+  // authenticated keeps its Principal; the next call sees the new set.
+  // Namespaces the new principals name become existing ones.
+  absl::Status SetPrincipals(std::vector<PrincipalConfig> principals);
+
+  // Replaces the bound on the number of namespaces (a config reload);
+  // namespaces that exist stay, even above it.
+  void SetMaxNamespaces(size_t max_namespaces);
+
   // Marks namespaces that already hold data (the registry at startup) as
   // existing.
   void AddExisting(const std::vector<std::string>& namespaces);
@@ -128,14 +149,27 @@ class AccessControl {
   size_t namespace_count() const;
 
  private:
-  explicit AccessControl(AccessOptions options);
+  // The principals and their lookup maps (pointing into `principals`).
+  // Immutable once built; replaced whole on a reload.
+  struct Table {
+    std::vector<PrincipalConfig> principals;
+    std::map<std::string, const PrincipalConfig*> by_token;  // sha256 hex -> principal
+    std::map<uint32_t, const PrincipalConfig*> by_uid;
+    std::map<uint32_t, const PrincipalConfig*> by_gid;
+  };
+  static absl::StatusOr<std::shared_ptr<const Table>> BuildTable(
+      std::vector<PrincipalConfig> principals);
 
-  const AccessOptions options_;
-  std::map<std::string, const PrincipalConfig*> by_token_;  // sha256 hex -> principal
-  std::map<uint32_t, const PrincipalConfig*> by_uid_;
-  std::map<uint32_t, const PrincipalConfig*> by_gid_;
+  explicit AccessControl(AccessOptions options);
+  std::shared_ptr<const Table> table() const;
+
+  const uid_t daemon_uid_;
+
+  mutable absl::Mutex table_mu_;
+  std::shared_ptr<const Table> table_ ABSL_GUARDED_BY(table_mu_);
 
   mutable absl::Mutex mu_;
+  size_t max_namespaces_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> namespaces_ ABSL_GUARDED_BY(mu_);
 };
 

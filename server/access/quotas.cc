@@ -63,9 +63,10 @@ absl::Status QuotaManager::AdmitCall(const std::string& ns) {
 }
 
 absl::StatusOr<uint64_t> QuotaManager::AdmitCalls(const std::string& ns, uint64_t n) {
-  if (options_.calls_per_second <= 0 || n == 0) return n;
+  if (calls_per_second_.load(std::memory_order_relaxed) <= 0 || n == 0) return n;
   const Clock::time_point now = Clock::now();
   absl::MutexLock lock(&mu_);
+  if (options_.calls_per_second <= 0) return n;  // lifted by a reload meanwhile
   Space& space = spaces_[ns];
   const double burst = std::max(1.0, options_.calls_per_second);
   if (space.tokens < 0) {
@@ -86,8 +87,26 @@ absl::StatusOr<uint64_t> QuotaManager::AdmitCalls(const std::string& ns, uint64_
 }
 
 uint64_t QuotaManager::CallCreditBatch() const {
-  if (options_.calls_per_second <= 0) return 4096;
-  return static_cast<uint64_t>(std::clamp(std::floor(options_.calls_per_second / 50), 1.0, 64.0));
+  const double rate = calls_per_second_.load(std::memory_order_relaxed);
+  if (rate <= 0) return 4096;
+  return static_cast<uint64_t>(std::clamp(std::floor(rate / 50), 1.0, 64.0));
+}
+
+QuotaOptions QuotaManager::options() const {
+  absl::MutexLock lock(&mu_);
+  return options_;
+}
+
+void QuotaManager::SetOptions(const QuotaOptions& options) {
+  absl::MutexLock lock(&mu_);
+  options_ = options;
+  calls_per_second_.store(options.calls_per_second, std::memory_order_relaxed);
+  // A full bucket is the new second's worth: a lowered rate takes effect at
+  // once, not after the old burst drains.
+  const double burst = std::max(1.0, options.calls_per_second);
+  for (auto& [ns, space] : spaces_) {
+    if (space.tokens > burst) space.tokens = burst;
+  }
 }
 
 }  // namespace opjit::access

@@ -7,6 +7,7 @@
 // quota and its value. Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -41,7 +42,8 @@ class QuotaManager {
  public:
   using Clock = std::chrono::steady_clock;
 
-  explicit QuotaManager(QuotaOptions options) : options_(options) {}
+  explicit QuotaManager(QuotaOptions options)
+      : calls_per_second_(options.calls_per_second), options_(options) {}
 
   // Holds one compile slot of a namespace; its destructor gives the slot back
   // and charges the elapsed time to the namespace's compile budget.
@@ -85,7 +87,13 @@ class QuotaManager {
   // For tests: pretend `seconds` of compiling happened now in `ns`.
   void ChargeCompileForTest(const std::string& ns, double seconds);
 
-  const QuotaOptions& options() const { return options_; }
+  // The quotas in force.
+  QuotaOptions options() const;
+
+  // Replaces the quotas (a config reload). What is in flight keeps going:
+  // running compiles finish and are charged; a namespace's call bucket keeps
+  // its tokens, capped at the new second's worth.
+  void SetOptions(const QuotaOptions& options);
 
  private:
   struct Space {
@@ -99,8 +107,10 @@ class QuotaManager {
   void EndCompile(const std::string& ns, Clock::time_point start, double charge);
   double UsedLocked(Space& space, Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const QuotaOptions options_;
-  absl::Mutex mu_;
+  // Read without the lock on every call: 0 (no bound) costs no lock at all.
+  std::atomic<double> calls_per_second_;
+  mutable absl::Mutex mu_;
+  QuotaOptions options_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Space> spaces_ ABSL_GUARDED_BY(mu_);
 };
 

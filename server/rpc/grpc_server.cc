@@ -257,7 +257,22 @@ void GrpcServer::StopAccepting() {
 }
 
 void GrpcServer::SetServing(bool serving) {
-  if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(serving);
+  if (server_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(health_mu_);
+  serving_ = serving;
+  // gRPC's SetServingStatus(bool) sets every service it knows, ours too:
+  // put those back.
+  server_->GetHealthCheckService()->SetServingStatus(serving);
+  for (const auto& [service, up] : service_serving_) {
+    server_->GetHealthCheckService()->SetServingStatus(service, serving && up);
+  }
+}
+
+void GrpcServer::SetServiceServing(const std::string& service, bool serving) {
+  if (server_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(health_mu_);
+  service_serving_[service] = serving;
+  server_->GetHealthCheckService()->SetServingStatus(service, serving_ && serving);
 }
 
 GrpcServer::~GrpcServer() {

@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,8 +69,14 @@ class GrpcServer {
   void Wait();
 
   // What grpc.health.v1 reports for the whole server ("") and each opjit
-  // service: SERVING when true.
+  // service: SERVING when true. A service set by SetServiceServing reports
+  // SERVING only while both say so.
   void SetServing(bool serving);
+
+  // What grpc.health.v1 reports for `service`, a name of the daemon's own
+  // (e.g. "opjit.registry.store") that a client can check on its own. The
+  // first call makes the name known (before it: NOT_FOUND).
+  void SetServiceServing(const std::string& service, bool serving);
 
  private:
   GrpcServer() = default;
@@ -81,6 +89,10 @@ class GrpcServer {
   int wake_fd_ = -1;
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
+  // What SetServing and SetServiceServing were told last.
+  std::mutex health_mu_;
+  bool serving_ = true;
+  std::map<std::string, bool> service_serving_;
 
   void AcceptLoop();
   void StopAccepting();

@@ -138,6 +138,74 @@ TEST(AccessTest, AMetricsPrincipalScrapesAllAndMayDoNothingOverGrpc) {
   EXPECT_EQ(ParseRole("metrics"), Role::kMetrics);
 }
 
+// A reload (SIGHUP): the next call sees the new principals; a call already
+// authenticated keeps its Principal.
+TEST(AccessTest, SetPrincipalsSwapsTheTableForTheNextCall) {
+  auto ac = AccessControl::Create(TwoUsers());
+  ASSERT_TRUE(ac.ok()) << ac.status();
+  auto alice = (*ac)->Authenticate(Tcp("Bearer ta"));
+  ASSERT_TRUE(alice.ok());
+  EXPECT_FALSE((*ac)->Authenticate(Tcp("Bearer tb")).ok());
+  AccessOptions next = TwoUsers();
+  next.principals.erase(next.principals.begin());  // alice goes
+  next.principals.push_back({.name = "bob", .role = Role::kUser, .namespaces = {"bob"},
+                             .token_sha256 = {Sha256Hex("tb")}, .uids = {2002}});
+  ASSERT_TRUE((*ac)->SetPrincipals(next.principals).ok());
+  auto bob = (*ac)->Authenticate(Tcp("Bearer tb"));
+  ASSERT_TRUE(bob.ok()) << bob.status();
+  EXPECT_EQ((*bob)->name, "bob");
+  EXPECT_EQ((*ac)->Authenticate(Unix(2002, 2002)).value()->name, "bob");
+  EXPECT_TRUE((*ac)->Check(**bob, "bob", Action::kWrite).ok());  // its namespace exists now
+  EXPECT_EQ((*ac)->Authenticate(Tcp("Bearer ta")).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*ac)->Authenticate(Unix(2001, 2001)).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*alice)->name, "alice");  // what was authenticated before stays valid
+  // Invalid principals change nothing.
+  auto bad = next.principals;
+  bad.push_back(bad.back());
+  EXPECT_EQ((*ac)->SetPrincipals(bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*ac)->Authenticate(Tcp("Bearer tb")).ok());
+  // None <-> some needs a restart.
+  EXPECT_EQ((*ac)->SetPrincipals({}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*ac)->enabled());
+  auto open = AccessControl::Create({});
+  ASSERT_TRUE(open.ok());
+  EXPECT_EQ((*open)->SetPrincipals(next.principals).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE((*open)->enabled());
+}
+
+TEST(AccessTest, PrincipalProblemsListsEveryOne) {
+  std::vector<PrincipalConfig> ps = TwoUsers().principals;
+  ps.push_back({.name = "alice", .role = Role::kUser, .namespaces = {}, .token_sha256 = {"x"}});
+  ps.push_back({.name = "bad name!", .role = Role::kAdmin, .uids = {2001}});
+  const auto problems = PrincipalProblems(ps);
+  ASSERT_EQ(problems.size(), 5u);
+  EXPECT_EQ(problems[0].first, 3u);  // defined twice
+  EXPECT_EQ(problems[1].first, 3u);  // no namespace
+  EXPECT_EQ(problems[2].first, 3u);  // bad token hash
+  EXPECT_EQ(problems[3].first, 4u);  // bad name
+  EXPECT_EQ(problems[4].first, 4u);  // uid mapped twice
+  for (const auto& [i, message] : problems) {
+    EXPECT_EQ(message.find(Sha256Hex("ta")), std::string::npos);
+  }
+  EXPECT_TRUE(PrincipalProblems(TwoUsers().principals).empty());
+}
+
+TEST(AccessTest, SetMaxNamespacesBoundsTheNextCreation) {
+  AccessOptions o;
+  o.max_namespaces = 2;  // "default" and one more
+  auto ac = AccessControl::Create(o);
+  ASSERT_TRUE(ac.ok());
+  auto admin = (*ac)->Authenticate(Unix(0, 0)).value();
+  EXPECT_TRUE((*ac)->Check(*admin, "one", Action::kWrite).ok());
+  EXPECT_EQ((*ac)->Check(*admin, "two", Action::kWrite).code(),
+            absl::StatusCode::kResourceExhausted);
+  (*ac)->SetMaxNamespaces(3);
+  EXPECT_TRUE((*ac)->Check(*admin, "two", Action::kWrite).ok());
+}
+
 TEST(QuotaTest, ConcurrentCompilesAndCompileSeconds) {
   QuotaManager q({.concurrent_compiles = 1, .compile_seconds_per_minute = 2, .calls_per_second = 0});
   auto t1 = q.BeginCompile("a");
@@ -217,6 +285,30 @@ TEST(QuotaTest, CallCreditBatchFollowsTheRate) {
   EXPECT_EQ(batch(1000), 20u);
   EXPECT_EQ(batch(20000), 64u);
   EXPECT_EQ(batch(1e9), 64u);
+}
+
+TEST(QuotaTest, SetOptionsAppliesToTheNextCall) {
+  QuotaManager q({.concurrent_compiles = 1, .compile_seconds_per_minute = 0,
+                  .calls_per_second = 0});
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(q.AdmitCall("a").ok());
+  EXPECT_EQ(q.CallCreditBatch(), 4096u);
+  q.SetOptions({.concurrent_compiles = 2, .compile_seconds_per_minute = 0, .calls_per_second = 3});
+  EXPECT_EQ(q.options().calls_per_second, 3);
+  EXPECT_EQ(q.CallCreditBatch(), 1u);
+  int admitted = 0;
+  for (int i = 0; i < 10; ++i) admitted += q.AdmitCall("a").ok();
+  EXPECT_GE(admitted, 3);
+  EXPECT_LE(admitted, 4);  // a refill of at most one in the loop's time
+  auto t1 = q.BeginCompile("a");
+  auto t2 = q.BeginCompile("a");
+  EXPECT_TRUE(t1.ok() && t2.ok());
+  // Lowered: a full bucket shrinks to the new second's worth at once.
+  q.SetOptions({.concurrent_compiles = 2, .compile_seconds_per_minute = 0,
+                .calls_per_second = 1000});
+  q.SetOptions({.concurrent_compiles = 2, .compile_seconds_per_minute = 0, .calls_per_second = 2});
+  EXPECT_LE(q.AdmitCalls("b", 100).value(), 2u);
+  q.SetOptions({});  // defaults
+  EXPECT_EQ(q.options().concurrent_compiles, 8);
 }
 
 }  // namespace

@@ -7,7 +7,10 @@
 #include <string>
 #include <vector>
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
 
 namespace opjit {
@@ -91,6 +94,122 @@ TEST(ConfigTest, CompilerLaneAndRecyclingKeys) {
   const std::string bad = TomlFile("[compiler]\nlong_workers = -1\n");
   EXPECT_FALSE(Load({"--config", bad}).ok());
   std::filesystem::remove(toml);
+}
+
+// --check-config: every problem, each with its file:line and key.
+TEST(ConfigTest, BuildConfigReportsEveryProblemWithItsLineAndKey) {
+  const std::string path = TomlFile(
+      "log_level = \"loud\"\n"              // 1
+      "bogus = 1\n"                         // 2
+      "[quota]\n"                           // 3
+      "calls_per_second = -3\n"             // 4
+      "ops = \"many\"\n"                    // 5
+      "[exec]\n"                            // 6
+      "workers = 0\n"                       // 7
+      "[[principal]]\n"                     // 8
+      "name = \"bob\"\n"                    // 9
+      "token_sha256 = [\"abc\"]\n"          // 10
+      "namespaces = [\"bob\"]\n");          // 11
+  const ConfigResult r = BuildConfig(path, {});
+  std::vector<std::string> lines;
+  for (const ConfigProblem& p : r.problems) lines.push_back(p.ToString());
+  ASSERT_EQ(lines.size(), 6u) << absl::StrJoin(lines, "\n");
+  EXPECT_EQ(lines[0], path + ":1: log_level: expected trace, debug, info, warn, error, critical "
+                             "or off, not \"loud\"");
+  EXPECT_TRUE(absl::StartsWith(lines[1], path + ":2: bogus: unknown key")) << lines[1];
+  EXPECT_EQ(lines[2], path + ":4: quota.calls_per_second: expected a non-negative number");
+  EXPECT_EQ(lines[3], path + ":5: quota.ops: expected an integer");
+  EXPECT_EQ(lines[4], path + ":7: exec.workers: expected an integer >= 1, not 0");
+  EXPECT_TRUE(absl::StartsWith(lines[5], path + ":8: principal[0]: principal \"bob\": "
+                                                "token_sha256 entries are 64"))
+      << lines[5];
+  // LoadConfig refuses the same file with the same lines.
+  auto refused = Load({"--config", path});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(std::string(refused.status().message()), absl::StrJoin(lines, "\n"));
+  std::filesystem::remove(path);
+}
+
+TEST(ConfigTest, SyntaxErrorsNameLineAndColumn) {
+  const std::string path = TomlFile("log_level = \"info\"\ntoken_sha256: [\"x\"]\n");
+  const ConfigResult r = BuildConfig(path, {});
+  ASSERT_EQ(r.problems.size(), 1u);
+  EXPECT_TRUE(absl::StartsWith(r.problems[0].ToString(), path + ":2:13: ")) << r.problems[0].ToString();
+  EXPECT_EQ(r.problems[0].line, 2);
+  std::filesystem::remove(path);
+}
+
+TEST(ConfigTest, ProblemsFromFlagsNameTheFlag) {
+  ConfigFlags flags;
+  flags.log_level = "chatty";
+  flags.isolation = "none";
+  const ConfigResult r = BuildConfig("", flags);
+  ASSERT_EQ(r.problems.size(), 2u);
+  EXPECT_TRUE(absl::StartsWith(r.problems[0].ToString(), "--log-level: log_level: "))
+      << r.problems[0].ToString();
+  EXPECT_TRUE(absl::StartsWith(r.problems[1].ToString(), "--isolation: exec.isolation: "))
+      << r.problems[1].ToString();
+}
+
+TEST(ConfigTest, RangesAndCombinations) {
+  struct Case {
+    std::string toml, key;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"max_message_mb = 4096\n", "max_message_mb"},
+           {"[health]\ninterval_ms = 10\n", "health.interval_ms"},
+           {"[compiler]\ntimeout_ms = 3000000000\n", "compiler.timeout_ms"},
+           {"[registry]\nbackend = \"mysql\"\n", "registry.backend"},
+           {"[registry]\nbackend = \"postgres\"\n", "registry.url"},
+           {"[cache.remote]\nurl = \"redis://x:1\"\n", "cache.remote.key_file"},
+           {"[tls]\ncert = \"/nonexistent/c.pem\"\n", "tls.cert"},  // without a key
+           {"[tls]\ncert = \"/nonexistent/c.pem\"\nkey = \"/nonexistent/k.pem\"\n", "tls.key"},
+           {"socket_mode = \"999\"\n", "socket_mode"},
+           {"[exec]\nworkers = 1.5\n", "exec.workers"},
+           {"exec = 3\n", "exec"},
+           {"[[principal]]\nname = \"a\"\nrole = \"root\"\nuids = [5]\n", "principal[0].role"},
+           {"[[principal]]\nname = \"a\"\nrole = \"admin\"\n", "principal[0]"},
+           {"[[principal]]\nname = \"a\"\nrole = \"admin\"\nuids = [5]\n"
+            "[[principal]]\nname = \"a\"\nrole = \"admin\"\nuids = [6]\n",
+            "principal[1]"},
+       }) {
+    const std::string path = TomlFile(c.toml);
+    const ConfigResult r = BuildConfig(path, {});
+    std::vector<std::string> keys;
+    for (const ConfigProblem& p : r.problems) keys.push_back(p.key);
+    EXPECT_TRUE(std::find(keys.begin(), keys.end(), c.key) != keys.end())
+        << c.toml << " -> [" << absl::StrJoin(keys, ", ") << "]";
+    std::filesystem::remove(path);
+  }
+}
+
+TEST(ConfigTest, TheShippedConfigsHaveNoProblem) {
+  for (const char* rel : {"deploy/opjitd.toml", "deploy/container/opjitd.toml",
+                          "deploy/k8s/insecure/opjitd.toml"}) {
+    const std::string path = std::string(OPJIT_SOURCE_DIR) + "/" + rel;
+    const ConfigResult r = BuildConfig(path, {});
+    std::vector<std::string> lines;
+    for (const ConfigProblem& p : r.problems) {
+      // Files that exist only where the config is deployed are not this test's concern.
+      if (p.message != "no such file") lines.push_back(p.ToString());
+    }
+    EXPECT_TRUE(lines.empty()) << absl::StrJoin(lines, "\n");
+  }
+}
+
+TEST(ConfigTest, SettingsOfNamesEveryKeyButThePrincipals) {
+  DaemonConfig a = BuildConfig("", {}).config, b = a;
+  const auto before = SettingsOf(a);
+  b.quota_calls_per_second = 7;
+  b.exec_workers = 9;
+  const auto after = SettingsOf(b);
+  std::vector<std::string> changed;
+  for (const auto& [k, v] : after) {
+    if (before.at(k) != v) changed.push_back(k);
+  }
+  EXPECT_EQ(changed, (std::vector<std::string>{"exec.workers", "quota.calls_per_second"}));
+  EXPECT_EQ(before.count("principal"), 0u);
+  EXPECT_GT(before.size(), 60u);
 }
 
 }  // namespace

@@ -1,0 +1,405 @@
+"""Operating opjitd (issue 25): --version and --help, --check-config, SIGHUP
+reloads, and what health, metrics and writes say while the registry's
+PostgreSQL is down.
+
+Every daemon here is the test's own (its own temp dir, state dir and unix
+socket); the PostgreSQL is a throwaway one (tests/python/test_cluster.py's),
+stopped and started again by the test.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+import opjit
+from conftest import REPO, TempDaemon, opjitd_binary, principal_toml, token_sha
+
+TOKENS = {"alice": "tok-alice-ops-0123456789", "bob": "tok-bob-ops-0123456789",
+          "admin": "tok-admin-ops-0123456789"}
+
+COPY = r"""#include <cstdint>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  for (int64_t i = 0; i < k; ++i) y[i] = x[i] %s;
+  return 0;
+}
+"""
+
+STORE_SERVICE = "opjit.registry.store"
+
+
+def spec(name, body, ns):
+    return {"name": name, "namespace": ns, "inputs": [{"index": 0, "name": "x"}],
+            "outputs": [{"index": 0, "name": "y"}],
+            "dtype_formats": [{"dtypes": ["float32", "float32"]}],
+            "implementations": [{"target": "CPU", "source": COPY % body, "entry": "K"}]}
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
+        time.sleep(0.05)
+
+
+def health(address, service=""):
+    """SERVING / NOT_SERVING / NOT_FOUND from grpc.health.v1.Health/Check."""
+    name = service.encode()
+    request = (b"\x0a" + bytes([len(name)]) + name) if name else b""
+    with grpc.insecure_channel(address) as ch:
+        check = ch.unary_unary("/grpc.health.v1.Health/Check",
+                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            resp = check(request, timeout=10)
+        except grpc.RpcError as e:
+            return e.code().name
+    return {b"\x08\x01": "SERVING", b"\x08\x02": "NOT_SERVING"}.get(resp, repr(resp))
+
+
+def run_opjitd(*args, env=None):
+    return subprocess.run([opjitd_binary()] + list(args), capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+# ---- --version and --help ------------------------------------------------------------------
+
+def test_version_names_the_version_and_the_git_revision():
+    r = run_opjitd("--version")
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"opjitd \d+\.\d+\.\d+ \(git [0-9a-z.+-]+\)\n", r.stdout), r.stdout
+    assert run_opjitd("-V").stdout == r.stdout
+
+
+def test_help_lists_every_flag_and_the_signals():
+    r = run_opjitd("--help")
+    assert r.returncode == 0 and r.stdout.startswith("Usage: opjitd"), r.stdout
+    for flag in ("--config FILE", "--listen ADDR", "--state-dir DIR", "--log-level LEVEL",
+                 "--isolation MODE", "--allow-insecure-tcp", "--check-config FILE",
+                 "--verify-cache", "-V, --version", "-h, --help", "SIGHUP", "SIGTERM",
+                 "Exit status"):
+        assert flag in r.stdout, flag
+    bad = run_opjitd("--no-such-flag")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "opjitd: unknown flag --no-such-flag (opjitd --help lists them)"
+
+
+# ---- --check-config -------------------------------------------------------------------------
+
+@pytest.fixture
+def tmp():
+    d = tempfile.mkdtemp(prefix="opjit-ops-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def check(tmp, text):
+    path = os.path.join(tmp, "c.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    # A HOME and a state dir that do not exist: --check-config must create neither.
+    env = dict(os.environ, HOME=os.path.join(tmp, "home"),
+               OPJIT_STATE_DIR=os.path.join(tmp, "state"))
+    r = run_opjitd("--check-config", path, env=env)
+    assert not os.path.exists(os.path.join(tmp, "home"))
+    assert not os.path.exists(os.path.join(tmp, "state"))
+    assert not os.path.exists(os.path.join(tmp, "named-state"))
+    return path, r
+
+
+def test_check_config_accepts_the_shipped_config(tmp):
+    with open(os.path.join(REPO, "deploy", "opjitd.toml")) as f:
+        shipped = f.read()
+    path, r = check(tmp, 'state_dir = "%s"\n' % os.path.join(tmp, "named-state") + shipped +
+                    principal_toml("alice", "user", ["alice"], TOKENS["alice"]))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(path + ": ok: 1 principal(s), registry sqlite"), \
+        r.stdout
+
+
+def test_check_config_names_a_syntax_error_by_line_and_column(tmp):
+    # What a pasted `opjit token` line of old looked like.
+    path, r = check(tmp, 'log_level = "info"\ntoken_sha256: ["%s"]\n' % token_sha("x"))
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2, r.stderr
+    assert lines[0].startswith(path + ":2:13: "), lines[0]
+    assert lines[1] == path + ": 1 problem(s)"
+
+
+def test_check_config_names_each_problem_by_line_and_key(tmp):
+    path, r = check(tmp, "\n".join([
+        'log_level = "info"',                   # 1
+        "colour = true",                        # 2: unknown key
+        "[quota]",                              # 3
+        'ops = "many"',                         # 4: bad type
+        "calls_per_second = -5",                # 5: bad range
+        "[exec]",                               # 6
+        "worker_count = 2",                     # 7: unknown key in a section
+        "[[principal]]",                        # 8
+        'name = "carol"',                       # 9
+        'role = "superuser"',                   # 10: bad role
+        'namespaces = ["c"]',                   # 11
+        'token_sha256 = ["%s"]' % token_sha("c"),
+        "[registry]",                           # 13
+        'backend = "postgres"',                 # 14: needs url
+    ]) + "\n")
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert lines[-1] == path + ": 6 problem(s)", r.stderr
+    got = lines[:-1]
+    assert got[0].startswith(path + ":2: colour: unknown key"), got
+    assert got[1] == path + ":4: quota.ops: expected an integer", got
+    assert got[2] == path + ":5: quota.calls_per_second: expected a non-negative number", got
+    assert got[3].startswith(path + ":7: exec.worker_count: unknown key"), got
+    assert got[4].startswith(path + ":10: principal[0].role: expected \"admin\""), got
+    assert got[5].startswith(path + ":14: registry.url: registry.backend = \"postgres\" needs"), \
+        got
+    assert token_sha("c") not in r.stderr
+
+
+def test_a_daemon_started_on_a_bad_config_prints_the_same_problems(tmp):
+    path = os.path.join(tmp, "c.toml")
+    with open(path, "w") as f:
+        f.write("[exec]\nworkers = 0\n")
+    r = run_opjitd("--config", path, "--state-dir", os.path.join(tmp, "state"))
+    assert r.returncode == 2
+    assert r.stderr == "opjitd: %s:2: exec.workers: expected an integer >= 1, not 0\n" % path
+    assert not os.path.exists(os.path.join(tmp, "state"))
+
+
+# ---- SIGHUP ---------------------------------------------------------------------------------
+
+class OpsDaemon(TempDaemon):
+    def __init__(self, config):
+        self.spawn(config, prefix="opjit-ops-")
+        self.config = os.path.join(self.dir, "c.toml")
+
+    def write_config(self, text):
+        tmp = self.config + ".new"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.rename(tmp, self.config)
+
+    def client(self, who, namespace, **kw):
+        return opjit.Client(self.unix_address, namespace=namespace, token=TOKENS[who],
+                            timeout=60, **kw)
+
+    def hup(self, expect):
+        """SIGHUP, then waits for the log line that ends the reload."""
+        before = self.read_log().count(expect)
+        self.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: self.read_log().count(expect) > before or self.proc.poll() is not None,
+                 30, "%r in the log" % expect)
+        assert self.proc.poll() is None, "opjitd died on SIGHUP:\n" + self.read_log()[-3000:]
+
+
+def config(principals, calls_per_second, log_level, exec_workers=2):
+    return ('log_level = "%s"\n[health]\ninterval_ms = 200\n[quota]\ncalls_per_second = %g\n'
+            "[exec]\nworkers = %d\n" % (log_level, calls_per_second, exec_workers) +
+            "".join(principals))
+
+
+ALICE = principal_toml("alice", "user", ["alice"], TOKENS["alice"])
+BOB = principal_toml("bob", "user", ["bob"], TOKENS["bob"])
+
+
+def test_sighup_reloads_principals_quotas_and_log_level():
+    d = OpsDaemon(config([ALICE], 1000, "info"))
+    try:
+        with d.client("alice", "alice", transport="inline") as c:
+            c.register(spec("twice", "* 2.0f", "alice"))
+            np.testing.assert_allclose(c.op("twice")(np.ones(2, np.float32)), 2.0)
+        with pytest.raises(opjit.Unauthenticated):
+            with d.client("bob", "bob", transport="inline") as c:
+                c.register(spec("thrice", "* 3.0f", "bob"))
+        assert " debug " not in d.read_log()
+
+        # bob added, a lower quota, debug logging, and a key that needs a restart.
+        d.write_config(config([ALICE, BOB], 3, "debug", exec_workers=3))
+        d.hup("reloaded: 3 change(s) applied, 1 need a restart")
+        log = d.read_log()
+        assert 'reload: principal "bob" added (role user, namespaces [bob], 1 token(s)' in log
+        assert "reload: quota.calls_per_second: 1000 -> 3" in log
+        assert "reload: log_level: info -> debug" in log
+        assert "reload: changed but not applied until a restart: exec.workers" in log
+        for secret in TOKENS.values():
+            assert secret not in log and token_sha(secret) not in log
+
+        with d.client("bob", "bob", transport="inline") as c:
+            c.register(spec("thrice", "* 3.0f", "bob"))
+            np.testing.assert_allclose(c.op("thrice")(np.ones(2, np.float32)), 3.0)
+        with d.client("alice", "alice", transport="inline") as c:
+            f = c.op("twice")
+            with pytest.raises(opjit.ResourceExhausted) as e:
+                for _ in range(50):
+                    f(np.ones(2, np.float32))
+            assert (e.value.metadata["quota"], e.value.metadata["limit"]) == \
+                ("calls_per_second", "3")
+        assert " debug [" in d.read_log()  # e.g. bob's executor starting, at debug
+        assert health(d.unix_address) == "SERVING"
+
+        # A broken file changes nothing: bob stays, the daemon serves on.
+        d.write_config(config([ALICE], 1000, "info") + "[quota\n")
+        d.hup("the running configuration stays")
+        assert re.search(r"reload: .*c\.toml:\d+:\d+: ", d.read_log()), d.read_log()[-2000:]
+        with d.client("bob", "bob", transport="inline") as c:
+            np.testing.assert_allclose(c.op("thrice")(np.ones(2, np.float32)), 3.0)
+        # Neither does a file that would drop every principal (a restart's job).
+        d.write_config(config([], 1000, "info"))
+        d.hup("the running configuration stays")
+        with d.client("bob", "bob", transport="inline") as c:
+            np.testing.assert_allclose(c.op("thrice")(np.ones(2, np.float32)), 3.0)
+
+        # bob removed, the quota lifted: bob's token stops working at once.
+        d.write_config(config([ALICE], 0, "debug", exec_workers=3))
+        d.hup("reloaded: 2 change(s) applied, 1 need a restart")
+        assert 'reload: principal "bob" removed' in d.read_log()
+        with pytest.raises(opjit.Unauthenticated):
+            with d.client("bob", "bob", transport="inline") as c:
+                c.op("thrice")(np.ones(2, np.float32))
+        with d.client("alice", "alice", transport="inline") as c:
+            f = c.op("twice")
+            for _ in range(50):
+                f(np.ones(2, np.float32))
+        assert health(d.unix_address) == "SERVING"
+        assert d.proc.poll() is None
+    finally:
+        d.close()
+    assert d.proc.returncode == 0, d.read_log()[-3000:]
+
+
+def test_sighup_without_a_config_file_reloads_nothing_and_keeps_serving():
+    d = TempDaemon()
+    d.dir = tempfile.mkdtemp(prefix="opjit-ops-")
+    d.state = os.path.join(d.dir, "state")
+    d.unix_address = "unix:" + os.path.join(d.dir, "s.sock")
+    d.log_path = os.path.join(d.dir, "log")
+    d.log = open(d.log_path, "wb")
+    d.proc = subprocess.Popen([opjitd_binary(), "--state-dir", d.state, "--listen",
+                               d.unix_address], stdout=d.log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(d.state, "endpoints")), 60, "opjitd to bind")
+        for i in range(1, 4):  # one at a time: pending SIGHUPs merge into one
+            d.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: d.read_log().count("nothing to reload") == i, 30,
+                     "reload line %d" % i)
+        assert d.proc.poll() is None
+        assert health(d.unix_address) == "SERVING"
+        with opjit.Client(d.unix_address, timeout=30) as c:
+            c.info()
+    finally:
+        d.close()
+    assert d.proc.returncode == 0
+    assert not os.path.exists(os.path.join(d.state, "endpoints"))
+
+
+# ---- the registry store's health ------------------------------------------------------------
+
+def scrape(address):
+    with urllib.request.urlopen("http://%s/metrics" % address, timeout=10) as r:
+        return r.read().decode()
+
+
+def gauge(text, name):
+    m = re.search(r"^%s (\S+)$" % re.escape(name), text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_the_store_service_reports_a_local_store_too():
+    d = OpsDaemon('[health]\ninterval_ms = 200\n[metrics]\nlisten = "127.0.0.1:0"\n')
+    try:
+        assert health(d.unix_address) == "SERVING"
+        assert health(d.unix_address, STORE_SERVICE) == "SERVING"
+        assert health(d.unix_address, "opjit.no.such.service") == "NOT_FOUND"
+        path = os.path.join(d.state, "metrics_endpoint")
+        wait_for(lambda: os.path.exists(path), 30, "the metrics endpoint")
+        with open(path) as f:
+            text = scrape(f.read().strip())
+        assert gauge(text, "opjit_registry_store_up") == 1
+        assert gauge(text, "opjit_serving") == 1
+    finally:
+        d.close()
+
+
+@pytest.fixture
+def postgres():
+    from test_cluster import PG_BIN, Postgres
+    if not os.path.exists(os.path.join(PG_BIN, "pg_ctl")):
+        pytest.skip("PostgreSQL 15 is not installed (deploy/install-deps.sh installs it)")
+    root = tempfile.mkdtemp(prefix="opjit-ops-pg-")
+    os.chmod(root, 0o755)
+    pg = Postgres(root).start()
+
+    def restart():  # the same data dir and port
+        pg._run(PG_BIN + "/pg_ctl", "-D", pg.data, "-l", pg.log, "-w", "-t", "60", "-o",
+                "-p %d -k %s -c listen_addresses=127.0.0.1" % (pg.port, pg.data), "start")
+    pg.restart = restart
+    pg.createdb("opjit")
+    yield pg
+    pg.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_postgres_down_refuses_writes_serves_calls_and_says_so(postgres):
+    d = OpsDaemon('[health]\ninterval_ms = 200\n[metrics]\nlisten = "127.0.0.1:0"\n'
+                  '[registry]\nbackend = "postgres"\nurl = "%s"\npoll_ms = 500\n'
+                  % postgres.url("opjit"))
+    try:
+        path = os.path.join(d.state, "metrics_endpoint")
+        wait_for(lambda: os.path.exists(path), 30, "the metrics endpoint")
+        with open(path) as f:
+            metrics = f.read().strip()
+        with opjit.Client(d.unix_address, timeout=60, transport="inline") as c:
+            c.register(spec("twice", "* 2.0f", "default"))
+            np.testing.assert_allclose(c.op("twice")(np.ones(2, np.float32)), 2.0)
+        assert health(d.unix_address) == "SERVING"
+        assert health(d.unix_address, STORE_SERVICE) == "SERVING"
+        assert gauge(scrape(metrics), "opjit_registry_store_up") == 1
+
+        postgres.stop()
+        wait_for(lambda: health(d.unix_address, STORE_SERVICE) == "NOT_SERVING", 30,
+                 "the store service to say NOT_SERVING")
+        text = scrape(metrics)
+        assert gauge(text, "opjit_registry_store_up") == 0
+        assert gauge(text, "opjit_serving") == 1
+        assert health(d.unix_address) == "SERVING"  # calls still work: no balancer drains it
+        with opjit.Client(d.unix_address, timeout=60, transport="inline") as c:
+            np.testing.assert_allclose(c.op("twice")(np.ones(3, np.float32)), 2.0)
+            assert c.describe("twice")  # reads come from the registry in memory
+            t0 = time.monotonic()
+            with pytest.raises(opjit.Unavailable) as e:
+                c.register(spec("thrice", "* 3.0f", "default"))
+            assert e.value.reason == "STORE_UNAVAILABLE", e.value
+            assert time.monotonic() - t0 < 30  # refused, not hung
+            assert "host=" not in e.value.message and "port=" not in e.value.message
+        assert "registry store cannot be written" in d.read_log()
+
+        postgres.restart()
+        wait_for(lambda: health(d.unix_address, STORE_SERVICE) == "SERVING", 60,
+                 "the store service to say SERVING again")
+        assert gauge(scrape(metrics), "opjit_registry_store_up") == 1
+        with opjit.Client(d.unix_address, timeout=60, transport="inline") as c:
+            c.register(spec("thrice", "* 3.0f", "default"))
+            np.testing.assert_allclose(c.op("thrice")(np.ones(2, np.float32)), 3.0)
+        assert "registry store writable again" in d.read_log()
+        assert d.proc.poll() is None
+    finally:
+        d.close()
