@@ -323,7 +323,7 @@ def gauge(text, name):
     return float(m.group(1)) if m else None
 
 
-def test_the_store_service_reports_a_local_store_too():
+def test_a_local_store_that_cannot_be_written_drains_the_whole_daemon():
     d = OpsDaemon('[health]\ninterval_ms = 200\n[metrics]\nlisten = "127.0.0.1:0"\n')
     try:
         assert health(d.unix_address) == "SERVING"
@@ -332,9 +332,26 @@ def test_the_store_service_reports_a_local_store_too():
         path = os.path.join(d.state, "metrics_endpoint")
         wait_for(lambda: os.path.exists(path), 30, "the metrics endpoint")
         with open(path) as f:
-            text = scrape(f.read().strip())
+            metrics = f.read().strip()
+        text = scrape(metrics)
         assert gauge(text, "opjit_registry_store_up") == 1
         assert gauge(text, "opjit_serving") == 1
+        # registry.db cannot grow (a file-size limit on the daemon): this host's disk.
+        pid = str(d.proc.pid)
+        subprocess.run(["prlimit", "--pid", pid, "--fsize=1:"], check=True)
+        try:
+            wait_for(lambda: health(d.unix_address) == "NOT_SERVING", 30, "NOT_SERVING")
+            assert health(d.unix_address, STORE_SERVICE) == "NOT_SERVING"
+            text = scrape(metrics)
+            assert (gauge(text, "opjit_registry_store_up"), gauge(text, "opjit_serving")) == (0, 0)
+        finally:
+            subprocess.run(["prlimit", "--pid", pid, "--fsize=unlimited:"], check=True)
+        # Both come back, the named service too (gRPC's "set all" must not leave it behind).
+        wait_for(lambda: health(d.unix_address) == "SERVING", 30, "SERVING again")
+        wait_for(lambda: health(d.unix_address, STORE_SERVICE) == "SERVING", 30,
+                 "the store service SERVING again")
+        assert gauge(scrape(metrics), "opjit_registry_store_up") == 1
+        assert "registry store writable again" in d.read_log()
     finally:
         d.close()
 
