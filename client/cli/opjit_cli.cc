@@ -1267,7 +1267,10 @@ int main(int argc, char** argv) {
       return kExitOk;
     }
     auto it = parser.commands.find(args.positional[0]);
-    if (it == parser.commands.end()) return UsageError("unknown command " + args.positional[0]);
+    if (it == parser.commands.end()) {
+      g_command.clear();
+      return UsageError("unknown command " + args.positional[0]);
+    }
     std::cout << it->second->help("opjit");
     return kExitOk;
   }
