@@ -50,8 +50,11 @@ class Checker {
     problems_[before].key = key;
   }
   void ParseError(const toml::parse_error& e) {
-    problems_.push_back({absl::StrCat(file_, ":", e.source().begin.line, ":",
-                                      e.source().begin.column),
+    // Line 0: the file could not be read at all.
+    problems_.push_back({e.source().begin.line == 0
+                             ? file_
+                             : absl::StrCat(file_, ":", e.source().begin.line, ":",
+                                            e.source().begin.column),
                          "", std::string(e.description()),
                          static_cast<int>(e.source().begin.line)});
   }

@@ -139,6 +139,13 @@ TEST(ConfigTest, SyntaxErrorsNameLineAndColumn) {
   std::filesystem::remove(path);
 }
 
+TEST(ConfigTest, AFileThatCannotBeReadIsOneProblem) {
+  const ConfigResult r = BuildConfig("/nonexistent/opjitd.toml", {});
+  ASSERT_EQ(r.problems.size(), 1u);
+  EXPECT_EQ(r.problems[0].ToString(),
+            "/nonexistent/opjitd.toml: File could not be opened for reading");
+}
+
 TEST(ConfigTest, ProblemsFromFlagsNameTheFlag) {
   ConfigFlags flags;
   flags.log_level = "chatty";
