@@ -911,7 +911,7 @@ int CmdGradCheck(Client& c, const Globals& g, const Args& a) {
     }
     std::printf("  %s\n", r->message().c_str());
   }
-  return r->passed() ? 0 : 3;
+  return r->passed() ? kExitOk : kExitMismatch;
 }
 
 int CmdCache(Client& c, const Globals& g, const Args& a) {
