@@ -217,12 +217,16 @@ def test_permission_denied_says_so(tmp_path):
     d = tempfile.mkdtemp(prefix="opjit-cli-perm-")
     try:
         os.chmod(d, 0o755)
+        # A copy nobody can run, wherever the build tree lies.
+        cli = os.path.join(d, "opjit")
+        shutil.copy(OPJIT, cli)
+        os.chmod(cli, 0o755)
         path = os.path.join(d, "s.sock")
         with socket.socket(socket.AF_UNIX) as s:
             s.bind(path)
             s.listen(1)
             os.chmod(path, 0o600)
-            r = subprocess.run([OPJIT, "--server", "unix:" + path, "ops"], capture_output=True,
+            r = subprocess.run([cli, "--server", "unix:" + path, "ops"], capture_output=True,
                                text=True, timeout=60, user=65534, group=65534,
                                env={"PATH": "/usr/bin:/bin"})
         assert r.returncode == 1
