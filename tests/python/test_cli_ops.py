@@ -349,7 +349,12 @@ def test_info_shows_the_registry_and_cache_tiers(tmp_path):
         # A compile looks the kernel up in Redis: now it is known to be down.
         c = run("--server", d.unix_address, "compile", os.path.join(EXAMPLES, "leaky_relu.cc"))
         assert c.returncode == 0, c.stderr
-        info = json.loads(run("--server", d.unix_address, "info", "--json").stdout)
+        deadline = time.monotonic() + 30  # the store's first health probe runs at start
+        while True:
+            info = json.loads(run("--server", d.unix_address, "info", "--json").stdout)
+            if info["registry_store"].get("checked") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert info["registry_store"]["name"] == "sqlite"
         assert info["registry_store"]["reachable"] is True, info["registry_store"]
         tiers = {t["name"]: t for t in info["cache_tiers"]}
