@@ -298,7 +298,7 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
     CheckKeys(ck, *c, "compiler.",
               {"workers", "timeout_ms", "memory_limit_mb", "threads", "extra_include_dirs",
                "allowed_libraries", "kernel_include_dir", "recycle_after", "recycle_memory_mb",
-               "long_after_ms", "long_workers"});
+               "long_after_ms", "long_workers", "slow_log_ms"});
     ReadInt(ck, *c, "workers", "compiler.", &cfg->compile_workers, 1, 1024);
     ReadInt(ck, *c, "timeout_ms", "compiler.", &cfg->compile_timeout_ms, 1);
     ReadInt(ck, *c, "memory_limit_mb", "compiler.", &cfg->compile_memory_limit_mb, 64);
@@ -307,6 +307,7 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
     ReadInt(ck, *c, "recycle_memory_mb", "compiler.", &cfg->compile_recycle_memory_mb);
     ReadInt(ck, *c, "long_after_ms", "compiler.", &cfg->compile_long_after_ms);
     ReadInt(ck, *c, "long_workers", "compiler.", &cfg->compile_long_workers, 0, 1024);
+    ReadInt(ck, *c, "slow_log_ms", "compiler.", &cfg->compile_slow_log_ms, 0);
     ReadStrings(ck, *c, "extra_include_dirs", "compiler.", &cfg->extra_include_dirs);
     ReadStrings(ck, *c, "allowed_libraries", "compiler.", &cfg->allowed_libraries);
     ReadString(ck, *c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir);
@@ -680,6 +681,7 @@ std::map<std::string, std::string> SettingsOf(const DaemonConfig& c) {
       {"compiler.recycle_memory_mb", n(c.compile_recycle_memory_mb)},
       {"compiler.long_after_ms", n(c.compile_long_after_ms)},
       {"compiler.long_workers", n(c.compile_long_workers)},
+      {"compiler.slow_log_ms", n(c.compile_slow_log_ms)},
       {"compiler.extra_include_dirs", Join(c.extra_include_dirs)},
       {"compiler.allowed_libraries", Join(c.allowed_libraries)},
       {"compiler.kernel_include_dir", c.kernel_include_dir},

@@ -90,6 +90,7 @@ struct DaemonConfig {
   int compile_recycle_after = 256;      // compiles, then a worker is replaced
   int64_t compile_recycle_memory_mb = 0;  // address space that retires a worker (0: half the limit)
   int compile_long_after_ms = 1000;     // a compile running longer moves to the long lane
+  int compile_slow_log_ms = 5000;       // a compile running longer is logged (0: never)
   int compile_long_workers = 2;         // compiles in the long lane at once
   std::vector<std::string> extra_include_dirs;
   std::vector<std::string> allowed_libraries;

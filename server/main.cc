@@ -532,6 +532,7 @@ int Run(int argc, char** argv) {
   }
   copts.long_after_ms = cfg->compile_long_after_ms;
   copts.long_workers = cfg->compile_long_workers;
+  copts.slow_compile_log_ms = cfg->compile_slow_log_ms;
   auto compiler = compiler::KernelCompiler::Create(copts);
   if (!compiler.ok()) {
     log->error("compiler: {}", compiler.status().ToString());

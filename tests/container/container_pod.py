@@ -201,7 +201,7 @@ def main():
         def new_token():
             out = run(CLI, "token").stdout
             return (re.search(r"token:\s+(\S+)", out).group(1),
-                    re.search(r'token_sha256: \["([0-9a-f]{64})"\]', out).group(1))
+                    re.search(r'token_sha256 = \["([0-9a-f]{64})"\]', out).group(1))
         admin_token, admin_hash = new_token()
         _, user_hash = new_token()
 
