@@ -10,15 +10,20 @@
 #   deploy/fresh-check.sh --rebuild-root   fetch a new base root even if
 #                                          today's is cached
 #   deploy/fresh-check.sh --jobs N         build and test jobs (default 2)
+#   deploy/fresh-check.sh --clone-dir DIR  where the clone goes in the root
+#                                          (default /opt/opjit)
 #   deploy/fresh-check.sh --stop-after P   stop after phase P (root, clone,
 #                                          deps, configure, build)
 #
 # Phases, each timed:
-#   1. root      mmdebstrap --variant=minbase --format=tar bookworm (+ ca-certificates), from
+#   1. root      mmdebstrap --variant=minbase bookworm (+ ca-certificates), from
 #                the host's own Debian apt sources; the tarball is cached per
 #                day in ${XDG_CACHE_HOME:-~/.cache}/opjit/
-#   2. clone     git clone of HEAD into /root/opjit inside the root:
-#                UNCOMMITTED CHANGES ARE NOT INCLUDED, commit first
+#   2. clone     git clone of HEAD into /opt/opjit inside the root:
+#                UNCOMMITTED CHANGES ARE NOT INCLUDED, commit first.
+#                Not under /root: some tests run a daemon or a client as
+#                nobody (setpriv), which must read the build tree, and
+#                /root is mode 0700 (--clone-dir /root/opjit shows it)
 #   3. deps      bash deploy/install-deps.sh (the root has no make yet: it
 #                comes with build-essential)
 #   4. configure make configure (install-deps again, which must find nothing
@@ -30,9 +35,11 @@
 # container): fresh /proc, /sys of the host, a private /dev with its own
 # /dev/shm and /dev/pts, the host's network (apt needs it; tests use
 # loopback). The CUDA toolkit is not a Debian package: the machines this
-# project runs on come with it preinstalled in /usr/local/cuda, so that
-# directory is bind-mounted read-only into the root (the build needs its
-# headers; GPU tests skip without a GPU). Services that packages install
+# project runs on come with it preinstalled in /usr/local/cuda, so it is
+# bind-mounted read-only into the root at the same path (with the same
+# /usr/local/cuda symlink and its /etc/ld.so.conf.d entry, as NVIDIA's
+# installer leaves them; NVRTC loads libnvrtc-builtins through ld.so). The
+# build needs its headers; GPU tests skip without a GPU. Services that packages install
 # (PostgreSQL, Redis) are not started in the root: a policy-rc.d refuses,
 # and the tests start their own servers. Downloaded .debs are kept in
 # ${XDG_CACHE_HOME:-~/.cache}/opjit/fresh-apt-archives so a re-run does not
@@ -49,8 +56,9 @@ KEEP=0
 REBUILD_ROOT=0
 JOBS=2
 STOP_AFTER=""
+SRC=/opt/opjit
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^# Phases/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --labels) LABELS="${2:?--labels needs a regex}"; shift 2 ;;
@@ -62,6 +70,8 @@ while [ $# -gt 0 ]; do
     --jobs=*) JOBS="${1#--jobs=}"; shift ;;
     --stop-after) STOP_AFTER="${2:?--stop-after needs a phase}"; shift 2 ;;
     --stop-after=*) STOP_AFTER="${1#--stop-after=}"; shift ;;
+    --clone-dir) SRC="${2:?--clone-dir needs a path}"; shift 2 ;;
+    --clone-dir=*) SRC="${1#--clone-dir=}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "fresh-check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -73,6 +83,9 @@ for tool in mmdebstrap git unshare pivot_root; do
   command -v "$tool" >/dev/null || die "$tool is missing (apt-get install mmdebstrap git util-linux)"
 done
 
+CUDA_REAL=""
+if [ -d /usr/local/cuda/include ]; then CUDA_REAL="$(readlink -f /usr/local/cuda)"; fi
+case "$SRC" in /*) ;; *) die "--clone-dir must be an absolute path" ;; esac
 REPO="$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)"
 REV="$(git -C "$REPO" rev-parse --short HEAD)"
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/opjit"
@@ -173,7 +186,8 @@ host_sources() {
 }
 
 make_base() {
-  local tar="$CACHE/fresh-root-$SUITE-$(date -u +%Y%m%d).tar"
+  local tar
+  tar="$CACHE/fresh-root-$SUITE-$(date -u +%Y%m%d).tar"
   if [ -s "$tar" ] && [ "$REBUILD_ROOT" -eq 0 ]; then
     echo "base root: cached $tar"
   else
@@ -200,7 +214,18 @@ make_base() {
   # No services start inside the root (there is no init); tests run their own.
   printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"
   chmod 755 "$ROOT/usr/sbin/policy-rc.d"
-  mkdir -p "$ROOT/.oldroot" "$ROOT/usr/local/cuda"
+  mkdir -p "$ROOT/.oldroot"
+  # The CUDA toolkit as installed on the host (see the top of this file).
+  if [ -n "$CUDA_REAL" ]; then
+    mkdir -p "$ROOT$CUDA_REAL"
+    if [ -L /usr/local/cuda ]; then ln -sfn "$(readlink /usr/local/cuda)" "$ROOT/usr/local/cuda"; fi
+    local conf
+    for conf in /etc/ld.so.conf.d/*; do
+      if grep -qs "^$CUDA_REAL\|^/usr/local/cuda" "$conf"; then cp "$conf" "$ROOT/etc/ld.so.conf.d/"; fi
+    done
+    in_root "ldconfig"
+    echo "CUDA toolkit: $CUDA_REAL (read-only)"
+  fi
   echo "root: $ROOT"
 }
 
@@ -208,11 +233,12 @@ clone_repo() {
   if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no)" ]; then
     echo "note: the working tree has uncommitted changes; they are NOT in the check (HEAD $REV only)"
   fi
-  git clone --quiet --no-hardlinks "$REPO" "$ROOT/root/opjit"
-  git -C "$ROOT/root/opjit" log -1 --format='clone: %h %s'
+  mkdir -p "$(dirname "$ROOT$SRC")"
+  git clone --quiet --no-hardlinks "$REPO" "$ROOT$SRC"
+  git -C "$ROOT$SRC" log -1 --format="clone: %h %s (in $SRC)"
 }
 
-# in_root CMD: runs the shell command CMD in /root/opjit inside the root, as
+# in_root CMD: runs the shell command CMD in / inside the root, as
 # root, with a clean environment, in new mount and PID namespaces; every
 # process it leaves is killed when it returns.
 in_root() {
@@ -233,9 +259,7 @@ in_root() {
       ln -s pts/ptmx "$R/dev/ptmx"; ln -s /proc/self/fd "$R/dev/fd"
       ln -s /proc/self/fd/0 "$R/dev/stdin"; ln -s /proc/self/fd/1 "$R/dev/stdout"
       ln -s /proc/self/fd/2 "$R/dev/stderr"
-      if [ -d /usr/local/cuda/include ]; then
-        mount -o bind,ro "$(readlink -f /usr/local/cuda)" "$R/usr/local/cuda"
-      fi
+      if [ -n "$4" ]; then mount -o bind,ro "$4" "$R$4"; fi
       mount --bind "$3" "$R/var/cache/apt/archives"
       cd "$R"
       pivot_root . .oldroot
@@ -244,11 +268,11 @@ in_root() {
       exec /usr/bin/env -i HOME=/root USER=root LOGNAME=root SHELL=/bin/bash \
         LANG=C.UTF-8 TERM="${TERM:-dumb}" \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        /bin/bash -euc "cd /root/opjit && $CMD"
-    ' fresh-root "$ROOT" "$1" "$CACHE/fresh-apt-archives"
+        /bin/bash -euc "$CMD"
+    ' fresh-root "$ROOT" "$1" "$CACHE/fresh-apt-archives" "$CUDA_REAL"
 }
 
-run_tests() { in_root "$TEST_CMD" 2>&1 | tee "$TEST_LOG"; }
+run_tests() { in_root "cd $SRC && $TEST_CMD" 2>&1 | tee "$TEST_LOG"; }
 
 if [ "$ALL" -eq 1 ]; then
   TEST_CMD="make test JOBS=$JOBS"
@@ -261,8 +285,8 @@ fi
 echo "fresh-check: $REPO at $REV, Debian $SUITE, tests: $([ "$ALL" -eq 1 ] && echo 'make test' || echo "-L '$LABELS' -LE variant")"
 phase root make_base
 phase clone clone_repo
-REV="$(git -C "$ROOT/root/opjit" rev-parse --short HEAD)"
-phase deps in_root "bash deploy/install-deps.sh"
-phase configure in_root "make configure"
-phase build in_root "make build JOBS=$JOBS"
+REV="$(git -C "$ROOT$SRC" rev-parse --short HEAD)"
+phase deps in_root "cd $SRC && bash deploy/install-deps.sh"
+phase configure in_root "cd $SRC && make configure"
+phase build in_root "cd $SRC && make build JOBS=$JOBS"
 phase "$TEST_NAME" run_tests
