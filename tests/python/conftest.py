@@ -8,7 +8,9 @@ stopped with SIGTERM at the end of the session.
 
 import hashlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -91,26 +93,59 @@ class TempDaemon:
     """Base of the tests' own daemons: a process `proc` logging to `log`
     (`log_path`), with everything under the temp dir `dir`."""
 
-    def spawn(self, config, binary=None, prefix="opjit-t-", dir=None):
+    def spawn(self, config, binary=None, prefix="opjit-t-", dir=None, tcp=False, args=(),
+              serving=False):
         """Starts `binary` (default: opjitd) on a unix socket in `dir`
-        (default: a new temp dir) with `config` (TOML text) and waits until it
-        has bound."""
+        (default: a new temp dir) with `config` (TOML text, in `config_path`;
+        None: no --config) and `args`, and waits until it has bound. With
+        `tcp`, it listens on loopback TCP (port 0) too, at `tcp_address`; with
+        `serving`, it is waited for until it answers ServerInfo."""
         self.dir = dir or tempfile.mkdtemp(prefix=prefix)
         self.state = os.path.join(self.dir, "state")
-        cfg = os.path.join(self.dir, "c.toml")
-        with open(cfg, "w") as f:
-            f.write(config)
+        argv = [binary or opjitd_binary(), "--state-dir", self.state]
+        self.config_path = None
+        if config is not None:
+            self.config_path = os.path.join(self.dir, "c.toml")
+            with open(self.config_path, "w") as f:
+                f.write(config)
+            argv += ["--config", self.config_path]
         self.unix_address = "unix:" + os.path.join(self.dir, "s.sock")
+        argv += ["--listen", self.unix_address]
+        if tcp:
+            argv += ["--listen", "127.0.0.1:0"]
         self.log_path = os.path.join(self.dir, "log")
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([binary or opjitd_binary(), "--state-dir", self.state,
-                                      "--config", cfg, "--listen", self.unix_address],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv + list(args), stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        endpoints = os.path.join(self.state, "endpoints")
         deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(self.state, "endpoints")):
+        while not os.path.exists(endpoints):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("opjitd did not start:\n" + self.read_log())
             time.sleep(0.05)
+        if tcp:
+            with open(endpoints) as f:
+                self.tcp_address = [a for a in f.read().split() if not a.startswith("unix:")][0]
+        if serving:
+            wait_for(self.answers, 60, "opjitd to answer")
+
+    def answers(self):
+        """Whether it answers ServerInfo on the unix socket (raises once it has exited)."""
+        if self.proc.poll() is not None:
+            raise RuntimeError("opjitd exited %s:\n%s" % (self.proc.returncode, self.read_log()))
+        try:
+            with opjit.Client(self.unix_address, timeout=5) as c:
+                c.info()
+            return True
+        except opjit.OpjitError:
+            return False
+
+    def metrics_address(self, timeout=30):
+        """host:port of its [metrics] endpoint, once it has written it."""
+        path = os.path.join(self.state, "metrics_endpoint")
+        wait_for(lambda: os.path.exists(path), timeout, "the metrics endpoint")
+        with open(path) as f:
+            return f.read().strip()
 
     def read_log(self):
         with open(self.log_path, "rb") as f:
@@ -121,8 +156,72 @@ class TempDaemon:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(30)
         self.log.close()
-        import shutil
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def free_port():
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(pred, timeout, what, interval=0.02):
+    """pred()'s first true value, polled every `interval` s for up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out after %.1f s waiting for %s" % (timeout, what))
+        time.sleep(interval)
+
+
+def health(address, service=""):
+    """SERVING / NOT_SERVING / NOT_FOUND (or another gRPC code's name) from
+    grpc.health.v1.Health/Check of `service` ("": the whole server)."""
+    import grpc
+    name = service.encode()
+    request = (b"\x0a" + bytes([len(name)]) + name) if name else b""
+    with grpc.insecure_channel(address) as ch:
+        check = ch.unary_unary("/grpc.health.v1.Health/Check",
+                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            resp = check(request, timeout=10)
+        except grpc.RpcError as e:
+            return e.code().name
+    # HealthCheckResponse { ServingStatus status = 1; }: 1 SERVING, 2 NOT_SERVING.
+    return {b"\x08\x01": "SERVING", b"\x08\x02": "NOT_SERVING"}.get(resp, repr(resp))
+
+
+def unary_kernel(body="* 2.0f", pre=""):
+    """C++ of a float32 kernel K: y[i] = x[i] `body`, after the statement `pre`
+    (which sees the element count k and x)."""
+    return UNARY_KERNEL % {"pre": ("  %s\n" % pre) if pre else "", "body": body}
+
+
+UNARY_KERNEL = r"""#include <cstdint>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+%(pre)s  for (int64_t i = 0; i < k; ++i) y[i] = x[i] %(body)s;
+  return 0;
+}
+"""
+
+
+def unary_spec(name, source, **fields):
+    """The JSON spec of a float32 op x -> y on CPU with `source`'s entry K;
+    `fields` (namespace, doc, backward, ...) are added to it."""
+    s = {"name": name, "inputs": [{"index": 0, "name": "x"}],
+         "outputs": [{"index": 0, "name": "y"}],
+         "dtype_formats": [{"dtypes": ["float32", "float32"]}],
+         "implementations": [{"target": "CPU", "source": source, "entry": "K"}]}
+    s.update(fields)
+    return s
 
 
 def token_sha(token):
@@ -158,14 +257,12 @@ def daemon(tmp_path_factory):
     try:
         d.start()
     except Exception:
-        import shutil
         shutil.rmtree(state, ignore_errors=True)
         raise
     yield d
     d.stop()
     if d.proc.returncode not in (0, -signal.SIGTERM):
         sys.stderr.write("opjitd exited with %s:\n%s\n" % (d.proc.returncode, d.read_log()))
-    import shutil
     shutil.rmtree(state, ignore_errors=True)
 
 

@@ -11,7 +11,6 @@ on one daemon and required on another.
 import os
 import subprocess
 import tempfile
-import time
 
 import grpc
 import numpy as np
@@ -21,28 +20,14 @@ import opjit
 from opjit.v1 import (compile_pb2, compile_pb2_grpc, error_pb2, exec_pb2, exec_pb2_grpc,
                       memory_pb2, memory_pb2_grpc, op_pb2, registry_pb2, registry_pb2_grpc)
 
-from conftest import TempDaemon, opjitd_binary, principal_toml
+from conftest import TempDaemon, principal_toml, unary_kernel, unary_spec
 
 TOKENS = {"alice": "tok-alice-0123456789", "bob": "tok-bob-0123456789",
           "carol": "tok-carol-0123456789", "admin": "tok-admin-0123456789"}
 
-COPY = r"""#include <cstdint>
-extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
-  int64_t k = 1;
-  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
-  const float* x = static_cast<const float*>(p[0]);
-  float* y = static_cast<float*>(p[1]);
-  for (int64_t i = 0; i < k; ++i) y[i] = x[i] %s;
-  return 0;
-}
-"""
-
 
 def spec(name, body, ns, doc=""):
-    return {"name": name, "namespace": ns, "doc": doc, "inputs": [{"index": 0, "name": "x"}],
-            "outputs": [{"index": 0, "name": "y"}],
-            "dtype_formats": [{"dtypes": ["float32", "float32"]}],
-            "implementations": [{"target": "CPU", "source": COPY % body, "entry": "K"}]}
+    return unary_spec(name, unary_kernel(body), namespace=ns, doc=doc)
 
 
 def principals_toml():
@@ -78,32 +63,12 @@ class AuthDaemon(TempDaemon):
         # World-traversable, so that a client running as nobody reaches the socket.
         self.dir = tempfile.mkdtemp(prefix="opjit-acl-")
         os.chmod(self.dir, 0o755)
-        self.state = os.path.join(self.dir, "state")
         self.pki = make_pki(self.dir)
-        self.socket = os.path.join(self.dir, "opjitd.sock")
-        self.unix_address = "unix:" + self.socket
-        cfg = os.path.join(self.dir, "opjitd.toml")
-        with open(cfg, "w") as f:
-            f.write('socket_mode = "0666"\n')
-            f.write(principals_toml())
-            f.write('[tls]\ncert = "%s"\nkey = "%s"\nclient_ca = "%s"\nrequire_client_cert = %s\n'
-                    % (self.pki["server.pem"], self.pki["server.key"], self.pki["ca.pem"],
-                       "true" if require_client_cert else "false"))
-            f.write(extra)
-        self.log_path = os.path.join(self.dir, "opjitd.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [opjitd_binary(), "--state-dir", self.state, "--config", cfg,
-             "--listen", self.unix_address, "--listen", "127.0.0.1:0"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        endpoints = os.path.join(self.state, "endpoints")
-        while not os.path.exists(endpoints):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("opjitd did not start:\n" + self.read_log())
-            time.sleep(0.05)
-        with open(endpoints) as f:
-            self.tcp_address = [a for a in f.read().split() if not a.startswith("unix:")][0]
+        self.spawn('socket_mode = "0666"\n' + principals_toml() +
+                   '[tls]\ncert = "%s"\nkey = "%s"\nclient_ca = "%s"\nrequire_client_cert = %s\n'
+                   % (self.pki["server.pem"], self.pki["server.key"], self.pki["ca.pem"],
+                      "true" if require_client_cert else "false") + extra,
+                   dir=self.dir, tcp=True)
         self.port = self.tcp_address.rsplit(":", 1)[1]
 
     def client(self, who=None, namespace="", cert=False, **kw):

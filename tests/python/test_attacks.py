@@ -25,22 +25,12 @@ import opjit
 from opjit.v1 import (compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc, memory_pb2, memory_pb2_grpc,
                       registry_pb2, registry_pb2_grpc)
 
-from conftest import EXAMPLES, REPO, TempDaemon, opjitd_binary, principal_toml
+from conftest import (EXAMPLES, REPO, TempDaemon, opjitd_binary, principal_toml, unary_kernel,
+                      unary_spec)
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import soak  # noqa: E402  (bench/soak.py: process helpers)
 NEEDS_16 = "needs issue 16: "
-
-COPY = """#include <cstdint>
-extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
-  int64_t k = 1;
-  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
-  const float* x = static_cast<const float*>(p[0]);
-  float* y = static_cast<float*>(p[1]);
-  for (int64_t i = 0; i < k; ++i) y[i] = x[i] %s;
-  return 0;
-}
-"""
 
 # ~0.1 s of constant evaluation per instantiation: 5000 of them run for
 # minutes, in little memory.
@@ -54,10 +44,7 @@ long total = Sum(std::make_integer_sequence<int, 5000>{});
 
 
 def spec(name, body="* 2.0f", ns="", backward=None, doc=""):
-    s = {"name": name, "doc": doc, "inputs": [{"index": 0, "name": "x"}],
-         "outputs": [{"index": 0, "name": "y"}],
-         "dtype_formats": [{"dtypes": ["float32", "float32"]}],
-         "implementations": [{"target": "CPU", "source": COPY % body, "entry": "K"}]}
+    s = unary_spec(name, unary_kernel(body), doc=doc)
     if ns:
         s["namespace"] = ns
     if backward:
@@ -81,34 +68,7 @@ class OwnDaemon(TempDaemon):
     """An opjitd with its own config, for attacks that need one."""
 
     def __init__(self, config="", args=()):
-        self.dir = tempfile.mkdtemp(prefix="opjit-atk-")
-        self.unix_address = "unix:" + os.path.join(self.dir, "opjitd.sock")
-        cfg = os.path.join(self.dir, "c.toml")
-        with open(cfg, "w") as f:
-            f.write(config)
-        self.log_path = os.path.join(self.dir, "opjitd.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [opjitd_binary(), "--state-dir", self.dir, "--config", cfg,
-             "--listen", self.unix_address, "--listen", "127.0.0.1:0"] + list(args),
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError("opjitd exited %s:\n%s" % (self.proc.returncode,
-                                                              self.read_log()))
-            try:
-                with opjit.Client(self.unix_address, timeout=5) as c:
-                    c.info()
-                break
-            except opjit.OpjitError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        with open(os.path.join(self.dir, "endpoints")) as f:
-            self.tcp_address = [a for a in f.read().split() if not a.startswith("unix:")][0]
-
-
+        self.spawn(config, prefix="opjit-atk-", tcp=True, args=args, serving=True)
 
 
 @pytest.fixture
@@ -187,7 +147,7 @@ def test_compile_worker_killed_from_outside_is_reported_as_such(daemon, client):
     err = result.get("error")
     assert isinstance(err, opjit.Unavailable), err
     assert "from outside" in err.message and "memory" not in err.message, err.message
-    assert client.compile(COPY % "+ 7.0f", entry="K").cache_key
+    assert client.compile(unary_kernel("+ 7.0f"), entry="K").cache_key
     alive(daemon)
 
 
@@ -209,7 +169,7 @@ def test_two_template_bombs_do_not_stall_small_compiles(own):
     time.sleep(2.0)  # both are running, past the long-lane threshold
     t0 = time.monotonic()
     for i in range(3):
-        client.compile(COPY % ("+ %d.5f" % (i + 40)), entry="K")
+        client.compile(unary_kernel("+ %d.5f" % (i + 40)), entry="K")
     took = time.monotonic() - t0
     assert not done, "the bombs finished before the small compiles; nothing was measured"
     assert took < 8, "three small compiles took %.1f s during two bombs" % took
@@ -273,7 +233,7 @@ def test_compile_workers_are_recycled_before_they_creep(own):
     seen = set()
     with opjit.Client(d.unix_address, timeout=60) as c:
         for i in range(13):
-            c.compile(COPY % ("+ %d.25f" % i), entry="K")
+            c.compile(unary_kernel("+ %d.25f" % i), entry="K")
             seen.update(children(d.proc.pid, "opjit-compile"))
     assert len(seen) >= 3, "one worker served 13 compiles with recycle_after = 4"
 

@@ -20,17 +20,15 @@ when it ends.
 import os
 import re
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 
 import pytest
 
 import opjit
-from conftest import REPO, TempDaemon, opjitd_binary
+from conftest import REPO, TempDaemon, opjitd_binary, wait_for
+from services import REDIS, Redis
 
-REDIS = "/usr/bin/redis-server"
 BINARIES = ("opjitd", "opjit-exec-worker", "opjit-compile-worker", "opjit-gpu-sandbox")
 
 SOURCE = r"""
@@ -44,52 +42,6 @@ extern "C" int Scale(int nparam, void** params, int* ndims, int64_t** shapes,
   return 0;
 }
 """
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
-        time.sleep(0.02)
-
-
-class Redis:
-    """A redis-server of this test's own, on a free loopback port."""
-
-    def __init__(self, root):
-        self.dir = os.path.join(root, "redis")
-        os.makedirs(self.dir)
-        self.port = free_port()
-        self.log = open(os.path.join(self.dir, "log"), "wb")
-        self.proc = subprocess.Popen(
-            [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-
-        def ping():
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    return s.recv(16).startswith(b"+PONG")
-            except OSError:
-                return False
-        wait_for(ping, 20, "redis-server to answer PING")
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 class Daemon(TempDaemon):
@@ -133,7 +85,7 @@ def tier():
     if not os.access(REDIS, os.X_OK):
         pytest.fail("%s is missing: run deploy/install-deps.sh (redis-server)" % REDIS)
     root = tempfile.mkdtemp(prefix="opjit-ck-")
-    redis = Redis(root)
+    redis = Redis(root).start()
     daemons = {}
     try:
         key = os.path.join(root, "cluster.key")
@@ -152,22 +104,13 @@ def tier():
         daemons["edited"] = Daemon(root, "edited",
                                    '[compiler]\nkernel_include_dir = "%s"\n\n' % edited + remote)
         for d in daemons.values():
-            wait_for(lambda d=d: _answers(d), 60, "opjitd in " + d.dir)
+            wait_for(d.answers, 60, "opjitd in " + d.dir)
         yield daemons
     finally:
         for d in daemons.values():
             d.close()
         redis.close()
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _answers(d):
-    try:
-        with opjit.Client(d.unix_address, timeout=5) as c:
-            c.info()
-        return True
-    except opjit.OpjitError:
-        return False
 
 
 def test_install_prefixes_share_keys_and_the_tier(tier):

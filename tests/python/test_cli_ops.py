@@ -15,7 +15,6 @@ import os
 import pty
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -25,7 +24,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from conftest import EXAMPLES, opjitd_binary
+from conftest import EXAMPLES, TempDaemon, opjitd_binary
 
 BIN = os.path.dirname(opjitd_binary())
 OPJIT = os.path.join(BIN, "opjit")
@@ -61,41 +60,11 @@ def one_line(r):
     return err
 
 
-class OwnDaemon:
+class OwnDaemon(TempDaemon):
     """opjitd with `config` on a unix socket and loopback TCP (port 0)."""
 
     def __init__(self, config):
-        self.dir = tempfile.mkdtemp(prefix="opjit-cli-")
-        self.state = os.path.join(self.dir, "state")
-        cfg = os.path.join(self.dir, "opjitd.toml")
-        with open(cfg, "w") as f:
-            f.write(config)
-        self.unix_address = "unix:" + os.path.join(self.dir, "s.sock")
-        self.log_path = os.path.join(self.dir, "log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [opjitd_binary(), "--state-dir", self.state, "--config", cfg,
-             "--listen", self.unix_address, "--listen", "127.0.0.1:0"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        endpoints = os.path.join(self.state, "endpoints")
-        deadline = time.monotonic() + 60
-        while not os.path.exists(endpoints):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("opjitd did not start:\n" + self.read_log())
-            time.sleep(0.05)
-        with open(endpoints) as f:
-            self.tcp_address = [a for a in f.read().split() if not a.startswith("unix:")][0]
-
-    def read_log(self):
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.spawn(config, prefix="opjit-cli-", tcp=True)
 
 
 class FakeServer:

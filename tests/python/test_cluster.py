@@ -17,10 +17,8 @@ the last one kills Redis.
 """
 
 import os
-import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -30,115 +28,21 @@ import numpy as np
 import pytest
 
 import opjit
-from conftest import opjitd_binary
+from conftest import TempDaemon, opjitd_binary, wait_for
+from services import PG_BIN, REDIS, Postgres, Redis
 
-PG_BIN = "/usr/lib/postgresql/15/bin"
-REDIS = "/usr/bin/redis-server"
 POLL_MS = 500  # the daemons' [registry] poll_ms: the bound when a NOTIFY is lost
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out after %.1f s waiting for %s" % (timeout, what))
-        time.sleep(0.02)
-
-
-class Postgres:
-    """A PostgreSQL cluster in `root`/pg, owned and run by `nobody`."""
-
-    def __init__(self, root):
-        self.root = root
-        self.data = os.path.join(root, "pg")
-        self.port = free_port()
-        self.log = os.path.join(root, "pg.log")
-        nobody = pwd.getpwnam("nobody")
-        self.uid, self.gid = nobody.pw_uid, nobody.pw_gid
-
-    def _as_nobody(self):
-        os.setgid(self.gid)
-        os.setgroups([])
-        os.setuid(self.uid)
-
-    def _run(self, *argv):
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       preexec_fn=self._as_nobody if os.getuid() == 0 else None, cwd="/")
-
-    def start(self):
-        os.makedirs(self.data, mode=0o700)
-        if os.getuid() == 0:
-            os.chown(self.data, self.uid, self.gid)
-            open(self.log, "w").close()
-            os.chown(self.log, self.uid, self.gid)
-        if not os.path.exists(os.path.join(self.data, "PG_VERSION")):
-            self._run(PG_BIN + "/initdb", "-D", self.data, "-U", "opjit", "--auth=trust",
-                      "-E", "UTF8", "--no-instructions")
-        self._run(PG_BIN + "/pg_ctl", "-D", self.data, "-l", self.log, "-w", "-t", "60", "-o",
-                  "-p %d -k %s -c listen_addresses=127.0.0.1" % (self.port, self.data), "start")
-        return self
-
-    def createdb(self, name):
-        self._run(PG_BIN + "/psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "opjit",
-                  "-d", "postgres", "-q", "-c", "CREATE DATABASE %s" % name)
-
-    def url(self, db):
-        return "host=127.0.0.1 port=%d dbname=%s user=opjit connect_timeout=5" % (self.port, db)
-
-    def stop(self):
-        try:
-            self._run(PG_BIN + "/pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
-        except subprocess.CalledProcessError:
-            pass
-
-
-class Redis:
-    def __init__(self, root):
-        self.dir = os.path.join(root, "redis")
-        os.makedirs(self.dir)
-        self.port = free_port()
-        self.proc = None
-
-    def start(self):
-        self.log = open(os.path.join(self.dir, "log"), "wb")
-        self.proc = subprocess.Popen(
-            [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-
-        def ping():
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    return s.recv(16).startswith(b"+PONG")
-            except OSError:
-                return False
-        wait_for(ping, 20, "redis-server to answer PING")
-        return self
-
-    def kill(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-class Node:
-    """One opjitd of the cluster, with its own state dir and unix socket."""
+class Node(TempDaemon):
+    """One opjitd of the cluster, with its own state dir and unix socket; it
+    can be stopped and started again."""
 
     def __init__(self, root, name, config_path):
         self.dir = os.path.join(root, name)
         os.makedirs(self.dir)
         self.state = os.path.join(self.dir, "state")
-        self.address = "unix:" + os.path.join(self.dir, "s.sock")
+        self.address = self.unix_address = "unix:" + os.path.join(self.dir, "s.sock")
         self.config = config_path
         self.proc = None
 
@@ -151,20 +55,8 @@ class Node:
             [opjitd_binary(), "--state-dir", self.state, "--config", self.config,
              "--listen", self.address],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-        def up():
-            if self.proc.poll() is not None:
-                raise AssertionError("opjitd exited with %s:\n%s" % (self.proc.returncode,
-                                                                     self.read_log()))
-            if not os.path.exists(ep):
-                return False
-            try:
-                with opjit.Client(self.address, timeout=5) as c:
-                    c.info()
-                return True
-            except opjit.OpjitError:
-                return False
-        wait_for(up, 60, "opjitd in %s to serve" % self.dir)
+        wait_for(lambda: self.answers() and os.path.exists(ep), 60,
+                 "opjitd in %s to serve" % self.dir)
         return self
 
     def client(self):
@@ -223,7 +115,7 @@ class Cluster:
     def close(self):
         for n in self.nodes:
             n.stop()
-        self.redis.kill()
+        self.redis.close()
         self.pg.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 

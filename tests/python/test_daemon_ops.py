@@ -16,60 +16,22 @@ import tempfile
 import time
 import urllib.request
 
-import grpc
 import numpy as np
 import pytest
 
 import opjit
-from conftest import REPO, TempDaemon, opjitd_binary, principal_toml, token_sha
+from conftest import (REPO, TempDaemon, health, opjitd_binary, principal_toml, token_sha,
+                      unary_kernel, unary_spec, wait_for)
+from services import PG_BIN, Postgres
 
 TOKENS = {"alice": "tok-alice-ops-0123456789", "bob": "tok-bob-ops-0123456789",
           "admin": "tok-admin-ops-0123456789"}
-
-COPY = r"""#include <cstdint>
-extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
-  int64_t k = 1;
-  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
-  const float* x = static_cast<const float*>(p[0]);
-  float* y = static_cast<float*>(p[1]);
-  for (int64_t i = 0; i < k; ++i) y[i] = x[i] %s;
-  return 0;
-}
-"""
 
 STORE_SERVICE = "opjit.registry.store"
 
 
 def spec(name, body, ns):
-    return {"name": name, "namespace": ns, "inputs": [{"index": 0, "name": "x"}],
-            "outputs": [{"index": 0, "name": "y"}],
-            "dtype_formats": [{"dtypes": ["float32", "float32"]}],
-            "implementations": [{"target": "CPU", "source": COPY % body, "entry": "K"}]}
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
-        time.sleep(0.05)
-
-
-def health(address, service=""):
-    """SERVING / NOT_SERVING / NOT_FOUND from grpc.health.v1.Health/Check."""
-    name = service.encode()
-    request = (b"\x0a" + bytes([len(name)]) + name) if name else b""
-    with grpc.insecure_channel(address) as ch:
-        check = ch.unary_unary("/grpc.health.v1.Health/Check",
-                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        try:
-            resp = check(request, timeout=10)
-        except grpc.RpcError as e:
-            return e.code().name
-    return {b"\x08\x01": "SERVING", b"\x08\x02": "NOT_SERVING"}.get(resp, repr(resp))
+    return unary_spec(name, unary_kernel(body), namespace=ns)
 
 
 def run_opjitd(*args, env=None):
@@ -190,7 +152,7 @@ def test_a_daemon_started_on_a_bad_config_prints_the_same_problems(tmp):
 class OpsDaemon(TempDaemon):
     def __init__(self, config):
         self.spawn(config, prefix="opjit-ops-")
-        self.config = os.path.join(self.dir, "c.toml")
+        self.config = self.config_path
 
     def write_config(self, text):
         tmp = self.config + ".new"
@@ -288,15 +250,8 @@ def test_sighup_reloads_principals_quotas_and_log_level():
 
 def test_sighup_without_a_config_file_reloads_nothing_and_keeps_serving():
     d = TempDaemon()
-    d.dir = tempfile.mkdtemp(prefix="opjit-ops-")
-    d.state = os.path.join(d.dir, "state")
-    d.unix_address = "unix:" + os.path.join(d.dir, "s.sock")
-    d.log_path = os.path.join(d.dir, "log")
-    d.log = open(d.log_path, "wb")
-    d.proc = subprocess.Popen([opjitd_binary(), "--state-dir", d.state, "--listen",
-                               d.unix_address], stdout=d.log, stderr=subprocess.STDOUT)
+    d.spawn(None, prefix="opjit-ops-")
     try:
-        wait_for(lambda: os.path.exists(os.path.join(d.state, "endpoints")), 60, "opjitd to bind")
         for i in range(1, 4):  # one at a time: pending SIGHUPs merge into one
             d.proc.send_signal(signal.SIGHUP)
             wait_for(lambda: d.read_log().count("nothing to reload") == i, 30,
@@ -329,10 +284,7 @@ def test_a_local_store_that_cannot_be_written_drains_the_whole_daemon():
         assert health(d.unix_address) == "SERVING"
         assert health(d.unix_address, STORE_SERVICE) == "SERVING"
         assert health(d.unix_address, "opjit.no.such.service") == "NOT_FOUND"
-        path = os.path.join(d.state, "metrics_endpoint")
-        wait_for(lambda: os.path.exists(path), 30, "the metrics endpoint")
-        with open(path) as f:
-            metrics = f.read().strip()
+        metrics = d.metrics_address()
         text = scrape(metrics)
         assert gauge(text, "opjit_registry_store_up") == 1
         assert gauge(text, "opjit_serving") == 1
@@ -358,17 +310,11 @@ def test_a_local_store_that_cannot_be_written_drains_the_whole_daemon():
 
 @pytest.fixture
 def postgres():
-    from test_cluster import PG_BIN, Postgres
     if not os.path.exists(os.path.join(PG_BIN, "pg_ctl")):
         pytest.skip("PostgreSQL 15 is not installed (deploy/install-deps.sh installs it)")
     root = tempfile.mkdtemp(prefix="opjit-ops-pg-")
     os.chmod(root, 0o755)
     pg = Postgres(root).start()
-
-    def restart():  # the same data dir and port
-        pg._run(PG_BIN + "/pg_ctl", "-D", pg.data, "-l", pg.log, "-w", "-t", "60", "-o",
-                "-p %d -k %s -c listen_addresses=127.0.0.1" % (pg.port, pg.data), "start")
-    pg.restart = restart
     pg.createdb("opjit")
     yield pg
     pg.stop()
@@ -380,10 +326,7 @@ def test_postgres_down_refuses_writes_serves_calls_and_says_so(postgres):
                   '[registry]\nbackend = "postgres"\nurl = "%s"\npoll_ms = 500\n'
                   % postgres.url("opjit"))
     try:
-        path = os.path.join(d.state, "metrics_endpoint")
-        wait_for(lambda: os.path.exists(path), 30, "the metrics endpoint")
-        with open(path) as f:
-            metrics = f.read().strip()
+        metrics = d.metrics_address()
         with opjit.Client(d.unix_address, timeout=60, transport="inline") as c:
             c.register(spec("twice", "* 2.0f", "default"))
             np.testing.assert_allclose(c.op("twice")(np.ones(2, np.float32)), 2.0)

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,27 +23,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-import grpc
 import numpy as np
 import pytest
 
 import opjit
 
-from conftest import TempDaemon, opjitd_binary, principal_toml, token_sha
+from conftest import (TempDaemon, free_port, health, opjitd_binary, principal_toml, token_sha,
+                      unary_kernel, unary_spec)
 
-SRC = r"""#include <cstdint>
-extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
-  int64_t k = 1;
-  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
-  const float* x = static_cast<const float*>(p[0]);
-  float* y = static_cast<float*>(p[1]);
-  for (int64_t i = 0; i < k; ++i) y[i] = x[i] * 2.0f;
-  return 0;
-}
-"""
-SPEC = {"name": "twice", "inputs": [{"index": 0, "name": "x"}],
-        "outputs": [{"index": 0, "name": "y"}], "dtype_formats": [{"dtypes": ["float32", "float32"]}],
-        "implementations": [{"target": "CPU", "source": SRC, "entry": "K"}]}
+SRC = unary_kernel("* 2.0f")
+SPEC = unary_spec("twice", SRC)
 
 
 class Daemon(TempDaemon):
@@ -64,13 +52,7 @@ class Daemon(TempDaemon):
 
     def health(self):
         """SERVING / NOT_SERVING from grpc.health.v1.Health/Check (service "")."""
-        with grpc.insecure_channel(self.unix_address) as ch:
-            check = ch.unary_unary("/grpc.health.v1.Health/Check",
-                                   request_serializer=lambda b: b,
-                                   response_deserializer=lambda b: b)
-            resp = check(b"", timeout=10)
-        # HealthCheckResponse { ServingStatus status = 1; }: 1 SERVING, 2 NOT_SERVING.
-        return {b"\x08\x01": "SERVING", b"\x08\x02": "NOT_SERVING"}.get(resp, repr(resp))
+        return health(self.unix_address)
 
     def wait_health(self, want, timeout=30):
         deadline = time.monotonic() + timeout
@@ -124,20 +106,10 @@ def test_health_is_not_serving_while_the_store_cannot_be_written(healthd):
 
 # ---- metrics -----------------------------------------------------------------------------------
 
-def metrics_address(d):
-    """host:port of the daemon's metrics endpoint, once it has written it."""
-    deadline = time.monotonic() + 30
-    path = os.path.join(d.state, "metrics_endpoint")
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with open(path) as f:
-        return f.read().strip()
-
-
 @pytest.fixture(scope="module")
 def metricsd():
     d = Daemon('[metrics]\nlisten = "127.0.0.1:0"\n')
-    d.metrics = metrics_address(d)
+    d.metrics = d.metrics_address()
     # Traffic: a registration (a compile), calls, a failing call, a region and a context.
     # Over gRPC, so that the exact counts below are transport="grpc" ones
     # (fast-channel calls are counted too; test_fast.py checks those).
@@ -202,14 +174,6 @@ def test_promtool_accepts_the_exposition(metricsd):
                        capture_output=True)
     # 0: parsed, and no lint complaint (3 would be lint problems, 1 a parse error).
     assert r.returncode == 0, r.stdout + r.stderr
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @contextlib.contextmanager
@@ -292,7 +256,7 @@ def authd():
         '[metrics]\nlisten = "127.0.0.1:0"\n',
     ])
     d = Daemon(config)
-    d.metrics = metrics_address(d)
+    d.metrics = d.metrics_address()
     # Over the unix socket, with each user's token (root's uid alone would be admin).
     for who, op, calls in (("alice", "alice_visible_op", 3), ("bob", "bob_secret_op", 4)):
         with opjit.Client(d.unix_address, namespace=who, token=TOKENS[who], timeout=60,

@@ -15,7 +15,6 @@ executor, a registration refused by the ops quota, a call naming no op.
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -27,7 +26,7 @@ import yaml
 
 import opjit
 
-from conftest import TempDaemon
+from conftest import TempDaemon, free_port, unary_kernel, unary_spec
 
 SOURCE_DIR = os.environ.get("OPJIT_SOURCE_DIR") or os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,36 +36,17 @@ DASHBOARD = os.path.join(SOURCE_DIR, "deploy", "grafana", "opjit.json")
 README = os.path.join(SOURCE_DIR, "README.md")
 
 # y = 2x; traps (SIGILL, killing its executor process) when x[0] < 0.
-SRC = r"""#include <cstdint>
-extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
-  int64_t k = 1;
-  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
-  const float* x = static_cast<const float*>(p[0]);
-  float* y = static_cast<float*>(p[1]);
-  if (k > 0 && x[0] < 0) __builtin_trap();
-  for (int64_t i = 0; i < k; ++i) y[i] = x[i] * 2.0f;
-  return 0;
-}
-"""
+SRC = unary_kernel("* 2.0f", pre="if (k > 0 && x[0] < 0) __builtin_trap();")
 
 
 def spec(name, src=SRC):
-    return {"name": name, "inputs": [{"index": 0, "name": "x"}],
-            "outputs": [{"index": 0, "name": "y"}],
-            "dtype_formats": [{"dtypes": ["float32", "float32"]}],
-            "implementations": [{"target": "CPU", "source": src, "entry": "K"}]}
+    return unary_spec(name, src)
 
 
 class Daemon(TempDaemon):
     def __init__(self, config):
         self.spawn('[metrics]\nlisten = "127.0.0.1:0"\n' + config, prefix="opjit-mo-")
-        path = os.path.join(self.state, "metrics_endpoint")
-        deadline = time.monotonic() + 30
-        while not os.path.exists(path):
-            assert time.monotonic() < deadline, "no metrics endpoint:\n" + self.read_log()
-            time.sleep(0.05)
-        with open(path) as f:
-            self.metrics = f.read().strip()
+        self.metrics = self.metrics_address()
 
     def scrape(self):
         url = "http://%s/metrics" % self.metrics
@@ -330,14 +310,6 @@ def test_readme_documents_every_exported_family_with_its_type_and_labels(opsd):
 
 
 # ---- a real Prometheus evaluating both -----------------------------------------------------------
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
 
 def test_prometheus_evaluates_the_rules_and_the_dashboard_on_the_daemon(opsd, tmp_path):
     """Debian's prometheus scrapes this test's daemon every second with the
