@@ -119,13 +119,40 @@ def known_config_keys():
     """Sections and keys opjitd accepts, read from server/config.cc."""
     src = open(os.path.join(ROOT, "server", "config.cc")).read()
     known = {}
-    for where, keys in re.findall(r'CheckKeys\(\*?\w+,\s*"([^"]*)",\s*\{([^}]*)\}', src, re.S):
+    # CheckKeys(ck, table, "prefix.", {"key", ...})
+    for where, keys in re.findall(r'CheckKeys\(\w+,\s*\*?\w+,\s*"([^"]*)",\s*\{([^}]*)\}',
+                                  src, re.S):
         known[where] = set(re.findall(r'"([^"]+)"', keys))
+    if "" not in known:
+        fail("server/config.cc: no CheckKeys call found (has its signature changed?)")
     # [[principal]] tables are checked with a computed prefix.
-    m = re.search(r'CheckKeys\(\*t,\s*where,\s*\{([^}]*)\}', src)
+    m = re.search(r'CheckKeys\(\w+,\s*\*t,\s*where,\s*\{([^}]*)\}', src)
     if m:
         known["principal[]."] = set(re.findall(r'"([^"]+)"', m.group(1)))
     return known
+
+
+def check_with_daemon(text, where):
+    """`opjitd --check-config` on the config, as an operator would run it
+    (every key, type, range and principal). Files the config names under
+    /etc/opjit/secrets/ (mounted from the Secret in a pod) are stood in for by
+    empty files of a temp dir. Skipped when $OPJITD is not set."""
+    binary = os.environ.get("OPJITD")
+    if not binary:
+        return
+    with tempfile.TemporaryDirectory(prefix="opjit-k8s-") as tmp:
+        def stand_in(m):
+            path = os.path.join(tmp, "secrets", m.group(1))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "a").close()
+            return path
+        body = re.sub(r"/etc/opjit/secrets/([A-Za-z0-9._-]+)", stand_in, text)
+        cfg = os.path.join(tmp, "opjitd.toml")
+        with open(cfg, "w") as f:
+            f.write(body)
+        r = subprocess.run([binary, "--check-config", cfg], capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"{where}: opjitd --check-config: {r.stderr.strip().replace(tmp, '')}")
 
 
 def check_toml(text, where, secret_keys, services):
@@ -152,6 +179,7 @@ def check_toml(text, where, secret_keys, services):
                     walk(t, f"{prefix}{k}[].")
 
     walk(cfg, "")
+    check_with_daemon(text, where)
     for path in re.findall(r'"(/etc/opjit/secrets/[^"]+)"', text):
         key = path.rsplit("/", 1)[1]
         if secret_keys is not None and key not in secret_keys:
