@@ -39,7 +39,9 @@
 # bind-mounted read-only into the root at the same path (with the same
 # /usr/local/cuda symlink and its /etc/ld.so.conf.d entry, as NVIDIA's
 # installer leaves them; NVRTC loads libnvrtc-builtins through ld.so). The
-# build needs its headers; GPU tests skip without a GPU. Services that packages install
+# build needs its headers; GPU tests skip without a GPU. The host's local CA
+# certificates (/usr/local/share/ca-certificates, e.g. an egress proxy's) are
+# copied in likewise, for npm's HTTPS. Services that packages install
 # (PostgreSQL, Redis) are not started in the root: a policy-rc.d refuses,
 # and the tests start their own servers. Downloaded .debs are kept in
 # ${XDG_CACHE_HOME:-~/.cache}/opjit/fresh-apt-archives so a re-run does not
@@ -226,6 +228,21 @@ make_base() {
     in_root "ldconfig"
     echo "CUDA toolkit: $CUDA_REAL (read-only)"
   fi
+  # The machine's own trust store: where egress goes through a TLS proxy, its
+  # CA is installed on every machine of this kind (under
+  # /usr/local/share/ca-certificates), and HTTPS clients (npm ci for the Node
+  # test) need it; apt uses plain HTTP and does not.
+  local crt n=0
+  for crt in /usr/local/share/ca-certificates/*.crt; do
+    [ -f "$crt" ] || continue
+    mkdir -p "$ROOT/usr/local/share/ca-certificates"
+    cp "$crt" "$ROOT/usr/local/share/ca-certificates/"
+    n=$((n + 1))
+  done
+  if [ "$n" -gt 0 ]; then
+    in_root "update-ca-certificates >/dev/null"
+    echo "local CA certificates: $n (as on the host)"
+  fi
   echo "root: $ROOT"
 }
 
@@ -267,6 +284,7 @@ in_root() {
       umount -l /.oldroot
       exec /usr/bin/env -i HOME=/root USER=root LOGNAME=root SHELL=/bin/bash \
         LANG=C.UTF-8 TERM="${TERM:-dumb}" \
+        NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         /bin/bash -euc "$CMD"
     ' fresh-root "$ROOT" "$1" "$CACHE/fresh-apt-archives" "$CUDA_REAL"
