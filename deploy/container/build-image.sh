@@ -35,6 +35,9 @@ BUILD=${OPJIT_BUILD_DIR:-$ROOT/build}
 CACHE=${OPJIT_IMAGE_CACHE:-$BUILD/container}
 IMAGE=${OPJIT_IMAGE:-localhost/opjit:latest}
 SERVICES_IMAGE=${OPJIT_SERVICES_IMAGE:-localhost/opjit-services:latest}
+# The staged install tree, imported for the fast build and removed after it:
+# one tag per run, so two builds side by side never take each other's tree.
+TREE_IMAGE=localhost/opjit-tree-$$:latest
 WITH_NVRTC=${WITH_NVRTC:-0}
 SUITE=bookworm
 export CONTAINERS_CONF=${CONTAINERS_CONF:-$HERE/containers.conf}
@@ -132,7 +135,7 @@ stage_tree() {
       { log "cmake --install did not install $need"; exit 1; }
   done
   tar -C "$stage" --owner=0 --group=0 -cf "$stage.tar" out
-  podman import --quiet "$stage.tar" localhost/opjit-tree:latest >/dev/null
+  podman import --quiet "$stage.tar" "$TREE_IMAGE" >/dev/null
 }
 
 # drop_previous TAG OLD_ID: removes the image TAG pointed at before a
@@ -149,9 +152,9 @@ image_fast() {
   timed "fast: cmake --install + import of the tree" stage_tree
   timed "fast: podman build (TREE=host build)" podman build --quiet --format docker --network host \
     -f "$HERE/Containerfile" --build-arg RUNTIME_BASE="$rt" \
-    --build-arg TREE=localhost/opjit-tree:latest --build-arg WITH_NVRTC="$WITH_NVRTC" \
+    --build-arg TREE="$TREE_IMAGE" --build-arg WITH_NVRTC="$WITH_NVRTC" \
     -t "$IMAGE" "$ROOT" >/dev/null
-  podman rmi --force localhost/opjit-tree:latest >/dev/null 2>&1 || true
+  podman rmi --force "$TREE_IMAGE" >/dev/null 2>&1 || true
   drop_previous "$IMAGE" "$old"
   log "built $IMAGE"
 }

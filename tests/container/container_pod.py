@@ -47,8 +47,15 @@ BUILD = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT,
 HERE_CONF = os.path.join(ROOT, "deploy", "container", "containers.conf")
 ENV = dict(os.environ, CONTAINERS_CONF=os.environ.get("CONTAINERS_CONF", HERE_CONF))
 CLI = os.path.join(BUILD, "bin", "opjit")
-IMAGE = "localhost/opjit:latest"
-SERVICES_IMAGE = "localhost/opjit-services:latest"
+# The manifests name these images; the test builds and plays its own, under
+# names of this run only (RUN), so another run of this test beside it (a
+# second clone's `make test`) never plays, stops or rebuilds what this one
+# uses: images, pods and their containers all carry RUN.
+MANIFEST_IMAGES = ("localhost/opjit:latest", "localhost/opjit-services:latest")
+RUN = "t%d-%s" % (os.getpid(), os.urandom(3).hex())
+IMAGE = f"localhost/opjit-{RUN}:latest"
+SERVICES_IMAGE = f"localhost/opjit-services-{RUN}:latest"
+OWN_IMAGE = dict(zip(MANIFEST_IMAGES, (IMAGE, SERVICES_IMAGE)))
 TIMES = []
 
 try:
@@ -151,6 +158,12 @@ def set_env(container, name, value):
     env.append({"name": name, "value": value})
 
 
+def pod_name(manifest_name):
+    """This run's name for an object of deploy/k8s (a Deployment's pod is NAME-pod-0,
+    a ConfigMap becomes a volume of that name)."""
+    return f"{manifest_name}-{RUN}"
+
+
 def main():
     for tool in ("podman", "mmdebstrap"):
         if shutil.which(tool) is None:
@@ -166,7 +179,8 @@ def main():
 
     with step("build-image.sh ci (bases cached by content)"):
         r = run(os.path.join(ROOT, "deploy", "container", "build-image.sh"), "ci",
-                env=dict(ENV, OPJIT_BUILD_DIR=BUILD), timeout=1500, check=False)
+                env=dict(ENV, OPJIT_BUILD_DIR=BUILD, OPJIT_IMAGE=IMAGE,
+                         OPJIT_SERVICES_IMAGE=SERVICES_IMAGE), timeout=1500, check=False)
         print(r.stderr.strip())
         if r.returncode != 0:
             raise RuntimeError("build-image.sh ci failed")
@@ -240,20 +254,37 @@ def main():
         toml = replace_once(toml, "1" * 64, user_hash, "the ml-team token hash")
         cm = json.loads(json.dumps(cm))
         cm["data"]["opjitd.toml"] = toml
+        # podman keeps a played ConfigMap as a named volume of its name.
+        cm["metadata"]["name"] = pod_name(cm["metadata"]["name"])
         cm_file = os.path.join(tmp, "configmap.yaml")
         with open(cm_file, "w") as f:
             yaml.safe_dump(cm, f)
 
         def adapt(dep, port_env=None, ports=None):
             dep = json.loads(json.dumps(dep))
+            dep["metadata"]["name"] = pod_name(dep["metadata"]["name"])
             spec = dep["spec"]["template"]["spec"]
             spec["hostNetwork"] = True
+            # podman 4.3 plays an emptyDir as a named volume of the
+            # volume's own name ("state", "run", ...): one of this run's.
+            renamed = {}
             for v in spec.get("volumes", []):
+                if "emptyDir" in v:
+                    renamed[v["name"]] = v["name"] = pod_name(v["name"])
+            for c in spec.get("containers", []) + spec.get("initContainers", []):
+                for m in c.get("volumeMounts", []):
+                    m["name"] = renamed.get(m["name"], m["name"])
+            for v in spec.get("volumes", []):
+                if "configMap" in v:
+                    v["configMap"]["name"] = pod_name(v["configMap"]["name"])
                 if "secret" in v:
                     v.pop("secret")
                     v["hostPath"] = {"path": secrets, "type": "Directory"}
             for c in spec["containers"]:
                 c["imagePullPolicy"] = "Never"
+                if c["image"] not in OWN_IMAGE:
+                    raise RuntimeError(f"deploy/k8s names an image this test does not build: {c['image']}")
+                c["image"] = OWN_IMAGE[c["image"]]
                 for key, value in (port_env or {}).items():
                     set_env(c, key, value)
                 # podman 4.3 turns containerPorts into port mappings, which
@@ -272,6 +303,7 @@ def main():
                    {"REDIS_PORT": str(redis_port), "REDIS_BIND": "127.0.0.1"}, {"redis": redis_port})
         od = adapt(objs[("Deployment", "opjitd")])
         files = {}
+        files_pod = {"postgres": "opjit-postgres", "redis": "opjit-redis", "opjitd": "opjitd"}
         for name, dep in (("postgres", pg), ("redis", rd), ("opjitd", od)):
             files[name] = os.path.join(tmp, f"{name}.yaml")
             with open(files[name], "w") as f:
@@ -287,22 +319,26 @@ def main():
             return [c for c in out if not c.endswith("-infra")]
 
         def remember_volumes(name):
+            """The named volumes of pod `name`'s containers, also kept for the cleanup."""
+            mine = set()
             for c in containers_of(name):
                 r = podman("inspect", c, "--format", "{{range .Mounts}}{{.Name}} {{end}}", check=False)
-                volumes.update(v for v in r.stdout.split() if v)
+                mine.update(v for v in r.stdout.split() if v)
+            volumes.update(mine)
+            return mine
 
         def play(name, *extra):
             r = podman("kube", "play", *extra, files[name], check=False)
             played.append(name)
             if r.returncode != 0:
                 raise RuntimeError(f"podman kube play {name}: {r.stdout}{r.stderr}")
-            remember_volumes(name)
+            remember_volumes(pod_name(files_pod[name]))
 
         with step("kube play postgres + redis, wait until ready"):
             play("postgres")
             play("redis")
-            pg_ctr, = containers_of("opjit-postgres")
-            rd_ctr, = containers_of("opjit-redis")
+            pg_ctr, = containers_of(pod_name("opjit-postgres"))
+            rd_ctr, = containers_of(pod_name("opjit-redis"))
             for ctr, what in ((pg_ctr, "postgres"), (rd_ctr, "redis")):
                 wait_for(f"{what} ready", lambda: (
                     (r := podman("exec", ctr, "/usr/local/bin/services-entrypoint", "ready", what,
@@ -318,7 +354,7 @@ def main():
         def opjitd_up():
             wait_for("opjitd SERVING over TLS", lambda: (
                 (r := cli("info", check=False)).returncode == 0, r.stderr.strip()), 90)
-            ctr, = containers_of("opjitd")
+            ctr, = containers_of(pod_name("opjitd"))
             return ctr
 
         with step("kube play opjitd, wait for health over TLS"):
@@ -365,9 +401,10 @@ def main():
                   "bad token and plaintext refused")
 
         with step("opjitd pod replaced (fresh state dir): the op is still registered"):
-            remember_volumes("opjitd")
+            # Only opjitd's volumes: PostgreSQL and Redis keep theirs.
+            opjitd_volumes = remember_volumes(pod_name("opjitd"))
             podman("kube", "down", files["opjitd"], check=False)
-            for v in list(volumes):
+            for v in opjitd_volumes:
                 podman("volume", "rm", "-f", v, check=False)
             play("opjitd", "--configmap", cm_file)
             opjitd_up()
@@ -385,6 +422,8 @@ def main():
                     print(f"   kube down {name}: {e}")
             for v in volumes:
                 podman("volume", "rm", "-f", v, check=False)
+            for image in (IMAGE, SERVICES_IMAGE):
+                podman("rmi", "-f", image, check=False)
             shutil.rmtree(tmp, ignore_errors=True)
     total = sum(t for _, t in TIMES)
     print("timings: " + ", ".join(f"{n.split(' ')[0]} {t:.1f}s" for n, t in TIMES) + f"; total {total:.1f}s")
