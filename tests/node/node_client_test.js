@@ -523,18 +523,25 @@ test('rendezvous ranking is the Python and C++ clients\' (same daemon for the sa
   assert.deepEqual(rendezvousOrder('', 'scale', ['a:1', 'b:2', 'c:3']), ['a:1', 'c:3', 'b:2']);
 });
 
-test.describe('several addresses (two live daemons, dead addresses)', () => {
-  let a;
-  let b;
-  let tmp;
-  let deadSock; // a socket path nothing listens on (bare, as a user writes it)
-  let deadTcp;
+// Plaintext clients without a token, for the daemons of the address-list
+// suites; closeAll() closes every one opened.
+function plainClientPool() {
   const clients = [];
   const open = (addr, opts = {}) => {
     const c = new Client(addr, { token: '', tls: false, timeoutMs: 120000, ...opts });
     clients.push(c);
     return c;
   };
+  return { open, closeAll: () => { for (const c of clients) c.close(); } };
+}
+
+test.describe('several addresses (two live daemons, dead addresses)', () => {
+  let a;
+  let b;
+  let tmp;
+  let deadSock; // a socket path nothing listens on (bare, as a user writes it)
+  let deadTcp;
+  const { open, closeAll } = plainClientPool();
   test.before(async () => {
     [a, b] = await Promise.all([startDaemon({ tcp: true }), startDaemon({ tcp: true })]);
     await registerScale(a, 'scale', 2);
@@ -544,7 +551,7 @@ test.describe('several addresses (two live daemons, dead addresses)', () => {
     deadTcp = await closedPort();
   });
   test.after(async () => {
-    for (const c of clients) c.close();
+    closeAll();
     await Promise.all([a, b].filter(Boolean).map((d) => d.close()));
     if (tmp) fs.rmSync(tmp, { recursive: true, force: true });
   });
@@ -643,12 +650,7 @@ test.describe('several addresses (two live daemons, dead addresses)', () => {
 test.describe('several addresses: a daemon killed mid-run', () => {
   let c1;
   let c2;
-  const clients = [];
-  const open = (addr, opts = {}) => {
-    const c = new Client(addr, { token: '', tls: false, timeoutMs: 120000, ...opts });
-    clients.push(c);
-    return c;
-  };
+  const { open, closeAll } = plainClientPool();
   test.before(async () => {
     [c1, c2] = await Promise.all([startDaemon(), startDaemon({ tcp: true })]);
     await registerScale(c1, 'scale', 2);
@@ -658,7 +660,7 @@ test.describe('several addresses: a daemon killed mid-run', () => {
     }
   });
   test.after(async () => {
-    for (const c of clients) c.close();
+    closeAll();
     await Promise.all([c1, c2].filter(Boolean).map((d) => d.close()));
   });
 
