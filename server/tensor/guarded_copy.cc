@@ -3,14 +3,19 @@
 #include <setjmp.h>
 #include <signal.h>
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
 namespace opjit::tensor {
 namespace {
 
-// Set while this thread is inside a guarded copy.
-thread_local sigjmp_buf* t_guard = nullptr;
+// Set while this thread is inside a guarded copy. Volatile, and fenced
+// below: the handler reads it, but the compiler cannot see that. Without
+// both, GCC dropped the store before the memcpy as dead (memcpy reads no
+// globals), so every guarded copy ran unguarded and a shrunk ring killed
+// the daemon (issue 26).
+thread_local sigjmp_buf* volatile t_guard = nullptr;
 
 struct sigaction g_old_bus, g_old_segv;
 
@@ -46,7 +51,9 @@ absl::Status GuardedCopy(void* dst, const void* src, size_t n) {
         "shm object); the call was stopped");
   }
   t_guard = &env;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
   std::memcpy(dst, src, n);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
   t_guard = nullptr;
   return absl::OkStatus();
 }
