@@ -37,6 +37,9 @@ PKGS=(
   # test (node, npm for `npm ci`), the package check (lintian), the newcomer
   # check in a fresh root (bubblewrap).
   libcli11-dev nodejs npm lintian bubblewrap
+  # Issue 26: /metrics on libmicrohttpd (a thread pool, connection limits and
+  # timeouts instead of a hand-written server).
+  libmicrohttpd-dev
 )
 if [ "${1:-}" = "--bench" ]; then
   # torch.utils.cpp_extension.load_inline needs libtorch's headers, pybind11
