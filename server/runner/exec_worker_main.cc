@@ -160,7 +160,7 @@ class Worker {
   void Answer(int32_t code, uint64_t need, std::string_view message, double kernel_ms);
 
   // Fast channel.
-  void ServeSlot(fast::Slot* slot);
+  void ServeSlot(fast::Slot* slot, uint32_t index);
   absl::Status RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_ms);
   // Asks the daemon for a handle's binding or a region, serving its control
   // frames until its grant; the grant's status.
@@ -176,6 +176,7 @@ class Worker {
   // Calls this executor may still serve before it asks the daemon again.
   // Nothing else grants it: without credit no call runs.
   uint64_t credit_ = 0;
+  uint64_t fast_serial_ = 0;  // the last fast call's serial (SlotHeader::fast_call)
   // Index of the arena's count table, by (handle, code); the entry of the
   // last call, which the next one usually shares.
   std::map<std::pair<uint64_t, uint64_t>, wire::CallCount*> count_index_;
@@ -567,7 +568,7 @@ absl::Status Worker::RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_m
   return st;
 }
 
-void Worker::ServeSlot(fast::Slot* slot) {
+void Worker::ServeSlot(fast::Slot* slot, uint32_t index) {
   uint32_t expected = fast::kSubmitted;
   if (!slot->state.compare_exchange_strong(expected, fast::kRunning, std::memory_order_acq_rel)) {
     return;
@@ -580,7 +581,13 @@ void Worker::ServeSlot(fast::Slot* slot) {
   if (credit_ == 0) st = AskCredit(handle);
   if (st.ok()) {
     --credit_;
+    // What the daemon's watchdog times (worker_protocol.h): the slot, the
+    // client's deadline as it was now, then the call's serial.
+    slot_->fast_slot.store(index, std::memory_order_relaxed);
+    slot_->fast_deadline_ns.store(slot->deadline_ns, std::memory_order_relaxed);
+    slot_->fast_call.store(++fast_serial_, std::memory_order_release);
     st = RunSlot(slot, handle, &kernel_ms);
+    slot_->fast_call.store(0, std::memory_order_release);
     Count(handle, st.code(), kernel_ms);
   }
   const auto why = GetReason(st);
@@ -610,7 +617,7 @@ int Worker::ChannelLoop(void* channel) {
       const uint32_t i = (next + k) % n_slots;
       fast::Slot* slot = fast::SlotAt(channel, i);
       if (slot->state.load(std::memory_order_acquire) == fast::kSubmitted) {
-        ServeSlot(slot);
+        ServeSlot(slot, i);
         next = i + 1;
         served = true;
         break;

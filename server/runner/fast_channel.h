@@ -33,9 +33,13 @@
 // its region (lease lapse, ReleaseClient, UnregisterRegion).
 //
 // Trust. The client and the executor share this memory and each may be
-// hostile to the other: the executor bounds every field it reads, the
-// daemon reads nothing from it but the running slots' state, seq and
-// deadline, which only decide when to stop this channel's own executor.
+// hostile to the other: the executor bounds every field it reads. The
+// daemon times the running call on its own clock, from words the executor
+// keeps in its private arena (worker_protocol.h, SlotHeader::fast_call): the
+// client's deadline counts as it was when the call started, and rewriting
+// seq, deadline or state later changes nothing. The daemon touches this
+// memory only through tensor::GuardedCopy, so a client that shrinks it ends
+// its own channel, never the daemon.
 //
 // Byte layout (little-endian, x86-64; the Python client mirrors the offsets
 // with struct, so they are fixed here and checked by static_asserts).

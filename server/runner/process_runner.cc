@@ -1047,10 +1047,13 @@ void ChannelImpl::TakeCounts() {
 
 void ChannelImpl::Serve() {
   const int64_t limit_ns = runner_->options.kernel_timeout_ms * 1000000;
-  // The running call the watchdog follows: (slot, seq) and when it was seen.
-  int watched = -1;
-  uint64_t watched_seq = 0;
+  // The running call the watchdog follows: its serial in the executor's
+  // arena (never the client's ring), and when this thread first saw it, on
+  // its own clock.
+  uint64_t watched = 0;
+  uint32_t watched_slot = 0;
   int64_t watched_since = 0;
+  int64_t watched_deadline = 0;
   int64_t last_watch_ns = 0;
   while (!stop_.load()) {
     pollfd p{w_->sock, POLLIN, 0};
@@ -1101,33 +1104,33 @@ void ChannelImpl::Serve() {
     if (r > 0 && now - last_watch_ns < kWatchEveryNs) continue;
     last_watch_ns = now;
     if (now - last_count_ns_ >= kCountEveryNs) TakeCounts();
-    bool running = false;
-    for (uint32_t i = 0; i < fast::kSlots; ++i) {
-      uint32_t state = 0;
-      uint64_t seq = 0;
-      int64_t deadline_ns = 0;
-      if (!ReadSlot(i, &state, &seq, &deadline_ns)) {
-        return Ended(absl::FailedPreconditionError("the client shrank its channel"),
-                     absl::FailedPreconditionError("the channel's memory shrank"), -1);
-      }
-      if (state != fast::kRunning) continue;
-      running = true;
-      if (static_cast<int>(i) != watched || seq != watched_seq) {
-        watched = static_cast<int>(i);
-        watched_seq = seq;
-        watched_since = now;
-      }
-      const bool by_call = deadline_ns > 0 && now > deadline_ns;
-      if (by_call || now - watched_since > limit_ns) {
-        Logger("runner")->warn("{} (namespace {}): fast-channel kernel stopped at {}; executor "
-                               "process {} killed", spec_.label, spec_.ns,
-                               by_call ? "the call's deadline" : "the kernel time limit", pid_);
-        return Ended(absl::DeadlineExceededError("stopped"), runner_->TimeoutStatus(by_call),
-                     static_cast<int>(i));
-      }
-      break;  // the executor runs one call at a time
+    // A shrunk ring ends the channel (the executor would fault on it next).
+    uint32_t magic = 0;
+    if (!tensor::GuardedCopy(&magic, base() + offsetof(fast::Header, magic), 4).ok()) {
+      return Ended(absl::FailedPreconditionError("the client shrank its channel"),
+                   absl::FailedPreconditionError("the channel's memory shrank"), -1);
     }
-    if (!running) watched = -1;
+    const uint64_t call = w_->slot->fast_call.load(std::memory_order_acquire);
+    if (call == 0) {
+      watched = 0;
+      continue;
+    }
+    if (call != watched) {
+      watched = call;
+      watched_since = now;
+      watched_slot = w_->slot->fast_slot.load(std::memory_order_relaxed);
+      // The client's deadline as the executor read it when the call began:
+      // rewriting the ring later changes nothing.
+      watched_deadline = w_->slot->fast_deadline_ns.load(std::memory_order_relaxed);
+    }
+    const bool by_call = watched_deadline > 0 && now > watched_deadline;
+    if (by_call || now - watched_since > limit_ns) {
+      Logger("runner")->warn("{} (namespace {}): fast-channel kernel stopped at {}; executor "
+                             "process {} killed", spec_.label, spec_.ns,
+                             by_call ? "the call's deadline" : "the kernel time limit", pid_);
+      return Ended(absl::DeadlineExceededError("stopped"), runner_->TimeoutStatus(by_call),
+                   watched_slot < fast::kSlots ? static_cast<int>(watched_slot) : -1);
+    }
   }
 }
 

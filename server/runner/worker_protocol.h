@@ -110,6 +110,15 @@ struct alignas(64) SlotHeader {
   // forgets its handle bindings or region mappings and asks again.
   std::atomic<uint64_t> handle_epoch;
   std::atomic<uint64_t> region_epoch;
+  // Fast channels: the call the executor runs, for the daemon's watchdog.
+  // The executor sets fast_slot and fast_deadline_ns (the client's deadline,
+  // read once when the call starts), then fast_call to a new nonzero serial;
+  // it stores 0 when the call ends. The daemon times a serial on its own
+  // clock from when it first sees it: nothing in the client's ring (seq,
+  // deadline, state) can keep a call alive past the kernel time limit.
+  std::atomic<uint64_t> fast_call;
+  std::atomic<int64_t> fast_deadline_ns;
+  std::atomic<uint32_t> fast_slot;
 };
 
 // The slot: header then TensorRecs, kSlotBytes in all; the data area follows.
