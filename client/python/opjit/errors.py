@@ -6,7 +6,9 @@ server's text, unchanged) and ``.reason``: the machine-readable reason from
 the status details (``google.rpc.ErrorInfo``), e.g. ``"QUOTA_EXCEEDED"`` or
 ``"REGION_NOT_REGISTERED"``, with ``.metadata`` (a dict). Decide on
 ``.reason``, never on the message text. Compile failures also carry
-``.diagnostics``: (file, line, column, severity, text) tuples. Errors found on the client before any RPC (a bad
+``.diagnostics``: (file, line, column, severity, text) tuples, the first
+ones that fit the status's bound (a few KiB), and ``.omitted_diagnostics``:
+how many more the compiler printed. Errors found on the client before any RPC (a bad
 spec, an unsupported dtype) use the same classes and codes, so one ``except``
 clause covers both.
 """
@@ -47,19 +49,23 @@ class OpjitError(Exception):
       details: the raw grpc.RpcError when the error came from a call, else None.
       reason: the server's machine-readable reason ("" when none was sent).
       metadata: dict of the reason's metadata (e.g. quota, limit, namespace).
-      diagnostics: list of Diagnostic for COMPILE_FAILED, else [].
+      diagnostics: list of Diagnostic for COMPILE_FAILED, else []: the first
+        ones, as many as fit the status's bound.
+      omitted_diagnostics: how many diagnostics the compiler printed past
+        those (0 when all came, or for other errors).
     """
 
     default_code = grpc.StatusCode.UNKNOWN
 
     def __init__(self, message, code=None, details=None, reason="", metadata=None,
-                 diagnostics=None):
+                 diagnostics=None, omitted_diagnostics=0):
         self.code = code if code is not None else self.default_code
         self.message = message
         self.details = details
         self.reason = reason
         self.metadata = dict(metadata or {})
         self.diagnostics = list(diagnostics or [])
+        self.omitted_diagnostics = int(omitted_diagnostics or 0)
         super().__init__(message)
 
     def __str__(self):
@@ -144,24 +150,25 @@ _BY_CODE = {cls.default_code: cls for cls in (
 
 
 def _rich_details(err):
-    """(reason, metadata, diagnostics) from the status details trailer."""
+    """(reason, metadata, diagnostics, omitted_diagnostics) from the status
+    details trailer."""
     try:
         trailers = err.trailing_metadata() or ()
     except Exception:
-        return "", {}, []
+        return "", {}, [], 0
     blob = None
     for key, value in trailers:
         if key == "grpc-status-details-bin":
             blob = value
     if not blob:
-        return "", {}, []
+        return "", {}, [], 0
     try:
         from opjit.v1 import error_pb2
         status = error_pb2.Status()
         status.ParseFromString(blob)
     except Exception:  # not ours, or an older server
-        return "", {}, []
-    reason, metadata, diagnostics = "", {}, []
+        return "", {}, [], 0
+    reason, metadata, diagnostics, omitted = "", {}, [], 0
     for any_msg in status.details:
         if any_msg.type_url == _ERROR_INFO_TYPE:
             info = error_pb2.ErrorInfo()
@@ -172,13 +179,15 @@ def _rich_details(err):
             diags.ParseFromString(any_msg.value)
             diagnostics = [Diagnostic(d.file, d.line, d.column, d.severity, d.text)
                            for d in diags.diagnostics]
-    return reason, metadata, diagnostics
+            omitted = diags.omitted_diagnostics
+    return reason, metadata, diagnostics, omitted
 
 
 _CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def error_from_status(code, message, reason="", metadata=None, diagnostics=None, details=None):
+def error_from_status(code, message, reason="", metadata=None, diagnostics=None, details=None,
+                      omitted_diagnostics=0):
     """The OpjitError subclass for a status: the one constructor of every call error.
 
     code: a grpc.StatusCode or its number (as the fast channel's reply
@@ -190,7 +199,7 @@ def error_from_status(code, message, reason="", metadata=None, diagnostics=None,
         code = _CODE_BY_NUMBER.get(int(code), grpc.StatusCode.UNKNOWN)
     cls = _BY_CODE.get(code, OpjitError)
     return cls(message, code=code, details=details, reason=reason or "", metadata=metadata,
-               diagnostics=diagnostics)
+               diagnostics=diagnostics, omitted_diagnostics=omitted_diagnostics)
 
 
 def error_from_rpc(err):
@@ -200,6 +209,6 @@ def error_from_rpc(err):
         message = err.details() or ""
     except Exception:  # not a call error (should not happen)
         code, message = grpc.StatusCode.UNKNOWN, str(err)
-    reason, metadata, diagnostics = _rich_details(err)
+    reason, metadata, diagnostics, omitted = _rich_details(err)
     return error_from_status(code, message, reason=reason, metadata=metadata,
-                             diagnostics=diagnostics, details=err)
+                             diagnostics=diagnostics, details=err, omitted_diagnostics=omitted)
