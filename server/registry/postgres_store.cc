@@ -6,14 +6,25 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <map>
+#include <set>
+#include <system_error>
+#include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
@@ -24,12 +35,18 @@ namespace opjit::registry {
 
 // How to connect, shared by the store's connection and its watchers'.
 struct PgConfig {
-  // For PQconnectdbParams (expand_dbname = 1): our defaults, then the url as
-  // "dbname" (its settings override the defaults), then the password.
+  // For PQconnectStartParams (expand_dbname = 0): the url's settings, parsed
+  // and bounded, our defaults, the password.
   std::vector<std::string> keywords;
   std::vector<std::string> values;
   // Text that must never reach a log or a status (the passwords).
   std::vector<std::string> secrets;
+  // The bound on one call, and on connecting (PostgresStore::Options).
+  int64_t timeout_ms = 10000;
+  int64_t connect_timeout_ms = 5000;
+  // How often a wait logs that the server has not answered yet.
+  int64_t hang_log_ms = 2000;
+  std::function<void()> before_commit_for_test;
 
   std::string Scrub(std::string text) const {
     for (const std::string& secret : secrets) {
@@ -81,6 +98,25 @@ CREATE TABLE IF NOT EXISTS opjit_health_probe (
 );
 )sql";
 
+// The commit guard (see postgres_store.h), created on each store connection:
+// per session, so that it needs no schema change and no privilege beyond
+// TEMP. The row is gone at the end of the transaction (ON COMMIT DELETE
+// ROWS runs after the deferred triggers).
+constexpr const char* kCommitGuardSql = R"sql(
+CREATE TEMP TABLE opjit_commit_guard (budget_ms BIGINT NOT NULL) ON COMMIT DELETE ROWS;
+CREATE FUNCTION pg_temp.opjit_commit_guard() RETURNS trigger LANGUAGE plpgsql AS $guard$
+BEGIN
+  IF clock_timestamp() > transaction_timestamp() + NEW.budget_ms * interval '1 millisecond' THEN
+    RAISE EXCEPTION 'opjit commit guard: the commit deadline has passed, rolling back'
+      USING ERRCODE = '57014';
+  END IF;
+  RETURN NULL;
+END
+$guard$;
+CREATE CONSTRAINT TRIGGER opjit_commit_guard AFTER INSERT ON pg_temp.opjit_commit_guard
+  DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION pg_temp.opjit_commit_guard();
+)sql";
+
 std::string Trim(std::string s) {
   while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
   return s;
@@ -92,6 +128,21 @@ int64_t NowUnixMs() {
       .count();
 }
 
+int64_t MsUntil(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(t - Clock::now()).count();
+}
+
+int64_t MsSince(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+}
+
+// "2.5 s" or "800 ms", for logs.
+std::string Duration(int64_t ms) {
+  if (ms < 1000) return absl::StrCat(ms, " ms");
+  return absl::StrCat(ms / 1000, ms % 1000 >= 100 ? absl::StrCat(".", (ms % 1000) / 100) : "",
+                      " s");
+}
+
 // What a client may be told when the database cannot be used now.
 absl::Status Unavailable(absl::string_view what) {
   return WithReason(absl::UnavailableError(absl::StrCat(
@@ -101,8 +152,9 @@ absl::Status Unavailable(absl::string_view what) {
 }
 
 // SQLSTATEs that mean "not now" rather than "wrong": connection problems
-// (08), transaction rollbacks (40), operator intervention and shutdown (57),
-// too many connections, a read-only server (a standby), a lock not available.
+// (08), transaction rollbacks (40), operator intervention, cancels and
+// shutdown (57; also the commit guard), too many connections, a read-only
+// server (a standby), a lock not available.
 bool IsTransientState(const std::string& state) {
   if (state.size() != 5) return false;
   const std::string cls = state.substr(0, 2);
@@ -140,13 +192,41 @@ class PgResult {
 
 void IgnoreNotice(void*, const char*) {}
 
+// Sends a cancel request for `conn`'s running statement without waiting for
+// it: PQcancel connects to the server and waits for it to close that
+// connection, which a frozen server never does. At most one such request is
+// in flight in the process, so a hung server holds at most one thread.
+void CancelInBackground(PGconn* conn) {
+  static std::atomic<bool> in_flight{false};
+  if (conn == nullptr || PQstatus(conn) != CONNECTION_OK) return;
+  bool expected = false;
+  if (!in_flight.compare_exchange_strong(expected, true)) return;
+  PGcancel* cancel = PQgetCancel(conn);
+  if (cancel == nullptr) {
+    in_flight.store(false);
+    return;
+  }
+  try {
+    std::thread([cancel] {
+      char err[256];
+      (void)PQcancel(cancel, err, sizeof(err));
+      PQfreeCancel(cancel);
+      in_flight.store(false);
+    }).detach();
+  } catch (const std::system_error&) {
+    PQfreeCancel(cancel);
+    in_flight.store(false);
+  }
+}
+
 }  // namespace
 
-// One libpq connection that reconnects itself. Not thread-safe: its owner
-// serialises the calls.
+// One libpq connection that reconnects itself, with every wait bounded by the
+// deadline of the current operation (StartOperation). Not thread-safe: its
+// owner serialises the calls.
 class PgConnection {
  public:
-  // Runs after every (re)connect, e.g. to LISTEN.
+  // Runs after every (re)connect, e.g. to LISTEN; within the deadline.
   using OnConnect = std::function<absl::Status(PgConnection&)>;
 
   PgConnection(std::shared_ptr<const PgConfig> config, std::string role,
@@ -158,14 +238,23 @@ class PgConnection {
 
   bool connected() const { return conn_ != nullptr && PQstatus(conn_) == CONNECTION_OK; }
   PGconn* get() { return conn_; }
+  const PgConfig& config() const { return *config_; }
+
+  // Every wait until the next StartOperation ends by `deadline`.
+  void StartOperation(Clock::time_point deadline) { deadline_ = deadline; }
+  // StartOperation(now + the configured bound).
+  void StartOperation() {
+    StartOperation(Clock::now() + std::chrono::milliseconds(config_->timeout_ms));
+  }
+  Clock::time_point deadline() const { return deadline_; }
 
   void Drop() {
-    if (conn_ != nullptr) PQfinish(conn_);
+    if (conn_ != nullptr) PQfinish(conn_);  // non-blocking: never waits
     conn_ = nullptr;
   }
 
-  // OK when connected, reconnecting when the connection was lost: at once
-  // the first time, then at most every backoff (doubling up to
+  // OK when connected; otherwise reconnects: at once the first time after
+  // the connection was lost, then at most every backoff (doubling up to
   // PostgresStore::kMaxBackoffMs); in between, UNAVAILABLE at once. With
   // `detailed`, the status quotes libpq's reason (scrubbed), for the operator.
   absl::Status Ensure(bool detailed = false) {
@@ -176,31 +265,24 @@ class PgConnection {
       next_attempt_ = now;
     }
     if (now < next_attempt_) return Unavailable("reconnecting");
-    std::vector<const char*> keys, values;
-    for (size_t i = 0; i < config_->keywords.size(); ++i) {
-      keys.push_back(config_->keywords[i].c_str());
-      values.push_back(config_->values[i].c_str());
-    }
-    keys.push_back(nullptr);
-    values.push_back(nullptr);
-    PGconn* c = PQconnectdbParams(keys.data(), values.data(), /*expand_dbname=*/1);
-    if (c == nullptr || PQstatus(c) != CONNECTION_OK) {
-      std::string detail = c == nullptr ? "out of memory" : config_->Scrub(Trim(PQerrorMessage(c)));
-      if (c != nullptr) PQfinish(c);
+    const Clock::time_point connect_deadline =
+        std::min(deadline_, now + std::chrono::milliseconds(config_->connect_timeout_ms));
+    std::string detail;
+    if (!Connect(connect_deadline, &detail)) {
+      Drop();
       backoff_ms_ = std::clamp<int64_t>(backoff_ms_ * 2, 50, PostgresStore::kMaxBackoffMs);
-      next_attempt_ = now + std::chrono::milliseconds(backoff_ms_);
+      next_attempt_ = Clock::now() + std::chrono::milliseconds(backoff_ms_);
       NoteFailure("connecting", detail);
       absl::Status s = Unavailable("cannot connect");
       if (detailed) s = WithMessage(s, absl::StrCat(kWhere, ": cannot connect: ", detail));
       return s;
     }
-    conn_ = c;
     PQsetNoticeProcessor(conn_, IgnoreNotice, nullptr);
-    if (on_connect_) {
-      if (absl::Status s = on_connect_(*this); !s.ok()) {
-        Drop();
-        return s;
-      }
+    absl::Status s = on_connect_ ? on_connect_(*this) : absl::OkStatus();
+    if (s.ok()) s = CheckUnansweredCommit();
+    if (!s.ok()) {
+      Drop();
+      return s;
     }
     if (down_) Logger("registry")->info("{} ({}): connected again", kWhere, role_);
     down_ = false;
@@ -214,22 +296,33 @@ class PgConnection {
     if (!connected()) return Unavailable(what);
     std::vector<const char*> p;
     for (const std::string& s : params) p.push_back(s.c_str());
-    PgResult result(PQexecParams(conn_, sql, static_cast<int>(p.size()), nullptr, p.data(), nullptr,
-                                 nullptr, /*resultFormat=*/0));
-    return Check(what, std::move(result));
+    StartRequest();
+    if (PQsendQueryParams(conn_, sql, static_cast<int>(p.size()), nullptr, p.data(), nullptr,
+                          nullptr, /*resultFormat=*/0) == 0) {
+      return Broken(what);
+    }
+    return Collect(what);
   }
 
   // Runs `sql`, which may hold several statements and no parameters.
   absl::Status ExecScript(absl::string_view what, const char* sql) {
     if (!connected()) return Unavailable(what);
-    return Check(what, PgResult(PQexec(conn_, sql))).status();
+    StartRequest();
+    if (PQsendQuery(conn_, sql) == 0) return Broken(what);
+    return Collect(what).status();
   }
 
-  // Ends the open transaction, if any, ignoring errors.
+  // Ends the open transaction, if any: ROLLBACK within the deadline, or, with
+  // no time left or when that fails, by dropping the connection (the server
+  // rolls back what a closed connection left open).
   void Rollback() {
-    if (connected() && PQtransactionStatus(conn_) != PQTRANS_IDLE)
-      PQclear(PQexec(conn_, "ROLLBACK"));
+    if (!connected() || PQtransactionStatus(conn_) == PQTRANS_IDLE) return;
+    if (Clock::now() >= deadline_ || !Exec("rolling back", "ROLLBACK").ok()) Drop();
   }
+
+  // Remembers a transaction whose COMMIT went unanswered: checked (and the
+  // outcome logged) once connected again.
+  void NoteUnansweredCommit(std::string txid) { unanswered_txid_ = std::move(txid); }
 
   // Logs a failure: the first after a success at warn, the rest at debug,
   // so that a database that is down for an hour does not flood the log.
@@ -244,10 +337,167 @@ class PgConnection {
   }
 
  private:
+  enum class Ready { kYes, kTimeout, kFailed };
+
+  void StartRequest() {
+    request_start_ = Clock::now();
+    next_hang_log_ = request_start_ + std::chrono::milliseconds(config_->hang_log_ms);
+  }
+
+  // Waits until the socket is ready for `events` or `deadline` passes,
+  // warning every hang_log_ms that the server has not answered yet.
+  Ready WaitSocket(short events, Clock::time_point deadline, absl::string_view what) {
+    for (;;) {
+      const Clock::time_point now = Clock::now();
+      if (now >= next_hang_log_) {
+        Logger("registry")->warn("{} ({}): PostgreSQL has not answered for {} ({})", kWhere, role_,
+                                 Duration(MsSince(request_start_)), std::string(what));
+        next_hang_log_ = now + std::chrono::milliseconds(config_->hang_log_ms);
+      }
+      if (now >= deadline) return Ready::kTimeout;
+      const int fd = PQsocket(conn_);
+      if (fd < 0) return Ready::kFailed;
+      const Clock::time_point wake = std::min(deadline, next_hang_log_);
+      const int64_t ms = std::max<int64_t>(
+          1, std::chrono::ceil<std::chrono::milliseconds>(wake - now).count());
+      pollfd p = {fd, events, 0};
+      const int n = poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
+      if (n < 0 && errno != EINTR) return Ready::kFailed;
+      if (n > 0) return Ready::kYes;  // POLLERR/POLLHUP too: libpq reports them
+    }
+  }
+
+  // PQconnectStartParams/PQconnectPoll until connected or `deadline`.
+  bool Connect(Clock::time_point deadline, std::string* detail) {
+    std::vector<const char*> keys, values;
+    for (size_t i = 0; i < config_->keywords.size(); ++i) {
+      keys.push_back(config_->keywords[i].c_str());
+      values.push_back(config_->values[i].c_str());
+    }
+    keys.push_back(nullptr);
+    values.push_back(nullptr);
+    conn_ = PQconnectStartParams(keys.data(), values.data(), /*expand_dbname=*/0);
+    if (conn_ == nullptr) {
+      *detail = "out of memory";
+      return false;
+    }
+    StartRequest();
+    PostgresPollingStatusType st =
+        PQstatus(conn_) == CONNECTION_BAD ? PGRES_POLLING_FAILED : PGRES_POLLING_WRITING;
+    while (st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
+      Ready r = WaitSocket(st == PGRES_POLLING_READING ? POLLIN : POLLOUT, deadline, "connecting");
+      if (r == Ready::kTimeout) {
+        *detail = absl::StrCat("no answer within ", Duration(MsSince(request_start_)));
+        return false;
+      }
+      if (r == Ready::kFailed) break;
+      st = PQconnectPoll(conn_);
+    }
+    if (st != PGRES_POLLING_OK || PQstatus(conn_) != CONNECTION_OK) {
+      *detail = config_->Scrub(Trim(PQerrorMessage(conn_)));
+      if (detail->empty()) *detail = "connection failed";
+      return false;
+    }
+    // libpq's own waits (sending, PQfinish's goodbye) must never block.
+    if (PQsetnonblocking(conn_, 1) != 0) {
+      *detail = "cannot make the connection non-blocking";
+      return false;
+    }
+    return true;
+  }
+
+  // Sends what libpq has buffered, then reads until a result is complete,
+  // by the deadline.
+  absl::Status Await(absl::string_view what) {
+    for (;;) {
+      const int f = PQflush(conn_);
+      if (f == 0) break;
+      if (f < 0) return Broken(what);
+      Ready r = WaitSocket(POLLIN | POLLOUT, deadline_, what);
+      if (r == Ready::kTimeout) return TimedOut(what);
+      if (r == Ready::kFailed || PQconsumeInput(conn_) == 0) return Broken(what);
+    }
+    while (PQisBusy(conn_) != 0) {
+      Ready r = WaitSocket(POLLIN, deadline_, what);
+      if (r == Ready::kTimeout) return TimedOut(what);
+      if (r == Ready::kFailed || PQconsumeInput(conn_) == 0) return Broken(what);
+    }
+    return absl::OkStatus();
+  }
+
+  // Every result of the request sent last: the first error, or the last
+  // result.
+  absl::StatusOr<PgResult> Collect(absl::string_view what) {
+    PgResult last(nullptr);
+    PgResult error(nullptr);
+    for (;;) {
+      OPJIT_RETURN_IF_ERROR(Await(what));
+      PGresult* r = PQgetResult(conn_);
+      if (r == nullptr) break;
+      ExecStatusType st = PQresultStatus(r);
+      if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK || st == PGRES_EMPTY_QUERY) {
+        if (error.get() == nullptr) {
+          last = PgResult(r);
+        } else {
+          PQclear(r);
+        }
+      } else if (error.get() == nullptr) {
+        error = PgResult(r);
+      } else {
+        PQclear(r);
+      }
+    }
+    return Check(what, error.get() != nullptr ? std::move(error) : std::move(last));
+  }
+
+  // The connection failed under a request.
+  absl::Status Broken(absl::string_view what) {
+    NoteFailure(what, conn_ != nullptr ? config_->Scrub(Trim(PQerrorMessage(conn_)))
+                                       : std::string("no connection"));
+    Drop();
+    down_ = true;
+    return Unavailable(what);
+  }
+
+  // The deadline passed with the request unanswered: cancel it and close the
+  // connection, so that whatever it had open is rolled back.
+  absl::Status TimedOut(absl::string_view what) {
+    const std::string waited = Duration(MsSince(request_start_));
+    Logger("registry")->warn(
+        "{} ({}): PostgreSQL has not answered for {} ({}): giving up, closing the connection",
+        kWhere, role_, waited, std::string(what));
+    CancelInBackground(conn_);
+    Drop();
+    down_ = true;
+    return Unavailable(absl::StrCat("no answer within ", waited, " while ", what));
+  }
+
+  // After an unanswered COMMIT: what became of it.
+  absl::Status CheckUnansweredCommit() {
+    if (unanswered_txid_.empty()) return absl::OkStatus();
+    OPJIT_ASSIGN_OR_RETURN(PgResult r, Exec("checking an unanswered commit",
+                                            "SELECT txid_status($1)", {unanswered_txid_}));
+    const std::string status = r.rows() == 1 ? r.Text(0, 0) : "";
+    auto log = Logger("registry");
+    if (status == "in progress") return absl::OkStatus();  // still open: ask next time
+    if (status == "committed") {
+      log->error(
+          "{} ({}): a write whose COMMIT was not answered in time (its caller was told "
+          "UNAVAILABLE) committed after all (transaction {}); it is in the database and "
+          "reaches every daemon's registry with the next sync",
+          kWhere, role_, unanswered_txid_);
+    } else {
+      log->info("{} ({}): the unanswered COMMIT of transaction {} was rolled back, as reported",
+                kWhere, role_, unanswered_txid_);
+    }
+    unanswered_txid_.clear();
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<PgResult> Check(absl::string_view what, PgResult result) {
     // PQresultStatus(nullptr) is PGRES_FATAL_ERROR (out of memory).
     ExecStatusType st = PQresultStatus(result.get());
-    if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK) return result;
+    if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK || st == PGRES_EMPTY_QUERY) return result;
     const PGresult* r = result.get();
     const char* state_field = r != nullptr ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : nullptr;
     std::string state = state_field != nullptr ? state_field : "";
@@ -276,28 +526,63 @@ class PgConnection {
   bool down_ = false;
   int64_t backoff_ms_ = 0;
   Clock::time_point next_attempt_{};
+  Clock::time_point deadline_{};
+  Clock::time_point request_start_{};
+  Clock::time_point next_hang_log_ = Clock::time_point::max();
+  std::string unanswered_txid_;
 };
 
 namespace {
 
-// Runs `body` in one transaction on `c`: BEGIN (`begin_sql`), body, COMMIT.
-// `body` returns OK to commit, or an error, which rolls back and is returned;
-// setting *commit = false rolls back and returns OK (nothing to write). A
-// transaction that failed on a broken connection before COMMIT was sent is
-// retried once on a fresh connection (the server discarded it); a failed
-// COMMIT is not retried: its outcome is unknown.
+// Runs `body` in one transaction on `c`, within the connection's deadline:
+// BEGIN (`begin_sql`), for a write the commit guard (postgres_store.h), body,
+// COMMIT. `body` returns OK to commit, or an error, which rolls back and is
+// returned; setting *commit = false rolls back and returns OK (nothing to
+// write). A transaction that failed on a broken connection before COMMIT was
+// sent is retried once on a fresh connection (the server discarded it) when
+// time is left; a failed COMMIT is not retried: when it went unanswered, its
+// transaction id is noted for a check after the reconnect.
 absl::Status Transaction(PgConnection& c, absl::string_view what,
                          const std::function<absl::Status(bool* commit)>& body,
-                         const char* begin_sql = "BEGIN") {
+                         bool write = true, const char* begin_sql = "BEGIN") {
+  const PgConfig& config = c.config();
   for (int attempt = 0;; ++attempt) {
     OPJIT_RETURN_IF_ERROR(c.Ensure());
     bool commit = true;
+    std::string txid;
     absl::Status s = c.Exec(what, begin_sql).status();
+    if (s.ok() && write) {
+      // transaction_timestamp() was taken before BEGIN was answered, so the
+      // server's deadline (that + budget) comes before ours.
+      const int64_t margin_ms = 100 + config.timeout_ms / 50;
+      const int64_t budget_ms = MsUntil(c.deadline()) - margin_ms;
+      if (budget_ms <= 0) {
+        s = Unavailable(absl::StrCat("no time left to write within ",
+                                     Duration(config.timeout_ms), " while ", what));
+      } else {
+        absl::StatusOr<PgResult> guard =
+            c.Exec(what,
+                   "INSERT INTO pg_temp.opjit_commit_guard (budget_ms) VALUES ($1) "
+                   "RETURNING txid_current()",
+                   {absl::StrCat(budget_ms)});
+        if (guard.ok() && guard->rows() == 1) txid = guard->Text(0, 0);
+        s = guard.status();
+      }
+    }
     if (s.ok()) s = body(&commit);
-    if (s.ok() && commit) return c.Exec(what, "COMMIT").status();
+    if (s.ok() && commit) {
+      if (config.before_commit_for_test) config.before_commit_for_test();
+      s = c.Exec(what, "COMMIT").status();
+      // Refused by the server: rolled back. Unanswered: see above.
+      if (!s.ok() && !c.connected() && !txid.empty()) c.NoteUnansweredCommit(txid);
+      return s;
+    }
     c.Rollback();
     if (s.ok()) return s;
-    if (attempt == 0 && !c.connected() && s.code() == absl::StatusCode::kUnavailable) continue;
+    if (attempt == 0 && !c.connected() && s.code() == absl::StatusCode::kUnavailable &&
+        Clock::now() < c.deadline()) {
+      continue;
+    }
     return s;
   }
 }
@@ -337,7 +622,7 @@ absl::StatusOr<Store::Snapshot> LoadSnapshotOn(PgConnection& c) {
         }
         return absl::OkStatus();
       },
-      "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"));
+      /*write=*/false, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"));
   return snap;
 }
 
@@ -394,11 +679,13 @@ class PgWatcher final : public ChangeWatcher {
 
   absl::Status Init(bool detailed) {
     if (efd_ < 0) return absl::InternalError(absl::StrCat("eventfd: ", strerror(errno)));
+    conn_.StartOperation();
     return conn_.Ensure(detailed);
   }
 
   absl::StatusOr<Event> Wait(int64_t timeout_ms) override {
     const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    conn_.StartOperation();  // bounds a reconnect
     if (absl::Status s = conn_.Ensure(); !s.ok()) {
       SleepUntil(deadline);
       return s;
@@ -424,7 +711,7 @@ class PgWatcher final : public ChangeWatcher {
       }
       if (n > 0 && fds[0].revents != 0) {
         if (PQconsumeInput(conn_.get()) == 0 || !conn_.connected()) {
-          conn_.NoteFailure("listening", Trim(PQerrorMessage(conn_.get())));
+          conn_.NoteFailure("listening", conn_.config().Scrub(Trim(PQerrorMessage(conn_.get()))));
           conn_.Drop();
           return Unavailable("listening");
         }
@@ -435,6 +722,7 @@ class PgWatcher final : public ChangeWatcher {
   }
 
   absl::StatusOr<uint64_t> Generation() override {
+    conn_.StartOperation();
     OPJIT_RETURN_IF_ERROR(conn_.Ensure());
     OPJIT_ASSIGN_OR_RETURN(PgResult gen,
                            conn_.Exec("reading the generation",
@@ -443,7 +731,10 @@ class PgWatcher final : public ChangeWatcher {
     return static_cast<uint64_t>(gen.Int(0, 0));
   }
 
-  absl::StatusOr<Store::Snapshot> LoadSnapshot() override { return LoadSnapshotOn(conn_); }
+  absl::StatusOr<Store::Snapshot> LoadSnapshot() override {
+    conn_.StartOperation();
+    return LoadSnapshotOn(conn_);
+  }
 
   void Interrupt() override {
     uint64_t one = 1;
@@ -479,18 +770,115 @@ class PgWatcher final : public ChangeWatcher {
 
 }  // namespace
 
-PostgresStore::PostgresStore(std::shared_ptr<const PgConfig> config,
-                             std::unique_ptr<PgConnection> conn)
-    : config_(std::move(config)), conn_(std::move(conn)) {}
+namespace {
 
-PostgresStore::~PostgresStore() = default;
+// A PostgreSQL time setting ("1500", "1500ms", "2s", "1min", "1h") in ms; -1
+// when it does not parse.
+int64_t ParsePgMs(absl::string_view text) {
+  text = absl::StripAsciiWhitespace(text);
+  size_t digits = 0;
+  while (digits < text.size() && absl::ascii_isdigit(static_cast<unsigned char>(text[digits])))
+    ++digits;
+  int64_t n = 0;
+  if (digits == 0 || digits > 12 || !absl::SimpleAtoi(text.substr(0, digits), &n)) return -1;
+  const absl::string_view unit = absl::StripAsciiWhitespace(text.substr(digits));
+  if (unit.empty() || unit == "ms") return n;
+  if (unit == "s") return n * 1000;
+  if (unit == "min") return n * 60000;
+  if (unit == "h") return n * 3600000;
+  return -1;
+}
 
-absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options& options) {
-  if (options.url.empty()) {
-    return absl::InvalidArgumentError("registry: url must be set for the postgres backend");
+// libpq's "options": whitespace-separated words, a backslash escaping the
+// next character.
+std::vector<std::string> SplitWords(const std::string& text) {
+  std::vector<std::string> words;
+  std::string word;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (ch == '\\' && i + 1 < text.size()) {
+      word += ch;
+      word += text[++i];
+    } else if (ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') {
+      if (!word.empty()) words.push_back(std::move(word));
+      word.clear();
+    } else {
+      word += ch;
+    }
   }
+  if (!word.empty()) words.push_back(std::move(word));
+  return words;
+}
+
+std::string Unescape(const std::string& word) {
+  std::string out;
+  for (size_t i = 0; i < word.size(); ++i) {
+    if (word[i] == '\\' && i + 1 < word.size()) ++i;
+    out += word[i];
+  }
+  return out;
+}
+
+// The server settings the store bounds, taken out of the url's "options"
+// (the rest is kept as written).
+struct ServerTimeouts {
+  std::string other_options;
+  std::map<std::string, std::string> found;  // name -> value as written
+};
+
+ServerTimeouts TakeTimeouts(const std::string& options) {
+  static const std::set<std::string> kBounded = {"statement_timeout", "lock_timeout",
+                                                 "idle_in_transaction_session_timeout"};
+  ServerTimeouts out;
+  const std::vector<std::string> words = SplitWords(options);
+  std::vector<std::string> kept;
+  for (size_t i = 0; i < words.size(); ++i) {
+    const std::string& w = words[i];
+    std::string setting;
+    size_t used = 1;
+    if (w == "-c" && i + 1 < words.size()) {
+      setting = Unescape(words[i + 1]);
+      used = 2;
+    } else if (absl::StartsWith(w, "-c") || absl::StartsWith(w, "--")) {
+      setting = Unescape(w.substr(2));
+    }
+    const size_t eq = setting.find('=');
+    if (eq != std::string::npos) {
+      std::string name = absl::AsciiStrToLower(setting.substr(0, eq));
+      std::replace(name.begin(), name.end(), '-', '_');
+      if (kBounded.count(name) != 0) {
+        out.found[name] = setting.substr(eq + 1);
+        i += used - 1;
+        continue;
+      }
+    }
+    kept.push_back(w);
+  }
+  out.other_options = absl::StrJoin(kept, " ");
+  return out;
+}
+
+// The url's integer setting `key`, bounded to [lo, hi]; `fallback` when it is
+// absent; an error when it is not an integer.
+absl::StatusOr<int64_t> BoundedInt(const std::map<std::string, std::string>& url,
+                                   const std::string& key, int64_t lo, int64_t hi,
+                                   int64_t fallback) {
+  auto it = url.find(key);
+  if (it == url.end()) return fallback;
+  int64_t v = 0;
+  if (!absl::SimpleAtoi(it->second, &v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("registry: url: ", key, " is not a whole number"));
+  }
+  return std::clamp(v, lo, hi);
+}
+
+// How to connect: the url's settings, bounded, and our defaults (see
+// postgres_store.h).
+absl::StatusOr<std::shared_ptr<PgConfig>> MakeConfig(const PostgresStore::Options& options) {
   auto config = std::make_shared<PgConfig>();
   config->secrets.push_back(options.password);
+  std::vector<std::pair<std::string, std::string>> given;  // in the url's order
   {
     char* err = nullptr;
     PQconninfoOption* parsed = PQconninfoParse(options.url.c_str(), &err);
@@ -501,31 +889,141 @@ absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options
           "registry: url is not a valid libpq connection string or URI");
     }
     for (PQconninfoOption* o = parsed; o->keyword != nullptr; ++o) {
-      if (o->val != nullptr && std::string(o->keyword) == "password") {
-        config->secrets.push_back(o->val);
-      }
+      if (o->val == nullptr) continue;
+      given.emplace_back(o->keyword, o->val);
+      if (std::string(o->keyword) == "password") config->secrets.push_back(o->val);
     }
     PQconninfoFree(parsed);
   }
-  auto add = [&](const char* k, std::string v) {
-    config->keywords.push_back(k);
-    config->values.push_back(std::move(v));
-  };
-  add("connect_timeout", absl::StrCat(std::max(1, options.connect_timeout_s)));
-  add("fallback_application_name", "opjitd");
-  add("client_encoding", "UTF8");
-  // Notice a dead server or a cut network within about a minute, also in
-  // the middle of a statement.
-  add("keepalives", "1");
-  add("keepalives_idle", "30");
-  add("keepalives_interval", "10");
-  add("keepalives_count", "3");
-  add("tcp_user_timeout", "60000");
-  add("options", "-c statement_timeout=60000 -c idle_in_transaction_session_timeout=60000");
-  add("dbname", options.url);
-  if (!options.password.empty()) add("password", options.password);
+  std::map<std::string, std::string> url(given.begin(), given.end());
 
-  auto conn = std::make_unique<PgConnection>(config, "store");
+  // The bound on a call: the url's statement_timeout, else the option.
+  ServerTimeouts server = TakeTimeouts(url.count("options") != 0 ? url["options"] : "");
+  auto bound = [](int64_t ms, int64_t hi) {
+    return ms == 0 ? hi : std::clamp<int64_t>(ms, PostgresStore::kMinTimeoutMs, hi);
+  };
+  auto given_ms = [&](const std::string& name) -> absl::StatusOr<int64_t> {
+    auto it = server.found.find(name);
+    if (it == server.found.end()) return -1;
+    const int64_t ms = ParsePgMs(it->second);
+    if (ms < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("registry: url: ", name, " in options is not a time (e.g. 2000, 2s)"));
+    }
+    return ms;
+  };
+  OPJIT_ASSIGN_OR_RETURN(int64_t statement_ms, given_ms("statement_timeout"));
+  const int64_t timeout = bound(statement_ms >= 0 ? statement_ms : std::max<int64_t>(options.timeout_ms, 1),
+                                PostgresStore::kMaxTimeoutMs);
+  OPJIT_ASSIGN_OR_RETURN(int64_t lock_ms, given_ms("lock_timeout"));
+  const int64_t lock = lock_ms > 0 && lock_ms <= timeout ? lock_ms : timeout;
+  OPJIT_ASSIGN_OR_RETURN(int64_t idle_ms, given_ms("idle_in_transaction_session_timeout"));
+  const int64_t idle = std::clamp<int64_t>(idle_ms > 0 ? idle_ms : 2 * timeout, timeout, 600000);
+  config->timeout_ms = timeout;
+  config->hang_log_ms = std::clamp<int64_t>(timeout / 4, 250, 2000);
+
+  // libpq's connect_timeout is in seconds; 0 (or less) means "forever".
+  int64_t connect = std::clamp<int64_t>(options.connect_timeout_ms, PostgresStore::kMinTimeoutMs,
+                                        PostgresStore::kMaxConnectTimeoutMs);
+  if (url.count("connect_timeout") != 0) {
+    OPJIT_ASSIGN_OR_RETURN(int64_t s, BoundedInt(url, "connect_timeout", INT32_MIN, INT32_MAX, 0));
+    connect = s <= 0 ? PostgresStore::kMaxConnectTimeoutMs
+                     : std::clamp<int64_t>(s * 1000, 1000, PostgresStore::kMaxConnectTimeoutMs);
+  }
+  config->connect_timeout_ms = connect;
+
+  // Keepalives notice a dead peer or a cut network on an idle connection
+  // (the watcher's); a server that is merely frozen still answers them.
+  OPJIT_ASSIGN_OR_RETURN(int64_t ka_idle, BoundedInt(url, "keepalives_idle", 1, 60, 10));
+  OPJIT_ASSIGN_OR_RETURN(int64_t ka_interval, BoundedInt(url, "keepalives_interval", 1, 30, 5));
+  OPJIT_ASSIGN_OR_RETURN(int64_t ka_count, BoundedInt(url, "keepalives_count", 1, 10, 3));
+  OPJIT_ASSIGN_OR_RETURN(int64_t user_timeout,
+                         BoundedInt(url, "tcp_user_timeout", 1000, 120000, 30000));
+  if (url.count("tcp_user_timeout") != 0 && url["tcp_user_timeout"] == "0") user_timeout = 30000;
+
+  std::map<std::string, std::string> ours = {
+      {"connect_timeout", absl::StrCat((connect + 999) / 1000)},
+      {"keepalives", "1"},
+      {"keepalives_idle", absl::StrCat(ka_idle)},
+      {"keepalives_interval", absl::StrCat(ka_interval)},
+      {"keepalives_count", absl::StrCat(ka_count)},
+      {"tcp_user_timeout", absl::StrCat(user_timeout)},
+      {"options", absl::StrCat(server.other_options, server.other_options.empty() ? "" : " ",
+                               "-c statement_timeout=", timeout, " -c lock_timeout=", lock,
+                               " -c idle_in_transaction_session_timeout=", idle)},
+  };
+  if (!options.password.empty()) ours["password"] = options.password;
+  auto add = [&](const std::string& k, const std::string& v) {
+    config->keywords.push_back(k);
+    config->values.push_back(v);
+  };
+  for (const auto& [k, v] : given) {
+    if (ours.count(k) == 0) add(k, v);
+  }
+  for (const auto& [k, v] : ours) add(k, v);
+  if (url.count("fallback_application_name") == 0) add("fallback_application_name", "opjitd");
+  if (url.count("client_encoding") == 0) add("client_encoding", "UTF8");
+  return config;
+}
+
+}  // namespace
+
+// The store's connection for one call: waits at most timeout_ms for the call
+// before it, then starts this call's deadline.
+class PostgresStore::Lease {
+ public:
+  explicit Lease(PostgresStore& store) : store_(store) {}
+  ~Lease() {
+    if (!held_) return;
+    absl::MutexLock lock(&store_.mu_);
+    store_.busy_ = false;
+  }
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+
+  absl::Status Take(absl::string_view what) {
+    const int64_t timeout_ms = store_.config_->timeout_ms;
+    {
+      absl::MutexLock lock(&store_.mu_);
+      if (!store_.mu_.AwaitWithTimeout(absl::Condition(&IsFree, &store_.busy_),
+                                       absl::Milliseconds(timeout_ms))) {
+        return Unavailable(absl::StrCat("its connection stayed busy for ", Duration(timeout_ms),
+                                        " while ", what));
+      }
+      store_.busy_ = true;
+    }
+    held_ = true;
+    store_.conn_->StartOperation();
+    return absl::OkStatus();
+  }
+
+ private:
+  static bool IsFree(bool* busy) { return !*busy; }
+
+  PostgresStore& store_;
+  bool held_ = false;
+};
+
+PostgresStore::PostgresStore(std::shared_ptr<const PgConfig> config,
+                             std::unique_ptr<PgConnection> conn)
+    : config_(std::move(config)), conn_(std::move(conn)) {}
+
+PostgresStore::~PostgresStore() = default;
+
+int64_t PostgresStore::timeout_ms() const { return config_->timeout_ms; }
+int64_t PostgresStore::connect_timeout_ms() const { return config_->connect_timeout_ms; }
+
+absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options& options) {
+  if (options.url.empty()) {
+    return absl::InvalidArgumentError("registry: url must be set for the postgres backend");
+  }
+  OPJIT_ASSIGN_OR_RETURN(std::shared_ptr<PgConfig> config, MakeConfig(options));
+  config->before_commit_for_test = options.before_commit_for_test;
+
+  auto conn = std::make_unique<PgConnection>(config, "store", [](PgConnection& c) {
+    return c.ExecScript("preparing the connection", kCommitGuardSql);
+  });
+  conn->StartOperation();
   OPJIT_RETURN_IF_ERROR(conn->Ensure(/*detailed=*/true));
 
   // Create the schema when it is missing, one daemon at a time.
@@ -563,12 +1061,15 @@ absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options
                                                       ", newer than this opjit understands (",
                                                       kSchemaVersion, ")"));
   }
-  Logger("registry")->info("{}: connected, schema version {}", kWhere, found_version);
+  Logger("registry")->info(
+      "{}: connected, schema version {}; a call waits at most {}, connecting at most {}", kWhere,
+      found_version, Duration(config->timeout_ms), Duration(config->connect_timeout_ms));
   return std::unique_ptr<PostgresStore>(new PostgresStore(std::move(config), std::move(conn)));
 }
 
 absl::StatusOr<Store::Snapshot> PostgresStore::LoadSnapshot() {
-  absl::MutexLock lock(&mu_);
+  Lease lease(*this);
+  OPJIT_RETURN_IF_ERROR(lease.Take("loading the registry"));
   return LoadSnapshotOn(*conn_);
 }
 
@@ -591,7 +1092,8 @@ absl::StatusOr<Store::InsertResult> PostgresStore::RegisterVersion(const OpDef& 
     return absl::InvalidArgumentError(
         absl::StrCat("op ", def.ns, "/", def.name, ": content_hash does not match the definition"));
   }
-  absl::MutexLock lock(&mu_);
+  Lease lease(*this);
+  OPJIT_RETURN_IF_ERROR(lease.Take("registering an op"));
   PgConnection& c = *conn_;
   InsertResult result;
   OPJIT_RETURN_IF_ERROR(Transaction(c, "registering an op", [&](bool* commit) -> absl::Status {
@@ -660,7 +1162,8 @@ absl::StatusOr<Store::InsertResult> PostgresStore::RegisterVersion(const OpDef& 
 absl::StatusOr<Store::DeleteResult> PostgresStore::DeleteOp(const std::string& ns,
                                                             const std::string& name,
                                                             int64_t version) {
-  absl::MutexLock lock(&mu_);
+  Lease lease(*this);
+  OPJIT_RETURN_IF_ERROR(lease.Take("deleting an op"));
   PgConnection& c = *conn_;
   DeleteResult result;
   OPJIT_RETURN_IF_ERROR(Transaction(c, "deleting an op", [&](bool* commit) -> absl::Status {
@@ -687,7 +1190,8 @@ absl::StatusOr<Store::DeleteResult> PostgresStore::DeleteOp(const std::string& n
 }
 
 absl::Status PostgresStore::Probe() {
-  absl::MutexLock lock(&mu_);
+  Lease lease(*this);
+  OPJIT_RETURN_IF_ERROR(lease.Take("probing"));
   PgConnection& c = *conn_;
   return Transaction(c, "probing", [&](bool*) {
     return c

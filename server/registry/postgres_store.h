@@ -14,16 +14,71 @@
 //
 // Connection loss: a call that finds its connection broken reconnects (a
 // transaction that failed before its COMMIT was sent is retried once on a
-// fresh connection); while the server cannot be reached, calls fail with
-// UNAVAILABLE (reason STORE_UNAVAILABLE) at once, reconnecting at most every
-// kMaxBackoffMs. Messages never quote the connection string or the password
-// (libpq's own messages are scrubbed of it before they are logged).
+// fresh connection, within the call's deadline); while the server cannot be
+// reached, calls fail with UNAVAILABLE (reason STORE_UNAVAILABLE) at once,
+// reconnecting at most every kMaxBackoffMs. Messages never quote the
+// connection string or the password (libpq's own messages are scrubbed of
+// it before they are logged).
 //
-// Thread-safe: one connection for writes and loads, serialised by a mutex;
-// each watcher has its own.
+// Time limits (a server that hangs, e.g. one stopped with SIGSTOP, still
+// accepts TCP and answers keepalives, so only the client can bound a wait):
+// - Every call has a deadline: the wait for the connection is bounded by
+//   timeout_ms, and so is everything after it (connecting, every statement,
+//   the COMMIT). All I/O is libpq's asynchronous API (PQconnectStartParams /
+//   PQconnectPoll, PQsendQueryParams / PQconsumeInput / PQisBusy) under
+//   poll() with that deadline; a non-blocking connection, so that nothing
+//   in libpq waits on its own. Connecting is bounded by connect_timeout_ms
+//   as well. Host names are still resolved synchronously by libpq (use
+//   hostaddr or an IP address where that matters).
+// - When the deadline passes, the call fails with UNAVAILABLE
+//   (STORE_UNAVAILABLE), a cancel request is sent from a detached thread (at
+//   most one in flight per process: PQcancel itself blocks on a hung
+//   server), and the connection is closed. The server learns that at once
+//   or, if it is frozen, when it runs again.
+// - While a call waits, the registry logger warns every few seconds:
+//   "PostgreSQL has not answered for N s (<what>)".
+// - The server gets the same bound as statement_timeout and lock_timeout,
+//   and idle_in_transaction_session_timeout, in the startup options; the
+//   connection gets TCP keepalives and tcp_user_timeout.
+// - Options in the url are respected but bounded: options=-c
+//   statement_timeout=<t> (ms, or with a unit: 2s, 1min) sets timeout_ms
+//   (100 ms to 60 s; 0, "no limit", means 60 s); connect_timeout=<seconds>
+//   sets connect_timeout_ms (1 to 30 s; 0 means 30 s); lock_timeout and
+//   idle_in_transaction_session_timeout stay if within (0, timeout] and
+//   [timeout, 10 min]; keepalives_idle (1-60 s), keepalives_interval (1-30 s),
+//   keepalives_count (1-10) and tcp_user_timeout (1-120 s) likewise;
+//   keepalives is always 1.
+//
+// A write is acknowledged only once its COMMIT was answered; otherwise its
+// caller gets UNAVAILABLE and the write never lands later. Before the COMMIT
+// answer, nothing is committed. A COMMIT that was sent but not answered in
+// time (the server froze, or the network ate the answer) could still be
+// executed when the server runs again, so every write transaction carries a
+// commit guard: each connection creates a temp table
+// pg_temp.opjit_commit_guard(budget_ms) with a deferred constraint trigger,
+// and each write transaction inserts one row holding its budget, right after
+// BEGIN was answered. At COMMIT the trigger raises (SQLSTATE 57014) when the
+// server's clock_timestamp() is past transaction_timestamp() + budget_ms.
+// transaction_timestamp() was taken before BEGIN was answered, and the
+// budget is what was left of the call's deadline at that moment, less a
+// margin (100 ms + 2% of timeout_ms); so the server can only commit before
+// the client gives up. After an unanswered COMMIT the store remembers the
+// transaction id (txid_current(), returned by the guard row's INSERT) and,
+// once connected again, asks txid_status() and logs the outcome: "rolled
+// back, as reported", or, at error level, "committed after all" (possible
+// only when the server's clock was stepped back meanwhile, or the server
+// froze between the trigger and the commit record, microseconds apart). The
+// guard needs the TEMP privilege (PUBLIC has it by default) and plpgsql.
+// Tested against a server frozen with SIGSTOP, before a write and between a
+// write's last statement and its COMMIT (tests/unit/registry/
+// postgres_store_test.cc, Frozen*).
+//
+// Thread-safe: one connection for writes and loads, used by one call at a
+// time (the wait for it is bounded); each watcher has its own.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,12 +111,23 @@ class PostgresStore final : public Store {
     // Given to libpq as the password parameter (overriding one in `url`).
     // Empty: none (libpq may still use PGPASSWORD or ~/.pgpass).
     std::string password;
-    // libpq connect_timeout, in seconds; `url` may override it. Default: 5.
-    int connect_timeout_s = 5;
+    // The bound on one call (see above); the url's statement_timeout
+    // overrides it. Bounded to [kMinTimeoutMs, kMaxTimeoutMs].
+    int64_t timeout_ms = 10000;
+    // The bound on connecting; the url's connect_timeout overrides it.
+    // Bounded to [kMinTimeoutMs, kMaxConnectTimeoutMs].
+    int64_t connect_timeout_ms = 5000;
+    // Tests only: runs right before a write's COMMIT is sent.
+    std::function<void()> before_commit_for_test;
   };
 
+  static constexpr int64_t kMinTimeoutMs = 100;
+  static constexpr int64_t kMaxTimeoutMs = 60000;
+  static constexpr int64_t kMaxConnectTimeoutMs = 30000;
+
   // Connects and creates the schema when it is missing. Errors:
-  //   INVALID_ARGUMENT: url is empty or does not parse;
+  //   INVALID_ARGUMENT: url is empty or does not parse, or a time in its
+  //     options does not;
   //   UNAVAILABLE (STORE_UNAVAILABLE): the server cannot be reached or refused us
   //     (libpq's reason, scrubbed of the password, is in the message);
   //   FAILED_PRECONDITION: the schema was written by a newer opjit;
@@ -84,12 +150,20 @@ class PostgresStore final : public Store {
   absl::StatusOr<std::unique_ptr<ChangeWatcher>> Watch() override;
   std::string Describe() const override { return "postgres"; }
 
+  // The bounds in effect, after the url's options (for logs and tests).
+  int64_t timeout_ms() const;
+  int64_t connect_timeout_ms() const;
+
  private:
+  class Lease;
   PostgresStore(std::shared_ptr<const PgConfig> config, std::unique_ptr<PgConnection> conn);
 
   const std::shared_ptr<const PgConfig> config_;
   absl::Mutex mu_;
-  const std::unique_ptr<PgConnection> conn_ ABSL_PT_GUARDED_BY(mu_);
+  // Set while a call uses conn_; the wait for it is bounded.
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  // Used only by the call that set busy_.
+  const std::unique_ptr<PgConnection> conn_;
 };
 
 }  // namespace opjit::registry
