@@ -10,6 +10,7 @@
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
+#include "server/common/text.h"
 
 namespace opjit::access {
 namespace {
@@ -257,8 +258,8 @@ absl::Status AccessControl::Check(const Principal& principal, const std::string&
                       {{"role", RoleName(principal.role)}, {"action", ActionName(action)}});
   }
   if (!principal.Sees(ns)) {
-    return WithReason(absl::NotFoundError(absl::StrCat("namespace '", ns, "' not found")),
-                      reason::kNamespaceNotFound, {{"namespace", ns}});
+    return WithReason(absl::NotFoundError(absl::StrCat("namespace '", Excerpt(ns), "' not found")),
+                      reason::kNamespaceNotFound, {{"namespace", Excerpt(ns)}});
   }
   bool allowed = false;
   switch (principal.role) {
@@ -278,7 +279,8 @@ absl::Status AccessControl::Check(const Principal& principal, const std::string&
   if (!allowed) {
     return WithReason(
         absl::PermissionDeniedError(absl::StrCat("role ", RoleName(principal.role), " may not ",
-                                                 ActionName(action), " in namespace '", ns, "'")),
+                                                 ActionName(action), " in namespace '",
+                                                 Excerpt(ns), "'")),
         reason::kPermissionDenied,
         {{"role", RoleName(principal.role)}, {"action", ActionName(action)}});
   }
@@ -288,7 +290,7 @@ absl::Status AccessControl::Check(const Principal& principal, const std::string&
   if (namespaces_.size() >= max_namespaces_) {
     return QuotaExceeded("namespaces", absl::StrCat(max_namespaces_), "",
                          absl::StrCat("the server already has that many namespaces; namespace '",
-                                      ns, "' cannot be created"));
+                                      Excerpt(ns), "' cannot be created"));
   }
   namespaces_.insert(ns);
   Logger("access")->info("namespace '{}' created by {}", ns, principal.name);

@@ -15,6 +15,7 @@
 #include "server/common/logging.h"
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
+#include "server/common/text.h"
 #include "server/common/thread_pool.h"
 #include "server/registry/registry.h"
 #include "server/tensor/tensor_ref.h"
@@ -180,7 +181,7 @@ struct Autograd::Impl {
     auto it = contexts.find(id);
     if (it == contexts.end() || it->second->ns != ns) {
       return WithReason(absl::FailedPreconditionError(absl::StrCat(
-          "no backward context \"", id, "\" in namespace \"", ns,
+          "no backward context \"", Excerpt(id), "\" in namespace \"", Excerpt(ns),
           "\": run the forward with requires_grad on an input first (a context is kept only "
           "then), and note that a context is released after one backward unless "
           "retain_context is set, and after ", options.ttl_ms / 1000, " s unused")),
@@ -410,8 +411,9 @@ absl::Status Autograd::Release(const std::string& ns, const std::string& context
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->contexts.find(context_id);
   if (it == impl_->contexts.end() || it->second->ns != ns) {
-    return WithReason(absl::NotFoundError(absl::StrCat("no backward context \"", context_id,
-                                                       "\" in namespace \"", ns, "\"")),
+    return WithReason(absl::NotFoundError(absl::StrCat("no backward context \"",
+                                                       Excerpt(context_id), "\" in namespace \"",
+                                                       Excerpt(ns), "\"")),
                       reason::kContextNotFound);
   }
   impl_->DropLocked(context_id);

@@ -24,6 +24,7 @@
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
+#include "server/common/text.h"
 #include "server/common/thread_pool.h"
 #include "server/compiler/backend.h"
 #include "server/compiler/cache_key.h"
@@ -408,7 +409,7 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
     const auto& allowed = impl->options.allowed_libraries;
     if (std::find(allowed.begin(), allowed.end(), lib) == allowed.end()) {
       done(absl::PermissionDeniedError(absl::StrCat(
-          "library \"", lib, "\" is not on this server's allow-list (",
+          "library \"", Excerpt(lib), "\" is not on this server's allow-list (",
           allowed.empty() ? "empty" : absl::StrJoin(allowed, ", "),
           "); ask the operator to add it to [compiler] allowed_libraries")));
       return;

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/common/status_macros.h"
+#include "server/common/text.h"
 #include "server/registry/attr_value.h"
 #include "server/tensor/tensor_ref.h"
 
@@ -109,7 +110,7 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
       }
       if (!registry::IsKnownDtype(d.dtype)) {
         return absl::InvalidArgumentError(
-            absl::StrCat(what(), ": unknown dtype \"", d.dtype, "\" (known: ",
+            absl::StrCat(what(), ": unknown dtype \"", Excerpt(d.dtype), "\" (known: ",
                          absl::StrJoin(registry::KnownDtypes(), ", "), ")"));
       }
       if (k > 0 && d.dtype != group[0].desc.dtype) {
@@ -164,7 +165,8 @@ absl::Status CheckAttrs(const ForwardCall& call, const OpDef& def,
     if (it == def.attrs.end()) {
       std::vector<std::string> names;
       for (const auto& a : def.attrs) names.push_back(a.name);
-      return absl::InvalidArgumentError(absl::StrCat("op ", OpName(def), " has no attr \"", name,
+      return absl::InvalidArgumentError(absl::StrCat("op ", OpName(def), " has no attr \"",
+                                                     Excerpt(name),
                                                      "\" (", names.empty() ? "it has no attrs" : "attrs: ",
                                                      absl::StrJoin(names, ", "), ")"));
     }

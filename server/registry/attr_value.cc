@@ -14,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "server/registry/json_kind.h"
 #include "server/common/status_macros.h"
+#include "server/common/text.h"
 
 namespace opjit::registry {
 namespace {
@@ -32,9 +33,7 @@ absl::string_view Trim(absl::string_view s) {
 
 // Quotes `s` for an error message, cut to a readable length.
 std::string Quote(absl::string_view s) {
-  constexpr size_t kMax = 64;
-  if (s.size() > kMax) return absl::StrCat("\"", s.substr(0, kMax), "...\"");
-  return absl::StrCat("\"", s, "\"");
+  return absl::StrCat("\"", Excerpt(s), "\"");
 }
 
 bool LooksLikeFloat(absl::string_view s) {

@@ -9,6 +9,7 @@
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
+#include "server/common/text.h"
 #include "server/registry/canonical.h"
 #include "server/registry/postgres_store.h"
 #include "server/registry/sqlite_store.h"
@@ -175,13 +176,15 @@ std::vector<int64_t> Registry::VersionsOf(const Key& key) const {
 absl::Status Registry::NotFound(const std::string& ns, const std::string& name, int64_t version,
                                 const std::vector<int64_t>& versions) {
   if (versions.empty() || version == 0) {
-    return WithReason(absl::NotFoundError(absl::StrCat("op \"", ns, "/", name, "\" not found")),
-                      reason::kOpNotFound, {{"op", name}});
+    return WithReason(
+        absl::NotFoundError(absl::StrCat("op \"", Excerpt(ns), "/", Excerpt(name), "\" not found")),
+        reason::kOpNotFound, {{"op", Excerpt(name)}});
   }
   return WithReason(
-      absl::NotFoundError(absl::StrCat("op \"", ns, "/", name, "\" has no version ", version,
-                                       " (versions: ", absl::StrJoin(versions, ", "), ")")),
-      reason::kVersionNotFound, {{"op", name}, {"version", absl::StrCat(version)}});
+      absl::NotFoundError(absl::StrCat("op \"", Excerpt(ns), "/", Excerpt(name),
+                                       "\" has no version ", version, " (versions: ",
+                                       absl::StrJoin(versions, ", "), ")")),
+      reason::kVersionNotFound, {{"op", Excerpt(name)}, {"version", absl::StrCat(version)}});
 }
 
 absl::StatusOr<std::shared_ptr<const OpRecord>> Registry::GetShared(const std::string& ns,

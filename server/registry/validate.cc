@@ -10,6 +10,7 @@
 #include "absl/strings/string_view.h"
 #include "server/common/error_info.h"
 #include "server/common/status_macros.h"
+#include "server/common/text.h"
 #include "server/gpu/launch_spec.h"
 #include "server/registry/attr_value.h"
 
@@ -74,9 +75,7 @@ absl::Status Invalid(absl::string_view path, absl::string_view what) {
 }
 
 std::string Q(absl::string_view s) {
-  constexpr size_t kMax = 80;
-  if (s.size() > kMax) return absl::StrCat("\"", s.substr(0, kMax), "...\"");
-  return absl::StrCat("\"", s, "\"");
+  return absl::StrCat("\"", Excerpt(s, 80), "\"");
 }
 
 absl::Status CheckUtf8(absl::string_view path, absl::string_view s) {
@@ -379,9 +378,10 @@ absl::Status CheckImplementations(const OpDef& def) {
                          absl::StrCat(Q(impl.attr_names[k]), " is listed twice"));
         }
       }
-      std::string context = absl::StrCat(" (op attrs: [", absl::StrJoin(op_attrs, ", "), "]; ",
-                                         TargetName(impl.target), " implementation reads: [",
-                                         absl::StrJoin(names, ", "), "])");
+      std::string context =
+          absl::StrCat(" (op attrs: [", Excerpt(absl::StrJoin(op_attrs, ", "), 128), "]; ",
+                       TargetName(impl.target), " implementation reads: [",
+                       Excerpt(absl::StrJoin(names, ", "), 128), "])");
       for (const std::string& n : names) {
         if (!op_attrs.count(n)) {
           return Invalid(
@@ -603,14 +603,14 @@ absl::Status ValidateCompileOptions(Target target, const std::string& language,
   const bool cpu_lang = language == "c++" || language == "c";
   if ((target == Target::kCpu && !cpu_lang) || (target == Target::kGpu && language != "cuda")) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "language: \"", language, "\" is not a ", TargetName(target), " language (expected ",
-        target == Target::kCpu ? "c++ or c" : "cuda", ")"));
+        "language: \"", Excerpt(language), "\" is not a ", TargetName(target),
+        " language (expected ", target == Target::kCpu ? "c++ or c" : "cuda", ")"));
   }
   for (size_t k = 0; k < options.size(); ++k) {
     std::string why = CheckCompileOption(language, options[k]);
     if (!why.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", k, "]: option \"", options[k],
-                                                     "\" is refused: ", why));
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", k, "]: option \"",
+                                                     Excerpt(options[k]), "\" is refused: ", why));
     }
   }
   return absl::OkStatus();

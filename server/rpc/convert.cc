@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/error_info.h"
+#include "server/common/text.h"
 
 namespace opjit::rpc {
 namespace {
@@ -12,7 +13,7 @@ using registry::OutputRule;
 
 absl::Status Unknown(const std::string& field, const std::string& value, const char* expected) {
   return absl::InvalidArgumentError(
-      absl::StrCat(field, ": unknown \"", value, "\" (expected ", expected, ")"));
+      absl::StrCat(field, ": unknown \"", Excerpt(value), "\" (expected ", expected, ")"));
 }
 
 absl::StatusOr<registry::ParamType> ParamTypeFrom(const std::string& field, const std::string& s) {
@@ -124,7 +125,7 @@ absl::StatusOr<registry::OpDef> ConvertOpDef(const v1::OpDef& proto) {
     if (impl.language.empty()) impl.language = impl.target == registry::Target::kGpu ? "cuda" : "c++";
     if (im.source().empty() && !im.source_file().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, ".source is empty but source_file \"", im.source_file(),
+          field, ".source is empty but source_file \"", Excerpt(im.source_file()),
           "\" is set; clients read source_file and send its text as source"));
     }
     impl.source = im.source();

@@ -11,6 +11,7 @@
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
+#include "server/common/text.h"
 #include "server/autograd/autograd.h"
 #include "server/exec/channels.h"
 #include "server/exec/executor.h"
@@ -199,7 +200,7 @@ absl::StatusOr<registry::Target> TargetFromProto(const std::string& target) {
   auto t = registry::ParseTarget(target);
   if (!t) {
     return absl::InvalidArgumentError(
-        absl::StrCat("target: unknown \"", target, "\" (expected CPU or GPU)"));
+        absl::StrCat("target: unknown \"", Excerpt(target), "\" (expected CPU or GPU)"));
   }
   return *t;
 }

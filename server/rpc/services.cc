@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
+#include "server/common/text.h"
 #include "server/autograd/autograd.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/core/op_service.h"
@@ -168,7 +169,8 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   auto target = registry::ParseTarget(target_name);
   if (!target) {
     return FinishNow(ctx, absl::InvalidArgumentError(absl::StrCat(
-                              "target: unknown \"", target_name, "\" (expected CPU or GPU)")));
+                              "target: unknown \"", Excerpt(target_name),
+                              "\" (expected CPU or GPU)")));
   }
   job.target = *target;
   job.language = req->language().empty() ? "c++" : req->language();
