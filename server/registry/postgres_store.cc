@@ -350,16 +350,17 @@ class PgConnection {
     for (;;) {
       const Clock::time_point now = Clock::now();
       if (now >= next_hang_log_) {
-        Logger("registry")->warn("{} ({}): PostgreSQL has not answered for {} ({})", kWhere, role_,
-                                 Duration(MsSince(request_start_)), std::string(what));
+        Logger("registry")
+            ->warn("{} ({}): PostgreSQL has not answered for {} ({})", kWhere, role_,
+                   Duration(MsSince(request_start_)), std::string(what));
         next_hang_log_ = now + std::chrono::milliseconds(config_->hang_log_ms);
       }
       if (now >= deadline) return Ready::kTimeout;
       const int fd = PQsocket(conn_);
       if (fd < 0) return Ready::kFailed;
       const Clock::time_point wake = std::min(deadline, next_hang_log_);
-      const int64_t ms = std::max<int64_t>(
-          1, std::chrono::ceil<std::chrono::milliseconds>(wake - now).count());
+      const int64_t ms =
+          std::max<int64_t>(1, std::chrono::ceil<std::chrono::milliseconds>(wake - now).count());
       pollfd p = {fd, events, 0};
       const int n = poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
       if (n < 0 && errno != EINTR) return Ready::kFailed;
@@ -463,9 +464,10 @@ class PgConnection {
   // connection, so that whatever it had open is rolled back.
   absl::Status TimedOut(absl::string_view what) {
     const std::string waited = Duration(MsSince(request_start_));
-    Logger("registry")->warn(
-        "{} ({}): PostgreSQL has not answered for {} ({}): giving up, closing the connection",
-        kWhere, role_, waited, std::string(what));
+    Logger("registry")
+        ->warn(
+            "{} ({}): PostgreSQL has not answered for {} ({}): giving up, closing the connection",
+            kWhere, role_, waited, std::string(what));
     CancelInBackground(conn_);
     Drop();
     down_ = true;
@@ -543,8 +545,8 @@ namespace {
 // time is left; a failed COMMIT is not retried: when it went unanswered, its
 // transaction id is noted for a check after the reconnect.
 absl::Status Transaction(PgConnection& c, absl::string_view what,
-                         const std::function<absl::Status(bool* commit)>& body,
-                         bool write = true, const char* begin_sql = "BEGIN") {
+                         const std::function<absl::Status(bool* commit)>& body, bool write = true,
+                         const char* begin_sql = "BEGIN") {
   const PgConfig& config = c.config();
   for (int attempt = 0;; ++attempt) {
     OPJIT_RETURN_IF_ERROR(c.Ensure());
@@ -554,11 +556,11 @@ absl::Status Transaction(PgConnection& c, absl::string_view what,
     if (s.ok() && write) {
       // transaction_timestamp() was taken before BEGIN was answered, so the
       // server's deadline (that + budget) comes before ours.
-      const int64_t margin_ms = 100 + config.timeout_ms / 50;
+      const int64_t margin_ms = 20 + config.timeout_ms / 50;
       const int64_t budget_ms = MsUntil(c.deadline()) - margin_ms;
       if (budget_ms <= 0) {
-        s = Unavailable(absl::StrCat("no time left to write within ",
-                                     Duration(config.timeout_ms), " while ", what));
+        s = Unavailable(absl::StrCat("no time left to write within ", Duration(config.timeout_ms),
+                                     " while ", what));
       } else {
         absl::StatusOr<PgResult> guard =
             c.Exec(what,
@@ -913,8 +915,9 @@ absl::StatusOr<std::shared_ptr<PgConfig>> MakeConfig(const PostgresStore::Option
     return ms;
   };
   OPJIT_ASSIGN_OR_RETURN(int64_t statement_ms, given_ms("statement_timeout"));
-  const int64_t timeout = bound(statement_ms >= 0 ? statement_ms : std::max<int64_t>(options.timeout_ms, 1),
-                                PostgresStore::kMaxTimeoutMs);
+  const int64_t timeout =
+      bound(statement_ms >= 0 ? statement_ms : std::max<int64_t>(options.timeout_ms, 1),
+            PostgresStore::kMaxTimeoutMs);
   OPJIT_ASSIGN_OR_RETURN(int64_t lock_ms, given_ms("lock_timeout"));
   const int64_t lock = lock_ms > 0 && lock_ms <= timeout ? lock_ms : timeout;
   OPJIT_ASSIGN_OR_RETURN(int64_t idle_ms, given_ms("idle_in_transaction_session_timeout"));
@@ -987,8 +990,8 @@ class PostgresStore::Lease {
       absl::MutexLock lock(&store_.mu_);
       if (!store_.mu_.AwaitWithTimeout(absl::Condition(&IsFree, &store_.busy_),
                                        absl::Milliseconds(timeout_ms))) {
-        return Unavailable(absl::StrCat("its connection stayed busy for ", Duration(timeout_ms),
-                                        " while ", what));
+        return Unavailable(
+            absl::StrCat("its connection stayed busy for ", Duration(timeout_ms), " while ", what));
       }
       store_.busy_ = true;
     }
@@ -1061,9 +1064,10 @@ absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options
                                                       ", newer than this opjit understands (",
                                                       kSchemaVersion, ")"));
   }
-  Logger("registry")->info(
-      "{}: connected, schema version {}; a call waits at most {}, connecting at most {}", kWhere,
-      found_version, Duration(config->timeout_ms), Duration(config->connect_timeout_ms));
+  Logger("registry")
+      ->info("{}: connected, schema version {}; a call waits at most {}, connecting at most {}",
+             kWhere, found_version, Duration(config->timeout_ms),
+             Duration(config->connect_timeout_ms));
   return std::unique_ptr<PostgresStore>(new PostgresStore(std::move(config), std::move(conn)));
 }
 

@@ -42,7 +42,7 @@
 //   connection gets TCP keepalives and tcp_user_timeout.
 // - Options in the url are respected but bounded: options=-c
 //   statement_timeout=<t> (ms, or with a unit: 2s, 1min) sets timeout_ms
-//   (100 ms to 60 s; 0, "no limit", means 60 s); connect_timeout=<seconds>
+//   (200 ms to 60 s; 0, "no limit", means 60 s); connect_timeout=<seconds>
 //   sets connect_timeout_ms (1 to 30 s; 0 means 30 s); lock_timeout and
 //   idle_in_transaction_session_timeout stay if within (0, timeout] and
 //   [timeout, 10 min]; keepalives_idle (1-60 s), keepalives_interval (1-30 s),
@@ -61,13 +61,14 @@
 // server's clock_timestamp() is past transaction_timestamp() + budget_ms.
 // transaction_timestamp() was taken before BEGIN was answered, and the
 // budget is what was left of the call's deadline at that moment, less a
-// margin (100 ms + 2% of timeout_ms); so the server can only commit before
-// the client gives up. After an unanswered COMMIT the store remembers the
-// transaction id (txid_current(), returned by the guard row's INSERT) and,
-// once connected again, asks txid_status() and logs the outcome: "rolled
-// back, as reported", or, at error level, "committed after all" (possible
-// only when the server's clock was stepped back meanwhile, or the server
-// froze between the trigger and the commit record, microseconds apart). The
+// margin (20 ms + 2% of timeout_ms, for the two clocks' rates); so the
+// server can only commit before the client gives up. After an unanswered
+// COMMIT the store remembers the transaction id (txid_current(), returned
+// by the guard row's INSERT) and, once connected again, asks txid_status()
+// and logs the outcome: "rolled back, as reported", or, at error level,
+// "committed after all" (possible only when the server's clock was stepped
+// back meanwhile, or the server froze between the trigger and the commit
+// record, microseconds apart). The
 // guard needs the TEMP privilege (PUBLIC has it by default) and plpgsql.
 // Tested against a server frozen with SIGSTOP, before a write and between a
 // write's last statement and its COMMIT (tests/unit/registry/
@@ -121,7 +122,7 @@ class PostgresStore final : public Store {
     std::function<void()> before_commit_for_test;
   };
 
-  static constexpr int64_t kMinTimeoutMs = 100;
+  static constexpr int64_t kMinTimeoutMs = 200;
   static constexpr int64_t kMaxTimeoutMs = 60000;
   static constexpr int64_t kMaxConnectTimeoutMs = 30000;
 

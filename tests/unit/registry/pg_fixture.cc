@@ -1,10 +1,12 @@
 #include "tests/unit/registry/pg_fixture.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <libpq-fe.h>
 #include <netinet/in.h>
 #include <pwd.h>
+#include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -12,9 +14,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -88,6 +94,39 @@ int FreePort() {
   return port;
 }
 
+// /proc/<pid>/stat: the state letter and the parent pid; false when the
+// process is gone.
+bool ReadStat(pid_t pid, char* state, pid_t* ppid) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(f, line)) return false;
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos) return false;
+  std::istringstream rest(line.substr(close + 1));
+  long parent = 0;
+  rest >> *state >> parent;
+  *ppid = static_cast<pid_t>(parent);
+  return !rest.fail();
+}
+
+std::vector<pid_t> ChildrenOf(pid_t parent) {
+  std::vector<pid_t> out;
+  DIR* d = opendir("/proc");
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    char* end = nullptr;
+    long pid = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0') continue;
+    char state = 0;
+    pid_t ppid = 0;
+    if (ReadStat(static_cast<pid_t>(pid), &state, &ppid) && ppid == parent) {
+      out.push_back(static_cast<pid_t>(pid));
+    }
+  }
+  closedir(d);
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PgServer>> PgServer::Start() {
@@ -138,6 +177,7 @@ absl::StatusOr<std::unique_ptr<PgServer>> PgServer::Start() {
 }
 
 PgServer::~PgServer() {
+  (void)Thaw();
   if (running_) (void)Stop(/*immediate=*/true);
   std::error_code ec;
   fs::remove_all(dir_, ec);
@@ -215,6 +255,59 @@ absl::Status PgServer::Restart() {
   return s;
 }
 
+absl::Status PgServer::Freeze() {
+  if (!running_) return absl::FailedPreconditionError("the server is not running");
+  if (!frozen_.empty()) return absl::FailedPreconditionError("already frozen");
+  std::ifstream f(dir_ + "/data/postmaster.pid");
+  long postmaster = 0;
+  if (!(f >> postmaster) || postmaster <= 0) {
+    return absl::InternalError("cannot read postmaster.pid");
+  }
+  const pid_t pm = static_cast<pid_t>(postmaster);
+  // The postmaster first, so that it starts nothing new meanwhile.
+  if (kill(pm, SIGSTOP) != 0) return absl::InternalError(absl::StrCat("kill: ", strerror(errno)));
+  frozen_.push_back(pm);
+  for (pid_t child : ChildrenOf(pm)) {
+    if (kill(child, SIGSTOP) == 0) frozen_.push_back(child);
+  }
+  // A stop signal takes effect asynchronously: wait until every process is.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (pid_t pid : frozen_) {
+    for (;;) {
+      char state = 0;
+      pid_t ppid = 0;
+      // Stopped, or exited (a zombie: the frozen postmaster cannot reap it).
+      if (!ReadStat(pid, &state, &ppid) || state == 'T' || state == 't' || state == 'Z' ||
+          state == 'X') {
+        break;
+      }
+      if (std::chrono::steady_clock::now() > until) {
+        return absl::DeadlineExceededError(absl::StrCat("process ", pid, " did not stop"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PgServer::Thaw(bool postmaster) {
+  if (frozen_.empty()) return absl::OkStatus();
+  for (size_t i = 1; i < frozen_.size(); ++i) kill(frozen_[i], SIGCONT);
+  frozen_.resize(1);
+  if (postmaster) {
+    kill(frozen_[0], SIGCONT);
+    frozen_.clear();
+  }
+  return absl::OkStatus();
+}
+
+std::string PgServer::ServerLog() const {
+  std::ifstream f(dir_ + "/server.log");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
 std::string PgServer::Url(const std::string& db) const {
   return absl::StrCat("postgresql://postgres@127.0.0.1:", port_, "/", db);
 }
@@ -264,6 +357,7 @@ void PgTest::SetUp() {
     GTEST_SKIP() << start_status_.message();
   }
   ASSERT_NE(server_, nullptr) << "PostgreSQL did not start: " << start_status_;
+  ASSERT_TRUE(server_->Thaw().ok());
   // An earlier test that stopped the server and failed before restarting it.
   if (!server_->running()) ASSERT_TRUE(server_->Restart().ok());
 }

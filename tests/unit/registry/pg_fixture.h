@@ -5,9 +5,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/types.h>
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -40,6 +42,20 @@ class PgServer {
   // Starts it again after Stop(), on the same port and data.
   absl::Status Restart();
 
+  // Freezes the whole server (the postmaster, then every process it
+  // started) with SIGSTOP, the way a hung host looks: the kernel still
+  // accepts connections and ACKs data, nothing answers. Returns once every
+  // process is stopped. Thaw() (or the destructor) resumes it.
+  absl::Status Freeze();
+  // SIGCONT to the processes the postmaster started (backends first), and
+  // with `postmaster`, to the postmaster too. A frozen postmaster holds back
+  // new connections and cancel requests.
+  absl::Status Thaw(bool postmaster = true);
+  bool frozen() const { return !frozen_.empty(); }
+
+  // The server's log (errors, with the statement that raised them).
+  std::string ServerLog() const;
+
   int port() const { return port_; }
   bool running() const { return running_; }
 
@@ -54,6 +70,8 @@ class PgServer {
   const std::string dir_;
   const int port_;
   bool running_ = false;
+  // What Freeze() stopped, the postmaster first; those not yet thawed.
+  std::vector<pid_t> frozen_;
 };
 
 // A test suite base with one server for the whole suite (started in

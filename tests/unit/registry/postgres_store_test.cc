@@ -25,6 +25,7 @@
 #include "server/common/logging.h"
 #include "server/registry/canonical.h"
 #include "server/registry/registry.h"
+#include "spdlog/sinks/base_sink.h"
 #include "tests/unit/registry/pg_fixture.h"
 #include "tests/unit/registry/test_util.h"
 
@@ -72,6 +73,41 @@ std::string Reason(const absl::Status& s) {
   return r ? r->reason : "";
 }
 
+// Captures what Logger("registry") writes while it lives. Create it before
+// any thread that logs, and let those end before it does.
+class LogCapture {
+ public:
+  LogCapture() : sink_(std::make_shared<Sink>()) {
+    sink_->set_pattern("%v");
+    Logger("registry")->sinks().push_back(sink_);
+  }
+  ~LogCapture() {
+    auto& sinks = Logger("registry")->sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+  }
+  std::string text() { return sink_->text(); }
+
+ private:
+  class Sink final : public spdlog::sinks::base_sink<std::mutex> {
+   public:
+    std::string text() {
+      std::lock_guard<std::mutex> lock(mutex_);
+      return text_;
+    }
+
+   protected:
+    void sink_it_(const spdlog::details::log_msg& msg) override {
+      text_.append(msg.payload.data(), msg.payload.size());
+      text_ += '\n';
+    }
+    void flush_() override {}
+
+   private:
+    std::string text_;
+  };
+  std::shared_ptr<Sink> sink_;
+};
+
 // One stand-in daemon: a Registry with a counting change listener.
 struct Daemon {
   std::unique_ptr<Registry> reg;
@@ -118,6 +154,15 @@ class PostgresRegistryTest : public PgTest {
   static bool Has(const Registry& reg, const std::string& ns, const std::string& name,
                   int64_t version) {
     return reg.GetShared(ns, name, version).ok();
+  }
+
+  std::string Db() const { return url_.substr(url_.rfind('/') + 1); }
+  // The rows of op `name` in the database.
+  std::string CountRows(const std::string& name) {
+    auto n = server()->Query(
+        Db(), absl::StrCat("SELECT count(*) FROM opjit_op_versions WHERE name = '", name, "'"));
+    EXPECT_TRUE(n.ok()) << n.status();
+    return n.ok() ? *n : "?";
   }
 
   std::string url_;
@@ -497,6 +542,168 @@ TEST_F(PostgresRegistryTest, SchemaCreationAndChecks) {
   ASSERT_FALSE(newer.ok());
   EXPECT_EQ(newer.status().code(), absl::StatusCode::kFailedPrecondition) << newer.status();
   EXPECT_THAT(std::string(newer.status().message()), HasSubstr("schema version 99"));
+}
+
+// The database hangs (every PostgreSQL process stopped with SIGSTOP: TCP is
+// accepted and ACKed, nothing answers) under a daemon whose url bounds a call
+// to 1.5 s and connecting to 1 s: a registration fails with UNAVAILABLE /
+// STORE_UNAVAILABLE within the bound, the hang is logged while it lasts,
+// and once the server runs again the registration never appears; the next
+// one succeeds.
+TEST_F(PostgresRegistryTest, FrozenServerWriteFailsFastAndNeverLands) {
+  LogCapture log;
+  Registry::Options options = Options();
+  options.url = url_ + "?connect_timeout=1&options=-c%20statement_timeout%3D1500";
+  Daemon a = Open(options);
+  ASSERT_NE(a.reg, nullptr);
+  ASSERT_TRUE(MustRegister(*a.reg, ValidDef("before")).created);  // a healthy write commits
+
+  ASSERT_TRUE(server()->Freeze().ok());
+  const char* names[] = {"frozen", "frozen_reconnect"};  // on the old connection, then connecting
+  for (const char* name : names) {
+    const Clock::time_point start = Clock::now();
+    auto r = a.reg->Register(ValidDef(name));
+    const int64_t ms = MsSince(start);
+    std::cout << "register with the server frozen (" << name << "): " << ms << " ms\n";
+    RecordProperty(absl::StrCat(name, "_ms"), static_cast<int>(ms));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    EXPECT_EQ(Reason(r.status()), reason::kStoreUnavailable);
+    const std::string msg(r.status().message());
+    EXPECT_THAT(msg, Not(HasSubstr(kPassword)));
+    EXPECT_THAT(msg, Not(HasSubstr(absl::StrCat(server()->port()))));
+    EXPECT_THAT(msg, Not(HasSubstr("postgresql://")));
+    EXPECT_LT(ms, 15000) << name;
+    // It waited for the server rather than failing on something else.
+    EXPECT_GE(ms, 900) << name << ": " << r.status();
+  }
+  // Reads are served from memory meanwhile.
+  EXPECT_TRUE(Has(*a.reg, "default", "before", 1));
+  const std::string logged = log.text();
+  EXPECT_THAT(logged, HasSubstr("PostgreSQL has not answered for"));
+  EXPECT_THAT(logged, HasSubstr("(registering an op)"));
+  EXPECT_THAT(logged, HasSubstr("(connecting)"));
+  EXPECT_THAT(logged, Not(HasSubstr(kPassword)));
+
+  ASSERT_TRUE(server()->Thaw().ok());
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  EXPECT_EQ(CountRows("frozen"), "0");
+  EXPECT_EQ(CountRows("frozen_reconnect"), "0");
+  const Clock::time_point start = Clock::now();
+  ASSERT_GE(MsUntil([&] { return a.reg->Register(ValidDef("after")).ok(); }, 10000), 0)
+      << "writes did not work again after the server resumed";
+  std::cout << "writes work again " << MsSince(start) << " ms after the server resumed\n";
+  // Nothing of the refused registration was left behind: version 1.
+  EXPECT_EQ(MustRegister(*a.reg, ValidDef("frozen")).record.version, 1);
+  EXPECT_EQ(CountRows("frozen"), "1");
+}
+
+// The worst moment: the server freezes after answering a write's last
+// statement, and the COMMIT goes into its socket unanswered. The caller is
+// told UNAVAILABLE within the bound; when the server runs again it executes
+// that COMMIT, and the commit guard refuses it (its deadline has passed), so
+// the write never lands. Without the guard the row would be there. The
+// backends are resumed before the postmaster, so that the store's cancel
+// request (held by the frozen postmaster) cannot be what stopped it.
+TEST_F(PostgresRegistryTest, FrozenBeforeCommitNeverLandsLater) {
+  SetLogLevel("info");
+  LogCapture log;
+  std::atomic<bool> freeze{false};
+  absl::Status freeze_status;
+  PostgresStore::Options options;
+  options.url = url_;
+  options.password = kPassword;
+  options.timeout_ms = 1500;
+  options.connect_timeout_ms = 1000;
+  options.before_commit_for_test = [&] {
+    if (freeze.exchange(false)) freeze_status = server()->Freeze();
+  };
+  auto opened = PostgresStore::Open(options);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  PostgresStore& store = **opened;
+  EXPECT_EQ(store.timeout_ms(), 1500);
+  EXPECT_EQ(store.connect_timeout_ms(), 1000);
+  auto write = [&](const std::string& name) {
+    return store.RegisterVersion(ValidDef(name), ContentHash(ValidDef(name)), 1700000000000, {});
+  };
+
+  // Healthy: committed and acknowledged, guard and all.
+  auto healthy = write("healthy");
+  ASSERT_TRUE(healthy.ok()) << healthy.status();
+  EXPECT_TRUE(healthy->created);
+  EXPECT_EQ(CountRows("healthy"), "1");
+  auto generation = server()->Query(Db(), "SELECT generation FROM opjit_generation");
+  ASSERT_TRUE(generation.ok());
+
+  freeze = true;
+  const Clock::time_point start = Clock::now();
+  auto late = write("late");
+  const int64_t ms = MsSince(start);
+  ASSERT_TRUE(freeze_status.ok()) << freeze_status;
+  ASSERT_TRUE(server()->frozen());
+  std::cout << "register with the server frozen before COMMIT: " << ms << " ms\n";
+  RecordProperty("unanswered_commit_ms", static_cast<int>(ms));
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kUnavailable) << late.status();
+  EXPECT_EQ(Reason(late.status()), reason::kStoreUnavailable);
+  EXPECT_LT(ms, 15000);
+  EXPECT_THAT(log.text(), HasSubstr("PostgreSQL has not answered for"));
+
+  ASSERT_TRUE(server()->Thaw(/*postmaster=*/false).ok());
+  const int64_t refused = MsUntil(
+      [&] {
+        return server()->ServerLog().find("the commit deadline has passed") != std::string::npos;
+      },
+      10000);
+  EXPECT_GE(refused, 0) << "the resumed server never ran the guard:\n" << server()->ServerLog();
+  ASSERT_TRUE(server()->Thaw().ok());
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  EXPECT_EQ(CountRows("late"), "0");
+  EXPECT_EQ(server()->Query(Db(), "SELECT generation FROM opjit_generation").value_or("?"),
+            *generation);
+
+  // The store works again, and tells what became of the unanswered COMMIT.
+  ASSERT_GE(MsUntil([&] { return write("after").ok(); }, 10000), 0);
+  EXPECT_THAT(log.text(), HasSubstr("was rolled back, as reported"));
+  EXPECT_THAT(log.text(), Not(HasSubstr("committed after all")));
+  auto again = write("late");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->record.version, 1);
+  opened->reset();
+  SetLogLevel("warn");
+}
+
+// Timeouts given in the url are used, within bounds; a call holding the
+// connection makes the next one wait at most the bound.
+TEST_F(PostgresRegistryTest, UrlTimeoutsAreBounded) {
+  struct Case {
+    std::string query;
+    int64_t timeout_ms;
+    int64_t connect_ms;
+  };
+  const Case cases[] = {
+      {"", 10000, 5000},
+      {"?options=-c%20statement_timeout%3D2s%20-c%20lock_timeout%3D1h&connect_timeout=2", 2000,
+       2000},
+      {"?options=--statement-timeout%3D750", 750, 5000},
+      {"?options=-c%20statement_timeout%3D0&connect_timeout=0", 60000, 30000},  // 0: no limit
+      {"?options=-cstatement_timeout%3D5min&connect_timeout=600", 60000, 30000},
+      {"?options=-c%20statement_timeout%3D5%20-c%20work_mem%3D8MB", 200, 5000},
+  };
+  for (const Case& c : cases) {
+    PostgresStore::Options o;
+    o.url = url_ + c.query;
+    auto store = PostgresStore::Open(o);
+    ASSERT_TRUE(store.ok()) << c.query << ": " << store.status();
+    EXPECT_EQ((*store)->timeout_ms(), c.timeout_ms) << c.query;
+    EXPECT_EQ((*store)->connect_timeout_ms(), c.connect_ms) << c.query;
+    EXPECT_TRUE((*store)->Probe().ok()) << c.query;
+  }
+  PostgresStore::Options bad;
+  bad.url = url_ + "?options=-c%20statement_timeout%3Dsoon";
+  EXPECT_EQ(PostgresStore::Open(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad.url = url_ + "?keepalives_idle=often";
+  EXPECT_EQ(PostgresStore::Open(bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Errors from options and from an unreachable server: no password, no URL.
