@@ -387,7 +387,10 @@ absl::Status Worker::Want(wire::Msg type, uint64_t id) {
     wire::Msg got;
     std::string payload;
     int fd = -1;
-    if (!wire::RecvFrame(kSock, &got, &payload, absl::InfiniteFuture(), &fd).ok()) _exit(0);
+    if (!wire::RecvFrame(kSock, &got, &payload, absl::InfiniteFuture(), &fd, wire::kToExecutor)
+             .ok()) {
+      _exit(0);
+    }
     if (got != wire::Msg::kGrant) {
       HandleControl(got, payload, fd);
       continue;
@@ -408,7 +411,10 @@ absl::Status Worker::AskCredit(uint64_t handle) {
     wire::Msg got;
     std::string payload;
     int fd = -1;
-    if (!wire::RecvFrame(kSock, &got, &payload, absl::InfiniteFuture(), &fd).ok()) _exit(0);
+    if (!wire::RecvFrame(kSock, &got, &payload, absl::InfiniteFuture(), &fd, wire::kToExecutor)
+             .ok()) {
+      _exit(0);
+    }
     if (got != wire::Msg::kCredit) {
       HandleControl(got, payload, fd);
       continue;
@@ -687,7 +693,8 @@ int Worker::Loop() {
     wire::Msg type;
     std::string payload;
     int fd = -1;
-    absl::Status rs = wire::RecvFrame(kSock, &type, &payload, absl::InfiniteFuture(), &fd);
+    absl::Status rs = wire::RecvFrame(kSock, &type, &payload, absl::InfiniteFuture(), &fd,
+                                      wire::kToExecutor);
     slot_->state.fetch_and(~wire::kWorkerSleeping, std::memory_order_acq_rel);
     if (!rs.ok()) return 0;  // the daemon closed the channel (or broke it)
     if (type == wire::Msg::kDoorbell) {

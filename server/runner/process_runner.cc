@@ -401,22 +401,25 @@ void ProcessRunner::Impl::Discard(const std::string& ns, std::unique_ptr<Worker>
 absl::StatusOr<Reply> ProcessRunner::Impl::Control(Worker& w, wire::Msg type,
                                                    const std::string& payload,
                                                    Clock::time_point deadline, int fd) {
-  absl::Status s = wire::SendFrame(w.sock, type, payload, fd);
+  absl::Status s = wire::SendFrame(w.sock, type, payload, fd, ToAbsl(deadline));
+  if (absl::IsDeadlineExceeded(s)) return s;  // it does not read: killed as a timeout
   if (!s.ok()) return absl::UnavailableError("the executor process is gone");
   for (;;) {
     wire::Msg got;
     std::string body;
     s = wire::RecvFrame(w.sock, &got, &body, ToAbsl(deadline));
     if (!s.ok()) return s;
-    if (got == wire::Msg::kDoorbell) continue;  // a stale wake-up hint
-    if (got != wire::Msg::kReply) return absl::DataLossError("unexpected frame");
+    if (got == wire::Msg::kDoorbell && body.empty()) continue;  // a stale wake-up hint
+    if (got != wire::Msg::kReply) {
+      return absl::DataLossError("the executor channel carried an unexpected frame");
+    }
     wire::Reader r(body);
     Reply reply;
     reply.code = r.I32();
     reply.need = r.U64();
     reply.message = r.Str();
     reply.payload = r.Str();
-    if (!r.done()) return absl::DataLossError("malformed reply");
+    OPJIT_RETURN_IF_ERROR(r.Finish("reply"));
     if (reply.message.size() > wire::kMessageBytes) reply.message.resize(wire::kMessageBytes);
     return reply;
   }
@@ -455,7 +458,30 @@ absl::StatusOr<Reply> ProcessRunner::Impl::Call(Worker& w, Clock::time_point dea
     std::string body;
     absl::Status st = wire::RecvFrame(w.sock, &got, &body, ToAbsl(deadline));
     if (!st.ok()) return st;
-    if (got != wire::Msg::kDoorbell) return absl::DataLossError("unexpected frame");
+    if (got != wire::Msg::kDoorbell || !body.empty()) {
+      return absl::DataLossError("the executor channel carried an unexpected frame");
+    }
+  }
+  // Nothing else may wait on the socket now: the executor sends a doorbell
+  // only to a sleeper, which read it above. Bytes there were written by
+  // something else in the process (its kernel), and fail this call rather
+  // than the next one. One poll(2), no wait.
+  pollfd quiet{w.sock, POLLIN, 0};
+  if (::poll(&quiet, 1, 0) > 0 && (quiet.revents & POLLIN)) {
+    wire::Msg got;
+    std::string body;
+    absl::Status st =
+        wire::RecvFrame(w.sock, &got, &body, absl::Now() + absl::Milliseconds(100));
+    // OUT_OF_RANGE: it closed the channel after it answered; the next call
+    // sees that. Anything but a whole doorbell broke the protocol (a frame
+    // begun and left unfinished too, which is not a time-out).
+    if (absl::IsDataLoss(st) || absl::IsResourceExhausted(st)) return st;
+    if (!st.ok() && !absl::IsOutOfRange(st)) {
+      return absl::DataLossError("the executor channel carried a frame that did not end");
+    }
+    if (st.ok() && (got != wire::Msg::kDoorbell || !body.empty())) {
+      return absl::DataLossError("the executor channel carried an unexpected frame");
+    }
   }
   Reply reply;
   reply.code = slot->code;
@@ -500,6 +526,18 @@ absl::Status ProcessRunner::Impl::DeathStatus(Worker& w, const absl::Status& s,
         " MiB, far below its memory limit (an operator, or the kernel's OOM killer on a machine "
         "short of memory); only this call failed")),
                       reason::kKernelCrashed, {{"cause", "killed"}});
+  }
+  if (w.killed_by_us && (absl::IsDataLoss(s) || absl::IsResourceExhausted(s))) {
+    // Frames over the channel's limits, cut short, stalled or out of turn:
+    // written by the kernel (the executor's own code does not), so the
+    // process was ended at once, before the kernel time limit.
+    return WithReason(
+        absl::AbortedError(absl::StrCat(
+            "the kernel's executor process broke the executor protocol (",
+            s.message(),
+            ") and was stopped; only this call failed, and the next one runs in a fresh "
+            "process (Init runs again)")),
+        reason::kKernelCrashed, {{"cause", "protocol"}});
   }
   return WithReason(absl::AbortedError(absl::StrCat("the kernel's executor process ", how,
                                                     "; only this call failed, and the next one "

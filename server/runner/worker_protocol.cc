@@ -1,11 +1,5 @@
 #include "server/runner/worker_protocol.h"
 
-#include <errno.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <algorithm>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -19,35 +13,13 @@ namespace opjit::runner::wire {
 
 void Writer::Desc(const TensorDesc& d) {
   Str(d.dtype);
-  U64(d.shape.size());
+  Count(d.shape.size());
   for (int64_t x : d.shape) I64(x);
 }
 
 void Writer::Descs(const std::vector<TensorDesc>& v) {
-  U64(v.size());
+  Count(v.size());
   for (const auto& d : v) Desc(d);
-}
-
-uint64_t Reader::Count(size_t unit) {
-  uint64_t n = U64();
-  if (!ok_ || n > in_.size() / std::max<size_t>(unit, 1)) {
-    ok_ = false;
-    return 0;
-  }
-  return n;
-}
-
-std::string Reader::Str() {
-  uint64_t n = Count(1);
-  std::string s(in_.substr(0, n));
-  in_.remove_prefix(n);
-  return s;
-}
-
-std::vector<std::string> Reader::Strs() {
-  std::vector<std::string> v(Count(8));
-  for (auto& s : v) s = Str();
-  return v;
 }
 
 TensorDesc Reader::Desc() {
@@ -59,8 +31,12 @@ TensorDesc Reader::Desc() {
 }
 
 std::vector<TensorDesc> Reader::Descs() {
-  std::vector<TensorDesc> v(Count(16));
-  for (auto& d : v) d = Desc();
+  // A descriptor takes at least its dtype's length and its rank: 8 bytes.
+  std::vector<TensorDesc> v(Count(8));
+  for (auto& d : v) {
+    d = Desc();
+    if (!ok()) return {};
+  }
   return v;
 }
 
@@ -74,14 +50,14 @@ std::string EncodeKernel(const compiler::CompiledKernel& k) {
   w.U8(k.gpu != nullptr);
   if (k.gpu) {
     const auto& g = *k.gpu;
-    w.U64(g.cubins.size());
+    w.Count(g.cubins.size());
     for (const auto& [arch, bin] : g.cubins) {
       w.Str(arch);
       w.Str(bin);
     }
     w.Str(g.ptx);
     w.Str(g.ptx_arch);
-    w.U64(g.lowered_names.size());
+    w.Count(g.lowered_names.size());
     for (const auto& [expr, name] : g.lowered_names) {
       w.Str(expr);
       w.Str(name);
@@ -103,13 +79,14 @@ absl::StatusOr<std::shared_ptr<const compiler::CompiledKernel>> DecodeKernel(std
   k->defined_symbols = r.Strs();
   if (r.U8()) {
     auto g = std::make_shared<compiler::GpuBinary>();
-    for (uint64_t i = 0, n = r.U64(); r.ok() && i < n; ++i) {
+    // Each entry takes at least its two string lengths.
+    for (uint32_t i = 0, n = r.Count(8); r.ok() && i < n; ++i) {
       std::string arch = r.Str();
       g->cubins[arch] = r.Str();
     }
     g->ptx = r.Str();
     g->ptx_arch = r.Str();
-    for (uint64_t i = 0, n = r.U64(); r.ok() && i < n; ++i) {
+    for (uint32_t i = 0, n = r.Count(8); r.ok() && i < n; ++i) {
       std::string expr = r.Str();
       g->lowered_names[expr] = r.Str();
     }
@@ -131,7 +108,7 @@ std::string EncodeInstance(uint64_t id, const InstanceSpec& spec) {
   w.Descs(spec.inputs);
   w.Strs(spec.input_names);
   w.Descs(spec.outputs);
-  w.U64(spec.attrs.size());
+  w.Count(spec.attrs.size());
   for (const auto& [name, value] : spec.attrs) {
     w.Str(name);
     w.U8(static_cast<uint8_t>(registry::ValueTypeOf(value)));
@@ -160,7 +137,8 @@ absl::StatusOr<InstanceSpec> DecodeInstance(
   spec.inputs = r.Descs();
   spec.input_names = r.Strs();
   spec.outputs = r.Descs();
-  for (uint64_t i = 0, n = r.U64(); r.ok() && i < n; ++i) {
+  // An attribute takes at least its name's length, its type and its text's length.
+  for (uint32_t i = 0, n = r.Count(9); r.ok() && i < n; ++i) {
     std::string name = r.Str();
     auto type = static_cast<registry::ValueType>(r.U8());
     std::string text = r.Str();
@@ -181,126 +159,48 @@ absl::StatusOr<InstanceSpec> DecodeInstance(
   return spec;
 }
 
-absl::Status SendFrame(int sock, Msg type, std::string_view payload, int fd) {
-  if (payload.size() + 1 > kMaxFrameBytes) {
-    return absl::ResourceExhaustedError("frame too large for the executor channel");
-  }
-  char head[5];
-  const uint32_t len = static_cast<uint32_t>(payload.size() + 1);
-  std::memcpy(head, &len, 4);
-  head[4] = static_cast<char>(type);
-  iovec iov[2] = {{head, sizeof head}, {const_cast<char*>(payload.data()), payload.size()}};
-  msghdr msg{};
-  msg.msg_iov = iov;
-  msg.msg_iovlen = payload.empty() ? 1 : 2;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-  if (fd >= 0) {
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  }
-  size_t total = sizeof head + payload.size();
-  size_t sent = 0;
-  while (sent < total) {
-    ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN) {
-        pollfd p{sock, POLLOUT, 0};
-        ::poll(&p, 1, 100);
-        continue;
-      }
-      return absl::UnavailableError(absl::StrCat("executor channel write: ", std::strerror(errno)));
-    }
-    sent += static_cast<size_t>(n);
-    // Advance the iovecs past what was sent; the descriptor went with the
-    // first byte.
-    msg.msg_control = nullptr;
-    msg.msg_controllen = 0;
-    size_t skip = static_cast<size_t>(n);
-    while (msg.msg_iovlen > 0 && skip >= msg.msg_iov[0].iov_len) {
-      skip -= msg.msg_iov[0].iov_len;
-      ++msg.msg_iov;
-      --msg.msg_iovlen;
-    }
-    if (msg.msg_iovlen > 0) {
-      msg.msg_iov[0].iov_base = static_cast<char*>(msg.msg_iov[0].iov_base) + skip;
-      msg.msg_iov[0].iov_len -= skip;
-    }
-  }
-  return absl::OkStatus();
-}
-
 namespace {
 
-// Reads exactly n bytes; a descriptor arriving on the way is kept in *fd.
-absl::Status ReadFull(int sock, char* out, size_t n, absl::Time deadline, int* fd) {
-  size_t got = 0;
-  while (got < n) {
-    if (deadline != absl::InfiniteFuture()) {
-      const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-      if (ms <= 0 && got == 0) return absl::DeadlineExceededError("executor channel read timed out");
-      pollfd p{sock, POLLIN, 0};
-      int pr = ::poll(&p, 1, static_cast<int>(std::clamp<int64_t>(ms, 0, 1 << 30)));
-      if (pr < 0 && errno == EINTR) continue;
-      if (pr == 0) return absl::DeadlineExceededError("executor channel read timed out");
-    }
-    iovec iov{out + got, n - got};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    ssize_t r = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-    if (r < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return absl::UnavailableError(absl::StrCat("executor channel read: ", std::strerror(errno)));
-    }
-    if (r == 0) return absl::OutOfRangeError("executor channel closed");
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < count; ++i) {
-        int received;
-        std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof received);
-        if (fd != nullptr && *fd < 0) {
-          *fd = received;
-        } else {
-          ::close(received);  // one descriptor per frame; extras are dropped
-        }
-      }
-    }
-    got += static_cast<size_t>(r);
-  }
-  return absl::OkStatus();
+// All executors' frames in flight in the daemon, together.
+frame_io::PeerBudget executor_budget(64u << 20);
+
+frame_io::ChannelLimits FromExecutor() {
+  frame_io::ChannelLimits l;
+  l.name = "executor channel";
+  l.max_frame_bytes = kMaxFromExecutorBytes;
+  l.stall_limit = absl::Seconds(5);
+  l.budget = &executor_budget;
+  return l;
+}
+
+frame_io::ChannelLimits ToExecutor() {
+  frame_io::ChannelLimits l;
+  l.name = "executor channel";
+  l.max_frame_bytes = kMaxToExecutorBytes;
+  l.accept_fd = true;
+  return l;
 }
 
 }  // namespace
 
-absl::Status RecvFrame(int sock, Msg* type, std::string* payload, absl::Time deadline, int* fd) {
-  if (fd != nullptr) *fd = -1;
-  char head[5];
-  absl::Status s = ReadFull(sock, head, sizeof head, deadline, fd);
-  if (!s.ok()) {
-    if (fd != nullptr && *fd >= 0) ::close(*fd), *fd = -1;
-    return s;
-  }
-  uint32_t len;
-  std::memcpy(&len, head, 4);
-  if (len < 1 || len > kMaxFrameBytes) {
-    if (fd != nullptr && *fd >= 0) ::close(*fd), *fd = -1;
-    return absl::DataLossError("malformed frame on the executor channel");
-  }
-  *type = static_cast<Msg>(head[4]);
-  payload->resize(len - 1);
-  s = ReadFull(sock, payload->data(), len - 1, deadline, fd);
-  if (!s.ok() && fd != nullptr && *fd >= 0) ::close(*fd), *fd = -1;
-  return s;
+const frame_io::ChannelLimits kFromExecutor = FromExecutor();
+const frame_io::ChannelLimits kToExecutor = ToExecutor();
+
+absl::Status SendFrame(int sock, Msg type, std::string_view payload, int fd, absl::Time deadline) {
+  return frame_io::WriteFrame(sock, kToExecutor, static_cast<uint8_t>(type), payload, deadline, fd);
+}
+
+absl::Status RecvFrame(int sock, Msg* type, std::string* payload, absl::Time deadline, int* fd,
+                       const frame_io::ChannelLimits& limits) {
+  frame_io::ChannelLimits l = limits;
+  l.accept_fd = l.accept_fd && fd != nullptr;
+  frame_io::Frame f;
+  absl::Status s = frame_io::ReadFrame(sock, l, deadline, &f);
+  if (fd != nullptr) *fd = f.fd;
+  if (!s.ok()) return s;
+  *type = static_cast<Msg>(f.type);
+  *payload = std::move(f.body);
+  return absl::OkStatus();
 }
 
 std::string MessageWithReason(const absl::Status& status) {

@@ -36,11 +36,13 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/common/codec.h"
+#include "server/common/frame_io.h"
 #include "server/runner/kernel_runner.h"
 
 namespace opjit::runner::wire {
 
-inline constexpr uint32_t kProtocolVersion = 3;
+inline constexpr uint32_t kProtocolVersion = 4;
 
 // Frame types.
 enum class Msg : uint8_t {
@@ -158,63 +160,20 @@ inline CallCounts* CallCountsOf(SlotHeader* slot) {
   return reinterpret_cast<CallCounts*>(reinterpret_cast<char*>(slot) + kCallCountsOffset);
 }
 
-// Little-endian (host) byte writer/reader for frame payloads. The reader
-// never reads past its input; any shortfall makes ok() false.
-class Writer {
+// The payload codec (server/common/codec.h), with tensor descriptors. The
+// reader treats every length and count as hostile; any shortfall makes ok()
+// false.
+class Writer : public codec::Writer {
  public:
-  void U8(uint8_t v) { Raw(&v, 1); }
-  void U32(uint32_t v) { Raw(&v, 4); }
-  void I32(int32_t v) { Raw(&v, 4); }
-  void U64(uint64_t v) { Raw(&v, 8); }
-  void I64(int64_t v) { Raw(&v, 8); }
-  void Str(std::string_view s) {
-    U64(s.size());
-    out_.append(s.data(), s.size());
-  }
-  void Strs(const std::vector<std::string>& v) {
-    U64(v.size());
-    for (const auto& s : v) Str(s);
-  }
   void Desc(const TensorDesc& d);
   void Descs(const std::vector<TensorDesc>& v);
-  std::string& out() { return out_; }
-
- private:
-  void Raw(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
-  std::string out_;
 };
 
-class Reader {
+class Reader : public codec::Reader {
  public:
-  explicit Reader(std::string_view in) : in_(in) {}
-  uint8_t U8() { return Pod<uint8_t>(); }
-  uint32_t U32() { return Pod<uint32_t>(); }
-  int32_t I32() { return Pod<int32_t>(); }
-  uint64_t U64() { return Pod<uint64_t>(); }
-  int64_t I64() { return Pod<int64_t>(); }
-  std::string Str();
-  std::vector<std::string> Strs();
+  explicit Reader(std::string_view in) : codec::Reader(in, "executor channel") {}
   TensorDesc Desc();
   std::vector<TensorDesc> Descs();
-  bool ok() const { return ok_; }
-  bool done() const { return ok_ && in_.empty(); }
-
- private:
-  template <typename T>
-  T Pod() {
-    T v{};
-    if (in_.size() < sizeof v) {
-      ok_ = false;
-      return v;
-    }
-    std::memcpy(&v, in_.data(), sizeof v);
-    in_.remove_prefix(sizeof v);
-    return v;
-  }
-  // A count that cannot exceed the bytes left (each element takes >= `unit`).
-  uint64_t Count(size_t unit);
-  std::string_view in_;
-  bool ok_ = true;
 };
 
 // Artifacts and instance specs, as frames carry them.
@@ -228,16 +187,35 @@ absl::StatusOr<InstanceSpec> DecodeInstance(
     std::string_view in, uint64_t* id,
     const std::map<std::string, std::shared_ptr<const compiler::CompiledKernel>>& kernels);
 
-// Frames. A frame is [u32 length of type+payload][u8 type][payload], at most
-// kMaxFrameBytes. SendFrame attaches `fd` (>= 0) with SCM_RIGHTS.
-inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
-absl::Status SendFrame(int sock, Msg type, std::string_view payload, int fd = -1);
-// Reads one frame, waiting until `deadline` (absl::InfiniteFuture() to block).
-// OUT_OF_RANGE when the peer closed the socket; DEADLINE_EXCEEDED at the
-// deadline; DATA_LOSS for a malformed frame. A descriptor that arrived with
-// the frame is stored in *fd (else -1); the caller owns it.
+// Frames (server/common/frame_io.h): [u32 length of type+payload][u8 type]
+// [payload], with at most one descriptor (SCM_RIGHTS). Each direction has
+// its limits:
+//  * executor -> daemon (replies, doorbells, wants, hello): small records,
+//    at most kMaxFromExecutorBytes. A frame that has begun must end within
+//    5 s: the executor writes each frame with one call, so a frame that
+//    stalls was written by something else (a kernel). All executors'
+//    frames in flight share one budget of 64 MiB in the daemon.
+//  * daemon -> executor (kernel artifacts, instance specs): at most
+//    kMaxToExecutorBytes.
+inline constexpr uint32_t kMaxFromExecutorBytes = 64 << 10;
+inline constexpr uint32_t kMaxToExecutorBytes = 512u << 20;
+extern const frame_io::ChannelLimits kFromExecutor;
+extern const frame_io::ChannelLimits kToExecutor;
+// Sends one frame, attaching `fd` (>= 0) with SCM_RIGHTS, waiting for room
+// until `deadline`. RESOURCE_EXHAUSTED for a frame over kMaxToExecutorBytes
+// (nothing sent); DEADLINE_EXCEEDED; UNAVAILABLE when the peer is gone.
+absl::Status SendFrame(int sock, Msg type, std::string_view payload, int fd = -1,
+                       absl::Time deadline = absl::InfiniteFuture());
+// Reads one frame under `limits` (the daemon reads kFromExecutor, the
+// executor kToExecutor), waiting until `deadline` (absl::InfiniteFuture() to
+// block). OUT_OF_RANGE when the peer closed the socket; DEADLINE_EXCEEDED at
+// the deadline; DATA_LOSS when the peer broke the protocol (a frame over the
+// limit, cut short or stalled; the message names the executor channel);
+// RESOURCE_EXHAUSTED when the budget is spent. A descriptor that arrived
+// with the frame is stored in *fd (else -1, and any descriptor is closed);
+// the caller owns it.
 absl::Status RecvFrame(int sock, Msg* type, std::string* payload, absl::Time deadline,
-                       int* fd = nullptr);
+                       int* fd = nullptr, const frame_io::ChannelLimits& limits = kFromExecutor);
 
 // A kernel's error message for the reply, carrying the status's reason (only
 // KERNEL_FAILED crosses the boundary) as a "\x1fREASON\x1f" prefix.

@@ -547,6 +547,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
   auto log = Logger("compiler");
   absl::Time deadline = absl::Now() + absl::Milliseconds(options_.timeout_ms);
   absl::Status s = ipc::WriteFrame(w.fd, payload, deadline);
+  const bool sent = s.ok();
   *long_lane = false;
   if (s.ok() && allow_long && options_.long_after_ms > 0 && options_.long_workers > 0) {
     absl::Time switch_at = std::min(deadline, absl::Now() + absl::Milliseconds(options_.long_after_ms));
@@ -575,6 +576,21 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
     ++stats_.timeouts;
     return absl::DeadlineExceededError(
         absl::StrCat("compile exceeded the ", options_.timeout_ms, " ms limit"));
+  }
+  if (sent && (absl::IsDataLoss(s) || absl::IsResourceExhausted(s))) {
+    // A frame over the channel's limits, cut short or stalled: the worker
+    // (or what runs in it) broke the protocol. It is ended; the status says
+    // so rather than blaming a crash or an outside signal.
+    log->warn("compile worker {} broke the protocol while compiling {}: {}; killed", w.pid,
+              file_name, s.ToString());
+    reap(&status, &usage);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.crashes;
+    }
+    return absl::InternalError(absl::StrCat(
+        "the compile worker broke its protocol while compiling ", file_name, " (",
+        s.message(), ") and was stopped"));
   }
   if (!s.ok()) {
     // The worker hung up: it died. An exit after the process had already

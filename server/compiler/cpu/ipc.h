@@ -2,11 +2,12 @@
 // sandboxed compile workers (`opjit-compile-worker`). Both ends include this
 // header; it has no LLVM or clang dependency.
 //
-// Transport: a SOCK_STREAM socketpair. Each message is one frame: a 4-byte
-// little-endian payload length, then the payload. A payload starts with a
-// one-byte MessageKind, followed by the fields of that message in a fixed
-// order (integers little-endian, strings as u32 length + bytes, string lists as
-// u32 count + strings).
+// Transport: a SOCK_STREAM socketpair. Each message is one untyped frame of
+// server/common/frame_io.h: a 4-byte little-endian payload length, then the
+// payload. A payload starts with a one-byte MessageKind, followed by the
+// fields of that message in a fixed order, in the codec of
+// server/common/codec.h (integers little-endian, strings as u32 length +
+// bytes, string lists as u32 count + strings).
 //
 // Exchange: the worker sends one Hello when it is ready; then, for each
 // WorkerRequest the daemon sends, the worker answers with one WorkerResponse.
@@ -21,13 +22,24 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/common/frame_io.h"
 
 namespace opjit::compiler::ipc {
 
 // Bumped whenever a message layout changes; both ends must agree.
-inline constexpr uint32_t kProtocolVersion = 2;
-// Frames larger than this are refused (an object file is far smaller).
-inline constexpr uint32_t kMaxFrameBytes = 512u << 20;
+inline constexpr uint32_t kProtocolVersion = 3;
+// The largest frame each way. A request carries a source (at most 1 MiB,
+// registry/validate.h) and its options; a response carries the object
+// (kernels compile to KiBs, a few MiB with big tables) and the
+// diagnostics. A worker whose response would be larger answers with a
+// compile error instead (worker_main.cc).
+inline constexpr uint32_t kMaxRequestBytes = 64u << 20;
+inline constexpr uint32_t kMaxResponseBytes = 64u << 20;
+// The daemon reads kFromWorker (a frame that has begun must end within 10 s;
+// all compile workers' frames in flight share a 256 MiB budget), the worker
+// reads kToWorker.
+extern const frame_io::ChannelLimits kFromWorker;
+extern const frame_io::ChannelLimits kToWorker;
 
 enum class MessageKind : uint8_t { kHello = 1, kRequest = 2, kResponse = 3 };
 
@@ -90,8 +102,8 @@ std::string Encode(const Hello& m);
 std::string Encode(const WorkerRequest& m);
 std::string Encode(const WorkerResponse& m);
 
-// Decoders return INVALID_ARGUMENT for a malformed or truncated payload, or a
-// payload of another kind.
+// Decoders return DATA_LOSS for a malformed or truncated payload, or a
+// payload of another kind, and INVALID_ARGUMENT for a field out of range.
 absl::StatusOr<Hello> DecodeHello(const std::string& payload);
 absl::StatusOr<WorkerRequest> DecodeRequest(const std::string& payload);
 absl::StatusOr<WorkerResponse> DecodeResponse(const std::string& payload);
@@ -100,14 +112,24 @@ absl::StatusOr<WorkerResponse> DecodeResponse(const std::string& payload);
 uint8_t PeekKind(const std::string& payload);
 
 // Writes one frame to `fd`, waiting at most until `deadline`
-// (absl::InfiniteFuture() for no limit). Never raises SIGPIPE.
-// Errors: DEADLINE_EXCEEDED, UNAVAILABLE (peer gone or I/O error).
-absl::Status WriteFrame(int fd, const std::string& payload, absl::Time deadline);
+// (absl::InfiniteFuture() for no limit), refusing a payload over the
+// reader's limit (`limits`: the daemon writes kToWorker, the worker
+// kFromWorker). Never raises SIGPIPE.
+// Errors: RESOURCE_EXHAUSTED (too large, nothing sent), DEADLINE_EXCEEDED,
+// UNAVAILABLE (peer gone or I/O error).
+absl::Status WriteFrame(int fd, const std::string& payload, absl::Time deadline,
+                        const frame_io::ChannelLimits& limits = kToWorker);
 
 // Reads one frame from `fd` into `*payload`, waiting at most until `deadline`.
 // Errors: DEADLINE_EXCEEDED; OUT_OF_RANGE when the peer closed the stream
-// before a frame began (clean EOF); UNAVAILABLE on I/O errors, a frame cut
-// short, or a frame over kMaxFrameBytes.
-absl::Status ReadFrame(int fd, std::string* payload, absl::Time deadline);
+// before a frame began (clean EOF); DATA_LOSS when the peer broke the
+// protocol (a frame over the limit, cut short or stalled);
+// RESOURCE_EXHAUSTED when the budget is spent; UNAVAILABLE on I/O errors.
+absl::Status ReadFrame(int fd, std::string* payload, absl::Time deadline,
+                       const frame_io::ChannelLimits& limits = kFromWorker);
+
+// The bytes of a whole frame (length prefix and payload), for a worker that
+// must send without allocating (out of memory, fatal errors).
+std::string EncodeFrame(const std::string& payload);
 
 }  // namespace opjit::compiler::ipc

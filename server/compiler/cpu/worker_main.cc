@@ -66,13 +66,6 @@ void WriteRaw(const char* data, size_t n) {
   }
 }
 
-std::string Frame(const std::string& payload) {
-  std::string f(4, '\0');
-  uint32_t n = static_cast<uint32_t>(payload.size());
-  for (int i = 0; i < 4; ++i) f[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return f + payload;
-}
-
 [[noreturn]] void DieOutOfMemory() {
   if (g_oom_frame != nullptr) WriteRaw(g_oom_frame->data(), g_oom_frame->size());
   _exit(71);
@@ -88,7 +81,7 @@ void OnFatal(const char* message, bool out_of_memory) {
     ipc::WorkerResponse r;
     r.kind = ipc::ResponseKind::kFatalError;
     r.diagnostics = message;
-    std::string f = Frame(ipc::Encode(r));
+    std::string f = ipc::EncodeFrame(ipc::Encode(r));
     WriteRaw(f.data(), f.size());
   }
   _exit(70);
@@ -142,7 +135,7 @@ int Main(int argc, char** argv) {
     ipc::WorkerResponse r;
     r.kind = ipc::ResponseKind::kOutOfMemory;
     r.diagnostics = "out of memory";
-    return Frame(ipc::Encode(r));
+    return ipc::EncodeFrame(ipc::Encode(r));
   }());
   std::set_new_handler(OnNewFailure);
   InitializeLlvm(OnFatal);
@@ -169,11 +162,13 @@ int Main(int argc, char** argv) {
 
   ipc::Hello hello = frontend->Describe();
   hello.pid = static_cast<int32_t>(::getpid());
-  if (!ipc::WriteFrame(g_fd, ipc::Encode(hello), absl::InfiniteFuture()).ok()) return 6;
+  if (!ipc::WriteFrame(g_fd, ipc::Encode(hello), absl::InfiniteFuture(), ipc::kFromWorker).ok()) {
+    return 6;
+  }
 
   for (;;) {
     std::string payload;
-    absl::Status s = ipc::ReadFrame(g_fd, &payload, absl::InfiniteFuture());
+    absl::Status s = ipc::ReadFrame(g_fd, &payload, absl::InfiniteFuture(), ipc::kToWorker);
     if (absl::IsOutOfRange(s)) return 0;  // the daemon closed the socket
     if (!s.ok()) return 7;
     auto start = std::chrono::steady_clock::now();
@@ -187,7 +182,19 @@ int Main(int argc, char** argv) {
     }
     resp.compile_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    if (!ipc::WriteFrame(g_fd, ipc::Encode(resp), absl::InfiniteFuture()).ok()) return 8;
+    std::string out = ipc::Encode(resp);
+    if (out.size() > ipc::kMaxResponseBytes) {
+      // Over what the daemon reads: say so instead of the object.
+      ipc::WorkerResponse big;
+      big.kind = ipc::ResponseKind::kCompileError;
+      big.diagnostics = "error: the compiled object (" + std::to_string(resp.object.size() >> 20) +
+                        " MiB) and its diagnostics (" +
+                        std::to_string(resp.diagnostics.size() >> 20) + " MiB) are over the " +
+                        std::to_string(ipc::kMaxResponseBytes >> 20) + " MiB a compile may return";
+      big.compile_ms = resp.compile_ms;
+      out = ipc::Encode(big);
+    }
+    if (!ipc::WriteFrame(g_fd, out, absl::InfiniteFuture(), ipc::kFromWorker).ok()) return 8;
   }
 }
 
