@@ -1,0 +1,397 @@
+#include "server/common/subprocess.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace opjit::subprocess {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// strerror() is not thread-safe; this is.
+std::string ErrnoText(int err) {
+  char buf[128];
+  return ::strerror_r(err, buf, sizeof(buf));  // GNU strerror_r: returns the text
+}
+
+// One long-lived thread that starts every child. PR_SET_PDEATHSIG is tied
+// to the *thread* that created a child, not its process: a child started
+// from a short-lived thread (a gRPC or pool thread that later exits) would
+// be killed with that thread. This thread lives as long as the process, so
+// a child's parent-death signal means "the daemon died".
+class SpawnThread {
+ public:
+  SpawnThread() : thread_([this] { Loop(); }) { thread_.detach(); }
+
+  // Runs `fn` on the spawning thread and returns its result.
+  int Call(std::function<int()> fn) {
+    std::packaged_task<int()> task(std::move(fn));
+    std::future<int> result = task.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back([&task] { task(); });
+    }
+    cv_.notify_one();
+    return result.get();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return !queue_.empty(); });
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      job();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;  // guarded by mu_
+  std::thread thread_;                        // last: starts after the rest exists
+};
+
+// The process's spawn thread, created on first use and never destroyed (it
+// must outlive every child). A forked copy of this process (tests do that)
+// gets its own.
+SpawnThread& TheSpawnThread() {
+  static std::mutex mu;
+  static SpawnThread* thread = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (thread == nullptr || owner != ::getpid()) {
+    thread = new SpawnThread();  // never freed, on purpose
+    owner = ::getpid();
+  }
+  return *thread;
+}
+
+std::mutex g_tag_mu;
+std::string* g_tag = nullptr;  // guarded by g_tag_mu; never freed
+
+// The whole of a small /proc file ("" if unreadable).
+std::string ReadProcFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    if (out.size() > (1u << 20)) break;  // no command line is that long
+  }
+  ::close(fd);
+  return out;
+}
+
+// The parent pid in /proc/<pid>/stat, or -1.
+pid_t ParentOf(const std::string& pid) {
+  const std::string stat = ReadProcFile("/proc/" + pid + "/stat");
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos || close + 4 > stat.size()) return -1;
+  // ") S 123 ..."
+  const char* p = stat.c_str() + close + 2;
+  while (*p != '\0' && *p != ' ') ++p;
+  return static_cast<pid_t>(std::strtol(p, nullptr, 10));
+}
+
+}  // namespace
+
+absl::StatusOr<pid_t> Spawn(const SpawnOptions& o) {
+  if (o.path.empty()) return absl::InvalidArgumentError("spawn: no program");
+  int max_child = 2;
+  std::set<int> targets;
+  for (const FdMapping& m : o.fds) {
+    if (m.child_fd < 0 || m.child_fd > 1024 || (m.parent_fd < 0 && m.parent_fd != kDevNull) ||
+        !targets.insert(m.child_fd).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spawn: bad descriptor map entry ", m.child_fd, " <- ", m.parent_fd));
+    }
+    max_child = std::max(max_child, m.child_fd);
+  }
+  // Every source moves above every target first, so that no dup2 can
+  // overwrite a source a later one needs, and dup2(fd, fd) (which would keep
+  // FD_CLOEXEC) never happens. The copies are CLOEXEC: no other child
+  // started meanwhile inherits them.
+  std::vector<int> sources(o.fds.size(), -1);
+  auto close_sources = [&sources] {
+    for (int fd : sources) {
+      if (fd >= 0) ::close(fd);
+    }
+  };
+  for (size_t i = 0; i < o.fds.size(); ++i) {
+    if (o.fds[i].parent_fd == kDevNull) continue;
+    sources[i] = ::fcntl(o.fds[i].parent_fd, F_DUPFD_CLOEXEC, max_child + 1);
+    if (sources[i] < 0) {
+      const int err = errno;
+      close_sources();
+      return err == EBADF ? absl::InvalidArgumentError(absl::StrCat(
+                                "spawn: descriptor ", o.fds[i].parent_fd, " is not open"))
+                          : absl::UnavailableError(absl::StrCat("spawn: ", ErrnoText(err)));
+    }
+  }
+
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  for (size_t i = 0; i < o.fds.size(); ++i) {
+    if (sources[i] >= 0) posix_spawn_file_actions_adddup2(&fa, sources[i], o.fds[i].child_fd);
+  }
+  for (const FdMapping& m : o.fds) {
+    if (m.parent_fd == kDevNull) {
+      posix_spawn_file_actions_addopen(&fa, m.child_fd, "/dev/null", O_RDWR, 0);
+    }
+  }
+  for (int fd = 0; fd <= max_child; ++fd) {
+    if (targets.count(fd) != 0) continue;
+    if (fd <= 2) {
+      posix_spawn_file_actions_addopen(&fa, fd, "/dev/null", O_RDWR, 0);
+    } else {
+      posix_spawn_file_actions_addclose(&fa, fd);  // not open: glibc ignores it
+    }
+  }
+  // Nothing else of the daemon's, CLOEXEC or not.
+  posix_spawn_file_actions_addclosefrom_np(&fa, max_child + 1);
+
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  short flags = POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF;
+  if (o.own_process_group) {
+    flags |= POSIX_SPAWN_SETPGROUP;
+    posix_spawnattr_setpgroup(&attr, 0);
+  }
+  sigset_t none, all;
+  sigemptyset(&none);
+  sigfillset(&all);
+  sigdelset(&all, SIGKILL);
+  sigdelset(&all, SIGSTOP);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  posix_spawnattr_setflags(&attr, flags);
+
+  std::vector<std::string> args = {o.path};
+  const std::string tag = o.tag_instance ? InstanceTag() : "";
+  if (!tag.empty()) args.insert(args.end(), {kInstanceFlag, tag});
+  args.insert(args.end(), o.args.begin(), o.args.end());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env = o.env;
+  std::vector<char*> envp;
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  pid_t pid = -1;
+  const int err = TheSpawnThread().Call(
+      [&] { return ::posix_spawn(&pid, o.path.c_str(), &fa, &attr, argv.data(), envp.data()); });
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&attr);
+  close_sources();
+  if (err != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot start the program: ", ErrnoText(err)));
+  }
+  return pid;
+}
+
+std::vector<std::string> FromEnvironment(const std::vector<std::string>& names) {
+  std::vector<std::string> out;
+  for (const std::string& n : names) {
+    if (const char* v = std::getenv(n.c_str()); v != nullptr) out.push_back(n + "=" + v);
+  }
+  return out;
+}
+
+std::vector<std::string> HelperEnvironment() {
+  std::vector<std::string> env = {"PATH=/usr/bin:/bin"};
+  for (std::string& e : FromEnvironment({"ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS"})) {
+    env.push_back(std::move(e));
+  }
+  return env;
+}
+
+bool Exit::exited() const { return WIFEXITED(wait_status); }
+int Exit::code() const { return WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : -1; }
+int Exit::signal() const { return WIFSIGNALED(wait_status) ? WTERMSIG(wait_status) : 0; }
+bool Exit::core_dumped() const { return WIFSIGNALED(wait_status) && WCOREDUMP(wait_status); }
+uint64_t Exit::peak_rss_bytes() const {
+  return usage.ru_maxrss > 0 ? static_cast<uint64_t>(usage.ru_maxrss) * 1024 : 0;
+}
+std::string Exit::Describe() const { return DescribeExit(wait_status); }
+
+std::string SignalName(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev != nullptr ? absl::StrCat("SIG", abbrev) : absl::StrCat("signal ", sig);
+}
+
+std::string DescribeExit(int wait_status) {
+  if (WIFEXITED(wait_status)) return absl::StrCat("exited with status ", WEXITSTATUS(wait_status));
+  if (WIFSIGNALED(wait_status)) {
+    const int sig = WTERMSIG(wait_status);
+    return absl::StrCat("was killed by ", SignalName(sig), " (signal ", sig, ")",
+                        WCOREDUMP(wait_status) ? " and dumped core" : "");
+  }
+  return absl::StrCat("ended with wait status ", wait_status);
+}
+
+absl::StatusOr<Exit> Wait(pid_t pid) {
+  Exit e;
+  for (;;) {
+    const pid_t r = ::wait4(pid, &e.wait_status, 0, &e.usage);
+    if (r == pid) return e;
+    if (r < 0 && errno == EINTR) continue;
+    return absl::InternalError(absl::StrCat("wait for process ", pid, ": ", ErrnoText(errno)));
+  }
+}
+
+absl::StatusOr<std::optional<Exit>> WaitFor(pid_t pid, absl::Duration timeout) {
+  const auto deadline =
+      Clock::now() + absl::ToChronoNanoseconds(
+                         std::clamp(timeout, absl::ZeroDuration(), absl::Hours(24 * 365)));
+  // A pidfd becomes readable when the process ends: no polling loop. Older
+  // kernels (ENOSYS) fall back to short sleeps.
+  const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  absl::StatusOr<std::optional<Exit>> result;
+  for (;;) {
+    Exit e;
+    const pid_t r = ::wait4(pid, &e.wait_status, WNOHANG, &e.usage);
+    if (r == pid) {
+      result = std::optional<Exit>(e);
+      break;
+    }
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      result = absl::InternalError(absl::StrCat("wait for process ", pid, ": ", ErrnoText(errno)));
+      break;
+    }
+    const auto left = deadline - Clock::now();
+    if (left <= Clock::duration::zero()) {
+      result = std::optional<Exit>();
+      break;
+    }
+    const int64_t ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(left).count() + 1;  // round up
+    if (pidfd >= 0) {
+      pollfd p{pidfd, POLLIN, 0};
+      ::poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1000)));  // EINTR: just look again
+    } else {
+      ::usleep(static_cast<useconds_t>(std::min<int64_t>(ms, 2) * 1000));
+    }
+  }
+  if (pidfd >= 0) ::close(pidfd);
+  return result;
+}
+
+absl::StatusOr<Exit> Reap(pid_t pid, absl::Duration grace, bool kill_group) {
+  if (grace > absl::ZeroDuration()) {
+    absl::StatusOr<std::optional<Exit>> done = WaitFor(pid, grace);
+    if (!done.ok()) return done.status();
+    if (done->has_value()) return **done;
+  }
+  // Not reaped yet, so neither its pid nor its group can have been reused.
+  if (!kill_group || ::kill(-pid, SIGKILL) != 0) ::kill(pid, SIGKILL);
+  absl::StatusOr<Exit> e = Wait(pid);
+  if (e.ok()) e->killed = true;
+  return e;
+}
+
+bool DieWithParent(pid_t expected_parent) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  // The parent may have died before the line above: then no signal comes,
+  // and the parent is now init or a subreaper.
+  return ParentIs(expected_parent);
+}
+
+bool ParentIs(pid_t expected_parent) {
+  return expected_parent == 0 || ::getppid() == expected_parent;
+}
+
+void SetInstanceTag(const std::string& tag) {
+  std::string clean;
+  for (char c : tag) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+        c == '_') {
+      clean.push_back(c);
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_tag_mu);
+  if (g_tag == nullptr) g_tag = new std::string();  // never freed: read by any thread until exit
+  *g_tag = clean;
+}
+
+std::string InstanceTag() {
+  std::lock_guard<std::mutex> lock(g_tag_mu);
+  return g_tag != nullptr ? *g_tag : "";
+}
+
+int EndLeftovers(const std::string& tag, const std::vector<std::string>& program_names) {
+  if (tag.empty()) return 0;
+  DIR* dir = ::opendir("/proc");
+  if (dir == nullptr) return 0;
+  const pid_t self = ::getpid();
+  int ended = 0;
+  // readdir is safe here: no other thread uses this DIR stream.
+  while (struct dirent* ent = ::readdir(dir)) {  // NOLINT(concurrency-mt-unsafe)
+    const std::string name = ent->d_name;
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::strtol(name.c_str(), nullptr, 10));
+    if (pid == self) continue;
+    // Hold the process first: what is read below is then about this very
+    // process, and the signal cannot reach a later owner of its pid.
+    const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+    if (pidfd < 0 && errno != ENOSYS) continue;  // gone
+    std::vector<std::string> argv;
+    const std::string cmdline = ReadProcFile("/proc/" + name + "/cmdline");
+    for (size_t at = 0; at < cmdline.size();) {
+      size_t end = cmdline.find('\0', at);
+      if (end == std::string::npos) end = cmdline.size();
+      argv.push_back(cmdline.substr(at, end - at));
+      at = end + 1;
+    }
+    bool ours = false;
+    if (argv.size() >= 3) {
+      const std::string base = argv[0].substr(argv[0].rfind('/') + 1);
+      const bool helper =
+          std::find(program_names.begin(), program_names.end(), base) != program_names.end();
+      for (size_t i = 1; helper && i + 1 < argv.size() && !ours; ++i) {
+        ours = argv[i] == kInstanceFlag && argv[i + 1] == tag;
+      }
+    }
+    if (ours && ParentOf(name) != self) {
+      const long rc = pidfd >= 0 ? ::syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0)
+                                 : ::kill(pid, SIGKILL);
+      if (rc == 0) ++ended;
+    }
+    if (pidfd >= 0) ::close(pidfd);
+  }
+  ::closedir(dir);
+  return ended;
+}
+
+}  // namespace opjit::subprocess

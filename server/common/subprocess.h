@@ -1,0 +1,154 @@
+// One way to start, watch and end a child process.
+//
+// Every child of opjitd (executors, compile workers, the GPU sandboxes, the
+// health probes) is started with Spawn() and ended with Wait()/Reap():
+//  - an explicit descriptor map: the child gets exactly the descriptors
+//    listed (0, 1 and 2 default to /dev/null), nothing else of the daemon's,
+//    CLOEXEC or not;
+//  - an explicit environment: nothing of the daemon's is inherited unless
+//    the caller lists it;
+//  - its own process group, an empty signal mask and default dispositions;
+//  - started from one long-lived thread of the process (SpawnThread), so a
+//    child's PR_SET_PDEATHSIG means "the daemon died" and not "the thread
+//    that happened to start it exited".
+//
+// Parent death. Linux clears a child's parent-death signal when the child
+// changes its credentials (the executor drops to [exec] worker_user), so a
+// helper sets it itself, after any uid change: DieWithParent(). Loops that
+// wait for the daemon also check that it is still their parent
+// (ParentIs()).
+//
+// Restarts. A helper started with `tag_instance` carries
+// "--instance <tag>" (SetInstanceTag: derived from the state dir) on its
+// command line. A daemon starting on a state dir ends whatever its killed
+// predecessor left there (EndLeftovers), and nothing of another state dir.
+//
+// Thread-safety: every function may be called from any thread.
+#pragma once
+
+#include <sys/resource.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace opjit::subprocess {
+
+// As a FdMapping's parent_fd: the child gets /dev/null (read and write).
+inline constexpr int kDevNull = -1;
+
+// Descriptor `child_fd` of the child is the parent's `parent_fd`.
+struct FdMapping {
+  int child_fd = -1;
+  int parent_fd = kDevNull;
+};
+
+struct SpawnOptions {
+  // The program, by path; no PATH search. Required.
+  std::string path;
+  // Its arguments after argv[0] (which is `path`).
+  std::vector<std::string> args;
+  // Its whole environment, "NAME=value" each. Nothing of the daemon's
+  // environment is inherited unless listed here (see FromEnvironment).
+  // Default: empty.
+  std::vector<std::string> env;
+  // Its descriptors. 0, 1 and 2 not listed are /dev/null; every descriptor
+  // not listed above 2 is closed. A parent fd may be listed more than once.
+  std::vector<FdMapping> fds;
+  // Its own process group (pgid = pid): a signal to the daemon's group
+  // spares it, and a kill of its group ends what it started. Default: true.
+  bool own_process_group = true;
+  // Start it with "--instance <InstanceTag()>" before `args`, so a restart
+  // on this state dir can find it (EndLeftovers). Only for opjit's helper
+  // programs, which accept that flag. No-op while no tag is set.
+  // Default: false.
+  bool tag_instance = false;
+};
+
+// Starts a child; returns its pid. The caller reaps it (Wait, Reap).
+// INVALID_ARGUMENT for a bad fd map or an empty path, UNAVAILABLE when the
+// program cannot be started (its errno in the message, never the path).
+absl::StatusOr<pid_t> Spawn(const SpawnOptions& options);
+
+// "NAME=value" for each of `names` set in this process's environment.
+std::vector<std::string> FromEnvironment(const std::vector<std::string>& names);
+
+// The environment opjit's helpers get: PATH=/usr/bin:/bin, plus the
+// sanitizer settings (ASAN_OPTIONS, UBSAN_OPTIONS, LSAN_OPTIONS) where set,
+// so a sanitizer build's helpers run as its tests ask.
+std::vector<std::string> HelperEnvironment();
+
+// How a child ended.
+struct Exit {
+  int wait_status = 0;     // as from wait4
+  struct rusage usage {};  // the child's, as from wait4
+  bool killed = false;     // Reap() sent it SIGKILL
+
+  bool exited() const;     // it called exit (code() is valid)
+  int code() const;        // its exit code; -1 if it did not exit
+  int signal() const;      // the signal that ended it; 0 if it exited
+  bool core_dumped() const;
+  uint64_t peak_rss_bytes() const;
+  std::string Describe() const;
+};
+
+// "SIGSEGV", or "signal 77" for a number without a name.
+std::string SignalName(int sig);
+
+// The one description of an exit, for users and logs, to follow "the
+// process": "exited with status 3", "was killed by SIGSEGV (signal 11)",
+// "was killed by SIGABRT (signal 6) and dumped core".
+std::string DescribeExit(int wait_status);
+
+// Waits for `pid` to end (EINTR-safe). INTERNAL if it is not our child.
+absl::StatusOr<Exit> Wait(pid_t pid);
+
+// Waits up to `timeout` for `pid` to end; nullopt if it still runs then.
+// INTERNAL if it is not our child.
+absl::StatusOr<std::optional<Exit>> WaitFor(pid_t pid, absl::Duration timeout);
+
+// Ends `pid` and reaps it: it gets `grace` to exit by itself, then SIGKILL
+// (its whole process group with `kill_group`: sent before the reap, while
+// the group cannot have been reused). Exit::killed says whether SIGKILL was
+// sent. INTERNAL if it is not our child.
+absl::StatusOr<Exit> Reap(pid_t pid, absl::Duration grace = absl::ZeroDuration(),
+                          bool kill_group = false);
+
+// --- parent death, in a helper --------------------------------------------
+
+// The flag a helper reads its expected parent from, and the instance flag.
+inline constexpr char kParentPidFlag[] = "--parent-pid";
+inline constexpr char kInstanceFlag[] = "--instance";
+
+// In a helper: asks for SIGKILL when the parent dies, then checks that the
+// parent is still `expected_parent` (0: skip the check). Call it after every
+// credential change (setuid clears the setting). Returns false when the
+// parent is already gone: the helper exits at once.
+bool DieWithParent(pid_t expected_parent);
+
+// In a helper's waiting loop: false once `expected_parent` (0: any) is no
+// longer the parent, i.e. the daemon died.
+bool ParentIs(pid_t expected_parent);
+
+// --- instances and leftovers ------------------------------------------------
+
+// Sets the tag that Spawn(tag_instance) puts on helpers: letters, digits,
+// '-' or '_' only (anything else is dropped). Call once, at startup, before
+// any helper starts.
+void SetInstanceTag(const std::string& tag);
+std::string InstanceTag();
+
+// Sends SIGKILL to every process that carries "--instance `tag`" on its
+// command line, whose program (argv[0]) is named one of `program_names`
+// (base names), and whose parent is not this process; returns how many.
+// Call it while holding the state dir's lock, so no live daemon of this tag
+// exists. Processes of other tags are never touched.
+int EndLeftovers(const std::string& tag, const std::vector<std::string>& program_names);
+
+}  // namespace opjit::subprocess
