@@ -98,10 +98,10 @@ CREATE TABLE IF NOT EXISTS opjit_health_probe (
 );
 )sql";
 
-// The commit guard (see postgres_store.h), created on each store connection:
-// per session, so that it needs no schema change and no privilege beyond
-// TEMP. The row is gone at the end of the transaction (ON COMMIT DELETE
-// ROWS runs after the deferred triggers).
+// The commit guard (see postgres_store.h), created on each store connection
+// before its first write: per session, so that it needs no schema change and
+// no privilege beyond TEMP. The row is gone at the end of the transaction
+// (ON COMMIT DELETE ROWS runs after the deferred triggers).
 constexpr const char* kCommitGuardSql = R"sql(
 CREATE TEMP TABLE opjit_commit_guard (budget_ms BIGINT NOT NULL) ON COMMIT DELETE ROWS;
 CREATE FUNCTION pg_temp.opjit_commit_guard() RETURNS trigger LANGUAGE plpgsql AS $guard$
@@ -278,10 +278,13 @@ class PgConnection {
       return s;
     }
     PQsetNoticeProcessor(conn_, IgnoreNotice, nullptr);
+    guard_ready_ = false;
     absl::Status s = on_connect_ ? on_connect_(*this) : absl::OkStatus();
     if (s.ok()) s = CheckUnansweredCommit();
     if (!s.ok()) {
       Drop();
+      backoff_ms_ = std::clamp<int64_t>(backoff_ms_ * 2, 50, PostgresStore::kMaxBackoffMs);
+      next_attempt_ = Clock::now() + std::chrono::milliseconds(backoff_ms_);
       return s;
     }
     if (down_) Logger("registry")->info("{} ({}): connected again", kWhere, role_);
@@ -318,6 +321,16 @@ class PgConnection {
   void Rollback() {
     if (!connected() || PQtransactionStatus(conn_) == PQTRANS_IDLE) return;
     if (Clock::now() >= deadline_ || !Exec("rolling back", "ROLLBACK").ok()) Drop();
+  }
+
+  // Creates this session's commit guard (kCommitGuardSql) unless it exists:
+  // at the first write, so that a connection that only reads (a standby)
+  // needs no write.
+  absl::Status EnsureCommitGuard() {
+    if (guard_ready_) return absl::OkStatus();
+    OPJIT_RETURN_IF_ERROR(ExecScript("preparing the connection", kCommitGuardSql));
+    guard_ready_ = true;
+    return absl::OkStatus();
   }
 
   // Remembers a transaction whose COMMIT went unanswered: checked (and the
@@ -532,6 +545,7 @@ class PgConnection {
   Clock::time_point request_start_{};
   Clock::time_point next_hang_log_ = Clock::time_point::max();
   std::string unanswered_txid_;
+  bool guard_ready_ = false;
 };
 
 namespace {
@@ -552,7 +566,8 @@ absl::Status Transaction(PgConnection& c, absl::string_view what,
     OPJIT_RETURN_IF_ERROR(c.Ensure());
     bool commit = true;
     std::string txid;
-    absl::Status s = c.Exec(what, begin_sql).status();
+    absl::Status s = write ? c.EnsureCommitGuard() : absl::OkStatus();
+    if (s.ok()) s = c.Exec(what, begin_sql).status();
     if (s.ok() && write) {
       // transaction_timestamp() was taken before BEGIN was answered, so the
       // server's deadline (that + budget) comes before ours.
@@ -1023,9 +1038,7 @@ absl::StatusOr<std::unique_ptr<PostgresStore>> PostgresStore::Open(const Options
   OPJIT_ASSIGN_OR_RETURN(std::shared_ptr<PgConfig> config, MakeConfig(options));
   config->before_commit_for_test = options.before_commit_for_test;
 
-  auto conn = std::make_unique<PgConnection>(config, "store", [](PgConnection& c) {
-    return c.ExecScript("preparing the connection", kCommitGuardSql);
-  });
+  auto conn = std::make_unique<PgConnection>(config, "store");
   conn->StartOperation();
   OPJIT_RETURN_IF_ERROR(conn->Ensure(/*detailed=*/true));
 

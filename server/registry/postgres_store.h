@@ -54,10 +54,10 @@
 // answer, nothing is committed. A COMMIT that was sent but not answered in
 // time (the server froze, or the network ate the answer) could still be
 // executed when the server runs again, so every write transaction carries a
-// commit guard: each connection creates a temp table
-// pg_temp.opjit_commit_guard(budget_ms) with a deferred constraint trigger,
-// and each write transaction inserts one row holding its budget, right after
-// BEGIN was answered. At COMMIT the trigger raises (SQLSTATE 57014) when the
+// commit guard: each connection creates, before its first write, a temp
+// table pg_temp.opjit_commit_guard(budget_ms) with a deferred constraint
+// trigger, and each write transaction inserts one row holding its budget,
+// right after BEGIN was answered. At COMMIT the trigger raises (SQLSTATE 57014) when the
 // server's clock_timestamp() is past transaction_timestamp() + budget_ms.
 // transaction_timestamp() was taken before BEGIN was answered, and the
 // budget is what was left of the call's deadline at that moment, less a

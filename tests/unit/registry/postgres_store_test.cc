@@ -546,14 +546,14 @@ TEST_F(PostgresRegistryTest, SchemaCreationAndChecks) {
 
 // The database hangs (every PostgreSQL process stopped with SIGSTOP: TCP is
 // accepted and ACKed, nothing answers) under a daemon whose url bounds a call
-// to 1.5 s and connecting to 1 s: a registration fails with UNAVAILABLE /
+// to 3 s and connecting to 1 s: a registration fails with UNAVAILABLE /
 // STORE_UNAVAILABLE within the bound, the hang is logged while it lasts,
 // and once the server runs again the registration never appears; the next
 // one succeeds.
 TEST_F(PostgresRegistryTest, FrozenServerWriteFailsFastAndNeverLands) {
   LogCapture log;
   Registry::Options options = Options();
-  options.url = url_ + "?connect_timeout=1&options=-c%20statement_timeout%3D1500";
+  options.url = url_ + "?connect_timeout=1&options=-c%20statement_timeout%3D3000";
   Daemon a = Open(options);
   ASSERT_NE(a.reg, nullptr);
   ASSERT_TRUE(MustRegister(*a.reg, ValidDef("before")).created);  // a healthy write commits
@@ -613,7 +613,7 @@ TEST_F(PostgresRegistryTest, FrozenBeforeCommitNeverLandsLater) {
   PostgresStore::Options options;
   options.url = url_;
   options.password = kPassword;
-  options.timeout_ms = 1500;
+  options.timeout_ms = 3000;
   options.connect_timeout_ms = 1000;
   options.before_commit_for_test = [&] {
     if (freeze.exchange(false)) freeze_status = server()->Freeze();
@@ -621,7 +621,7 @@ TEST_F(PostgresRegistryTest, FrozenBeforeCommitNeverLandsLater) {
   auto opened = PostgresStore::Open(options);
   ASSERT_TRUE(opened.ok()) << opened.status();
   PostgresStore& store = **opened;
-  EXPECT_EQ(store.timeout_ms(), 1500);
+  EXPECT_EQ(store.timeout_ms(), 3000);
   EXPECT_EQ(store.connect_timeout_ms(), 1000);
   auto write = [&](const std::string& name) {
     return store.RegisterVersion(ValidDef(name), ContentHash(ValidDef(name)), 1700000000000, {});
