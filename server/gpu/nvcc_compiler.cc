@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/common/error_info.h"
+#include "server/common/frame_io.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 
@@ -71,25 +72,21 @@ absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_
   }
 
   RunResult result;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  char buf[65536];
-  while (true) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          deadline - std::chrono::steady_clock::now())
-                          .count();
-    if (left <= 0) {
-      result.timed_out = true;
-      kill(-pid, SIGKILL);
-      break;
-    }
-    pollfd p{fds[0], POLLIN, 0};
-    const int n = poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
-    if (n < 0 && errno != EINTR) break;
-    if (n <= 0) continue;
-    const ssize_t got = read(fds[0], buf, sizeof(buf));
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) break;  // EOF: every process holding the pipe is gone
-    if (result.output.size() < (4u << 20)) result.output.append(buf, static_cast<size_t>(got));
+  // nvcc's output (its log) up to 4 MiB; the rest is read, counted and
+  // reported, so nvcc never blocks on a full pipe. EOF: every process
+  // holding the pipe is gone.
+  constexpr size_t kMaxOutputBytes = 4u << 20;
+  uint64_t dropped = 0;
+  const absl::Status drained = frame_io::ReadStream(
+      fds[0], kMaxOutputBytes, absl::Now() + absl::Milliseconds(timeout_ms), &result.output,
+      &dropped);
+  if (absl::IsDeadlineExceeded(drained)) {
+    result.timed_out = true;
+    kill(-pid, SIGKILL);
+  }
+  if (dropped > 0) {
+    absl::StrAppend(&result.output, "\n[... ", dropped,
+                    " more bytes of compiler output left out]\n");
   }
   close(fds[0]);
   int status = 0;

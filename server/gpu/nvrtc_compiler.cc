@@ -17,7 +17,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/common/codec.h"
 #include "server/common/error_info.h"
+#include "server/common/frame_io.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 
@@ -310,114 +312,95 @@ absl::StatusOr<CompileResult> CompileOne(const NvrtcCompiler::Api& api,
 
 namespace {
 
-// Length-prefixed fields; the reader never reads past its input.
-void Put(std::string* out, std::string_view v) {
-  const uint64_t n = v.size();
-  out->append(reinterpret_cast<const char*>(&n), 8);
-  out->append(v.data(), v.size());
-}
-void PutList(std::string* out, const std::vector<std::string>& v) {
-  Put(out, std::to_string(v.size()));
-  for (const auto& x : v) Put(out, x);
-}
-bool Get(std::string_view* in, std::string* v) {
-  uint64_t n;
-  if (in->size() < 8) return false;
-  std::memcpy(&n, in->data(), 8);
-  in->remove_prefix(8);
-  if (n > in->size()) return false;
-  v->assign(in->data(), n);
-  in->remove_prefix(n);
-  return true;
-}
-bool GetList(std::string_view* in, std::vector<std::string>* v) {
-  std::string count;
-  if (!Get(in, &count)) return false;
-  const uint64_t n = std::strtoull(count.c_str(), nullptr, 10);
-  if (n > in->size() / 8) return false;
-  v->resize(n);
-  for (auto& x : *v) {
-    if (!Get(in, &x)) return false;
-  }
-  return true;
-}
+// The sandbox's answer: cubins for each arch, PTX and the log. Anything
+// longer is refused (the sandbox broke its protocol or NVRTC went wild).
+constexpr size_t kMaxAnswerBytes = 256u << 20;
+constexpr char kSandboxChannel[] = "GPU compiler sandbox's answer";
 
-// Reads all of `fd` until EOF or `deadline`. False on timeout.
-bool ReadAll(int fd, std::string* out, std::chrono::steady_clock::time_point deadline) {
-  char buf[65536];
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return false;
-    pollfd p{fd, POLLIN, 0};
-    int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
-    if (r < 0 && errno == EINTR) continue;
-    if (r == 0) return false;
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return true;
-    out->append(buf, static_cast<size_t>(n));
-  }
+// Reads all of `fd` until EOF or `deadline`, keeping at most kMaxAnswerBytes
+// and counting the rest in *dropped. False on timeout.
+bool ReadAll(int fd, std::string* out, std::chrono::steady_clock::time_point deadline,
+             uint64_t* dropped) {
+  const absl::Time until =
+      absl::Now() + absl::FromChrono(deadline - std::chrono::steady_clock::now());
+  // An I/O error ends the answer like EOF: the decoder then says it is short.
+  return !absl::IsDeadlineExceeded(
+      frame_io::ReadStream(fd, kMaxAnswerBytes, until, out, dropped));
 }
 
 }  // namespace
 
+// Both ends use the common codec (server/common/codec.h).
 std::string EncodeGpuRequest(const GpuCompileRequest& r) {
-  std::string out;
-  Put(&out, r.source);
-  Put(&out, r.file_name);
-  PutList(&out, r.options);
-  PutList(&out, r.name_expressions);
-  PutList(&out, r.archs);
-  return out;
+  codec::Writer w;
+  w.Str(r.source);
+  w.Str(r.file_name);
+  w.Strs(r.options);
+  w.Strs(r.name_expressions);
+  w.Strs(r.archs);
+  return w.Take();
 }
 
 bool DecodeGpuRequest(std::string_view in, GpuCompileRequest* r) {
-  return Get(&in, &r->source) && Get(&in, &r->file_name) && GetList(&in, &r->options) &&
-         GetList(&in, &r->name_expressions) && GetList(&in, &r->archs) && in.empty();
+  codec::Reader rd(in, "GPU compiler sandbox's request");
+  r->source = rd.Str();
+  r->file_name = rd.Str();
+  r->options = rd.Strs();
+  r->name_expressions = rd.Strs();
+  r->archs = rd.Strs();
+  return rd.done();
 }
 
 std::string EncodeGpuResult(const absl::StatusOr<GpuCompileOutput>& r) {
-  std::string out;
-  Put(&out, std::to_string(static_cast<int>(r.status().code())));
-  Put(&out, std::string(r.status().message()));
-  if (!r.ok()) return out;
-  std::vector<std::string> cubins, names;
-  for (const auto& [arch, bin] : r->cubins) cubins.insert(cubins.end(), {arch, bin});
-  for (const auto& [expr, name] : r->lowered_names) names.insert(names.end(), {expr, name});
-  PutList(&out, cubins);
-  Put(&out, r->ptx);
-  Put(&out, r->ptx_arch);
-  PutList(&out, names);
-  Put(&out, r->diagnostics);
-  Put(&out, std::to_string(r->compile_ms));
-  return out;
+  codec::Writer w;
+  w.I32(static_cast<int32_t>(r.status().code()));
+  w.Str(std::string(r.status().message()));
+  if (!r.ok()) return w.Take();
+  w.Count(r->cubins.size());
+  for (const auto& [arch, bin] : r->cubins) {
+    w.Str(arch);
+    w.Str(bin);
+  }
+  w.Str(r->ptx);
+  w.Str(r->ptx_arch);
+  w.Count(r->lowered_names.size());
+  for (const auto& [expr, name] : r->lowered_names) {
+    w.Str(expr);
+    w.Str(name);
+  }
+  w.Str(r->diagnostics);
+  w.F64(r->compile_ms);
+  return w.Take();
 }
 
 absl::StatusOr<GpuCompileOutput> DecodeGpuResult(std::string_view in) {
-  std::string code, message;
-  if (!Get(&in, &code) || !Get(&in, &message)) {
+  codec::Reader rd(in, kSandboxChannel);
+  const int32_t c = rd.I32();
+  std::string message = rd.Str();
+  if (!rd.ok() || c < 0 || c > 16) {
     return absl::InternalError("the NVRTC sandbox sent a malformed answer");
   }
-  const int c = std::atoi(code.c_str());
   if (c != 0) {
-    if (c < 0 || c > 16) return absl::InternalError("the NVRTC sandbox sent a malformed answer");
+    if (!rd.done()) return absl::InternalError("the NVRTC sandbox sent a malformed answer");
     return absl::Status(static_cast<absl::StatusCode>(c), message);
   }
   GpuCompileOutput out;
-  std::vector<std::string> cubins, names;
-  std::string ms;
-  if (!GetList(&in, &cubins) || !Get(&in, &out.ptx) || !Get(&in, &out.ptx_arch) ||
-      !GetList(&in, &names) || !Get(&in, &out.diagnostics) || !Get(&in, &ms) || !in.empty() ||
-      cubins.size() % 2 != 0 || names.size() % 2 != 0) {
-    return absl::InternalError("the NVRTC sandbox sent a malformed answer");
+  // Each pair takes at least its two string lengths.
+  for (uint32_t i = 0, n = rd.Count(8); rd.ok() && i < n; ++i) {
+    std::string arch = rd.Str();
+    out.cubins[arch] = rd.Str();
   }
-  for (size_t i = 0; i < cubins.size(); i += 2) out.cubins[cubins[i]] = std::move(cubins[i + 1]);
-  for (size_t i = 0; i < names.size(); i += 2) out.lowered_names[names[i]] = std::move(names[i + 1]);
-  out.compile_ms = std::atof(ms.c_str());
+  out.ptx = rd.Str();
+  out.ptx_arch = rd.Str();
+  for (uint32_t i = 0, n = rd.Count(8); rd.ok() && i < n; ++i) {
+    std::string expr = rd.Str();
+    out.lowered_names[expr] = rd.Str();
+  }
+  out.diagnostics = rd.Str();
+  out.compile_ms = rd.F64();
+  if (!rd.done()) return absl::InternalError("the NVRTC sandbox sent a malformed answer");
   return out;
 }
-
 absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
   std::vector<std::string> args = {options_.worker_path,
                                    "--nvrtc",
@@ -510,9 +493,11 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest&
   ::close(sb.in);
   sb.in = -1;
   std::string answer;
+  uint64_t dropped = 0;
   const bool finished = ReadAll(sb.out, &answer,
                                 std::chrono::steady_clock::now() +
-                                    std::chrono::milliseconds(options_.timeout_ms));
+                                    std::chrono::milliseconds(options_.timeout_ms),
+                                &dropped);
   ::close(sb.out);
   sb.out = -1;
   if (!finished) ::kill(-sb.pid, SIGKILL);
@@ -534,6 +519,11 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest&
     return absl::InternalError(absl::StrCat("the GPU compiler's sandbox ended without an answer (",
                                             WIFEXITED(status) ? "exit " : "signal ",
                                             WIFEXITED(status) ? WEXITSTATUS(status) : sig, ")"));
+  }
+  if (dropped > 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the GPU compiler's answer was over ", kMaxAnswerBytes >> 20, " MiB (", dropped,
+        " bytes more); refused"));
   }
   return DecodeGpuResult(answer);
 }
