@@ -363,3 +363,85 @@ def test_postgres_down_refuses_writes_serves_calls_and_says_so(postgres):
         assert d.proc.poll() is None
     finally:
         d.close()
+
+
+def _pg_processes(pg):
+    """The server's postmaster and the processes it started."""
+    with open(os.path.join(pg.data, "postmaster.pid")) as f:
+        postmaster = int(f.readline())
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == postmaster:
+            children.append(int(entry))
+    return postmaster, children
+
+
+def _stopped(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "TtZX"
+    except OSError:
+        return True
+
+
+def test_postgres_frozen_write_fails_fast_and_never_lands(postgres):
+    """Issue 26: with every PostgreSQL process stopped (SIGSTOP: connections are
+    accepted, nothing answers), a registration is refused with STORE_UNAVAILABLE
+    within the url's bound (3 s) instead of hanging, the daemon logs the hang,
+    calls go on; once the server runs again the refused registration never
+    appears, and registering works again."""
+    url = ("host=127.0.0.1 port=%d dbname=opjit user=opjit connect_timeout=2 "
+           "options='-c statement_timeout=3000'" % postgres.port)
+    d = OpsDaemon('[health]\ninterval_ms = 200\n'
+                  '[registry]\nbackend = "postgres"\nurl = "%s"\npoll_ms = 500\n' % url)
+    frozen = []
+    try:
+        with opjit.Client(d.unix_address, timeout=60, transport="inline") as c:
+            c.register(spec("twice", "* 2.0f", "default"))
+            postmaster, children = _pg_processes(postgres)
+            for pid in [postmaster] + children:
+                os.kill(pid, signal.SIGSTOP)
+                frozen.append(pid)
+            wait_for(lambda: all(_stopped(p) for p in frozen), 10, "PostgreSQL to stop")
+
+            t0 = time.monotonic()
+            with pytest.raises(opjit.Unavailable) as e:
+                c.register(spec("frozen", "* 5.0f", "default"))
+            took = time.monotonic() - t0
+            print("register with PostgreSQL frozen: refused after %.2f s" % took)
+            assert e.value.reason == "STORE_UNAVAILABLE", e.value
+            assert took < 15, took
+            assert "host=" not in e.value.message and "port=" not in e.value.message
+            np.testing.assert_allclose(c.op("twice")(np.ones(3, np.float32)), 2.0)
+            wait_for(lambda: health(d.unix_address, STORE_SERVICE) == "NOT_SERVING", 30,
+                     "the store service to say NOT_SERVING")
+            assert health(d.unix_address) == "SERVING"
+            assert "PostgreSQL has not answered for" in d.read_log()
+
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+            frozen.clear()
+            time.sleep(3)
+            rows = subprocess.run(
+                [PG_BIN + "/psql", "-h", "127.0.0.1", "-p", str(postgres.port), "-U", "opjit",
+                 "-d", "opjit", "-At", "-c",
+                 "SELECT count(*) FROM opjit_op_versions WHERE name = 'frozen'"],
+                check=True, capture_output=True, text=True, cwd="/").stdout.strip()
+            assert rows == "0", "the refused registration landed later"
+            wait_for(lambda: health(d.unix_address, STORE_SERVICE) == "SERVING", 60,
+                     "the store service to say SERVING again")
+            c.register(spec("frozen", "* 5.0f", "default"))
+            np.testing.assert_allclose(c.op("frozen")(np.ones(2, np.float32)), 5.0)
+            assert c.describe("frozen").version == 1  # nothing of the refused one was kept
+        assert d.proc.poll() is None
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        d.close()
