@@ -1,6 +1,11 @@
 #include "server/runner/worker_protocol.h"
 
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <random>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "server/compiler/elf_symbols.h"
@@ -71,6 +76,48 @@ TEST(WireTest, MalformedFramesAreErrors) {
   wire::Reader r(std::string_view("\xff\xff\xff\xff\xff\xff\xff\x7f", 8));
   EXPECT_TRUE(r.Str().empty());  // a huge length prefix: refused, not allocated
   EXPECT_FALSE(r.ok());
+}
+
+// Frames from an executor are bounded before they are read (issue 26): a
+// kernel writing a header that claims 1 GiB to fd 3 gets DATA_LOSS at once,
+// not a 1 GiB buffer and a wait for bytes that never come.
+TEST(WireTest, ExecutorFramesAreBoundedBeforeTheyAreRead) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  const char huge[5] = {0, 0, 0, 0x40, 2};  // [len = 1 << 30][kDoorbell]
+  ASSERT_EQ(::write(sv[0], huge, sizeof huge), 5);
+  wire::Msg type;
+  std::string payload;
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = wire::RecvFrame(sv[1], &type, &payload, absl::Now() + absl::Seconds(30));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_NE(s.message().find("executor channel"), std::string::npos) << s;
+  EXPECT_EQ(payload.capacity(), std::string().capacity());
+  ::close(sv[0]);
+  ::close(sv[1]);
+
+  // A kernel artifact is large one way only: the executor takes it, the
+  // daemon would refuse the same frame from an executor.
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  const std::string big(wire::kMaxFromExecutorBytes, 'k');
+  std::thread writer([&] {
+    EXPECT_TRUE(wire::SendFrame(sv[0], wire::Msg::kLoadKernel, big).ok());
+    // Refused by the reader, which may close before all of it is sent.
+    (void)wire::SendFrame(sv[0], wire::Msg::kReply, big);
+  });
+  int fd = -1;
+  ASSERT_TRUE(wire::RecvFrame(sv[1], &type, &payload, absl::Now() + absl::Seconds(30), &fd,
+                              wire::kToExecutor)
+                  .ok());
+  EXPECT_EQ(type, wire::Msg::kLoadKernel);
+  EXPECT_EQ(payload, big);
+  EXPECT_EQ(fd, -1);
+  s = wire::RecvFrame(sv[1], &type, &payload, absl::Now() + absl::Seconds(30));
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  ::close(sv[1]);  // the writer may still be blocked on the refused frame
+  writer.join();
+  ::close(sv[0]);
 }
 
 TEST(ElfSymbolsTest, MalformedObjectsAreInvalidArgument) {
