@@ -1,4 +1,4 @@
-// A minimal HTTP server for Prometheus scrapes, on plain POSIX sockets.
+// The HTTP endpoint Prometheus scrapes, served by GNU libmicrohttpd.
 //
 //   auto exporter = HttpExporter::Start("127.0.0.1:9464",
 //                                       [&registry] { return registry.Render(); });
@@ -16,30 +16,35 @@
 //                 the body render() returns
 //   GET /         200, a short text pointing at /metrics
 //   GET other     404
-//   other method  405 (with "Allow: GET")
-//   bad request   400 (also a header line without a colon, an obsolete
-//                 folded line, or Authorization given twice); a request head
-//                 over Options::max_request_bytes: 431
-// The query string is ignored. Every response is HTTP/1.0-style: it carries
-// Content-Length and "Connection: close", and the connection is closed after
-// it (no keep-alive).
+//   HEAD          as GET, without the body
+//   other method  405 (with "Allow: GET, HEAD")
+//   bad request   400 (also a header name that is empty or holds a space or
+//                 tab, or Authorization given twice); a request head over
+//                 Options::max_request_bytes: 431 (414 when the request line
+//                 alone is too long to buffer)
+// The query string is ignored. Every response carries Content-Length and
+// "Connection: close", and the connection is closed after it (no
+// keep-alive). An obsolete folded header line is not rejected, but it never
+// yields an Authorization value. A request body, if any, is not read.
 //
-// One thread polls the listening socket and handles connections one at a time,
-// each within Options::read_timeout_ms to receive the request head and
-// Options::write_timeout_ms to send the response, so a slow or idle client
-// delays other scrapes by at most that much and costs no extra thread. A
-// request body, if any, is not read.
+// Connections are served by Options::threads threads, each polling its own
+// share (libmicrohttpd's thread pool), so an idle or slow client costs one
+// connection slot and no thread: it delays nobody's scrape. Each connection
+// has Options::read_timeout_ms from accept to send its whole request head and
+// then Options::write_timeout_ms to take the response; past either it is
+// closed. At most Options::max_connections are open at once (further ones
+// wait in the listen queue) and at most Options::max_connections_per_address
+// from one IPv4 address (further ones are closed at once).
 //
 // Thread-safety: port() and address() may be called from any thread. The
-// handler (or render()) runs on the exporter's thread, one call at a time.
-// The destructor must not run concurrently with other calls.
+// handler (or render()) runs on one of the exporter's threads, one call at a
+// time. The destructor must not run concurrently with other calls.
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -76,25 +81,37 @@ class HttpExporter {
 
   struct Options {
     // Time a connection has, from accept, to send its whole request head
-    // (through the blank line). A connection that takes longer is closed
-    // without a response. Default: 2000.
+    // (through the blank line), however it trickles in. A connection that
+    // takes longer is closed without a response. Default: 2000.
     int read_timeout_ms = 2000;
-    // Time a response may take to send; a client that reads slower is cut
-    // off. Default: 10000.
+    // Time a response may take to send, from the end of the head; a client
+    // that reads slower is cut off. Default: 10000.
     int write_timeout_ms = 10000;
-    // Bytes a request head may have; a larger one is answered 431.
+    // Bytes a request head may have; a larger one is answered 431. It also
+    // sizes each connection's buffer (about twice this plus 8 KiB).
     // Default: 8192.
     size_t max_request_bytes = 8192;
+    // Threads that serve connections (at least 1). Default: 4.
+    int threads = 4;
+    // Connections open at once (at least `threads`); more wait in the
+    // listen queue until one closes. Default: 128.
+    int max_connections = 128;
+    // Connections open at once from one IPv4 address (0: no limit); more
+    // are closed as soon as they are accepted. Default: 32.
+    int max_connections_per_address = 32;
   };
 
   // Listens on `listen`, "host:port": host is an IPv4 address ("127.0.0.1",
   // "0.0.0.0" for every interface) or "localhost" (127.0.0.1); port is
-  // 0..65535, 0 picks a free one. Starts the thread; `handler` answers every
+  // 0..65535, 0 picks a free one. Starts the threads; `handler` answers every
   // GET /metrics and must be callable until the exporter is destroyed.
+  // Options out of range are clamped (timeouts to at least 1 ms, threads to
+  // 1..64, max_connections to at least threads).
   // INVALID_ARGUMENT: `listen` is malformed (no port, empty or unknown host,
   //                   IPv6), or `handler` is empty.
   // UNAVAILABLE:      the socket cannot be created or bound (port in use,
-  //                   address not local, permission denied).
+  //                   address not local, permission denied), or the HTTP
+  //                   server cannot start (no threads, no memory).
   static absl::StatusOr<std::unique_ptr<HttpExporter>> Start(const std::string& listen,
                                                              Handler handler);
   static absl::StatusOr<std::unique_ptr<HttpExporter>> Start(const std::string& listen,
@@ -107,8 +124,8 @@ class HttpExporter {
                                                              std::function<std::string()> render,
                                                              const Options& options);
 
-  // Wakes the thread, waits for it (at most the end of the render() call in
-  // progress; a connection being read or written is dropped at once), then
+  // Stops the threads, waiting at most for the end of the render() call in
+  // progress (a connection being read or written is dropped at once), then
   // closes the sockets.
   ~HttpExporter();
   HttpExporter(const HttpExporter&) = delete;
@@ -120,19 +137,13 @@ class HttpExporter {
   std::string address() const { return address_; }
 
  private:
-  HttpExporter(int listen_fd, int wake_fd, int port, std::string address, Handler handler,
-               const Options& options);
+  struct Server;  // libmicrohttpd's daemon and what its callbacks share
 
-  void Loop();
-  void HandleConnection(int fd);
+  HttpExporter(int port, std::string address, std::unique_ptr<Server> server);
 
-  const int listen_fd_;
-  const int wake_fd_;  // eventfd; written by the destructor to stop Loop()
   const int port_;
   const std::string address_;
-  const Handler handler_;
-  const Options options_;
-  std::thread thread_;  // started last, in the constructor
+  std::unique_ptr<Server> server_;
 };
 
 }  // namespace opjit::metrics
