@@ -43,8 +43,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // How many bytes `text` takes as a percent-encoded grpc-message.
 size_t GrpcMessageWireSize(absl::string_view text);
 
-// `text` cut so that its grpc-message form fits `max` bytes, marker
-// included: itself when it fits; otherwise its first bytes (cut at a line end
+// `text` cut so that its grpc-message form fits `max` bytes (at least 128),
+// marker included: itself when it fits; otherwise its first bytes (cut at a line end
 // when one lies in the second half of the room, and never inside a UTF-8
 // character) plus "\n... (N KiB) not shown", or "\n... and K more diagnostics
 // (N KiB) not shown" when `text` is compiler output with K diagnostics past
