@@ -66,9 +66,11 @@
 // COMMIT the store remembers the transaction id (txid_current(), returned
 // by the guard row's INSERT) and, once connected again, asks txid_status()
 // and logs the outcome: "rolled back, as reported", or, at error level,
-// "committed after all" (possible only when the server's clock was stepped
-// back meanwhile, or the server froze between the trigger and the commit
-// record, microseconds apart). The
+// "committed after all". The latter needs the server's clock stepped back
+// meanwhile, or a freeze between the trigger and the commit record
+// (microseconds apart), or the connection cut after the commit record was
+// written (the classic in-doubt commit: the write landed before the caller
+// was told, not after). Such a write reaches every registry by the sync. The
 // guard needs the TEMP privilege (PUBLIC has it by default) and plpgsql.
 // Tested against a server frozen with SIGSTOP, before a write and between a
 // write's last statement and its COMMIT (tests/unit/registry/
