@@ -157,7 +157,7 @@ function errorTypes() {
 // is '' when the daemon sent no ErrorInfo (an older daemon, or an error made
 // by the client library itself, such as an unreachable server).
 function richDetails(grpcError) {
-  const out = { reason: '', metadata: {}, diagnostics: [] };
+  const out = { reason: '', metadata: {}, diagnostics: [], omittedDiagnostics: 0 };
   const blobs = grpcError.metadata instanceof grpc.Metadata
     ? grpcError.metadata.get('grpc-status-details-bin') : [];
   if (!blobs.length) return out;
@@ -173,10 +173,11 @@ function richDetails(grpcError) {
         const d = t.CompileDiagnostics.toObject(t.CompileDiagnostics.decode(any.value), plain);
         out.diagnostics = d.diagnostics.map(({ file, line, column, severity, text }) =>
           ({ file, line, column, severity, text }));
+        out.omittedDiagnostics = d.omitted_diagnostics || 0;
       }
     }
   } catch (e) {
-    return { reason: '', metadata: {}, diagnostics: [] }; // not ours
+    return { reason: '', metadata: {}, diagnostics: [], omittedDiagnostics: 0 }; // not ours
   }
   return out;
 }
@@ -206,6 +207,8 @@ class OpjitError extends Error {
     this.reason = rich.reason || name;
     this.metadata = rich.metadata;
     this.diagnostics = rich.diagnostics;
+    // Diagnostics the server left out to keep the error small (issue 26).
+    this.omittedDiagnostics = rich.omittedDiagnostics;
     // Every daemon error carries a reason; gRPC's own (no daemon answered) none.
     Object.defineProperty(this, FROM_DAEMON, { value: Boolean(rich.reason) });
   }

@@ -293,7 +293,7 @@ absl::Status AccessControl::Check(const Principal& principal, const std::string&
                                       Excerpt(ns), "' cannot be created"));
   }
   namespaces_.insert(ns);
-  Logger("access")->info("namespace '{}' created by {}", ns, principal.name);
+  Logger("access")->info("namespace '{}' created by {}", Excerpt(ns), principal.name);
   return absl::OkStatus();
 }
 

@@ -7,6 +7,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
+#include "server/common/text.h"
+#include "server/registry/validate.h"
 #include "server/rpc/services.h"
 
 namespace opjit::rpc {
@@ -71,6 +74,16 @@ absl::StatusOr<std::shared_ptr<const access::Principal>> Admit(
     access::Action action) {
   auto p = Authenticate(core, ctx);
   if (!p.ok() || core.access == nullptr) return p;
+  // A name no namespace can have is refused before access control records
+  // it: a caller could otherwise fill the namespace table with 100 KB names.
+  if (!ns.empty() && !registry::IsValidNamespace(ns)) {
+    const std::string why = absl::StrCat("namespace '", Excerpt(ns),
+                                         "' is not a valid name (names match [a-z0-9_-]{1,64})");
+    if (action == access::Action::kWrite) {
+      return WithReason(absl::InvalidArgumentError(why), reason::kInvalidSpec);
+    }
+    return WithReason(absl::NotFoundError(why), reason::kNamespaceNotFound);
+  }
   if (absl::Status s = core.access->Check(**p, ns, action); !s.ok()) return s;
   return p;
 }

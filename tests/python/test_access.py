@@ -278,6 +278,21 @@ def test_only_an_admin_creates_namespaces_up_to_the_cap(d):
             c.register(spec("x", "* 1.0f", "team-other"))
 
 
+def test_a_name_no_namespace_can_have_is_refused_before_it_is_recorded(d):
+    """A 100,000-character namespace (issue 26): refused with a short message,
+    before access control records it (see the namespaces quota below)."""
+    huge = "n" * 100_000
+    with d.client("admin") as c:
+        with pytest.raises(opjit.InvalidArgument) as e:
+            c.register(spec("x", "* 1.0f", huge))
+        assert e.value.reason == "INVALID_SPEC" and len(str(e.value)) < 2048
+    with d.client("admin", huge) as other:
+        with pytest.raises(opjit.NotFound) as e:
+            other.op("x")(np.ones(2, np.float32))
+        assert e.value.reason == "NAMESPACE_NOT_FOUND" and len(str(e.value)) < 2048
+        assert "[a-z0-9_-]{1,64}" in str(e.value)
+
+
 # ---- the unix socket: SO_PEERCRED and shm ownership ----------------------------------------
 
 NOBODY = ("import sys, grpc, opjit\n"
@@ -384,6 +399,12 @@ def test_quotas_name_the_quota_and_its_value():
         # Namespaces: the admin may create up to the cap (8, with default, alice, bob,
         # shared and the admin's ones).
         with q.client("admin") as c:
+            # Names no namespace can have (issue 26) are refused and take no
+            # room: ten of them, then a real namespace still fits.
+            for i in range(10):
+                with pytest.raises(opjit.InvalidArgument):
+                    c.register(spec("x", "* 1.0f", "%d" % i + "N" * 100_000))
+            c.register(spec("x", "* 1.0f", "extra"))
             with pytest.raises(opjit.ResourceExhausted) as e:
                 for i in range(10):
                     c.register(spec("x", "* 1.0f", "extra%d" % i))
