@@ -267,6 +267,10 @@ TEST_F(PostgresRegistryTest, ChangesReachOtherDaemonsByNotify) {
   // those caused a reload, and each of its writes fired its listener once.
   ASSERT_TRUE(MustRegister(*b.reg, ValidDef("from_b")).created);
   ASSERT_GE(MsUntil([&] { return Has(*a.reg, "default", "from_b", 1); }, kBoundMs), 0);
+  // The reload is counted, and the listener fired, just after the change
+  // became visible.
+  EXPECT_GE(
+      MsUntil([&] { return a.reg->reloads() >= 1 && a.changes->load() >= kOps + 2; }, kBoundMs), 0);
   EXPECT_EQ(a.reg->reloads(), 1u);
   EXPECT_EQ(a.changes->load(), kOps + 1 + 1);  // its registrations, its delete, B's op
 }
