@@ -39,6 +39,7 @@
 #include "server/rpc/metrics_interceptor.h"
 #include "server/autograd/autograd.h"
 #include "server/common/sha256.h"
+#include "server/common/subprocess.h"
 #include "server/cache/disk_cache.h"
 #include "server/config.h"
 #include "server/exec/channels.h"
@@ -477,6 +478,17 @@ int Run(int argc, char** argv) {
   if (!lock_fd.ok()) {
     log->error("{}", std::string(lock_fd.status().message()));
     return 1;
+  }
+  // Every helper carries a tag of the state dir (as the shm names do). With
+  // the lock held no other daemon of this state dir lives, so a tagged
+  // helper that is not ours was left by a killed predecessor: end it.
+  subprocess::SetInstanceTag(Sha256Hex(cfg->state_dir).substr(0, 12));
+  if (const int ended = subprocess::EndLeftovers(
+          subprocess::InstanceTag(),
+          {"opjit-exec-worker", "opjit-compile-worker", "opjit-gpu-sandbox"});
+      ended > 0) {
+    log->warn("ended {} helper process(es) a previous opjitd of this state dir left running",
+              ended);
   }
 
   registry::Registry::Options reg_opts{

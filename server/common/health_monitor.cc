@@ -1,19 +1,13 @@
 #include "server/common/health_monitor.h"
 
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
-
-#include <fcntl.h>
 
 #include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "server/common/logging.h"
-
-extern char** environ;
+#include "server/common/subprocess.h"
 
 namespace opjit {
 
@@ -86,35 +80,26 @@ absl::Status ProbeExecutable(const std::string& path) {
     return absl::UnavailableError(
         absl::StrCat("the worker program cannot be run (", std::strerror(errno), ")"));
   }
-  const char* argv[] = {path.c_str(), "--probe", nullptr};
-  pid_t pid = 0;
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
-  const int rc = posix_spawn(&pid, path.c_str(), &actions, nullptr, const_cast<char**>(argv),
-                             environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) {
-    return absl::UnavailableError(absl::StrCat("the worker cannot be started (", std::strerror(rc), ")"));
+  // Descriptors 0-2 on /dev/null, nothing else of the daemon's; the
+  // helpers' environment.
+  subprocess::SpawnOptions spawn;
+  spawn.path = path;
+  spawn.args = {"--probe"};
+  spawn.env = subprocess::HelperEnvironment();
+  absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
+  if (!pid.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("the worker cannot be started (", pid.status().message(), ")"));
   }
-  int status = 0;
-  for (int i = 0; i < 1000; ++i) {
-    const pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid) {
-      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
-      return absl::UnavailableError(
-          WIFSIGNALED(status)
-              ? absl::StrCat("the worker died at start (signal ", WTERMSIG(status), ")")
-              : absl::StrCat("the worker exited with status ", WEXITSTATUS(status), " at start"));
-    }
-    if (r < 0 && errno != EINTR) return absl::UnavailableError("waitpid failed");
-    usleep(10000);
+  absl::StatusOr<std::optional<subprocess::Exit>> ended = subprocess::WaitFor(*pid, absl::Seconds(10));
+  if (!ended.ok()) return absl::UnavailableError("the worker could not be waited for");
+  if (!ended->has_value()) {
+    (void)subprocess::Reap(*pid);
+    return absl::UnavailableError("the worker did not start within 10 s");
   }
-  kill(pid, SIGKILL);
-  waitpid(pid, &status, 0);
-  return absl::UnavailableError("the worker did not start within 10 s");
+  const subprocess::Exit& e = **ended;
+  if (e.exited() && e.code() == 0) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("the worker ", e.Describe(), " at start"));
 }
 
 }  // namespace opjit

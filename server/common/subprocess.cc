@@ -309,11 +309,10 @@ absl::StatusOr<std::optional<Exit>> WaitFor(pid_t pid, absl::Duration timeout) {
 }
 
 absl::StatusOr<Exit> Reap(pid_t pid, absl::Duration grace, bool kill_group) {
-  if (grace > absl::ZeroDuration()) {
-    absl::StatusOr<std::optional<Exit>> done = WaitFor(pid, grace);
-    if (!done.ok()) return done.status();
-    if (done->has_value()) return **done;
-  }
+  // (With no grace: one look, so one that already ended is not "killed".)
+  absl::StatusOr<std::optional<Exit>> done = WaitFor(pid, grace);
+  if (!done.ok()) return done.status();
+  if (done->has_value()) return **done;
   // Not reaped yet, so neither its pid nor its group can have been reused.
   if (!kill_group || ::kill(-pid, SIGKILL) != 0) ::kill(pid, SIGKILL);
   absl::StatusOr<Exit> e = Wait(pid);

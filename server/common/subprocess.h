@@ -113,10 +113,11 @@ absl::StatusOr<Exit> Wait(pid_t pid);
 // INTERNAL if it is not our child.
 absl::StatusOr<std::optional<Exit>> WaitFor(pid_t pid, absl::Duration timeout);
 
-// Ends `pid` and reaps it: it gets `grace` to exit by itself, then SIGKILL
-// (its whole process group with `kill_group`: sent before the reap, while
-// the group cannot have been reused). Exit::killed says whether SIGKILL was
-// sent. INTERNAL if it is not our child.
+// Ends `pid` and reaps it: it gets `grace` to exit by itself (none: it is
+// killed unless it has already ended), then SIGKILL (its whole process group
+// with `kill_group`: sent before the reap, while the group cannot have been
+// reused). Exit::killed says whether SIGKILL was sent. INTERNAL if it is not
+// our child.
 absl::StatusOr<Exit> Reap(pid_t pid, absl::Duration grace = absl::ZeroDuration(),
                           bool kill_group = false);
 

@@ -1,5 +1,8 @@
 // opjit-gpu-sandbox: runs the GPU compilers on untrusted sources, confined.
 //
+// Both modes also take --parent-pid P (die with P, exit at once if P is
+// already gone) and --instance TAG (a tag for a restart's sweep).
+//
 //   opjit-gpu-sandbox --nvrtc --cuda-root R --nvrtc-path LIB --memory BYTES
 //                     --archs sm_80,sm_90 [--include DIR]...
 //       One NVRTC compile: the request on stdin, the result on stdout
@@ -29,6 +32,7 @@
 #include "absl/strings/str_split.h"
 #include "server/common/worker_sanitizer.h"
 #include "server/common/sandbox.h"
+#include "server/common/subprocess.h"
 #include "server/gpu/nvrtc_compiler.h"
 
 namespace opjit::gpu {
@@ -42,15 +46,16 @@ int Fail(const std::string& what) {
   return 2;
 }
 
-int RunNvrtc(const std::string& cuda_root, const std::string& lib, uint64_t memory,
-             uint64_t cpu_seconds, const std::string& archs,
+int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
+             uint64_t memory, uint64_t cpu_seconds, const std::string& archs,
              const std::vector<std::string>& includes) {
-  // No PDEATHSIG: it is tied to the thread that started this process, and a
-  // spare may outlive that thread. A dead daemon closes stdin instead (an
-  // empty request: exit), and RLIMIT_CPU bounds a compile nobody waits for.
-  // NVRTC loads and the sandbox closes before the request is read, so the
-  // daemon can start one ahead of time and only the compile is on the
-  // caller's clock.
+  // Dies with the daemon (PDEATHSIG: the daemon starts every child from one
+  // long-lived thread, so a spare does not die with the thread that asked
+  // for it); a dead daemon also closes stdin (an empty request: exit), and
+  // RLIMIT_CPU bounds a compile nobody waits for. NVRTC loads and the
+  // sandbox closes before the request is read, so the daemon can start one
+  // ahead of time and only the compile is on the caller's clock.
+  if (!subprocess::DieWithParent(parent)) return 3;
   NvrtcOptions o;
   o.cuda_root = cuda_root;
   o.nvrtc_path = lib;
@@ -69,6 +74,7 @@ int RunNvrtc(const std::string& cuda_root, const std::string& lib, uint64_t memo
     p.address_space_bytes = memory;
     p.cpu_seconds = cpu_seconds;
     if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
+    if (!subprocess::DieWithParent(parent)) return 3;  // (again, after the sandbox)
     std::string request((std::istreambuf_iterator<char>(std::cin)),
                         std::istreambuf_iterator<char>());
     if (request.empty()) return 0;  // a spare that was never used
@@ -89,6 +95,7 @@ int Main(int argc, char** argv) {
   bool nvrtc = false, exec = false;
   std::string cuda_root = "/usr/local/cuda", lib, archs, rw;
   uint64_t memory = 0, cpu_seconds = 0;
+  pid_t parent = 0;
   std::vector<std::string> includes, ro;
   int i = 1;
   for (; i < argc; ++i) {
@@ -103,6 +110,10 @@ int Main(int argc, char** argv) {
       break;
     } else if (v == nullptr) {
       return Fail("missing value for " + a);
+    } else if (a == subprocess::kParentPidFlag) {
+      parent = static_cast<pid_t>(std::atol(argv[++i]));
+    } else if (a == subprocess::kInstanceFlag) {
+      ++i;  // a tag for a restart's sweep of leftovers (subprocess.h)
     } else if (a == "--cuda-root") {
       cuda_root = argv[++i];
     } else if (a == "--nvrtc-path") {
@@ -123,7 +134,7 @@ int Main(int argc, char** argv) {
       return Fail("unknown argument " + a);
     }
   }
-  if (nvrtc) return RunNvrtc(cuda_root, lib, memory, cpu_seconds, archs, includes);
+  if (nvrtc) return RunNvrtc(parent, cuda_root, lib, memory, cpu_seconds, archs, includes);
   if (!exec || i >= argc || rw.empty()) return Fail("usage: see the comment in gpu_sandbox_main.cc");
   sandbox::Policy p;
   p.read_only_paths = kSystem;
@@ -134,6 +145,9 @@ int Main(int argc, char** argv) {
   p.allow_processes = true;
   p.data_bytes = memory;
   if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
+  // Kept across the exec (nvcc is no set-uid program): nvcc dies with the
+  // daemon too.
+  if (!subprocess::DieWithParent(parent)) return 3;
   ::setenv("TMPDIR", rw.c_str(), 1);
   ::execv(argv[i], argv + i);
   return Fail(std::string("exec ") + argv[i] + ": " + std::strerror(errno));

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -23,8 +22,8 @@
 #include "server/common/frame_io.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
+#include "server/common/subprocess.h"
 
-extern char** environ;
 
 namespace opjit::gpu {
 namespace {
@@ -42,34 +41,31 @@ absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0)
     return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], 2);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setflags(&attr,
-                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  posix_spawnattr_setpgroup(&attr, 0);
-  sigset_t none, all;
-  sigemptyset(&none);
-  sigfillset(&all);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &all);
-  std::vector<char*> cargv;
-  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
-  cargv.push_back(nullptr);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, cargv[0], &actions, &attr, cargv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
+  // A clean environment but for the search path and temp dir nvcc and its
+  // host compiler need; opjit-gpu-sandbox is told its parent and tagged with
+  // this daemon's state dir (its PDEATHSIG, kept across its exec, then ends
+  // nvcc with the daemon).
+  const std::string program = argv[0].substr(argv[0].rfind('/') + 1);
+  subprocess::SpawnOptions spawn;
+  spawn.path = argv[0];
+  spawn.args.assign(argv.begin() + 1, argv.end());
+  if (program == "opjit-gpu-sandbox") {
+    spawn.args.insert(spawn.args.begin(),
+                      {subprocess::kParentPidFlag, std::to_string(::getpid())});
+    spawn.tag_instance = true;
+  }
+  spawn.env = subprocess::FromEnvironment({"PATH", "TMPDIR", "ASAN_OPTIONS", "UBSAN_OPTIONS",
+                                           "LSAN_OPTIONS"});
+  if (std::getenv("PATH") == nullptr) spawn.env.push_back("PATH=/usr/bin:/bin");
+  spawn.fds = {{1, fds[1]}, {2, fds[1]}};
+  absl::StatusOr<pid_t> started = subprocess::Spawn(spawn);
   close(fds[1]);
-  if (rc != 0) {
+  if (!started.ok()) {
     close(fds[0]);
     return absl::UnavailableError(
-        absl::StrCat("could not start ", argv[0], ": ", std::strerror(rc)));
+        absl::StrCat("could not start ", program, ": ", started.status().message()));
   }
+  const pid_t pid = *started;
 
   RunResult result;
   // nvcc's output (its log) up to 4 MiB; the rest is read, counted and
@@ -89,9 +85,10 @@ absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_
                     " more bytes of compiler output left out]\n");
   }
   close(fds[0]);
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  // At EOF it is ending: a few seconds to exit, then SIGKILL (the group).
+  absl::StatusOr<subprocess::Exit> ended = subprocess::Reap(
+      pid, result.timed_out ? absl::ZeroDuration() : absl::Seconds(5), /*kill_group=*/true);
+  const int status = ended.ok() ? ended->wait_status : W_EXITCODE(255, 0);
   // nvcc's children (cicc, ptxas, gcc) are in the same group; make sure none
   // outlives a killed or crashed nvcc.
   if (result.timed_out || WIFSIGNALED(status)) kill(-pid, SIGKILL);

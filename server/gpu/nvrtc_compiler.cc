@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <nvrtc.h>
@@ -22,6 +21,7 @@
 #include "server/common/frame_io.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
+#include "server/common/subprocess.h"
 
 namespace opjit::gpu {
 
@@ -402,7 +402,8 @@ absl::StatusOr<GpuCompileOutput> DecodeGpuResult(std::string_view in) {
   return out;
 }
 absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
-  std::vector<std::string> args = {options_.worker_path,
+  std::vector<std::string> args = {subprocess::kParentPidFlag,
+                                   std::to_string(::getpid()),
                                    "--nvrtc",
                                    "--cuda-root",
                                    options_.cuda_root,
@@ -422,42 +423,32 @@ absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
     ::close(in_pipe[1]);
     return absl::UnavailableError("pipe failed");
   }
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::string path_env = "PATH=/usr/bin:/bin";
-  char* envp[] = {path_env.data(), nullptr};
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, in_pipe[0], 0);
-  posix_spawn_file_actions_adddup2(&fa, out_pipe[1], 1);
-  posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&attr, 0);
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, argv[0], &fa, &attr, argv.data(), envp);
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&attr);
+  // The request on stdin, the answer on stdout, stderr to /dev/null; its
+  // own group, a clean environment, tagged with this daemon's state dir,
+  // from the spawn thread (so a spare's PDEATHSIG means the daemon died).
+  subprocess::SpawnOptions spawn;
+  spawn.path = options_.worker_path;
+  spawn.args = std::move(args);
+  spawn.env = subprocess::HelperEnvironment();
+  spawn.fds = {{0, in_pipe[0]}, {1, out_pipe[1]}};
+  spawn.tag_instance = true;
+  absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(in_pipe[0]);
   ::close(out_pipe[1]);
-  if (rc != 0) {
+  if (!pid.ok()) {
     ::close(in_pipe[1]);
     ::close(out_pipe[0]);
-    return absl::UnavailableError(absl::StrCat("cannot start the NVRTC sandbox: ", std::strerror(rc)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot start the NVRTC sandbox: ", pid.status().message()));
   }
-  return Sandbox{pid, in_pipe[1], out_pipe[0]};
+  return Sandbox{*pid, in_pipe[1], out_pipe[0]};
 }
 
 void NvrtcCompiler::Discard(Sandbox& s) {
   if (s.pid <= 0) return;
-  ::kill(-s.pid, SIGKILL);
   if (s.in >= 0) ::close(s.in);
   if (s.out >= 0) ::close(s.out);
-  int status = 0;
-  while (::waitpid(s.pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  (void)subprocess::Reap(s.pid, absl::ZeroDuration(), /*kill_group=*/true);
   s = Sandbox{};
 }
 
@@ -500,10 +491,10 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest&
                                 &dropped);
   ::close(sb.out);
   sb.out = -1;
-  if (!finished) ::kill(-sb.pid, SIGKILL);
-  int status = 0;
-  while (::waitpid(sb.pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  // Stopped at the deadline; one that answered gets a few seconds to exit.
+  absl::StatusOr<subprocess::Exit> ended = subprocess::Reap(
+      sb.pid, finished ? absl::Seconds(5) : absl::ZeroDuration(), /*kill_group=*/true);
+  const int status = ended.ok() ? ended->wait_status : 0;
   if (!finished) {
     return absl::DeadlineExceededError(absl::StrCat(
         "the GPU compile ran past ", options_.timeout_ms, " ms and was stopped"));

@@ -12,7 +12,13 @@
 //
 // Flags: --parent-pid P --arena-bytes N --memory-bytes N --uid U --gid G
 //        --spin-us N --scratch-dir D --namespace NS [--allow-library L]...
-//        [--read-only PATH]... [--channel-bytes N]
+//        [--read-only PATH]... [--channel-bytes N] [--instance TAG]
+//
+// Parent death: PR_SET_PDEATHSIG(SIGKILL) at start and again after the
+// sandbox (whose uid change clears it), each time followed by a check that
+// the parent is still --parent-pid; both waiting loops also look at the
+// parent while they wait. --instance tags the process for a restart's
+// sweep of leftovers (server/common/subprocess.h).
 //
 // With --channel-bytes, the worker serves one client's fast channel
 // (fast_channel.h), mapped from fd 5, instead of the daemon's call slot. It
@@ -21,6 +27,7 @@
 // for the daemon's metrics.
 
 #include <errno.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -42,6 +49,7 @@
 #include "absl/container/inlined_vector.h"
 #include "server/common/worker_sanitizer.h"
 #include "server/common/sandbox.h"
+#include "server/common/subprocess.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/common/error_info.h"
 #include "server/runner/fast_channel.h"
@@ -612,6 +620,17 @@ void Worker::ServeSlot(fast::Slot* slot, uint32_t index) {
   }
 }
 
+// Waits until the control socket has something to read (or hung up);
+// false once `parent` is no longer this process's parent.
+bool AwaitDaemon(pid_t parent) {
+  for (;;) {
+    pollfd p{kSock, POLLIN, 0};
+    const int r = ::poll(&p, 1, 1000);
+    if (r > 0 || (r < 0 && errno != EINTR)) return true;  // the read says what happened
+    if (!subprocess::ParentIs(parent)) return false;
+  }
+}
+
 int Worker::ChannelLoop(void* channel) {
   fast::Header* hdr = fast::HeaderOf(channel);
   const uint32_t n_slots = fast::kSlots;
@@ -650,6 +669,9 @@ int Worker::ChannelLoop(void* channel) {
       fast::FutexWait(&hdr->doorbell, bell, 100'000'000);
     }
     hdr->worker_sleeping.store(0, std::memory_order_seq_cst);
+    // This loop never reads the daemon's socket, so only this tells it the
+    // daemon died (were the parent-death signal ever lost).
+    if (!subprocess::ParentIs(static_cast<pid_t>(flags_.parent_pid))) return 0;
   }
 }
 
@@ -690,6 +712,12 @@ int Worker::Loop() {
       HandleCall();
       continue;
     }
+    // Wait for the daemon, checking every second that it is still the
+    // parent (a dead daemon also closes the socket; this does not rely on it).
+    if (!AwaitDaemon(static_cast<pid_t>(flags_.parent_pid))) {
+      slot_->state.fetch_and(~wire::kWorkerSleeping, std::memory_order_acq_rel);
+      return 0;
+    }
     wire::Msg type;
     std::string payload;
     int fd = -1;
@@ -713,7 +741,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     std::string a = argv[i];
     if (i + 1 >= argc) return false;
     std::string v = argv[++i];
-    if (a == "--parent-pid") f->parent_pid = std::atol(v.c_str());
+    if (a == subprocess::kParentPidFlag) f->parent_pid = std::atol(v.c_str());
+    else if (a == subprocess::kInstanceFlag) {}  // a tag for a restart's sweep (subprocess.h)
     else if (a == "--arena-bytes") f->arena_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (a == "--memory-bytes") f->memory_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (a == "--uid") f->uid = std::atoll(v.c_str());
@@ -740,8 +769,7 @@ int Main(int argc, char** argv) {
   // Nothing of the daemon's but the channel, the arena and (fast channels)
   // the client's channel memory.
   ::syscall(SYS_close_range, flags.channel_bytes > 0 ? 6u : 5u, ~0u, 0u);
-  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (flags.parent_pid != 0 && ::getppid() != flags.parent_pid) return 3;
+  if (!subprocess::DieWithParent(static_cast<pid_t>(flags.parent_pid))) return 3;
   ::signal(SIGPIPE, SIG_IGN);
   if (::chdir("/") != 0) return 2;
 
@@ -798,6 +826,10 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "opjit-exec-worker: sandbox: %s\n", s.ToString().c_str());
     return 6;
   }
+  // Once more: the sandbox's uid change cleared the parent-death signal
+  // (Linux does so on every credential change), and without it a channel
+  // executor, which never reads the daemon's socket, outlived the daemon.
+  if (!subprocess::DieWithParent(static_cast<pid_t>(flags.parent_pid))) return 3;
 
   wire::Writer hello;
   hello.U32(wire::kProtocolVersion);

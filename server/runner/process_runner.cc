@@ -5,7 +5,6 @@
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -29,15 +28,14 @@
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
-#include "server/common/spawn_thread.h"
 #include "server/common/status_macros.h"
+#include "server/common/subprocess.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/runner/fast_channel.h"
 #include "server/runner/worker_protocol.h"
 #include "server/tensor/guarded_copy.h"
 #include "server/tensor/region.h"
 
-extern char** environ;
 
 namespace opjit::runner {
 namespace {
@@ -59,11 +57,6 @@ inline void CpuRelax() { ::sched_yield(); }
 // and the kernel's content.
 std::string QuarantineKey(const InstanceSpec& spec) {
   return absl::StrCat(spec.ns, "\x1f", spec.label, "\x1f", spec.kernel->cache_key);
-}
-
-std::string SignalText(int sig) {
-  const char* name = sigabbrev_np(sig);
-  return absl::StrCat(name != nullptr ? absl::StrCat("SIG", name) : "signal", " (signal ", sig, ")");
 }
 
 // One executor process and its channel. Owned by exactly one thread at a
@@ -96,29 +89,12 @@ struct Worker {
   // usually means it is), then it is killed anyway.
   void Reap(bool kill, int grace_ms = 0) {
     if (pid <= 0) return;
-    int status = 0;
-    rusage usage{};
-    pid_t r = 0;
-    if (!kill) {
-      const auto until = Clock::now() + std::chrono::milliseconds(grace_ms);
-      while ((r = ::wait4(pid, &status, WNOHANG, &usage)) == 0 && Clock::now() < until) {
-        ::usleep(200);
-      }
-    }
-    if (r != pid) {
-      killed_by_us = true;
-      ::kill(pid, SIGKILL);
-      do {
-        r = ::wait4(pid, &status, 0, &usage);
-      } while (r < 0 && errno == EINTR);
-    }
-    if (r == pid) peak_rss_bytes = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
-    if (r == pid && death.empty()) {
-      if (WIFSIGNALED(status)) {
-        death = absl::StrCat("died with ", SignalText(WTERMSIG(status)));
-      } else if (WIFEXITED(status)) {
-        death = absl::StrCat("exited with status ", WEXITSTATUS(status));
-      }
+    absl::StatusOr<subprocess::Exit> e =
+        subprocess::Reap(pid, kill ? absl::ZeroDuration() : absl::Milliseconds(grace_ms));
+    if (e.ok()) {
+      killed_by_us = e->killed;
+      peak_rss_bytes = e->peak_rss_bytes();
+      if (death.empty()) death = e->Describe();
     }
     pid = -1;
   }
@@ -149,9 +125,6 @@ absl::Status StatusOf(const Reply& r) {
 
 struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   ProcessRunnerOptions options;
-  // Starts every worker: their PDEATHSIG then means "the daemon died", not
-  // "the thread that happened to start it exited".
-  SpawnThread spawner;
   std::mutex mu;
   std::map<std::string, std::unique_ptr<Pool>> pools;  // by namespace; guarded by mu
   std::map<std::string, int> crash_streak;             // by quarantine key; guarded by mu
@@ -267,8 +240,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
     if (!scratch.empty()) ::chmod(scratch.c_str(), 0700);
   }
   std::vector<std::string> args = {
-      options.worker_path,
-      "--parent-pid", std::to_string(::getpid()),
+      subprocess::kParentPidFlag, std::to_string(::getpid()),
       "--arena-bytes", std::to_string(options.arena_bytes),
       "--memory-bytes", std::to_string(options.memory_bytes),
       "--uid", std::to_string(options.uid),
@@ -297,39 +269,24 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
     args.push_back("--read-only");
     args.push_back(driver);
   }
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::vector<char*> envp;
-  for (auto& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, child_sock, 3);
-  posix_spawn_file_actions_adddup2(&fa, w->arena_fd, 4);
-  if (channel != nullptr) posix_spawn_file_actions_adddup2(&fa, channel->fd(), 5);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  // Its own process group, so a signal to the daemon's group spares it and
-  // the daemon decides when it ends.
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK);
-  posix_spawnattr_setpgroup(&attr, 0);
-  sigset_t none;
-  sigemptyset(&none);
-  posix_spawnattr_setsigmask(&attr, &none);
-  pid_t pid = -1;
-  const int err = spawner.Call<int>([&] {
-    return ::posix_spawn(&pid, options.worker_path.c_str(), &fa, &attr, argv.data(), envp.data());
-  });
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&attr);
+  // Its own process group (a signal to the daemon's group spares it; the
+  // daemon decides when it ends), started from the spawn thread (its
+  // PDEATHSIG means the daemon died), tagged with this daemon's state dir.
+  // Its stderr is the daemon's: what it says before its hello is logged.
+  subprocess::SpawnOptions spawn;
+  spawn.path = options.worker_path;
+  spawn.args = std::move(args);
+  spawn.env = std::move(env);
+  spawn.fds = {{2, 2}, {3, child_sock}, {4, w->arena_fd}};
+  if (channel != nullptr) spawn.fds.push_back({5, channel->fd()});
+  spawn.tag_instance = true;
+  absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(child_sock);
-  if (err != 0) {
+  if (!pid.ok()) {
     return absl::UnavailableError(
-        absl::StrCat("cannot start an executor process: ", std::strerror(err)));
+        absl::StrCat("cannot start an executor process: ", pid.status().message()));
   }
-  w->pid = pid;
+  w->pid = *pid;
   started.fetch_add(1);
   live.fetch_add(1);
   // The hello says the sandbox is in place.

@@ -11,15 +11,22 @@ directory. Then:
   - every op in the registry is well-formed (no torn record);
   - the disk cache verifies (opjitd --verify-cache);
   - no /dev/shm object of the killed daemon is left once it restarted;
+  - no child of the killed daemon (pool executors, a fast-channel executor,
+    compile workers) outlives it by more than a few seconds;
   - the restarted daemon answers calls correctly, on an op registered before
     the crash.
+At the end, a restart ends a helper its killed predecessor left behind (one
+planted with this state dir's tag and parent pid 1), and not one tagged for
+another state dir.
 Exits 0 when every round passes, 1 with the reasons otherwise.
 """
 
 import glob
+import hashlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +47,91 @@ def count_acks(pattern):
         with open(path) as f:
             n += sum(1 for line in f if line.endswith("\n"))
     return n
+
+
+HELPERS = ("opjit-exec-work", "opjit-compile-w", "opjit-gpu-sandb")
+
+
+def ended(pid):
+    """Gone, or a zombie its new parent has not reaped: it runs no more."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2] in "ZX"
+
+
+def wait_ended(pids, seconds):
+    """Polls until every pid ended or `seconds` passed; returns (the pids
+    still running, the seconds it took)."""
+    start = time.monotonic()
+    alive = set(pids)
+    while alive and time.monotonic() - start < seconds:
+        alive = {p for p in alive if not ended(p)}
+        if alive:
+            time.sleep(0.01)
+    return alive, time.monotonic() - start
+
+
+def plant_leftover(tag, hold):
+    """A stand-in for a helper a killed daemon left: a shell whose command
+    line is an executor's with "--instance <tag>", re-parented away from this
+    process (double fork), blocked reading `hold`. Returns its pid."""
+    r, w = os.pipe()
+    first = os.fork()
+    if first == 0:
+        try:
+            if os.fork() == 0:
+                os.write(w, b"%d\n" % os.getpid())
+                os.dup2(hold, 0)
+                os.execv("/bin/sh", ["/leftover/opjit-exec-worker", "-c", "read x",
+                                     "--instance", tag])
+        finally:
+            os._exit(0)
+    os.close(w)
+    pid = int(os.read(r, 32).decode().strip())
+    os.close(r)
+    os.waitpid(first, 0)
+    return pid
+
+
+def restart_sweep(build, state, check):
+    """A restart on `state` ends the helper its predecessor left, and never
+    one of another state dir."""
+    import soak
+    tag = soak.instance_prefix(state).split(".")[1]
+    other = hashlib.sha256((state + "-elsewhere").encode()).hexdigest()[:12]
+    hold_r, hold_w = os.pipe()
+    mine = plant_leftover(tag, hold_r)
+    theirs = plant_leftover(other, hold_r)
+    os.close(hold_r)
+    try:
+        # Both run as the fake helper before the daemon starts.
+        give_up = time.monotonic() + 10
+        def planted(pid):
+            try:
+                with open("/proc/%d/cmdline" % pid, "rb") as f:
+                    return b"--instance" in f.read()
+            except OSError:
+                return False
+        while not (planted(mine) and planted(theirs)) and time.monotonic() < give_up:
+            time.sleep(0.01)
+        check(planted(mine) and planted(theirs), "sweep: the planted leftovers did not start")
+        daemon = soak.Daemon(build, state).start()
+        alive, took = wait_ended([mine], 5)
+        check(not alive, "sweep: the restart left its predecessor's helper %d running" % mine)
+        check(not ended(theirs), "sweep: the restart killed another state dir's helper")
+        with open(os.path.join(state, "opjitd.log"), errors="replace") as f:
+            check("ended 1 helper process" in f.read(), "sweep: the restart did not log it")
+        daemon.stop()
+        print("sweep: the restart ended its predecessor's leftover in %.2f s and left another "
+              "state dir's alone" % took, flush=True)
+    finally:
+        os.close(hold_w)  # what is left reads EOF and exits
+        for pid in (mine, theirs):
+            if not ended(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def main():
@@ -89,7 +181,24 @@ def main():
         check(tag is not None and prefix == "opjit.%s." % tag,
               "round %d: the log names instance %r, the state dir gives %r" % (rnd, tag, prefix))
         live_shm = soak.shm_objects(prefix)
+        # A fast-channel executor for sure (the soak's clients may use
+        # one too), then every child the daemon has now.
+        fast = opjit.Client(daemon.address, timeout=60, fast="on")
+        x = np.linspace(-1, 1, 257, dtype=np.float32)
+        fast.op("tanh")(x)
+        kids = {pid: comm for pid, comm in soak.children(daemon.pid).items()
+                if comm in HELPERS}
         daemon.kill9()
+        alive, took = wait_ended(kids, 5)
+        check(kids and not alive, "round %d: children of the killed daemon outlived it: %s of %s"
+              % (rnd, sorted(kids[p] + " " + str(p) for p in alive), len(kids)))
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        print("round %d: %d children of the killed daemon (%d executors, %d compile workers) "
+              "gone after %.2f s" % (rnd, len(kids), sum(c == HELPERS[0] for c in kids.values()),
+                                     sum(c == HELPERS[1] for c in kids.values()), took),
+              flush=True)
+        fast.close()
         for p in procs:
             p.terminate()
         for p in procs:
@@ -149,6 +258,7 @@ def main():
                   flush=True)
 
     daemon.stop()
+    restart_sweep(build, state, check)
     if failures:
         print("FAILED (state kept in %s):\n  %s" % (work, "\n  ".join(failures)))
         return 1

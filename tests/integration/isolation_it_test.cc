@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <cmath>
@@ -422,6 +423,86 @@ TEST_F(IsolationIT, WorkspacesAreZeroFilledAndNamespacesGetTheirOwnProcesses) {
   EXPECT_NE(alice_pid, bob_pid);
   EXPECT_NE(alice_pid, static_cast<float>(daemon_->pid()));
   EXPECT_NE(bob_pid, static_cast<float>(daemon_->pid()));
+}
+
+// The processes whose parent is `pid` ({pid: command}), less the health
+// monitor's short-lived "--probe" runs.
+std::map<pid_t, std::string> ChildrenOf(pid_t parent) {
+  std::map<pid_t, std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream f(e.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const auto open = stat.find('('), close = stat.rfind(')');
+    if (open == std::string::npos || close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 2));
+    std::string state;
+    long ppid = 0;
+    rest >> state >> ppid;
+    if (ppid != parent) continue;
+    std::ifstream cmd(e.path() / "cmdline");
+    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
+    if (argv.find("--probe") != std::string::npos) continue;
+    out[std::stoi(name)] = stat.substr(open + 1, close - open - 1);
+  }
+  return out;
+}
+
+// Gone, or a zombie (its new parent has not reaped it yet): it runs no more.
+bool Ended(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos || close + 2 >= stat.size()) return true;
+  const char state = stat[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
+TEST_F(IsolationIT, NoChildOutlivesTheDaemonKilledWithSigkill) {
+  // A pool executor (an inline call), a fast-channel executor (which never
+  // reads the daemon's socket, and runs under another uid when the daemon
+  // is root) and the compile worker.
+  ASSERT_TRUE(RegisterKernel("default", "double", kCopy).ok());
+  auto r = c_->Forward(Call("default", "double"));
+  ASSERT_TRUE(r.ok()) << r.status() << daemon_->Log();
+  auto channel = c_->OpenChannel("");
+  ASSERT_TRUE(channel.ok()) << channel.status() << daemon_->Log();
+  std::map<pid_t, std::string> children;
+  int executors = 0, compilers = 0;
+  for (const auto until = Clock::now() + std::chrono::seconds(30); Clock::now() < until;) {
+    children = ChildrenOf(daemon_->pid());
+    executors = compilers = 0;
+    for (const auto& [pid, comm] : children) {
+      executors += comm == "opjit-exec-work";
+      compilers += comm == "opjit-compile-w";
+    }
+    if (executors >= 2 && compilers >= 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_GE(executors, 2) << "a pool executor and a channel executor";
+  ASSERT_GE(compilers, 1);
+
+  daemon_->Kill9();
+  const auto killed = Clock::now();
+  // Within about a second; 5 s allows for a loaded machine.
+  std::map<pid_t, std::string> alive = children;
+  while (!alive.empty() && Clock::now() < killed + std::chrono::seconds(5)) {
+    for (auto it = alive.begin(); it != alive.end();) {
+      it = Ended(it->first) ? alive.erase(it) : std::next(it);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - killed).count();
+  for (const auto& [pid, comm] : alive) {
+    ADD_FAILURE() << comm << " " << pid << " outlived the daemon by " << ms << " ms";
+    ::kill(pid, SIGKILL);  // leave nothing behind either way
+  }
+  RecordProperty("children_gone_after_ms", static_cast<int>(ms));
+  std::cout << children.size() << " children of the killed daemon gone after " << ms << " ms\n";
+  c_.reset();
+  daemon_.reset();
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -30,10 +29,10 @@
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
+#include "server/common/subprocess.h"
 #include "server/compiler/cpu/ipc.h"
 #include "server/compiler/cpu/preamble.h"
 
-extern char** environ;
 
 namespace opjit::compiler {
 namespace {
@@ -159,10 +158,8 @@ bool WaitReadable(int fd, absl::Time until) {
   }
 }
 
-std::string SignalName(int sig) {
-  const char* abbrev = ::sigabbrev_np(sig);
-  return abbrev != nullptr ? absl::StrCat("SIG", abbrev) : "an unknown signal";
-}
+using subprocess::DescribeExit;
+using subprocess::SignalName;
 
 // Signals that mean the compiler itself crashed on the source (as opposed to
 // a signal someone sent the worker).
@@ -171,11 +168,8 @@ bool IsCrashSignal(int sig) {
          sig == SIGTRAP || sig == SIGSYS;
 }
 
-std::string DescribeExit(int status) {
-  if (WIFSIGNALED(status)) return absl::StrCat("signal ", WTERMSIG(status));
-  if (WIFEXITED(status)) return absl::StrCat("exit status ", WEXITSTATUS(status));
-  return absl::StrCat("wait status ", status);
-}
+// Kills a worker (unless it already ended) and reaps it.
+void KillAndReap(pid_t pid) { (void)subprocess::Reap(pid); }
 
 }  // namespace
 
@@ -197,12 +191,7 @@ CpuCompiler::~CpuCompiler() {
     std::lock_guard<std::mutex> lock(mu_);
     idle.swap(idle_);
   }
-  for (auto& w : idle) {
-    ::kill(w->pid, SIGKILL);
-    int status;
-    while (::waitpid(w->pid, &status, 0) < 0 && errno == EINTR) {
-    }
-  }
+  for (auto& w : idle) KillAndReap(w->pid);
 }
 
 absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
@@ -221,7 +210,6 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
   for (const std::string& d : options.extra_include_dirs) {
     c->allowed_extra_dirs_.push_back(Normalize(d));
   }
-  c->spawner_ = std::make_unique<SpawnThread>();
   if (!options.pch_dir.empty()) {
     // Before any worker starts: Landlock grants access only to directories
     // that exist when a worker locks itself in.
@@ -319,79 +307,44 @@ void CpuCompiler::NotePchUse(const std::string& key, bool existed) {
 }
 
 absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() {
-  struct Spawned {
-    pid_t pid = -1;
-    int fd = -1;
-    int error = 0;
-  };
-  std::string path = worker_path_;
-  uint64_t limit = options_.memory_limit_bytes;
+  const std::string parent = std::to_string(::getpid());
+  std::vector<std::string> args = {"--fd", "3", subprocess::kParentPidFlag, parent};
+  if (options_.memory_limit_bytes != 0) {
+    args.insert(args.end(), {"--memory-limit", std::to_string(options_.memory_limit_bytes)});
+  }
   // What the worker's Landlock lets it read (besides the system's headers
   // and libraries) and write (the PCH directory).
-  std::vector<std::string> sandbox_args = {"--read-only", kernel_include_dir_};
-  for (const auto& d : allowed_extra_dirs_) sandbox_args.insert(sandbox_args.end(), {"--read-only", d});
+  args.insert(args.end(), {"--read-only", kernel_include_dir_});
+  for (const auto& d : allowed_extra_dirs_) args.insert(args.end(), {"--read-only", d});
   if (!options_.pch_dir.empty()) {
-    sandbox_args.insert(sandbox_args.end(), {"--read-write", Normalize(options_.pch_dir)});
+    args.insert(args.end(), {"--read-write", Normalize(options_.pch_dir)});
   }
-  Spawned sp = spawner_->Call<Spawned>([path, limit, sandbox_args]() {
-    Spawned r;
-    int sv[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-      r.error = errno;
-      return r;
-    }
-    // dup2(3, 3) would keep FD_CLOEXEC: move the child's end off fd 3 first.
-    if (sv[1] == 3) {
-      int moved = ::fcntl(sv[1], F_DUPFD_CLOEXEC, 10);
-      ::close(sv[1]);
-      sv[1] = moved;
-    }
-    std::string parent = std::to_string(::getpid());
-    std::string mem = std::to_string(limit);
-    std::vector<std::string> args = {path, "--fd", "3", "--parent-pid", parent};
-    if (limit != 0) args.insert(args.end(), {"--memory-limit", mem});
-    args.insert(args.end(), sandbox_args.begin(), sandbox_args.end());
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-    posix_spawn_file_actions_adddup2(&fa, sv[1], 3);
-    // Nothing else of the daemon's leaks into the worker, CLOEXEC or not.
-    posix_spawn_file_actions_addclosefrom_np(&fa, 4);
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    sigset_t none, all;
-    sigemptyset(&none);
-    sigfillset(&all);
-    sigdelset(&all, SIGKILL);
-    sigdelset(&all, SIGSTOP);
-    posix_spawnattr_setsigmask(&attr, &none);
-    posix_spawnattr_setsigdefault(&attr, &all);
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-    int rc = ::posix_spawn(&r.pid, path.c_str(), &fa, &attr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    posix_spawnattr_destroy(&attr);
-    ::close(sv[1]);
-    if (rc != 0) {
-      ::close(sv[0]);
-      r.error = rc;
-      r.pid = -1;
-      return r;
-    }
-    r.fd = sv[0];
-    return r;
-  });
-  if (sp.pid < 0) {
-    return absl::UnavailableError(absl::StrCat("cannot start the compile worker ", worker_path_,
-                                               ": ", std::strerror(sp.error)));
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot start a compile worker: socketpair: ",
+                                               std::strerror(errno)));
+  }
+  // The socket as fd 3, its stderr the daemon's; nothing else of the
+  // daemon's (descriptors, environment) leaks into it. Tagged with this
+  // daemon's state dir, from the spawn thread (its PDEATHSIG means the
+  // daemon died).
+  subprocess::SpawnOptions spawn;
+  spawn.path = worker_path_;
+  spawn.args = std::move(args);
+  spawn.env = subprocess::HelperEnvironment();
+  spawn.fds = {{2, 2}, {3, sv[1]}};
+  spawn.tag_instance = true;
+  absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
+  ::close(sv[1]);
+  if (!pid.ok()) {
+    ::close(sv[0]);
+    Logger("compiler")->error("cannot start {}: {}", worker_path_, pid.status().ToString());
+    return absl::UnavailableError(
+        absl::StrCat("cannot start a compile worker: ", pid.status().message()));
   }
   auto w = std::make_unique<Worker>();
-  w->pid = sp.pid;
-  w->fd = sp.fd;
+  w->pid = *pid;
+  w->fd = sv[0];
   std::string frame;
   absl::Status s = ipc::ReadFrame(w->fd, &frame, absl::Now() + kStartupTimeout);
   absl::StatusOr<ipc::Hello> hello =
@@ -400,12 +353,9 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
     hello = absl::FailedPreconditionError("protocol version mismatch");
   }
   if (!hello.ok()) {
-    ::kill(w->pid, SIGKILL);
-    int status = 0;
-    while (::waitpid(w->pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    return absl::UnavailableError(absl::StrCat("the compile worker ", worker_path_,
-                                               " did not start (", DescribeExit(status),
+    absl::StatusOr<subprocess::Exit> e = subprocess::Reap(w->pid);
+    return absl::UnavailableError(absl::StrCat("the compile worker did not start (it ",
+                                               e.ok() ? e->Describe() : "could not be reaped",
                                                "): ", hello.status().ToString()));
   }
   w->hello = *std::move(hello);
@@ -461,10 +411,7 @@ void CpuCompiler::Release(std::unique_ptr<Worker> worker) {
 }
 
 void CpuCompiler::Discard(std::unique_ptr<Worker> worker) {
-  ::kill(worker->pid, SIGKILL);
-  int status;
-  while (::waitpid(worker->pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  KillAndReap(worker->pid);
   worker.reset();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -517,10 +464,7 @@ void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane) {
   // A worker that spent its compile in the long lane has grown with it, and
   // its slot was already given away: it goes too.
   if (!died) {
-    ::kill(worker->pid, SIGKILL);
-    int status;
-    while (::waitpid(worker->pid, &status, 0) < 0 && errno == EINTR) {
-    }
+    KillAndReap(worker->pid);
     worker.reset();
   }
   {
@@ -560,8 +504,9 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
 
   // Reaps the worker (killing it first if it still runs) and drops it.
   auto reap = [&](int* status, rusage* usage) {
-    ::kill(w.pid, SIGKILL);
-    while (::wait4(w.pid, status, 0, usage) < 0 && errno == EINTR) {
+    if (absl::StatusOr<subprocess::Exit> e = subprocess::Reap(w.pid); e.ok()) {
+      *status = e->wait_status;
+      *usage = e->usage;
     }
     worker->reset();
   };

@@ -20,7 +20,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "server/common/spawn_thread.h"
 
 namespace opjit::compiler {
 
@@ -166,7 +165,6 @@ class CpuCompiler {
   std::string worker_path_;
   std::string toolchain_id_;
   std::string pch_dir_;  // normalised; empty: PCH disabled
-  std::unique_ptr<SpawnThread> spawner_;  // starts every worker (PDEATHSIG)
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;

@@ -4,7 +4,9 @@
 //
 // Flags:
 //   --fd N               the socket (default 3)
-//   --parent-pid P       exit at once if the parent is not P (PDEATHSIG race)
+//   --parent-pid P       exit at once if the parent is not P (PDEATHSIG race),
+//                        and once it is no longer P while waiting
+//   --instance TAG       the daemon's tag, for a restart's sweep (ignored here)
 //   --memory-limit BYTES RLIMIT_AS for this process (default: unchanged)
 //   --clang PATH         the clang binary the driver pretends to be
 //   --read-only PATH     a directory the compiler may read (repeatable)
@@ -23,6 +25,7 @@
 #include <linux/audit.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <poll.h>
 #include <signal.h>
 #include <stddef.h>
 #include <sys/prctl.h>
@@ -40,6 +43,7 @@
 
 #include "server/common/worker_sanitizer.h"
 #include "server/common/sandbox.h"
+#include "server/common/subprocess.h"
 #include "server/compiler/cpu/clang_frontend.h"
 #include "server/compiler/cpu/ipc.h"
 
@@ -100,9 +104,11 @@ int Main(int argc, char** argv) {
     if (a == "--fd" && v) {
       g_fd = std::atoi(v);
       ++i;
-    } else if (a == "--parent-pid" && v) {
+    } else if (a == subprocess::kParentPidFlag && v) {
       parent_pid = std::atol(v);
       ++i;
+    } else if (a == subprocess::kInstanceFlag && v) {
+      ++i;  // a tag for a restart's sweep of leftovers (subprocess.h)
     } else if (a == "--memory-limit" && v) {
       memory_limit = std::strtoull(v, nullptr, 10);
       ++i;
@@ -126,8 +132,7 @@ int Main(int argc, char** argv) {
   }
   ::fcntl(g_fd, F_SETFD, FD_CLOEXEC);
   // Die with the daemon. The parent check closes the race with its exit.
-  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (parent_pid != 0 && ::getppid() != parent_pid) return 3;
+  if (!subprocess::DieWithParent(static_cast<pid_t>(parent_pid))) return 3;
   ::signal(SIGPIPE, SIG_IGN);
   if (::chdir("/") != 0) return 2;
 
@@ -159,6 +164,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "opjit-compile-worker: %s\n", s.ToString().c_str());
     return 5;
   }
+  // Once more after the sandbox: a credential change clears it.
+  if (!subprocess::DieWithParent(static_cast<pid_t>(parent_pid))) return 3;
 
   ipc::Hello hello = frontend->Describe();
   hello.pid = static_cast<int32_t>(::getpid());
@@ -167,6 +174,14 @@ int Main(int argc, char** argv) {
   }
 
   for (;;) {
+    // Wait for the next request, checking every second that the daemon is
+    // still the parent.
+    for (;;) {
+      pollfd p{g_fd, POLLIN, 0};
+      const int r = ::poll(&p, 1, 1000);
+      if (r > 0 || (r < 0 && errno != EINTR)) break;  // the read says what happened
+      if (!subprocess::ParentIs(static_cast<pid_t>(parent_pid))) return 0;
+    }
     std::string payload;
     absl::Status s = ipc::ReadFrame(g_fd, &payload, absl::InfiniteFuture(), ipc::kToWorker);
     if (absl::IsOutOfRange(s)) return 0;  // the daemon closed the socket
