@@ -140,17 +140,46 @@ absl::Status ApplyLandlock(const Policy& p) {
 }
 
 // A seccomp program: refuse (EPERM) what a kernel or compiler never needs
-// and an attacker wants; allow the rest.
+// and an attacker wants; allow the rest. The program is linear: each rule
+// compares the system call number (in the accumulator) and, on a match,
+// returns; only a rule that matched may load an argument.
 class Bpf {
  public:
+  static constexpr uint32_t kAllow = SECCOMP_RET_ALLOW;
+  static constexpr uint32_t kEperm = SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA);
+
   void Add(sock_filter f) { prog_.push_back(f); }
-  void Deny(int nr) {
-    Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<uint32_t>(nr), 0, 1));
-    Add(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)));
-  }
+  void Deny(int nr) { Return(nr, kEperm); }
   void Return(int nr, uint32_t action) {
     Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<uint32_t>(nr), 0, 1));
     Add(BPF_STMT(BPF_RET | BPF_K, action));
+  }
+  // One condition of AllowOnly: argument `arg` (its low 32 bits, all the
+  // kernel reads of an int, pid_t or id_t) is one of `values`.
+  struct ArgIn {
+    int arg;
+    std::vector<uint32_t> values;
+  };
+  // System call `nr` is allowed only when every condition holds; else EPERM.
+  void AllowOnly(int nr, const std::vector<ArgIn>& conditions) {
+    size_t body = 1;  // the final RET ALLOW
+    for (const auto& c : conditions) body += 2 + c.values.size();
+    Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<uint32_t>(nr), 0,
+                 static_cast<uint8_t>(body)));
+    for (const auto& c : conditions) {
+      Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, ArgOffset(c.arg)));
+      const size_t m = c.values.size();
+      for (size_t j = 0; j < m; ++j) {
+        // A match jumps over the remaining comparisons and the refusal.
+        Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, c.values[j], static_cast<uint8_t>(m - j), 0));
+      }
+      Add(BPF_STMT(BPF_RET | BPF_K, kEperm));
+    }
+    Add(BPF_STMT(BPF_RET | BPF_K, kAllow));
+  }
+  static uint32_t ArgOffset(int i) {
+    // Little-endian x86-64: the low half comes first.
+    return static_cast<uint32_t>(offsetof(seccomp_data, args) + 8 * i);
   }
   std::vector<sock_filter>& prog() { return prog_; }
 
@@ -158,7 +187,15 @@ class Bpf {
   std::vector<sock_filter> prog_;
 };
 
-absl::Status ApplySeccomp(const Policy& p) {
+// Values of the arguments below, by number (not every header names them).
+constexpr uint32_t kPrioProcess = 0;      // setpriority: PRIO_PROCESS
+constexpr uint32_t kIoprioWhoProcess = 1;  // ioprio_set: IOPRIO_WHO_PROCESS
+constexpr uint32_t kFSetOwn = 8;           // fcntl: F_SETOWN
+constexpr uint32_t kFSetOwnEx = 15;        // fcntl: F_SETOWN_EX
+constexpr uint32_t kFioSetOwn = 0x8901;    // ioctl: FIOSETOWN
+constexpr uint32_t kSiocSPgrp = 0x8902;    // ioctl: SIOCSPGRP
+
+absl::Status InstallSeccomp(const Policy& p) {
   Bpf b;
   b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)));
   b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0));
@@ -166,7 +203,11 @@ absl::Status ApplySeccomp(const Policy& p) {
   b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)));
   // x32 system calls (bit 30) would bypass the numbers below.
   b.Add(BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000u, 0, 1));
-  b.Add(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
+  // Refused outright: networking, mounts and namespaces, kernel keys and
+  // modules, BPF and perf, io_uring, file handles, and whatever reaches
+  // into another process (tracing, its memory, its file descriptors,
+  // comparing its resources, signals by pid or pidfd, process groups).
   for (int nr : {SYS_socket, SYS_socketpair, SYS_connect, SYS_bind, SYS_listen, SYS_accept,
                  SYS_accept4, SYS_ptrace, SYS_process_vm_readv, SYS_process_vm_writev, SYS_mount,
                  SYS_umount2, SYS_pivot_root, SYS_chroot, SYS_bpf, SYS_keyctl, SYS_add_key,
@@ -174,7 +215,8 @@ absl::Status ApplySeccomp(const Policy& p) {
                  SYS_io_uring_enter, SYS_io_uring_register, SYS_userfaultfd, SYS_open_by_handle_at,
                  SYS_name_to_handle_at, SYS_kexec_load, SYS_kexec_file_load, SYS_init_module,
                  SYS_finit_module, SYS_delete_module, SYS_kill, SYS_tkill, SYS_pidfd_send_signal,
-                 SYS_pidfd_open, SYS_pidfd_getfd, SYS_setpgid, SYS_setsid}) {
+                 SYS_pidfd_open, SYS_pidfd_getfd, SYS_process_madvise, SYS_process_mrelease,
+                 SYS_kcmp, SYS_setpgid, SYS_setsid}) {
     b.Deny(nr);
   }
   if (!p.allow_exec) {
@@ -192,18 +234,50 @@ absl::Status ApplySeccomp(const Policy& p) {
     b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, args[0])));
     b.Add(BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, CLONE_THREAD, 0, 1));
     b.Add(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
-    b.Add(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)));
-    // (the accumulator now holds args[0]; reload nr for what follows)
-    b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)));
+    b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
   }
-  // tgkill only to this process (abort() and raise() use it on themselves).
+  // Calls that name a process: allowed only aimed at the caller itself, by
+  // 0 ("the calling thread" or "this process") or by this process's pid as
+  // it is when the filter is installed (with one thread: its pid is its
+  // tid). Another process, a process group or a user's processes: EPERM.
+  // A thread other than the first can name itself only by 0: seccomp cannot
+  // tell its tid from another process's pid (pthread_setaffinity_np,
+  // pthread_setschedparam and pthread attributes with an affinity or an
+  // explicit scheduling policy pass the tid, so they fail with EPERM in such
+  // threads). A child process (where allow_processes) also names itself by 0.
   const uint32_t self = static_cast<uint32_t>(::getpid());
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_tgkill, 0, 4));
-  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, args[0])));
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, self, 0, 1));
-  b.Add(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
-  b.Add(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)));
-  b.Add(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+  const std::vector<uint32_t> me = {0, self};
+  for (int nr : {SYS_prlimit64, SYS_sched_setaffinity, SYS_sched_setscheduler,
+                 SYS_sched_setparam, SYS_sched_setattr, SYS_migrate_pages, SYS_move_pages,
+                 SYS_get_robust_list}) {
+    b.AllowOnly(nr, {{0, me}});
+  }
+  b.AllowOnly(SYS_setpriority, {{0, {kPrioProcess}}, {1, me}});
+  b.AllowOnly(SYS_ioprio_set, {{0, {kIoprioWhoProcess}}, {1, me}});
+  // Signals only to this process (abort() and raise() use tgkill on
+  // themselves; sigqueue and pthread_sigqueue pass this pid too).
+  for (int nr : {SYS_tgkill, SYS_rt_sigqueueinfo, SYS_rt_tgsigqueueinfo}) {
+    b.AllowOnly(nr, {{0, {self}}});
+  }
+  // A file's owner receives its SIGIO (and the signal F_SETSIG picks, even
+  // SIGKILL): fcntl F_SETOWN only to nobody (0) or this process; F_SETOWN_EX
+  // and the ioctls that set the owner: EPERM.
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_fcntl, 0, 8));
+  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(1)));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFSetOwnEx, 4, 0));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFSetOwn, 0, 4));
+  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(2)));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 2, 0));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, self, 1, 0));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_ioctl, 0, 5));
+  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(1)));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFioSetOwn, 1, 0));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kSiocSPgrp, 0, 1));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
   sock_fprog prog{static_cast<unsigned short>(b.prog().size()), b.prog().data()};
   if (::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, &prog) != 0) {
     return Errno("seccomp");
@@ -253,7 +327,15 @@ absl::Status Apply(const Policy& p) {
   }
   if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return Errno("no_new_privs");
   if (auto s = ApplyLandlock(p); !s.ok()) return s;
-  return ApplySeccomp(p);
+  return InstallSeccomp(p);
+}
+
+absl::Status ApplySystemCallFilter(const Policy& p) {
+  if (CountThreads() != 1) {
+    return absl::FailedPreconditionError("sandbox: apply it while the process has one thread");
+  }
+  if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return Errno("no_new_privs");
+  return InstallSeccomp(p);
 }
 
 }  // namespace opjit::sandbox

@@ -24,7 +24,9 @@ struct Policy {
   std::vector<std::string> device_paths;      // existing files opened read-write, no create
   // Fail (FAILED_PRECONDITION) if the kernel has no Landlock.
   bool require_landlock = true;
-  // seccomp. Threads (clone with CLONE_THREAD) are always allowed.
+  // seccomp. Threads (clone with CLONE_THREAD) are always allowed. Calls
+  // aimed at another process are always refused with EPERM (see
+  // ApplySystemCallFilter).
   bool allow_exec = false;       // execve, execveat
   bool allow_processes = false;  // fork, vfork, clone without CLONE_THREAD
   // rlimits; 0 = leave unchanged.
@@ -49,5 +51,29 @@ int LandlockAbi();
 // one thread: FAILED_PRECONDITION otherwise. Other errors: INTERNAL naming
 // the step that failed.
 absl::Status Apply(const Policy& policy);
+
+// The seccomp step of Apply() alone (with no_new_privs, which it needs), for
+// tests of the filter without the Landlock domain (whose signal scope, on
+// kernels that have it, refuses signals to outside processes too). The
+// filter refuses with EPERM (never kills, so a kernel sees an error):
+//  - sockets, mounts, namespaces, keys, modules, bpf, perf_event_open,
+//    io_uring, userfaultfd, file handles, setpgid, setsid; execve and
+//    execveat unless allow_exec; fork, vfork and clone without CLONE_THREAD
+//    unless allow_processes (clone3: ENOSYS, so that glibc uses clone);
+//  - everything aimed at another process: ptrace, process_vm_readv/writev,
+//    process_madvise, process_mrelease, kcmp, kill, tkill, pidfd_open,
+//    pidfd_send_signal, pidfd_getfd outright; tgkill, rt_sigqueueinfo and
+//    rt_tgsigqueueinfo unless aimed at this process's pid; prlimit64,
+//    sched_setaffinity, sched_setscheduler, sched_setparam, sched_setattr,
+//    migrate_pages, move_pages and get_robust_list unless their pid is 0 or
+//    this process's pid; setpriority unless PRIO_PROCESS of 0 or this pid;
+//    ioprio_set unless IOPRIO_WHO_PROCESS of 0 or this pid; fcntl F_SETOWN
+//    unless to 0 or this pid, F_SETOWN_EX, and ioctl FIOSETOWN/SIOCSPGRP
+//    (a file's owner receives its signals).
+// "This process's pid" is getpid() when the filter is installed, with one
+// thread. A thread started later names itself by 0 (its tid is refused:
+// seccomp cannot tell it from another process's pid); so does a child.
+// Getters (getpriority, sched_getaffinity, ...) stay allowed.
+absl::Status ApplySystemCallFilter(const Policy& policy);
 
 }  // namespace opjit::sandbox
