@@ -94,12 +94,22 @@ void BecomeNobodyIfRoot() {
   }
 }
 
-// A child that waits, as nobody when root: the victim.
+// A child that waits, as nobody when root: the victim. Returned once it
+// has dropped to nobody (else the kernel, not the filter, would refuse).
 pid_t StartVictim() {
   const pid_t pid = ::fork();
   if (pid == 0) {
     BecomeNobodyIfRoot();
     for (;;) ::pause();
+  }
+  if (::geteuid() == 0) {
+    const std::string want = "Uid:\t" + std::to_string(kNobody) + "\t";
+    for (int i = 0; i < 5000; ++i) {
+      std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+      std::string status((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      if (status.find(want) != std::string::npos) break;
+      ::usleep(1000);
+    }
   }
   return pid;
 }
