@@ -128,6 +128,12 @@ const ProgramDoc& Program() {
         {"delete", "NAME", "the op: name or ns/name", "", false,
          "delete an op (every version unless --version)", "",
          {with_help(version, "delete only version N")}},
+        {"unquarantine", "NAME", "the op: name or ns/name", "", false,
+         "lift an op's quarantine, every version (admins)",
+         "A kernel whose executor crashed [exec] quarantine_after times in a row is\n"
+         "refused (FAILED_PRECONDITION, KERNEL_QUARANTINED) until this, or until the\n"
+         "op is registered again (even with the identical definition).",
+         {}},
         {"compile", "FILE", "the kernel source", "", true,
          "compile a kernel source without registering it",
          ".cu: nvcc (a shared object) with --aot or when the source has host code\n"
@@ -582,6 +588,20 @@ int CmdDelete(Client& c, const Globals& g, const Args& a) {
     std::printf("{\"deleted\": %d}\n", *n);
   } else {
     std::printf("deleted %d version(s) of %s\n", *n, a.positional[0].c_str());
+  }
+  return 0;
+}
+
+int CmdUnquarantine(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("unquarantine takes one NAME");
+  std::string ns, name;
+  SplitName(a.positional[0], &ns, &name);
+  auto n = c.ClearQuarantine(ns, name);
+  if (!n.ok()) return Fail(n.status());
+  if (g.json) {
+    std::printf("{\"lifted\": %d}\n", *n);
+  } else {
+    std::printf("lifted the quarantine of %d kernel(s) of %s\n", *n, a.positional[0].c_str());
   }
   return 0;
 }
@@ -1300,6 +1320,7 @@ int main(int argc, char** argv) {
     if (cmd == "ops") return CmdOps(c, g, args);
     if (cmd == "describe") return CmdDescribe(c, g, args);
     if (cmd == "delete") return CmdDelete(c, g, args);
+    if (cmd == "unquarantine") return CmdUnquarantine(c, g, args);
     if (cmd == "compile") return CmdCompile(c, g, args);
     if (cmd == "cache" || cmd == "stats") return CmdCache(c, g, args);
     if (cmd == "run") return CmdRun(c, g, args);

@@ -467,6 +467,18 @@ absl::StatusOr<int> Client::Delete(const std::string& ns, const std::string& nam
   return out.deleted();
 }
 
+absl::StatusOr<int> Client::ClearQuarantine(const std::string& ns, const std::string& name) {
+  v1::ClearQuarantineRequest req;
+  req.set_namespace_(ns);
+  req.set_name(name);
+  v1::ClearQuarantineResponse out;
+  absl::Status s = Invoke(CallKind::kIdempotent, [&](Endpoint& e, grpc::ClientContext* ctx) {
+    return e.registry->ClearQuarantine(ctx, req, &out);
+  });
+  if (!s.ok()) return s;
+  return out.lifted();
+}
+
 absl::StatusOr<v1::CompileResponse> Client::Compile(const v1::CompileRequest& request) {
   v1::CompileResponse out;
   absl::Status s = Invoke(CallKind::kIdempotent, [&](Endpoint& e, grpc::ClientContext* ctx) {

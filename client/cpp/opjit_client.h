@@ -148,6 +148,9 @@ class Client {
                                                  bool all_versions = false,
                                                  bool with_sources = false);
   absl::StatusOr<int> Delete(const std::string& ns, const std::string& name, int64_t version = 0);
+  // Admins: lifts the quarantine of every version of op `name` of `ns`; how
+  // many of its kernels were quarantined.
+  absl::StatusOr<int> ClearQuarantine(const std::string& ns, const std::string& name);
 
   // Compiler and cache.
   absl::StatusOr<v1::CompileResponse> Compile(const v1::CompileRequest& request);

@@ -473,6 +473,10 @@ absl::StatusOr<ForwardResult> Executor::Forward(ForwardCall call) {
   return future.get();
 }
 
+int Executor::LiftQuarantine(const std::string& ns, const std::string& name) {
+  return impl_->runner->LiftQuarantine(absl::StrCat(ns, "/", name));
+}
+
 ExecutorStats Executor::Stats() const {
   ExecutorStats s;
   s.calls = impl_->calls.load();

@@ -209,6 +209,11 @@ class Executor {
 
   ExecutorStats Stats() const;
 
+  // Lifts the quarantine of every version of op `name` of namespace `ns`
+  // (the runner forgets its kernels' crash streaks); how many kernels were
+  // quarantined.
+  int LiftQuarantine(const std::string& ns, const std::string& name);
+
  private:
   struct Impl;
   explicit Executor(std::unique_ptr<Impl> impl);

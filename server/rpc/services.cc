@@ -84,8 +84,9 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
   auto* reactor = ctx->DefaultReactor();
   core::OpService ops(core_.registry, core_.compiler);
   registry::Registry* reg = core_.registry;
+  exec::Executor* executor = core_.executor;
   ops.RegisterAsync(*std::move(def), NextRequestId(),
-                    [reactor, resp, ticket, reg](absl::StatusOr<core::RegisterOutcome> outcome) {
+                    [reactor, resp, ticket, reg, executor](absl::StatusOr<core::RegisterOutcome> outcome) {
                       if (outcome.ok() && *ticket != nullptr) {
                         double ms = 0;
                         for (const auto& [t, c] : outcome->compiled) {
@@ -95,6 +96,13 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
                       }
                       ticket->reset();
                       if (!outcome.ok()) return reactor->Finish(ToGrpcStatus(outcome.status()));
+                      // Registering again, even the identical definition,
+                      // lifts the op's quarantine.
+                      const registry::OpDef& done = outcome->result.record.def;
+                      if (executor != nullptr && executor->LiftQuarantine(done.ns, done.name) > 0) {
+                        Logger("rpc")->info("{}/{}: quarantine lifted by its registration",
+                                            done.ns, done.name);
+                      }
                       for (const auto& [target, compiled] : outcome->compiled) {
                         OutcomeToProto(compiled, registry::TargetName(target),
                                        resp->add_compiled());
@@ -110,6 +118,24 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
                     },
                     file_names);
   return reactor;
+}
+
+grpc::ServerUnaryReactor* RegistryService::ClearQuarantine(
+    grpc::CallbackServerContext* ctx, const v1::ClearQuarantineRequest* req,
+    v1::ClearQuarantineResponse* resp) {
+  const std::string ns = NamespaceOrDefault(req->namespace_());
+  // Server-wide policy: admins only (a namespace's writers register the op
+  // again instead).
+  OPJIT_RPC_ADMIT(caller, ns, access::Action::kAdmin);
+  auto record = core_.registry->Get(ns, req->name(), 0);
+  if (!record.ok()) return FinishNow(ctx, record.status());
+  if (core_.executor == nullptr) {
+    return FinishNow(ctx, absl::UnavailableError("this server runs no kernels"));
+  }
+  resp->set_lifted(core_.executor->LiftQuarantine(ns, req->name()));
+  Logger("rpc")->info("{}/{}: quarantine cleared ({} kernel(s)) by {}", ns, req->name(),
+                      resp->lifted(), caller.name);
+  return FinishNow(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* RegistryService::GetOp(grpc::CallbackServerContext* ctx,

@@ -80,6 +80,9 @@ class RegistryService final : public v1::Registry::CallbackService {
   grpc::ServerUnaryReactor* RegisterOp(grpc::CallbackServerContext* ctx,
                                        const v1::RegisterOpRequest* req,
                                        v1::RegisterOpResponse* resp) override;
+  grpc::ServerUnaryReactor* ClearQuarantine(grpc::CallbackServerContext* ctx,
+                                            const v1::ClearQuarantineRequest* req,
+                                            v1::ClearQuarantineResponse* resp) override;
   grpc::ServerUnaryReactor* GetOp(grpc::CallbackServerContext* ctx, const v1::GetOpRequest* req,
                                   v1::OpRecord* resp) override;
   grpc::ServerUnaryReactor* ListOps(grpc::CallbackServerContext* ctx,

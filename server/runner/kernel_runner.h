@@ -193,6 +193,14 @@ class KernelRunner {
   // Housekeeping (stopping idle workers); called about once a second.
   virtual void Maintain() {}
   virtual RunnerStats Stats() const = 0;
+  // Forgets the crash streaks of every version of op `op` ("ns/name"), in
+  // every namespace that calls it, which lifts its quarantine; how many of
+  // its kernels were quarantined. Re-registering the op and an admin's
+  // ClearQuarantine call it.
+  virtual int LiftQuarantine(const std::string& op) {
+    (void)op;
+    return 0;
+  }
   // "in-daemon" or "process".
   virtual const char* mode() const = 0;
 };

@@ -77,6 +77,13 @@ struct Worker {
   std::string death;
   bool killed_by_us = false;
   uint64_t peak_rss_bytes = 0;  // once reaped
+  int term_signal = 0;          // once reaped: the signal that ended it, or 0
+  // The instance whose code it ran first (Init, InferShape, calls), and
+  // whether it has run any other since: a crash in an executor that ran
+  // only the crashing kernel is that kernel's; one in an executor shared
+  // with other kernels may be a neighbour's doing (fair quarantine).
+  uint64_t first_instance = 0;
+  bool shared = false;
 
   ~Worker() {
     if (map != nullptr) ::munmap(map, map_bytes);
@@ -94,6 +101,7 @@ struct Worker {
     if (e.ok()) {
       killed_by_us = e->killed;
       peak_rss_bytes = e->peak_rss_bytes();
+      term_signal = e->signal();
       if (death.empty()) death = e->Describe();
     }
     pid = -1;
@@ -158,7 +166,10 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
                       reason::kKernelTimeout);
   }
   // An idle worker of `ns`, or a new one; waits for one until `deadline`.
-  absl::StatusOr<std::unique_ptr<Worker>> Acquire(const std::string& ns, Clock::time_point deadline);
+  // With `fresh`, always a newly started one (an idle worker is stopped to
+  // make room when the pool is full).
+  absl::StatusOr<std::unique_ptr<Worker>> Acquire(const std::string& ns, Clock::time_point deadline,
+                                                  bool fresh = false);
   void Release(const std::string& ns, std::unique_ptr<Worker> w);
   // A worker that is not coming back: reaped (killed first if `kill`).
   void Discard(const std::string& ns, std::unique_ptr<Worker>& w, bool kill);
@@ -176,12 +187,34 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
     if (it == crash_streak.end() || it->second < options.quarantine_after) return absl::OkStatus();
     return WithReason(absl::FailedPreconditionError(absl::StrCat(
                           "the kernel is quarantined: it crashed its executor process ", it->second,
-                          " times in a row; fix it and register the op again")),
+                          " times in a row; fix it and register the op again (or an admin "
+                          "lifts it: opjit unquarantine OP)")),
                       reason::kKernelQuarantined);
   }
-  void NoteCrash(const std::string& key) {
+  void NoteCrash(const std::string& key, const std::string& label, const std::string& ns) {
     std::lock_guard<std::mutex> lock(mu);
-    if (++crash_streak[key] == options.quarantine_after) quarantined.fetch_add(1);
+    if (++crash_streak[key] == options.quarantine_after) {
+      quarantined.fetch_add(1);
+      Logger("runner")->warn("{} (namespace {}): quarantined after {} crashes in a row", label, ns,
+                             options.quarantine_after);
+    }
+  }
+  // Forgets the crash streaks of every version of `op` ("ns/name"), in
+  // every namespace that calls it; how many kernels were quarantined.
+  int LiftQuarantine(const std::string& op) {
+    const std::string prefix = absl::StrCat("\x1f", op, " v");
+    std::lock_guard<std::mutex> lock(mu);
+    int lifted = 0;
+    for (auto it = crash_streak.begin(); it != crash_streak.end();) {
+      const size_t at = it->first.find('\x1f');
+      if (at != std::string::npos && it->first.compare(at, prefix.size(), prefix) == 0) {
+        if (it->second >= options.quarantine_after) ++lifted;
+        it = crash_streak.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return lifted;
   }
   void NoteSuccess(const std::string& key) {
     std::lock_guard<std::mutex> lock(mu);
@@ -309,11 +342,24 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
 }
 
 absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Acquire(const std::string& ns,
-                                                                     Clock::time_point deadline) {
+                                                                     Clock::time_point deadline,
+                                                                     bool fresh) {
   Pool* pool = PoolFor(ns);
   std::unique_lock<std::mutex> lock(pool->mu);
   for (;;) {
-    if (!pool->idle.empty()) {
+    if (fresh && !pool->idle.empty() && pool->live >= options.workers_per_namespace) {
+      // Room for a new one: the least recently used idle worker goes.
+      std::unique_ptr<Worker> old = std::move(pool->idle.front());
+      pool->idle.pop_front();
+      --pool->live;
+      lock.unlock();
+      old->Reap(/*kill=*/true);
+      live.fetch_sub(1);
+      old.reset();
+      lock.lock();
+      continue;
+    }
+    if (!fresh && !pool->idle.empty()) {
       auto w = std::move(pool->idle.back());  // the most recently used: warm caches
       pool->idle.pop_back();
       return w;
@@ -524,12 +570,23 @@ class RemoteInstance : public KernelInstance {
   // the worker's reply.
   template <typename Op>
   absl::StatusOr<Reply> OnWorker(Clock::time_point deadline, const RunArgs* args, Op op);
+  // One try of OnWorker, on a newly started worker with `fresh`. Sets
+  // `*retry` when the worker died in it after serving other instances and
+  // the call deserves a second try in a fresh one before anyone is blamed.
+  template <typename Op>
+  absl::StatusOr<Reply> TryOnWorker(Clock::time_point deadline, const RunArgs* args, Op& op,
+                                    bool fresh, bool* retry);
   // The instance's spec as a worker needs it now (outputs once known).
   std::string EncodedSpec() {
     std::lock_guard<std::mutex> lock(mu_);
     return wire::EncodeInstance(id_, spec_);
   }
-  absl::Status Failure(Worker& w, const absl::Status& s, bool timed_out, Clock::time_point call_deadline);
+  absl::Status Failure(Worker& w, const absl::Status& s, bool timed_out, Clock::time_point call_deadline,
+                       const RunArgs* args, bool may_retry, bool* retry);
+  // After a SIGBUS: the call's shm tensor whose memory its client shrank
+  // (the object is now shorter than the worker's mapping of it), as the
+  // status the call gets; nullopt when every region is whole.
+  std::optional<absl::Status> ClientMemoryFault(const RunArgs* args) const;
 
   const std::shared_ptr<ProcessRunner::Impl> runner_;
   std::mutex mu_;
@@ -539,8 +596,40 @@ class RemoteInstance : public KernelInstance {
   std::atomic<double> ewma_us_{0};  // recent kernel time, for the spin budget
 };
 
+std::optional<absl::Status> RemoteInstance::ClientMemoryFault(const RunArgs* args) const {
+  if (args == nullptr) return std::nullopt;
+  size_t i = 0;
+  for (auto span : {args->inputs, args->outputs}) {
+    const bool inputs = span.data() == args->inputs.data();
+    for (size_t j = 0; j < span.size(); ++j, ++i) {
+      const TensorLoc& t = span[j];
+      if (t.region == nullptr) continue;
+      struct stat st {};
+      if (::fstat(t.region->fd(), &st) != 0) continue;
+      const uint64_t have = st.st_size < 0 ? 0 : static_cast<uint64_t>(st.st_size);
+      const uint64_t mapped = t.region->info().offset + t.region->size();
+      if (have >= mapped) continue;
+      const std::string tensor =
+          inputs ? (j < spec_.input_names.size() && !spec_.input_names[j].empty()
+                        ? absl::StrCat("input \"", spec_.input_names[j], "\"")
+                        : absl::StrCat("input ", j))
+                 : absl::StrCat("output ", j);
+      return WithReason(
+          absl::FailedPreconditionError(absl::StrCat(
+              "region \"", t.region->name(), "\" (", tensor, ") shrank to ",
+              have > t.region->info().offset ? have - t.region->info().offset : 0,
+              " bytes while the call used it (registered with ", t.region->size(),
+              "); the kernel faulted on the missing memory. The client's memory is at fault, not "
+              "the kernel: this does not count towards its quarantine")),
+          reason::kRegionTooSmall, {{"region", t.region->name()}, {"cause", "client_memory"}});
+    }
+  }
+  return std::nullopt;
+}
+
 absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool timed_out,
-                                     Clock::time_point call_deadline) {
+                                     Clock::time_point call_deadline, const RunArgs* args,
+                                     bool may_retry, bool* retry) {
   auto log = Logger("runner");
   const pid_t pid = w.pid;
   if (timed_out) {
@@ -552,20 +641,65 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
     return runner_->TimeoutStatus(by_call);
   }
   runner_->crashes.fetch_add(1);
-  runner_->NoteCrash(quarantine_key_);
-  return runner_->DeathStatus(w, s, spec_.label, spec_.ns);
+  absl::Status death = runner_->DeathStatus(w, s, spec_.label, spec_.ns);  // reaps it
+  if (w.term_signal == SIGBUS) {
+    // A fault in a client's memory (a region it truncated) is the client's.
+    if (std::optional<absl::Status> fault = ClientMemoryFault(args)) {
+      log->warn("{} (namespace {}): executor process {} faulted on a client's shrunk region; not "
+                "counted against the kernel", spec_.label, spec_.ns, pid);
+      return *fault;
+    }
+  }
+  if (may_retry) {
+    // It ran other kernels before: one of them may have corrupted it (a
+    // heap overflow that returned OK). Blame nobody yet; the call runs
+    // again in a fresh executor, where only its own kernel runs.
+    log->warn("{} (namespace {}): executor process {} had served other kernels; the call runs "
+              "again in a fresh executor before the crash counts against the kernel",
+              spec_.label, spec_.ns, pid);
+    *retry = true;
+    return death;
+  }
+  runner_->NoteCrash(quarantine_key_, spec_.label, spec_.ns);
+  return death;
 }
 
 template <typename Op>
 absl::StatusOr<Reply> RemoteInstance::OnWorker(Clock::time_point call_deadline,
                                                const RunArgs* args, Op op) {
   OPJIT_RETURN_IF_ERROR(runner_->QuarantineCheck(quarantine_key_, spec_.label));
+  bool retry = false;
+  absl::StatusOr<Reply> first = TryOnWorker(call_deadline, args, op, /*fresh=*/false, &retry);
+  if (!retry) return first;
+  // The retry runs the kernel again from the start: inline inputs are
+  // copied into the new executor's arena again (the caller's copy is
+  // intact); outputs the first try wrote in part are written again in
+  // full by a kernel that succeeds.
+  absl::StatusOr<Reply> second = TryOnWorker(call_deadline, args, op, /*fresh=*/true, &retry);
+  if (second.ok()) {
+    Logger("runner")->warn("{} (namespace {}): the call succeeded in a fresh executor after its "
+                           "first executor (shared with other kernels) died; the crash is "
+                           "counted against no kernel", spec_.label, spec_.ns);
+  }
+  return second;
+}
+
+template <typename Op>
+absl::StatusOr<Reply> RemoteInstance::TryOnWorker(Clock::time_point call_deadline,
+                                                  const RunArgs* args, Op& op, bool fresh,
+                                                  bool* retry) {
+  *retry = false;
   const auto limit = Clock::now() + std::chrono::milliseconds(runner_->options.kernel_timeout_ms);
   const Clock::time_point deadline = std::min(call_deadline, limit);
-  OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> w, runner_->Acquire(spec_.ns, deadline));
+  OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> w, runner_->Acquire(spec_.ns, deadline, fresh));
+  // Whether it ran another instance's code before this call.
+  const bool served_others = w->shared || (w->first_instance != 0 && w->first_instance != id_);
+  if (w->first_instance == 0) w->first_instance = id_;
+  if (w->first_instance != id_) w->shared = true;
   auto fail = [&](const absl::Status& s) -> absl::Status {
     const bool timed_out = absl::IsDeadlineExceeded(s);
-    absl::Status out = Failure(*w, s, timed_out, call_deadline);
+    absl::Status out =
+        Failure(*w, s, timed_out, call_deadline, args, /*may_retry=*/served_others && !fresh, retry);
     runner_->Discard(spec_.ns, w, /*kill=*/true);  // reaped already unless it timed out
     return out;
   };
@@ -833,6 +967,9 @@ class ChannelImpl : public Channel {
   // a kernel that crashes channel executors is quarantined like one that
   // crashes pool workers.
   std::map<uint64_t, std::string> quarantine_keys_;
+  // The client's regions the executor mapped (thread only): after a SIGBUS,
+  // one that shrank under its mapping makes the crash the client's.
+  std::map<uint64_t, std::shared_ptr<const tensor::Region>> mapped_;
   // Metrics and credit (the thread, then Close() once it ended).
   struct Seen {
     uint64_t handle = 0, code = 0, calls = 0, kernel_ns = 0;
@@ -939,12 +1076,17 @@ absl::StatusOr<absl::Status> ChannelImpl::AddRegion(uint64_t id, Clock::time_poi
   wr.U64((*region)->size());
   OPJIT_ASSIGN_OR_RETURN(Reply r, runner_->Control(*w_, wire::Msg::kAddRegion, wr.out(), deadline,
                                                    (*region)->fd()));
+  if (r.code == 0) {
+    if (mapped_.size() >= 4096) mapped_.clear();  // only ever a hint
+    mapped_[id] = *region;
+  }
   return StatusOf(r);
 }
 
 void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeout,
                         int running_slot) {
   absl::Status answer;
+  bool client_fault = false;
   if (timeout) {
     w_->Reap(/*kill=*/true);
     runner_->timeouts.fetch_add(1);
@@ -952,6 +1094,29 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
   } else {
     runner_->crashes.fetch_add(1);
     answer = runner_->DeathStatus(*w_, s, spec_.label, spec_.ns);
+    if (w_->term_signal == SIGBUS) {
+      // A region the client shrank under the executor's mapping: the
+      // client's fault, counted against no kernel.
+      for (const auto& [id, region] : mapped_) {
+        struct stat st {};
+        if (::fstat(region->fd(), &st) != 0) continue;
+        const uint64_t have = st.st_size < 0 ? 0 : static_cast<uint64_t>(st.st_size);
+        if (have >= region->info().offset + region->size()) continue;
+        client_fault = true;
+        Logger("runner")->warn("{} (namespace {}): executor process {} faulted on a shrunk region "
+                               "of its client; not counted against the kernel",
+                               spec_.label, spec_.ns, pid_);
+        answer = WithReason(
+            absl::FailedPreconditionError(absl::StrCat(
+                "region \"", region->name(), "\" shrank to ",
+                have > region->info().offset ? have - region->info().offset : 0,
+                " bytes while a call used it (registered with ", region->size(),
+                "); the kernel faulted on the missing memory. The client's memory is at fault, "
+                "not the kernel: this does not count towards its quarantine")),
+            reason::kRegionTooSmall, {{"region", region->name()}, {"cause", "client_memory"}});
+        break;
+      }
+    }
   }
   runner_->live.fetch_sub(1);
   alive_.store(false);
@@ -966,9 +1131,9 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
     if (state != fast::kRunning && static_cast<int>(i) != running_slot) continue;
     const bool named =
         tensor::GuardedCopy(&handle, SlotBase(i) + offsetof(fast::Slot, handle), 8).ok();
-    if (!timeout && named) {
+    if (!timeout && !client_fault && named) {
       if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
-        runner_->NoteCrash(k->second);
+        runner_->NoteCrash(k->second, spec_.label, spec_.ns);
       }
     }
     PostReply(i, answer);
@@ -1217,6 +1382,8 @@ void ProcessRunner::Maintain() {
   }
   if (!stale.empty()) Logger("runner")->debug("stopped {} idle executor process(es)", stale.size());
 }
+
+int ProcessRunner::LiftQuarantine(const std::string& op) { return impl_->LiftQuarantine(op); }
 
 RunnerStats ProcessRunner::Stats() const {
   RunnerStats s;

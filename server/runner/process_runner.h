@@ -18,7 +18,12 @@
 // gets its worker killed (DEADLINE_EXCEEDED), which frees the CPU at once.
 // A kernel that kills its worker `quarantine_after` times in a row is
 // quarantined: its calls answer FAILED_PRECONDITION until the op is
-// registered again (a new version is a new instance label).
+// registered again (a new version is a new instance label, and registering
+// any version, even the identical one, lifts it), or an admin lifts it.
+// Only crashes that are the kernel's count: a SIGBUS on a region its
+// client shrank is the client's (FAILED_PRECONDITION, REGION_TOO_SMALL),
+// and a worker that dies after serving other instances gets the call run
+// once more in a fresh worker; only a crash there counts.
 //
 // Thread-safety: all methods are thread-safe.
 #pragma once
@@ -83,6 +88,7 @@ class ProcessRunner : public KernelRunner {
   absl::StatusOr<std::shared_ptr<Channel>> OpenChannel(const ChannelSpec& spec) override;
   // Stops workers idle for longer than idle_ms.
   void Maintain() override;
+  int LiftQuarantine(const std::string& op) override;
 
   struct Impl;
 
