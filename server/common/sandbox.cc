@@ -204,6 +204,29 @@ absl::Status InstallSeccomp(const Policy& p) {
   // x32 system calls (bit 30) would bypass the numbers below.
   b.Add(BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000u, 0, 1));
   b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
+  // This process's pid, with one thread (its tid too); see below.
+  const uint32_t self = static_cast<uint32_t>(::getpid());
+  // fcntl and ioctl come first: the kernel's seccomp cache answers a call
+  // at once only when no rule reads its arguments, otherwise the program
+  // runs up to its rule, and these two a kernel (or a GPU driver) may make
+  // often. A file's owner receives its SIGIO (and the signal F_SETSIG picks,
+  // even SIGKILL): fcntl F_SETOWN only to nobody (0) or this process;
+  // F_SETOWN_EX and the ioctls that set the owner: EPERM.
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_fcntl, 0, 8));
+  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(1)));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFSetOwnEx, 4, 0));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFSetOwn, 0, 4));
+  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(2)));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 2, 0));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, self, 1, 0));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_ioctl, 0, 5));
+  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(1)));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFioSetOwn, 1, 0));
+  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kSiocSPgrp, 0, 1));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
+  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
   // Refused outright: networking, mounts and namespaces, kernel keys and
   // modules, BPF and perf, io_uring, file handles, and whatever reaches
   // into another process (tracing, its memory, its file descriptors,
@@ -245,7 +268,6 @@ absl::Status InstallSeccomp(const Policy& p) {
   // pthread_setschedparam and pthread attributes with an affinity or an
   // explicit scheduling policy pass the tid, so they fail with EPERM in such
   // threads). A child process (where allow_processes) also names itself by 0.
-  const uint32_t self = static_cast<uint32_t>(::getpid());
   const std::vector<uint32_t> me = {0, self};
   for (int nr : {SYS_prlimit64, SYS_sched_setaffinity, SYS_sched_setscheduler,
                  SYS_sched_setparam, SYS_sched_setattr, SYS_migrate_pages, SYS_move_pages,
@@ -259,24 +281,6 @@ absl::Status InstallSeccomp(const Policy& p) {
   for (int nr : {SYS_tgkill, SYS_rt_sigqueueinfo, SYS_rt_tgsigqueueinfo}) {
     b.AllowOnly(nr, {{0, {self}}});
   }
-  // A file's owner receives its SIGIO (and the signal F_SETSIG picks, even
-  // SIGKILL): fcntl F_SETOWN only to nobody (0) or this process; F_SETOWN_EX
-  // and the ioctls that set the owner: EPERM.
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_fcntl, 0, 8));
-  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(1)));
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFSetOwnEx, 4, 0));
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFSetOwn, 0, 4));
-  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(2)));
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 2, 0));
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, self, 1, 0));
-  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
-  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_ioctl, 0, 5));
-  b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(1)));
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kFioSetOwn, 1, 0));
-  b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kSiocSPgrp, 0, 1));
-  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
-  b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
   b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
   sock_fprog prog{static_cast<unsigned short>(b.prog().size()), b.prog().data()};
   if (::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, &prog) != 0) {
