@@ -235,11 +235,12 @@ def test_kernels_cannot_reach_other_processes(daemon, bystander):
     c.register(unary_spec("probe", PROBE, namespace="bob"))
     x = np.arange(8, dtype=np.float32)
     np.testing.assert_array_equal(c.op("alice/twice")(x), 2 * x)
+    # Alice's executor: the only one so far (or its processes, should an
+    # executor ever be more than one process).
     alice = wait_for(lambda: executors(daemon.proc.pid), 30, "alice's executor")
-    assert len(alice) == 1, alice
-    alice_pid = next(iter(alice))
-    victims = {"daemon": daemon.proc.pid, "test": os.getpid(), "alice's executor": alice_pid,
-               "bystander": bystander}
+    alice_pid = max(alice)
+    victims = {"daemon": daemon.proc.pid, "test": os.getpid(), "bystander": bystander}
+    victims.update({"alice's executor %d" % pid: pid for pid in alice})
     before = {name: observe(pid) for name, pid in victims.items()}
 
     probe_in = np.zeros(N, dtype=np.float32)
@@ -269,7 +270,7 @@ def test_kernels_cannot_reach_other_processes(daemon, bystander):
     # and the daemon registers and is healthy.
     for _ in range(5):
         np.testing.assert_array_equal(c.op("alice/twice")(x), 2 * x)
-    assert alice_pid in executors(daemon.proc.pid), "alice's executor was replaced"
+    assert alice <= executors(daemon.proc.pid), "alice's executor was replaced"
     c.register(unary_spec("thrice", unary_kernel("* 3.0f"), namespace="alice"))
     np.testing.assert_array_equal(c.op("alice/thrice")(x), 3 * x)
     assert health(daemon.unix_address) == "SERVING"
