@@ -123,13 +123,15 @@ TEST_F(HandlesTest, TheNamespaceLimitIsQuotaExceededUntilHandlesAreReleased) {
 }
 
 TEST_F(HandlesTest, HandlesOfOwnersWithoutRegionsExpireUnlessRenewed) {
-  HandleTable t({.lease_ms = 30}, registry_.get());
+  // Margins a loaded machine cannot eat: a stall only ages "idle" more;
+  // "busy" would need a 1.5 s stall between its renewal and Expire.
+  HandleTable t({.lease_ms = 3000}, registry_.get());
   auto kept = Add(t, "with-regions/c");
   auto gone = Add(t, "idle/c");
   auto renewed = Add(t, "busy/c");
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
   t.Renew("default", "busy/c");
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   const int n = t.Expire([](const std::string&, const std::string& owner) {
     return owner == "with-regions/c";
   });
