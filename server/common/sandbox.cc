@@ -334,6 +334,22 @@ absl::Status Apply(const Policy& p) {
   return InstallSeccomp(p);
 }
 
+absl::Status DenyFilesToThisThread() {
+  const int abi = LandlockAbi();
+  if (abi <= 0) return absl::FailedPreconditionError("sandbox: this kernel has no Landlock");
+  if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return Errno("no_new_privs");
+  RulesetAttr attr{};
+  attr.handled_access_fs = FsRights(abi);
+  // File rights only (the first field): no rule follows, so nothing is allowed.
+  int ruleset = static_cast<int>(::syscall(SYS_landlock_create_ruleset, &attr,
+                                           sizeof(uint64_t), 0));
+  if (ruleset < 0) return Errno("landlock ruleset");
+  absl::Status s;
+  if (::syscall(SYS_landlock_restrict_self, ruleset, 0) != 0) s = Errno("landlock_restrict_self");
+  ::close(ruleset);
+  return s;
+}
+
 absl::Status ApplySystemCallFilter(const Policy& p) {
   if (CountThreads() != 1) {
     return absl::FailedPreconditionError("sandbox: apply it while the process has one thread");

@@ -52,6 +52,16 @@ int LandlockAbi();
 // the step that failed.
 absl::Status Apply(const Policy& policy);
 
+// Locks the calling thread (and threads it starts later) out of the whole
+// file system with a Landlock domain of its own that allows nothing: no file
+// or directory can be opened, created, executed or listed from it (what was
+// open stays usable). Irreversible for that thread; other threads are
+// unaffected. Sets the thread's no_new_privs first. For work on hostile input
+// that needs no file (the compile worker's code generation, where the
+// integrated assembler would open `.incbin` and `.include` files itself).
+// FAILED_PRECONDITION without Landlock; INTERNAL when a step fails.
+absl::Status DenyFilesToThisThread();
+
 // The seccomp step of Apply() alone (with no_new_privs, which it needs), for
 // tests of the filter without the Landlock domain (whose signal scope, on
 // kernels that have it, refuses signals to outside processes too). The

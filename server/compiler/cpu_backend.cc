@@ -42,6 +42,7 @@ class CpuBackend : public CompileBackend {
     req.source = job.source;
     req.file_name = job.file_name;
     req.options = job.options;
+    req.tenant = job.ns;
     OPJIT_ASSIGN_OR_RETURN(CpuCompileOutput out, cpu_->Compile(req));
     BackendOutput result;
     result.kernel = std::make_shared<CompiledKernel>();

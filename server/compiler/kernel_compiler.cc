@@ -347,6 +347,7 @@ CompileJob JobForImplementation(const registry::OpDef& def, const registry::Impl
   job.options = impl.compile_options;
   job.libraries = impl.libraries;
   job.label = absl::StrCat(def.ns, "/", def.name);
+  job.ns = def.ns;
   if (impl.target == registry::Target::kGpu) {
     if (impl.launch.grid.empty()) {
       job.aot_shared_object = true;

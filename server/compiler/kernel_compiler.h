@@ -72,6 +72,10 @@ struct CompileJob {
   // What logs call this compile: "namespace/op" for an op's implementation,
   // else the user's file name (default: file_name). Never part of the key.
   std::string label;
+  // The namespace that asks: what a backend keeps of a compile for later
+  // ones (the CPU backend's preamble PCHs) is kept per namespace. Never part
+  // of the key (an object is the same bytes for every namespace).
+  std::string ns;
 };
 
 // What a GPU compile produced (nothing is loaded: that needs a device).

@@ -208,6 +208,7 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   job.name_expressions.assign(req->name_expressions().begin(), req->name_expressions().end());
   job.archs.assign(req->archs().begin(), req->archs().end());
   job.aot_shared_object = req->aot_shared_object();
+  job.ns = ns;
   if (req->language().empty() && job.target == registry::Target::kGpu) job.language = "cuda";
   // Options of a bare compile get the same checks as a registered op's.
   if (absl::Status s = registry::ValidateCompileOptions(*target, job.language, job.options,
@@ -304,6 +305,32 @@ void ServerService::SetBound(std::vector<std::string> bound) {
 
 namespace {
 
+// `text` with every host path in it cut to its last component
+// ("unix:/var/lib/opjit/opjitd.sock" -> "unix:opjitd.sock", "/opt/x/libcuda.so:
+// cannot open" -> "libcuda.so: cannot open"): what non-admins see of the
+// server's own facts. A path runs to whitespace or one of ()"',;:=.
+std::string HideHostPaths(std::string_view text) {
+  auto is_end = [](char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '(' || c == ')' || c == '"' ||
+           c == '\'' || c == ',' || c == ';' || c == ':' || c == '=';
+  };
+  std::string out;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (is_end(text[i])) {
+      out += text[i++];
+      continue;
+    }
+    size_t j = i;
+    while (j < text.size() && !is_end(text[j])) ++j;
+    std::string_view token = text.substr(i, j - i);
+    const size_t slash = token.rfind('/');
+    out += slash == std::string_view::npos ? token : token.substr(slash + 1);
+    i = j;
+  }
+  return out;
+}
+
 // ServerInfo.registry_store and cache_tiers, from what the registry's health
 // probe and the cache tiers last saw (nothing here waits on a store).
 void FillStores(const CoreRefs& core, v1::ServerInfo* resp) {
@@ -374,7 +401,23 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
   }
   resp->set_daemon_uid(static_cast<uint32_t>(::geteuid()));  // for RegisterRegion's ACL
   FillStores(core_, resp);
-  if (!who.admin()) return FinishNow(ctx, absl::OkStatus());
+  if (!who.admin()) {
+    // No host path for non-admins (socket paths, a driver's path in the GPU's
+    // reason, ...): every text field of the answer, cut to base names.
+    resp->set_version(HideHostPaths(resp->version()));
+    resp->mutable_cpu()->set_compiler(HideHostPaths(resp->cpu().compiler()));
+    resp->mutable_gpu()->set_reason(HideHostPaths(resp->gpu().reason()));
+    for (auto& d : *resp->mutable_gpu()->mutable_devices()) d = HideHostPaths(d);
+    for (auto& l : *resp->mutable_listen()) l = HideHostPaths(l);
+    auto* store = resp->mutable_registry_store();
+    store->set_name(HideHostPaths(store->name()));
+    store->set_detail(HideHostPaths(store->detail()));
+    for (auto& t : *resp->mutable_cache_tiers()) {
+      t.set_name(HideHostPaths(t.name()));
+      t.set_detail(HideHostPaths(t.detail()));
+    }
+    return FinishNow(ctx, absl::OkStatus());
+  }
   resp->set_state_dir(facts_.state_dir);
   resp->set_uptime_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::steady_clock::now() - started_)

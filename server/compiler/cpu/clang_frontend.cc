@@ -8,15 +8,23 @@
 //   -> clang::EmitBackendOutput with DisableLLVMPasses (codegen only, with
 //      clang's own TargetMachine setup) -> object bytes in memory.
 // Every file read goes through SandboxFileSystem, an allow-list in front of the
-// real file system.
+// real file system; the preamble header and its PCH are served from memory
+// (ipc::kPchVirtualDir), the PCH from the one descriptor the daemon passed.
+// Code generation runs on a thread locked out of every file
+// (sandbox::DenyFilesToThisThread): the integrated assembler opens `.incbin`
+// and `.include` files itself, past clang's file system.
 
 #include "server/compiler/cpu/clang_frontend.h"
 #include "server/compiler/cpu/preamble.h"
 
+#include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <utility>
@@ -34,10 +42,13 @@
 #include "clang/Frontend/CompilerInstance.h"
 #include "clang/Frontend/CompilerInvocation.h"
 #include "clang/Frontend/FrontendActions.h"
+#include "clang/Frontend/MultiplexConsumer.h"
 #include "clang/Frontend/TextDiagnosticPrinter.h"
 #include "clang/Frontend/Utils.h"
 #include "clang/Lex/HeaderSearchOptions.h"
 #include "clang/Lex/PreprocessorOptions.h"
+#include "clang/Serialization/ASTWriter.h"
+#include "clang/Serialization/PCHContainerOperations.h"
 #include "llvm/ADT/SmallString.h"
 #include "llvm/ADT/StringMap.h"
 #include "llvm/IR/Constants.h"
@@ -45,6 +56,8 @@
 #include "llvm/IR/DiagnosticInfo.h"
 #include "llvm/IR/DiagnosticPrinter.h"
 #include "llvm/IR/Function.h"
+#include "llvm/IR/InlineAsm.h"
+#include "llvm/IR/Instructions.h"
 #include "llvm/IR/GlobalVariable.h"
 #include "llvm/IR/IRBuilder.h"
 #include "llvm/IR/LLVMContext.h"
@@ -57,6 +70,7 @@
 #include "llvm/Support/TargetSelect.h"
 #include "llvm/Support/VirtualFileSystem.h"
 #include "llvm/Support/raw_ostream.h"
+#include "server/common/sandbox.h"
 
 namespace opjit::compiler {
 namespace {
@@ -260,6 +274,116 @@ void LowerStructors(llvm::Module& m, llvm::StringRef array_name, llvm::StringRef
   b.CreateRetVoid();
 }
 
+// The preamble header and its PCH, as a compile sees them (in memory).
+const std::string& VirtualPreamble() {
+  static const std::string* p = new std::string(std::string(ipc::kPchVirtualDir) + "/preamble.h");
+  return *p;
+}
+const std::string& VirtualPch() {
+  static const std::string* p = new std::string(std::string(ipc::kPchVirtualDir) + "/preamble.pch");
+  return *p;
+}
+
+// Builds a PCH into memory (`*out`) instead of a file: the worker never
+// writes the PCH directory; the daemon stores what it returns.
+class PchToMemoryAction : public clang::GeneratePCHAction {
+ public:
+  explicit PchToMemoryAction(std::string* out) : out_(out) {}
+
+ protected:
+  std::unique_ptr<clang::ASTConsumer> CreateASTConsumer(clang::CompilerInstance& ci,
+                                                        llvm::StringRef) override {
+    std::string sysroot;
+    if (!ComputeASTConsumerArguments(ci, sysroot)) return nullptr;
+    if (!ci.getFrontendOpts().RelocatablePCH) sysroot.clear();
+    auto buffer = std::make_shared<clang::PCHBuffer>();
+    std::vector<std::unique_ptr<clang::ASTConsumer>> consumers;
+    consumers.push_back(std::make_unique<clang::PCHGenerator>(
+        ci.getPreprocessor(), ci.getModuleCache(), VirtualPch(), sysroot, buffer,
+        ci.getFrontendOpts().ModuleFileExtensions,
+        /*AllowASTWithErrors=*/false, static_cast<bool>(ci.getFrontendOpts().IncludeTimestamps)));
+    consumers.push_back(std::make_unique<Capture>(buffer, out_));
+    return std::make_unique<clang::MultiplexConsumer>(std::move(consumers));
+  }
+
+ private:
+  // Runs after the generator: keeps its bytes once they are complete.
+  class Capture : public clang::ASTConsumer {
+   public:
+    Capture(std::shared_ptr<clang::PCHBuffer> buffer, std::string* out)
+        : buffer_(std::move(buffer)), out_(out) {}
+    void HandleTranslationUnit(clang::ASTContext&) override {
+      if (buffer_->IsComplete) out_->assign(buffer_->Data.begin(), buffer_->Data.end());
+    }
+
+   private:
+    std::shared_ptr<clang::PCHBuffer> buffer_;
+    std::string* out_;
+  };
+  std::string* out_;
+};
+
+// Runs `fn` on a thread of its own that is locked out of every file
+// (sandbox::DenyFilesToThisThread), with a 64 MiB stack (code generation
+// recurses). False, with `*error` set, when the lock could not be taken (then
+// `fn` did not run).
+bool RunWithoutFiles(const std::function<void()>& fn, std::string* error) {
+  struct Job {
+    const std::function<void()>* fn;
+    std::string error;
+  } job{&fn, {}};
+  auto body = [](void* arg) -> void* {
+    Job* j = static_cast<Job*>(arg);
+    absl::Status s = sandbox::DenyFilesToThisThread();
+    if (!s.ok()) {
+      j->error = std::string(s.message());
+      return nullptr;
+    }
+    (*j->fn)();
+    return nullptr;
+  };
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 64u << 20);
+  pthread_t t;
+  const int rc = pthread_create(&t, &attr, body, &job);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) {
+    *error = "cannot start the code generation thread";
+    return false;
+  }
+  pthread_join(t, nullptr);
+  if (!job.error.empty()) {
+    *error = job.error;
+    return false;
+  }
+  return true;
+}
+
+// Whether an inline assembly text names a directive that reads a file.
+bool ReadsAFile(llvm::StringRef text) {
+  const std::string lower = text.lower();
+  return lower.find(".incbin") != std::string::npos || lower.find(".include") != std::string::npos;
+}
+
+// Whether the module's inline assembly (file-scope or in a function) asks the
+// assembler to read a file. Macros could spell the directive in pieces; the
+// code generation thread has no file access either way (RunWithoutFiles).
+bool AsmReadsFiles(const llvm::Module& m) {
+  if (ReadsAFile(m.getModuleInlineAsm())) return true;
+  for (const llvm::Function& f : m) {
+    for (const llvm::BasicBlock& bb : f) {
+      for (const llvm::Instruction& i : bb) {
+        const auto* call = llvm::dyn_cast<llvm::CallBase>(&i);
+        if (call == nullptr || !call->isInlineAsm()) continue;
+        const auto* ia = llvm::cast<llvm::InlineAsm>(call->getCalledOperand());
+        if (ReadsAFile(ia->getAsmString())) return true;
+      }
+    }
+  }
+  return false;
+}
+
 bool IsUserOptionAllowed(const std::string& o) {
   llvm::StringRef s(o);
   if (s.startswith("-D") || s.startswith("-U")) return s.size() > 2;
@@ -289,6 +413,7 @@ void InitializeLlvm(FatalErrorCallback on_fatal) {
 struct ClangFrontend::Impl {
   std::string clang_path;
   ipc::Hello hello;
+  std::vector<std::string> read_paths;
   // Driver output per driver argv: running the driver probes the GCC
   // installation, which costs more than looking it up.
   std::map<std::vector<std::string>, std::vector<std::string>> cc1_cache;
@@ -302,11 +427,11 @@ struct ClangFrontend::Impl {
     std::vector<std::string> dependencies;
   };
 
-  // The driver command line. Compiles load `pch_path` when it is not empty;
-  // a PCH build (`for_pch`) writes `pch_path` instead, from the preamble header.
+  // The driver command line. Compiles load the PCH (at its virtual path) when
+  // `use_pch`; a PCH build (`for_pch`) makes it from the preamble header.
   // Both share every flag but the input and the action, as PCH use requires.
   std::vector<std::string> DriverArgs(const ipc::WorkerRequest& req, bool for_pch,
-                                      const std::string& pch_path) const {
+                                      bool use_pch) const {
     bool cxx = for_pch || req.language == ipc::Language::kCxx;
     std::vector<std::string> a = {clang_path};
     if (for_pch) {
@@ -329,12 +454,12 @@ struct ClangFrontend::Impl {
     for (size_t i = 0; i < req.include_dirs.size(); ++i) {
       a.push_back("-fmacro-prefix-map=" + req.include_dirs[i] + "=include" + std::to_string(i));
     }
-    if (!for_pch && !pch_path.empty()) {
+    if (!for_pch && use_pch) {
       // A header touched but unchanged keeps the PCH valid.
-      a.insert(a.end(), {"-include-pch", pch_path, "-fpch-validate-input-files-content"});
+      a.insert(a.end(), {"-include-pch", VirtualPch(), "-fpch-validate-input-files-content"});
     }
     if (for_pch) {
-      a.insert(a.end(), {req.prelude_path, "-o", pch_path});
+      a.insert(a.end(), {VirtualPreamble(), "-o", VirtualPch()});
     } else {
       a.push_back(req.file_name);
     }
@@ -393,11 +518,13 @@ struct ClangFrontend::Impl {
     return inv;
   }
 
-  // Sets up a CompilerInstance reading through the sandbox.
+  // Sets up a CompilerInstance reading through the sandbox, with the
+  // preamble header (when `req` has one) and `pch` (when not null) in memory.
   std::shared_ptr<DependencyRecorder> Prepare(clang::CompilerInstance& ci,
                                               std::shared_ptr<clang::CompilerInvocation> inv,
                                               llvm::raw_ostream& diag_os,
-                                              const std::vector<std::string>& extra_files) {
+                                              const ipc::WorkerRequest& req,
+                                              const llvm::MemoryBuffer* pch) {
     ci.setInvocation(inv);
     ci.setVerboseOutputStream(std::make_unique<llvm::raw_null_ostream>());
     ci.createDiagnostics(new clang::TextDiagnosticPrinter(diag_os, &inv->getDiagnosticOpts()),
@@ -405,12 +532,24 @@ struct ClangFrontend::Impl {
     std::vector<std::string> dirs;
     for (const auto& e : inv->getHeaderSearchOpts().UserEntries) dirs.push_back(e.Path);
     dirs.push_back(inv->getHeaderSearchOpts().ResourceDir + "/include");
-    std::vector<std::string> exact = {"/"};
-    for (const std::string& f : extra_files) {
-      exact.push_back(std::string(llvm::sys::path::parent_path(f)));
+    llvm::IntrusiveRefCntPtr<llvm::vfs::FileSystem> sandbox(
+        new SandboxFileSystem(llvm::vfs::getRealFileSystem(), dirs, {}, {"/"}));
+    llvm::IntrusiveRefCntPtr<llvm::vfs::OverlayFileSystem> fs(
+        new llvm::vfs::OverlayFileSystem(sandbox));
+    if (!req.preamble.empty()) {
+      // The same time stamp whenever the PCH is built or loaded: the PCH
+      // records it, and the content is the key's.
+      llvm::IntrusiveRefCntPtr<llvm::vfs::InMemoryFileSystem> memory(
+          new llvm::vfs::InMemoryFileSystem);
+      memory->addFile(VirtualPreamble(), /*ModificationTime=*/1,
+                      llvm::MemoryBuffer::getMemBufferCopy(req.preamble, VirtualPreamble()));
+      if (pch != nullptr) {
+        memory->addFile(VirtualPch(), /*ModificationTime=*/1,
+                        llvm::MemoryBuffer::getMemBuffer(pch->getBuffer(), VirtualPch(),
+                                                         /*RequiresNullTerminator=*/false));
+      }
+      fs->pushOverlay(memory);
     }
-    llvm::IntrusiveRefCntPtr<llvm::vfs::FileSystem> fs(
-        new SandboxFileSystem(llvm::vfs::getRealFileSystem(), dirs, extra_files, exact));
     ci.createFileManager(fs);
     auto deps = std::make_shared<DependencyRecorder>();
     ci.addDependencyCollector(deps);
@@ -423,30 +562,29 @@ struct ClangFrontend::Impl {
     for (const std::string& d : raw) {
       if (d == req.file_name) continue;  // the in-memory main file
       std::string n = NormalizePath(d, "/");
+      if (IsUnder(n, ipc::kPchVirtualDir)) continue;  // the preamble and its PCH
       llvm::SmallString<256> real;
       if (!llvm::sys::fs::real_path(n, real)) n = std::string(real.str());
-      if (n == req.pch_path || n == req.prelude_path) continue;
       out.insert(n);
     }
     return {out.begin(), out.end()};
   }
 
-  Attempt Compile(const ipc::WorkerRequest& req, const std::string& pch_path) {
+  // Compiles `req`, with `pch` (the PCH of its preamble) when not null.
+  Attempt Compile(const ipc::WorkerRequest& req, const llvm::MemoryBuffer* pch) {
     Attempt at;
     llvm::raw_string_ostream diag_os(at.diagnostics);
     std::shared_ptr<clang::CompilerInvocation> inv =
-        MakeInvocation(DriverArgs(req, /*for_pch=*/false, pch_path), diag_os);
+        MakeInvocation(DriverArgs(req, /*for_pch=*/false, pch != nullptr), diag_os);
     if (inv == nullptr) return at;
     // With the PCH, the preamble it stands for is blanked (lines stay put).
     const std::string source =
-        pch_path.empty() ? req.source : BlankPreamble(req.source, req.preamble_bytes);
+        pch == nullptr ? req.source : BlankPreamble(req.source, req.preamble_bytes);
     inv->getPreprocessorOpts().addRemappedFile(
         req.file_name, llvm::MemoryBuffer::getMemBufferCopy(source, req.file_name).release());
-    std::vector<std::string> extra_files;
-    if (!pch_path.empty()) extra_files = {pch_path, req.prelude_path};
 
     clang::CompilerInstance ci;
-    std::shared_ptr<DependencyRecorder> deps = Prepare(ci, inv, diag_os, extra_files);
+    std::shared_ptr<DependencyRecorder> deps = Prepare(ci, inv, diag_os, req, pch);
     if (!ci.createTarget()) return at;
     llvm::LLVMContext ctx;
     clang::EmitLLVMOnlyAction action(&ctx);
@@ -463,6 +601,12 @@ struct ClangFrontend::Impl {
     action.EndSourceFile();
     std::unique_ptr<llvm::Module> module = action.takeModule();
     if (ci.getDiagnostics().hasErrorOccurred() || module == nullptr) return at;
+    if (AsmReadsFiles(*module)) {
+      diag_os << req.file_name
+              << ": error: inline assembly may not read files (.incbin, .include): a kernel "
+                 "is compiled from its source and the allowed headers only\n";
+      return at;
+    }
 
     LowerStructors(*module, "llvm.global_ctors", "__opjit_run_ctors", /*destructors=*/false);
     LowerStructors(*module, "llvm.global_dtors", "__opjit_run_dtors", /*destructors=*/true);
@@ -473,10 +617,20 @@ struct ClangFrontend::Impl {
     clang::CodeGenOptions& cg = ci.getCodeGenOpts();
     cg.DisableLLVMPasses = true;
     llvm::SmallVector<char, 0> object;
-    clang::EmitBackendOutput(ci.getDiagnostics(), ci.getHeaderSearchOpts(), cg, ci.getTargetOpts(),
-                             ci.getLangOpts(), module->getDataLayoutStr(), module.get(),
-                             clang::Backend_EmitObj,
-                             std::make_unique<llvm::raw_svector_ostream>(object));
+    // On a thread that can open no file: inline assembly is assembled here.
+    std::string no_thread;
+    if (!RunWithoutFiles(
+            [&] {
+              clang::EmitBackendOutput(ci.getDiagnostics(), ci.getHeaderSearchOpts(), cg,
+                                       ci.getTargetOpts(), ci.getLangOpts(),
+                                       module->getDataLayoutStr(), module.get(),
+                                       clang::Backend_EmitObj,
+                                       std::make_unique<llvm::raw_svector_ostream>(object));
+            },
+            &no_thread)) {
+      diag_os << "error: code generation could not be confined: " << no_thread << "\n";
+      return at;
+    }
     if (backend_errors > 0 || ci.getDiagnostics().hasErrorOccurred()) return at;
     at.ok = true;
     at.object.assign(object.begin(), object.end());
@@ -484,30 +638,26 @@ struct ClangFrontend::Impl {
     return at;
   }
 
-  // Builds the PCH at req.pch_path (tmp file + rename). Returns false and sets
+  // Builds the PCH of req.preamble into memory. Returns null and sets
   // `*error` when it cannot.
-  bool BuildPch(const ipc::WorkerRequest& req, std::string* error) {
+  std::unique_ptr<llvm::MemoryBuffer> BuildPch(const ipc::WorkerRequest& req, std::string* error) {
     std::string diagnostics;
     llvm::raw_string_ostream diag_os(diagnostics);
-    std::string tmp = req.pch_path + ".tmp." + std::to_string(getpid());
+    std::string bytes;
     std::shared_ptr<clang::CompilerInvocation> inv =
-        MakeInvocation(DriverArgs(req, /*for_pch=*/true, tmp), diag_os);
+        MakeInvocation(DriverArgs(req, /*for_pch=*/true, false), diag_os);
     bool ok = false;
     if (inv != nullptr) {
       clang::CompilerInstance ci;
-      Prepare(ci, inv, diag_os, {req.prelude_path});
-      clang::GeneratePCHAction action;
-      ok = ci.ExecuteAction(action) && !ci.getDiagnostics().hasErrorOccurred();
-    }
-    if (ok && ::rename(tmp.c_str(), req.pch_path.c_str()) != 0) {
-      diag_os << "error: cannot rename " << tmp << " to " << req.pch_path << "\n";
-      ok = false;
+      Prepare(ci, inv, diag_os, req, nullptr);
+      PchToMemoryAction action(&bytes);
+      ok = ci.ExecuteAction(action) && !ci.getDiagnostics().hasErrorOccurred() && !bytes.empty();
     }
     if (!ok) {
-      ::unlink(tmp.c_str());
       *error = diagnostics.empty() ? "building the PCH failed" : diagnostics;
+      return nullptr;
     }
-    return ok;
+    return llvm::MemoryBuffer::getMemBufferCopy(bytes, VirtualPch());
   }
 };
 
@@ -523,7 +673,7 @@ std::unique_ptr<ClangFrontend> ClangFrontend::Create(const std::string& clang_pa
   probe.file_name = "probe.cc";
   std::string diagnostics;
   llvm::raw_string_ostream diag_os(diagnostics);
-  std::vector<std::string> argv = impl->DriverArgs(probe, /*for_pch=*/false, "");
+  std::vector<std::string> argv = impl->DriverArgs(probe, /*for_pch=*/false, false);
   std::shared_ptr<clang::CompilerInvocation> inv = impl->MakeInvocation(argv, diag_os);
   if (inv == nullptr) {
     *error = "the clang driver failed for " + clang_path + ": " + diagnostics;
@@ -541,12 +691,56 @@ std::unique_ptr<ClangFrontend> ClangFrontend::Create(const std::string& clang_pa
     h.fixed_flags += argv[i];
   }
   h.fixed_flags += " [c: -std=c17]";
+  // What compiles read: the toolchain's own tree (the resource directory
+  // and the driver's configuration are under it), the system include
+  // directories the driver chose, and the GCC installation the driver scans
+  // when it runs again for new options.
+  std::set<std::string> read;
+  llvm::SmallString<256> real_clang;
+  if (!llvm::sys::fs::real_path(clang_path, real_clang)) {
+    read.insert(std::string(llvm::sys::path::parent_path(llvm::sys::path::parent_path(real_clang))));
+  }
+  read.insert(inv->getHeaderSearchOpts().ResourceDir);
+  for (const auto& e : inv->getHeaderSearchOpts().UserEntries) {
+    read.insert(NormalizePath(e.Path, "/"));
+    const size_t gcc = e.Path.find("/lib/gcc/");
+    if (gcc != std::string::npos) read.insert(e.Path.substr(0, gcc + 8));
+  }
+  impl->read_paths.assign(read.begin(), read.end());
   return std::unique_ptr<ClangFrontend>(new ClangFrontend(std::move(impl)));
 }
 
+const std::vector<std::string>& ClangFrontend::ReadPaths() const { return impl_->read_paths; }
+
 const ipc::Hello& ClangFrontend::Describe() const { return impl_->hello; }
 
-ipc::WorkerResponse ClangFrontend::Handle(const ipc::WorkerRequest& req) {
+namespace {
+
+// Writes all of `data` to `fd` (from offset 0). False on any error.
+bool WriteAll(int fd, llvm::StringRef data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t w = ::pwrite(fd, data.data() + done, data.size() - done,
+                               static_cast<off_t>(done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    done += static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// Closes a descriptor when it goes out of scope.
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+ipc::WorkerResponse ClangFrontend::Handle(const ipc::WorkerRequest& req, int pch_fd) {
+  FdCloser closer{pch_fd};
   ipc::WorkerResponse resp;
   for (const std::string& o : req.options) {
     if (!IsUserOptionAllowed(o)) {
@@ -560,38 +754,45 @@ ipc::WorkerResponse ClangFrontend::Handle(const ipc::WorkerRequest& req) {
     resp.diagnostics = "file name must be a bare name";
     return resp;
   }
-  if (req.mode == ipc::RequestMode::kBuildPch) {
-    std::string error;
-    resp.kind =
-        impl_->BuildPch(req, &error) ? ipc::ResponseKind::kOk : ipc::ResponseKind::kCompileError;
-    resp.diagnostics = error;
+  const bool cxx = req.language == ipc::Language::kCxx;
+  if (req.pch != ipc::PchUse::kNone && (pch_fd < 0 || !cxx || req.preamble.empty())) {
+    resp.kind = ipc::ResponseKind::kBadRequest;
+    resp.diagnostics = "a PCH request needs a C++ source, a preamble and a descriptor";
     return resp;
   }
 
-  bool use_pch = req.language == ipc::Language::kCxx && !req.pch_path.empty();
-  if (use_pch && !llvm::sys::fs::exists(req.pch_path)) {
+  std::unique_ptr<llvm::MemoryBuffer> pch;
+  if (req.pch == ipc::PchUse::kBuild) {
     std::string error;
-    if (!impl_->BuildPch(req, &error)) {
-      use_pch = false;
+    pch = impl_->BuildPch(req, &error);
+    if (pch == nullptr) {
       resp.pch_note = "building the PCH failed: " + error;
-    }
-  }
-  Impl::Attempt at = impl_->Compile(req, use_pch ? req.pch_path : "");
-  if (use_pch && at.setup_failed) {
-    // Stale or foreign PCH: rebuild it once, then give up on it.
-    std::string error;
-    resp.pch_note = "the PCH could not be loaded: " + at.diagnostics;
-    if (impl_->BuildPch(req, &error)) {
-      at = impl_->Compile(req, req.pch_path);
-    }
-    if (at.setup_failed) {
-      use_pch = false;
-      at = impl_->Compile(req, "");
     } else {
-      resp.pch_note.clear();
+      resp.pch_built = WriteAll(pch_fd, pch->getBuffer());
+      if (!resp.pch_built) resp.pch_note = "the PCH could not be stored";
+    }
+  } else if (req.pch == ipc::PchUse::kLoad) {
+    struct stat st;
+    if (::fstat(pch_fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
+      llvm::ErrorOr<std::unique_ptr<llvm::MemoryBuffer>> mapped = llvm::MemoryBuffer::getOpenFile(
+          llvm::sys::fs::convertFDToNativeFile(pch_fd), VirtualPch(),
+          static_cast<uint64_t>(st.st_size), /*RequiresNullTerminator=*/false);
+      if (mapped) pch = std::move(*mapped);
+    }
+    if (pch == nullptr) {
+      resp.pch_stale = true;
+      resp.pch_note = "the PCH could not be read";
     }
   }
-  resp.pch_used = use_pch;
+  Impl::Attempt at = impl_->Compile(req, pch.get());
+  if (pch != nullptr && at.setup_failed) {
+    // A stale or broken PCH: compile without it; the daemon drops it.
+    resp.pch_note = "the PCH could not be loaded: " + at.diagnostics;
+    resp.pch_stale = req.pch == ipc::PchUse::kLoad;
+    pch.reset();
+    at = impl_->Compile(req, nullptr);
+  }
+  resp.pch_used = pch != nullptr;
   resp.diagnostics = std::move(at.diagnostics);
   if (!at.ok) {
     resp.kind = ipc::ResponseKind::kCompileError;

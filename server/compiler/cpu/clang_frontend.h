@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "server/compiler/cpu/ipc.h"
 
@@ -32,9 +33,16 @@ class ClangFrontend {
   // The toolchain facts that change object bytes (see ipc::Hello).
   const ipc::Hello& Describe() const;
 
-  // Runs one request. Never throws; compile errors come back as
-  // kCompileError with clang's diagnostics.
-  ipc::WorkerResponse Handle(const ipc::WorkerRequest& request);
+  // The files and directories compiles read (besides the request's include
+  // directories): the toolchain's tree, the system include directories and
+  // the GCC installation the driver found. The worker's Landlock rules allow
+  // these and nothing else of the file system.
+  const std::vector<std::string>& ReadPaths() const;
+
+  // Runs one request. `pch_fd` is the descriptor that came with it (-1: none;
+  // see ipc::PchUse), closed before returning. Never throws; compile errors
+  // come back as kCompileError with clang's diagnostics.
+  ipc::WorkerResponse Handle(const ipc::WorkerRequest& request, int pch_fd);
 
  private:
   struct Impl;

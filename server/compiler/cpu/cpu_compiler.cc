@@ -9,7 +9,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -171,6 +174,23 @@ bool IsCrashSignal(int sig) {
 // Kills a worker (unless it already ended) and reaps it.
 void KillAndReap(pid_t pid) { (void)subprocess::Reap(pid); }
 
+// Response flags Run() reports (CpuCompiler::Run's `response_flags`).
+constexpr int kPchBuilt = 1;
+constexpr int kPchStale = 2;
+
+// A descriptor closed when it goes out of scope.
+struct OwnedFd {
+  int fd = -1;
+  OwnedFd() = default;
+  OwnedFd(const OwnedFd&) = delete;
+  OwnedFd& operator=(const OwnedFd&) = delete;
+  ~OwnedFd() { Reset(); }
+  void Reset() {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+};
+
 }  // namespace
 
 struct CpuCompiler::Worker {
@@ -210,12 +230,6 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
   for (const std::string& d : options.extra_include_dirs) {
     c->allowed_extra_dirs_.push_back(Normalize(d));
   }
-  if (!options.pch_dir.empty()) {
-    // Before any worker starts: Landlock grants access only to directories
-    // that exist when a worker locks itself in.
-    std::error_code ec;
-    fs::create_directories(options.pch_dir, ec);
-  }
 
   OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, c->StartWorker());
   {
@@ -228,8 +242,10 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
       "; features=", absl::StrJoin(h.features, ","), "; flags=", h.fixed_flags,
       "; abi=", kObjectAbi);
   if (!options.pch_dir.empty()) {
+    // This process's alone: workers never see it (they get descriptors).
     std::error_code ec;
     fs::create_directories(options.pch_dir, ec);
+    if (!ec) ::chmod(options.pch_dir.c_str(), 0700);
     if (ec) {
       log->warn("compiling without PCHs: cannot create the PCH directory: {}", ec.message());
     } else {
@@ -242,15 +258,16 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
   return c;
 }
 
-std::string CpuCompiler::PchKeyFor(const std::string& directives,
+std::string CpuCompiler::PchKeyFor(const std::string& tenant, const std::string& directives,
                                    const std::vector<std::string>& pch_options,
                                    const std::vector<std::string>& include_dirs) const {
-  return Sha256Hex(absl::StrCat(toolchain_id_, "\n", absl::StrJoin(include_dirs, "\x1f"), "\n",
+  return Sha256Hex(absl::StrCat("namespace=", tenant.size(), ":", tenant, "\n", toolchain_id_,
+                                "\n", absl::StrJoin(include_dirs, "\x1f"), "\n",
                                 absl::StrJoin(pch_options, "\x1f"), "\n", directives))
       .substr(0, 32);
 }
 
-void CpuCompiler::NotePchUse(const std::string& key, bool existed) {
+void CpuCompiler::NotePchUse(const std::string& key, bool existed, bool built) {
   const fs::path dir(pch_dir_);
   std::error_code ec;
   if (existed) {
@@ -258,7 +275,7 @@ void CpuCompiler::NotePchUse(const std::string& key, bool existed) {
     fs::last_write_time(dir / (key + ".pch"), fs::file_time_type::clock::now(), ec);
     return;
   }
-  if (!fs::exists(dir / (key + ".pch"), ec)) return;  // not built (a failing preamble)
+  if (!built) return;  // not built (a failing preamble)
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.pch_built;
@@ -314,11 +331,9 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   }
   // What the worker's Landlock lets it read (besides the system's headers
   // and libraries) and write (the PCH directory).
+  // Nothing to write: a PCH comes and goes as a descriptor.
   args.insert(args.end(), {"--read-only", kernel_include_dir_});
   for (const auto& d : allowed_extra_dirs_) args.insert(args.end(), {"--read-only", d});
-  if (!options_.pch_dir.empty()) {
-    args.insert(args.end(), {"--read-write", Normalize(options_.pch_dir)});
-  }
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
     return absl::UnavailableError(absl::StrCat("cannot start a compile worker: socketpair: ",
@@ -441,13 +456,15 @@ bool CpuCompiler::EnterLongLane(Worker* worker, const std::string& file_name) {
   return true;
 }
 
-void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane) {
+void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane, bool retire) {
   const bool died = worker == nullptr;
   if (!died && !long_lane) {
     ++worker->compiles;
     const char* why = nullptr;
     uint64_t size = 0;
-    if (options_.recycle_after_compiles > 0 &&
+    if (retire) {
+      why = "a PCH build (it held a writable file)";
+    } else if (options_.recycle_after_compiles > 0 &&
         worker->compiles >= options_.recycle_after_compiles) {
       why = "compiles";
     } else if (kRecycleBySize && options_.recycle_memory_bytes > 0 &&
@@ -486,11 +503,13 @@ void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane) {
 absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worker,
                                                   const std::string& payload,
                                                   const std::string& file_name, bool allow_long,
-                                                  bool* long_lane) {
+                                                  bool* long_lane, int pass_fd,
+                                                  int* response_flags) {
   Worker& w = **worker;
   auto log = Logger("compiler");
+  if (response_flags != nullptr) *response_flags = 0;
   absl::Time deadline = absl::Now() + absl::Milliseconds(options_.timeout_ms);
-  absl::Status s = ipc::WriteFrame(w.fd, payload, deadline);
+  absl::Status s = ipc::WriteFrame(w.fd, payload, deadline, ipc::kToWorker, pass_fd);
   const bool sent = s.ok();
   *long_lane = false;
   if (s.ok() && allow_long && options_.long_after_ms > 0 && options_.long_workers > 0) {
@@ -588,6 +607,9 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
     return absl::InternalError(
         absl::StrCat("bad response from the compile worker: ", resp.status().ToString()));
   }
+  if (response_flags != nullptr) {
+    *response_flags = (resp->pch_built ? kPchBuilt : 0) | (resp->pch_stale ? kPchStale : 0);
+  }
   switch (resp->kind) {
     case ipc::ResponseKind::kOk: {
       if (!resp->pch_note.empty()) {
@@ -659,35 +681,76 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
     req.include_dirs.insert(req.include_dirs.end(), allowed_extra_dirs_.begin(),
                             allowed_extra_dirs_.end());
   }
-  // The source's own leading #include block, precompiled once per content.
+  // The source's own leading #include block, precompiled once per content and
+  // namespace. The worker gets the PCH as a read-only descriptor, or a new
+  // empty file to build it into (published here once whole); never a path.
   std::string pch_key;
-  bool pch_existed = false;
+  fs::path pch_file, pch_tmp;
+  OwnedFd pch_fd;
   if (request.language == Language::kCxx && !pch_dir_.empty()) {
     Preamble preamble = ComputePreamble(request.source);
     if (preamble.has_include) {
       req.pch_options = PchOptions(request.options);
-      pch_key = PchKeyFor(preamble.directives, req.pch_options, req.include_dirs);
-      const fs::path header = fs::path(pch_dir_) / (pch_key + ".h");
-      if (absl::Status w = WriteFileIfChanged(header, preamble.directives); w.ok()) {
-        req.pch_path = (fs::path(pch_dir_) / (pch_key + ".pch")).string();
-        req.prelude_path = header.string();
-        req.preamble_bytes = static_cast<uint32_t>(preamble.bytes);
-        std::error_code ec;
-        pch_existed = fs::exists(req.pch_path, ec);
+      pch_key = PchKeyFor(request.tenant, preamble.directives, req.pch_options, req.include_dirs);
+      pch_file = fs::path(pch_dir_) / (pch_key + ".pch");
+      // The directives, beside their PCH, for whoever looks (the worker gets
+      // them in the request).
+      if (absl::Status w = WriteFileIfChanged(fs::path(pch_dir_) / (pch_key + ".h"),
+                                              preamble.directives);
+          !w.ok()) {
+        Logger("compiler")->debug("cannot keep a preamble's text: {}", w.ToString());
+      }
+      pch_fd.fd = ::open(pch_file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+      if (pch_fd.fd >= 0) {
+        req.pch = ipc::PchUse::kLoad;
       } else {
-        Logger("compiler")->warn("compiling without a PCH: {}", w.ToString());
-        pch_key.clear();
+        static std::atomic<uint64_t> counter{0};
+        pch_tmp = pch_file;
+        pch_tmp += absl::StrCat(".tmp.", ::getpid(), ".", counter.fetch_add(1));
+        pch_fd.fd = ::open(pch_tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+                           0600);
+        if (pch_fd.fd >= 0) {
+          req.pch = ipc::PchUse::kBuild;
+        } else {
+          Logger("compiler")->warn("compiling without a PCH: cannot create one: {}",
+                                   std::strerror(errno));
+          pch_tmp.clear();
+          pch_key.clear();
+        }
+      }
+      if (req.pch != ipc::PchUse::kNone) {
+        req.preamble = preamble.directives;
+        req.preamble_bytes = static_cast<uint32_t>(preamble.bytes);
       }
     }
   }
   std::string payload = ipc::Encode(req);
 
-  OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, Acquire());
+  absl::StatusOr<std::unique_ptr<Worker>> acquired = Acquire();
+  if (!acquired.ok()) {
+    if (!pch_tmp.empty()) ::unlink(pch_tmp.c_str());
+    return acquired.status();
+  }
+  std::unique_ptr<Worker> worker = *std::move(acquired);
   bool long_lane = false;
-  absl::StatusOr<CpuCompileOutput> out =
-      Run(&worker, payload, req.file_name, /*allow_long=*/true, &long_lane);
-  FinishWith(std::move(worker), long_lane);
-  if (!pch_key.empty()) NotePchUse(pch_key, pch_existed);
+  int flags = 0;
+  absl::StatusOr<CpuCompileOutput> out = Run(&worker, payload, req.file_name, /*allow_long=*/true,
+                                             &long_lane, pch_fd.fd, &flags);
+  pch_fd.Reset();
+  // A worker that was given a file to write goes: it could still hold it.
+  FinishWith(std::move(worker), long_lane, /*retire=*/req.pch == ipc::PchUse::kBuild);
+  bool built = false;
+  if (!pch_tmp.empty()) {
+    // Whole, as the (now retired) worker said: publish it. Otherwise drop it.
+    built = (flags & kPchBuilt) != 0 && ::rename(pch_tmp.c_str(), pch_file.c_str()) == 0;
+    if (!built) ::unlink(pch_tmp.c_str());
+  }
+  if (req.pch == ipc::PchUse::kLoad && (flags & kPchStale) != 0) {
+    // Stale (a header changed) or broken: the next compile builds it again.
+    std::error_code ec;
+    fs::remove(pch_file, ec);
+  }
+  if (!pch_key.empty()) NotePchUse(pch_key, req.pch == ipc::PchUse::kLoad, built);
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.compiles;

@@ -37,6 +37,10 @@ struct CpuCompileRequest {
   // INVALID_ARGUMENT. Searched after kernel_include_dir, in this order.
   // Empty: every configured one, in the configuration's order.
   std::vector<std::string> extra_include_dirs;
+  // The namespace that asks. Its preamble PCHs are its own: keyed by it
+  // (with the preamble, options, include dirs and toolchain), and no compile
+  // of another namespace is given them. Not part of any object key.
+  std::string tenant;
 };
 
 struct CpuCompileOutput {
@@ -63,9 +67,12 @@ struct CpuCompilerOptions {
   // Extra include directories (from the server config): on every compile's
   // include path unless a request names a subset; read-only to workers.
   std::vector<std::string> extra_include_dirs;
-  // Where preamble PCHs are built and kept (see preamble.h); empty = no PCH.
-  // At most pch_max_files of them and pch_max_bytes in all; the least
-  // recently used go first.
+  // Where preamble PCHs are kept (see preamble.h); empty = no PCH. Only this
+  // process opens it: a worker gets the one PCH its compile uses as a
+  // read-only descriptor, or, to build one, a descriptor of a new empty
+  // file that this process publishes (renames into place) once the worker
+  // said it is whole; that worker is then retired. At most pch_max_files of
+  // them and pch_max_bytes in all; the least recently used go first.
   std::string pch_dir;
   int pch_max_files = 64;
   uint64_t pch_max_bytes = 2ull << 30;
@@ -140,23 +147,28 @@ class CpuCompiler {
   // Runs one encoded request on `*worker`. On return `*worker` is null when
   // the worker died or was killed (it is then reaped and counted).
   // `allow_long`: the compile may move to the long lane (see the options).
+  // `pass_fd` (>= 0) goes with the request (its PCH); `*response_flags`
+  // gets the response's PCH flags (kPchBuilt, kPchStale) when not null.
   absl::StatusOr<CpuCompileOutput> Run(std::unique_ptr<Worker>* worker, const std::string& payload,
                                        const std::string& file_name, bool allow_long,
-                                       bool* long_lane);
+                                       bool* long_lane, int pass_fd = -1,
+                                       int* response_flags = nullptr);
   // Moves a busy worker's slot to the long lane when the lane has room.
   bool EnterLongLane(Worker* worker, const std::string& file_name);
   // Gives back what a worker held after a compile: the worker (or null when
   // it died), its slot or long-lane place. Recycles healthy workers that are
-  // past their compile count or size.
-  void FinishWith(std::unique_ptr<Worker> worker, bool long_lane);
-  // The PCH (and its header) for a preamble, a request's options and
-  // include dirs: <pch_dir>/<key>.pch and <key>.h, keyed by all of them and
-  // the toolchain.
-  std::string PchKeyFor(const std::string& directives, const std::vector<std::string>& pch_options,
+  // past their compile count or size, and `retire`d ones (a worker that held
+  // a writable descriptor).
+  void FinishWith(std::unique_ptr<Worker> worker, bool long_lane, bool retire = false);
+  // The PCH (and its header) for a namespace's preamble, a request's options
+  // and include dirs: <pch_dir>/<key>.pch and <key>.h, keyed by all of them
+  // and the toolchain.
+  std::string PchKeyFor(const std::string& tenant, const std::string& directives,
+                        const std::vector<std::string>& pch_options,
                         const std::vector<std::string>& include_dirs) const;
-  // Marks a PCH as used (LRU by mtime) or, when it is new, removes the least
-  // recently used ones past the bounds.
-  void NotePchUse(const std::string& key, bool existed);
+  // Marks a PCH as used (LRU by mtime) or, when it was just `built`, removes
+  // the least recently used ones past the bounds.
+  void NotePchUse(const std::string& key, bool existed, bool built);
 
   // Constant after Create().
   CpuCompilerOptions options_;

@@ -1,5 +1,7 @@
 #include "server/compiler/cpu/ipc.h"
 
+#include <unistd.h>
+
 #include <utility>
 
 #include "server/common/codec.h"
@@ -28,6 +30,7 @@ frame_io::ChannelLimits ToWorker() {
   l.name = kChannel;
   l.max_frame_bytes = kMaxRequestBytes;
   l.typed = false;
+  l.accept_fd = true;  // the PCH of a request (PchUse)
   return l;
 }
 
@@ -70,8 +73,8 @@ std::string Encode(const WorkerRequest& m) {
   w.Str(m.file_name);
   w.Strs(m.options);
   w.Strs(m.include_dirs);
-  w.Str(m.pch_path);
-  w.Str(m.prelude_path);
+  w.U8(static_cast<uint8_t>(m.pch));
+  w.Str(m.preamble);
   w.Strs(m.pch_options);
   w.U32(m.preamble_bytes);
   return w.Take();
@@ -86,6 +89,8 @@ std::string Encode(const WorkerResponse& m) {
   w.F64(m.compile_ms);
   w.Str(m.pch_note);
   w.U8(m.pch_used ? 1 : 0);
+  w.U8(m.pch_built ? 1 : 0);
+  w.U8(m.pch_stale ? 1 : 0);
   return w.Take();
 }
 
@@ -112,18 +117,21 @@ absl::StatusOr<WorkerRequest> DecodeRequest(const std::string& payload) {
   m.file_name = r.Str();
   m.options = r.Strs();
   m.include_dirs = r.Strs();
-  m.pch_path = r.Str();
-  m.prelude_path = r.Str();
+  const uint8_t pch = r.U8();
+  m.preamble = r.Str();
   m.pch_options = r.Strs();
   m.preamble_bytes = r.U32();
   if (absl::Status s = r.Finish("request"); !s.ok()) return s;
   if (m.preamble_bytes > m.source.size()) {
     return absl::InvalidArgumentError("preamble_bytes past the end of the source");
   }
-  if (mode != static_cast<uint8_t>(RequestMode::kCompile) &&
-      mode != static_cast<uint8_t>(RequestMode::kBuildPch)) {
+  if (mode != static_cast<uint8_t>(RequestMode::kCompile)) {
     return absl::InvalidArgumentError("unknown request mode");
   }
+  if (pch > static_cast<uint8_t>(PchUse::kBuild)) {
+    return absl::InvalidArgumentError("unknown PCH use");
+  }
+  m.pch = static_cast<PchUse>(pch);
   if (language != static_cast<uint8_t>(Language::kC) &&
       language != static_cast<uint8_t>(Language::kCxx)) {
     return absl::InvalidArgumentError("unknown language");
@@ -143,6 +151,8 @@ absl::StatusOr<WorkerResponse> DecodeResponse(const std::string& payload) {
   m.compile_ms = r.F64();
   m.pch_note = r.Str();
   const uint8_t pch_used = r.U8();
+  m.pch_built = r.U8() != 0;
+  m.pch_stale = r.U8() != 0;
   if (absl::Status s = r.Finish("response"); !s.ok()) return s;
   if (kind < static_cast<uint8_t>(ResponseKind::kOk) ||
       kind > static_cast<uint8_t>(ResponseKind::kBadRequest)) {
@@ -158,15 +168,23 @@ uint8_t PeekKind(const std::string& payload) {
 }
 
 absl::Status WriteFrame(int fd, const std::string& payload, absl::Time deadline,
-                        const frame_io::ChannelLimits& limits) {
-  return frame_io::WriteFrame(fd, limits, 0, payload, deadline);
+                        const frame_io::ChannelLimits& limits, int pass_fd) {
+  return frame_io::WriteFrame(fd, limits, 0, payload, deadline, pass_fd);
 }
 
 absl::Status ReadFrame(int fd, std::string* payload, absl::Time deadline,
-                       const frame_io::ChannelLimits& limits) {
+                       const frame_io::ChannelLimits& limits, int* received_fd) {
+  if (received_fd != nullptr) *received_fd = -1;
   frame_io::Frame f;
   absl::Status s = frame_io::ReadFrame(fd, limits, deadline, &f);
   if (s.ok()) *payload = std::move(f.body);
+  if (f.fd >= 0) {
+    if (received_fd != nullptr) {
+      *received_fd = f.fd;
+    } else {
+      ::close(f.fd);
+    }
+  }
   return s;
 }
 

@@ -27,7 +27,7 @@
 namespace opjit::compiler::ipc {
 
 // Bumped whenever a message layout changes; both ends must agree.
-inline constexpr uint32_t kProtocolVersion = 3;
+inline constexpr uint32_t kProtocolVersion = 4;  // 4: PCHs travel as descriptors
 // The largest frame each way. A request carries a source (at most 1 MiB,
 // registry/validate.h) and its options; a response carries the object
 // (kernels compile to KiBs, a few MiB with big tables) and the
@@ -55,9 +55,21 @@ struct Hello {
 };
 
 enum class RequestMode : uint8_t {
-  kCompile = 1,   // compile `source` to an object
-  kBuildPch = 2,  // (re)build the PCH at pch_path from prelude_path; no source
+  kCompile = 1,  // compile `source` to an object
 };
+
+// What the descriptor that comes with a request (SCM_RIGHTS) is for. The
+// worker never sees the PCH directory: it gets one file, opened by the
+// daemon, and names it only by a virtual path (kPchVirtualDir).
+enum class PchUse : uint8_t {
+  kNone = 0,   // no PCH (a descriptor that comes anyway is closed)
+  kLoad = 1,   // the descriptor is the PCH of `preamble`, read-only: load it
+  kBuild = 2,  // build the PCH of `preamble`, write it to the descriptor (a
+               // new, empty file), then compile with it
+};
+
+// Where a compile sees its preamble header and PCH: in memory, never on disk.
+inline constexpr char kPchVirtualDir[] = "/opjit-preamble";
 
 enum class Language : uint8_t { kC = 1, kCxx = 2 };
 
@@ -68,11 +80,12 @@ struct WorkerRequest {
   std::string file_name;                  // a bare file name, no directory
   std::vector<std::string> options;       // validated user options
   std::vector<std::string> include_dirs;  // -I dirs in order, all allowed for reading
-  // Empty: no PCH. Otherwise the PCH to load (C++ only); the worker builds it
-  // from prelude_path with `pch_options` when it is missing or stale.
-  std::string pch_path;
-  std::string prelude_path;
-  std::vector<std::string> pch_options;  // the user options the PCH is built with
+  // The PCH (C++ only): what the request's descriptor is for, the preamble's
+  // directives (the header it is built from, served from memory), and the
+  // user options it is built with.
+  PchUse pch = PchUse::kNone;
+  std::string preamble;
+  std::vector<std::string> pch_options;
   // Bytes at the start of `source` the PCH stands for (its preamble, see
   // preamble.h): blanked when the PCH is used, compiled as they are when not.
   uint32_t preamble_bytes = 0;
@@ -95,6 +108,8 @@ struct WorkerResponse {
   // Non-empty when the PCH could not be used; the compile still ran without it.
   std::string pch_note;
   bool pch_used = false;
+  bool pch_built = false;  // kBuild: the whole PCH was written to the descriptor
+  bool pch_stale = false;  // kLoad: the PCH could not be loaded (a header changed)
 };
 
 // Encoders return a whole payload (without the length prefix).
@@ -114,19 +129,22 @@ uint8_t PeekKind(const std::string& payload);
 // Writes one frame to `fd`, waiting at most until `deadline`
 // (absl::InfiniteFuture() for no limit), refusing a payload over the
 // reader's limit (`limits`: the daemon writes kToWorker, the worker
-// kFromWorker). Never raises SIGPIPE.
+// kFromWorker), with `pass_fd` (>= 0) attached. Never raises SIGPIPE.
 // Errors: RESOURCE_EXHAUSTED (too large, nothing sent), DEADLINE_EXCEEDED,
 // UNAVAILABLE (peer gone or I/O error).
 absl::Status WriteFrame(int fd, const std::string& payload, absl::Time deadline,
-                        const frame_io::ChannelLimits& limits = kToWorker);
+                        const frame_io::ChannelLimits& limits = kToWorker, int pass_fd = -1);
 
 // Reads one frame from `fd` into `*payload`, waiting at most until `deadline`.
 // Errors: DEADLINE_EXCEEDED; OUT_OF_RANGE when the peer closed the stream
 // before a frame began (clean EOF); DATA_LOSS when the peer broke the
 // protocol (a frame over the limit, cut short or stalled);
 // RESOURCE_EXHAUSTED when the budget is spent; UNAVAILABLE on I/O errors.
+// kToWorker accepts one descriptor per frame: it lands in `*received_fd`
+// (-1 when none came; the caller owns it), or is closed when that is null.
 absl::Status ReadFrame(int fd, std::string* payload, absl::Time deadline,
-                       const frame_io::ChannelLimits& limits = kFromWorker);
+                       const frame_io::ChannelLimits& limits = kFromWorker,
+                       int* received_fd = nullptr);
 
 // The bytes of a whole frame (length prefix and payload), for a worker that
 // must send without allocating (out of memory, fatal errors).

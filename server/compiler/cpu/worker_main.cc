@@ -9,16 +9,20 @@
 //   --instance TAG       the daemon's tag, for a restart's sweep (ignored here)
 //   --memory-limit BYTES RLIMIT_AS for this process (default: unchanged)
 //   --clang PATH         the clang binary the driver pretends to be
-//   --read-only PATH     a directory the compiler may read (repeatable)
-//   --read-write PATH    a directory it may write (the PCH directory)
+//   --read-only PATH     a directory the compiler may read (repeatable): opjit's
+//                        kernel headers and the allowed include directories
 //
 // Limits are set after the LLVM and clang libraries are loaded and before the
 // first request is read (server/common/sandbox): RLIMIT_AS, RLIMIT_CORE = 0,
-// PR_SET_PDEATHSIG(SIGKILL), no_new_privs, Landlock (the system's headers
-// and libraries, opjit's kernel headers, the allowed include directories;
-// nothing else of the file system, so the integrated assembler's .include
-// and .incbin cannot reach a host file either), and seccomp (no sockets,
-// exec, new processes, ptrace, signals to other processes...).
+// RLIMIT_FSIZE (a PCH it writes), PR_SET_PDEATHSIG(SIGKILL), no_new_privs,
+// Landlock (read-only: the toolchain's tree, the system include directories
+// and GCC installation the driver found, opjit's kernel headers and the
+// allowed include directories, /dev/null; nothing else: no /etc, no /proc,
+// no state directory, no PCH directory), and seccomp (no sockets, exec, new
+// processes, ptrace, signals to other processes...). The PCH of a request
+// comes as a descriptor with it (ipc::PchUse). Code generation runs on a
+// thread with no file access at all (clang_frontend.cc), so the integrated
+// assembler's .incbin and .include reach no file, not even a header.
 
 #include <errno.h>
 #include <fcntl.h>
@@ -97,7 +101,7 @@ int Main(int argc, char** argv) {
   long parent_pid = 0;
   unsigned long long memory_limit = 0;
   std::string clang_path = OPJIT_CLANG_PATH;
-  std::vector<std::string> read_only, read_write;
+  std::vector<std::string> read_only;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -117,9 +121,6 @@ int Main(int argc, char** argv) {
       ++i;
     } else if (a == "--read-only" && v) {
       read_only.push_back(v);
-      ++i;
-    } else if (a == "--read-write" && v) {
-      read_write.push_back(v);
       ++i;
     } else {
       std::fprintf(stderr, "opjit-compile-worker: unknown argument %s\n", a.c_str());
@@ -152,14 +153,21 @@ int Main(int argc, char** argv) {
   }
 
   sandbox::Policy policy;
-  // The system's headers, libraries and the compiler's own files live under
-  // /usr; the driver also reads the distribution's name.
-  policy.read_only_paths = {"/usr", "/lib", "/lib64", "/etc/ld.so.cache", "/etc/os-release",
-                            "/etc/lsb-release", "/etc/debian_version", "/proc/cpuinfo"};
+  // The toolchain, the system headers and the request's include directories;
+  // the libraries are loaded already, and the driver read the distribution's
+  // name (it keeps it) when the frontend started.
+  policy.read_only_paths = frontend->ReadPaths();
   policy.read_only_paths.insert(policy.read_only_paths.end(), read_only.begin(), read_only.end());
-  policy.read_write_paths = read_write;
   policy.device_paths = {"/dev/null"};
   policy.address_space_bytes = memory_limit;
+  // A PCH is written to the descriptor the daemon passes: never more than
+  // the memory it was built in. EFBIG rather than SIGXFSZ past that.
+  {
+    ::signal(SIGXFSZ, SIG_IGN);
+    const rlim_t fsize = memory_limit != 0 ? memory_limit : (4ull << 30);
+    rlimit lim{fsize, fsize};
+    if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) return 5;
+  }
   if (absl::Status s = sandbox::Apply(policy); !s.ok()) {
     std::fprintf(stderr, "opjit-compile-worker: %s\n", s.ToString().c_str());
     return 5;
@@ -183,17 +191,20 @@ int Main(int argc, char** argv) {
       if (!subprocess::ParentIs(static_cast<pid_t>(parent_pid))) return 0;
     }
     std::string payload;
-    absl::Status s = ipc::ReadFrame(g_fd, &payload, absl::InfiniteFuture(), ipc::kToWorker);
+    int pch_fd = -1;
+    absl::Status s =
+        ipc::ReadFrame(g_fd, &payload, absl::InfiniteFuture(), ipc::kToWorker, &pch_fd);
     if (absl::IsOutOfRange(s)) return 0;  // the daemon closed the socket
     if (!s.ok()) return 7;
     auto start = std::chrono::steady_clock::now();
     ipc::WorkerResponse resp;
     absl::StatusOr<ipc::WorkerRequest> req = ipc::DecodeRequest(payload);
     if (!req.ok()) {
+      if (pch_fd >= 0) ::close(pch_fd);
       resp.kind = ipc::ResponseKind::kBadRequest;
       resp.diagnostics = req.status().ToString();
     } else {
-      resp = frontend->Handle(*req);
+      resp = frontend->Handle(*req, pch_fd);  // closes pch_fd
     }
     resp.compile_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

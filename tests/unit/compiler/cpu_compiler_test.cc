@@ -20,10 +20,12 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "server/common/error_info.h"
 
 namespace opjit::compiler {
 namespace {
@@ -376,6 +378,106 @@ TEST_F(CpuCompilerTest, AssemblerIncludesOfHostFilesLeakNothing) {
   EXPECT_TRUE(c->Compile(Cxx("extern \"C\" int K() { return 1; }\n")).ok());
 }
 
+std::vector<fs::path> PchFiles(const std::string& dir);
+
+// The integrated assembler reads no file at all, not even one the compile
+// may read as a header (it runs on a thread locked out of the file system),
+// and one spelled in plain text is refused with a clear error before that.
+// A macro that pastes the directive together gets past the text check and
+// still reads nothing. Issue 27: `.incbin "/etc/os-release"` returned the
+// file's bytes in the object.
+TEST_F(CpuCompilerTest, AssemblerReadsNoFileEvenUnderAllowedDirectories) {
+  auto c = Make(Options());
+  ASSERT_NE(c, nullptr);
+  const std::string os_release = ReadFile("/etc/os-release");
+  const std::string header = ReadFile(extra_dir_ + "/mylib.h");
+  ASSERT_FALSE(os_release.empty());
+  struct Case {
+    std::string asm_text;
+    bool plain;  // the directive is spelled out
+  };
+  for (const Case& k : std::vector<Case>{
+           {".incbin \\\"/etc/os-release\\\"", true},
+           {".INCBIN \\\"/usr/lib/os-release\\\"", true},
+           {".incbin \\\"" + extra_dir_ + "/mylib.h\\\"", true},
+           {".include \\\"" + extra_dir_ + "/mylib.h\\\"", true},
+           {".macro m a\\n.inc\\\\a \\\"/etc/os-release\\\"\\n.endm\\nm bin", false},
+           {".macro m a\\n.inc\\\\a \\\"" + extra_dir_ + "/mylib.h\\\"\\n.endm\\nm bin", false},
+       }) {
+    const std::string src = "asm(\"" + k.asm_text + "\");\nextern \"C\" int K() { return 0; }\n";
+    absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(src));
+    ASSERT_FALSE(out.ok()) << k.asm_text << " compiled";
+    const std::string msg(out.status().message());
+    ASSERT_TRUE(GetReason(out.status()).has_value()) << msg;
+    EXPECT_EQ(GetReason(out.status())->reason, reason::kCompileFailed) << msg;
+    if (k.plain) {
+      EXPECT_TRUE(absl::StrContains(msg, "inline assembly may not read files")) << msg;
+    } else {
+      EXPECT_TRUE(absl::StrContains(absl::AsciiStrToLower(msg), "could not find incbin file"))
+          << msg;
+    }
+    EXPECT_FALSE(absl::StrContains(msg, "Debian")) << k.asm_text << " leaked os-release";
+    EXPECT_FALSE(absl::StrContains(msg, "MyLib")) << k.asm_text << " leaked a header";
+  }
+  // Inline assembly that reads nothing still works.
+  absl::StatusOr<CpuCompileOutput> out =
+      c->Compile(Cxx("asm(\".globl opjit_asm_ok\\nopjit_asm_ok: ret\");\n"
+                     "extern \"C\" int K() { return 1; }\n"));
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(HasSymbol(out->object, "opjit_asm_ok", /*defined=*/true));
+}
+
+// Preamble PCHs are kept per namespace: the same preamble in two namespaces
+// is two PCHs, each reused by its own namespace's compiles. A compile never
+// sees the PCH directory: neither its own PCH's path nor another's can be
+// read (the worker is given its one PCH as a descriptor).
+TEST_F(CpuCompilerTest, PchsArePerNamespaceAndOutOfReach) {
+  TempDir pch;
+  CpuCompilerOptions o = Options();
+  o.pch_dir = pch.path();
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  auto in = [](const std::string& tenant, const std::string& body) {
+    CpuCompileRequest r = Cxx("#include <cmath>\n#define SECRET_OF_" + tenant + " 1\n" + body);
+    r.tenant = tenant;
+    return r;
+  };
+  ASSERT_TRUE(c->Compile(in("alice", "int a1;\n")).ok());
+  ASSERT_TRUE(c->Compile(in("alice", "int a2;\n")).ok());
+  EXPECT_EQ(c->GetStats().pch_built, 1u) << "alice's second compile reuses her PCH";
+  std::vector<fs::path> pchs = PchFiles(pch.path());
+  ASSERT_EQ(pchs.size(), 1u);
+  const fs::path alice_pch = pchs[0];
+  // The same preamble text in bob's namespace is bob's own PCH.
+  CpuCompileRequest same = Cxx("#include <cmath>\n#define SECRET_OF_alice 1\nint b0;\n");
+  same.tenant = "bob";
+  ASSERT_TRUE(c->Compile(same).ok());
+  EXPECT_EQ(PchFiles(pch.path()).size(), 2u);
+  EXPECT_EQ(c->GetStats().pch_built, 2u);
+  EXPECT_EQ(fs::status(pch.path()).permissions() & fs::perms::all, fs::perms::owner_all)
+      << "the PCH directory is the daemon's alone";
+  // Bob names alice's PCH, plainly and through a macro: nothing comes back.
+  const std::string path = alice_pch.string();
+  for (const std::string& a :
+       {".incbin \\\"" + path + "\\\"",
+        ".macro m a\\n.inc\\\\a \\\"" + path + "\\\"\\n.endm\\nm bin"}) {
+    absl::StatusOr<CpuCompileOutput> out =
+        c->Compile(in("bob", "asm(\"" + a + "\");\nextern \"C\" int K() { return 0; }\n"));
+    ASSERT_FALSE(out.ok()) << a;
+    EXPECT_FALSE(absl::StrContains(out.status().message(), "SECRET_OF_alice")) << a;
+  }
+  // #include of it (or of the directory's preamble text) is not found.
+  fs::path text = alice_pch;
+  text.replace_extension(".h");
+  for (const fs::path& p : {alice_pch, text}) {
+    absl::StatusOr<CpuCompileOutput> out =
+        c->Compile(in("bob", "#include \"" + p.string() + "\"\nint b;\n"));
+    ASSERT_FALSE(out.ok());
+    EXPECT_TRUE(absl::StrContains(out.status().message(), "file not found")) << out.status();
+    EXPECT_FALSE(absl::StrContains(out.status().message(), "SECRET_OF_alice"));
+  }
+}
+
 TEST_F(CpuCompilerTest, CrashIsReportedAndTheNextCompileWorks) {
   auto c = Make(Options());
   ASSERT_NE(c, nullptr);
@@ -682,10 +784,17 @@ TEST_F(CpuCompilerTest, PreamblePchIsSharedReusedAndRebuiltWhenCorrupt) {
   EXPECT_EQ(c->GetStats().pch_built, 1u);
   EXPECT_GE(fs::last_write_time(pchs[0]), built_at) << "a use refreshes its LRU stamp";
 
+  // A broken PCH: that compile goes on without it and drops it; the next
+  // one builds it again.
   std::ofstream(pchs[0], std::ios::trunc) << "garbage";
   out = c->Compile(Cxx("#include <cmath>\n#include <vector>\nint h;\n"));
   ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_FALSE(fs::exists(pchs[0])) << "a PCH that does not load is dropped";
+  out = c->Compile(Cxx("#include <cmath>\n#include <vector>\nint h2;\n"));
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_TRUE(fs::exists(pchs[0]));
   EXPECT_GT(fs::file_size(pchs[0]), 1000u) << "rebuilt";
+  EXPECT_EQ(c->GetStats().pch_built, 2u);
 
   // Options that change what the headers mean get their own PCH; macros
   // too, since a preamble may test them. Warnings do not.

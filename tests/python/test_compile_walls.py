@@ -1,0 +1,218 @@
+"""Compiles read only what the README lists, and nothing of another
+namespace (issue 27, item 4).
+
+On a daemon of its own with principals (alice in "alice", bob in "bob", an
+admin; test_access.AuthDaemon):
+  1. a kernel whose inline assembly `.incbin`s a host file (/etc/os-release),
+     a file of the daemon's state directory (its registry database, alice's
+     precompiled preamble under <state>/cache/pch) or a header the compile
+     may read, and copies the bytes to its output, fails to compile with
+     COMPILE_FAILED; the bytes never come back (before issue 27 the
+     os-release and PCH variants returned them);
+  2. an #include of a file outside the allowed directories is "file not
+     found", as before;
+  3. preamble PCHs are per namespace: alice's second kernel with the same
+     include block reuses her PCH, bob's compile of the same block builds
+     his own, and bob cannot read alice's (above);
+  4. GetServerInfo shows non-admins no host path in any field (the unix
+     socket's path used to show); the admin still sees it and the state
+     directory.
+"""
+
+import os
+
+import pytest
+
+import numpy as np
+
+import opjit
+
+from test_access import AuthDaemon
+from conftest import unary_spec
+
+with open("/etc/os-release", "rb") as _f:
+    OS_RELEASE = _f.read()
+
+# y[i] = the i-th byte of what the assembler pastes in at `blob` (as a float),
+# for the first k bytes.
+INCBIN = r"""#include <cstdint>
+%(asm)s
+extern "C" const unsigned char blob[];
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  float* y = static_cast<float*>(p[1]);
+  for (int64_t i = 0; i < k; ++i) y[i] = blob[i];
+  return 0;
+}
+"""
+
+
+def incbin_source(path, macro=False):
+    """A kernel that pastes `path` in with .incbin: spelled out, or (macro)
+    put together by an assembler macro so that no text check sees it."""
+    if macro:
+        body = r'.macro paste a\n.inc\\a \"%s\"\n.endm\nblob: paste bin' % path
+    else:
+        body = r'blob: .incbin \"%s\"' % path
+    return INCBIN % {"asm": 'asm(".section .rodata\\n.globl blob\\n%s\\n.byte 0\\n.text");' % body}
+
+
+# A kernel with an include block (its preamble, precompiled per namespace).
+PREAMBLE = "#include <cmath>\n#include <vector>\n#define WALLS_PREAMBLE 1\n"
+
+
+def preamble_kernel(n):
+    return PREAMBLE + ('extern "C" float F%d(float x) { return std::sqrt(x) * %d; }\n' % (n, n))
+
+
+@pytest.fixture(scope="module")
+def d():
+    daemon = AuthDaemon()
+    yield daemon
+    assert daemon.proc.poll() is None, "opjitd died:\n" + daemon.read_log()
+    daemon.close()
+
+
+def pch_files(d):
+    path = os.path.join(d.state, "cache", "pch")
+    return sorted(n for n in os.listdir(path) if n.endswith(".pch")) if os.path.isdir(path) else []
+
+
+@pytest.fixture(scope="module")
+def alice_pch(d):
+    """The path of alice's PCH of PREAMBLE (her compile builds it)."""
+    before = set(pch_files(d))
+    with d.client("alice", "alice") as c:
+        c.compile(preamble_kernel(1))
+    new = sorted(set(pch_files(d)) - before)
+    assert len(new) == 1, (before, new)
+    return os.path.join(d.state, "cache", "pch", new[0])
+
+
+def assert_refused(d, who, source, leaked, name):
+    """`who` registers an op built from `source`: COMPILE_FAILED, and no
+    byte run of `leaked` in what comes back."""
+    with d.client(who, who) as c:
+        with pytest.raises(opjit.InvalidArgument) as e:
+            c.register(unary_spec(name, source, namespace=who))
+    assert e.value.reason == "COMPILE_FAILED", str(e.value)
+    text = str(e.value).encode()
+    for line in leaked.split(b"\n"):
+        if len(line) >= 8:
+            assert line not in text, "leaked %r" % line
+    # And nothing was registered that could return them.
+    with d.client(who, who) as c:
+        assert name not in [r.op.name for r in c.ops()]
+    return str(e.value)
+
+
+# ---- 1. the assembler reads no file ----------------------------------------------------------
+
+@pytest.mark.parametrize("macro", [False, True], ids=["spelled", "macro"])
+def test_incbin_of_a_host_file_fails_and_leaks_nothing(d, macro):
+    msg = assert_refused(d, "alice", incbin_source("/etc/os-release", macro), OS_RELEASE,
+                         "walls_os_release_%d" % macro)
+    if not macro:
+        assert "inline assembly may not read files" in msg, msg
+
+
+@pytest.mark.parametrize("macro", [False, True], ids=["spelled", "macro"])
+def test_incbin_of_another_namespaces_pch_fails(d, alice_pch, macro):
+    with open(alice_pch, "rb") as f:
+        pch = f.read()
+    assert b"WALLS_PREAMBLE" in pch  # what bob is after
+    msg = assert_refused(d, "bob", incbin_source(alice_pch, macro), pch[:4096],
+                         "walls_pch_%d" % macro)
+    assert "WALLS_PREAMBLE" not in msg
+    # Alice's own compile cannot read it either: no compile reads the PCH
+    # directory; a compile gets its one PCH as a descriptor.
+    assert_refused(d, "alice", incbin_source(alice_pch, True), pch[:4096], "walls_own_pch")
+
+
+def test_incbin_of_the_state_dir_and_of_a_header_fails(d):
+    db = [os.path.join(d.state, n) for n in os.listdir(d.state)
+          if os.path.isfile(os.path.join(d.state, n))]
+    assert db, os.listdir(d.state)
+    for i, path in enumerate(db[:3]):
+        with open(path, "rb") as f:
+            content = f.read(4096)
+        assert_refused(d, "bob", incbin_source(path, True), content, "walls_state_%d" % i)
+    # A header the compile may #include is not the assembler's to paste.
+    with open("/usr/include/stdio.h", "rb") as f:
+        stdio = f.read()
+    assert_refused(d, "bob", incbin_source("/usr/include/stdio.h", True), stdio, "walls_header")
+
+
+def test_assembly_that_reads_nothing_still_works(d):
+    src = INCBIN % {"asm": 'asm(".section .rodata\\n.globl blob\\nblob: .byte 7, 8, 9\\n.text");'}
+    with d.client("alice", "alice") as c:
+        c.register(unary_spec("walls_asm_ok", src, namespace="alice"))
+        y = c.op("walls_asm_ok")(np.zeros(3, np.float32))
+    assert list(y) == [7.0, 8.0, 9.0]
+
+
+# ---- 2. includes outside the allowed directories -------------------------------------------
+
+def test_include_outside_the_allowed_dirs_is_not_found(d, alice_pch):
+    header = alice_pch[:-4] + ".h"
+    for path, content in [("/etc/os-release", OS_RELEASE),
+                          (header, open(header, "rb").read()),
+                          (alice_pch, open(alice_pch, "rb").read(4096))]:
+        src = '#include "%s"\nextern "C" int K() { return 0; }\n' % path
+        with d.client("bob", "bob") as c:
+            with pytest.raises(opjit.InvalidArgument) as e:
+                c.compile(src)
+        assert e.value.reason == "COMPILE_FAILED"
+        assert "file not found" in str(e.value), str(e.value)
+        for line in content.split(b"\n"):
+            if len(line) >= 8:
+                assert line not in str(e.value).encode()
+
+
+# ---- 3. PCHs are per namespace and reused ----------------------------------------------------
+
+def test_pchs_are_per_namespace_and_reused(d, alice_pch):
+    before = pch_files(d)
+    with d.client("alice", "alice") as c:
+        c.compile(preamble_kernel(2))  # the same include block: her PCH
+    assert pch_files(d) == before, "alice's second kernel reuses her PCH"
+    with d.client("bob", "bob") as c:
+        c.compile(preamble_kernel(3))
+        after_bob = pch_files(d)
+        c.compile(preamble_kernel(4))
+    assert len(after_bob) == len(before) + 1, "bob's PCH is his own"
+    assert pch_files(d) == after_bob, "bob's second kernel reuses his"
+    assert os.stat(os.path.dirname(alice_pch)).st_mode & 0o077 == 0
+
+
+# ---- 4. ServerInfo shows non-admins no host path ---------------------------------------------
+
+def strings_of(msg, prefix=""):
+    """(field path, value) of every string in a protobuf message, recursively."""
+    out = []
+    for field, value in msg.ListFields():
+        repeated = field.label == field.LABEL_REPEATED
+        for i, v in enumerate(value if repeated else [value]):
+            name = prefix + field.name + ("[%d]" % i if repeated else "")
+            if field.type == field.TYPE_MESSAGE:
+                out += strings_of(v, name + ".")
+            elif isinstance(v, str):
+                out.append((name, v))
+    return out
+
+
+def test_server_info_shows_non_admins_no_host_path(d):
+    for who in ("alice", "bob"):
+        with d.client(who) as c:
+            info = c.info()
+        assert info.role == "user"
+        fields = strings_of(info)
+        assert any(n.startswith("listen") for n, _ in fields)
+        for name, value in fields:
+            assert "/" not in value, "%s shows %r to %s" % (name, value, who)
+        assert info.state_dir == ""
+    with d.client("admin") as c:
+        info = c.info()
+    assert info.state_dir == d.state
+    assert any(d.dir in l for l in info.listen), list(info.listen)
