@@ -316,7 +316,8 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
     CheckKeys(ck, *c, "exec.",
               {"threads", "queue", "inline_max_bytes", "isolation", "workers", "worker_idle_ms",
                "kernel_timeout_ms", "worker_memory_mb", "worker_user", "worker_spin_us",
-               "wait_spin_us", "quarantine_after"});
+               "wait_spin_us", "quarantine_after", "uid_range", "threads_per_executor",
+               "threads_per_namespace"});
     ReadInt(ck, *c, "threads", "exec.", &cfg->exec_threads, 1, 1024);
     ReadInt(ck, *c, "queue", "exec.", &cfg->exec_queue);
     ReadInt(ck, *c, "inline_max_bytes", "exec.", &cfg->inline_max_bytes);
@@ -327,6 +328,9 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
     ReadInt(ck, *c, "worker_memory_mb", "exec.", &cfg->worker_memory_mb, 16,
             std::numeric_limits<int64_t>::max() >> 20);
     ReadString(ck, *c, "worker_user", "exec.", &cfg->worker_user);
+    ReadString(ck, *c, "uid_range", "exec.", &cfg->uid_range);
+    ReadInt(ck, *c, "threads_per_executor", "exec.", &cfg->threads_per_executor, 8, 1 << 20);
+    ReadInt(ck, *c, "threads_per_namespace", "exec.", &cfg->threads_per_namespace, 8, 1 << 22);
     ReadInt(ck, *c, "worker_spin_us", "exec.", &cfg->worker_spin_us, 0, 1000000);
     ReadInt(ck, *c, "wait_spin_us", "exec.", &cfg->wait_spin_us, 0, 1000000);
     ReadInt(ck, *c, "quarantine_after", "exec.", &cfg->quarantine_after);
@@ -372,6 +376,31 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
   }
 }
 
+// "<first>-<last>" as [first, last]; "" as {0, 0}. Refused: a range that
+// holds root (0), nobody (65534), 65535 or (uid_t)-1, or is reversed.
+absl::StatusOr<std::pair<uint32_t, uint32_t>> ParseUidRange(const std::string& text) {
+  if (text.empty()) return std::pair<uint32_t, uint32_t>{0, 0};
+  const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
+      "expected \"<first>-<last>\" (e.g. \"1879048192-1879113727\") or \"\", not \"", text, "\""));
+  const size_t dash = text.find('-');
+  if (dash == std::string::npos) return bad;
+  uint64_t first = 0, last = 0;
+  const std::string a = text.substr(0, dash), b = text.substr(dash + 1);
+  if (a.empty() || b.empty() || a.size() > 10 || b.size() > 10 ||
+      a.find_first_not_of("0123456789") != std::string::npos ||
+      b.find_first_not_of("0123456789") != std::string::npos) {
+    return bad;
+  }
+  first = std::stoull(a);
+  last = std::stoull(b);
+  if (first > last || last >= 0xFFFFFFFFull) return bad;
+  if (first == 0 || (first <= 65535 && last >= 65534)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "\"", text, "\" holds root (0) or nobody (65534/65535): executors need uids no one else has"));
+  }
+  return std::pair<uint32_t, uint32_t>{static_cast<uint32_t>(first), static_cast<uint32_t>(last)};
+}
+
 // The checks across keys, once the file and the flags are in.
 void CheckCombined(Checker& ck, DaemonConfig& cfg) {
   if (!ValidLogLevel(cfg.log_level)) {
@@ -381,6 +410,12 @@ void CheckCombined(Checker& ck, DaemonConfig& cfg) {
   if (cfg.isolation != "process" && cfg.isolation != "in-daemon") {
     ck.Problem("exec.isolation", absl::StrCat("expected \"process\" or \"in-daemon\", not \"",
                                               cfg.isolation, "\""));
+  }
+  if (auto range = ParseUidRange(cfg.uid_range); range.ok()) {
+    cfg.uid_first = range->first;
+    cfg.uid_last = range->second;
+  } else {
+    ck.Problem("exec.uid_range", std::string(range.status().message()));
   }
   if (cfg.tls_cert.empty() != cfg.tls_key.empty()) {
     ck.Problem(cfg.tls_cert.empty() ? "tls.key" : "tls.cert", "tls cert and key go together");
@@ -694,6 +729,9 @@ std::map<std::string, std::string> SettingsOf(const DaemonConfig& c) {
       {"exec.kernel_timeout_ms", n(c.kernel_timeout_ms)},
       {"exec.worker_memory_mb", n(c.worker_memory_mb)},
       {"exec.worker_user", c.worker_user},
+      {"exec.uid_range", c.uid_range},
+      {"exec.threads_per_executor", n(c.threads_per_executor)},
+      {"exec.threads_per_namespace", n(c.threads_per_namespace)},
       {"exec.worker_spin_us", n(c.worker_spin_us)},
       {"exec.wait_spin_us", n(c.wait_spin_us)},
       {"exec.quarantine_after", n(c.quarantine_after)},

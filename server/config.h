@@ -109,6 +109,21 @@ struct DaemonConfig {
   int64_t kernel_timeout_ms = 60000;     // a kernel running longer is killed (DEADLINE_EXCEEDED)
   int64_t worker_memory_mb = 4096;       // private memory of an executor process (RLIMIT_DATA)
   std::string worker_user = "nobody";    // started as root, executors drop to this user ("" keeps root)
+  // Started as root, each namespace's executors run as a uid (and the gid of
+  // the same number) of their own from this range, "<first>-<last>": the
+  // lowest one free, held for the daemon's life. The default,
+  // 0x70000000 + 64 Ki, lies outside regular users, Debian's subordinate
+  // uids (100000-600100000) and systemd's container (524288-1879048191) and
+  // foreign (2147352576-2147418111) ranges. "": every namespace's executors
+  // run as worker_user, and tenants are not apart by uid (logged).
+  std::string uid_range = "1879048192-1879113727";
+  uint32_t uid_first = 1879048192, uid_last = 1879113727;  // uid_range, parsed (0, 0: "")
+  // Threads an executor may keep after a call; more fail that call
+  // (RESOURCE_EXHAUSTED) and end the executor.
+  int64_t threads_per_executor = 256;
+  // Threads (and processes) of all of a namespace's executors together
+  // (RLIMIT_NPROC of its uid; only with uid_range on a root daemon).
+  int64_t threads_per_namespace = 1024;
   int64_t worker_spin_us = 0;            // an executor's busy-wait for its next call (0: sleep at once; see README)
   int64_t wait_spin_us = 50;             // the daemon's busy-wait for a call's result before it sleeps
   int quarantine_after = 3;              // crashes in a row that quarantine a kernel

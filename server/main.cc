@@ -113,15 +113,35 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
   o.quarantine_after = cfg.quarantine_after;
   o.arena_bytes = static_cast<uint64_t>(cfg.max_message_bytes) * 5 / 2;
   o.host = host;
-  // Started as root, executors run as an unprivileged user.
-  if (::geteuid() == 0 && !cfg.worker_user.empty()) {
-    if (const passwd* pw = ::getpwnam(cfg.worker_user.c_str())) {
+  o.threads_per_executor = static_cast<int>(cfg.threads_per_executor);
+  o.threads_per_namespace = static_cast<int>(cfg.threads_per_namespace);
+  // Started as root, each namespace's executors run as a uid of their own
+  // (exec.uid_range); without a range, all as exec.worker_user.
+  if (::geteuid() == 0 && cfg.uid_first != 0) {
+    o.uid_first = cfg.uid_first;
+    o.uid_last = cfg.uid_last;
+    Logger("runner")->info("executors run as a uid per namespace, from {}-{}", cfg.uid_first,
+                           cfg.uid_last);
+  } else if (::geteuid() == 0) {
+    if (cfg.worker_user.empty()) {
+      Logger("runner")->warn("exec.uid_range and exec.worker_user are \"\": executors keep root");
+    } else if (const passwd* pw = ::getpwnam(cfg.worker_user.c_str())) {
       o.uid = pw->pw_uid;
       o.gid = pw->pw_gid;
     } else {
       Logger("runner")->warn("exec.worker_user \"{}\" does not exist; executors keep root",
                              cfg.worker_user);
     }
+    Logger("runner")->warn(
+        "WARNING: exec.uid_range = \"\": every namespace's executors share one uid, so tenants "
+        "are not apart by uid and exec.threads_per_namespace is not enforced; set exec.uid_range");
+  } else {
+    Logger("runner")->warn(
+        "WARNING: opjitd is not root, so its executors run as its own uid ({}): tenants are not "
+        "apart by uid, a kernel shares the daemon's per-user limits, and "
+        "exec.threads_per_namespace is not enforced (exec.threads_per_executor is). Landlock and "
+        "seccomp still confine every executor; start opjitd as root for a uid per namespace",
+        ::geteuid());
   }
   return o;
 }

@@ -319,6 +319,7 @@ absl::Status Apply(const Policy& p) {
 #endif
   if (auto s = SetLimit(RLIMIT_CPU, p.cpu_seconds, "RLIMIT_CPU"); !s.ok()) return s;
   if (auto s = SetLimit(RLIMIT_NOFILE, p.max_open_files, "RLIMIT_NOFILE"); !s.ok()) return s;
+  if (auto s = SetLimit(RLIMIT_NPROC, p.max_processes, "RLIMIT_NPROC"); !s.ok()) return s;
   ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
   if (::geteuid() == 0 && p.uid >= 0) {
     const gid_t gid = static_cast<gid_t>(p.gid >= 0 ? p.gid : p.uid);

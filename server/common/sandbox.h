@@ -36,6 +36,10 @@ struct Policy {
   uint64_t data_bytes = 0;           // RLIMIT_DATA (malloc and private memory, not shm)
   uint64_t cpu_seconds = 0;          // RLIMIT_CPU
   uint64_t max_open_files = 0;       // RLIMIT_NOFILE
+  // RLIMIT_NPROC: processes and threads of the uid the process switches to
+  // (the kernel counts them per real uid, at each clone, and not for root),
+  // so it caps everything that runs as that uid together.
+  uint64_t max_processes = 0;
   // When running as root, switch to this uid/gid (and no supplementary
   // groups) before no_new_privs. -1: keep.
   int64_t uid = -1, gid = -1;

@@ -13,6 +13,15 @@
 // Flags: --parent-pid P --arena-bytes N --memory-bytes N --uid U --gid G
 //        --spin-us N --scratch-dir D --namespace NS [--allow-library L]...
 //        [--read-only PATH]... [--channel-bytes N] [--instance TAG]
+//        [--max-threads N] [--max-processes N]
+//
+// Threads. --max-processes is RLIMIT_NPROC, set before the uid drop: the
+// kernel counts it per uid, so with a uid per namespace it caps all of the
+// namespace's executors together (a kernel's pthread_create beyond it gets
+// EAGAIN). --max-threads is checked after each call (one fstat of
+// /proc/self/task, opened before the sandbox): a call that leaves more
+// threads answers RESOURCE_EXHAUSTED; the daemon then stops a pool worker,
+// and a fast-channel worker ends itself after answering.
 //
 // Parent death: PR_SET_PDEATHSIG(SIGKILL) at start and again after the
 // sandbox (whose uid change clears it), each time followed by a check that
@@ -31,7 +40,9 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <fcntl.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -126,6 +137,9 @@ struct Flags {
   std::string scratch_dir = "/tmp", ns;
   std::vector<std::string> libraries, read_only;
   uint64_t channel_bytes = 0;  // > 0: serve a fast channel
+  int64_t max_threads = 0;     // threads a call may leave behind (0: unchecked)
+  uint64_t max_processes = 0;  // RLIMIT_NPROC (0: unchanged)
+  int task_fd = -1;            // /proc/self/task (O_PATH), opened before the sandbox
 };
 
 // A prepared handle this channel's client may call: which instance, and the
@@ -166,6 +180,11 @@ class Worker {
   void HandleCall();
   // The call's reply, in the slot.
   void Answer(int32_t code, uint64_t need, std::string_view message, double kernel_ms);
+  // RESOURCE_EXHAUSTED when the process has more threads than
+  // --max-threads (the kernel left them running), else OK.
+  absl::Status CheckThreads();
+  // Set once CheckThreads failed: a channel worker ends after its answer.
+  bool over_threads_ = false;
 
   // Fast channel.
   void ServeSlot(fast::Slot* slot, uint32_t index);
@@ -323,6 +342,21 @@ void Worker::Answer(int32_t code, uint64_t need, std::string_view message, doubl
   }
 }
 
+absl::Status Worker::CheckThreads() {
+  struct stat st;
+  if (flags_.max_threads <= 0 || flags_.task_fd < 0 || ::fstat(flags_.task_fd, &st) != 0 ||
+      st.st_nlink < 3) {
+    return absl::OkStatus();
+  }
+  const int64_t threads = static_cast<int64_t>(st.st_nlink) - 2;  // the count plus "." and ".."
+  if (threads <= flags_.max_threads) return absl::OkStatus();
+  over_threads_ = true;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the kernel left ", threads, " threads running (an executor process keeps at most ",
+      flags_.max_threads, "); its executor process is replaced, and the next call runs in a "
+      "fresh one (Init runs again)"));
+}
+
 void Worker::HandleCall() {
   // Take the request (keeping the daemon's sleeping bit, if it is set).
   uint32_t s = slot_->state.load(std::memory_order_acquire);
@@ -384,6 +418,7 @@ void Worker::HandleCall() {
   const auto t0 = Clock::now();
   absl::Status st = e->inst->Run(in, out);
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  if (st.ok()) st = CheckThreads();
   Answer(static_cast<int32_t>(st.code()), 0, wire::MessageWithReason(st), ms);
 }
 
@@ -601,6 +636,7 @@ void Worker::ServeSlot(fast::Slot* slot, uint32_t index) {
     slot_->fast_deadline_ns.store(slot->deadline_ns, std::memory_order_relaxed);
     slot_->fast_call.store(++fast_serial_, std::memory_order_release);
     st = RunSlot(slot, handle, &kernel_ms);
+    if (st.ok()) st = CheckThreads();
     slot_->fast_call.store(0, std::memory_order_release);
     Count(handle, st.code(), kernel_ms);
   }
@@ -643,6 +679,14 @@ int Worker::ChannelLoop(void* channel) {
       fast::Slot* slot = fast::SlotAt(channel, i);
       if (slot->state.load(std::memory_order_acquire) == fast::kSubmitted) {
         ServeSlot(slot, i);
+        // Its kernel left too many threads: answered; the channel ends here
+        // (the daemon sees the executor go and closes the ring).
+        if (over_threads_) {
+          std::fprintf(stderr, "opjit-exec-worker: a kernel left more than %lld threads running; "
+                       "this fast channel's executor ends\n",
+                       static_cast<long long>(flags_.max_threads));
+          _exit(0);
+        }
         next = i + 1;
         served = true;
         break;
@@ -753,6 +797,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (a == "--allow-library") f->libraries.push_back(v);
     else if (a == "--read-only") f->read_only.push_back(v);
     else if (a == "--channel-bytes") f->channel_bytes = std::strtoull(v.c_str(), nullptr, 10);
+    else if (a == "--max-threads") f->max_threads = std::atoll(v.c_str());
+    else if (a == "--max-processes") f->max_processes = std::strtoull(v.c_str(), nullptr, 10);
     else return false;
   }
   return f->arena_bytes > 0;
@@ -772,6 +818,9 @@ int Main(int argc, char** argv) {
   if (!subprocess::DieWithParent(static_cast<pid_t>(flags.parent_pid))) return 3;
   ::signal(SIGPIPE, SIG_IGN);
   if (::chdir("/") != 0) return 2;
+  // Its own thread count, readable after Landlock shuts /proc (fstat of an
+  // fd opened before needs no path).
+  flags.task_fd = ::open("/proc/self/task", O_PATH | O_DIRECTORY | O_CLOEXEC);
 
   const size_t arena_len = wire::kSlotBytes + flags.arena_bytes;
   void* arena = ::mmap(nullptr, arena_len, PROT_READ | PROT_WRITE, MAP_SHARED, kArena, 0);
@@ -818,6 +867,7 @@ int Main(int argc, char** argv) {
     if (::access(ro, F_OK) == 0) policy.read_only_paths.push_back(ro);
   }
   policy.data_bytes = flags.memory_bytes;
+  policy.max_processes = flags.max_processes;
   policy.uid = flags.uid;
   policy.gid = flags.gid;
   policy.allow_exec = false;

@@ -72,6 +72,9 @@ struct Worker {
   uint64_t data_bytes = 0;
   uint64_t calls = 0;
   uint64_t arena_high = 0;  // bytes of the data area touched since last trimmed
+  // /proc/<pid>/task, opened at spawn: its link count is 2 + the process's
+  // threads (one fstat, no directory walk). -1 when /proc could not be read.
+  int task_fd = -1;
   Clock::time_point last_used = Clock::now();
   // Why it died, once known ("" while alive).
   std::string death;
@@ -89,6 +92,14 @@ struct Worker {
     if (map != nullptr) ::munmap(map, map_bytes);
     if (sock >= 0) ::close(sock);
     if (arena_fd >= 0) ::close(arena_fd);
+    if (task_fd >= 0) ::close(task_fd);
+  }
+
+  // Its threads now; -1 when unknown.
+  int Threads() const {
+    struct stat st;
+    if (task_fd < 0 || ::fstat(task_fd, &st) != 0 || st.st_nlink < 3) return -1;
+    return static_cast<int>(st.st_nlink - 2);
   }
 
   // Reaps the process and records how it ended. With `kill` it is killed
@@ -135,6 +146,29 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   ProcessRunnerOptions options;
   std::mutex mu;
   std::map<std::string, std::unique_ptr<Pool>> pools;  // by namespace; guarded by mu
+  // With options.uid_first: each namespace's uid, taken on its first
+  // worker (the lowest free), never given back. Guarded by mu.
+  std::map<std::string, uint32_t> ns_uids;
+
+  // The uid (and gid) of `ns`'s workers; RESOURCE_EXHAUSTED when every uid
+  // of the range is taken. With no range: options.uid/gid.
+  absl::StatusOr<std::pair<int64_t, int64_t>> IdsFor(const std::string& ns) {
+    if (options.uid_first == 0) return std::pair<int64_t, int64_t>{options.uid, options.gid};
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = ns_uids.find(ns);
+    if (it == ns_uids.end()) {
+      // Never given back, so the lowest free is the next one.
+      const uint64_t next = uint64_t{options.uid_first} + ns_uids.size();
+      if (next > options.uid_last) {
+        return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                              "no executor uid is left for a new namespace: all ",
+                              ns_uids.size(), " of the server's range are taken")),
+                          reason::kWorkerUnavailable);
+      }
+      it = ns_uids.emplace(ns, static_cast<uint32_t>(next)).first;
+    }
+    return std::pair<int64_t, int64_t>{it->second, it->second};
+  }
   std::map<std::string, int> crash_streak;             // by quarantine key; guarded by mu
   std::atomic<uint64_t> next_instance_id{1};
   std::atomic<uint64_t> started{0}, crashes{0}, timeouts{0}, quarantined{0}, live{0};
@@ -256,6 +290,14 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   w->data = static_cast<char*>(w->map) + wire::kSlotBytes;
   w->data_bytes = options.arena_bytes;
 
+  // Who it runs as: its namespace's own uid (a root daemon with a range),
+  // else options.uid/gid.
+  absl::StatusOr<std::pair<int64_t, int64_t>> ids = IdsFor(ns);
+  if (!ids.ok()) {
+    ::close(child_sock);
+    return ids.status();
+  }
+  const auto [uid, gid] = *ids;
   // The only directory a worker may write (aot GPU objects are written
   // there to be loaded): one per namespace, so no kernel can plant a file
   // another namespace's executor would load.
@@ -265,9 +307,9 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
     std::error_code ec;
     std::filesystem::create_directories(scratch, ec);
     // Only the executors' user may use it.
-    if (!ec && options.uid >= 0 &&
-        ::chown(scratch.c_str(), static_cast<uid_t>(options.uid),
-                static_cast<gid_t>(options.gid >= 0 ? options.gid : options.uid)) != 0) {
+    if (!ec && uid >= 0 &&
+        ::chown(scratch.c_str(), static_cast<uid_t>(uid),
+                static_cast<gid_t>(gid >= 0 ? gid : uid)) != 0) {
       scratch.clear();  // no scratch dir: aot GPU objects cannot load, nothing else breaks
     }
     if (!scratch.empty()) ::chmod(scratch.c_str(), 0700);
@@ -276,8 +318,12 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
       subprocess::kParentPidFlag, std::to_string(::getpid()),
       "--arena-bytes", std::to_string(options.arena_bytes),
       "--memory-bytes", std::to_string(options.memory_bytes),
-      "--uid", std::to_string(options.uid),
-      "--gid", std::to_string(options.gid),
+      "--uid", std::to_string(uid),
+      "--gid", std::to_string(gid),
+      "--max-threads", std::to_string(options.threads_per_executor),
+      // RLIMIT_NPROC counts per uid: a cap for the namespace only when the
+      // uid is the namespace's alone.
+      "--max-processes", std::to_string(options.uid_first != 0 ? options.threads_per_namespace : 0),
       "--spin-us", std::to_string(channel != nullptr ? channel_spin_us : options.spin_us),
       "--scratch-dir", scratch,
       "--namespace", ns,
@@ -322,6 +368,8 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   w->pid = *pid;
   started.fetch_add(1);
   live.fetch_add(1);
+  w->task_fd = ::open(absl::StrCat("/proc/", w->pid, "/task").c_str(),
+                      O_PATH | O_DIRECTORY | O_CLOEXEC);
   // The hello says the sandbox is in place.
   wire::Msg type;
   std::string payload;
@@ -384,6 +432,18 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Acquire(const std::
 }
 
 void ProcessRunner::Impl::Release(const std::string& ns, std::unique_ptr<Worker> w) {
+  // A worker whose kernel left more threads than it may keep does not go
+  // back (its call answered RESOURCE_EXHAUSTED, unless the kernel silenced
+  // the worker's own check). One fstat.
+  if (options.threads_per_executor > 0) {
+    if (const int threads = w->Threads(); threads > options.threads_per_executor) {
+      Logger("runner")->warn("namespace {}: executor process {} kept {} threads (at most {}); "
+                             "stopped",
+                             ns, w->pid, threads, options.threads_per_executor);
+      Discard(ns, w, /*kill=*/true);
+      return;
+    }
+  }
   Pool* pool = PoolFor(ns);
   w->last_used = Clock::now();
   std::lock_guard<std::mutex> lock(pool->mu);
@@ -650,7 +710,11 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
       return *fault;
     }
   }
-  if (may_retry) {
+  // Killed from outside (an operator, the OOM killer) is no corruption:
+  // running the call again would undo the operator's kill or double the
+  // memory a hog takes.
+  const bool killed_from_outside = w.term_signal == SIGKILL && !w.killed_by_us;
+  if (may_retry && !killed_from_outside) {
     // It ran other kernels before: one of them may have corrupted it (a
     // heap overflow that returned OK). Blame nobody yet; the call runs
     // again in a fresh executor, where only its own kernel runs.
@@ -1322,7 +1386,9 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
                                             " is missing; build opjit-exec-worker"));
   }
   if (options.workers_per_namespace < 1 || options.kernel_timeout_ms < 1 ||
-      options.quarantine_after < 1) {
+      options.quarantine_after < 1 || options.threads_per_executor < 0 ||
+      options.threads_per_namespace < 0 ||
+      (options.uid_first != 0 && options.uid_last < options.uid_first)) {
     return absl::InvalidArgumentError("bad process runner options");
   }
   auto impl = std::make_shared<Impl>();

@@ -51,8 +51,26 @@ struct ProcessRunnerOptions {
   // A worker's private memory (RLIMIT_DATA: malloc, not shm mappings).
   // Default: 4 GiB.
   uint64_t memory_bytes = 4ull << 30;
-  // Started as root, workers switch to this uid/gid. -1: keep.
+  // Started as root, workers switch to this uid/gid. -1: keep. Ignored
+  // when uid_first is set.
   int64_t uid = -1, gid = -1;
+  // Started as root: each namespace's workers (pool and fast channel) run
+  // as a uid of their own from [uid_first, uid_last], and the gid of the
+  // same number, with no supplementary groups. A namespace takes the lowest
+  // free uid on its first worker and keeps it for the runner's life; two
+  // namespaces never share one. Its scratch directory is that uid's, mode
+  // 0700. When the range is used up, a new namespace's spawn fails with
+  // RESOURCE_EXHAUSTED. 0: off (all namespaces use uid/gid).
+  uint32_t uid_first = 0, uid_last = 0;
+  // Threads a worker may keep after a call. A worker that has more is
+  // stopped when it comes back to the pool (its call answers
+  // RESOURCE_EXHAUSTED, as the worker itself checks); a fast-channel worker
+  // ends after answering that call. 0: unchecked. Default: 256.
+  int threads_per_executor = 256;
+  // Threads and processes of all a namespace's workers together:
+  // RLIMIT_NPROC, which counts per uid, so it is set only with uid_first.
+  // Default: 1024.
+  int threads_per_namespace = 1024;
   // Busy-wait (yielding) of a worker for its next call before it sleeps.
   // Spinning makes the hop ~3 us instead of a ~20 us wake-up, but on a host
   // with few cores the spinner takes CPU the gRPC threads need (measured on

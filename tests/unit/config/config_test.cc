@@ -97,6 +97,35 @@ TEST(ConfigTest, CompilerLaneAndRecyclingKeys) {
   std::filesystem::remove(toml);
 }
 
+// A uid range per namespace by default, outside regular users, Debian's
+// subordinate uids and systemd's container range; "" turns it off.
+TEST(ConfigTest, ExecutorUidRangeAndThreadCaps) {
+  auto d = Load({});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->uid_range, "1879048192-1879113727");
+  EXPECT_EQ(d->uid_first, 1879048192u);
+  EXPECT_EQ(d->uid_last, 1879113727u);
+  EXPECT_GT(d->uid_first, 600100000u);  // past Debian's SUB_UID_MAX and systemd's containers
+  EXPECT_EQ(d->threads_per_executor, 256);
+  EXPECT_EQ(d->threads_per_namespace, 1024);
+  const std::string toml = TomlFile(
+      "[exec]\nuid_range = \"200000-200009\"\nthreads_per_executor = 64\n"
+      "threads_per_namespace = 300\n");
+  auto cfg = Load({"--config", toml});
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  EXPECT_EQ(cfg->uid_first, 200000u);
+  EXPECT_EQ(cfg->uid_last, 200009u);
+  EXPECT_EQ(cfg->threads_per_executor, 64);
+  EXPECT_EQ(cfg->threads_per_namespace, 300);
+  const std::string off = TomlFile("[exec]\nuid_range = \"\"\n");
+  auto none = Load({"--config", off});
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->uid_first, 0u);
+  EXPECT_EQ(none->uid_last, 0u);
+  std::filesystem::remove(toml);
+  std::filesystem::remove(off);
+}
+
 // --check-config: every problem, each with its file:line and key.
 TEST(ConfigTest, BuildConfigReportsEveryProblemWithItsLineAndKey) {
   const std::string path = TomlFile(
@@ -174,6 +203,13 @@ TEST(ConfigTest, RangesAndCombinations) {
            {"[tls]\ncert = \"/nonexistent/c.pem\"\nkey = \"/nonexistent/k.pem\"\n", "tls.key"},
            {"socket_mode = \"999\"\n", "socket_mode"},
            {"[exec]\nworkers = 1.5\n", "exec.workers"},
+           {"[exec]\nuid_range = \"5000\"\n", "exec.uid_range"},
+           {"[exec]\nuid_range = \"2000-1000\"\n", "exec.uid_range"},
+           {"[exec]\nuid_range = \"0-100\"\n", "exec.uid_range"},
+           {"[exec]\nuid_range = \"60000-70000\"\n", "exec.uid_range"},  // holds nobody
+           {"[exec]\nuid_range = \"1-4294967295\"\n", "exec.uid_range"},
+           {"[exec]\nthreads_per_executor = 2\n", "exec.threads_per_executor"},
+           {"[exec]\nthreads_per_namespace = 0\n", "exec.threads_per_namespace"},
            {"exec = 3\n", "exec"},
            {"[[principal]]\nname = \"a\"\nrole = \"root\"\nuids = [5]\n", "principal[0].role"},
            {"[[principal]]\nname = \"a\"\nrole = \"admin\"\n", "principal[0]"},
