@@ -197,6 +197,8 @@ struct CpuCompiler::Worker {
   pid_t pid = -1;
   int fd = -1;
   int compiles = 0;  // requests answered
+  bool assigned = false;  // has served `tenant` (and will serve no other namespace)
+  std::string tenant;
   ipc::Hello hello;
   ~Worker() {
     if (fd >= 0) ::close(fd);
@@ -378,23 +380,35 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   return w;
 }
 
-absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::Acquire() {
+absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::Acquire(
+    const std::string& tenant) {
   for (;;) {
     std::unique_ptr<Worker> w;
+    std::unique_ptr<Worker> other;  // another namespace's, to end
     bool start = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
       idle_cv_.wait(lock, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
         return !idle_.empty() || live_ < options_.num_workers;
       });
-      if (!idle_.empty()) {
-        w = std::move(idle_.front());
-        idle_.pop_front();
-      } else {
+      auto mine = std::find_if(idle_.begin(), idle_.end(), [&](const auto& i) {
+        return !i->assigned || i->tenant == tenant;
+      });
+      if (mine != idle_.end()) {
+        w = std::move(*mine);
+        idle_.erase(mine);
+      } else if (live_ < options_.num_workers) {
         ++live_;
+        start = true;
+      } else {
+        // Its slot, for a fresh worker.
+        other = std::move(idle_.front());
+        idle_.pop_front();
+        ++stats_.tenant_switches;
         start = true;
       }
     }
+    if (other != nullptr) KillAndReap(other->pid);
     if (start) {
       absl::StatusOr<std::unique_ptr<Worker>> started = StartWorker();
       std::lock_guard<std::mutex> lock(mu_);
@@ -726,12 +740,14 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
   }
   std::string payload = ipc::Encode(req);
 
-  absl::StatusOr<std::unique_ptr<Worker>> acquired = Acquire();
+  absl::StatusOr<std::unique_ptr<Worker>> acquired = Acquire(request.tenant);
   if (!acquired.ok()) {
     if (!pch_tmp.empty()) ::unlink(pch_tmp.c_str());
     return acquired.status();
   }
   std::unique_ptr<Worker> worker = *std::move(acquired);
+  worker->assigned = true;
+  worker->tenant = request.tenant;
   bool long_lane = false;
   int flags = 0;
   absl::StatusOr<CpuCompileOutput> out = Run(&worker, payload, req.file_name, /*allow_long=*/true,

@@ -129,6 +129,7 @@ class CpuCompiler {
     uint64_t long_compiles = 0;    // compiles moved to the long lane
     uint64_t pch_built = 0;        // preamble PCHs built
     uint64_t pch_evicted = 0;      // preamble PCHs removed to stay in bounds
+    uint64_t tenant_switches = 0;  // idle workers ended to serve another namespace
   };
   Stats GetStats() const;
 
@@ -137,8 +138,13 @@ class CpuCompiler {
 
   explicit CpuCompiler(const CpuCompilerOptions& options);
 
-  // Takes an idle worker or starts one (at most num_workers live).
-  absl::StatusOr<std::unique_ptr<Worker>> Acquire();
+  // Takes an idle worker that is fresh or has served only `tenant`, or
+  // starts one (at most num_workers live). When every slot is taken by
+  // other namespaces' idle workers, one of them is ended and a fresh one
+  // started in its slot: a worker process never compiles for two
+  // namespaces, so not even a compiler subverted by one namespace's source
+  // sees another's sources or PCHs.
+  absl::StatusOr<std::unique_ptr<Worker>> Acquire(const std::string& tenant);
   // Returns a healthy worker to the idle pool.
   void Release(std::unique_ptr<Worker> worker);
   // Kills and reaps a worker that is not coming back.

@@ -478,6 +478,31 @@ TEST_F(CpuCompilerTest, PchsArePerNamespaceAndOutOfReach) {
   }
 }
 
+// A worker process compiles for one namespace only: with one slot, a compile
+// of another namespace ends the idle worker and starts a fresh one, and
+// compiles of the same namespace keep reusing it.
+TEST_F(CpuCompilerTest, AWorkerServesOneNamespace) {
+  CpuCompilerOptions o = Options(/*pch=*/false);
+  o.num_workers = 1;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  auto in = [](const std::string& tenant, int n) {
+    CpuCompileRequest r = Cxx(absl::StrCat("extern \"C\" int F() { return ", n, "; }\n"));
+    r.tenant = tenant;
+    return r;
+  };
+  ASSERT_TRUE(c->Compile(in("alice", 1)).ok());  // the first worker is fresh
+  ASSERT_TRUE(c->Compile(in("alice", 2)).ok());
+  EXPECT_EQ(c->GetStats().tenant_switches, 0u);
+  ASSERT_TRUE(c->Compile(in("bob", 3)).ok());
+  EXPECT_EQ(c->GetStats().tenant_switches, 1u);
+  ASSERT_TRUE(c->Compile(in("bob", 4)).ok());
+  ASSERT_TRUE(c->Compile(in("alice", 5)).ok());
+  EXPECT_EQ(c->GetStats().tenant_switches, 2u);
+  EXPECT_EQ(c->GetStats().failures, 0u);
+  EXPECT_EQ(c->GetStats().crashes, 0u);
+}
+
 TEST_F(CpuCompilerTest, CrashIsReportedAndTheNextCompileWorks) {
   auto c = Make(Options());
   ASSERT_NE(c, nullptr);
