@@ -385,7 +385,8 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
     return absl::UnavailableError(
         "an executor process could not be started; the server log says why");
   }
-  Logger("runner")->debug("executor process {} started for namespace {}", w->pid, ns);
+  Logger("runner")->debug("executor process {} started for namespace {} (uid {})", w->pid, ns,
+                          uid >= 0 ? uid : static_cast<int64_t>(::getuid()));
   return w;
 }
 

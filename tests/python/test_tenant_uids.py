@@ -6,9 +6,11 @@ supplementary groups; the namespace's scratch directory is that uid's, mode
 0700. A kernel in bob's namespace that starts 1,500 sleeping threads per call
 is held to [exec] threads_per_namespace (RLIMIT_NPROC of bob's uid: its
 pthread_create gets EAGAIN), its call answers RESOURCE_EXHAUSTED once it has
-left more than threads_per_executor, and that executor is replaced; alice's
-executor and calls, and the daemon, are untouched. A daemon that is not root
-says in its log that tenants are not apart by uid.
+left more than threads_per_executor, and that executor is replaced (pool and
+fast channel); alice's executor and calls, and the daemon, are untouched. A
+used-up range refuses a new namespace (RESOURCE_EXHAUSTED) rather than share
+a uid. A daemon that is not root says in its log that tenants are not apart
+by uid.
 """
 
 import errno
@@ -224,6 +226,33 @@ def test_the_namespace_cap_stops_pthread_create():
         bob = threads_of(executors_of(d.proc.pid, "bob"))
         assert bob and sum(bob.values()) <= 100, bob
         assert health(d.unix_address) == "SERVING"
+        c.close()
+    finally:
+        d.close()
+
+
+def test_a_used_up_uid_range_refuses_new_namespaces_only():
+    """Two uids for three namespaces: the third namespace's calls are
+    refused (RESOURCE_EXHAUSTED), never run under another's uid; the first
+    two keep working."""
+    if os.geteuid() != 0:
+        pytest.skip("a uid per namespace needs a root daemon; run as root")
+    d = TempDaemon()
+    d.spawn('[exec]\nuid_range = "1879048192-1879048193"\n', prefix="opjit-tu-", serving=True)
+    try:
+        c = opjit.Client(d.unix_address, timeout=120, fast="off")
+        x = np.arange(4, dtype=np.float32)
+        for ns in ("a", "b"):
+            c.register(unary_spec("twice", unary_kernel(), namespace=ns))
+            np.testing.assert_array_equal(c.op(ns + "/twice")(x), 2 * x)
+        with pytest.raises(opjit.ResourceExhausted) as e:
+            c.register(unary_spec("twice", unary_kernel(), namespace="c"))
+            c.op("c/twice")(x)
+        assert "uid" in str(e.value), str(e.value)
+        uids = {ns: {int(status_of(p)["Uid"].split()[0]) for p in executors_of(d.proc.pid, ns)}
+                for ns in ("a", "b", "c")}
+        assert uids["a"] == {1879048192} and uids["b"] == {1879048193} and not uids["c"], uids
+        np.testing.assert_array_equal(c.op("a/twice")(x), 2 * x)
         c.close()
     finally:
         d.close()
