@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -247,7 +248,20 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
     // This process's alone: workers never see it (they get descriptors).
     std::error_code ec;
     fs::create_directories(options.pch_dir, ec);
-    if (!ec) ::chmod(options.pch_dir.c_str(), 0700);
+    if (!ec) {
+      ::chmod(options.pch_dir.c_str(), 0700);
+      // Builds a killed daemon left unfinished, an hour old or more (a
+      // daemon sharing the cache directory may be building one now).
+      const auto old = fs::file_time_type::clock::now() - std::chrono::hours(1);
+      for (const auto& e : fs::directory_iterator(options.pch_dir, ec)) {
+        std::error_code rm;
+        if (e.path().filename().string().find(".pch.tmp.") != std::string::npos &&
+            e.last_write_time(rm) < old && !rm) {
+          fs::remove(e.path(), rm);
+        }
+      }
+      ec.clear();
+    }
     if (ec) {
       log->warn("compiling without PCHs: cannot create the PCH directory: {}", ec.message());
     } else {

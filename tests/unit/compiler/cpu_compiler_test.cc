@@ -503,6 +503,24 @@ TEST_F(CpuCompilerTest, AWorkerServesOneNamespace) {
   EXPECT_EQ(c->GetStats().crashes, 0u);
 }
 
+// A build a killed daemon left unfinished is removed at start once it is an
+// hour old; a recent one (another daemon sharing the directory may be
+// writing it) stays.
+TEST_F(CpuCompilerTest, UnfinishedPchBuildsOfAKilledDaemonAreRemoved) {
+  TempDir pch;
+  const fs::path stale = fs::path(pch.path()) / "0123.pch.tmp.999.0";
+  const fs::path recent = fs::path(pch.path()) / "4567.pch.tmp.999.1";
+  std::ofstream(stale) << "half";
+  std::ofstream(recent) << "half";
+  fs::last_write_time(stale, fs::file_time_type::clock::now() - std::chrono::hours(2));
+  CpuCompilerOptions o = Options();
+  o.pch_dir = pch.path();
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(recent));
+}
+
 TEST_F(CpuCompilerTest, CrashIsReportedAndTheNextCompileWorks) {
   auto c = Make(Options());
   ASSERT_NE(c, nullptr);
