@@ -142,12 +142,14 @@ def test_a_100000_character_namespace_is_refused_naming_the_limit(daemon, client
     assert_small(info.value, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_SPEC", echoed="n")
     assert "{1,64}" in info.value.message, info.value.message  # the limit
 
-    # Looked up, it is an unknown op's namespace.
+    # Looked up, it is a namespace that cannot exist, refused before access
+    # control records it.
     executor, registry = stubs
     e = rpc_error(registry.GetOp, registry_pb2.GetOpRequest(namespace=big, name="x"))
-    assert_small(e, grpc.StatusCode.NOT_FOUND, "OP_NOT_FOUND", echoed="n")
+    assert_small(e, grpc.StatusCode.NOT_FOUND, "NAMESPACE_NOT_FOUND", echoed="n")
     e = rpc_error(executor.Forward, exec_pb2.ForwardRequest(namespace=big, op="x"))
-    assert_small(e, grpc.StatusCode.NOT_FOUND, "OP_NOT_FOUND", echoed="n")
+    assert_small(e, grpc.StatusCode.NOT_FOUND, "NAMESPACE_NOT_FOUND", echoed="n")
+    assert "{1,64}" in e.message, e.message
     assert "(100000 bytes)" in e.message, e.message
     still_healthy(daemon, client, "after_big_ns")
 
