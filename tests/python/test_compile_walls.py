@@ -216,3 +216,36 @@ def test_server_info_shows_non_admins_no_host_path(d):
         info = c.info()
     assert info.state_dir == d.state
     assert any(d.dir in l for l in info.listen), list(info.listen)
+
+
+# ---- a non-root daemon (as the package's unit runs it) ---------------------------------------
+
+def test_a_non_root_daemons_compiles_read_nothing_either():
+    """The same walls on opjitd running as nobody (its compile workers share
+    its uid, and so could read its state directory but for the walls)."""
+    if os.geteuid() != 0:
+        pytest.skip("starting a daemon as nobody needs root")
+    import shutil
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is missing")
+    from test_tenant_walls import NobodyDaemon
+    d = NobodyDaemon()
+    try:
+        with opjit.Client(d.unix_address, timeout=120) as c:
+            c.compile(preamble_kernel(1), namespace="alice")
+            pchs = [os.path.join(d.state, "cache", "pch", n) for n in pch_files(d)]
+            assert len(pchs) == 1, pchs
+            with open(pchs[0], "rb") as f:
+                pch = f.read(4096)
+            for i, (path, content) in enumerate([("/etc/os-release", OS_RELEASE),
+                                                 (pchs[0], pch)]):
+                for macro in (False, True):
+                    with pytest.raises(opjit.InvalidArgument) as e:
+                        c.register(unary_spec("nr_%d_%d" % (i, macro),
+                                              incbin_source(path, macro), namespace="bob"))
+                    assert e.value.reason == "COMPILE_FAILED", str(e.value)
+                    for line in content.split(b"\n"):
+                        if len(line) >= 8:
+                            assert line not in str(e.value).encode()
+    finally:
+        d.close()
