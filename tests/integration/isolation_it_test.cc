@@ -23,6 +23,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "client/cpp/shm_region.h"
 #include "server/common/error_info.h"
 #include "tests/integration/daemon_harness.h"
@@ -470,6 +471,29 @@ TEST_F(IsolationIT, NoChildOutlivesTheDaemonKilledWithSigkill) {
   ASSERT_TRUE(r.ok()) << r.status() << daemon_->Log();
   auto channel = c_->OpenChannel("");
   ASSERT_TRUE(channel.ok()) << channel.status() << daemon_->Log();
+  // A compile worker serves one namespace and may be retired after its
+  // compile: keep one busy with a compile of several seconds (3000 template
+  // instances, each optimised), killed with the daemon under it.
+  struct Joined {
+    std::thread t;
+    ~Joined() {
+      if (t.joinable()) t.join();
+    }
+  } slow_compile{std::thread([client = daemon_->NewClient()] {
+    v1::CompileRequest req;
+    req.set_source(absl::StrCat(
+        "#include <cstdint>\n#include <utility>\n"
+        "template <int N> __attribute__((noinline)) float Step(float x) {\n"
+        "  for (int i = 0; i < 4 + N % 5; ++i) x = x * 1.0001f + static_cast<float>(N % 7);\n"
+        "  return x;\n}\n"
+        "template <int... I> float All(float x, std::integer_sequence<int, I...>) {\n"
+        "  float r[] = {Step<I>(x)...}; float s = ", ::getpid(), ";\n"
+        "  for (float v : r) s += v;\n  return s;\n}\n"
+        "extern \"C\" float Heavy(float x) {\n"
+        "  return All(x, std::make_integer_sequence<int, 3000>{});\n}\n"));
+    req.set_entry("Heavy");
+    (void)client->Compile(req);  // fails once the daemon is killed
+  })};
   std::map<pid_t, std::string> children;
   int executors = 0, compilers = 0;
   for (const auto until = Clock::now() + std::chrono::seconds(30); Clock::now() < until;) {
@@ -503,6 +527,7 @@ TEST_F(IsolationIT, NoChildOutlivesTheDaemonKilledWithSigkill) {
   }
   RecordProperty("children_gone_after_ms", static_cast<int>(ms));
   std::cout << children.size() << " children of the killed daemon gone after " << ms << " ms\n";
+  slow_compile.t.join();
   c_.reset();
   daemon_.reset();
 }
@@ -542,10 +567,10 @@ TEST_F(IsolationIT, ShrunkRegionNeverCountsAgainstTheKernel) {
   ASSERT_GE(fd, 0);
   ASSERT_EQ(ftruncate(fd, 4096), 0);
   // Five calls each way, more than quarantine_after (3) in a row.
+  using Way = std::pair<client::Client*, std::string>;  // fast path (auto), and gRPC
   for (int i = 0; i < 5; ++i) {
-    for (auto [client, region] : {std::pair<client::Client*, std::string>{c_.get(), "mine"},
-                                  std::pair<client::Client*, std::string>{pool->get(), "theirs"}}) {
-      auto r = client->Forward(request(region));
+    for (auto [caller, region] : {Way{c_.get(), "mine"}, Way{pool->get(), "theirs"}}) {
+      auto r = caller->Forward(request(region));
       EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition)
           << region << " call " << i << ": " << r.status();
       EXPECT_EQ(ReasonOf(r.status()), "REGION_TOO_SMALL") << r.status();
