@@ -86,7 +86,8 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
   registry::Registry* reg = core_.registry;
   exec::Executor* executor = core_.executor;
   ops.RegisterAsync(*std::move(def), NextRequestId(),
-                    [reactor, resp, ticket, reg, executor](absl::StatusOr<core::RegisterOutcome> outcome) {
+                    [reactor, resp, ticket, reg,
+                     executor](absl::StatusOr<core::RegisterOutcome> outcome) {
                       if (outcome.ok() && *ticket != nullptr) {
                         double ms = 0;
                         for (const auto& [t, c] : outcome->compiled) {

@@ -642,8 +642,9 @@ class RemoteInstance : public KernelInstance {
     std::lock_guard<std::mutex> lock(mu_);
     return wire::EncodeInstance(id_, spec_);
   }
-  absl::Status Failure(Worker& w, const absl::Status& s, bool timed_out, Clock::time_point call_deadline,
-                       const RunArgs* args, bool may_retry, bool* retry);
+  absl::Status Failure(Worker& w, const absl::Status& s, bool timed_out,
+                       Clock::time_point call_deadline, const RunArgs* args, bool may_retry,
+                       bool* retry);
   // After a SIGBUS: the call's shm tensor whose memory its client shrank
   // (the object is now shorter than the worker's mapping of it), as the
   // status the call gets; nullopt when every region is whole.
@@ -763,8 +764,8 @@ absl::StatusOr<Reply> RemoteInstance::TryOnWorker(Clock::time_point call_deadlin
   if (w->first_instance != id_) w->shared = true;
   auto fail = [&](const absl::Status& s) -> absl::Status {
     const bool timed_out = absl::IsDeadlineExceeded(s);
-    absl::Status out =
-        Failure(*w, s, timed_out, call_deadline, args, /*may_retry=*/served_others && !fresh, retry);
+    absl::Status out = Failure(*w, s, timed_out, call_deadline, args,
+                               /*may_retry=*/served_others && !fresh, retry);
     runner_->Discard(spec_.ns, w, /*kill=*/true);  // reaped already unless it timed out
     return out;
   };
