@@ -544,6 +544,15 @@ class Client:
         return self._rpc("registry", "DeleteOp", registry_pb2.DeleteOpRequest(
             namespace=ns, name=n, version=version), idempotent=False).deleted
 
+    def clear_quarantine(self, name):
+        """Admins: lifts the quarantine of every version of op `name` (a kernel
+        whose executor crashed [exec] quarantine_after times in a row); returns
+        how many of its kernels were quarantined. Registering the op again
+        lifts it too."""
+        ns, n = split_name(name, self.namespace)
+        return self._rpc("registry", "ClearQuarantine", registry_pb2.ClearQuarantineRequest(
+            namespace=ns, name=n)).lifted
+
     def op(self, name, version=0, target=None):
         """A callable for the registered op `name` (see Op)."""
         return Op(self, name, version=version, target=target)
