@@ -33,14 +33,15 @@ SOURCE = os.environ.get("OPJIT_SOURCE_DIR") or os.path.dirname(os.path.dirname(
     os.path.dirname(os.path.abspath(__file__))))
 
 # Every command, with arguments that make it reach the server.
-COMMANDS = ["info", "health", "register", "ops", "describe", "delete", "compile", "run",
-            "grad", "gradcheck", "cache", "stats", "token", "help"]
+COMMANDS = ["info", "health", "register", "ops", "describe", "delete", "unquarantine", "compile",
+            "run", "grad", "gradcheck", "cache", "stats", "token", "help"]
 
 
 def server_args(cmd, tmp):
     spec = os.path.join(EXAMPLES, "leaky_relu.json")
     src = os.path.join(EXAMPLES, "leaky_relu.cc")
     return {"register": [spec], "describe": ["leaky_relu"], "delete": ["leaky_relu"],
+            "unquarantine": ["leaky_relu"],
             "compile": [src], "run": ["leaky_relu"], "grad": ["leaky_relu"],
             "gradcheck": ["leaky_relu"], "cache": ["stats"]}.get(cmd, [])
 
