@@ -77,23 +77,16 @@ def wait_ended(pids, seconds):
 def plant_leftover(tag, hold):
     """A stand-in for a helper a killed daemon left: a shell whose command
     line is an executor's with "--instance <tag>", re-parented away from this
-    process (double fork), blocked reading `hold`. Returns its pid."""
-    r, w = os.pipe()
-    first = os.fork()
-    if first == 0:
-        try:
-            if os.fork() == 0:
-                os.write(w, b"%d\n" % os.getpid())
-                os.dup2(hold, 0)
-                os.execv("/bin/sh", ["/leftover/opjit-exec-worker", "-c", "read x",
-                                     "--instance", tag])
-        finally:
-            os._exit(0)
-    os.close(w)
-    pid = int(os.read(r, 32).decode().strip())
-    os.close(r)
-    os.waitpid(first, 0)
-    return pid
+    process (started in the background by a bash that then exits), blocked
+    reading `hold`. Returns its pid. No os.fork() here: this process runs
+    gRPC threads, and gRPC's fork handler waits for them to idle, which under
+    a loaded sanitizer build it did forever."""
+    script = ('(exec -a /leftover/opjit-exec-worker /bin/sh -c "read x" --instance "$1") '
+              '<&%d >/dev/null 2>&1 & echo $!' % hold)
+    out = subprocess.run(["/bin/bash", "-c", script, "plant", tag], pass_fds=(hold,),
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, check=True,
+                         timeout=30)
+    return int(out.stdout.decode().strip())
 
 
 def restart_sweep(build, state, check):
