@@ -224,6 +224,15 @@ def unary_spec(name, source, **fields):
     return s
 
 
+def vm_hwm_kb(pid):
+    """The peak resident memory (VmHWM, KiB) of process `pid`."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM for pid %d" % pid)
+
+
 def token_sha(token):
     """What the config keeps of a bearer token."""
     return hashlib.sha256(token.encode()).hexdigest()

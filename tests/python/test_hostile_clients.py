@@ -20,7 +20,7 @@ import pytest
 import opjit
 from opjit import _fast
 
-from conftest import TempDaemon, health, unary_kernel, unary_spec, wait_for
+from conftest import TempDaemon, health, unary_kernel, unary_spec, wait_for, vm_hwm_kb
 
 pytestmark = pytest.mark.skipif(not _fast.supported(), reason="the fast channel is x86-64 Linux only")
 
@@ -53,21 +53,16 @@ def daemon():
     d.close()
 
 
-def vm_hwm_kb(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmHWM")
-
-
 def alive(pid):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open("/proc/%d/stat" % pid, "rb") as f:
-        stat = f.read()
+    try:  # a process reaped between kill() and the read is gone (ENOENT or ESRCH)
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
     return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
 
 

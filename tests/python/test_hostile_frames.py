@@ -23,7 +23,7 @@ import pytest
 
 import opjit
 
-from conftest import TempDaemon, health, unary_kernel, unary_spec
+from conftest import TempDaemon, health, unary_kernel, unary_spec, vm_hwm_kb
 
 KERNEL_TIMEOUT_MS = 60000
 FAST = 20.0  # seconds: far below the kernel time limit, generous for a loaded machine
@@ -69,14 +69,6 @@ def daemon():
         c.register(unary_spec("hf_twice", unary_kernel()))
     yield d
     d.close()
-
-
-def vm_hwm_kb(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmHWM")
 
 
 def daemon_ok(d, pid):
