@@ -22,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -1059,6 +1060,14 @@ bool ChannelImpl::ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq,
 
 void ChannelImpl::PostReply(uint32_t i, const absl::Status& status) {
   char* slot = SlotBase(i);
+  // The quarantine keys of every kernel bound in this executor since it
+  // started (thread only): its Init, and then its calls, ran there. Kept by
+  // the daemon as it answers kWantHandle, never read from the executor's
+  // count table (a kernel can write that). A crash counts against the
+  // running kernel only when it is the one key here: a fast channel's call
+  // cannot be run again in a fresh executor, and another kernel may have
+  // corrupted this one (a heap overflow that returned OK).
+  std::set<std::string> ran_keys_;
   const int32_t code = static_cast<int32_t>(status.code());
   const auto why = GetReason(status);
   char reason[fast::kReasonBytes] = {};
@@ -1132,6 +1141,7 @@ absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_poin
   }
   return absl::DataLossError("the executor process kept asking for the instance");
 }
+  ran_keys_.insert(qkey);
 
 absl::StatusOr<absl::Status> ChannelImpl::AddRegion(uint64_t id, Clock::time_point deadline) {
   auto region = spec_.resolve_region(id);
@@ -1199,13 +1209,33 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
         tensor::GuardedCopy(&handle, SlotBase(i) + offsetof(fast::Slot, handle), 8).ok();
     if (!timeout && !client_fault && named) {
       if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
-        runner_->NoteCrash(k->second, spec_.label, spec_.ns);
+        if (ran_keys_.size() == 1 && ran_keys_.count(k->second) == 1) {
+          runner_->NoteCrash(k->second, spec_.label, spec_.ns);
+        } else {
+          // Other kernels ran in this executor first; one of them may have
+          // corrupted it. The ring's call cannot run again in a fresh
+          // executor, so nobody is blamed.
+          Logger("runner")->warn(
+              "{} (namespace {}): fast-channel executor process {} had run {} other kernel(s) "
+              "since it started; the crash is not counted against the running kernel",
+              spec_.label, spec_.ns, pid_, ran_keys_.size() - ran_keys_.count(k->second));
+          const auto why = GetReason(answer);
+          reply = WithReason(
+              WithMessage(answer, absl::StrCat(answer.message(),
+                                               ". The crash was not counted towards the kernel's "
+                                               "quarantine: other kernels had run in this fast "
+                                               "channel's executor before it, and one of them may "
+                                               "have corrupted it")),
+              why ? why->reason : reason::kKernelCrashed,
+              {{"cause", why && why->metadata.count("cause") ? why->metadata.at("cause") : "crash"},
+               {"counted", "false"}});
+        }
       }
     }
-    PostReply(i, answer);
+    PostReply(i, reply);
     // The executor never counted this call (it died in it); the daemon
     // answered it, so the daemon counts it.
-    Record(named ? handle : 0, answer.code(), 1, 0);
+    Record(named ? handle : 0, reply.code(), 1, 0);
   }
   MarkClosed();
   TakeCounts();
@@ -1223,6 +1253,7 @@ absl::Status ChannelImpl::GrantCredit(uint64_t handle) {
     w.U64(*granted);
   } else {
     w.U64(0);
+    absl::Status reply = answer;
     w.I32(static_cast<int32_t>(granted.status().code()));
     const auto why = GetReason(granted.status());
     w.Str(why ? why->reason : "");

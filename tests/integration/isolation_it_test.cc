@@ -638,6 +638,140 @@ TEST_F(IsolationIT, NeighboursCorruptionNeverQuarantinesAHealthyKernel) {
   ExpectHealthy(3);
 }
 
+// A call on op `op` over the fast path of `c`: x = the 8 floats at offset 0
+// of region `in`, y at offset 4096 of region `out`.
+v1::ForwardRequest FastCall(const std::string& op, const std::string& in, const std::string& out,
+                            int64_t n = 8) {
+  v1::ForwardRequest req;
+  req.set_op(op);
+  *req.add_inputs()->add_tensors() = ShmTensor("float32", {n}, in, 0);
+  req.add_outputs()->mutable_shm()->set_region(out);
+  req.mutable_outputs(0)->mutable_shm()->set_offset(4096);
+  return req;
+}
+
+size_t Occurrences(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// The add_with_attr.cc pattern on a fast channel. The daemon cannot run a
+// fast call again in a fresh executor (the client drives the ring), so a
+// crash counts against the running kernel only when no other kernel ran in
+// that channel's executor since it started. "corrupt" returns correct
+// numbers but breaks its executor (it overwrites libc's `stdout`, as
+// add_with_attr's N*N floats in an N-byte workspace break the heap); the
+// healthy kernel called next on the same channel dies. Its call fails
+// (ABORTED, KERNEL_CRASHED) saying that the crash was not counted, and after
+// more rounds than quarantine_after (3) it still runs. A kernel that crashes
+// alone in a fresh channel is still quarantined.
+TEST_F(IsolationIT, FastChannelCrashCountsOnlyAgainstAKernelThatRanAlone) {
+  ASSERT_TRUE(RegisterKernel("default", "corrupt",
+                             "stdout = reinterpret_cast<FILE*>(16);\n" + std::string(kCopy))
+                  .ok());
+  ASSERT_TRUE(RegisterKernel("default", "healthy",
+                             "std::fputc('.', stdout);\n" + std::string(kCopy)).ok());
+  ASSERT_TRUE(RegisterKernel("default", "segv", "*static_cast<volatile int*>(nullptr) = 1;").ok());
+  // fast = "on": a call that qualifies never falls back to gRPC (where the
+  // pool would run it again in a fresh executor).
+  auto fast = client::Client::Connect({.address = daemon_->address(), .fast = "on"});
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  auto info = (*fast)->CreateRegion("", "buf", 1 << 16);
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto map = client::ShmMapping::Open(info->shm_key(), info->byte_size());
+  ASSERT_TRUE(map.ok()) << map.status();
+  float* base = reinterpret_cast<float*>((*map)->data());
+  for (int i = 0; i < 8; ++i) base[i] = static_cast<float>(i + 1);
+  float* y = base + 1024;
+  const std::string not_counted = "not counted towards the kernel's quarantine";
+
+  for (int round = 0; round < 5; ++round) {
+    // Each round on a fresh channel: the last one closed with its executor.
+    y[2] = 0;
+    auto bad = (*fast)->Forward(FastCall("corrupt", "buf", "buf"));
+    ASSERT_TRUE(bad.ok()) << "round " << round << ": " << bad.status() << daemon_->Log();
+    EXPECT_EQ(y[2], 6.0f);
+    auto good = (*fast)->Forward(FastCall("healthy", "buf", "buf"));
+    EXPECT_EQ(good.status().code(), absl::StatusCode::kAborted)
+        << "round " << round << ": " << good.status();
+    EXPECT_EQ(ReasonOf(good.status()), "KERNEL_CRASHED") << good.status();
+    EXPECT_THAT(std::string(good.status().message()), HasSubstr(not_counted));
+  }
+  EXPECT_EQ(Occurrences(daemon_->Log(), "the crash is not counted against the running kernel"), 5u)
+      << daemon_->Log();
+  // Never quarantined: alone on a fresh channel, and on the pool, it runs.
+  y[7] = 0;
+  auto alone = (*fast)->Forward(FastCall("healthy", "buf", "buf"));
+  ASSERT_TRUE(alone.ok()) << alone.status() << daemon_->Log();
+  EXPECT_EQ(y[7], 16.0f);
+  auto pooled = c_->Forward(Call("default", "healthy"));
+  EXPECT_TRUE(pooled.ok()) << pooled.status();
+
+  // A kernel that crashes by itself: a client of its own, so each call runs
+  // first in a fresh channel (the crash closes it), and counts.
+  auto own = client::Client::Connect({.address = daemon_->address(), .fast = "on"});
+  ASSERT_TRUE(own.ok()) << own.status();
+  for (int i = 0; i < 3; ++i) {
+    auto r = (*own)->Forward(FastCall("segv", "buf", "buf"));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted) << r.status();
+    EXPECT_EQ(ReasonOf(r.status()), "KERNEL_CRASHED") << r.status();
+    EXPECT_THAT(std::string(r.status().message()), ::testing::Not(HasSubstr(not_counted)));
+  }
+  auto q = (*own)->Forward(FastCall("segv", "buf", "buf"));
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kFailedPrecondition) << q.status();
+  EXPECT_EQ(ReasonOf(q.status()), "KERNEL_QUARANTINED") << q.status();
+  auto still = (*fast)->Forward(FastCall("healthy", "buf", "buf"));
+  EXPECT_TRUE(still.ok()) << still.status();
+  ExpectHealthy(3);
+}
+
+// A client that truncates a region its fast calls name (ShrunkRegionNever-
+// CountsAgainstTheKernel's calls have no output placement, so they all go
+// over gRPC):
+// the channel's executor takes SIGBUS, every such call gets
+// FAILED_PRECONDITION, REGION_TOO_SMALL naming the region, and after more
+// calls than quarantine_after the kernel still runs.
+TEST_F(IsolationIT, ShrunkRegionOnAFastChannelNeverCountsAgainstTheKernel) {
+  ASSERT_TRUE(RegisterKernel("default", "sum",
+                             "float s = 0;\n"
+                             "for (int64_t i = 0; i < n; i += 1024) s += x[i];\n"
+                             "y[0] = s;")
+                  .ok());
+  const uint64_t bytes = 4 << 20;
+  const int64_t n = bytes / 4;
+  auto key = client::ShmMapping::RandomKey("opjit-it-fastshrink");
+  ASSERT_TRUE(key.ok());
+  auto mine = client::ShmMapping::Create(*key, bytes);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  auto fast = client::Client::Connect({.address = daemon_->address(), .fast = "on"});
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  ASSERT_TRUE((*fast)->RegisterRegion("", "mine", *key, 0, bytes).ok());
+  // The output's region stays whole (n floats of y at offset 4096).
+  ASSERT_TRUE((*fast)->CreateRegion("", "out", bytes + 4096).ok());
+  auto ok = (*fast)->Forward(FastCall("sum", "mine", "out", n));
+  ASSERT_TRUE(ok.ok()) << ok.status() << daemon_->Log();
+  int fd = shm_open(key->c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  for (int i = 0; i < 5; ++i) {
+    auto r = (*fast)->Forward(FastCall("sum", "mine", "out", n));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition)
+        << "call " << i << ": " << r.status();
+    EXPECT_EQ(ReasonOf(r.status()), "REGION_TOO_SMALL") << r.status();
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("region \"mine\""));
+    EXPECT_THAT(std::string(r.status().message()), ::testing::Not(HasSubstr(*key)));
+  }
+  // Each of them ended a fast channel's executor (the pool logs another line).
+  EXPECT_EQ(Occurrences(daemon_->Log(), "faulted on a shrunk region of its client"), 5u)
+      << daemon_->Log();
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  close(fd);
+  auto again = (*fast)->Forward(FastCall("sum", "mine", "out", n));
+  EXPECT_TRUE(again.ok()) << again.status();
+  ExpectHealthy(1);
+}
+
 // Registering the op again, even with the identical definition (the same
 // version), lifts its quarantine; so does an admin's ClearQuarantine
 // (`opjit unquarantine`), which a user principal may not call.
