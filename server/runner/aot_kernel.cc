@@ -13,6 +13,7 @@
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
+#include "server/tensor/tensor_ref.h"
 
 namespace opjit::runner {
 namespace {
@@ -240,6 +241,20 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
   // so they are read without the lock from here on.
   OPJIT_RETURN_IF_ERROR(init_status_);
   OPJIT_RETURN_IF_ERROR(CheckTensors("output", outputs, outputs_));
+  if (options_.zero_outputs) {
+    // Every output starts zeroed, on every transport (inline tensors in an
+    // executor's arena or a daemon buffer, shm ranges, fast channels): what
+    // the kernel does not write reads as 0, never as an earlier call's bytes
+    // (this client's, or another principal's of the namespace). A plain
+    // memset: on these hosts it costs a fraction of a kernel's own write,
+    // while fresh zero pages (MADV_REMOVE, a punched hole) cost a fault per
+    // page, over 10x more (bench/zero_bench.cc).
+    for (const HostTensor& t : outputs) {
+      if (t.data == nullptr) continue;
+      OPJIT_ASSIGN_OR_RETURN(uint64_t n, tensor::ByteSize(t.desc.dtype, t.desc.shape));
+      std::memset(t.data, 0, n);
+    }
+  }
 
   absl::InlinedVector<std::unique_ptr<void, FreeDeleter>, 2> workspaces;
   size_t dims = workspace_.size();

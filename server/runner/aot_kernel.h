@@ -26,6 +26,11 @@ struct AotKernelOptions {
   // two threads at once. Set to false only for kernels known to be reentrant.
   // Default: true.
   bool serialize_runs = true;
+  // Zero every output before the kernel runs, so a kernel that writes less
+  // than its whole output hands back zeros, never bytes an earlier call left
+  // in the buffer (a reused shm range, an executor's arena). Off only for
+  // the zero-fill benchmark (KernelHostOptions::zero_outputs). Default: true.
+  bool zero_outputs = true;
 };
 
 // One instance of an aot kernel: a (loaded object, entry, input shapes and
@@ -70,7 +75,8 @@ class AotKernelInstance {
   // read an attr wrongly or returned a malformed shape; INTERNAL if it threw.
   absl::StatusOr<std::vector<int64_t>> InferShape() const;
 
-  // Calls the kernel: params = inputs, outputs, then one fresh 64-byte-aligned
+  // Calls the kernel: params = inputs, outputs (zero-filled first, unless
+  // options.zero_outputs is off), then one fresh, zero-filled 64-byte-aligned
   // buffer per workspace size the kernel set in Init. Descriptors must match
   // the instance's inputs (and outputs, once known). A null input
   // (HostTensor::null: a rank-0 descriptor) reaches the kernel as

@@ -1,9 +1,12 @@
 #include "server/runner/kernel_host.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "server/cache/lru_cache.h"
+#include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/loader/loader.h"
@@ -61,6 +64,11 @@ KernelHost::~KernelHost() = default;
 absl::StatusOr<std::unique_ptr<KernelHost>> KernelHost::Create(const KernelHostOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (const char* v = std::getenv(kNoZeroFillEnv); v != nullptr && std::string_view(v) == "1") {
+    impl->options.zero_outputs = false;
+    Logger("runner")->warn("{}=1: kernel outputs are not zero-filled (a benchmark's setting)",
+                           kNoZeroFillEnv);
+  }
   OPJIT_ASSIGN_OR_RETURN(impl->loader,
                          loader::JitLoader::Create({.allowed_libraries = options.allowed_libraries}));
   impl->loaded = std::make_unique<cache::LruCache<loader::LoadedKernel>>(options.loaded_kernels,
@@ -91,6 +99,7 @@ absl::StatusOr<std::unique_ptr<HostInstance>> KernelHost::NewInstance(const Inst
   // A kernel with Init may keep state in its kernel data; calls into one
   // instance are serialised then. Without Init, calls run concurrently.
   opts.serialize_runs = kernel->Find(spec.entry + "Init") != nullptr;
+  opts.zero_outputs = impl_->options.zero_outputs;
   OPJIT_ASSIGN_OR_RETURN(auto inst, AotKernelInstance::Create(std::move(kernel), spec.entry,
                                                               spec.inputs, spec.outputs,
                                                               spec.attrs, opts));

@@ -15,6 +15,10 @@
 
 namespace opjit::runner {
 
+// The benchmark-only switch that leaves outputs as they are (see
+// KernelHostOptions::zero_outputs).
+inline constexpr char kNoZeroFillEnv[] = "OPJIT_BENCH_NO_ZERO_FILL";
+
 struct KernelHostOptions {
   // Shared libraries kernels may link against (the compiler's allow-list).
   // Default: none.
@@ -23,6 +27,11 @@ struct KernelHostOptions {
   std::string scratch_dir = "/tmp";
   // Loaded CPU objects kept for new instances. Default: 256.
   size_t loaded_kernels = 256;
+  // Outputs start zero-filled (AotKernelOptions::zero_outputs). Only the
+  // zero-fill benchmark turns it off, through the environment variable
+  // OPJIT_BENCH_NO_ZERO_FILL=1 in opjitd's environment (Create reads it;
+  // executors get it from their daemon). Default: true.
+  bool zero_outputs = true;
 };
 
 // One instance living in this process. Run and InferShape are thread-safe.

@@ -349,6 +349,9 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
     args.push_back("--read-only");
     args.push_back(driver);
   }
+  if (const char* v = std::getenv(kNoZeroFillEnv); v != nullptr) {
+    env.push_back(absl::StrCat(kNoZeroFillEnv, "=", v));  // bench/zero_bench.cc only
+  }
   // Its own process group (a signal to the daemon's group spares it; the
   // daemon decides when it ends), started from the spawn thread (its
   // PDEATHSIG means the daemon died), tagged with this daemon's state dir.

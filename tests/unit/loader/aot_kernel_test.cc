@@ -189,6 +189,10 @@ extern "C" int CustomThrow(int nparam, void** params, int* ndims, int64_t** shap
                            const char** dtypes, void* stream, void* extra) {
   throw std::runtime_error("kernel exploded");
 }
+extern "C" int CustomNoWrite(int nparam, void** params, int* ndims, int64_t** shapes,
+                             const char** dtypes, void* stream, void* extra) {
+  return 0;  // leaves its output as it found it
+}
 extern "C" int CustomBadInitInit(int* ndims, int64_t** shapes, const char** dtypes,
                                  AotExtra* extra) {
   return 3;
@@ -390,6 +394,24 @@ TEST_F(AotKernelTest, Workspaces) {
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_FLOAT_EQ(y[0], 10.0f);
   EXPECT_FLOAT_EQ(y[4], 2.0f);
+}
+
+TEST_F(AotKernelTest, OutputsStartZeroed) {
+  // Earlier bytes in an output's memory (a reused shm range, an arena) never
+  // reach the caller through a kernel that writes less than all of it.
+  auto inst = AotKernelInstance::Create(kernel_, "CustomNoWrite", {F32({4})}, {F32({1024})}, {});
+  ASSERT_TRUE(inst.ok()) << inst.status();
+  float x[4] = {}, y[1024];
+  std::fill(std::begin(y), std::end(y), 1234.5f);
+  ASSERT_TRUE((*inst)->Run({{x, F32({4})}}, {{y, F32({1024})}}).ok());
+  EXPECT_EQ(std::count(std::begin(y), std::end(y), 0.0f), 1024);
+  // The benchmark's switch leaves them as they are.
+  auto as_is = AotKernelInstance::Create(kernel_, "CustomNoWrite", {F32({4})}, {F32({1024})}, {},
+                                         {.zero_outputs = false});
+  ASSERT_TRUE(as_is.ok()) << as_is.status();
+  std::fill(std::begin(y), std::end(y), 1234.5f);
+  ASSERT_TRUE((*as_is)->Run({{x, F32({4})}}, {{y, F32({1024})}}).ok());
+  EXPECT_EQ(std::count(std::begin(y), std::end(y), 1234.5f), 1024);
 }
 
 TEST_F(AotKernelTest, NonZeroReturnIsAborted) {

@@ -1,0 +1,225 @@
+"""Outputs and workspaces never carry earlier bytes (issue 27, item 5).
+
+The "Why" of the issue: an op that writes nothing, called after an op that
+filled a same-size output with 1234.5, returned 1024 of 1024 values equal to
+1234.5, inline and in shm, within one namespace (which several principals may
+share). Here alice and bob share namespace "lab" on a daemon of the test's
+own with one executor per namespace, so every call of the namespace runs in
+the same executor and lands on the same arena bytes:
+
+* `z27_fill` (A) fills its 1024-float output with 1234.5;
+* `z27_none` (B) writes nothing to its output of the same size;
+* `z27_ws` (W) asks for a 4096-byte workspace in Init, copies what its
+  workspace holds into its output, then fills the workspace with 1234.5 (a
+  freed workspace is the next call's on the same heap).
+
+B's output and W's must be all zeros, on every transport: inline (through
+the executor's arena, A by alice then B by bob), in a region at a fixed
+offset over gRPC (a pool executor), and over the fast channel; and with the
+kernels run in the daemon ([exec] isolation = "in-daemon"). Each reuse is
+checked to hit the very bytes A wrote, so a test that stopped reaching them
+fails rather than passes. The daemon started with the benchmark's switch
+OPJIT_BENCH_NO_ZERO_FILL=1 shows the reproduction: there B returns 1234.5.
+"""
+
+import gc
+import mmap
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+import opjit
+from opjit.v1 import exec_pb2, exec_pb2_grpc, memory_pb2, memory_pb2_grpc
+
+from conftest import TempDaemon, principal_toml, unary_kernel, unary_spec, wait_for
+
+NS = "lab"
+N = 1024
+TOKENS = {"alice": "alice-token-z27-0123456789", "bob": "bob-token-z27-0123456789"}
+
+NONE = r"""#include <cstdint>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  return 0;  // writes nothing
+}
+"""
+
+WORKSPACE = r"""#include <cstdint>
+#include <cstring>
+#include <vector>
+#include "custom_aot_extra.h"
+extern "C" int KInit(int* nd, int64_t** s, const char** d, AotExtra* extra) {
+  extra->SetWorkSpace(std::vector<size_t>{4096});
+  return 0;
+}
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  if (n != 3) return 1;
+  float* y = static_cast<float*>(p[1]);
+  float* ws = static_cast<float*>(p[2]);
+  std::memcpy(y, ws, 4096);  // what the workspace held when the kernel started
+  for (int i = 0; i < 1024; ++i) ws[i] = 1234.5f;  // and leave it dirty
+  return 0;
+}
+"""
+
+
+def specs():
+    return [unary_spec("z27_fill", unary_kernel("* 0.0f + 1234.5f"), namespace=NS),
+            unary_spec("z27_none", NONE, namespace=NS),
+            unary_spec("z27_ws", WORKSPACE, namespace=NS)]
+
+
+class Lab(TempDaemon):
+    """alice and bob, users of namespace "lab"; one executor per namespace."""
+
+    def __init__(self, isolation="process", env=None):
+        config = ('[exec]\nisolation = "%s"\nworkers = 1\n' % isolation
+                  + principal_toml("alice", "user", [NS], TOKENS["alice"])
+                  + principal_toml("bob", "user", [NS], TOKENS["bob"]))
+        old = dict(os.environ)
+        os.environ.update(env or {})
+        try:
+            self.spawn(config, prefix="opjit-z27-", tcp=True, serving=False)
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        wait_for(self.answers_alice, 60, "opjitd to answer")
+        with self.client("alice") as c:
+            for s in specs():
+                c.register(s)
+
+    def answers_alice(self):
+        if self.proc.poll() is not None:
+            raise RuntimeError("opjitd exited:\n" + self.read_log())
+        try:
+            with self.client("alice") as c:
+                c.info()
+            return True
+        except opjit.OpjitError:
+            return False
+
+    def client(self, who, **kw):
+        """A client of `who`: inline over TCP, or kw (transport, fast) on the unix socket."""
+        if kw:
+            return opjit.Client(self.unix_address, namespace=NS, token=TOKENS[who], timeout=60,
+                                **kw)
+        return opjit.Client(self.tcp_address, namespace=NS, token=TOKENS[who],
+                            transport="inline", timeout=60)
+
+    def stubs(self, who):
+        ch = grpc.insecure_channel(self.unix_address)
+        md = [("authorization", "Bearer " + TOKENS[who])]
+        return memory_pb2_grpc.MemoryStub(ch), exec_pb2_grpc.ExecutorStub(ch), md
+
+
+def x():
+    return np.arange(N, dtype=np.float32)
+
+
+@pytest.fixture(scope="module", params=["process", "in-daemon"])
+def lab(request):
+    d = Lab(request.param)
+    d.isolation = request.param
+    yield d
+    d.close()
+
+
+def inline_reuse(lab):
+    """A by alice, then B by bob, inline: B's output."""
+    with lab.client("alice") as a, lab.client("bob") as b:
+        filled = a.op("z27_fill")(x())
+        assert np.all(np.asarray(filled) == 1234.5)
+        return np.array(b.op("z27_none")(x()))
+
+
+def shm_reuse(lab, op="z27_none"):
+    """A then `op`, each with its output at offset 0 of one region of
+    alice's, over gRPC: (the region's bytes after A, `op`'s output)."""
+    mem, ex, md = lab.stubs("alice")
+    info = mem.CreateRegion(memory_pb2.CreateRegionRequest(
+        namespace=NS, name="z27_out", byte_size=2 * 4 * N, client_id="z27"), timeout=10,
+        metadata=md)
+    try:
+        fd = os.open("/dev/shm" + info.shm_key, os.O_RDWR)
+        with mmap.mmap(fd, 2 * 4 * N) as m:
+            os.close(fd)
+            # The input after the output, in the same region.
+            m[4 * N:] = x().tobytes()
+            seen = []
+            for name in ("z27_fill", op):
+                req = exec_pb2.ForwardRequest(namespace=NS, op=name)
+                t = req.inputs.add().tensors.add()
+                t.dtype, t.shm.region, t.shm.offset = "float32", "z27_out", 4 * N
+                t.shape.append(N)
+                out = req.outputs.add().shm
+                out.region, out.offset = "z27_out", 0
+                resp = ex.Forward(req, timeout=30, metadata=md)
+                assert resp.outputs[0].shm.offset == 0, resp
+                seen.append(np.frombuffer(m[:4 * N], np.float32).copy())
+            return seen
+    finally:
+        mem.ReleaseClient(memory_pb2.ReleaseClientRequest(namespace=NS, client_id="z27"),
+                          timeout=10, metadata=md)
+
+
+def test_inline_output_of_another_principal_starts_zeroed(lab):
+    y = inline_reuse(lab)
+    assert y.shape == (N,)
+    assert np.count_nonzero(y) == 0, "%d of %d values carried over: %s" % (
+        np.count_nonzero(y), N, y[:4])
+
+
+def test_shm_output_starts_zeroed(lab):
+    after_fill, y = shm_reuse(lab)
+    assert np.all(after_fill == 1234.5)  # A's bytes were there
+    assert np.count_nonzero(y) == 0, "%d of %d values carried over: %s" % (
+        np.count_nonzero(y), N, y[:4])
+
+
+def test_workspaces_start_zeroed_on_every_call(lab):
+    with lab.client("alice") as a, lab.client("bob") as b:
+        for c in (a, b, a, b):
+            w = np.array(c.op("z27_ws")(x()))
+            assert np.count_nonzero(w) == 0, w[:4]
+    for _ in range(2):
+        _, w = shm_reuse(lab, "z27_ws")
+        assert np.count_nonzero(w) == 0, w[:4]
+
+
+def test_fast_channel_outputs_and_workspaces_start_zeroed(lab):
+    if lab.isolation != "process":
+        pytest.skip("fast channels need executor processes")
+    with lab.client("alice", fast="on") as c:
+        xs = c.asarray(x())
+        pool = c._transport.pool(NS)
+        filled = c.op("z27_fill")(xs)
+        assert np.all(filled == 1234.5)
+        at = pool.locate(filled)
+        assert at is not None
+        del filled
+        gc.collect()
+        y = c.op("z27_none")(xs)
+        # The very block A filled (the pool hands the freed block out again).
+        assert pool.locate(y) == at
+        assert np.count_nonzero(y) == 0, "%d of %d values carried over: %s" % (
+            np.count_nonzero(y), N, y[:4])
+        del y
+        for _ in range(3):
+            w = c.op("z27_ws")(xs)
+            assert np.count_nonzero(w) == 0, w[:4]
+            del w
+        counts = c.call_counts()
+        assert counts.get("fast", 0) >= 5, counts
+
+
+def test_without_zero_fill_the_reproduction_carries_bytes_over():
+    """The benchmark's switch leaves outputs as they are: the reproduction
+    of "Why" then returns A's bytes, which is what the tests above catch."""
+    d = Lab("process", env={"OPJIT_BENCH_NO_ZERO_FILL": "1"})
+    try:
+        assert np.all(inline_reuse(d) == 1234.5)
+        _, y = shm_reuse(d)
+        assert np.all(y == 1234.5)
+    finally:
+        d.close()
