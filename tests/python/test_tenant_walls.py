@@ -180,7 +180,7 @@ class NobodyDaemon(TempDaemon):
     """opjitd as nobody (setpriv execs it: the pid is opjitd's), as under the
     package's unit: its executors run under its own uid."""
 
-    def __init__(self):
+    def __init__(self, config=""):
         self.wrapper_dir = tempfile.mkdtemp(prefix="opjit-tw-bin-")
         wrapper = os.path.join(self.wrapper_dir, "opjitd-as-nobody")
         with open(wrapper, "w") as f:
@@ -190,7 +190,7 @@ class NobodyDaemon(TempDaemon):
         d = tempfile.mkdtemp(prefix="opjit-tw-")
         os.chmod(d, 0o755)
         os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
-        self.spawn('socket_mode = "0666"\n', binary=wrapper, dir=d, serving=True)
+        self.spawn('socket_mode = "0666"\n' + config, binary=wrapper, dir=d, serving=True)
 
     def close(self):
         super().close()

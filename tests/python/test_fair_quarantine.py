@@ -1,0 +1,167 @@
+"""Fair quarantine (issue 27, item 6) against a root daemon and a non-root
+one (the daemon as nobody, as under the package's unit), on the pool and on
+a fast channel. A kernel is quarantined after [exec] quarantine_after (3)
+crashes in a row; these are the crashes that must not count:
+
+1. The add_with_attr.cc pattern: `corrupt` returns correct numbers but
+   breaks the executor it ran in (it overwrites libc's `stdout`, as
+   MindSpore's add_with_attr.cc breaks the heap with N*N floats written into
+   an N-byte workspace), and the healthy kernel called next in that executor
+   dies. On the pool the daemon runs the call again in a fresh executor,
+   where it succeeds; on a fast channel (which the client drives, so nothing
+   runs again) the call fails, says the crash was not counted, and the
+   kernel is never quarantined. A kernel that crashes alone still is.
+2. A client that truncates a region its calls name: the executor takes
+   SIGBUS, the call gets FAILED_PRECONDITION, REGION_TOO_SMALL, and the
+   shared op keeps running for everyone, the attacker included once the
+   region is whole again.
+
+The root daemon's variants are also IsolationIT's (tests/integration); this
+suite adds the non-root daemon and the Python client's two transports.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import opjit
+
+from conftest import TempDaemon, health, unary_kernel, unary_spec
+from test_tenant_walls import NobodyDaemon
+
+KERNEL = r"""#include <cstdint>
+#include <cstdio>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  %s
+  for (int64_t i = 0; i < k; ++i) y[i] = 2 * x[i];
+  return 0;
+}
+"""
+CORRUPT = KERNEL % "stdout = reinterpret_cast<FILE*>(16);"
+HEALTHY = KERNEL % "std::fputc('.', stdout);"
+SEGV = KERNEL % "*static_cast<volatile int*>(nullptr) = 1;"
+
+# One pool executor: consecutive calls share it, as in "Why".
+CONFIG = "[exec]\nworkers = 1\n"
+NOT_COUNTED = "not counted towards the kernel's quarantine"
+
+
+@pytest.fixture(params=["root", "nobody"], ids=["root_daemon", "non_root_daemon"])
+def daemon(request):
+    if os.geteuid() != 0:
+        # As a non-root user the "root" daemon is already a non-root one.
+        if request.param == "nobody":
+            pytest.skip("starting a daemon as nobody needs root")
+        d = TempDaemon()
+        d.spawn(CONFIG, prefix="opjit-fq-", serving=True)
+    elif request.param == "root":
+        d = TempDaemon()
+        d.spawn(CONFIG, prefix="opjit-fq-", serving=True)
+    else:
+        d = NobodyDaemon(CONFIG)
+    yield d
+    d.close()
+
+
+def client(d, transport):
+    if transport == "pool":
+        # Inline over gRPC: the namespace's pool executor.
+        return opjit.Client(d.unix_address, timeout=120, fast="off")
+    return opjit.Client(d.unix_address, timeout=120, fast="on")
+
+
+@pytest.mark.parametrize("transport", ["pool", "fast_channel"])
+def test_a_neighbours_corruption_never_quarantines_a_healthy_kernel(daemon, transport):
+    c = client(daemon, transport)
+    for name, src in (("corrupt", CORRUPT), ("healthy", HEALTHY), ("segv", SEGV)):
+        c.register(unary_spec("fq_" + name, src))
+    x = np.arange(8, dtype=np.float32)
+    arg = (lambda cl: x) if transport == "pool" else (lambda cl: cl.asarray(x))
+    for rnd in range(5):  # more rounds than quarantine_after
+        np.testing.assert_array_equal(c.op("fq_corrupt")(arg(c)), 2 * x)
+        if transport == "pool":
+            # Its executor died under it; it ran again in a fresh one.
+            np.testing.assert_array_equal(c.op("fq_healthy")(arg(c)), 2 * x)
+        else:
+            with pytest.raises(opjit.Aborted) as e:
+                c.op("fq_healthy")(arg(c))
+            assert e.value.reason == "KERNEL_CRASHED", e.value
+            assert NOT_COUNTED in str(e.value), str(e.value)
+    log = daemon.read_log()
+    if transport == "pool":
+        assert log.count("the crash is counted against no kernel") == 5, log[-4000:]
+    else:
+        assert log.count("the crash is not counted against the running kernel") == 5, log[-4000:]
+        assert c.call_counts().get("fast", 0) >= 5, c.call_counts()  # corrupt's calls
+    # Never quarantined: it runs (alone, on a fast channel: a fresh one).
+    np.testing.assert_array_equal(c.op("fq_healthy")(arg(c)), 2 * x)
+
+    # A kernel that crashes by itself is quarantined: on the pool it dies in
+    # the shared executor and then in a fresh one; on a fast channel a
+    # client of its own runs it first in each fresh channel.
+    own = client(daemon, transport)
+    for _ in range(3):
+        with pytest.raises(opjit.Aborted) as e:
+            own.op("fq_segv")(arg(own))
+        assert e.value.reason == "KERNEL_CRASHED", e.value
+        assert NOT_COUNTED not in str(e.value), str(e.value)
+    with pytest.raises(opjit.FailedPrecondition) as e:
+        own.op("fq_segv")(arg(own))
+    assert e.value.reason == "KERNEL_QUARANTINED", e.value
+    np.testing.assert_array_equal(c.op("fq_healthy")(arg(c)), 2 * x)
+    assert health(daemon.unix_address) == "SERVING"
+    assert daemon.proc.poll() is None
+    own.close()
+    c.close()
+
+
+@pytest.mark.parametrize("transport", ["pool", "fast_channel"])
+def test_a_truncated_region_never_quarantines_a_shared_op(daemon, transport):
+    # The attacker's input is in shared memory either way: over gRPC
+    # (transport "shm") it runs on the pool, else on its fast channel.
+    if transport == "pool":
+        attacker = opjit.Client(daemon.unix_address, timeout=120, fast="off", transport="shm")
+    else:
+        attacker = opjit.Client(daemon.unix_address, timeout=120, fast="on")
+    alice = opjit.Client(daemon.unix_address, timeout=120, fast="off")
+    alice.register(unary_spec("fq_square", unary_kernel("* x[i]")))
+    n = 1 << 20  # 4 MiB
+    x = np.full(n, 3, dtype=np.float32)
+    xs = attacker.asarray(x)
+    np.testing.assert_array_equal(attacker.op("fq_square")(xs), x * x)
+    pool = attacker._transport.pool(attacker.namespace)
+    region, off = pool.locate(xs)
+    fd = os.open("/dev/shm/" + region.key.lstrip("/"), os.O_RDWR)
+    try:
+        # Nothing of x is left (the test never touches the missing pages).
+        os.ftruncate(fd, off - off % 4096)
+        for i in range(5):  # more calls than quarantine_after
+            with pytest.raises(opjit.FailedPrecondition) as e:
+                attacker.op("fq_square")(xs)
+            assert e.value.reason == "REGION_TOO_SMALL", "call %d: %s" % (i, e.value)
+            assert "client's memory is at fault" in str(e.value), str(e.value)
+            assert region.key.lstrip("/") not in str(e.value), str(e.value)
+            # The shared op still runs for someone else.
+            small = np.arange(8, dtype=np.float32)
+            np.testing.assert_array_equal(alice.op("fq_square")(small), small * small)
+        log = daemon.read_log()
+        shrunk = ("faulted on a client's shrunk region" if transport == "pool"
+                  else "faulted on a shrunk region of its client")
+        assert log.count(shrunk) == 5, log[-4000:]
+        # Whole again (zeros): the attacker's calls run, never quarantined.
+        os.ftruncate(fd, region.size)
+    finally:
+        os.close(fd)
+    np.testing.assert_array_equal(attacker.op("fq_square")(xs), np.zeros(n, np.float32))
+    if transport == "fast_channel":
+        # Its two calls that ran (the log above counts the five that failed
+        # on fast channels).
+        assert attacker.call_counts().get("fast", 0) == 2, attacker.call_counts()
+    assert health(daemon.unix_address) == "SERVING"
+    attacker.close()
+    alice.close()
