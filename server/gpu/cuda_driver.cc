@@ -46,6 +46,7 @@ struct CudaDriver::Api {
   OPJIT_CU_FN(cuMemFree);
   OPJIT_CU_FN(cuMemcpyHtoDAsync);
   OPJIT_CU_FN(cuMemcpyDtoHAsync);
+  OPJIT_CU_FN(cuMemsetD8Async);
   OPJIT_CU_FN(cuStreamCreate);
   OPJIT_CU_FN(cuStreamSynchronize);
   OPJIT_CU_FN(cuStreamDestroy);
@@ -136,6 +137,7 @@ absl::StatusOr<std::unique_ptr<CudaDriver>> CudaDriver::Open(const std::string& 
   OPJIT_CU_RESOLVE(cuMemFree);
   OPJIT_CU_RESOLVE(cuMemcpyHtoDAsync);
   OPJIT_CU_RESOLVE(cuMemcpyDtoHAsync);
+  OPJIT_CU_RESOLVE(cuMemsetD8Async);
   OPJIT_CU_RESOLVE(cuStreamCreate);
   OPJIT_CU_RESOLVE(cuStreamSynchronize);
   OPJIT_CU_RESOLVE(cuStreamDestroy);
@@ -365,6 +367,13 @@ absl::Status DeviceBuffer::CopyToHost(void* dst, size_t bytes, const Stream& str
   const CudaDriver& d = device_->driver();
   return d.ToStatus(d.api().cuMemcpyDtoHAsync(dst, ptr_ + offset, bytes, stream.get()),
                     "cuMemcpyDtoHAsync");
+}
+
+absl::Status DeviceBuffer::Zero(const Stream& stream) {
+  if (size_ == 0) return absl::OkStatus();
+  OPJIT_RETURN_IF_ERROR(device_->MakeCurrent());
+  const CudaDriver& d = device_->driver();
+  return d.ToStatus(d.api().cuMemsetD8Async(ptr_, 0, size_, stream.get()), "cuMemsetD8Async");
 }
 
 // ------------------------------------------------------------------ Module

@@ -170,6 +170,9 @@ class DeviceBuffer {
   // [offset, offset + bytes) is outside the buffer.
   absl::Status CopyFromHost(const void* src, size_t bytes, const Stream& stream, size_t offset = 0);
   absl::Status CopyToHost(void* dst, size_t bytes, const Stream& stream, size_t offset = 0) const;
+  // Queues a fill of the whole buffer with zero bytes on `stream` (a fresh
+  // cuMemAlloc may hold an earlier allocation's bytes).
+  absl::Status Zero(const Stream& stream);
 
  private:
   void Reset();

@@ -111,6 +111,9 @@ absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implemen
   for (const auto& t : outputs) {
     OPJIT_ASSIGN_OR_RETURN(uint64_t n, tensor::ByteSize(t.desc.dtype, t.desc.shape));
     OPJIT_ASSIGN_OR_RETURN(gpu::DeviceBuffer b, gpu::DeviceBuffer::Allocate(*device, n ? n : 1));
+    // Outputs start zeroed, as on the CPU (AotKernelInstance): device memory
+    // may hold an earlier call's bytes, and the whole buffer is copied back.
+    OPJIT_RETURN_IF_ERROR(b.Zero(stream));
     out_bufs.push_back(std::move(b));
     out_bytes.push_back(n);
   }

@@ -200,7 +200,10 @@ CUresult cuMemAlloc(CUdeviceptr* p, size_t bytes) {
   if (bytes > memory_limit) return CUDA_ERROR_OUT_OF_MEMORY;
   std::lock_guard<std::mutex> l(mu);
   ++live_buffers;
-  *p = reinterpret_cast<CUdeviceptr>(std::malloc(bytes));
+  void* m = std::malloc(bytes);
+  // As a real allocation may: the bytes of whatever used this memory before.
+  if (m != nullptr) std::memset(m, 0xa5, bytes);
+  *p = reinterpret_cast<CUdeviceptr>(m);
   return CUDA_SUCCESS;
 }
 CUresult cuMemFree(CUdeviceptr p) {
@@ -215,6 +218,10 @@ CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream)
 }
 CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream) {
   std::memcpy(dst, reinterpret_cast<const void*>(src), n);
+  return CUDA_SUCCESS;
+}
+CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char value, size_t n, CUstream) {
+  std::memset(reinterpret_cast<void*>(p), value, n);
   return CUDA_SUCCESS;
 }
 CUresult cuStreamCreate(CUstream* s, unsigned int) {
