@@ -48,6 +48,8 @@ run plots "$PY" bench/plots.py "$PLOTS" "$OUT/py.json" "$OUT/call.json" >"$OUT/p
 run inline "$PY" bench/inline_bench.py "$OUT/inline.json" --build "$BUILD" --md "$OUT/inline.md"
 # What identity costs per call (principals, tokens, TLS) against the open default.
 run auth "$BUILD/bin/auth_bench" "$OUT/auth.json" >"$OUT/auth.md"
+# What zero-filling outputs costs, against a daemon that leaves them as found.
+run zero "$BUILD/bin/zero_bench" "$OUT/zero.json" >"$OUT/zero.md"
 
 "$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
 # Its own table, after the report's sections.
@@ -55,5 +57,9 @@ cat "$OUT/inline.md" >>bench/results.md 2>/dev/null
 if [ -s "$OUT/auth.md" ]; then
   printf '\n## Identity per call (tiny op, gRPC)\n\n' >>bench/results.md
   cat "$OUT/auth.md" >>bench/results.md
+fi
+if [ -s "$OUT/zero.md" ]; then
+  printf '\n## Zero-filled outputs (shm, 1 MiB and 256 MiB)\n\n' >>bench/results.md
+  cat "$OUT/zero.md" >>bench/results.md
 fi
 cat bench/results.md
