@@ -124,6 +124,9 @@ struct DaemonConfig {
   // Threads (and processes) of all of a namespace's executors together
   // (RLIMIT_NPROC of its uid; only with uid_range on a root daemon).
   int64_t threads_per_namespace = 1024;
+  // exec.scratch_mb: an executor's scratch space (a private tmpfs on a root
+  // daemon; a cap per file otherwise), MiB.
+  int64_t scratch_mb = 64;
   int64_t worker_spin_us = 0;            // an executor's busy-wait for its next call (0: sleep at once; see README)
   int64_t wait_spin_us = 50;             // the daemon's busy-wait for a call's result before it sleeps
   int quarantine_after = 3;              // crashes in a row that quarantine a kernel

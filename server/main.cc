@@ -115,6 +115,7 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
   o.host = host;
   o.threads_per_executor = static_cast<int>(cfg.threads_per_executor);
   o.threads_per_namespace = static_cast<int>(cfg.threads_per_namespace);
+  o.scratch_bytes = static_cast<uint64_t>(cfg.scratch_mb) << 20;
   // Started as root, each namespace's executors run as a uid of their own
   // (exec.uid_range); without a range, all as exec.worker_user.
   if (::geteuid() == 0 && cfg.uid_first != 0) {
@@ -142,6 +143,13 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
         "exec.threads_per_namespace is not enforced (exec.threads_per_executor is). Landlock and "
         "seccomp still confine every executor; start opjitd as root for a uid per namespace",
         ::geteuid());
+  }
+  if (!subprocess::PidNamespaces()) {
+    Logger("runner")->warn(
+        "WARNING: opjitd cannot create namespaces (it is not root, or the kernel refuses): "
+        "executors and compile workers share the host's PID, IPC and network namespaces, and an "
+        "executor's scratch is a host directory (each file at most exec.scratch_mb) instead of "
+        "a private tmpfs. seccomp still refuses every call aimed at another process");
   }
   return o;
 }

@@ -10,6 +10,8 @@
 #include <linux/seccomp.h>
 #include <sched.h>
 #include <stddef.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -242,6 +244,19 @@ absl::Status InstallSeccomp(const Policy& p) {
                  SYS_kcmp, SYS_setpgid, SYS_setsid}) {
     b.Deny(nr);
   }
+  if (p.refuse_shared_memory) {
+    b.Deny(SYS_memfd_create);
+    b.Deny(SYS_memfd_secret);
+    b.Deny(SYS_shmget);
+    // mmap: MAP_ANONYMOUS together with MAP_SHARED (or
+    // MAP_SHARED_VALIDATE, which has its bit) is refused.
+    b.Add(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_mmap, 0, 5));
+    b.Add(BPF_STMT(BPF_LD | BPF_W | BPF_ABS, Bpf::ArgOffset(3)));
+    b.Add(BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, MAP_ANONYMOUS, 0, 2));
+    b.Add(BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, MAP_SHARED, 0, 1));
+    b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kEperm));
+    b.Add(BPF_STMT(BPF_RET | BPF_K, Bpf::kAllow));
+  }
   if (!p.allow_exec) {
     b.Deny(SYS_execve);
     b.Deny(SYS_execveat);
@@ -296,6 +311,32 @@ absl::Status SetLimit(int resource, uint64_t value, const char* name) {
   return absl::OkStatus();
 }
 
+absl::Status EnterPrivateNamespaces(const Policy& p) {
+  if (::geteuid() != 0) {
+    return absl::FailedPreconditionError("sandbox: private namespaces need root");
+  }
+  if (::unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS) != 0) {
+    return Errno("unshare");
+  }
+  // Nothing mounted here reaches the host, and nothing the host mounts
+  // later reaches here.
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+    return Errno("mount propagation");
+  }
+  if (p.scratch_dir.empty() || p.scratch_bytes == 0 || ::access(p.scratch_dir.c_str(), F_OK) != 0) {
+    return absl::OkStatus();
+  }
+  const int64_t uid = p.uid >= 0 ? p.uid : 0;
+  const int64_t gid = p.gid >= 0 ? p.gid : uid;
+  const std::string data = absl::StrCat("size=", p.scratch_bytes, ",nr_inodes=4096,mode=0700,uid=",
+                                        uid, ",gid=", gid);
+  if (::mount("opjit-scratch", p.scratch_dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
+              data.c_str()) != 0) {
+    return Errno("scratch tmpfs");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int LandlockAbi() {
@@ -306,6 +347,9 @@ int LandlockAbi() {
 absl::Status Apply(const Policy& p) {
   if (CountThreads() != 1) {
     return absl::FailedPreconditionError("sandbox: apply it while the process has one thread");
+  }
+  if (p.private_namespaces) {
+    if (auto s = EnterPrivateNamespaces(p); !s.ok()) return s;
   }
   rlimit core{0, 0};
   if (::setrlimit(RLIMIT_CORE, &core) != 0) return Errno("RLIMIT_CORE");
@@ -319,6 +363,7 @@ absl::Status Apply(const Policy& p) {
 #endif
   if (auto s = SetLimit(RLIMIT_CPU, p.cpu_seconds, "RLIMIT_CPU"); !s.ok()) return s;
   if (auto s = SetLimit(RLIMIT_NOFILE, p.max_open_files, "RLIMIT_NOFILE"); !s.ok()) return s;
+  if (auto s = SetLimit(RLIMIT_FSIZE, p.file_size_bytes, "RLIMIT_FSIZE"); !s.ok()) return s;
   if (auto s = SetLimit(RLIMIT_NPROC, p.max_processes, "RLIMIT_NPROC"); !s.ok()) return s;
   ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
   if (::geteuid() == 0 && p.uid >= 0) {

@@ -36,10 +36,29 @@ struct Policy {
   uint64_t data_bytes = 0;           // RLIMIT_DATA (malloc and private memory, not shm)
   uint64_t cpu_seconds = 0;          // RLIMIT_CPU
   uint64_t max_open_files = 0;       // RLIMIT_NOFILE
+  uint64_t file_size_bytes = 0;      // RLIMIT_FSIZE (ignore SIGXFSZ to get EFBIG)
   // RLIMIT_NPROC: processes and threads of the uid the process switches to
   // (the kernel counts them per real uid, at each clone, and not for root),
   // so it caps everything that runs as that uid together.
   uint64_t max_processes = 0;
+  // Namespaces, first of all (root only; FAILED_PRECONDITION otherwise):
+  // new mount, IPC, network and UTS namespaces. No network interface but a
+  // loopback that is down, no System V IPC or message queue of anyone
+  // else's, mounts of its own. (A PID namespace is the spawner's part:
+  // subprocess::SpawnOptions::new_pid_namespace.)
+  bool private_namespaces = false;
+  // With private_namespaces and a non-empty existing scratch_dir: a tmpfs
+  // of at most scratch_bytes is mounted over it, owned by uid/gid, mode
+  // 0700, nosuid and nodev (e.g. over /tmp). Only this process sees it (it
+  // hides the host's directory; nothing reaches the host), a write past its
+  // size fails with ENOSPC, and it is gone with the process. Add it to read_write_paths to let the process use it.
+  std::string scratch_dir;
+  uint64_t scratch_bytes = 0;
+  // Memory that no rlimit counts: memfd_create, System V shared memory
+  // (shmget) and shared anonymous mappings (mmap MAP_SHARED|MAP_ANONYMOUS)
+  // fail with EPERM, so RLIMIT_DATA bounds what the process can hold, with
+  // the scratch tmpfs. (POSIX shm lives in /dev/shm, which Landlock shuts.)
+  bool refuse_shared_memory = false;
   // When running as root, switch to this uid/gid (and no supplementary
   // groups) before no_new_privs. -1: keep.
   int64_t uid = -1, gid = -1;
@@ -49,7 +68,7 @@ struct Policy {
 int LandlockAbi();
 
 // Applies `policy` to the calling process, irreversibly, in this order:
-// RLIMIT_CORE = 0 and the rlimits, not dumpable, uid/gid, no_new_privs,
+// namespaces and the scratch tmpfs, RLIMIT_CORE = 0 and the rlimits, not dumpable, uid/gid, no_new_privs,
 // Landlock, seccomp (synchronised to all threads). Landlock binds only the
 // calling thread and its future children, so call it while the process has
 // one thread: FAILED_PRECONDITION otherwise. Other errors: INTERNAL naming

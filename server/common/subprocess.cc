@@ -6,12 +6,14 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -92,6 +94,26 @@ SpawnThread& TheSpawnThread() {
   return *thread;
 }
 
+std::atomic<int> g_parent_link{-1};
+
+// Children started as process 1 of a PID namespace (their abort() exits
+// with kInitAbortExit; Wait reports SIGABRT).
+std::mutex g_init_mu;
+std::set<pid_t>* g_init_pids = nullptr;  // guarded by g_init_mu; never freed
+
+void NoteInit(pid_t pid) {
+  std::lock_guard<std::mutex> lock(g_init_mu);
+  if (g_init_pids == nullptr) g_init_pids = new std::set<pid_t>();
+  g_init_pids->insert(pid);
+}
+
+// `e` is how `pid` ended: an init's abort exit becomes death by SIGABRT.
+void Reaped(pid_t pid, int* wait_status) {
+  std::lock_guard<std::mutex> lock(g_init_mu);
+  if (g_init_pids == nullptr || g_init_pids->erase(pid) == 0) return;
+  if (WIFEXITED(*wait_status) && WEXITSTATUS(*wait_status) == kInitAbortExit) *wait_status = SIGABRT;
+}
+
 std::mutex g_tag_mu;
 std::string* g_tag = nullptr;  // guarded by g_tag_mu; never freed
 
@@ -125,7 +147,11 @@ pid_t ParentOf(const std::string& pid) {
 
 }  // namespace
 
-absl::StatusOr<pid_t> Spawn(const SpawnOptions& o) {
+namespace {
+
+// Spawn(), with the PID namespace decided by the caller; `*in_namespace`
+// (if given) says whether the child got one.
+absl::StatusOr<pid_t> SpawnImpl(const SpawnOptions& o, bool pid_namespace, bool* in_namespace) {
   if (o.path.empty()) return absl::InvalidArgumentError("spawn: no program");
   int max_child = 2;
   std::set<int> targets;
@@ -209,8 +235,23 @@ absl::StatusOr<pid_t> Spawn(const SpawnOptions& o) {
   envp.push_back(nullptr);
 
   pid_t pid = -1;
-  const int err = TheSpawnThread().Call(
-      [&] { return ::posix_spawn(&pid, o.path.c_str(), &fa, &attr, argv.data(), envp.data()); });
+  bool isolated = false;
+  const int err = TheSpawnThread().Call([&] {
+    // The spawn thread's children go to a new PID namespace (unshare
+    // changes only where this thread's next child goes), and back to ours
+    // once it is started. The thread has nothing else to do meanwhile.
+    static const int own_ns = ::open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
+    if (pid_namespace && own_ns >= 0 && ::unshare(CLONE_NEWPID) == 0) isolated = true;
+    const int r = ::posix_spawn(&pid, o.path.c_str(), &fa, &attr, argv.data(), envp.data());
+    if (isolated && ::setns(own_ns, CLONE_NEWPID) != 0) {
+      // Cannot happen (our own namespace is always allowed); if it did,
+      // every later child would share this one's namespace: stop here.
+      std::abort();
+    }
+    return r;
+  });
+  if (in_namespace != nullptr) *in_namespace = isolated && err == 0;
+  if (isolated && err == 0) NoteInit(pid);
   posix_spawn_file_actions_destroy(&fa);
   posix_spawnattr_destroy(&attr);
   close_sources();
@@ -218,6 +259,12 @@ absl::StatusOr<pid_t> Spawn(const SpawnOptions& o) {
     return absl::UnavailableError(absl::StrCat("cannot start the program: ", ErrnoText(err)));
   }
   return pid;
+}
+
+}  // namespace
+
+absl::StatusOr<pid_t> Spawn(const SpawnOptions& o) {
+  return SpawnImpl(o, o.new_pid_namespace && PidNamespaces(), nullptr);
 }
 
 std::vector<std::string> FromEnvironment(const std::vector<std::string>& names) {
@@ -264,7 +311,10 @@ absl::StatusOr<Exit> Wait(pid_t pid) {
   Exit e;
   for (;;) {
     const pid_t r = ::wait4(pid, &e.wait_status, 0, &e.usage);
-    if (r == pid) return e;
+    if (r == pid) {
+      Reaped(pid, &e.wait_status);
+      return e;
+    }
     if (r < 0 && errno == EINTR) continue;
     return absl::InternalError(absl::StrCat("wait for process ", pid, ": ", ErrnoText(errno)));
   }
@@ -282,6 +332,7 @@ absl::StatusOr<std::optional<Exit>> WaitFor(pid_t pid, absl::Duration timeout) {
     Exit e;
     const pid_t r = ::wait4(pid, &e.wait_status, WNOHANG, &e.usage);
     if (r == pid) {
+      Reaped(pid, &e.wait_status);
       result = std::optional<Exit>(e);
       break;
     }
@@ -328,7 +379,42 @@ bool DieWithParent(pid_t expected_parent) {
 }
 
 bool ParentIs(pid_t expected_parent) {
-  return expected_parent == 0 || ::getppid() == expected_parent;
+  if (expected_parent == 0) return true;
+  const pid_t parent = ::getppid();
+  if (parent == expected_parent) return true;
+  if (parent != 0) return false;
+  // Process 1 of a PID namespace: the parent is outside it, out of sight.
+  // Its link to us hangs up when it dies (with no link: trust PDEATHSIG).
+  const int link = g_parent_link.load(std::memory_order_relaxed);
+  if (link < 0) return true;
+  pollfd p{link, POLLRDHUP, 0};
+  return !(::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0);
+}
+
+void SetParentLink(int fd) { g_parent_link.store(fd, std::memory_order_relaxed); }
+
+void ActAsInit() {
+  if (::getpid() != 1) return;
+  struct sigaction sa {};
+  sa.sa_handler = [](int) { ::_exit(kInitAbortExit); };
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGABRT, &sa, nullptr);
+}
+
+bool PidNamespaces() {
+  static const bool works = [] {
+    if (::geteuid() != 0) return false;
+    // Try it: one short-lived child in a namespace of its own.
+    SpawnOptions probe;
+    probe.path = "/bin/true";
+    probe.new_pid_namespace = true;
+    probe.own_process_group = false;
+    bool ok = false;
+    absl::StatusOr<pid_t> pid = SpawnImpl(probe, /*pid_namespace=*/true, &ok);
+    if (pid.ok()) (void)Wait(*pid);
+    return pid.ok() && ok;
+  }();
+  return works;
 }
 
 void SetInstanceTag(const std::string& tag) {

@@ -26,6 +26,7 @@
 // Thread-safety: every function may be called from any thread.
 #pragma once
 
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/types.h>
 
@@ -69,7 +70,19 @@ struct SpawnOptions {
   // programs, which accept that flag. No-op while no tag is set.
   // Default: false.
   bool tag_instance = false;
+  // Start it as process 1 of a new PID namespace: it sees (and can signal)
+  // no process of the host, and everything it starts dies with it. Needs
+  // CAP_SYS_ADMIN (a root daemon): where PidNamespaces() is false the child
+  // starts in the daemon's PID namespace instead, and the caller says so
+  // (it logs a warning once; see PidNamespaces()). As process 1 a child
+  // cannot die of a signal it raises itself (abort()): it calls ActAsInit()
+  // at start, and Wait() and Reap() report its abort as SIGABRT.
+  bool new_pid_namespace = false;
 };
+
+// Whether Spawn(new_pid_namespace) can start children in PID namespaces of
+// their own (probed once: root, and a kernel that allows it).
+bool PidNamespaces();
 
 // Starts a child; returns its pid. The caller reaps it (Wait, Reap).
 // INVALID_ARGUMENT for a bad fd map or an empty path, UNAVAILABLE when the
@@ -136,6 +149,19 @@ bool DieWithParent(pid_t expected_parent);
 // In a helper's waiting loop: false once `expected_parent` (0: any) is no
 // longer the parent, i.e. the daemon died.
 bool ParentIs(pid_t expected_parent);
+
+// In a helper started with new_pid_namespace, first thing: when it is
+// process 1 of its namespace, an abort() (whose SIGABRT the kernel does not
+// deliver to a namespace's process 1) ends it with kInitAbortExit, which
+// Wait() and Reap() report as death by SIGABRT. No-op elsewhere.
+inline constexpr int kInitAbortExit = 128 + SIGABRT;
+void ActAsInit();
+
+// In a helper: `fd` is a connection to the parent (a socket the parent
+// holds until it reaps the helper). Process 1 of a PID namespace cannot see
+// its parent (getppid() is 0), so DieWithParent() and ParentIs() look at
+// this link instead: a hung-up link means the parent is gone.
+void SetParentLink(int fd);
 
 // --- instances and leftovers ------------------------------------------------
 

@@ -11,7 +11,8 @@
 // Only then does it say hello, and only then does user code arrive.
 //
 // Flags: --parent-pid P --arena-bytes N --memory-bytes N --uid U --gid G
-//        --spin-us N --scratch-dir D --namespace NS [--allow-library L]...
+//        --spin-us N --scratch-dir D --scratch-bytes N --isolate 0/1
+//        --namespace NS [--allow-library L]...
 //        [--read-only PATH]... [--channel-bytes N] [--instance TAG]
 //        [--max-threads N] [--max-processes N]
 //
@@ -135,6 +136,8 @@ struct Flags {
   uint64_t arena_bytes = 0, memory_bytes = 0;
   int64_t uid = -1, gid = -1, spin_us = 50;
   std::string scratch_dir = "/tmp", ns;
+  uint64_t scratch_bytes = 0;
+  bool isolate = false;
   std::vector<std::string> libraries, read_only;
   uint64_t channel_bytes = 0;  // > 0: serve a fast channel
   int64_t max_threads = 0;     // threads a call may leave behind (0: unchecked)
@@ -793,6 +796,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (a == "--gid") f->gid = std::atoll(v.c_str());
     else if (a == "--spin-us") f->spin_us = std::atoll(v.c_str());
     else if (a == "--scratch-dir") f->scratch_dir = v;
+    else if (a == "--scratch-bytes") f->scratch_bytes = std::strtoull(v.c_str(), nullptr, 10);
+    else if (a == "--isolate") f->isolate = v == "1";
     else if (a == "--namespace") f->ns = v;
     else if (a == "--allow-library") f->libraries.push_back(v);
     else if (a == "--read-only") f->read_only.push_back(v);
@@ -815,8 +820,14 @@ int Main(int argc, char** argv) {
   // Nothing of the daemon's but the channel, the arena and (fast channels)
   // the client's channel memory.
   ::syscall(SYS_close_range, flags.channel_bytes > 0 ? 6u : 5u, ~0u, 0u);
+  // Process 1 of its own PID namespace (--isolate): an abort() is reported
+  // as one, and the daemon's socket says whether the daemon lives.
+  subprocess::ActAsInit();
+  subprocess::SetParentLink(kSock);
   if (!subprocess::DieWithParent(static_cast<pid_t>(flags.parent_pid))) return 3;
   ::signal(SIGPIPE, SIG_IGN);
+  // A write past the scratch limit fails with EFBIG instead of killing.
+  ::signal(SIGXFSZ, SIG_IGN);
   if (::chdir("/") != 0) return 2;
   // Its own thread count, readable after Landlock shuts /proc (fstat of an
   // fd opened before needs no path).
@@ -856,6 +867,14 @@ int Main(int argc, char** argv) {
   if (!flags.scratch_dir.empty() && ::access(flags.scratch_dir.c_str(), F_OK) == 0) {
     policy.read_write_paths = {flags.scratch_dir};
   }
+  // Namespaces of its own (with its PID namespace, which the daemon gave
+  // it): its scratch is a private tmpfs of --scratch-bytes. Without them,
+  // each file it writes is capped instead.
+  policy.private_namespaces = flags.isolate;
+  policy.scratch_dir = flags.scratch_dir;
+  policy.scratch_bytes = flags.scratch_bytes;
+  if (!flags.isolate) policy.file_size_bytes = flags.scratch_bytes;
+  policy.refuse_shared_memory = true;
   policy.device_paths = {"/dev/null", "/dev/zero", "/dev/urandom"};
   // GPU workers need the driver's device nodes (nothing else of /dev).
   for (const char* dev : {"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia0",

@@ -88,8 +88,11 @@ struct Worker {
   // with other kernels may be a neighbour's doing (fair quarantine).
   uint64_t first_instance = 0;
   bool shared = false;
+  // Its scratch directory on the host ("" for none).
+  std::string scratch;
 
   ~Worker() {
+    RemoveScratch();
     if (map != nullptr) ::munmap(map, map_bytes);
     if (sock >= 0) ::close(sock);
     if (arena_fd >= 0) ::close(arena_fd);
@@ -117,6 +120,16 @@ struct Worker {
       if (death.empty()) death = e->Describe();
     }
     pid = -1;
+    RemoveScratch();
+  }
+
+  // Its scratch directory, with whatever it left there (nothing, with
+  // namespaces: its tmpfs went with it).
+  void RemoveScratch() {
+    if (scratch.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(scratch, ec);
+    scratch.clear();
   }
 };
 
@@ -172,6 +185,7 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   }
   std::map<std::string, int> crash_streak;             // by quarantine key; guarded by mu
   std::atomic<uint64_t> next_instance_id{1};
+  std::atomic<uint64_t> scratch_serial{0};  // names workers' scratch directories
   std::atomic<uint64_t> started{0}, crashes{0}, timeouts{0}, quarantined{0}, live{0};
 
   Pool* PoolFor(const std::string& ns) {
@@ -302,9 +316,17 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   // The only directory a worker may write (aot GPU objects are written
   // there to be loaded): one per namespace, so no kernel can plant a file
   // another namespace's executor would load.
+  // Its scratch space. With namespaces: a private tmpfs over its own /tmp
+  // (mounted by the worker in its mount namespace; nothing on the host).
+  // Without: a host directory of its own under its namespace's, removed
+  // when it is reaped.
   std::string scratch;
-  if (!options.host.scratch_dir.empty()) {
-    scratch = options.host.scratch_dir + "/" + Sha256Hex(ns).substr(0, 16);
+  const bool isolated = options.private_namespaces && subprocess::PidNamespaces();
+  if (isolated) {
+    scratch = "/tmp";
+  } else if (!options.host.scratch_dir.empty()) {
+    scratch = absl::StrCat(options.host.scratch_dir, "/", Sha256Hex(ns).substr(0, 16), "/e",
+                           scratch_serial.fetch_add(1));
     std::error_code ec;
     std::filesystem::create_directories(scratch, ec);
     // Only the executors' user may use it.
@@ -327,6 +349,8 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
       "--max-processes", std::to_string(options.uid_first != 0 ? options.threads_per_namespace : 0),
       "--spin-us", std::to_string(channel != nullptr ? channel_spin_us : options.spin_us),
       "--scratch-dir", scratch,
+      "--scratch-bytes", std::to_string(options.scratch_bytes),
+      "--isolate", isolated ? "1" : "0",
       "--namespace", ns,
   };
   if (channel != nullptr) {
@@ -344,6 +368,8 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   // A clean environment: nothing of the daemon's reaches a kernel, but for
   // the operator's choice of CUDA driver library (readable in the sandbox).
   std::vector<std::string> env = {"PATH=/usr/bin:/bin"};
+  // Its scratch space, where tmpfile() and mkstemp() look.
+  if (!scratch.empty()) env.push_back("TMPDIR=" + scratch);
   if (const char* driver = std::getenv("OPJIT_CUDA_DRIVER"); driver != nullptr && *driver) {
     env.push_back(absl::StrCat("OPJIT_CUDA_DRIVER=", driver));
     args.push_back("--read-only");
@@ -363,8 +389,10 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   spawn.fds = {{2, 2}, {3, child_sock}, {4, w->arena_fd}};
   if (channel != nullptr) spawn.fds.push_back({5, channel->fd()});
   spawn.tag_instance = true;
+  spawn.new_pid_namespace = isolated;
   absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(child_sock);
+  if (!isolated) w->scratch = scratch;
   if (!pid.ok()) {
     return absl::UnavailableError(
         absl::StrCat("cannot start an executor process: ", pid.status().message()));
@@ -1037,6 +1065,14 @@ class ChannelImpl : public Channel {
   // a kernel that crashes channel executors is quarantined like one that
   // crashes pool workers.
   std::map<uint64_t, std::string> quarantine_keys_;
+  // The quarantine keys of every kernel bound in this executor since it
+  // started (thread only): its Init, and then its calls, ran there. Kept by
+  // the daemon as it answers kWantHandle, never read from the executor's
+  // count table (a kernel can write that). A crash counts against the
+  // running kernel only when it is the one key here: a fast channel's call
+  // cannot be run again in a fresh executor, and another kernel may have
+  // corrupted this one (a heap overflow that returned OK).
+  std::set<std::string> ran_keys_;
   // The client's regions the executor mapped (thread only): after a SIGBUS,
   // one that shrank under its mapping makes the crash the client's.
   std::map<uint64_t, std::shared_ptr<const tensor::Region>> mapped_;
@@ -1063,14 +1099,6 @@ bool ChannelImpl::ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq,
 
 void ChannelImpl::PostReply(uint32_t i, const absl::Status& status) {
   char* slot = SlotBase(i);
-  // The quarantine keys of every kernel bound in this executor since it
-  // started (thread only): its Init, and then its calls, ran there. Kept by
-  // the daemon as it answers kWantHandle, never read from the executor's
-  // count table (a kernel can write that). A crash counts against the
-  // running kernel only when it is the one key here: a fast channel's call
-  // cannot be run again in a fresh executor, and another kernel may have
-  // corrupted this one (a heap overflow that returned OK).
-  std::set<std::string> ran_keys_;
   const int32_t code = static_cast<int32_t>(status.code());
   const auto why = GetReason(status);
   char reason[fast::kReasonBytes] = {};
@@ -1118,6 +1146,7 @@ absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_poin
   ops_[handle] = b->op;
   if (absl::Status q = runner_->QuarantineCheck(qkey, b->spec.label); !q.ok()) return q;
   quarantine_keys_[handle] = qkey;
+  ran_keys_.insert(qkey);
   uint64_t& iid = instance_ids_[handle];
   if (iid == 0) iid = runner_->next_instance_id.fetch_add(1);
   wire::Writer bind;
@@ -1144,7 +1173,6 @@ absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_poin
   }
   return absl::DataLossError("the executor process kept asking for the instance");
 }
-  ran_keys_.insert(qkey);
 
 absl::StatusOr<absl::Status> ChannelImpl::AddRegion(uint64_t id, Clock::time_point deadline) {
   auto region = spec_.resolve_region(id);
@@ -1210,6 +1238,7 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
     if (state != fast::kRunning && static_cast<int>(i) != running_slot) continue;
     const bool named =
         tensor::GuardedCopy(&handle, SlotBase(i) + offsetof(fast::Slot, handle), 8).ok();
+    absl::Status reply = answer;
     if (!timeout && !client_fault && named) {
       if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
         if (ran_keys_.size() == 1 && ran_keys_.count(k->second) == 1) {
@@ -1256,7 +1285,6 @@ absl::Status ChannelImpl::GrantCredit(uint64_t handle) {
     w.U64(*granted);
   } else {
     w.U64(0);
-    absl::Status reply = answer;
     w.I32(static_cast<int32_t>(granted.status().code()));
     const auto why = GetReason(granted.status());
     w.Str(why ? why->reason : "");
@@ -1430,6 +1458,15 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
   auto impl = std::make_shared<Impl>();
   impl->options = options;
   ::signal(SIGPIPE, SIG_IGN);
+  // What the executors of a killed predecessor left in their scratch
+  // directories (the state dir is this daemon's alone now).
+  if (!options.host.scratch_dir.empty()) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(options.host.scratch_dir, ec)) {
+      std::error_code rec;
+      std::filesystem::remove_all(entry.path(), rec);
+    }
+  }
   return std::unique_ptr<ProcessRunner>(new ProcessRunner(std::move(impl)));
 }
 

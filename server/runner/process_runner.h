@@ -48,7 +48,10 @@ struct ProcessRunnerOptions {
   // A kernel call (or Init, or InferShape) running longer is killed.
   // Default: 60 s.
   int64_t kernel_timeout_ms = 60000;
-  // A worker's private memory (RLIMIT_DATA: malloc, not shm mappings).
+  // A worker's memory (RLIMIT_DATA). Memory it could hold outside that
+  // limit (memfd, System V shm, shared anonymous mappings) is refused, so
+  // this, with scratch_bytes, bounds it; a namespace holds at most
+  // workers_per_namespace (plus its fast channels) times that.
   // Default: 4 GiB.
   uint64_t memory_bytes = 4ull << 30;
   // Started as root, workers switch to this uid/gid. -1: keep. Ignored
@@ -71,6 +74,16 @@ struct ProcessRunnerOptions {
   // RLIMIT_NPROC, which counts per uid, so it is set only with uid_first.
   // Default: 1024.
   int threads_per_namespace = 1024;
+  // Each worker in namespaces of its own (subprocess::PidNamespaces(): a
+  // root daemon): PID, mount, IPC, network and UTS. It sees no other
+  // process, has no network, and its scratch directory is a tmpfs of
+  // scratch_bytes that only it sees and that goes with it. Without (a
+  // non-root daemon), its scratch directory is a host directory of its own,
+  // each file at most scratch_bytes (RLIMIT_FSIZE), removed when it is
+  // reaped. Default: true.
+  bool private_namespaces = true;
+  // A worker's scratch space. Default: 64 MiB.
+  uint64_t scratch_bytes = 64ull << 20;
   // Busy-wait (yielding) of a worker for its next call before it sleeps.
   // Spinning makes the hop ~3 us instead of a ~20 us wake-up, but on a host
   // with few cores the spinner takes CPU the gRPC threads need (measured on

@@ -1,0 +1,235 @@
+"""Tenants cannot reach each other or the daemon (issue 27): namespaces,
+scratch and memory that no limit counts.
+
+Against a root daemon (the default), every executor runs in PID, mount,
+IPC, network and UTS namespaces of its own: the test compares the
+executors' /proc/<pid>/ns links with the daemon's and with each other's,
+and a kernel sees itself as process 1 with no parent it can name. Its
+scratch space ($TMPDIR) is a private tmpfs of [exec] scratch_mb: a kernel
+that writes until it cannot stops at the cap, the host directory stays
+empty, another namespace cannot open alice's files, and nothing is left
+once the executor is gone. Memory that RLIMIT_DATA does not count
+(memfd_create, System V shm, shared anonymous mappings) is refused. Against
+a non-root daemon, where namespaces need root, the daemon says so in its
+log, and the scratch cap holds per file and the directory goes with the
+executor.
+"""
+
+import errno
+import os
+import random
+import shutil
+import stat
+import tempfile
+
+import numpy as np
+import pytest
+
+import opjit
+
+from conftest import TempDaemon, health, opjitd_binary, unary_spec, wait_for
+from test_tenant_walls import NOBODY, NobodyDaemon, executors
+
+SCRATCH_MB = 8
+NAMESPACES = ["pid", "mnt", "ipc", "net", "uts"]
+
+# y[0]: getpid(), y[1]: getppid(), y[2]: bytes written to $TMPDIR before a
+# write failed, y[3]: that errno, y[4]: memfd_create errno (0: it worked),
+# y[5]: mmap(MAP_SHARED|MAP_ANONYMOUS) errno, y[6]: shmget errno, y[7]:
+# socket(AF_INET) errno, y[8]: bytes a private mapping could hold (64 MiB
+# touched, to show private memory still works), y[16..]: $TMPDIR as bytes.
+PROBE = r"""#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <sys/ipc.h>
+#include <sys/mman.h>
+#include <sys/shm.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  for (int i = 0; i < 256; ++i) y[i] = 0;
+  const char* tmp = getenv("TMPDIR");
+  if (tmp != nullptr) {  // a marker, named by x[0], for the neighbour to look for
+    char mark[4096];
+    snprintf(mark, sizeof mark, "%s/opjit-mark-%d", tmp, static_cast<int>(x[0]));
+    const int fd = open(mark, O_WRONLY | O_CREAT, 0600);
+    if (fd >= 0) close(fd);
+  }
+  y[0] = getpid();
+  y[1] = getppid();
+  const char* dir = getenv("TMPDIR");
+  double written = 0;
+  int err = 0;
+  if (dir != nullptr) {
+    static char chunk[1 << 20];
+    memset(chunk, 7, sizeof chunk);
+    for (int f = 0; f < 2 && err == 0; ++f) {
+      char path[4096];
+      snprintf(path, sizeof path, "%s/f%d", dir, f);
+      const int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (fd < 0) { err = errno; break; }
+      for (int i = 0; i < 12; ++i) {
+        const ssize_t w = write(fd, chunk, sizeof chunk);
+        if (w < 0) { err = errno; break; }
+        written += w;
+        if (w < (ssize_t)sizeof chunk) { err = ENOSPC; break; }
+      }
+      close(fd);
+    }
+    for (int i = 0; dir[i] != 0 && i < 200; ++i) y[16 + i] = dir[i];
+  }
+  y[2] = written;
+  y[3] = err;
+  const long m = syscall(SYS_memfd_create, "big", 0);
+  y[4] = m < 0 ? errno : 0;
+  void* shared = mmap(nullptr, 1 << 30, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  y[5] = shared == MAP_FAILED ? errno : 0;
+  const int shm = shmget(IPC_PRIVATE, 1 << 20, IPC_CREAT | 0600);
+  y[6] = shm < 0 ? errno : 0;
+  const int sock = socket(AF_INET, SOCK_STREAM, 0);
+  y[7] = sock < 0 ? errno : 0;
+  char* priv = static_cast<char*>(malloc(64 << 20));
+  if (priv != nullptr) { memset(priv, 1, 64 << 20); y[8] = 64 << 20; free(priv); }
+  return 0;
+}
+"""
+
+# x: a path as bytes (0-terminated). y[0]: open() errno (0: it opened).
+PEEK = r"""#include <cerrno>
+#include <cstdint>
+#include <fcntl.h>
+#include <unistd.h>
+
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  char path[256] = {0};
+  for (int i = 0; i < 250 && x[i] != 0; ++i) path[i] = static_cast<char>(x[i]);
+  const int fd = open(path, O_RDONLY);
+  y[0] = fd < 0 ? errno : 0;
+  if (fd >= 0) close(fd);
+  return 0;
+}
+"""
+
+CONFIG = "[exec]\nscratch_mb = %d\nworker_idle_ms = 1000\n" % SCRATCH_MB
+
+
+def ns_links(pid):
+    return {n: os.readlink("/proc/%d/ns/%s" % (pid, n)) for n in NAMESPACES}
+
+
+def text_of(values):
+    return "".join(chr(int(v)) for v in values if v > 0)
+
+
+class NobodyScratchDaemon(NobodyDaemon):
+    """NobodyDaemon with CONFIG."""
+
+    def __init__(self):
+        self.wrapper_dir = tempfile.mkdtemp(prefix="opjit-tn-bin-")
+        wrapper = os.path.join(self.wrapper_dir, "opjitd-as-nobody")
+        with open(wrapper, "w") as f:
+            f.write("#!/bin/sh\nexec setpriv --reuid=%d --regid=%d --clear-groups %s \"$@\"\n" %
+                    (NOBODY.pw_uid, NOBODY.pw_gid, opjitd_binary()))
+        os.chmod(wrapper, stat.S_IRWXU)
+        d = tempfile.mkdtemp(prefix="opjit-tn-")
+        os.chmod(d, 0o755)
+        os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
+        self.spawn('socket_mode = "0666"\n' + CONFIG, binary=wrapper, dir=d, serving=True)
+
+
+@pytest.fixture(params=["root", "nobody"], ids=["root_daemon", "non_root_daemon"])
+def daemon(request):
+    if os.geteuid() != 0:
+        pytest.skip("the root case needs root, and the non-root one starts opjitd as nobody")
+    if request.param == "root":
+        d = TempDaemon()
+        d.spawn(CONFIG, prefix="opjit-tn-", serving=True)
+    else:
+        if shutil.which("setpriv") is None:
+            pytest.skip("setpriv (util-linux) is missing")
+        d = NobodyScratchDaemon()
+    d.kind = request.param
+    yield d
+    d.close()
+
+
+def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
+    rooted = daemon.kind == "root"
+    c = opjit.Client(daemon.unix_address, timeout=120)
+    c.register(unary_spec("probe", PROBE, namespace="alice"))
+    c.register(unary_spec("probe", PROBE, namespace="bob"))
+    c.register(unary_spec("peek", PEEK, namespace="bob"))
+    marks = random.sample(range(1, 1 << 24), 2)
+    x = np.zeros(256, dtype=np.float32)
+    x[0] = marks[0]
+    a = c.op("alice/probe")(x)
+    x[0] = marks[1]
+    b = c.op("bob/probe")(x)
+
+    # Namespaces: process 1 with no visible parent, links apart from the
+    # daemon's and from each other's (root); the host's otherwise, and the
+    # daemon says so.
+    procs = executors(daemon.proc.pid)
+    assert len(procs) >= 2, procs
+    links = {pid: ns_links(pid) for pid in procs}
+    own = ns_links(daemon.proc.pid)
+    if rooted:
+        assert (a[0], a[1]) == (1, 0) and (b[0], b[1]) == (1, 0), (a[:2], b[:2])
+        for pid, l in links.items():
+            for n in NAMESPACES:
+                assert l[n] != own[n], "executor %d shares the daemon's %s namespace" % (pid, n)
+        for n in NAMESPACES:
+            seen = [l[n] for l in links.values()]
+            assert len(set(seen)) == len(seen), "executors share a %s namespace" % n
+    else:
+        assert a[0] > 1 and a[0] != b[0]
+        assert all(l == own for l in links.values())
+        assert "cannot create namespaces" in daemon.read_log()
+
+    # Scratch: capped (ENOSPC on a full tmpfs; EFBIG per file otherwise).
+    cap = SCRATCH_MB << 20
+    for y in (a, b):
+        assert 0 < y[2] <= cap, (y[2], y[3], text_of(y[16:]))
+        assert y[3] in ((errno.ENOSPC,) if rooted else (errno.EFBIG, 0)), y[3]
+    if rooted:
+        assert a[2] >= cap - (1 << 20), a[2]  # the whole tmpfs was usable
+    alice_dir, bob_dir = text_of(a[16:]), text_of(b[16:])
+    alice_mark = "%s/opjit-mark-%d" % (alice_dir, marks[0])
+    if rooted:
+        # Each its own tmpfs over its /tmp; nothing of it on the host.
+        assert alice_dir == bob_dir == "/tmp", (alice_dir, bob_dir)
+        assert not os.path.exists(alice_mark)
+    else:
+        # A host directory of each executor's own.
+        assert alice_dir != bob_dir and os.path.exists(alice_mark)
+    # Bob cannot open alice's marker, either way.
+    peek_in = np.zeros(256, dtype=np.float32)
+    peek_in[:len(alice_mark)] = [ord(ch) for ch in alice_mark]
+    peek = c.op("bob/peek")(peek_in)
+    assert peek[0] in (errno.EACCES, errno.ENOENT), peek[0]
+
+    # Memory no limit counts: refused; private memory still works.
+    for y in (a, b):
+        assert y[4] == errno.EPERM, "memfd_create: %s" % y[4]
+        assert y[5] == errno.EPERM, "mmap(MAP_SHARED|MAP_ANONYMOUS): %s" % y[5]
+        assert y[6] == errno.EPERM, "shmget: %s" % y[6]
+        assert y[7] == errno.EPERM, "socket: %s" % y[7]
+        assert y[8] == 64 << 20
+
+    # Gone with the executor: the client's channels close with it, idle pool
+    # executors stop after worker_idle_ms, and their scratch with them.
+    c.close()
+    wait_for(lambda: not executors(daemon.proc.pid), 60, "the idle executors to stop")
+    if not rooted:
+        wait_for(lambda: not os.path.exists(alice_dir) and not os.path.exists(bob_dir), 30,
+                 "the scratch directories to go")
+    assert health(daemon.unix_address) == "SERVING"
