@@ -139,13 +139,19 @@ def test_each_namespace_runs_as_a_uid_of_its_own(root_daemon):
             ids.setdefault(ns, set()).add(uid)
     assert len(ids["alice"]) == 1 and len(ids["bob"]) == 1, ids
     assert ids["alice"] != ids["bob"], ids
-    # The namespace's scratch directory is its uid's alone.
+    # Each executor's scratch is its own /tmp: a tmpfs of its uid's, mode
+    # 0700, in its own mount namespace; nothing of it on the host.
     for ns in ("alice", "bob"):
-        scratch = os.path.join(d.state, "cache", "gpu-load",
-                               hashlib.sha256(ns.encode()).hexdigest()[:16])
-        st = os.stat(scratch)
-        assert st.st_uid == next(iter(ids[ns])) and st.st_gid == st.st_uid
-        assert st.st_mode & 0o777 == 0o700, oct(st.st_mode)
+        for pid in executors_of(d.proc.pid, ns):
+            with open("/proc/%d/mountinfo" % pid) as f:
+                tmp = [line for line in f if line.split()[4] == "/tmp"]
+            assert tmp, "no /tmp mount in %s's executor" % ns
+            fields = tmp[-1].split(" - ")[1].split()
+            assert fields[0] == "tmpfs", tmp[-1]
+            uid = next(iter(ids[ns]))
+            assert "uid=%d" % uid in fields[2] and "mode=700" in fields[2], tmp[-1]
+        assert not os.path.exists(os.path.join(d.state, "cache", "gpu-load",
+                                               hashlib.sha256(ns.encode()).hexdigest()[:16]))
 
     # Bob's kernel can neither signal nor limit alice's executor.
     alice_pid = next(iter(executors_of(d.proc.pid, "alice")))
