@@ -938,6 +938,11 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
             ++k;
           }
         }
+        // Nothing of this call stays in the arena for a later call's kernel
+        // (another principal's, in the namespace's executor) to find: its
+        // inline bytes are cleared once the outputs are out.
+        static const bool scrub = std::getenv(kNoZeroFillEnv) == nullptr;  // bench only
+        if (scrub && cursor != 0) std::memset(w.data, 0, cursor);
         // The arena keeps its pages while calls come (faulting fresh pages
         // in costs more than copying into warm ones); Maintain() gives big
         // ones back once the worker idles.

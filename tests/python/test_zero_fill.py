@@ -18,8 +18,11 @@ the executor's arena, A by alice then B by bob), in a region at a fixed
 offset over gRPC (a pool executor), and over the fast channel; and with the
 kernels run in the daemon ([exec] isolation = "in-daemon"). Each reuse is
 checked to hit the very bytes A wrote, so a test that stopped reaching them
-fails rather than passes. The daemon started with the benchmark's switch
-OPJIT_BENCH_NO_ZERO_FILL=1 shows the reproduction: there B returns 1234.5.
+fails rather than passes. And the executor's arena keeps nothing of a call
+once it is answered: a kernel that reads past its own inline tensors finds
+zeros, not the input bob sent before. The daemon started with the
+benchmark's switch OPJIT_BENCH_NO_ZERO_FILL=1 shows the reproduction: there
+B returns 1234.5 and the over-reading kernel finds bob's 7777.
 """
 
 import gc
@@ -64,10 +67,26 @@ extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st
 """
 
 
+# A buggy kernel that reads past its own tensors: 16 floats in, and it
+# copies the 4 KiB that follow its 4 KiB output into that output. Inline, its
+# tensors sit at the start of its executor's arena, so it reads bytes no call
+# of its own put there.
+PEEK = r"""#include <cstdint>
+#include <cstring>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  char* y = static_cast<char*>(p[1]);
+  std::memcpy(y, y + 4096, 4096);
+  return 0;
+}
+"""
+
+
 def specs():
+    peek = unary_spec("z27_peek", PEEK, namespace=NS)
+    peek["output_rules"] = [{"kind": "explicit", "shape": [N], "dtype": "float32"}]
     return [unary_spec("z27_fill", unary_kernel("* 0.0f + 1234.5f"), namespace=NS),
             unary_spec("z27_none", NONE, namespace=NS),
-            unary_spec("z27_ws", WORKSPACE, namespace=NS)]
+            unary_spec("z27_ws", WORKSPACE, namespace=NS), peek]
 
 
 class Lab(TempDaemon):
@@ -213,6 +232,23 @@ def test_fast_channel_outputs_and_workspaces_start_zeroed(lab):
         assert counts.get("fast", 0) >= 5, counts
 
 
+def arena_after(lab):
+    """bob's inline call (2048 floats of 7777 in, 1234.5 out), then alice's
+    z27_peek inline: what it found past its own tensors."""
+    with lab.client("bob") as b, lab.client("alice") as a:
+        assert np.all(np.asarray(b.op("z27_fill")(np.full(2 * N, 7777, np.float32))) == 1234.5)
+        return np.array(a.op("z27_peek")(np.zeros(16, np.float32)))
+
+
+def test_the_arena_keeps_nothing_of_an_earlier_call(lab):
+    if lab.isolation != "process":
+        pytest.skip("in-daemon, inline tensors are the request's own buffers (no arena)")
+    y = arena_after(lab)
+    assert y.shape == (N,)
+    assert np.count_nonzero(y) == 0, "%d of %d values of bob's call: %s" % (
+        np.count_nonzero(y), N, y[:4])
+
+
 def test_without_zero_fill_the_reproduction_carries_bytes_over():
     """The benchmark's switch leaves outputs as they are: the reproduction
     of "Why" then returns A's bytes, which is what the tests above catch."""
@@ -221,5 +257,6 @@ def test_without_zero_fill_the_reproduction_carries_bytes_over():
         assert np.all(inline_reuse(d) == 1234.5)
         _, y = shm_reuse(d)
         assert np.all(y == 1234.5)
+        assert np.count_nonzero(arena_after(d) == 7777) > 0
     finally:
         d.close()
