@@ -3,8 +3,8 @@ scratch and memory that no limit counts.
 
 Against a root daemon (the default), every executor runs in PID, mount,
 IPC, network and UTS namespaces of its own: the test compares the
-executors' /proc/<pid>/ns links with the daemon's and with each other's,
-and a kernel sees itself as process 1 with no parent it can name. Its
+executors' /proc/<pid>/ns links with the daemon's and with each other's
+(and the compile workers' with the daemon's), and a kernel sees itself as process 1 with no parent it can name. Its
 scratch space ($TMPDIR) is a private tmpfs of [exec] scratch_mb: a kernel
 that writes until it cannot stops at the cap, the host directory stays
 empty, another namespace cannot open alice's files, and nothing is left
@@ -28,7 +28,7 @@ import pytest
 import opjit
 
 from conftest import TempDaemon, health, opjitd_binary, unary_spec, wait_for
-from test_tenant_walls import NOBODY, NobodyDaemon, executors
+from test_tenant_walls import NOBODY, NobodyDaemon, _descendants, executors
 
 SCRATCH_MB = 8
 NAMESPACES = ["pid", "mnt", "ipc", "net", "uts"]
@@ -164,6 +164,15 @@ def daemon(request):
 
 def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
     rooted = daemon.kind == "root"
+    own = ns_links(daemon.proc.pid)
+    # The compile worker the daemon starts ahead of the first compile:
+    # namespaces of its own too (root).
+    compilers = wait_for(lambda: [pid for pid, comm in _descendants(daemon.proc.pid).items()
+                                  if comm.startswith("opjit-compile")], 30, "a compile worker")
+    for pid in compilers:
+        l = ns_links(pid)
+        for n in NAMESPACES:
+            assert (l[n] != own[n]) == rooted, "compile worker %d, %s namespace" % (pid, n)
     c = opjit.Client(daemon.unix_address, timeout=120)
     c.register(unary_spec("probe", PROBE, namespace="alice"))
     c.register(unary_spec("probe", PROBE, namespace="bob"))
@@ -181,7 +190,6 @@ def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
     procs = executors(daemon.proc.pid)
     assert len(procs) >= 2, procs
     links = {pid: ns_links(pid) for pid in procs}
-    own = ns_links(daemon.proc.pid)
     if rooted:
         assert (a[0], a[1]) == (1, 0) and (b[0], b[1]) == (1, 0), (a[:2], b[:2])
         for pid, l in links.items():

@@ -102,6 +102,7 @@ int Main(int argc, char** argv) {
   unsigned long long memory_limit = 0;
   std::string clang_path = OPJIT_CLANG_PATH;
   std::vector<std::string> read_only;
+  bool isolate = false;  // namespaces of its own (a root daemon)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -122,6 +123,9 @@ int Main(int argc, char** argv) {
     } else if (a == "--read-only" && v) {
       read_only.push_back(v);
       ++i;
+    } else if (a == "--isolate" && v) {
+      isolate = std::string(v) == "1";
+      ++i;
     } else {
       std::fprintf(stderr, "opjit-compile-worker: unknown argument %s\n", a.c_str());
       return 2;
@@ -132,6 +136,10 @@ int Main(int argc, char** argv) {
     return 2;
   }
   ::fcntl(g_fd, F_SETFD, FD_CLOEXEC);
+  // Process 1 of its own PID namespace (--isolate): a clang abort is
+  // reported as one, and the daemon's socket says whether the daemon lives.
+  subprocess::ActAsInit();
+  subprocess::SetParentLink(g_fd);
   // Die with the daemon. The parent check closes the race with its exit.
   if (!subprocess::DieWithParent(static_cast<pid_t>(parent_pid))) return 3;
   ::signal(SIGPIPE, SIG_IGN);
@@ -160,6 +168,10 @@ int Main(int argc, char** argv) {
   policy.read_only_paths.insert(policy.read_only_paths.end(), read_only.begin(), read_only.end());
   policy.device_paths = {"/dev/null"};
   policy.address_space_bytes = memory_limit;
+  // No network, no IPC and mounts of its own; memory only where
+  // RLIMIT_AS counts it.
+  policy.private_namespaces = isolate;
+  policy.refuse_shared_memory = true;
   // A PCH is written to the descriptor the daemon passes: never more than
   // the memory it was built in. EFBIG rather than SIGXFSZ past that.
   {
