@@ -127,6 +127,10 @@ struct DaemonConfig {
   // exec.scratch_mb: an executor's scratch space (a private tmpfs on a root
   // daemon; a cap per file otherwise), MiB.
   int64_t scratch_mb = 64;
+  // exec.namespaces: executors and compile workers in PID, mount, IPC,
+  // network and UTS namespaces of their own (needs root; without, or when
+  // false, a warning says what is weaker).
+  bool exec_namespaces = true;
   int64_t worker_spin_us = 0;            // an executor's busy-wait for its next call (0: sleep at once; see README)
   int64_t wait_spin_us = 50;             // the daemon's busy-wait for a call's result before it sleeps
   int quarantine_after = 3;              // crashes in a row that quarantine a kernel

@@ -144,7 +144,14 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
         "seccomp still confine every executor; start opjitd as root for a uid per namespace",
         ::geteuid());
   }
-  if (!subprocess::PidNamespaces()) {
+  if (!cfg.exec_namespaces) {
+    subprocess::AllowNamespaces(false);
+    Logger("runner")->warn(
+        "WARNING: exec.namespaces = false: executors share the host's PID, IPC and network "
+        "namespaces, and an executor's scratch is a host directory (each file at most "
+        "exec.scratch_mb) instead of a private tmpfs. seccomp still refuses every call aimed at "
+        "another process");
+  } else if (!subprocess::PidNamespaces()) {
     Logger("runner")->warn(
         "WARNING: opjitd cannot create namespaces (it is not root, or the kernel refuses): "
         "executors and compile workers share the host's PID, IPC and network namespaces, and an "

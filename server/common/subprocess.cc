@@ -95,6 +95,7 @@ SpawnThread& TheSpawnThread() {
 }
 
 std::atomic<int> g_parent_link{-1};
+std::atomic<bool> g_namespaces_allowed{true};
 
 // Children started as process 1 of a PID namespace (their abort() exits
 // with kInitAbortExit; Wait reports SIGABRT).
@@ -401,7 +402,10 @@ void ActAsInit() {
   ::sigaction(SIGABRT, &sa, nullptr);
 }
 
+void AllowNamespaces(bool allowed) { g_namespaces_allowed.store(allowed); }
+
 bool PidNamespaces() {
+  if (!g_namespaces_allowed.load()) return false;
   static const bool works = [] {
     if (::geteuid() != 0) return false;
     // Try it: one short-lived child in a namespace of its own.

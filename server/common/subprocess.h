@@ -81,8 +81,11 @@ struct SpawnOptions {
 };
 
 // Whether Spawn(new_pid_namespace) can start children in PID namespaces of
-// their own (probed once: root, and a kernel that allows it).
+// their own (probed once: root, and a kernel that allows it), and the
+// operator has not turned them off (AllowNamespaces(false)).
 bool PidNamespaces();
+// The operator's choice (exec.namespaces); call it at startup. Default: true.
+void AllowNamespaces(bool allowed);
 
 // Starts a child; returns its pid. The caller reaps it (Wait, Reap).
 // INVALID_ARGUMENT for a bad fd map or an empty path, UNAVAILABLE when the

@@ -108,15 +108,19 @@ TEST(ConfigTest, ExecutorUidRangeAndThreadCaps) {
   EXPECT_GT(d->uid_first, 600100000u);  // past Debian's SUB_UID_MAX and systemd's containers
   EXPECT_EQ(d->threads_per_executor, 256);
   EXPECT_EQ(d->threads_per_namespace, 1024);
+  EXPECT_EQ(d->scratch_mb, 64);
+  EXPECT_TRUE(d->exec_namespaces);
   const std::string toml = TomlFile(
       "[exec]\nuid_range = \"200000-200009\"\nthreads_per_executor = 64\n"
-      "threads_per_namespace = 300\n");
+      "threads_per_namespace = 300\nscratch_mb = 8\nnamespaces = false\n");
   auto cfg = Load({"--config", toml});
   ASSERT_TRUE(cfg.ok()) << cfg.status();
   EXPECT_EQ(cfg->uid_first, 200000u);
   EXPECT_EQ(cfg->uid_last, 200009u);
   EXPECT_EQ(cfg->threads_per_executor, 64);
   EXPECT_EQ(cfg->threads_per_namespace, 300);
+  EXPECT_EQ(cfg->scratch_mb, 8);
+  EXPECT_FALSE(cfg->exec_namespaces);
   const std::string off = TomlFile("[exec]\nuid_range = \"\"\n");
   auto none = Load({"--config", off});
   ASSERT_TRUE(none.ok()) << none.status();
