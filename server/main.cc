@@ -151,12 +151,19 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
         "namespaces, and an executor's scratch is a host directory (each file at most "
         "exec.scratch_mb) instead of a private tmpfs. seccomp still refuses every call aimed at "
         "another process");
+  } else if (!subprocess::PrivateNamespaces()) {
+    Logger("runner")->warn(
+        "WARNING: opjitd cannot create namespaces (it is not root and this kernel refuses "
+        "unprivileged user namespaces): executors and compile workers share the host's PID, IPC "
+        "and network namespaces, and an executor's scratch is a host directory (each file at "
+        "most exec.scratch_mb) instead of a private tmpfs. seccomp still refuses every call "
+        "aimed at another process");
   } else if (!subprocess::PidNamespaces()) {
     Logger("runner")->warn(
-        "WARNING: opjitd cannot create namespaces (it is not root, or the kernel refuses): "
-        "executors and compile workers share the host's PID, IPC and network namespaces, and an "
-        "executor's scratch is a host directory (each file at most exec.scratch_mb) instead of "
-        "a private tmpfs. seccomp still refuses every call aimed at another process");
+        "WARNING: opjitd is not root: executors and compile workers get network, IPC, mount and "
+        "UTS namespaces of their own (through a user namespace) and a private tmpfs scratch, "
+        "but share the host's PID namespace (a PID namespace needs root). seccomp still refuses "
+        "every call aimed at another process");
   }
   return o;
 }

@@ -311,28 +311,68 @@ absl::Status SetLimit(int resource, uint64_t value, const char* name) {
   return absl::OkStatus();
 }
 
-absl::Status EnterPrivateNamespaces(const Policy& p) {
-  if (::geteuid() != 0) {
-    return absl::FailedPreconditionError("sandbox: private namespaces need root");
+// Writes `text` to the /proc file `path` (uid_map and friends).
+absl::Status WriteProcFile(const char* path, const std::string& text) {
+  const int fd = ::open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return Errno(path);
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  const int err = errno;
+  ::close(fd);
+  if (!ok) {
+    errno = err;
+    return Errno(path);
   }
-  if (::unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS) != 0) {
-    return Errno("unshare");
+  return absl::OkStatus();
+}
+
+absl::Status EnterPrivateNamespaces(const Policy& p) {
+  const int common = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS;
+  const bool root = ::geteuid() == 0;
+  const uid_t uid = ::geteuid();
+  const gid_t gid = ::getegid();
+  if (root) {
+    if (::unshare(common) != 0) return Errno("unshare");
+  } else {
+    // Not root: a user namespace of its own first (unprivileged), in which
+    // it keeps its own uid and gid (mapped to themselves) and holds the
+    // capabilities that the other namespaces and the mount need; they are
+    // all dropped below, once the mounts are done.
+    if (::unshare(CLONE_NEWUSER | common) != 0) return Errno("unshare");
+    if (auto s = WriteProcFile("/proc/self/setgroups", "deny"); !s.ok()) return s;
+    if (auto s = WriteProcFile("/proc/self/uid_map", absl::StrCat(uid, " ", uid, " 1")); !s.ok()) {
+      return s;
+    }
+    if (auto s = WriteProcFile("/proc/self/gid_map", absl::StrCat(gid, " ", gid, " 1")); !s.ok()) {
+      return s;
+    }
   }
   // Nothing mounted here reaches the host, and nothing the host mounts
   // later reaches here.
   if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
     return Errno("mount propagation");
   }
-  if (p.scratch_dir.empty() || p.scratch_bytes == 0 || ::access(p.scratch_dir.c_str(), F_OK) != 0) {
-    return absl::OkStatus();
+  if (!p.scratch_dir.empty() && p.scratch_bytes != 0 && ::access(p.scratch_dir.c_str(), F_OK) == 0) {
+    const int64_t owner = root && p.uid >= 0 ? p.uid : uid;
+    const int64_t group = root && p.uid >= 0 ? (p.gid >= 0 ? p.gid : p.uid) : gid;
+    const std::string data = absl::StrCat("size=", p.scratch_bytes,
+                                          ",nr_inodes=4096,mode=0700,uid=", owner, ",gid=", group);
+    if (::mount("opjit-scratch", p.scratch_dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
+                data.c_str()) != 0) {
+      return Errno("scratch tmpfs");
+    }
   }
-  const int64_t uid = p.uid >= 0 ? p.uid : 0;
-  const int64_t gid = p.gid >= 0 ? p.gid : uid;
-  const std::string data = absl::StrCat("size=", p.scratch_bytes, ",nr_inodes=4096,mode=0700,uid=",
-                                        uid, ",gid=", gid);
-  if (::mount("opjit-scratch", p.scratch_dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
-              data.c_str()) != 0) {
-    return Errno("scratch tmpfs");
+  if (!root) {
+    // The user namespace's capabilities: none left, none to regain.
+    for (int cap = 0; cap <= 63; ++cap) ::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
+    ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    struct {
+      uint32_t version;
+      int pid;
+    } header{0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
+    struct {
+      uint32_t effective, permitted, inheritable;
+    } data[2] = {};
+    if (::syscall(SYS_capset, &header, data) != 0) return Errno("capset");
   }
   return absl::OkStatus();
 }

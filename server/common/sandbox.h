@@ -41,8 +41,11 @@ struct Policy {
   // (the kernel counts them per real uid, at each clone, and not for root),
   // so it caps everything that runs as that uid together.
   uint64_t max_processes = 0;
-  // Namespaces, first of all (root only; FAILED_PRECONDITION otherwise):
-  // new mount, IPC, network and UTS namespaces. No network interface but a
+  // Namespaces, first of all: new mount, IPC, network and UTS namespaces.
+  // Not root: inside a new user namespace (unprivileged; the process keeps
+  // its uid and gid, mapped to themselves, and every capability the user
+  // namespace gave it is dropped once the mounts are done).
+  // subprocess::PrivateNamespaces() says whether this works here. No network interface but a
   // loopback that is down, no System V IPC or message queue of anyone
   // else's, mounts of its own. (A PID namespace is the spawner's part:
   // subprocess::SpawnOptions::new_pid_namespace.)

@@ -402,6 +402,20 @@ void ActAsInit() {
   ::sigaction(SIGABRT, &sa, nullptr);
 }
 
+bool PrivateNamespaces() {
+  if (!g_namespaces_allowed.load()) return false;
+  static const bool works = [] {
+    int flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS;
+    if (::geteuid() != 0) flags |= CLONE_NEWUSER;
+    const pid_t pid = ::fork();  // the child makes one system call and exits
+    if (pid == 0) ::_exit(::unshare(flags) == 0 ? 0 : 1);
+    if (pid < 0) return false;
+    absl::StatusOr<Exit> e = Wait(pid);
+    return e.ok() && e->exited() && e->code() == 0;
+  }();
+  return works;
+}
+
 void AllowNamespaces(bool allowed) { g_namespaces_allowed.store(allowed); }
 
 bool PidNamespaces() {

@@ -84,6 +84,11 @@ struct SpawnOptions {
 // their own (probed once: root, and a kernel that allows it), and the
 // operator has not turned them off (AllowNamespaces(false)).
 bool PidNamespaces();
+// Whether a helper can enter mount, IPC, network and UTS namespaces of its
+// own (sandbox::Policy::private_namespaces): as root, or through an
+// unprivileged user namespace (probed once, in a short-lived child), and
+// the operator has not turned them off.
+bool PrivateNamespaces();
 // The operator's choice (exec.namespaces); call it at startup. Default: true.
 void AllowNamespaces(bool allowed);
 

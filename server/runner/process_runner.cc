@@ -319,9 +319,11 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   // Its scratch space. With namespaces: a private tmpfs over its own /tmp
   // (mounted by the worker in its mount namespace; nothing on the host).
   // Without: a host directory of its own under its namespace's, removed
-  // when it is reaped.
+  // when it is reaped. A PID namespace needs root; the others need root or
+  // unprivileged user namespaces.
   std::string scratch;
-  const bool isolated = options.private_namespaces && subprocess::PidNamespaces();
+  const bool isolated = options.private_namespaces && subprocess::PrivateNamespaces();
+  const bool own_pids = isolated && subprocess::PidNamespaces();
   if (isolated) {
     scratch = "/tmp";
   } else if (!options.host.scratch_dir.empty()) {
@@ -389,7 +391,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   spawn.fds = {{2, 2}, {3, child_sock}, {4, w->arena_fd}};
   if (channel != nullptr) spawn.fds.push_back({5, channel->fd()});
   spawn.tag_instance = true;
-  spawn.new_pid_namespace = isolated;
+  spawn.new_pid_namespace = own_pids;
   absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(child_sock);
   if (!isolated) w->scratch = scratch;

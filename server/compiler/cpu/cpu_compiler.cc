@@ -368,7 +368,7 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   // Namespaces of its own where the daemon can make them (root): it sees
   // no other process, has no network, and its mounts are its own.
   spawn.new_pid_namespace = subprocess::PidNamespaces();
-  if (spawn.new_pid_namespace) spawn.args.insert(spawn.args.end(), {"--isolate", "1"});
+  if (subprocess::PrivateNamespaces()) spawn.args.insert(spawn.args.end(), {"--isolate", "1"});
   absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(sv[1]);
   if (!pid.ok()) {
