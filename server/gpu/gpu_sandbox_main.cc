@@ -48,13 +48,14 @@ int Fail(const std::string& what) {
 
 int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
              uint64_t memory, uint64_t cpu_seconds, const std::string& archs,
-             const std::vector<std::string>& includes) {
+             const std::vector<std::string>& includes, bool isolate) {
   // Dies with the daemon (PDEATHSIG: the daemon starts every child from one
   // long-lived thread, so a spare does not die with the thread that asked
   // for it); a dead daemon also closes stdin (an empty request: exit), and
   // RLIMIT_CPU bounds a compile nobody waits for. NVRTC loads and the
   // sandbox closes before the request is read, so the daemon can start one
   // ahead of time and only the compile is on the caller's clock.
+  subprocess::ActAsInit();  // process 1 of its own PID namespace (root daemon)
   if (!subprocess::DieWithParent(parent)) return 3;
   NvrtcOptions o;
   o.cuda_root = cuda_root;
@@ -73,6 +74,10 @@ int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
     p.device_paths = {"/dev/null"};
     p.address_space_bytes = memory;
     p.cpu_seconds = cpu_seconds;
+    // No network, no IPC and mounts of its own (--isolate); memory only
+    // where RLIMIT_AS counts it.
+    p.private_namespaces = isolate;
+    p.refuse_shared_memory = true;
     if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
     if (!subprocess::DieWithParent(parent)) return 3;  // (again, after the sandbox)
     std::string request((std::istreambuf_iterator<char>(std::cin)),
@@ -92,7 +97,7 @@ int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
 }
 
 int Main(int argc, char** argv) {
-  bool nvrtc = false, exec = false;
+  bool nvrtc = false, exec = false, isolate = false;
   std::string cuda_root = "/usr/local/cuda", lib, archs, rw;
   uint64_t memory = 0, cpu_seconds = 0;
   pid_t parent = 0;
@@ -130,11 +135,13 @@ int Main(int argc, char** argv) {
       ro.push_back(argv[++i]);
     } else if (a == "--rw") {
       rw = argv[++i];
+    } else if (a == "--isolate") {
+      isolate = std::string(argv[++i]) == "1";
     } else {
       return Fail("unknown argument " + a);
     }
   }
-  if (nvrtc) return RunNvrtc(parent, cuda_root, lib, memory, cpu_seconds, archs, includes);
+  if (nvrtc) return RunNvrtc(parent, cuda_root, lib, memory, cpu_seconds, archs, includes, isolate);
   if (!exec || i >= argc || rw.empty()) return Fail("usage: see the comment in gpu_sandbox_main.cc");
   sandbox::Policy p;
   p.read_only_paths = kSystem;

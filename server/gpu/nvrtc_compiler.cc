@@ -432,6 +432,10 @@ absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
   spawn.env = subprocess::HelperEnvironment();
   spawn.fds = {{0, in_pipe[0]}, {1, out_pipe[1]}};
   spawn.tag_instance = true;
+  // Namespaces of its own where the daemon can make them, like the CPU
+  // compile workers'.
+  spawn.new_pid_namespace = subprocess::PidNamespaces();
+  if (subprocess::PrivateNamespaces()) spawn.args.insert(spawn.args.end(), {"--isolate", "1"});
   absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(in_pipe[0]);
   ::close(out_pipe[1]);
