@@ -50,6 +50,9 @@ run inline "$PY" bench/inline_bench.py "$OUT/inline.json" --build "$BUILD" --md 
 run auth "$BUILD/bin/auth_bench" "$OUT/auth.json" >"$OUT/auth.md"
 # What zero-filling outputs costs, against a daemon that leaves them as found.
 run zero "$BUILD/bin/zero_bench" "$OUT/zero.json" >"$OUT/zero.md"
+# What the executors' namespaces cost (executor start, tiny calls), against a
+# daemon without them (needs root; otherwise it says so and measures nothing).
+run isolation "$BUILD/bin/isolation_bench" "$OUT/isolation.json" >"$OUT/isolation.md"
 
 "$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
 # Its own table, after the report's sections.
@@ -61,5 +64,9 @@ fi
 if [ -s "$OUT/zero.md" ]; then
   printf '\n## Zero-filled outputs (shm, 1 MiB and 256 MiB)\n\n' >>bench/results.md
   cat "$OUT/zero.md" >>bench/results.md
+fi
+if [ -s "$OUT/isolation.md" ]; then
+  printf '\n## Executor namespaces (executor start and tiny calls)\n\n' >>bench/results.md
+  cat "$OUT/isolation.md" >>bench/results.md
 fi
 cat bench/results.md
