@@ -317,7 +317,7 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
               {"threads", "queue", "inline_max_bytes", "isolation", "workers", "worker_idle_ms",
                "kernel_timeout_ms", "worker_memory_mb", "worker_user", "worker_spin_us",
                "wait_spin_us", "quarantine_after", "uid_range", "threads_per_executor",
-               "threads_per_namespace", "scratch_mb", "namespaces"});
+               "threads_per_namespace", "scratch_mb", "namespaces", "namespace_memory_mb"});
     ReadInt(ck, *c, "threads", "exec.", &cfg->exec_threads, 1, 1024);
     ReadInt(ck, *c, "queue", "exec.", &cfg->exec_queue);
     ReadInt(ck, *c, "inline_max_bytes", "exec.", &cfg->inline_max_bytes);
@@ -333,6 +333,7 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
     ReadInt(ck, *c, "threads_per_namespace", "exec.", &cfg->threads_per_namespace, 8, 1 << 22);
     ReadInt(ck, *c, "scratch_mb", "exec.", &cfg->scratch_mb, 1, 1 << 20);
     ReadBool(ck, *c, "namespaces", "exec.", &cfg->exec_namespaces);
+    ReadInt(ck, *c, "namespace_memory_mb", "exec.", &cfg->namespace_memory_mb, 0, 1 << 30);
     ReadInt(ck, *c, "worker_spin_us", "exec.", &cfg->worker_spin_us, 0, 1000000);
     ReadInt(ck, *c, "wait_spin_us", "exec.", &cfg->wait_spin_us, 0, 1000000);
     ReadInt(ck, *c, "quarantine_after", "exec.", &cfg->quarantine_after);
@@ -736,6 +737,7 @@ std::map<std::string, std::string> SettingsOf(const DaemonConfig& c) {
       {"exec.threads_per_namespace", n(c.threads_per_namespace)},
       {"exec.scratch_mb", n(c.scratch_mb)},
       {"exec.namespaces", b(c.exec_namespaces)},
+      {"exec.namespace_memory_mb", n(c.namespace_memory_mb)},
       {"exec.worker_spin_us", n(c.worker_spin_us)},
       {"exec.wait_spin_us", n(c.wait_spin_us)},
       {"exec.quarantine_after", n(c.quarantine_after)},

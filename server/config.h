@@ -131,6 +131,9 @@ struct DaemonConfig {
   // network and UTS namespaces of their own (needs root; without, or when
   // false, a warning says what is weaker).
   bool exec_namespaces = true;
+  // exec.namespace_memory_mb: the memory of all of a namespace's executors
+  // together, through a cgroup where one is writable (0: none), MiB.
+  int64_t namespace_memory_mb = 16384;
   int64_t worker_spin_us = 0;            // an executor's busy-wait for its next call (0: sleep at once; see README)
   int64_t wait_spin_us = 50;             // the daemon's busy-wait for a call's result before it sleeps
   int quarantine_after = 3;              // crashes in a row that quarantine a kernel

@@ -116,6 +116,7 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
   o.threads_per_executor = static_cast<int>(cfg.threads_per_executor);
   o.threads_per_namespace = static_cast<int>(cfg.threads_per_namespace);
   o.scratch_bytes = static_cast<uint64_t>(cfg.scratch_mb) << 20;
+  o.namespace_memory_bytes = static_cast<uint64_t>(cfg.namespace_memory_mb) << 20;
   // Started as root, each namespace's executors run as a uid of their own
   // (exec.uid_range); without a range, all as exec.worker_user.
   if (::geteuid() == 0 && cfg.uid_first != 0) {

@@ -33,6 +33,7 @@
 #include "server/common/subprocess.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/runner/fast_channel.h"
+#include "server/runner/memory_cgroups.h"
 #include "server/runner/worker_protocol.h"
 #include "server/tensor/guarded_copy.h"
 #include "server/tensor/region.h"
@@ -184,6 +185,9 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
     return std::pair<int64_t, int64_t>{it->second, it->second};
   }
   std::map<std::string, int> crash_streak;             // by quarantine key; guarded by mu
+  // Each namespace's memory cap over all of its executors; null: none.
+  std::unique_ptr<MemoryCgroups> cgroups;
+  std::map<std::string, uint64_t> oom_kills_seen;      // by namespace; guarded by mu
   std::atomic<uint64_t> next_instance_id{1};
   std::atomic<uint64_t> scratch_serial{0};  // names workers' scratch directories
   std::atomic<uint64_t> started{0}, crashes{0}, timeouts{0}, quarantined{0}, live{0};
@@ -402,6 +406,18 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   w->pid = *pid;
   started.fetch_add(1);
   live.fetch_add(1);
+  // Under its namespace's memory cap before any user code runs (that comes
+  // after the hello).
+  if (cgroups != nullptr) {
+    if (absl::Status placed = cgroups->Place(ns, w->pid); !placed.ok()) {
+      w->Reap(/*kill=*/true);
+      live.fetch_sub(1);
+      Logger("runner")->error("executor process for namespace {}: {}", ns, placed.ToString());
+      return absl::UnavailableError(
+          "an executor process could not be put under its namespace's memory cap; the server "
+          "log says why");
+    }
+  }
   w->task_fd = ::open(absl::StrCat("/proc/", w->pid, "/task").c_str(),
                       O_PATH | O_DIRECTORY | O_CLOEXEC);
   // The hello says the sandbox is in place.
@@ -611,6 +627,27 @@ absl::Status ProcessRunner::Impl::DeathStatus(Worker& w, const absl::Status& s,
     // Not opjitd's SIGKILL. Near its memory limit it was the OOM killer
     // reacting to this kernel; otherwise someone else sent it (an operator,
     // or the OOM killer on a machine short of memory).
+    if (cgroups != nullptr) {
+      // The namespace's cap: its cgroup counted an OOM kill since the last
+      // death looked at.
+      const uint64_t kills = cgroups->OomKills(ns);
+      bool cap = false;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        uint64_t& seen = oom_kills_seen[ns];
+        cap = kills > seen;
+        seen = kills;
+      }
+      if (cap) {
+        return WithReason(
+            absl::ResourceExhaustedError(absl::StrCat(
+                "the kernel's executor process was killed (SIGKILL) when namespace \"", ns,
+                "\"'s executors together reached their memory cap of ", cgroups->bytes() >> 20,
+                " MiB ([exec] namespace_memory_mb; this one held ", w.peak_rss_bytes >> 20,
+                " MiB at its peak)")),
+            reason::kKernelCrashed, {{"cause", "namespace_memory"}});
+      }
+    }
     const uint64_t limit = options.memory_bytes;
     if (limit != 0 && w.peak_rss_bytes >= limit / 2) {
       return WithReason(absl::ResourceExhaustedError(absl::StrCat(
@@ -1465,6 +1502,21 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
   auto impl = std::make_shared<Impl>();
   impl->options = options;
   ::signal(SIGPIPE, SIG_IGN);
+  impl->cgroups = MemoryCgroups::Open(subprocess::InstanceTag().empty()
+                                          ? std::to_string(::getpid())
+                                          : subprocess::InstanceTag(),
+                                      options.namespace_memory_bytes);
+  if (impl->cgroups != nullptr) {
+    Logger("runner")->info("each namespace's executors share a memory cap of {} MiB ({} under {})",
+                           options.namespace_memory_bytes >> 20, impl->cgroups->mode(),
+                           impl->cgroups->dir());
+  } else if (options.namespace_memory_bytes != 0) {
+    Logger("runner")->warn(
+        "WARNING: no writable cgroup with a memory controller (cgroup v2 needs a delegated "
+        "cgroup, e.g. Delegate=yes in the unit; v1 needs root): [exec] namespace_memory_mb is "
+        "not enforced, and a namespace's executors are bounded one by one (worker_memory_mb, "
+        "scratch_mb)");
+  }
   // What the executors of a killed predecessor left in their scratch
   // directories (the state dir is this daemon's alone now).
   if (!options.host.scratch_dir.empty()) {

@@ -82,6 +82,11 @@ struct ProcessRunnerOptions {
   // each file at most scratch_bytes (RLIMIT_FSIZE), removed when it is
   // reaped. Default: true.
   bool private_namespaces = true;
+  // The memory of all of a namespace's workers together (heap, scratch
+  // tmpfs, page cache), through a cgroup (memory_cgroups.h) where one is
+  // writable; past it the kernel's OOM killer ends one of them. 0: none.
+  // Default: 16 GiB.
+  uint64_t namespace_memory_bytes = 16ull << 30;
   // A worker's scratch space. Default: 64 MiB.
   uint64_t scratch_bytes = 64ull << 20;
   // Busy-wait (yielding) of a worker for its next call before it sleeps.

@@ -15,18 +15,20 @@ System V shm, shared anonymous mappings) and sockets are refused.
 """
 
 import errno
+import hashlib
 import os
 import random
 import shutil
 import stat
 import tempfile
 
+import grpc
 import numpy as np
 import pytest
 
 import opjit
 
-from conftest import TempDaemon, health, opjitd_binary, unary_spec, wait_for
+from conftest import TempDaemon, health, opjitd_binary, unary_kernel, unary_spec, wait_for
 from test_tenant_walls import NOBODY, NobodyDaemon, _descendants, executors
 
 SCRATCH_MB = 8
@@ -239,3 +241,85 @@ def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
     c.close()
     wait_for(lambda: not executors(daemon.proc.pid), 60, "the idle executors to stop")
     assert health(daemon.unix_address) == "SERVING"
+
+
+# x[0]: MiB to allocate, touch and keep (until the executor ends).
+HOG = r"""#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  const size_t bytes = static_cast<size_t>(x[0]) << 20;
+  char* keep = static_cast<char*>(malloc(bytes));
+  if (keep == nullptr) return 1;
+  memset(keep, 1, bytes);
+  y[0] = keep[bytes - 1];
+  return 0;
+}
+"""
+
+CAP_MB = 512
+
+
+def memory_cgroup_of(pid):
+    """The directory of `pid`'s memory cgroup (cgroup v1's memory hierarchy,
+    else v2)."""
+    with open("/proc/%d/cgroup" % pid) as f:
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    v1 = [path for _, ctl, path in lines if "memory" in ctl.split(",")]
+    if v1:
+        return "/sys/fs/cgroup/memory" + v1[0]
+    return "/sys/fs/cgroup" + [path for _, ctl, path in lines if ctl == ""][0]
+
+
+def test_a_namespaces_executors_share_one_memory_cap():
+    if os.geteuid() != 0:
+        pytest.skip("the memory cap needs a writable cgroup (root, or a delegated cgroup v2)")
+    d = TempDaemon()
+    d.spawn("[exec]\nnamespace_memory_mb = %d\nworker_memory_mb = 4096\n" % CAP_MB,
+            prefix="opjit-tn-", serving=True)
+    try:
+        if "share a memory cap" not in d.read_log():
+            pytest.skip("no writable cgroup with a memory controller here (the daemon says: %s)" %
+                        [l for l in d.read_log().splitlines() if "namespace_memory_mb" in l])
+        c = opjit.Client(d.unix_address, timeout=120)
+        c.register(unary_spec("hog", HOG, namespace="bob"))
+        c.register(unary_spec("twice", unary_kernel(), namespace="alice"))
+        x = np.zeros(4, dtype=np.float32)
+        x[0] = 64
+        c.op("bob/hog")(x)  # held: 64 MiB of bob's cap
+        np.testing.assert_array_equal(c.op("alice/twice")(x), 2 * x)
+        # Each namespace's executors sit in a cgroup of its own with the cap.
+        groups = {}
+        for pid in executors(d.proc.pid):
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                ns = f.read().split(b"\0--namespace\0")[1].split(b"\0")[0].decode()
+            groups.setdefault(ns, set()).add(memory_cgroup_of(pid))
+        assert set(groups) == {"alice", "bob"}, groups
+        assert len(groups["alice"]) == 1 and groups["alice"] != groups["bob"], groups
+        for ns, dirs in groups.items():
+            path = next(iter(dirs))
+            assert path.endswith("ns-" + hashlib.sha256(ns.encode()).hexdigest()[:16]), path
+            limit = [f for f in ("memory.max", "memory.limit_in_bytes")
+                     if os.path.exists(os.path.join(path, f))][0]
+            with open(os.path.join(path, limit)) as f:
+                assert int(f.read()) == CAP_MB << 20
+        # Past the cap (far below worker_memory_mb): the namespace's cap
+        # ends it, and says so.
+        x[0] = 2 * CAP_MB
+        with pytest.raises(opjit.OpjitError) as e:
+            c.op("bob/hog")(x)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert e.value.reason == "KERNEL_CRASHED", e.value.reason
+        assert e.value.metadata.get("cause") == "namespace_memory" or "memory cap" in e.value.message, \
+            e.value.message
+        # Alice is untouched, and bob's next modest call works.
+        x[0] = 16
+        np.testing.assert_array_equal(c.op("alice/twice")(x), 2 * x)
+        c.op("bob/hog")(x)
+        assert health(d.unix_address) == "SERVING"
+        c.close()
+    finally:
+        d.close()

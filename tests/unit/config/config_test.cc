@@ -110,9 +110,10 @@ TEST(ConfigTest, ExecutorUidRangeAndThreadCaps) {
   EXPECT_EQ(d->threads_per_namespace, 1024);
   EXPECT_EQ(d->scratch_mb, 64);
   EXPECT_TRUE(d->exec_namespaces);
+  EXPECT_EQ(d->namespace_memory_mb, 16384);
   const std::string toml = TomlFile(
       "[exec]\nuid_range = \"200000-200009\"\nthreads_per_executor = 64\n"
-      "threads_per_namespace = 300\nscratch_mb = 8\nnamespaces = false\n");
+      "threads_per_namespace = 300\nscratch_mb = 8\nnamespaces = false\nnamespace_memory_mb = 0\n");
   auto cfg = Load({"--config", toml});
   ASSERT_TRUE(cfg.ok()) << cfg.status();
   EXPECT_EQ(cfg->uid_first, 200000u);
@@ -121,6 +122,7 @@ TEST(ConfigTest, ExecutorUidRangeAndThreadCaps) {
   EXPECT_EQ(cfg->threads_per_namespace, 300);
   EXPECT_EQ(cfg->scratch_mb, 8);
   EXPECT_FALSE(cfg->exec_namespaces);
+  EXPECT_EQ(cfg->namespace_memory_mb, 0);
   const std::string off = TomlFile("[exec]\nuid_range = \"\"\n");
   auto none = Load({"--config", off});
   ASSERT_TRUE(none.ok()) << none.status();
