@@ -116,6 +116,38 @@ TEST(SubprocessTest, ChildGetsExactlyTheMappedDescriptors) {
   ::unlink(b_path);
 }
 
+// A child in a PID namespace of its own is its process 1, sees no parent,
+// and an abort() as process 1 (kInitAbortExit, see ActAsInit) is reported
+// as death by SIGABRT; the same exit code elsewhere stays an exit code.
+TEST(SubprocessTest, NewPidNamespaceChildIsProcessOne) {
+  if (!PidNamespaces()) GTEST_SKIP() << "PID namespaces need root";
+  int out[2];
+  ASSERT_EQ(::pipe2(out, O_CLOEXEC), 0);
+  SpawnOptions o;
+  o.path = "/bin/sh";
+  o.args = {"-c", "echo $$ $PPID; exit 134"};
+  o.fds = {{1, out[1]}};
+  o.new_pid_namespace = true;
+  absl::StatusOr<pid_t> pid = Spawn(o);
+  ::close(out[1]);
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  char buf[64] = {};
+  ssize_t n;
+  while ((n = ::read(out[0], buf, sizeof(buf) - 1)) < 0 && errno == EINTR) {
+  }
+  ::close(out[0]);
+  EXPECT_EQ(std::string(buf, n > 0 ? static_cast<size_t>(n) : 0), "1 0\n");
+  absl::StatusOr<Exit> e = Wait(*pid);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->signal(), SIGABRT) << e->Describe();
+  EXPECT_EQ(e->Describe(), "was killed by SIGABRT (signal 6)");
+
+  Exit plain;
+  RunSh("exit 134", {}, {}, true, &plain);
+  EXPECT_TRUE(plain.exited());
+  EXPECT_EQ(plain.code(), kInitAbortExit);
+}
+
 TEST(SubprocessTest, BadDescriptorMapsAreRefused) {
   SpawnOptions o;
   o.path = "/bin/true";
