@@ -189,6 +189,10 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   std::unique_ptr<MemoryCgroups> cgroups;
   std::map<std::string, uint64_t> oom_kills_seen;      // by namespace; guarded by mu
   std::atomic<uint64_t> next_instance_id{1};
+  // Where workers without namespaces get their scratch directories: this
+  // runner's own directory under options.host.scratch_dir (never anything
+  // else there: that may be a shared directory such as /tmp).
+  std::string scratch_root;
   std::atomic<uint64_t> scratch_serial{0};  // names workers' scratch directories
   std::atomic<uint64_t> started{0}, crashes{0}, timeouts{0}, quarantined{0}, live{0};
 
@@ -331,7 +335,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   if (isolated) {
     scratch = "/tmp";
   } else if (!options.host.scratch_dir.empty()) {
-    scratch = absl::StrCat(options.host.scratch_dir, "/", Sha256Hex(ns).substr(0, 16), "/e",
+    scratch = absl::StrCat(scratch_root, "/", Sha256Hex(ns).substr(0, 16), "/e",
                            scratch_serial.fetch_add(1));
     std::error_code ec;
     std::filesystem::create_directories(scratch, ec);
@@ -1524,14 +1528,16 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
         "not enforced, and a namespace's executors are bounded one by one (worker_memory_mb, "
         "scratch_mb)");
   }
-  // What the executors of a killed predecessor left in their scratch
-  // directories (the state dir is this daemon's alone now).
+  // The scratch directories of workers without namespaces live in a
+  // directory named by this daemon's instance (its state dir), so a restart
+  // removes what a killed predecessor's executors left there, and nothing
+  // else of options.host.scratch_dir.
   if (!options.host.scratch_dir.empty()) {
+    const std::string tag = subprocess::InstanceTag();
+    impl->scratch_root = absl::StrCat(options.host.scratch_dir, "/opjit-exec-",
+                                      tag.empty() ? absl::StrCat("p", ::getpid()) : tag);
     std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator(options.host.scratch_dir, ec)) {
-      std::error_code rec;
-      std::filesystem::remove_all(entry.path(), rec);
-    }
+    std::filesystem::remove_all(impl->scratch_root, ec);
   }
   return std::unique_ptr<ProcessRunner>(new ProcessRunner(std::move(impl)));
 }
@@ -1542,6 +1548,15 @@ ProcessRunner::~ProcessRunner() {
     std::lock_guard<std::mutex> plock(pool->mu);
     for (auto& w : pool->idle) w->Reap(/*kill=*/true);
     pool->idle.clear();
+  }
+  // The scratch root, where empty (a worker still running keeps its own).
+  if (!impl_->scratch_root.empty()) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(impl_->scratch_root, ec)) {
+      std::error_code rec;
+      std::filesystem::remove(entry.path(), rec);
+    }
+    std::filesystem::remove(impl_->scratch_root, ec);
   }
 }
 
