@@ -874,14 +874,22 @@ int Main(int argc, char** argv) {
   policy.scratch_dir = flags.scratch_dir;
   policy.scratch_bytes = flags.scratch_bytes;
   if (!flags.isolate) policy.file_size_bytes = flags.scratch_bytes;
-  policy.refuse_shared_memory = true;
   policy.device_paths = {"/dev/null", "/dev/zero", "/dev/urandom"};
   // GPU workers need the driver's device nodes (nothing else of /dev).
+  bool gpu = false;
   for (const char* dev : {"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia0",
                           "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia3", "/dev/nvidia4",
                           "/dev/nvidia5", "/dev/nvidia6", "/dev/nvidia7"}) {
-    if (::access(dev, F_OK) == 0) policy.device_paths.push_back(dev);
+    if (::access(dev, F_OK) == 0) {
+      policy.device_paths.push_back(dev);
+      gpu = true;
+    }
   }
+  // Memory no rlimit counts (memfd, System V shm, shared anonymous maps):
+  // refused where there is no GPU. The CUDA driver's own use of such
+  // mappings has not been ruled out on a device, so a GPU host keeps them;
+  // there the namespace's memory cgroup, which counts them, is the bound.
+  policy.refuse_shared_memory = !gpu;
   for (const char* ro : {"/proc/driver/nvidia", "/sys/devices/system/cpu"}) {
     if (::access(ro, F_OK) == 0) policy.read_only_paths.push_back(ro);
   }
