@@ -52,7 +52,7 @@ struct Policy {
   bool private_namespaces = false;
   // With private_namespaces and a non-empty existing scratch_dir: a tmpfs
   // of at most scratch_bytes is mounted over it, owned by uid/gid, mode
-  // 0700, nosuid and nodev (e.g. over /tmp). Only this process sees it (it
+  // 0700, nosuid and nodev (e.g. over /dev/shm). Only this process sees it (it
   // hides the host's directory; nothing reaches the host), a write past its
   // size fails with ENOSPC, and it is gone with the process. Add it to read_write_paths to let the process use it.
   std::string scratch_dir;

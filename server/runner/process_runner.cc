@@ -324,8 +324,10 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   // The only directory a worker may write (aot GPU objects are written
   // there to be loaded): one per namespace, so no kernel can plant a file
   // another namespace's executor would load.
-  // Its scratch space. With namespaces: a private tmpfs over its own /tmp
-  // (mounted by the worker in its mount namespace; nothing on the host).
+  // Its scratch space. With namespaces: a private tmpfs over its own
+  // /dev/shm (mounted by the worker in its mount namespace; nothing on the
+  // host). Not /tmp: that would hide what the executor reads there (a
+  // driver or an allowed library under /tmp); /dev/shm it never reads.
   // Without: a host directory of its own under its namespace's, removed
   // when it is reaped. A PID namespace needs root; the others need root or
   // unprivileged user namespaces.
@@ -333,7 +335,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   const bool isolated = options.private_namespaces && subprocess::PrivateNamespaces();
   const bool own_pids = isolated && subprocess::PidNamespaces();
   if (isolated) {
-    scratch = "/tmp";
+    scratch = "/dev/shm";
   } else if (!options.host.scratch_dir.empty()) {
     scratch = absl::StrCat(scratch_root, "/", Sha256Hex(ns).substr(0, 16), "/e",
                            scratch_serial.fetch_add(1));

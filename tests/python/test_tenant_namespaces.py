@@ -7,9 +7,9 @@ their /proc/<pid>/ns links with the daemon's and each other's, and a kernel
 sees itself as process 1 with no parent it can name. Against a non-root
 daemon (nobody), the same through a user namespace of each executor's own,
 but in the host's PID namespace (that needs root), which its log says.
-Either way, a kernel's scratch ($TMPDIR) is a private tmpfs over its /tmp of
+Either way, a kernel's scratch ($TMPDIR) is a private tmpfs over its /dev/shm of
 [exec] scratch_mb: a kernel that writes until it cannot stops at the cap
-with ENOSPC, nothing reaches the host's /tmp, and another namespace cannot
+with ENOSPC, nothing reaches the host, and another namespace cannot
 open alice's files. Memory that RLIMIT_DATA does not count (memfd_create,
 System V shm, shared anonymous mappings) and sockets are refused.
 """
@@ -147,8 +147,25 @@ class NobodyScratchDaemon(NobodyDaemon):
         self.spawn('socket_mode = "0666"\n' + CONFIG, binary=wrapper, dir=d, serving=True)
 
 
+@pytest.fixture
+def visible_file():
+    """A world-readable file under /tmp, named to the daemon as the operator's
+    CUDA driver (OPJIT_CUDA_DRIVER): executors get it read-only, and their
+    private scratch mount must not hide it (the scratch once hid /tmp)."""
+    d = tempfile.mkdtemp(prefix="opjit-tn-ro-")
+    os.chmod(d, 0o755)
+    path = os.path.join(d, "libstandin.so")
+    with open(path, "w") as f:
+        f.write("not a driver")
+    os.chmod(path, 0o644)
+    os.environ["OPJIT_CUDA_DRIVER"] = path
+    yield path
+    os.environ.pop("OPJIT_CUDA_DRIVER", None)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(params=["root", "nobody"], ids=["root_daemon", "non_root_daemon"])
-def daemon(request):
+def daemon(request, visible_file):
     if os.geteuid() != 0:
         pytest.skip("the root case needs root, and the non-root one starts opjitd as nobody")
     if request.param == "root":
@@ -212,7 +229,7 @@ def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
             seen = [l[n] for l in links.values()]
             assert len(set(seen)) == len(seen), "executors share a %s namespace" % n
 
-    # Scratch: each its own tmpfs over its /tmp, capped (ENOSPC), nothing
+    # Scratch: each its own tmpfs over its /dev/shm, capped (ENOSPC), nothing
     # of it on the host.
     cap = SCRATCH_MB << 20
     for y in (a, b):
@@ -220,13 +237,18 @@ def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
         assert y[3] == errno.ENOSPC, y[3]
     alice_dir, bob_dir = text_of(a[16:]), text_of(b[16:])
     alice_mark = "%s/opjit-mark-%d" % (alice_dir, marks[0])
-    assert alice_dir == bob_dir == "/tmp", (alice_dir, bob_dir)
+    assert alice_dir == bob_dir == "/dev/shm", (alice_dir, bob_dir)
     assert not os.path.exists(alice_mark)
     # Bob cannot open alice's marker, either way.
     peek_in = np.zeros(256, dtype=np.float32)
     peek_in[:len(alice_mark)] = [ord(ch) for ch in alice_mark]
     peek = c.op("bob/peek")(peek_in)
     assert peek[0] in (errno.EACCES, errno.ENOENT), peek[0]
+    # What the operator granted read-only stays readable, under /tmp too.
+    granted = os.environ["OPJIT_CUDA_DRIVER"]
+    peek_in[:] = 0
+    peek_in[:len(granted)] = [ord(ch) for ch in granted]
+    assert c.op("bob/peek")(peek_in)[0] == 0, "a granted path under /tmp is hidden"
 
     # Memory no limit counts: refused; private memory still works.
     for y in (a, b):

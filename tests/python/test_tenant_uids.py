@@ -139,13 +139,13 @@ def test_each_namespace_runs_as_a_uid_of_its_own(root_daemon):
             ids.setdefault(ns, set()).add(uid)
     assert len(ids["alice"]) == 1 and len(ids["bob"]) == 1, ids
     assert ids["alice"] != ids["bob"], ids
-    # Each executor's scratch is its own /tmp: a tmpfs of its uid's, mode
+    # Each executor's scratch is its own /dev/shm: a tmpfs of its uid's, mode
     # 0700, in its own mount namespace; nothing of it on the host.
     for ns in ("alice", "bob"):
         for pid in executors_of(d.proc.pid, ns):
             with open("/proc/%d/mountinfo" % pid) as f:
-                tmp = [line for line in f if line.split()[4] == "/tmp"]
-            assert tmp, "no /tmp mount in %s's executor" % ns
+                tmp = [line for line in f if line.split()[4] == "/dev/shm"]
+            assert tmp, "no /dev/shm mount in %s's executor" % ns
             fields = tmp[-1].split(" - ")[1].split()
             assert fields[0] == "tmpfs", tmp[-1]
             uid = next(iter(ids[ns]))
