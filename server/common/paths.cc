@@ -1,5 +1,7 @@
 #include "server/common/paths.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -39,6 +41,22 @@ std::string FindHelperDir(const std::string& exe_dir) {
     return ec ? libexec.string() : canonical.string();
   }
   return exe_dir;
+}
+
+std::string ReadSmallFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    if (out.size() > (1u << 20)) break;  // no /proc or cgroup file this tool reads is that long
+  }
+  ::close(fd);
+  return out;
 }
 
 }  // namespace opjit

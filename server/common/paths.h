@@ -25,4 +25,8 @@ std::string DefaultServerAddress();
 // Debian package; wherever it was unpacked), else exe_dir (the build tree).
 std::string FindHelperDir(const std::string& exe_dir);
 
+// The whole of a small file, such as one under /proc or /sys: at most about
+// 1 MiB of it, "" if it cannot be read. EINTR-safe; for any thread.
+std::string ReadSmallFile(const std::string& path);
+
 }  // namespace opjit

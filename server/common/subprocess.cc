@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/paths.h"
 
 namespace opjit::subprocess {
 namespace {
@@ -118,26 +119,9 @@ void Reaped(pid_t pid, int* wait_status) {
 std::mutex g_tag_mu;
 std::string* g_tag = nullptr;  // guarded by g_tag_mu; never freed
 
-// The whole of a small /proc file ("" if unreadable).
-std::string ReadProcFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return "";
-  std::string out;
-  char buf[4096];
-  for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-    if (out.size() > (1u << 20)) break;  // no command line is that long
-  }
-  ::close(fd);
-  return out;
-}
-
 // The parent pid in /proc/<pid>/stat, or -1.
 pid_t ParentOf(const std::string& pid) {
-  const std::string stat = ReadProcFile("/proc/" + pid + "/stat");
+  const std::string stat = ReadSmallFile("/proc/" + pid + "/stat");
   const size_t close = stat.rfind(')');
   if (close == std::string::npos || close + 4 > stat.size()) return -1;
   // ") S 123 ..."
@@ -470,7 +454,7 @@ int EndLeftovers(const std::string& tag, const std::vector<std::string>& program
     const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
     if (pidfd < 0 && errno != ENOSYS) continue;  // gone
     std::vector<std::string> argv;
-    const std::string cmdline = ReadProcFile("/proc/" + name + "/cmdline");
+    const std::string cmdline = ReadSmallFile("/proc/" + name + "/cmdline");
     for (size_t at = 0; at < cmdline.size();) {
       size_t end = cmdline.find('\0', at);
       if (end == std::string::npos) end = cmdline.size();

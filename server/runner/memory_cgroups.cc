@@ -11,27 +11,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/paths.h"
 #include "server/common/sha256.h"
 
 namespace opjit::runner {
 namespace {
 
 constexpr char kRoot[] = "/sys/fs/cgroup";
-
-std::string ReadSmall(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return "";
-  std::string out;
-  char buf[4096];
-  for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0 || out.size() > (1u << 16)) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
-}
 
 // Writes `text` to a cgroup file; the errno text on failure.
 absl::Status WriteText(const std::string& path, const std::string& text) {
@@ -51,7 +37,7 @@ bool MakeDir(const std::string& path) { return ::mkdir(path.c_str(), 0755) == 0 
 // This process's cgroup path in the hierarchy whose controller list holds
 // `controller` ("" for the cgroup v2 line "0::/path"); "" if none.
 std::string OwnPath(const std::string& controller) {
-  const std::string text = ReadSmall("/proc/self/cgroup");
+  const std::string text = ReadSmallFile("/proc/self/cgroup");
   size_t start = 0;
   while (start < text.size()) {
     size_t end = text.find('\n', start);
@@ -103,7 +89,7 @@ std::unique_ptr<MemoryCgroups> MemoryCgroups::Open(const std::string& tag, uint6
   // the memory controller.
   if (::access((std::string(kRoot) + "/cgroup.controllers").c_str(), F_OK) == 0) {
     const std::string base = std::string(kRoot) + OwnPath("");
-    const std::string controllers = ReadSmall(base + "/cgroup.controllers");
+    const std::string controllers = ReadSmallFile(base + "/cgroup.controllers");
     if (controllers.find("memory") != std::string::npos && ::access(base.c_str(), W_OK) == 0) {
       // A cgroup with children holds no process: the daemon moves to a
       // leaf of its own first.
@@ -177,7 +163,7 @@ uint64_t MemoryCgroups::OomKills(const std::string& ns) {
     if (it == made_.end()) return 0;
     path = it->second;
   }
-  return Counter(ReadSmall(path + (mode_ == "cgroup2" ? "/memory.events" : "/memory.oom_control")),
+  return Counter(ReadSmallFile(path + (mode_ == "cgroup2" ? "/memory.events" : "/memory.oom_control")),
                  "oom_kill");
 }
 

@@ -19,7 +19,6 @@ import hashlib
 import os
 import random
 import shutil
-import stat
 import tempfile
 
 import grpc
@@ -28,8 +27,8 @@ import pytest
 
 import opjit
 
-from conftest import TempDaemon, health, opjitd_binary, unary_kernel, unary_spec, wait_for
-from test_tenant_walls import NOBODY, NobodyDaemon, _descendants, executors
+from conftest import TempDaemon, health, unary_kernel, unary_spec, wait_for
+from test_tenant_walls import NobodyDaemon, _descendants, executors
 
 SCRATCH_MB = 8
 NAMESPACES = ["pid", "mnt", "ipc", "net", "uts"]
@@ -131,22 +130,6 @@ def text_of(values):
     return "".join(chr(int(v)) for v in values if v > 0)
 
 
-class NobodyScratchDaemon(NobodyDaemon):
-    """NobodyDaemon with CONFIG."""
-
-    def __init__(self):
-        self.wrapper_dir = tempfile.mkdtemp(prefix="opjit-tn-bin-")
-        wrapper = os.path.join(self.wrapper_dir, "opjitd-as-nobody")
-        with open(wrapper, "w") as f:
-            f.write("#!/bin/sh\nexec setpriv --reuid=%d --regid=%d --clear-groups %s \"$@\"\n" %
-                    (NOBODY.pw_uid, NOBODY.pw_gid, opjitd_binary()))
-        os.chmod(wrapper, stat.S_IRWXU)
-        d = tempfile.mkdtemp(prefix="opjit-tn-")
-        os.chmod(d, 0o755)
-        os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
-        self.spawn('socket_mode = "0666"\n' + CONFIG, binary=wrapper, dir=d, serving=True)
-
-
 @pytest.fixture
 def visible_file():
     """A world-readable file under /tmp, named to the daemon as the operator's
@@ -174,7 +157,7 @@ def daemon(request, visible_file):
     else:
         if shutil.which("setpriv") is None:
             pytest.skip("setpriv (util-linux) is missing")
-        d = NobodyScratchDaemon()
+        d = NobodyDaemon(config=CONFIG)
     d.kind = request.param
     yield d
     d.close()
