@@ -139,8 +139,7 @@ int Main(int argc, char** argv) {
     return 2;
   }
   const std::string out_path = argv[1];
-  const std::string opjitd =
-      argc > 2 ? argv[2] : (fs::read_symlink("/proc/self/exe").parent_path() / "opjitd").string();
+  const std::string opjitd = opjit::bench::OpjitdPath(argc, argv);
   const int rounds = std::getenv("AUTH_BENCH_ROUNDS") ? std::atoi(std::getenv("AUTH_BENCH_ROUNDS")) : 60;
   const auto started = Clock::now();
   signal(SIGPIPE, SIG_IGN);

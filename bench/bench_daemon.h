@@ -54,6 +54,17 @@ inline std::string Tail(const std::string& s, size_t n) {
   return s.size() <= n ? s : s.substr(s.size() - n);
 }
 
+// The opjitd a benchmark starts: argv[2] when given, else the one next to
+// the benchmark's own binary (the build tree's bin/).
+inline std::string OpjitdPath(int argc, char** argv) {
+  if (argc > 2) return argv[2];
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return "opjitd";
+  std::string dir(self, static_cast<size_t>(n));
+  return dir.substr(0, dir.rfind('/') + 1) + "opjitd";
+}
+
 // The daemon's pid, for the signal handler: a Ctrl-C must not leave it running.
 inline volatile sig_atomic_t g_daemon_pid = -1;
 

@@ -671,8 +671,7 @@ int Main(int argc, char** argv) {
     return 2;
   }
   const std::string out_path = argv[1];
-  const std::string opjitd =
-      argc > 2 ? argv[2] : (fs::read_symlink("/proc/self/exe").parent_path() / "opjitd").string();
+  const std::string opjitd = opjit::bench::OpjitdPath(argc, argv);
   const auto started = Clock::now();
   // A closed stdout must not kill the run before it stops opjitd; an
   // interrupt or a crash stops opjitd on the way out (the temp dir stays).

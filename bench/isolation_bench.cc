@@ -252,8 +252,7 @@ int Main(int argc, char** argv) {
     return 2;
   }
   const std::string out_path = argv[1];
-  const std::string opjitd =
-      argc > 2 ? argv[2] : (fs::read_symlink("/proc/self/exe").parent_path() / "opjitd").string();
+  const std::string opjitd = opjit::bench::OpjitdPath(argc, argv);
   auto env_int = [](const char* name, int fallback) {
     const char* v = std::getenv(name);
     return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : fallback;
