@@ -29,14 +29,16 @@ class Postgres:
         nobody = pwd.getpwnam("nobody")
         self.uid, self.gid = nobody.pw_uid, nobody.pw_gid
 
-    def _as_nobody(self):
-        os.setgid(self.gid)
-        os.setgroups([])
-        os.setuid(self.uid)
-
     def _run(self, *argv):
+        # As nobody through setpriv, not a preexec_fn: that makes Python fork
+        # rather than vfork, and gRPC's fork handler (grpcio 1.51) then waits
+        # for a busy client's thread pool to idle, forever (a hang seen in the
+        # sanitizer run).
+        if os.getuid() == 0:
+            argv = ("setpriv", "--reuid=%d" % self.uid, "--regid=%d" % self.gid,
+                    "--clear-groups") + argv
         subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       preexec_fn=self._as_nobody if os.getuid() == 0 else None, cwd="/")
+                       cwd="/")
 
     def start(self):
         os.makedirs(self.data, mode=0o700)
