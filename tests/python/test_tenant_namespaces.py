@@ -126,6 +126,23 @@ def ns_links(pid):
     return {n: os.readlink("/proc/%d/ns/%s" % (pid, n)) for n in NAMESPACES + ["user"]}
 
 
+def compile_workers(daemon_pid):
+    """[(pid, ns_links)] of the daemon's compile workers, less the health
+    monitor's short-lived --probe runs and any that ended while looked at."""
+    out = []
+    for pid, comm in _descendants(daemon_pid).items():
+        if not comm.startswith("opjit-compile"):
+            continue
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                if b"--probe" in f.read():
+                    continue
+            out.append((pid, ns_links(pid)))
+        except OSError:
+            continue
+    return out
+
+
 def text_of(values):
     return "".join(chr(int(v)) for v in values if v > 0)
 
@@ -170,12 +187,10 @@ def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
     # namespaces of its own too, once it has loaded clang and closed its
     # sandbox.
     def compilers_apart():
-        pids = [pid for pid, comm in _descendants(daemon.proc.pid).items()
-                if comm.startswith("opjit-compile")]
-        return pids and all(ns_links(pid)["net"] != own["net"] for pid in pids) and pids
+        workers = compile_workers(daemon.proc.pid)
+        return workers if workers and all(l["net"] != own["net"] for _, l in workers) else None
 
-    for pid in wait_for(compilers_apart, 60, "a compile worker in namespaces of its own"):
-        l = ns_links(pid)
+    for pid, l in wait_for(compilers_apart, 60, "a compile worker in namespaces of its own"):
         for n in NAMESPACES:
             apart = rooted or n != "pid"
             assert (l[n] != own[n]) == apart, "compile worker %d, %s namespace" % (pid, n)
