@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/audit.h>
+#include <linux/capability.h>
 #include <linux/filter.h>
 #include <linux/landlock.h>
 #include <linux/seccomp.h>
@@ -377,6 +378,34 @@ absl::Status EnterPrivateNamespaces(const Policy& p) {
   return absl::OkStatus();
 }
 
+// keep_read_search, in two steps around the uid switch. Before it (root,
+// every capability effective): the bounding set loses every capability but
+// CAP_DAC_READ_SEARCH, and PR_SET_KEEPCAPS keeps the permitted set across
+// setresuid. After it: KEEPCAPS off again, no ambient capability, and
+// CAP_DAC_READ_SEARCH alone effective and permitted (none inheritable).
+absl::Status KeepReadSearchOnly(bool before_uid) {
+  if (before_uid) {
+    // PR_CAPBSET_READ fails (EINVAL) past the kernel's last capability.
+    for (int cap = 0; ::prctl(PR_CAPBSET_READ, cap, 0, 0, 0) >= 0; ++cap) {
+      if (cap != CAP_DAC_READ_SEARCH && ::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0) {
+        return Errno(absl::StrCat("dropping capability ", cap, " from the bounding set"));
+      }
+    }
+    if (::prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0) return Errno("PR_SET_KEEPCAPS");
+    return absl::OkStatus();
+  }
+  if (::prctl(PR_SET_KEEPCAPS, 0, 0, 0, 0) != 0) return Errno("PR_SET_KEEPCAPS");
+  if (::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0) {
+    return Errno("clearing the ambient capabilities");
+  }
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
+  data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].effective = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
+  data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].permitted = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
+  if (::syscall(SYS_capset, &header, data) != 0) return Errno("capset CAP_DAC_READ_SEARCH");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int LandlockAbi() {
@@ -408,11 +437,19 @@ absl::Status Apply(const Policy& p) {
   ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
   if (::geteuid() == 0 && p.uid >= 0) {
     const gid_t gid = static_cast<gid_t>(p.gid >= 0 ? p.gid : p.uid);
+    // While still root: the bounding set down to CAP_DAC_READ_SEARCH, and
+    // the permitted set kept across setresuid (which clears the effective).
+    if (p.keep_read_search) {
+      if (auto s = KeepReadSearchOnly(/*before_uid=*/true); !s.ok()) return s;
+    }
     if (::setgroups(0, nullptr) != 0) return Errno("setgroups");
     if (::setresgid(gid, gid, gid) != 0) return Errno("setresgid");
     if (::setresuid(static_cast<uid_t>(p.uid), static_cast<uid_t>(p.uid),
                     static_cast<uid_t>(p.uid)) != 0) {
       return Errno("setresuid");
+    }
+    if (p.keep_read_search) {
+      if (auto s = KeepReadSearchOnly(/*before_uid=*/false); !s.ok()) return s;
     }
   }
   if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return Errno("no_new_privs");

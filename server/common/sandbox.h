@@ -65,13 +65,24 @@ struct Policy {
   // When running as root, switch to this uid/gid (and no supplementary
   // groups) before no_new_privs. -1: keep.
   int64_t uid = -1, gid = -1;
+  // With uid, when running as root: keep CAP_DAC_READ_SEARCH across the
+  // switch, and no other capability (effective and permitted; the bounding
+  // set, the inheritable and ambient sets lose the rest too), so that the
+  // process still reads files and searches directories its new uid could
+  // not (the operator's 0700 include directories) while Landlock still
+  // limits it to the paths above. The filter refuses open_by_handle_at
+  // (which, with this capability, opens any file of a mounted file system
+  // by a handle, past Landlock) and name_to_handle_at, as for every
+  // policy. Ignored when not root or without uid (the compile workers).
+  bool keep_read_search = false;
 };
 
 // The Landlock ABI version the running kernel offers (0: none).
 int LandlockAbi();
 
 // Applies `policy` to the calling process, irreversibly, in this order:
-// namespaces and the scratch tmpfs, RLIMIT_CORE = 0 and the rlimits, not dumpable, uid/gid, no_new_privs,
+// namespaces and the scratch tmpfs, RLIMIT_CORE = 0 and the rlimits, not dumpable, uid/gid
+// (and the capabilities, see keep_read_search), no_new_privs,
 // Landlock, seccomp (synchronised to all threads). Landlock binds only the
 // calling thread and its future children, so call it while the process has
 // one thread: FAILED_PRECONDITION otherwise. Other errors: INTERNAL naming

@@ -7,10 +7,15 @@
 // is another child of the test, of the same uid as the attacker (both drop
 // to nobody when the test runs as root): without the filter every attack
 // below succeeds, with it none may.
+//
+// KeepReadSearch: the compile workers' policy on a root daemon (a uid of
+// their own with CAP_DAC_READ_SEARCH alone, inside Landlock), as root only.
 #include "server/common/sandbox.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <linux/kcmp.h>
 #include <grp.h>
 #include <linux/sockios.h>
@@ -21,12 +26,14 @@
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -421,6 +428,180 @@ TEST(SandboxFilter, AbortStillEndsTheProcessWithSigabrt) {
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFSIGNALED(status)) << status;
   EXPECT_EQ(WTERMSIG(status), SIGABRT);
+}
+
+// ---- keep_read_search: the compile workers' uid ---------------------------------------------
+
+// A uid and gid no process has, for the compile uid of these tests.
+constexpr uid_t kCompileUid = 0x7fffffe0;
+
+// A directory of root's, 0700, holding a file of root's, 0600, with `text`.
+std::string PrivateDir(const std::string& parent, const std::string& name,
+                       const std::string& text) {
+  const std::string dir = parent + "/" + name;
+  if (::mkdir(dir.c_str(), 0700) != 0) return "";
+  std::ofstream(dir + "/h") << text;
+  ::chmod((dir + "/h").c_str(), 0600);
+  return dir;
+}
+
+// Runs `body(report)` in a child that applies `p` (Landlock included);
+// returns the child's findings, or how it ended when that was not exit 0.
+template <typename F>
+std::string InPolicy(const Policy& p, F body) {
+  int fds[2];
+  if (::pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    Report report(fds[1]);
+    if (absl::Status s = Apply(p); !s.ok()) {
+      report.Fail("Apply: " + s.ToString());
+    } else {
+      body(report);
+    }
+    report.Send();
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, n);
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    out += "sandboxed child ended with status " + std::to_string(status) + "\n";
+  }
+  return out;
+}
+
+// The content of `path`, or "" when it cannot be opened (errno says why).
+std::string Slurp(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) out.append(buf, n);
+  ::close(fd);
+  return out;
+}
+
+// The hex value of `field` ("CapEff") in /proc/self/status.
+std::string StatusField(const std::string& status, const std::string& field) {
+  const size_t at = status.find(field + ":\t");
+  if (at == std::string::npos) return "";
+  const size_t start = at + field.size() + 2;
+  return status.substr(start, status.find('\n', start) - start);
+}
+
+class KeepReadSearch : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0) GTEST_SKIP() << "switching to another uid needs root";
+    if (LandlockAbi() <= 0) GTEST_SKIP() << "this kernel has no Landlock";
+    char tmpl[] = "/tmp/opjit-sandbox-caps-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr) << std::strerror(errno);
+    root_ = tmpl;  // 0700, root's
+    allowed_ = PrivateDir(root_, "allowed", "allowed header");
+    denied_ = PrivateDir(root_, "denied", "denied header");
+    ASSERT_FALSE(allowed_.empty());
+    ASSERT_FALSE(denied_.empty());
+  }
+  void TearDown() override {
+    if (!root_.empty()) std::filesystem::remove_all(root_);
+  }
+  Policy CompilePolicy() const {
+    Policy p;
+    p.read_only_paths = {allowed_, "/proc/self/status"};
+    p.uid = kCompileUid;
+    p.gid = kCompileUid;
+    p.keep_read_search = true;
+    return p;
+  }
+  std::string root_, allowed_, denied_;
+};
+
+// As a compile worker: another uid, and only CAP_DAC_READ_SEARCH, which
+// reads a 0700 directory of root's that Landlock allows and nothing that
+// Landlock does not; the file-handle calls are refused.
+TEST_F(KeepReadSearch, ReadsOnlyTheListedPrivateDirsAsAnotherUidWithOneCapability) {
+  const std::string allowed = allowed_, denied = denied_;
+  const std::string out = InPolicy(CompilePolicy(), [&](Report& r) {
+    uid_t ru, eu, su;
+    gid_t rg, eg, sg;
+    ::getresuid(&ru, &eu, &su);
+    ::getresgid(&rg, &eg, &sg);
+    if (ru != kCompileUid || eu != kCompileUid || su != kCompileUid) r.Fail("uid not switched");
+    if (rg != kCompileUid || eg != kCompileUid || sg != kCompileUid) r.Fail("gid not switched");
+    gid_t groups[8];
+    if (::getgroups(8, groups) != 0) r.Fail("supplementary groups left");
+    // The listed 0700 directory of root's: listed, and its 0600 file read.
+    if (Slurp(allowed + "/h") != "allowed header") {
+      r.Fail(std::string("cannot read the allowed 0700 dir's file: ") + std::strerror(errno));
+    }
+    if (DIR* d = ::opendir(allowed.c_str())) {
+      ::closedir(d);
+    } else {
+      r.Fail(std::string("cannot list the allowed 0700 dir: ") + std::strerror(errno));
+    }
+    // Not listed: Landlock refuses, capability or not.
+    errno = 0;
+    if (!Slurp(denied + "/h").empty() || errno != EACCES) {
+      r.Fail(std::string("the unlisted dir's file: ") + std::strerror(errno));
+    }
+    if (!Slurp("/etc/os-release").empty() || errno != EACCES) r.Fail("read /etc/os-release");
+    // One capability: effective and permitted; none inheritable, ambient
+    // or in the bounding set but it.
+    const std::string status = Slurp("/proc/self/status");
+    const std::string one = "0000000000000004";  // 1 << CAP_DAC_READ_SEARCH
+    if (StatusField(status, "CapEff") != one) r.Fail("CapEff " + StatusField(status, "CapEff"));
+    if (StatusField(status, "CapPrm") != one) r.Fail("CapPrm " + StatusField(status, "CapPrm"));
+    if (StatusField(status, "CapBnd") != one) r.Fail("CapBnd " + StatusField(status, "CapBnd"));
+    if (StatusField(status, "CapInh") != "0000000000000000") r.Fail("CapInh");
+    if (StatusField(status, "CapAmb") != "0000000000000000") r.Fail("CapAmb");
+    if (StatusField(status, "NoNewPrivs") != "1") r.Fail("NoNewPrivs");
+    // Nothing regained: not root, not another capability.
+    r.Refused("setuid(0)", ::setuid(0));
+    __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+    __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
+    data[0].effective = data[0].permitted = (1u << CAP_DAC_READ_SEARCH) | (1u << CAP_SYS_ADMIN);
+    r.Refused("capset CAP_SYS_ADMIN", ::syscall(SYS_capset, &header, data));
+    // The classic escape with this capability: a file by its handle.
+    struct {
+      file_handle h;
+      unsigned char bytes[MAX_HANDLE_SZ];
+    } fh{};
+    fh.h.handle_bytes = MAX_HANDLE_SZ;
+    int mount_id = 0;
+    r.Refused("name_to_handle_at",
+              ::syscall(SYS_name_to_handle_at, AT_FDCWD, allowed.c_str(), &fh.h, &mount_id, 0));
+    const int dir = ::open(allowed.c_str(), O_PATH | O_CLOEXEC);
+    r.Refused("open_by_handle_at", ::syscall(SYS_open_by_handle_at, dir, &fh.h, O_RDONLY));
+    if (dir >= 0) ::close(dir);
+  });
+  EXPECT_EQ(out, "");
+}
+
+// The same switch without keep_read_search: no capability at all, so the
+// 0700 directory is shut to it even though Landlock lists it (what the
+// option is for).
+TEST_F(KeepReadSearch, WithoutItTheUidReadsNoPrivateDir) {
+  Policy p = CompilePolicy();
+  p.keep_read_search = false;
+  const std::string allowed = allowed_;
+  const std::string out = InPolicy(p, [&](Report& r) {
+    if (::geteuid() != kCompileUid) r.Fail("uid not switched");
+    errno = 0;
+    if (!Slurp(allowed + "/h").empty() || errno != EACCES) {
+      r.Fail(std::string("read the 0700 dir without the capability: ") + std::strerror(errno));
+    }
+    const std::string status = Slurp("/proc/self/status");
+    if (StatusField(status, "CapEff") != "0000000000000000") {
+      r.Fail("CapEff " + StatusField(status, "CapEff"));
+    }
+  });
+  EXPECT_EQ(out, "");
 }
 
 }  // namespace
