@@ -298,7 +298,7 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
     CheckKeys(ck, *c, "compiler.",
               {"workers", "timeout_ms", "memory_limit_mb", "threads", "extra_include_dirs",
                "allowed_libraries", "kernel_include_dir", "recycle_after", "recycle_memory_mb",
-               "long_after_ms", "long_workers", "slow_log_ms"});
+               "long_after_ms", "long_workers", "slow_log_ms", "uid"});
     ReadInt(ck, *c, "workers", "compiler.", &cfg->compile_workers, 1, 1024);
     ReadInt(ck, *c, "timeout_ms", "compiler.", &cfg->compile_timeout_ms, 1);
     ReadInt(ck, *c, "memory_limit_mb", "compiler.", &cfg->compile_memory_limit_mb, 64);
@@ -308,6 +308,7 @@ void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
     ReadInt(ck, *c, "long_after_ms", "compiler.", &cfg->compile_long_after_ms);
     ReadInt(ck, *c, "long_workers", "compiler.", &cfg->compile_long_workers, 0, 1024);
     ReadInt(ck, *c, "slow_log_ms", "compiler.", &cfg->compile_slow_log_ms, 0);
+    ReadInt(ck, *c, "uid", "compiler.", &cfg->compile_uid, 1, 4294967294);
     ReadStrings(ck, *c, "extra_include_dirs", "compiler.", &cfg->extra_include_dirs);
     ReadStrings(ck, *c, "allowed_libraries", "compiler.", &cfg->allowed_libraries);
     ReadString(ck, *c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir);
@@ -419,6 +420,16 @@ void CheckCombined(Checker& ck, DaemonConfig& cfg) {
     cfg.uid_last = range->second;
   } else {
     ck.Problem("exec.uid_range", std::string(range.status().message()));
+  }
+  // The compile uid: no executor's (outside exec.uid_range), not nobody's.
+  if (cfg.compile_uid == 65534 || cfg.compile_uid == 65535) {
+    ck.Problem("compiler.uid", absl::StrCat(cfg.compile_uid, " is nobody's: compile workers need "
+                                            "a uid no one else has"));
+  } else if (cfg.uid_first != 0 && cfg.compile_uid >= cfg.uid_first &&
+             cfg.compile_uid <= cfg.uid_last) {
+    ck.Problem("compiler.uid", absl::StrCat(cfg.compile_uid, " lies in exec.uid_range (",
+                                            cfg.uid_range, "), the executors' uids: pick one "
+                                            "outside it"));
   }
   if (cfg.tls_cert.empty() != cfg.tls_key.empty()) {
     ck.Problem(cfg.tls_cert.empty() ? "tls.key" : "tls.cert", "tls cert and key go together");
@@ -720,6 +731,7 @@ std::map<std::string, std::string> SettingsOf(const DaemonConfig& c) {
       {"compiler.long_after_ms", n(c.compile_long_after_ms)},
       {"compiler.long_workers", n(c.compile_long_workers)},
       {"compiler.slow_log_ms", n(c.compile_slow_log_ms)},
+      {"compiler.uid", n(c.compile_uid)},
       {"compiler.extra_include_dirs", Join(c.extra_include_dirs)},
       {"compiler.allowed_libraries", Join(c.allowed_libraries)},
       {"compiler.kernel_include_dir", c.kernel_include_dir},

@@ -92,6 +92,14 @@ struct DaemonConfig {
   int compile_long_after_ms = 1000;     // a compile running longer moves to the long lane
   int compile_slow_log_ms = 5000;       // a compile running longer is logged (0: never)
   int compile_long_workers = 2;         // compiles in the long lane at once
+  // compiler.uid: started as root, the compile workers (and the NVRTC
+  // sandboxes) run as this uid and the gid of the same number, keeping only
+  // CAP_DAC_READ_SEARCH (to read the include directories, often 0700
+  // root's; Landlock still limits what they read). Never root, nobody, or
+  // a uid of exec.uid_range (no executor has it). The default is the uid
+  // right after the default exec.uid_range. A non-root daemon's compile
+  // workers keep its uid.
+  int64_t compile_uid = 1879113728;
   std::vector<std::string> extra_include_dirs;
   std::vector<std::string> allowed_libraries;
   std::string kernel_include_dir;  // Default: the installed or source-tree kernels/include

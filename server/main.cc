@@ -588,6 +588,22 @@ int Run(int argc, char** argv) {
   copts.long_after_ms = cfg->compile_long_after_ms;
   copts.long_workers = cfg->compile_long_workers;
   copts.slow_compile_log_ms = cfg->compile_slow_log_ms;
+  // Root: compile workers run as compiler.uid, never root, and never an
+  // executor's uid (config.cc keeps it out of exec.uid_range; here, out of
+  // exec.worker_user's, which executors take when exec.uid_range is "").
+  if (::geteuid() == 0) {
+    const passwd* pw = cfg->uid_first == 0 && !cfg->worker_user.empty()
+                           ? ::getpwnam(cfg->worker_user.c_str())
+                           : nullptr;
+    if (pw != nullptr && static_cast<int64_t>(pw->pw_uid) == cfg->compile_uid) {
+      log->error("compiler.uid {} is exec.worker_user's ({}): executors and compile workers need "
+                 "different uids",
+                 cfg->compile_uid, cfg->worker_user);
+      return 1;
+    }
+    copts.compile_uid = cfg->compile_uid;
+    log->info("compile workers run as uid {} with CAP_DAC_READ_SEARCH alone", cfg->compile_uid);
+  }
   auto compiler = compiler::KernelCompiler::Create(copts);
   if (!compiler.ok()) {
     log->error("compiler: {}", compiler.status().ToString());

@@ -135,6 +135,7 @@ absl::StatusOr<std::unique_ptr<CompileBackend>> MakeCpuBackend(const KernelCompi
   copts.recycle_memory_bytes = options.recycle_memory_bytes;
   copts.long_after_ms = options.long_after_ms;
   copts.long_workers = options.long_workers;
+  copts.worker_uid = options.compile_uid;
   OPJIT_ASSIGN_OR_RETURN(auto cpu, CpuCompiler::Create(copts));
   return std::unique_ptr<CompileBackend>(new CpuBackend(std::move(cpu)));
 }

@@ -303,6 +303,7 @@ class GpuBackend : public CompileBackend {
     o.worker_path = SandboxPath();
     o.timeout_ms = options_.timeout_ms;
     o.memory_limit_bytes = options_.memory_limit_bytes;
+    o.sandbox_uid = options_.compile_uid;
     if (o.worker_path.empty()) {
       nvrtc_status_ = NoSandbox();
       return nvrtc_status_;

@@ -151,6 +151,10 @@ struct KernelCompilerOptions {
   // long_after_ms give their slot to others; at most long_workers at once.
   int long_after_ms = 1000;
   int long_workers = 2;
+  // A root daemon's compile workers and NVRTC sandboxes run as this uid
+  // (and gid), keeping only CAP_DAC_READ_SEARCH ([compiler] uid). <= 0, or
+  // a daemon that is not root: the daemon's uid.
+  int64_t compile_uid = -1;
   // Threads that drive compiles. Default (0): workers + long_workers, so that
   // compiles in the long lane do not hold every thread.
   int pool_threads = 0;

@@ -9,6 +9,8 @@
 //       (EncodeGpuRequest / EncodeGpuResult), then exit. NVRTC is loaded
 //       first; then RLIMIT_AS, no_new_privs, Landlock (the toolkit's and the
 //       include dirs' files only), seccomp (no sockets, exec, processes).
+//       With --uid N (a root daemon): runs as uid and gid N, keeping only
+//       CAP_DAC_READ_SEARCH (the include dirs may be root's, 0700).
 //
 //   opjit-gpu-sandbox --exec --rw DIR [--ro PATH]... --memory BYTES -- PROG ARGS...
 //       Confines itself (Landlock: system files read-only, DIR read-write;
@@ -48,7 +50,7 @@ int Fail(const std::string& what) {
 
 int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
              uint64_t memory, uint64_t cpu_seconds, const std::string& archs,
-             const std::vector<std::string>& includes, bool isolate) {
+             const std::vector<std::string>& includes, bool isolate, long long uid) {
   // Dies with the daemon (PDEATHSIG: the daemon starts every child from one
   // long-lived thread, so a spare does not die with the thread that asked
   // for it); a dead daemon also closes stdin (an empty request: exit), and
@@ -78,6 +80,10 @@ int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
     // where RLIMIT_AS counts it.
     p.private_namespaces = isolate;
     p.refuse_shared_memory = true;
+    // The compile uid (root daemon), with CAP_DAC_READ_SEARCH alone.
+    p.uid = uid;
+    p.gid = uid;
+    p.keep_read_search = uid > 0;
     if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
     if (!subprocess::DieWithParent(parent)) return 3;  // (again, after the sandbox)
     std::string request((std::istreambuf_iterator<char>(std::cin)),
@@ -100,6 +106,7 @@ int Main(int argc, char** argv) {
   bool nvrtc = false, exec = false, isolate = false;
   std::string cuda_root = "/usr/local/cuda", lib, archs, rw;
   uint64_t memory = 0, cpu_seconds = 0;
+  long long uid = -1;
   pid_t parent = 0;
   std::vector<std::string> includes, ro;
   int i = 1;
@@ -137,11 +144,20 @@ int Main(int argc, char** argv) {
       rw = argv[++i];
     } else if (a == "--isolate") {
       isolate = std::string(argv[++i]) == "1";
+    } else if (a == "--uid") {
+      char* end = nullptr;
+      uid = std::strtoll(v, &end, 10);
+      if (*v == '\0' || *end != '\0' || uid <= 0 || uid >= 0xFFFFFFFFll) {
+        return Fail(std::string("bad --uid ") + v);
+      }
+      ++i;
     } else {
       return Fail("unknown argument " + a);
     }
   }
-  if (nvrtc) return RunNvrtc(parent, cuda_root, lib, memory, cpu_seconds, archs, includes, isolate);
+  if (nvrtc) {
+    return RunNvrtc(parent, cuda_root, lib, memory, cpu_seconds, archs, includes, isolate, uid);
+  }
   if (!exec || i >= argc || rw.empty()) return Fail("usage: see the comment in gpu_sandbox_main.cc");
   sandbox::Policy p;
   p.read_only_paths = kSystem;

@@ -436,6 +436,10 @@ absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
   // compile workers'.
   spawn.new_pid_namespace = subprocess::PidNamespaces();
   if (subprocess::PrivateNamespaces()) spawn.args.insert(spawn.args.end(), {"--isolate", "1"});
+  // Root: the compile uid, never root's (the sandbox drops to it).
+  if (options_.sandbox_uid > 0 && ::geteuid() == 0) {
+    spawn.args.insert(spawn.args.end(), {"--uid", std::to_string(options_.sandbox_uid)});
+  }
   absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(in_pipe[0]);
   ::close(out_pipe[1]);

@@ -46,6 +46,10 @@ struct NvrtcOptions {
   int timeout_ms = 30000;
   // RLIMIT_AS of the sandbox process. Default: 2 GiB.
   uint64_t memory_limit_bytes = 2ull << 30;
+  // A root daemon's sandbox runs as this uid (and gid) once NVRTC is
+  // loaded, with CAP_DAC_READ_SEARCH alone (the compile uid, as the CPU
+  // compile workers'). <= 0, or a daemon that is not root: the daemon's uid.
+  int64_t sandbox_uid = -1;
 };
 
 struct GpuCompileRequest {

@@ -16,10 +16,16 @@ admin; test_access.AuthDaemon):
      his own, and bob cannot read alice's (above);
   4. GetServerInfo shows non-admins no host path in any field (the unix
      socket's path used to show); the admin still sees it and the state
-     directory.
+     directory;
+  5. compile workers run as the compile uid ([compiler] uid): not root, not
+     the daemon's, no executor's, with CAP_DAC_READ_SEARCH alone, and still
+     compile (and precompile) a kernel whose include block reads a header of
+     a 0700 include directory of root's (issue 27, item 1).
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -28,7 +34,8 @@ import numpy as np
 import opjit
 
 from test_access import AuthDaemon
-from conftest import unary_spec
+from conftest import unary_spec, wait_for
+from test_tenant_walls import _descendants, executors
 
 with open("/etc/os-release", "rb") as _f:
     OS_RELEASE = _f.read()
@@ -66,9 +73,28 @@ def preamble_kernel(n):
     return PREAMBLE + ('extern "C" float F%d(float x) { return std::sqrt(x) * %d; }\n' % (n, n))
 
 
+# The default [compiler] uid: the uid right after the default [exec] uid_range.
+COMPILE_UID = 1879113728
+
+
 @pytest.fixture(scope="module")
-def d():
-    daemon = AuthDaemon()
+def private_include():
+    """An extra include directory as operators keep them: root's, 0700, in a
+    0700 directory, its header 0600."""
+    top = tempfile.mkdtemp(prefix="opjit-walls-inc-")
+    inc = os.path.join(top, "include")
+    os.mkdir(inc, 0o700)
+    path = os.path.join(inc, "walls_private.h")
+    with open(path, "w") as f:
+        f.write("#pragma once\n#define WALLS_PRIVATE_SCALE 3.0f\n")
+    os.chmod(path, 0o600)
+    yield inc
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def d(private_include):
+    daemon = AuthDaemon(extra='[compiler]\nextra_include_dirs = ["%s"]\n' % private_include)
     yield daemon
     assert daemon.proc.poll() is None, "opjitd died:\n" + daemon.read_log()
     daemon.close()
@@ -216,6 +242,83 @@ def test_server_info_shows_non_admins_no_host_path(d):
         info = c.info()
     assert info.state_dir == d.state
     assert any(d.dir in l for l in info.listen), list(info.listen)
+
+
+# ---- 5. compile workers run as the compile uid ----------------------------------------------
+
+# y = x * WALLS_PRIVATE_SCALE, from a header of the 0700 include dir, in the
+# include block (so it is precompiled too).
+PRIVATE_KERNEL = r"""#include <cstdint>
+#include <walls_private.h>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  for (int64_t i = 0; i < k; ++i) y[i] = x[i] * WALLS_PRIVATE_SCALE * %d;
+  return 0;
+}
+"""
+
+
+def status_of(pid):
+    """{field: value} of /proc/<pid>/status."""
+    with open("/proc/%d/status" % pid) as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def compile_workers(daemon_pid):
+    """{pid: status} of the daemon's compile workers (not the health
+    monitor's short-lived --probe runs, which load nothing)."""
+    out = {}
+    for pid, comm in _descendants(daemon_pid).items():
+        if not comm.startswith("opjit-compile"):
+            continue
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                if b"--probe" in f.read():
+                    continue
+            out[pid] = status_of(pid)
+        except OSError:
+            continue
+    return out
+
+
+def test_compile_workers_run_as_the_compile_uid_and_read_a_private_include_dir(d):
+    if os.geteuid() != 0:
+        pytest.skip("compile workers switch uid only on a root daemon")
+    before = set(pch_files(d))
+    with d.client("alice", "alice") as c:
+        for n in (1, 2):  # the second reuses the first's PCH
+            c.register(unary_spec("walls_private_%d" % n, PRIVATE_KERNEL % n, namespace="alice"))
+            y = c.op("walls_private_%d" % n)(np.ones(4, np.float32))
+            assert list(y) == [3.0 * n] * 4
+        assert len(set(pch_files(d)) - before) == 1, "one PCH of the private include block"
+        executor_uids = {int(status_of(pid)["Uid"].split()[0]) for pid in executors(d.proc.pid)}
+        assert executor_uids, "the ops' executors are running"
+    daemon_uid = int(status_of(d.proc.pid)["Uid"].split()[0])
+    # Once clang is loaded the worker has switched (the one started ahead of
+    # the next compile may still be loading).
+    switched = wait_for(lambda: {p: s for p, s in compile_workers(d.proc.pid).items()
+                                 if s["Uid"].split()[0] != "0"} or None,
+                        60, "a compile worker past its start")
+    for pid, s in switched.items():
+        uids = {int(u) for u in s["Uid"].split()}
+        gids = {int(g) for g in s["Gid"].split()}
+        assert uids == gids == {COMPILE_UID}, (pid, s["Uid"], s["Gid"])
+        assert COMPILE_UID not in executor_uids | {0, daemon_uid}, executor_uids
+        assert s["Groups"].strip() == "", s["Groups"]
+        one = "%016x" % (1 << 2)  # CAP_DAC_READ_SEARCH
+        for field in ("CapEff", "CapPrm", "CapBnd"):
+            assert s[field] == one, (pid, field, s[field])
+        assert s["CapInh"] == s["CapAmb"] == "0" * 16, (s["CapInh"], s["CapAmb"])
+        assert s["NoNewPrivs"] == "1"
+    # None of the settled workers kept root.
+    for pid, s in compile_workers(d.proc.pid).items():
+        if s["Uid"].split()[0] == "0":
+            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                assert b"--uid" in f.read(), "compile worker %d started without --uid" % pid
+    assert "compile workers run as uid %d" % COMPILE_UID in d.read_log()
 
 
 # ---- a non-root daemon (as the package's unit runs it) ---------------------------------------

@@ -369,6 +369,10 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   // no other process, has no network, and its mounts are its own.
   spawn.new_pid_namespace = subprocess::PidNamespaces();
   if (subprocess::PrivateNamespaces()) spawn.args.insert(spawn.args.end(), {"--isolate", "1"});
+  // Root: the compile uid, never root's (the worker drops to it).
+  if (options_.worker_uid > 0 && ::geteuid() == 0) {
+    spawn.args.insert(spawn.args.end(), {"--uid", std::to_string(options_.worker_uid)});
+  }
   absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(sv[1]);
   if (!pid.ok()) {

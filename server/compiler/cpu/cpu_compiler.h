@@ -89,6 +89,12 @@ struct CpuCompilerOptions {
   // long compile keeps its slot. long_after_ms = 0 turns the lane off.
   int long_after_ms = 1000;
   int long_workers = 2;
+  // A root daemon's workers run as this uid (and gid) once clang is loaded,
+  // with CAP_DAC_READ_SEARCH alone (they read the include directories,
+  // often 0700 root's, no further than Landlock lets them): the compile
+  // uid, which no executor has. <= 0, or a daemon that is not root: the
+  // daemon's uid.
+  int64_t worker_uid = -1;
 };
 
 // Thread-safe. Compile() blocks the calling thread until a worker is free and

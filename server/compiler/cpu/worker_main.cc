@@ -11,6 +11,10 @@
 //   --clang PATH         the clang binary the driver pretends to be
 //   --read-only PATH     a directory the compiler may read (repeatable): opjit's
 //                        kernel headers and the allowed include directories
+//   --uid N              started as root: run as uid and gid N, keeping only
+//                        CAP_DAC_READ_SEARCH (to read the --read-only
+//                        directories, often root's and 0700; Landlock still
+//                        limits reads to the paths above)
 //
 // Limits are set after the LLVM and clang libraries are loaded and before the
 // first request is read (server/common/sandbox): RLIMIT_AS, RLIMIT_CORE = 0,
@@ -103,6 +107,7 @@ int Main(int argc, char** argv) {
   std::string clang_path = OPJIT_CLANG_PATH;
   std::vector<std::string> read_only;
   bool isolate = false;  // namespaces of its own (a root daemon)
+  long long uid = -1;     // the compile uid (a root daemon)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -125,6 +130,14 @@ int Main(int argc, char** argv) {
       ++i;
     } else if (a == "--isolate" && v) {
       isolate = std::string(v) == "1";
+      ++i;
+    } else if (a == "--uid" && v) {
+      char* end = nullptr;
+      uid = std::strtoll(v, &end, 10);
+      if (*v == '\0' || *end != '\0' || uid <= 0 || uid >= 0xFFFFFFFFll) {
+        std::fprintf(stderr, "opjit-compile-worker: bad --uid %s\n", v);
+        return 2;
+      }
       ++i;
     } else {
       std::fprintf(stderr, "opjit-compile-worker: unknown argument %s\n", a.c_str());
@@ -172,6 +185,11 @@ int Main(int argc, char** argv) {
   // RLIMIT_AS counts it.
   policy.private_namespaces = isolate;
   policy.refuse_shared_memory = true;
+  // Never root (a root daemon's compile uid, which no executor has): only
+  // CAP_DAC_READ_SEARCH stays, to read the include directories.
+  policy.uid = uid;
+  policy.gid = uid;
+  policy.keep_read_search = uid > 0;
   // A PCH is written to the descriptor the daemon passes: never more than
   // the memory it was built in. EFBIG rather than SIGXFSZ past that.
   {

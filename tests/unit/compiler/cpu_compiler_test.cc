@@ -171,8 +171,14 @@ class CpuCompilerTest : public ::testing::Test {
     o.kernel_include_dir = kernel_dir_;
     o.extra_include_dirs = {extra_dir_};
     if (pch) o.pch_dir = pch_dir_->path();
+    // As root, as a root daemon runs them: workers as the compile uid
+    // ([compiler] uid's default) with CAP_DAC_READ_SEARCH alone, reading
+    // the include dirs under this test's 0700 temporary directory of root's.
+    o.worker_uid = ::geteuid() == 0 ? kCompileUid : -1;
     return o;
   }
+
+  static constexpr int64_t kCompileUid = 1879113728;
 
   std::unique_ptr<CpuCompiler> Make(const CpuCompilerOptions& o) {
     absl::StatusOr<std::unique_ptr<CpuCompiler>> c = CpuCompiler::Create(o);
@@ -707,6 +713,42 @@ TEST_F(CpuCompilerTest, WorkerKilledFromOutsideIsReportedAsSuch) {
   EXPECT_FALSE(absl::StrContains(status.message(), "memory")) << status;
   EXPECT_EQ(c->GetStats().killed_outside, 1u);
   EXPECT_TRUE(c->Compile(Cxx("int f() { return 1; }\n")).ok());
+}
+
+// As root (a root daemon's case): the worker runs as the compile uid, with
+// CAP_DAC_READ_SEARCH alone, and reads the include dirs under this test's
+// 0700 directory of root's, preamble PCH included.
+TEST_F(CpuCompilerTest, WorkersRunAsTheCompileUidWithReadSearchAlone) {
+  if (::geteuid() != 0) GTEST_SKIP() << "workers switch uid only when the daemon is root";
+  ASSERT_EQ(fs::status(tmp_.path()).permissions() & fs::perms::others_all, fs::perms::none);
+  CpuCompilerOptions o = Options();
+  o.num_workers = 1;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  const std::string src = std::string("#include \"mylib.h\"\n#include <cmath>\n") +
+                          "extern \"C\" int F() { return MyLib() + (int)std::sqrt(4.0); }\n";
+  const uint64_t built = c->GetStats().pch_built;
+  absl::StatusOr<CpuCompileOutput> out = c->Compile(Cxx(src));
+  ASSERT_TRUE(out.ok()) << out.status();
+  absl::StatusOr<CpuCompileOutput> again = c->Compile(Cxx(src + "int G() { return 1; }\n"));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(c->GetStats().pch_built, built + 1) << "one PCH of the include block, then reused";
+  const pid_t pid = OnlyWorkerPid();
+  ASSERT_GT(pid, 0);
+  const std::string status = ReadFile(absl::StrCat("/proc/", pid, "/status"));
+  const std::string id = std::to_string(kCompileUid);
+  EXPECT_TRUE(absl::StrContains(status, absl::StrCat("Uid:\t", id, "\t", id, "\t", id, "\t", id,
+                                                     "\n")))
+      << status;
+  EXPECT_TRUE(absl::StrContains(status, absl::StrCat("Gid:\t", id, "\t", id, "\t", id, "\t", id,
+                                                     "\n")))
+      << status;
+  for (const char* field : {"CapEff", "CapPrm", "CapBnd"}) {
+    EXPECT_TRUE(absl::StrContains(status, absl::StrCat(field, ":\t0000000000000004\n")))
+        << field << " in " << status;
+  }
+  EXPECT_TRUE(absl::StrContains(status, "CapInh:\t0000000000000000\n")) << status;
+  EXPECT_TRUE(absl::StrContains(status, "NoNewPrivs:\t1\n")) << status;
 }
 
 TEST_F(CpuCompilerTest, StaticConstructorsAreLoweredToRunCtors) {

@@ -132,6 +132,28 @@ TEST(ConfigTest, ExecutorUidRangeAndThreadCaps) {
   std::filesystem::remove(off);
 }
 
+// The compile uid: by default the uid right after the default executor
+// range; any other outside exec.uid_range, not root's or nobody's.
+TEST(ConfigTest, CompileUid) {
+  auto d = Load({});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->compile_uid, 1879113728);
+  EXPECT_EQ(d->compile_uid, int64_t{d->uid_last} + 1);
+  const std::string toml =
+      TomlFile("[compiler]\nuid = 200010\n[exec]\nuid_range = \"200000-200009\"\n");
+  auto cfg = Load({"--config", toml});
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  EXPECT_EQ(cfg->compile_uid, 200010);
+  // With no executor range, any uid but root's and nobody's.
+  const std::string off =
+      TomlFile("[compiler]\nuid = 1879048192\n[exec]\nuid_range = \"\"\n");
+  auto none = Load({"--config", off});
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->compile_uid, 1879048192);
+  std::filesystem::remove(toml);
+  std::filesystem::remove(off);
+}
+
 // --check-config: every problem, each with its file:line and key.
 TEST(ConfigTest, BuildConfigReportsEveryProblemWithItsLineAndKey) {
   const std::string path = TomlFile(
@@ -215,6 +237,13 @@ TEST(ConfigTest, RangesAndCombinations) {
            {"[exec]\nuid_range = \"60000-70000\"\n", "exec.uid_range"},  // holds nobody
            {"[exec]\nuid_range = \"1-4294967295\"\n", "exec.uid_range"},
            {"[exec]\nthreads_per_executor = 2\n", "exec.threads_per_executor"},
+           {"[compiler]\nuid = 0\n", "compiler.uid"},                // root
+           {"[compiler]\nuid = -5\n", "compiler.uid"},
+           {"[compiler]\nuid = 4294967295\n", "compiler.uid"},       // (uid_t)-1
+           {"[compiler]\nuid = 65534\n", "compiler.uid"},            // nobody
+           {"[compiler]\nuid = \"compile\"\n", "compiler.uid"},
+           {"[compiler]\nuid = 1879048192\n", "compiler.uid"},       // the default range's first
+           {"[compiler]\nuid = 200005\n[exec]\nuid_range = \"200000-200009\"\n", "compiler.uid"},
            {"[exec]\nthreads_per_namespace = 0\n", "exec.threads_per_namespace"},
            {"exec = 3\n", "exec"},
            {"[[principal]]\nname = \"a\"\nrole = \"root\"\nuids = [5]\n", "principal[0].role"},

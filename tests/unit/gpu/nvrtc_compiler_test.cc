@@ -2,8 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <thread>
 
@@ -23,10 +29,16 @@ extern "C" __global__ void add(float* a, const float* b, int n) {
 // Every compile in these tests runs in the sandbox, as the daemon's do.
 constexpr char kSandbox[] = OPJIT_BINARY_DIR "/bin/opjit-gpu-sandbox";
 
+// [compiler] uid's default: a root daemon's sandboxes run as it.
+constexpr int64_t kCompileUid = 1879113728;
+
 NvrtcOptions Options() {
   NvrtcOptions o;
   o.cuda_root = OPJIT_TEST_CUDA_ROOT;
   o.worker_path = kSandbox;
+  // As root, as a root daemon runs them: as the compile uid, with
+  // CAP_DAC_READ_SEARCH alone.
+  o.sandbox_uid = ::geteuid() == 0 ? kCompileUid : -1;
   return o;
 }
 
@@ -323,6 +335,57 @@ TEST(NvrtcSandboxTest, BombIsStoppedByTheLimits) {
   ok.archs = {"sm_90"};
   absl::StatusOr<GpuCompileOutput> after = (*c)->Compile(ok);
   EXPECT_TRUE(after.ok()) << after.status();
+}
+
+// As root: the sandbox runs as the compile uid with CAP_DAC_READ_SEARCH
+// alone, and NVRTC still reads an include dir of root's kept 0700 (as
+// operators keep theirs), which Landlock lists.
+TEST(NvrtcSandboxTest, RunsAsTheCompileUidAndReadsAPrivateIncludeDir) {
+  if (::geteuid() != 0) GTEST_SKIP() << "the sandbox switches uid only when the daemon is root";
+  char tmpl[] = "/tmp/opjit-nvrtc-inc-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);  // 0700, root's
+  const std::string dir = tmpl;
+  std::ofstream(dir + "/private_scale.cuh") << "#pragma once\n#define PRIVATE_SCALE 3.0f\n";
+  ::chmod((dir + "/private_scale.cuh").c_str(), 0600);
+  NvrtcOptions o = Options();
+  o.extra_include_dirs = {dir};
+  auto c = NvrtcCompiler::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  GpuCompileRequest req;
+  req.source = std::string("#include <private_scale.cuh>\n") +
+               "extern \"C\" __global__ void scale(float* a) { a[threadIdx.x] *= PRIVATE_SCALE; }\n";
+  req.archs = {"sm_90"};
+  absl::StatusOr<GpuCompileOutput> out = (*c)->Compile(req);
+  EXPECT_TRUE(out.ok()) << out.status();
+  // The spare sandbox, started for the next compile, waits for its request
+  // past its sandbox: what it runs as.
+  std::string status;
+  for (int i = 0; i < 1000 && status.empty(); ++i) {
+    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+      const std::string pid = e.path().filename().string();
+      if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
+      const std::string stat = testing::ReadFile(e.path().string() + "/stat");
+      const size_t close = stat.rfind(')');
+      if (close == std::string::npos || stat.find("(opjit-gpu-sandb") == std::string::npos) {
+        continue;
+      }
+      if (std::atol(stat.c_str() + close + 4) != ::getpid()) continue;  // its parent
+      const std::string s = testing::ReadFile(e.path().string() + "/status");
+      if (s.find("Uid:\t0\t") == std::string::npos) status = s;
+    }
+    if (status.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const std::string id = std::to_string(kCompileUid);
+  EXPECT_NE(status.find("Uid:\t" + id + "\t" + id + "\t" + id + "\t" + id + "\n"),
+            std::string::npos)
+      << status;
+  EXPECT_NE(status.find("Gid:\t" + id + "\t"), std::string::npos) << status;
+  for (const char* field : {"CapEff", "CapPrm", "CapBnd"}) {
+    EXPECT_NE(status.find(std::string(field) + ":\t0000000000000004\n"), std::string::npos)
+        << field << " in " << status;
+  }
+  c->reset();
+  std::filesystem::remove_all(dir);
 }
 
 TEST(NvrtcCreateTest, MissingLibraryIsUnavailable) {
