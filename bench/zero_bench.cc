@@ -1,18 +1,24 @@
 // What zero-filling outputs costs (issue 27, item 5): calls whose output is
-// in shared memory, against two opjitd processes started here and measured
-// side by side in one run:
+// in shared memory, against two opjitd processes started here, three sides
+// measured side by side in one run:
 //
 //   as is    OPJIT_BENCH_NO_ZERO_FILL=1 in its environment: outputs are left
 //            as the kernel finds them (the behaviour before zero-fill)
 //   zeroed   the default: every output is zeroed before its kernel runs
+//   keep_output_bytes
+//            the default daemon, with ForwardRequest.keep_output_bytes set:
+//            an output in the caller's own region keeps its bytes (the
+//            per-call opt-out; workspaces and inline outputs stay zeroed)
 //
 // Two kernels over N float32s: `square` (y = x * x: reads N, writes N) and
 // `fill` (y = 1: writes N, the case where the zeroing is the largest share),
 // at 1 MiB and 256 MiB, each over gRPC (fast channel off) and over the fast
 // channel. The input and the output sit in one daemon-created region (the
 // output at offset 0, the input after it), so every call reuses the same
-// warm pages, as a client's pool does. The sides take turns call by call
-// (the order rotates each round); medians, p90 and the zeroed/as-is ratio.
+// warm pages, as a client's pool does. The region belongs to the fast
+// client (a fast call names only its own client's regions; the gRPC client,
+// a local admin, names it too). The sides take turns call by call (the
+// order rotates each round); medians, p90 and the ratios to as is.
 //
 // The floor, in this process: zeroing 256 MiB of a warm memfd mapping with
 // memset, or by giving the pages back (MADV_REMOVE, what a punched hole
@@ -105,6 +111,7 @@ struct Daemon {
 
 struct Series {
   std::string side, op, path;
+  bool keep = false;  // ForwardRequest.keep_output_bytes
   uint64_t bytes = 0;
   Daemon* daemon = nullptr;
   Client* client = nullptr;
@@ -112,11 +119,12 @@ struct Series {
   std::string error;
 };
 
-v1::ForwardRequest Call(const std::string& op, uint64_t bytes) {
+v1::ForwardRequest Call(const std::string& op, uint64_t bytes, bool keep) {
   const int64_t n = static_cast<int64_t>(bytes / sizeof(float));
   v1::ForwardRequest req;
   req.set_namespace_(kNamespace);
   req.set_op(op);
+  req.set_keep_output_bytes(keep);
   *req.add_inputs()->add_tensors() = opjit::client::ShmTensor("float32", {n}, kRegion, kMaxBytes);
   auto* out = req.add_outputs()->mutable_shm();
   out->set_region(kRegion);
@@ -126,7 +134,7 @@ v1::ForwardRequest Call(const std::string& op, uint64_t bytes) {
 
 // One call, checked at both ends of the output (x[i] = 3 everywhere).
 absl::Status CallOnce(Series& s) {
-  const v1::ForwardRequest req = Call(s.op, s.bytes);
+  const v1::ForwardRequest req = Call(s.op, s.bytes, s.keep);
   auto r = s.client->Forward(req);
   if (!r.ok()) return r.status();
   const float want = s.op == "square" ? 9.0f : 1.0f;
@@ -239,10 +247,14 @@ int Main(int argc, char** argv) {
       }
     }
     // Output at 0, input at kMaxBytes, created by the daemon and leased to
-    // the gRPC client; both clients are the same principal, so the fast one
-    // names it too.
-    auto info = d.grpc->CreateRegion(kNamespace, kRegion, 2 * kMaxBytes);
+    // the fast client: a fast call names only its own client's regions
+    // (else it would quietly go over gRPC). The gRPC client is a local admin
+    // of the same daemon and names it too.
+    auto info = d.fast->CreateRegion(kNamespace, kRegion, 2 * kMaxBytes);
     if (!info.ok()) return fail("CreateRegion: " + info.status().ToString());
+    if (auto id = d.fast->RegionId(kNamespace, kRegion); !id.ok()) {
+      return fail("the fast client does not own the region: " + id.status().ToString());
+    }
     const int fd = ::open(("/dev/shm" + info->shm_key()).c_str(), O_RDWR | O_CLOEXEC);
     void* map = fd < 0 ? MAP_FAILED
                        : ::mmap(nullptr, 2 * kMaxBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -254,13 +266,18 @@ int Main(int argc, char** argv) {
     std::memset(d.region, 0, kMaxBytes);
   }
 
+  // Per row, three series: as is, zeroed, keep_output_bytes (the zeroed
+  // daemon, with the opt-out).
+  constexpr size_t kSides = 3;
   std::vector<Series> series;
   for (uint64_t bytes : kSizes) {
     for (const char* op : {"square", "fill"}) {
       for (const char* path : {"grpc", "fast"}) {
-        for (auto& d : daemons) {
+        for (size_t k = 0; k < kSides; ++k) {
+          Daemon& d = daemons[k == 0 ? 0 : 1];
           Series s;
-          s.side = d.name;
+          s.side = k == 2 ? "keep_output_bytes" : d.name;
+          s.keep = k == 2;
           s.op = op;
           s.path = path;
           s.bytes = bytes;
@@ -277,10 +294,10 @@ int Main(int argc, char** argv) {
     if (!st.ok()) s.error = st.ToString();
   }
   for (int r = 0; r < rounds; ++r) {
-    // Pairs (as is, zeroed) of one row run back to back, in turn first.
-    for (size_t k = 0; k < series.size(); k += 2) {
-      for (size_t j = 0; j < 2; ++j) {
-        Series& s = series[k + ((j + r) % 2)];
+    // The sides of one row run back to back, each first in turn.
+    for (size_t k = 0; k < series.size(); k += kSides) {
+      for (size_t j = 0; j < kSides; ++j) {
+        Series& s = series[k + ((j + r) % kSides)];
         if (!s.error.empty()) continue;
         const auto t0 = Clock::now();
         absl::Status st = CallOnce(s);
@@ -295,28 +312,32 @@ int Main(int argc, char** argv) {
 
   json rows = json::array();
   bool failed = false;
-  printf("| op | output | path | as is: median ms | zeroed: median ms | zeroed p90 ms | zeroed / as is |\n"
-         "|---|---|---|---|---|---|---|\n");
-  for (size_t k = 0; k < series.size(); k += 2) {
+  printf("| op | output | path | as is: median ms | zeroed: median ms | zeroed p90 ms "
+         "| zeroed / as is | keep_output_bytes: median ms | keep p90 ms | keep / as is |\n"
+         "|---|---|---|---|---|---|---|---|---|---|\n");
+  for (size_t k = 0; k < series.size(); k += kSides) {
     Series& a = series[k];
     Series& z = series[k + 1];
+    Series& kb = series[k + 2];
     const std::string size = a.bytes >= (1u << 20) ? std::to_string(a.bytes >> 20) + " MiB"
                                                    : std::to_string(a.bytes) + " B";
-    if (!a.error.empty() || !z.error.empty()) {
+    if (!a.error.empty() || !z.error.empty() || !kb.error.empty()) {
       failed = true;
-      const std::string e = !a.error.empty() ? a.error : z.error;
+      const std::string e = !a.error.empty() ? a.error : !z.error.empty() ? z.error : kb.error;
       rows.push_back({{"op", a.op}, {"bytes", a.bytes}, {"path", a.path}, {"error", e}});
-      printf("| %s | %s | %s | failed: %s | | | |\n", a.op.c_str(), size.c_str(), a.path.c_str(),
-             e.c_str());
+      printf("| %s | %s | %s | failed: %s | | | | | | |\n", a.op.c_str(), size.c_str(),
+             a.path.c_str(), e.c_str());
       continue;
     }
     const double ma = Median(a.us) / 1000.0, mz = Median(z.us) / 1000.0;
-    const double pz = Percentile(z.us, 0.9) / 1000.0;
+    const double mk = Median(kb.us) / 1000.0;
+    const double pz = Percentile(z.us, 0.9) / 1000.0, pk = Percentile(kb.us, 0.9) / 1000.0;
     rows.push_back({{"op", a.op}, {"bytes", a.bytes}, {"path", a.path}, {"calls", a.us.size()},
                     {"as_is_median_ms", ma}, {"zeroed_median_ms", mz}, {"zeroed_p90_ms", pz},
-                    {"ratio", mz / ma}});
-    printf("| %s | %s | %s | %.2f | %.2f | %.2f | %.3fx |\n", a.op.c_str(), size.c_str(),
-           a.path.c_str(), ma, mz, pz, mz / ma);
+                    {"ratio", mz / ma}, {"keep_median_ms", mk}, {"keep_p90_ms", pk},
+                    {"keep_ratio", mk / ma}});
+    printf("| %s | %s | %s | %.2f | %.2f | %.2f | %.3fx | %.2f | %.2f | %.3fx |\n", a.op.c_str(),
+           size.c_str(), a.path.c_str(), ma, mz, pz, mz / ma, mk, pk, mk / ma);
   }
   result["rows"] = rows;
   json floor = Floor(rounds);

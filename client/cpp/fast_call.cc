@@ -203,7 +203,7 @@ bool FastChannel::WorkerGone() const {
 }
 
 FastChannel::Result FastChannel::Call(uint64_t handle, std::span<const FastTensorRef> tensors,
-                                      int64_t deadline_ns) {
+                                      int64_t deadline_ns, uint32_t flags) {
   Result out;
   if (tensors.size() > max_tensors_) {
     out.status = absl::InvalidArgumentError(absl::StrCat(
@@ -236,6 +236,7 @@ FastChannel::Result FastChannel::Call(uint64_t handle, std::span<const FastTenso
   s->seq = seq;
   s->deadline_ns = deadline_ns;
   s->n_tensors = static_cast<uint32_t>(tensors.size());
+  s->flags = flags;
   for (size_t i = 0; i < tensors.size(); ++i) {
     s->tensors[i].region = tensors[i].region;
     s->tensors[i].offset = tensors[i].offset;
@@ -403,7 +404,8 @@ struct ChannelCall {
 // Runs one call on the channel of `ns`; a call that never ran because the
 // channel closed goes once more on a freshly opened channel.
 ChannelCall RunOnChannel(Client& client, FastState& st, const std::string& ns, uint64_t handle,
-                         std::span<const FastTensorRef> tensors, int64_t deadline_ns) {
+                         std::span<const FastTensorRef> tensors, int64_t deadline_ns,
+                         uint32_t flags) {
   ChannelCall out;
   for (int attempt = 0;; ++attempt) {
     auto channel = GetChannel(client, st, ns);
@@ -418,7 +420,7 @@ ChannelCall RunOnChannel(Client& client, FastState& st, const std::string& ns, u
       out.too_many = true;
       return out;
     }
-    FastChannel::Result r = (*channel)->Call(handle, tensors, deadline_ns);
+    FastChannel::Result r = (*channel)->Call(handle, tensors, deadline_ns, flags);
     if (r.not_run && attempt == 0) continue;  // GetChannel reopens the closed channel
     out.status = r.status;
     out.kernel_ms = r.kernel_ms;
@@ -445,7 +447,8 @@ absl::StatusOr<PreparedCall> Client::PrepareHandle(const v1::PrepareRequest& req
 
 absl::StatusOr<double> Client::CallPrepared(const PreparedCall& call,
                                             std::span<const FastTensorRef> tensors,
-                                            std::chrono::nanoseconds deadline) {
+                                            std::chrono::nanoseconds deadline,
+                                            bool keep_output_bytes) {
   if (!fast_enabled()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the fast path is off for this client (", address_,
@@ -458,8 +461,9 @@ absl::StatusOr<double> Client::CallPrepared(const PreparedCall& call,
   const int64_t budget = deadline.count() > 0
                              ? deadline.count()
                              : std::chrono::duration_cast<std::chrono::nanoseconds>(timeout_).count();
-  ChannelCall r =
-      RunOnChannel(*this, *fast_, call.ns, call.handle, tensors, fast::MonotonicNs() + budget);
+  ChannelCall r = RunOnChannel(*this, *fast_, call.ns, call.handle, tensors,
+                               fast::MonotonicNs() + budget,
+                               keep_output_bytes ? fast::kKeepOutputBytes : 0);
   if (!r.status.ok()) return r.status;
   return r.kernel_ms;
 }
@@ -606,7 +610,8 @@ std::optional<absl::StatusOr<v1::ForwardResponse>> Client::ForwardFast(
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t deadline_ns =
         fast::MonotonicNs() + std::chrono::duration_cast<std::chrono::nanoseconds>(timeout_).count();
-    ChannelCall r = RunOnChannel(*this, *fast_, ns, call->handle, refs, deadline_ns);
+    ChannelCall r = RunOnChannel(*this, *fast_, ns, call->handle, refs, deadline_ns,
+                                 req.keep_output_bytes() ? fast::kKeepOutputBytes : 0);
     // More tensors than a slot holds (many dynamic inputs): gRPC serves it.
     if (r.too_many) return std::nullopt;
     if (r.no_channel) {

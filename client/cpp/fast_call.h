@@ -50,8 +50,10 @@ class FastChannel {
   };
 
   // Runs one call: `tensors` are the handle's inputs then its outputs.
-  // `deadline_ns` is CLOCK_MONOTONIC (0: none). Blocks until the reply.
-  Result Call(uint64_t handle, std::span<const FastTensorRef> tensors, int64_t deadline_ns);
+  // `deadline_ns` is CLOCK_MONOTONIC (0: none). `flags`: Slot::flags
+  // (fast::kKeepOutputBytes). Blocks until the reply.
+  Result Call(uint64_t handle, std::span<const FastTensorRef> tensors, int64_t deadline_ns,
+              uint32_t flags = 0);
 
   // The daemon closed the channel (executor gone, region released), or a
   // call found it dead: it takes no more calls.

@@ -174,6 +174,8 @@ class Client {
   // handle over the shared-memory channel and answers what the gRPC path
   // would (outputs as ShmRef tensors, kernel_ms, version; server_ms is the
   // client's own round trip). Everything else goes over gRPC unchanged.
+  // request.keep_output_bytes holds on both paths: outputs in this client's
+  // regions keep their bytes instead of starting zeroed.
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request);
   // Autograd: backward on a context kept by a forward with requires_grad.
   absl::StatusOr<v1::BackwardResponse> Backward(const v1::BackwardRequest& request);
@@ -195,10 +197,13 @@ class Client {
   // handle's specs. Returns the kernel's time in ms, or the call's status
   // (code and reason as the gRPC path would answer; STALE_HANDLE is not
   // retried here: prepare again). `deadline`: 0 means the client's timeout.
+  // `keep_output_bytes`: the outputs are not zero-filled before the kernel
+  // (as ForwardRequest.keep_output_bytes; they are in this client's regions).
   // FAILED_PRECONDITION when the fast path is off or unavailable.
   absl::StatusOr<double> CallPrepared(const PreparedCall& call,
                                       std::span<const FastTensorRef> tensors,
-                                      std::chrono::nanoseconds deadline = {});
+                                      std::chrono::nanoseconds deadline = {},
+                                      bool keep_output_bytes = false);
   // The RegionInfo.id of region `name` in `ns` (from this client's
   // CreateRegion/RegisterRegion answers, else ListRegions).
   absl::StatusOr<uint64_t> RegionId(const std::string& ns, const std::string& name);

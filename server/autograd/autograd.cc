@@ -322,6 +322,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   bcall.version = (*bprop)->version;
   bcall.deadline = call.deadline;
   bcall.outputs = call.outputs;
+  bcall.keep_output_bytes = call.keep_output_bytes;
   // MindSpore's positions: every forward tensor keeps its slot; one not
   // saved is a null placeholder (params[i] == nullptr, ndims[i] == 0, its
   // dtype). Only an optional input absent in the forward stays absent.

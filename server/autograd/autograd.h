@@ -78,6 +78,8 @@ struct BackwardCall {
   bool retain_context = false;
   bool create_graph = false;
   std::vector<exec::OutputPlacement> outputs;
+  // As exec::ForwardCall::keep_output_bytes, for the bprop's outputs.
+  bool keep_output_bytes = false;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
 

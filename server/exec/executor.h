@@ -103,6 +103,11 @@ struct ForwardCall {
   std::map<std::string, AttrArg> attrs;
   // One per output, one for all outputs, or none (all inline).
   std::vector<OutputPlacement> outputs;
+  // Outputs placed in shared memory (regions the caller may name: see
+  // `principal`) keep the bytes they hold rather than start zero-filled
+  // (ForwardRequest.keep_output_bytes). Inline outputs and workspaces are
+  // zeroed regardless.
+  bool keep_output_bytes = false;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   uint64_t request_id = 0;  // for logs
   // For autograd: copy these declared inputs / outputs into the result after

@@ -143,6 +143,9 @@ absl::Status Place(const ForwardCall& call, const Checked& c,
         r.offset = offset;
         loc.region = std::move(region);
         loc.offset = offset;
+        // The region came from Acquire with the caller's principal: its
+        // bytes are the caller's to read, so they may stay if it asked.
+        loc.keep_bytes = call.keep_output_bytes;
         out_views.push_back(std::move(view));
         break;
       }

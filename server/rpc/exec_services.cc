@@ -190,6 +190,7 @@ absl::Status AddPlacementsAndDeadline(const v1::ForwardRequest& req,
     if (!p.ok()) return p.status();
     call->outputs.push_back(*std::move(p));
   }
+  call->keep_output_bytes = req.keep_output_bytes();
   call->deadline = SteadyDeadline(ctx);
   call->request_id = next_forward_id.fetch_add(1, std::memory_order_relaxed);
   return absl::OkStatus();
@@ -425,6 +426,7 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
   }
   call.retain_context = req->retain_context();
   call.create_graph = req->create_graph();
+  call.keep_output_bytes = req->keep_output_bytes();
   for (int j = 0; j < req->outputs_size(); ++j) {
     auto p = PlacementFromProto(req->outputs(j), j);
     if (!p.ok()) return FinishNow(ctx, p.status());

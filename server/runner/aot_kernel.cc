@@ -248,9 +248,11 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
     // (this client's, or another principal's of the namespace). A plain
     // memset: on these hosts it costs a fraction of a kernel's own write,
     // while fresh zero pages (MADV_REMOVE, a punched hole) cost a fault per
-    // page, over 10x more (bench/zero_bench.cc).
+    // page, over 10x more (bench/zero_bench.cc). An output the caller asked
+    // to keep (keep_bytes: its own shared memory, bytes it could read
+    // anyway) is left as it is.
     for (const HostTensor& t : outputs) {
-      if (t.data == nullptr) continue;
+      if (t.data == nullptr || t.keep_bytes) continue;
       OPJIT_ASSIGN_OR_RETURN(uint64_t n, tensor::ByteSize(t.desc.dtype, t.desc.shape));
       std::memset(t.data, 0, n);
     }

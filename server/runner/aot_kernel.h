@@ -76,7 +76,8 @@ class AotKernelInstance {
   absl::StatusOr<std::vector<int64_t>> InferShape() const;
 
   // Calls the kernel: params = inputs, outputs (zero-filled first, unless
-  // options.zero_outputs is off), then one fresh, zero-filled 64-byte-aligned
+  // options.zero_outputs is off or the output's HostTensor::keep_bytes is
+  // set), then one fresh, zero-filled 64-byte-aligned
   // buffer per workspace size the kernel set in Init. Descriptors must match
   // the instance's inputs (and outputs, once known). A null input
   // (HostTensor::null: a rank-0 descriptor) reaches the kernel as

@@ -383,6 +383,7 @@ void Worker::HandleCall() {
                   "the call does not match its instance", 0);
   }
   absl::InlinedVector<HostTensor, 8> in, out;
+  const uint32_t keep_flags = slot_->flags;
   const wire::TensorRec* recs = wire::Records(slot_);
   for (uint32_t i = 0; i < n_in + n_out; ++i) {
     const wire::TensorRec rec = recs[i];
@@ -416,6 +417,8 @@ void Worker::HandleCall() {
     HostTensor t;
     t.data = base + rec.offset;
     t.desc = i < n_in ? e->spec.inputs[i] : e->spec.outputs[i - n_in];
+    // The caller's own region, kept as it asked; never the arena.
+    t.keep_bytes = i >= n_in && rec.serial != 0 && (keep_flags & wire::kKeepRegionOutputs) != 0;
     (i < n_in ? in : out).push_back(std::move(t));
   }
   const auto t0 = Clock::now();
@@ -531,6 +534,8 @@ absl::Status Worker::RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_m
   }
   const uint32_t n = slot->n_tensors;
   const int64_t deadline_ns = slot->deadline_ns;
+  // Every tensor here is in the client's own regions: it may keep its bytes.
+  const bool keep_bytes = (slot->flags & fast::kKeepOutputBytes) != 0;
   if (n > fast::kMaxTensors) {
     return absl::InvalidArgumentError(absl::StrCat("a call passes at most ", fast::kMaxTensors,
                                                    " tensors; this one says ", n));
@@ -612,6 +617,7 @@ absl::Status Worker::RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_m
     }
     spans.push_back({refs[i].region, off, off + nbytes});
     t.data = (*m)->data + off;
+    t.keep_bytes = !input && keep_bytes;
     (input ? in : out).push_back(std::move(t));
   }
   const auto t0 = Clock::now();

@@ -86,6 +86,12 @@ struct Header {
   int64_t spin_us;                       // 40: the executor's spin before it sleeps
 };
 
+// Slot::flags. kKeepOutputBytes: the call's outputs keep the bytes their
+// memory holds instead of starting zeroed (ForwardRequest.keep_output_bytes):
+// every tensor of a fast call is in the client's own regions, so these are
+// bytes the client could read anyway. Workspaces are zeroed regardless.
+inline constexpr uint32_t kKeepOutputBytes = 1;
+
 // One tensor of a call. region 0: no data (an input's null slot: the kernel
 // gets params[i] == nullptr); otherwise a RegionInfo.id of the client's.
 struct TensorRef {
@@ -97,7 +103,7 @@ struct Slot {
   std::atomic<uint32_t> state;           // 0: kFree..kDone
   std::atomic<uint32_t> client_waiting;  // 4: 1 while the client sleeps on `state`
   uint32_t n_tensors;                    // 8: inputs then outputs, as the handle's
-  uint32_t pad0;                         // 12
+  uint32_t flags;                        // 12: kKeepOutputBytes; other bits 0
   uint64_t handle;                       // 16
   uint64_t seq;                          // 24: the client's; echoed untouched
   int64_t deadline_ns;                   // 32: CLOCK_MONOTONIC; 0: none
@@ -114,7 +120,8 @@ struct Slot {
 static_assert(sizeof(Header) <= kHeaderBytes);
 static_assert(offsetof(Header, doorbell) == 24 && offsetof(Header, closed) == 32 &&
               offsetof(Header, spin_us) == 40);
-static_assert(offsetof(Slot, handle) == 16 && offsetof(Slot, deadline_ns) == 32 &&
+static_assert(offsetof(Slot, flags) == 12 && offsetof(Slot, handle) == 16 &&
+              offsetof(Slot, deadline_ns) == 32 &&
               offsetof(Slot, code) == 40 && offsetof(Slot, kernel_ms) == 48 &&
               offsetof(Slot, reason) == 56 && offsetof(Slot, message) == 96 &&
               offsetof(Slot, tensors) == 1152);

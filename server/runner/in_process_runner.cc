@@ -39,6 +39,8 @@ HostTensor ToHost(const TensorLoc& loc) {
   }
   t.data = loc.region != nullptr ? static_cast<void*>(loc.region->data() + loc.offset)
                                  : static_cast<void*>(loc.data);
+  // Only a region's bytes may be kept: inline buffers are always zeroed.
+  t.keep_bytes = loc.keep_bytes && loc.region != nullptr;
   return t;
 }
 

@@ -55,6 +55,11 @@ struct HostTensor {
   // null and `desc` is its dtype with rank 0. The kernel gets params[i] ==
   // nullptr and ndims[i] == 0.
   bool null = false;
+  // An output that keeps the bytes its memory holds: not zero-filled before
+  // the kernel (AotKernelInstance::Run). Set only for outputs in the
+  // caller's own shared memory when its call asked for it
+  // (ForwardRequest.keep_output_bytes); see TensorLoc::keep_bytes.
+  bool keep_bytes = false;
 };
 
 // Where one tensor of a call lives, already checked by the executor: either
@@ -69,6 +74,13 @@ struct TensorLoc {
   uint64_t offset = 0;
   char* data = nullptr;  // when region is null
   bool null = false;
+  // Outputs only: the kernel finds the region's bytes as they are, rather
+  // than zeroed. The executor sets it only for an output in a region the
+  // caller itself may name (its own, or any of the namespace for an admin)
+  // when the call asked to keep output bytes: bytes the caller could read
+  // anyway. Runners honour it only for region outputs: inline outputs (an
+  // arena, a daemon buffer) are zeroed whatever it says.
+  bool keep_bytes = false;
 };
 
 // What makes one kernel instance.

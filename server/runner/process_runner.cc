@@ -951,6 +951,13 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
         slot->instance_id = id_;
         slot->n_inputs = static_cast<uint32_t>(args.inputs.size());
         slot->n_outputs = static_cast<uint32_t>(args.outputs.size());
+        // Region outputs keep their bytes only when every one of them may
+        // (TensorLoc::keep_bytes); arena outputs are zeroed regardless.
+        bool keep = false, zero = false;
+        for (const TensorLoc& t : args.outputs) {
+          if (t.region != nullptr) (t.keep_bytes ? keep : zero) = true;
+        }
+        slot->flags = keep && !zero ? wire::kKeepRegionOutputs : 0;
         uint64_t cursor = 0;
         size_t i = 0;
         // Where each inline output lands, kept here: the slot is writable

@@ -42,7 +42,7 @@
 
 namespace opjit::runner::wire {
 
-inline constexpr uint32_t kProtocolVersion = 4;
+inline constexpr uint32_t kProtocolVersion = 5;  // 5: SlotHeader::flags
 
 // Frame types.
 enum class Msg : uint8_t {
@@ -98,7 +98,7 @@ struct alignas(64) SlotHeader {
   std::atomic<uint32_t> state;
   uint32_t n_inputs;
   uint32_t n_outputs;
-  uint32_t pad0;
+  uint32_t flags;  // kKeepRegionOutputs; written by the daemon with each call
   uint64_t instance_id;
   uint64_t seq;
   // Reply.
@@ -122,6 +122,12 @@ struct alignas(64) SlotHeader {
   std::atomic<int64_t> fast_deadline_ns;
   std::atomic<uint32_t> fast_slot;
 };
+
+// SlotHeader::flags. kKeepRegionOutputs: the call's outputs in regions
+// (serial != 0) keep their bytes rather than start zeroed; the daemon sets
+// it only when each of them is in memory the caller asked to keep
+// (TensorLoc::keep_bytes). Outputs in the arena are zeroed regardless.
+inline constexpr uint32_t kKeepRegionOutputs = 1;
 
 // The slot: header then TensorRecs, kSlotBytes in all; the data area follows.
 inline constexpr size_t kSlotBytes = 64 << 10;

@@ -23,7 +23,16 @@ once it is answered: a kernel that reads past its own inline tensors finds
 zeros, not the input bob sent before. The daemon started with the
 benchmark's switch OPJIT_BENCH_NO_ZERO_FILL=1 shows the reproduction: there
 B returns 1234.5 and the over-reading kernel finds bob's 7777.
+
+The per-call opt-out, ForwardRequest.keep_output_bytes (``keep_output_bytes=True``
+in the client): an output in the caller's own region (or on its fast
+channel) keeps the bytes that memory held, which only the caller could put
+there; inline outputs and workspaces are zeroed all the same, and another
+principal cannot name the region at all, so it never gets anyone else's
+bytes this way.
 """
+
+import contextlib
 
 import gc
 import mmap
@@ -152,34 +161,49 @@ def inline_reuse(lab):
         return np.array(b.op("z27_none")(x()))
 
 
-def shm_reuse(lab, op="z27_none"):
-    """A then `op`, each with its output at offset 0 of one region of
-    alice's, over gRPC: (the region's bytes after A, `op`'s output)."""
-    mem, ex, md = lab.stubs("alice")
+@contextlib.contextmanager
+def own_region(lab, who, name):
+    """A region of `who`'s (2 * N floats: the output at 0, the input x()
+    after it), mapped here: yields (executor stub, metadata, mapping)."""
+    mem, ex, md = lab.stubs(who)
+    client_id = "z27-" + who
     info = mem.CreateRegion(memory_pb2.CreateRegionRequest(
-        namespace=NS, name="z27_out", byte_size=2 * 4 * N, client_id="z27"), timeout=10,
+        namespace=NS, name=name, byte_size=2 * 4 * N, client_id=client_id), timeout=10,
         metadata=md)
     try:
         fd = os.open("/dev/shm" + info.shm_key, os.O_RDWR)
         with mmap.mmap(fd, 2 * 4 * N) as m:
             os.close(fd)
-            # The input after the output, in the same region.
             m[4 * N:] = x().tobytes()
-            seen = []
-            for name in ("z27_fill", op):
-                req = exec_pb2.ForwardRequest(namespace=NS, op=name)
-                t = req.inputs.add().tensors.add()
-                t.dtype, t.shm.region, t.shm.offset = "float32", "z27_out", 4 * N
-                t.shape.append(N)
-                out = req.outputs.add().shm
-                out.region, out.offset = "z27_out", 0
-                resp = ex.Forward(req, timeout=30, metadata=md)
-                assert resp.outputs[0].shm.offset == 0, resp
-                seen.append(np.frombuffer(m[:4 * N], np.float32).copy())
-            return seen
+            yield ex, md, m
     finally:
-        mem.ReleaseClient(memory_pb2.ReleaseClientRequest(namespace=NS, client_id="z27"),
+        mem.ReleaseClient(memory_pb2.ReleaseClientRequest(namespace=NS, client_id=client_id),
                           timeout=10, metadata=md)
+
+
+def shm_call(ex, md, op, region, keep=False):
+    """`op` over gRPC with its input at 4 * N and its output at offset 0 of `region`."""
+    req = exec_pb2.ForwardRequest(namespace=NS, op=op, keep_output_bytes=keep)
+    t = req.inputs.add().tensors.add()
+    t.dtype, t.shm.region, t.shm.offset = "float32", region, 4 * N
+    t.shape.append(N)
+    out = req.outputs.add().shm
+    out.region, out.offset = region, 0
+    resp = ex.Forward(req, timeout=30, metadata=md)
+    assert resp.outputs[0].shm.offset == 0, resp
+    return resp
+
+
+def shm_reuse(lab, op="z27_none", keep=False):
+    """A then `op` (with keep_output_bytes=`keep`), each with its output at
+    offset 0 of one region of alice's, over gRPC: (the region's bytes after
+    A, `op`'s output)."""
+    with own_region(lab, "alice", "z27_out") as (ex, md, m):
+        seen = []
+        for name, k in (("z27_fill", False), (op, keep)):
+            shm_call(ex, md, name, "z27_out", k)
+            seen.append(np.frombuffer(m[:4 * N], np.float32).copy())
+        return seen
 
 
 def test_inline_output_of_another_principal_starts_zeroed(lab):
@@ -247,6 +271,90 @@ def test_the_arena_keeps_nothing_of_an_earlier_call(lab):
     assert y.shape == (N,)
     assert np.count_nonzero(y) == 0, "%d of %d values of bob's call: %s" % (
         np.count_nonzero(y), N, y[:4])
+
+
+# ---- keep_output_bytes: the per-call opt-out ---------------------------------------
+
+
+def test_keep_output_bytes_keeps_the_callers_own_shm_bytes(lab):
+    after_fill, y = shm_reuse(lab, keep=True)
+    assert np.all(after_fill == 1234.5)
+    # The kernel wrote nothing: the region holds what alice's last call left.
+    assert np.all(y == 1234.5), y[:4]
+    # And without the option, the same call zeroes it again.
+    _, y = shm_reuse(lab, keep=False)
+    assert np.count_nonzero(y) == 0, y[:4]
+
+
+def test_keep_output_bytes_never_reaches_another_principals_bytes(lab):
+    """bob keeps only bytes of his own region; alice's region, which holds
+    her 1234.5, is not his to name (NOT_FOUND, as a missing region)."""
+    with own_region(lab, "alice", "z27_a") as (ex_a, md_a, m_a), \
+            own_region(lab, "bob", "z27_b") as (ex_b, md_b, m_b):
+        shm_call(ex_a, md_a, "z27_fill", "z27_a")
+        assert np.all(np.frombuffer(m_a[:4 * N], np.float32) == 1234.5)
+        m_b[:4 * N] = np.full(N, 42.0, np.float32).tobytes()  # bob's own bytes
+        shm_call(ex_b, md_b, "z27_none", "z27_b", keep=True)
+        y = np.frombuffer(m_b[:4 * N], np.float32)
+        assert np.all(y == 42.0), y[:4]
+        with pytest.raises(grpc.RpcError) as e:
+            shm_call(ex_b, md_b, "z27_none", "z27_a", keep=True)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        # alice's bytes are where she left them, untouched by bob's try.
+        assert np.all(np.frombuffer(m_a[:4 * N], np.float32) == 1234.5)
+        # Inline, bob's keep call after alice's fill gets zeros.
+        with lab.client("alice") as a, lab.client("bob") as b:
+            assert np.all(np.asarray(a.op("z27_fill")(x())) == 1234.5)
+            y = np.array(b.op("z27_none")(x(), keep_output_bytes=True))
+            assert np.count_nonzero(y) == 0, y[:4]
+
+
+def test_keep_output_bytes_still_zeroes_inline_outputs_and_workspaces(lab):
+    with lab.client("alice") as a, lab.client("bob") as b:
+        for c in (a, b, a):
+            assert np.all(np.asarray(c.op("z27_fill")(x(), keep_output_bytes=True)) == 1234.5)
+            y = np.array(c.op("z27_none")(x(), keep_output_bytes=True))
+            assert y.shape == (N,)
+            assert np.count_nonzero(y) == 0, y[:4]
+            w = np.array(c.op("z27_ws")(x(), keep_output_bytes=True))
+            assert np.count_nonzero(w) == 0, w[:4]
+    # A workspace behind an output kept in shm: the kernel copies all of its
+    # workspace over its output, so the output shows the workspace zeroed.
+    for _ in range(2):
+        after_fill, w = shm_reuse(lab, "z27_ws", keep=True)
+        assert np.all(after_fill == 1234.5)
+        assert np.count_nonzero(w) == 0, w[:4]
+
+
+def test_keep_output_bytes_on_the_fast_channel(lab):
+    if lab.isolation != "process":
+        pytest.skip("fast channels need executor processes")
+    with lab.client("alice", fast="on") as c:
+        xs = c.asarray(x())
+        pool = c._transport.pool(NS)
+        before = c.call_counts().get("fast", 0)
+        filled = c.op("z27_fill")(xs)
+        at = pool.locate(filled)
+        assert at is not None
+        del filled
+        gc.collect()
+        # The very block alice's fill left 1234.5 in: kept as it was.
+        y = c.op("z27_none")(xs, keep_output_bytes=True)
+        assert pool.locate(y) == at
+        assert np.all(y == 1234.5), y[:4]
+        del y
+        gc.collect()
+        # Without the option, the same block starts zeroed again.
+        y = c.op("z27_none")(xs)
+        assert pool.locate(y) == at
+        assert np.count_nonzero(y) == 0, y[:4]
+        del y
+        # Workspaces start zeroed with the option too.
+        for _ in range(2):
+            w = c.op("z27_ws")(xs, keep_output_bytes=True)
+            assert np.count_nonzero(w) == 0, w[:4]
+            del w
+        assert c.call_counts().get("fast", 0) - before >= 5, c.call_counts()
 
 
 def test_without_zero_fill_the_reproduction_carries_bytes_over():

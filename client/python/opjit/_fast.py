@@ -51,7 +51,8 @@ S_STATE, S_CLIENT_WAITING, S_N_TENSORS, S_HANDLE, S_SEQ, S_DEADLINE = 0, 4, 8, 1
 S_CODE, S_MESSAGE_LEN, S_KERNEL_MS, S_REASON, S_MESSAGE, S_TENSORS = 40, 44, 48, 56, 96, 1152
 
 _HEADER = struct.Struct("<IIIIII")           # magic .. worker_pid
-_REQUEST = struct.Struct("<IIQQq")           # n_tensors, pad0, handle, seq, deadline_ns (at 8)
+_REQUEST = struct.Struct("<IIQQq")           # n_tensors, flags, handle, seq, deadline_ns (at 8)
+F_KEEP_OUTPUT_BYTES = 1                      # Slot.flags: outputs keep their bytes
 _REPLY = struct.Struct("<iId")               # code, message_len, kernel_ms (at 40)
 
 _WAIT_STEP_NS = 50_000_000      # one FUTEX_WAIT: a lost wake-up costs at most this
@@ -217,12 +218,14 @@ class FastChannel:
             s = self._refs[n] = struct.Struct("<%dQ" % (2 * n))
         return s
 
-    def call(self, handle, refs, deadline_ns=0):
+    def call(self, handle, refs, deadline_ns=0, keep_output_bytes=False):
         """Runs one prepared call; returns its Reply.
 
         refs: a flat list [region id, offset, region id, offset, ...], inputs
         then outputs (region 0: an absent input). deadline_ns: a
         CLOCK_MONOTONIC time (time.monotonic_ns()), 0 for none.
+        keep_output_bytes: the outputs are not zero-filled before the kernel
+        (they are all in this client's regions).
 
         Raises ChannelClosed when the channel is gone and the call did not run.
         """
@@ -242,7 +245,9 @@ class FastChannel:
         state = self._state[i]
         reusable = True
         try:
-            _REQUEST.pack_into(mm, base + S_N_TENSORS, n, 0, handle, seq, deadline_ns)
+            _REQUEST.pack_into(mm, base + S_N_TENSORS, n,
+                               F_KEEP_OUTPUT_BYTES if keep_output_bytes else 0, handle, seq,
+                               deadline_ns)
             self._refs_struct(n).pack_into(mm, base + S_TENSORS, *refs)
             state.value = SUBMITTED  # last: publishes the slot
             with self._lock:

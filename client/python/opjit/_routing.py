@@ -217,12 +217,14 @@ class RoutedSession:
     def _key(self, op):
         return (self.namespace, op)
 
-    def forward(self, op, groups, attrs=None, version=0, target=None, requires_grad=None):
+    def forward(self, op, groups, attrs=None, version=0, target=None, requires_grad=None,
+                keep_output_bytes=False):
         ns = self.namespace
         box = []
 
         def run(ep):
-            fwd = ep.transport.forward(ns, op, version, target, groups, attrs or {}, requires_grad)
+            fwd = ep.transport.forward(ns, op, version, target, groups, attrs or {}, requires_grad,
+                                       keep_output_bytes)
             box.append(ep)
             return fwd
 
@@ -237,10 +239,11 @@ class RoutedSession:
             ep = self._contexts.pop(context_id, None) if pop else self._contexts.get(context_id)
         return ep if ep is not None else self._router.current
 
-    def backward(self, context_id, grads, retain_context=False, grad_bytes=0):
+    def backward(self, context_id, grads, retain_context=False, grad_bytes=0,
+                 keep_output_bytes=False):
         ep = self._owner(context_id, pop=not retain_context)
         return ep.transport.backward(self.namespace, context_id, grads, retain_context,
-                                     grad_bytes)
+                                     grad_bytes, keep_output_bytes)
 
     def gradcheck(self, request):
         return self._router.call(lambda ep: ep.transport.gradcheck(request), idempotent=True,

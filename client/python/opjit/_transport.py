@@ -499,13 +499,16 @@ class Transport:
 
     # ---- forward ------------------------------------------------------------------------
 
-    def forward(self, ns, name, version, target, groups, attrs, flags=None):
+    def forward(self, ns, name, version, target, groups, attrs, flags=None,
+                keep_output_bytes=False):
         """Runs a forward; returns Forwarded. See the module docstring for the paths.
 
         groups: per declared input, a list of ndarrays (empty: absent);
         attrs: {name: opjit.v1.AttrValue}; flags: one requires_grad bool per
-        declared input, or None.
+        declared input, or None; keep_output_bytes: outputs in this client's
+        shared memory are not zero-filled first (ForwardRequest.keep_output_bytes).
         """
+        keep = bool(keep_output_bytes)
         if self._dead_contexts:
             self.flush_contexts()
         target = target or ""
@@ -517,9 +520,9 @@ class Transport:
                 if pool is not None and self._prepare_ok:
                     prep = self._prepare(ns, name, version, target, groups, attrs)
                     if prep is not None:
-                        return self._forward_prepared(ns, pool, prep, groups, flags)
+                        return self._forward_prepared(ns, pool, prep, groups, flags, keep)
                 return self._forward_plain(ns, pool, name, version, target, groups, attrs, flags,
-                                           inline_outputs)
+                                           inline_outputs, keep)
             except ShmUnavailable as e:
                 if e.permanent:
                     self.shm_failed(str(e))
@@ -547,12 +550,13 @@ class Transport:
         raise OpjitError("the call could not be placed")  # pragma: no cover
 
     def _forward_plain(self, ns, pool, name, version, target, groups, attrs, flags,
-                       inline_outputs):
+                       inline_outputs, keep=False):
         if pool is None and self.raw_forward is not None:
-            return self._forward_inline(ns, name, version, target, groups, attrs, flags)
+            return self._forward_inline(ns, name, version, target, groups, attrs, flags, keep)
         st = _Staging(self, pool, inline_outputs)
         try:
-            req = exec_pb2.ForwardRequest(namespace=ns, op=name, version=version, target=target)
+            req = exec_pb2.ForwardRequest(namespace=ns, op=name, version=version, target=target,
+                                          keep_output_bytes=keep)
             for g in groups:
                 req.inputs.add().tensors.extend([st.tensor(a) for a in g])
             for k, v in attrs.items():
@@ -568,10 +572,12 @@ class Transport:
         finally:
             st.done()
 
-    def _forward_inline(self, ns, name, version, target, groups, attrs, flags):
+    def _forward_inline(self, ns, name, version, target, groups, attrs, flags, keep=False):
         """A plain forward with every tensor inline, both ways (see the wire
-        helpers in opjit._tensors: one copy of the bytes each way)."""
-        req = exec_pb2.ForwardRequest(namespace=ns, op=name, version=version, target=target)
+        helpers in opjit._tensors: one copy of the bytes each way). Inline
+        outputs start zeroed whatever `keep` says."""
+        req = exec_pb2.ForwardRequest(namespace=ns, op=name, version=version, target=target,
+                                      keep_output_bytes=keep)
         for k, v in attrs.items():
             req.attrs[k].CopyFrom(v)
         if flags and any(flags):
@@ -584,7 +590,7 @@ class Transport:
         self.calls["grpc"] += 1
         return Forwarded(outs, resp.version, resp.context_id, resp.kernel_ms, "grpc")
 
-    def _forward_prepared(self, ns, pool, prep, groups, flags):
+    def _forward_prepared(self, ns, pool, prep, groups, flags, keep=False):
         st = _Staging(self, pool)
         try:
             grad = flags is not None and any(flags)
@@ -612,7 +618,8 @@ class Transport:
                 if ids_ok:  # else: a server without region ids; gRPC below
                     timeout = self.timeout
                     reply = ch.call(prep.handle, refs,
-                                    time.monotonic_ns() + int(timeout * 1e9) if timeout else 0)
+                                    time.monotonic_ns() + int(timeout * 1e9) if timeout else 0,
+                                    keep_output_bytes=keep)
                     if reply.code:
                         raise error_from_status(reply.code, reply.message, reason=reply.reason)
                     self.calls["fast"] += 1
@@ -621,7 +628,7 @@ class Transport:
                 st.done()
                 st = _Staging(self, pool)
             req = exec_pb2.ForwardRequest(namespace=ns, handle=prep.handle,
-                                          client_id=self.client_id)
+                                          client_id=self.client_id, keep_output_bytes=keep)
             for g in groups:
                 arg = req.inputs.add()
                 for a in g:
@@ -646,11 +653,13 @@ class Transport:
 
     # ---- backward, gradcheck --------------------------------------------------------------
 
-    def backward(self, ns, context_id, grads, retain_context=False, grad_bytes=0):
+    def backward(self, ns, context_id, grads, retain_context=False, grad_bytes=0,
+                 keep_output_bytes=False):
         """Runs Backward on a context; returns one list of arrays per forward input.
 
         grads: one array (or None: a missing grad) per forward output;
-        grad_bytes: the space the input grads need (their inputs' sizes).
+        grad_bytes: the space the input grads need (their inputs' sizes);
+        keep_output_bytes: as for forward.
         """
         inline = inline_outputs = False
         for attempt in range(4):
@@ -658,7 +667,8 @@ class Transport:
             st = _Staging(self, pool, inline_outputs)
             try:
                 req = exec_pb2.BackwardRequest(namespace=ns, context_id=context_id,
-                                               retain_context=bool(retain_context))
+                                               retain_context=bool(retain_context),
+                                               keep_output_bytes=bool(keep_output_bytes))
                 for g in grads:
                     req.grad_outputs.append(exec_pb2.Tensor() if g is None else st.tensor(g))
                 req.outputs.extend(st.placements(grad_bytes))
@@ -738,16 +748,21 @@ class Session:
         self._t = transport
         self.namespace = namespace
 
-    def forward(self, op, groups, attrs=None, version=0, target=None, requires_grad=None):
+    def forward(self, op, groups, attrs=None, version=0, target=None, requires_grad=None,
+                keep_output_bytes=False):
         """Runs op's forward. groups: per declared input, a list of ndarrays
         (empty: an absent optional input); attrs: {name: opjit.v1.AttrValue};
-        requires_grad: one bool per declared input, or None. Returns Forwarded."""
+        requires_grad: one bool per declared input, or None; keep_output_bytes:
+        outputs in this client's shared memory are not zero-filled first.
+        Returns Forwarded."""
         return self._t.forward(self.namespace, op, version, target, groups, attrs or {},
-                               requires_grad)
+                               requires_grad, keep_output_bytes)
 
-    def backward(self, context_id, grads, retain_context=False, grad_bytes=0):
+    def backward(self, context_id, grads, retain_context=False, grad_bytes=0,
+                 keep_output_bytes=False):
         """Backward on a context kept by a forward; one list of arrays per input."""
-        return self._t.backward(self.namespace, context_id, grads, retain_context, grad_bytes)
+        return self._t.backward(self.namespace, context_id, grads, retain_context, grad_bytes,
+                                keep_output_bytes)
 
     def gradcheck(self, request):
         return self._t.gradcheck(request)

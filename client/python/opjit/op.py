@@ -12,7 +12,7 @@ from opjit.errors import FailedPrecondition, InvalidArgument, Unimplemented
 
 __all__ = ["Op", "gradcheck", "GradCheckResult", "GradCheckInput", "split_name"]
 
-_RESERVED = ("version", "target", "requires_grad", "attrs")
+_RESERVED = ("version", "target", "requires_grad", "keep_output_bytes", "attrs")
 
 
 def split_name(name, namespace):
@@ -35,7 +35,12 @@ class Op:
     op's declared value_type; a dynamic input takes a list; an optional input
     may be None or left out. Reserved keywords: ``version`` (0: latest),
     ``target`` ("CPU"/"GPU"), ``requires_grad`` (True: every ndarray input
-    becomes a leaf Tensor that receives a gradient; or one bool per input).
+    becomes a leaf Tensor that receives a gradient; or one bool per input),
+    ``keep_output_bytes`` (True: outputs placed in this client's own shared
+    memory are not zero-filled before the kernel, so what the kernel does
+    not write holds whatever that memory held, as with torch's ``out=``;
+    it saves a pass over big outputs. Inline outputs and workspaces are
+    zeroed regardless. Default False).
 
     Returns an ndarray (a tuple of them for several outputs), or opjit.Tensor
     when an input is an opjit.Tensor or a gradient is being recorded.
@@ -149,6 +154,7 @@ class Op:
         version = kwargs.pop("version", self.version)
         target = kwargs.pop("target", self.target)
         requires_grad = kwargs.pop("requires_grad", None)
+        keep_output_bytes = bool(kwargs.pop("keep_output_bytes", False))
         record = self.definition(version)
         opdef = record.op
         inputs, groups, pb_attrs = self._bind(opdef, args, dict(kwargs))
@@ -181,7 +187,8 @@ class Op:
         arrays = [[v.data if isinstance(v, Tensor) else v for v in row] for row in tensors]
         ns = self.namespace
         fwd = self._session.forward(self.name, arrays, pb_attrs, version=version, target=target,
-                                    requires_grad=flags if any(flags) else None)
+                                    requires_grad=flags if any(flags) else None,
+                                    keep_output_bytes=keep_output_bytes)
         outs = fwd.outputs
         if version == 0 and fwd.version and fwd.version != record.version:
             self.refresh()  # a newer version ran; map arguments with it next time

@@ -414,6 +414,22 @@ TEST_F(AotKernelTest, OutputsStartZeroed) {
   EXPECT_EQ(std::count(std::begin(y), std::end(y), 1234.5f), 1024);
 }
 
+TEST_F(AotKernelTest, KeptOutputsKeepTheirBytes) {
+  // keep_bytes (ForwardRequest.keep_output_bytes, for the caller's own
+  // shared memory): that output is left as it is; without it, zeroed.
+  auto inst = AotKernelInstance::Create(kernel_, "CustomNoWrite", {F32({4})}, {F32({1024})}, {});
+  ASSERT_TRUE(inst.ok()) << inst.status();
+  float x[4] = {}, y[1024];
+  std::fill(std::begin(y), std::end(y), 1234.5f);
+  HostTensor kept{y, F32({1024})};
+  kept.keep_bytes = true;
+  ASSERT_TRUE((*inst)->Run({{x, F32({4})}}, {kept}).ok());
+  EXPECT_EQ(std::count(std::begin(y), std::end(y), 1234.5f), 1024);
+  kept.keep_bytes = false;
+  ASSERT_TRUE((*inst)->Run({{x, F32({4})}}, {kept}).ok());
+  EXPECT_EQ(std::count(std::begin(y), std::end(y), 0.0f), 1024);
+}
+
 TEST_F(AotKernelTest, NonZeroReturnIsAborted) {
   auto inst = AotKernelInstance::Create(kernel_, "CustomFail", {}, {F32({1})}, {});
   ASSERT_TRUE(inst.ok());
