@@ -1,12 +1,13 @@
 // What zero-filling outputs costs (issue 27, item 5): calls whose output is
-// in shared memory, against two opjitd processes started here, three sides
+// in shared memory, against three opjitd processes started here (one per
+// side, so each side's executor and region see only its own calls),
 // measured side by side in one run:
 //
 //   as is    OPJIT_BENCH_NO_ZERO_FILL=1 in its environment: outputs are left
 //            as the kernel finds them (the behaviour before zero-fill)
 //   zeroed   the default: every output is zeroed before its kernel runs
 //   keep_output_bytes
-//            the default daemon, with ForwardRequest.keep_output_bytes set:
+//            a default daemon, with ForwardRequest.keep_output_bytes set:
 //            an output in the caller's own region keeps its bytes (the
 //            per-call opt-out; workspaces and inline outputs stay zeroed)
 //
@@ -201,9 +202,10 @@ int Main(int argc, char** argv) {
   json result;
   result["config"] = {{"sizes", kSizes}, {"rounds", rounds},
                       {"cores", std::thread::hardware_concurrency()}};
-  std::vector<Daemon> daemons(2);
+  std::vector<Daemon> daemons(3);
   daemons[0].name = "as is";
   daemons[1].name = "zeroed";
+  daemons[2].name = "keep_output_bytes";
   auto finish = [&](int rc) {
     for (auto& d : daemons) {
       if (d.region != nullptr) ::munmap(d.region, 2 * kMaxBytes);
@@ -225,7 +227,7 @@ int Main(int argc, char** argv) {
 
   for (size_t k = 0; k < daemons.size(); ++k) {
     Daemon& d = daemons[k];
-    const std::string sub = dir + (k == 0 ? "/as_is" : "/zeroed");
+    const std::string sub = dir + "/side" + std::to_string(k);
     fs::create_directories(sub);
     // One executor per namespace: every call of a side runs in the same one.
     std::ofstream(sub + "/c.toml") << "[exec]\nworkers = 1\n";
@@ -266,17 +268,17 @@ int Main(int argc, char** argv) {
     std::memset(d.region, 0, kMaxBytes);
   }
 
-  // Per row, three series: as is, zeroed, keep_output_bytes (the zeroed
-  // daemon, with the opt-out).
+  // Per row, one series per side: as is, zeroed, keep_output_bytes (a
+  // default daemon's calls with the opt-out).
   constexpr size_t kSides = 3;
   std::vector<Series> series;
   for (uint64_t bytes : kSizes) {
     for (const char* op : {"square", "fill"}) {
       for (const char* path : {"grpc", "fast"}) {
         for (size_t k = 0; k < kSides; ++k) {
-          Daemon& d = daemons[k == 0 ? 0 : 1];
+          Daemon& d = daemons[k];
           Series s;
-          s.side = k == 2 ? "keep_output_bytes" : d.name;
+          s.side = d.name;
           s.keep = k == 2;
           s.op = op;
           s.path = path;
