@@ -1,11 +1,13 @@
 // opjitd: wires the core libraries together and serves them over gRPC.
 // Nothing here but configuration, construction order and signal handling.
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <pwd.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -602,7 +604,18 @@ int Run(int argc, char** argv) {
       return 1;
     }
     copts.compile_uid = cfg->compile_uid;
-    log->info("compile workers run as uid {} with CAP_DAC_READ_SEARCH alone", cfg->compile_uid);
+    __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+    __user_cap_data_struct caps[_LINUX_CAPABILITY_U32S_3] = {};
+    if (::syscall(SYS_capget, &header, caps) == 0 &&
+        (caps[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].permitted & CAP_TO_MASK(CAP_DAC_READ_SEARCH))) {
+      log->info("compile workers run as uid {} with CAP_DAC_READ_SEARCH alone", cfg->compile_uid);
+    } else {
+      log->warn(
+          "WARNING: opjitd has no CAP_DAC_READ_SEARCH (a container's root?), so its compile "
+          "workers run as uid {} with no capability: they read only the include directories "
+          "that uid may read (compiler.extra_include_dirs kept 0700 by root are \"not found\")",
+          cfg->compile_uid);
+    }
   }
   auto compiler = compiler::KernelCompiler::Create(copts);
   if (!compiler.ok()) {

@@ -382,7 +382,9 @@ absl::Status EnterPrivateNamespaces(const Policy& p) {
 // every capability effective): the bounding set loses every capability but
 // CAP_DAC_READ_SEARCH, and PR_SET_KEEPCAPS keeps the permitted set across
 // setresuid. After it: KEEPCAPS off again, no ambient capability, and
-// CAP_DAC_READ_SEARCH alone effective and permitted (none inheritable).
+// CAP_DAC_READ_SEARCH alone effective and permitted (none inheritable), or
+// no capability at all where the permitted set lacked it (a root without
+// it, e.g. in a container: nothing to keep).
 absl::Status KeepReadSearchOnly(bool before_uid) {
   if (before_uid) {
     // PR_CAPBSET_READ fails (EINVAL) past the kernel's last capability.
@@ -400,8 +402,11 @@ absl::Status KeepReadSearchOnly(bool before_uid) {
   }
   __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
   __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
-  data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].effective = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
-  data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].permitted = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
+  if (::syscall(SYS_capget, &header, data) != 0) return Errno("capget");
+  const uint32_t index = CAP_TO_INDEX(CAP_DAC_READ_SEARCH), mask = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
+  const uint32_t kept = data[index].permitted & mask;
+  for (auto& d : data) d = {};
+  data[index].effective = data[index].permitted = kept;
   if (::syscall(SYS_capset, &header, data) != 0) return Errno("capset CAP_DAC_READ_SEARCH");
   return absl::OkStatus();
 }

@@ -73,7 +73,9 @@ struct Policy {
   // limits it to the paths above. The filter refuses open_by_handle_at
   // (which, with this capability, opens any file of a mounted file system
   // by a handle, past Landlock) and name_to_handle_at, as for every
-  // policy. Ignored when not root or without uid (the compile workers).
+  // policy. A root process whose permitted set lacks CAP_DAC_READ_SEARCH
+  // (a container's) keeps no capability. Ignored when not root or without
+  // uid (the compile workers).
   bool keep_read_search = false;
 };
 

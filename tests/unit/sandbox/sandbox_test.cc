@@ -604,5 +604,48 @@ TEST_F(KeepReadSearch, WithoutItTheUidReadsNoPrivateDir) {
   EXPECT_EQ(out, "");
 }
 
+// A root without CAP_DAC_READ_SEARCH in its permitted set (a container's
+// root): the switch still happens, and nothing is kept.
+TEST_F(KeepReadSearch, ARootWithoutTheCapabilityKeepsNone) {
+  const std::string allowed = allowed_;
+  const Policy p = CompilePolicy();
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    Report r(fds[1]);
+    __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+    __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
+    if (::syscall(SYS_capget, &header, data) != 0) r.Fail("capget");
+    data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].effective &= ~CAP_TO_MASK(CAP_DAC_READ_SEARCH);
+    data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].permitted &= ~CAP_TO_MASK(CAP_DAC_READ_SEARCH);
+    if (::syscall(SYS_capset, &header, data) != 0) r.Fail("capset without CAP_DAC_READ_SEARCH");
+    if (absl::Status s = Apply(p); !s.ok()) {
+      r.Fail("Apply: " + s.ToString());
+    } else {
+      if (::geteuid() != kCompileUid) r.Fail("uid not switched");
+      const std::string status = Slurp("/proc/self/status");
+      if (StatusField(status, "CapEff") != "0000000000000000" ||
+          StatusField(status, "CapPrm") != "0000000000000000") {
+        r.Fail("capabilities left: " + StatusField(status, "CapPrm"));
+      }
+      errno = 0;
+      if (!Slurp(allowed + "/h").empty() || errno != EACCES) r.Fail("read the 0700 dir");
+    }
+    r.Send();
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, n);
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(out, "");
+}
+
 }  // namespace
 }  // namespace opjit::sandbox
