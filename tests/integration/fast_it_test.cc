@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -214,6 +215,52 @@ TEST_F(FastIT, PreparedCallOnTheFastPathMatchesGrpc) {
   EXPECT_EQ(RegionsOf(c_->client_id()).size(), 2u);
   const int64_t channels = InfoCount(*c_, "channels");
   if (channels != -1) EXPECT_GE(channels, 1);
+}
+
+TEST_F(FastIT, KeepOutputBytesLeavesTheClientsOwnOutputsAsTheyWere) {
+  // An op that writes nothing: its output shows what the call left there.
+  Register("none", "");
+  float* base = MakeRegion("keep", 1 << 16);
+  ASSERT_NE(base, nullptr);
+  auto id = c_->RegionId("", "keep");
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto call = PrepareFloat("none", 16);
+  ASSERT_TRUE(call.ok()) << call.status();
+  ASSERT_TRUE(call->fast);
+  float* y = base + 1024;
+  auto fill = [&] { std::fill(y, y + 16, 7.0f); };
+  auto all = [&](float v) { return std::count(y, y + 16, v) == 16; };
+  const FastTensorRef refs[] = {{*id, 0}, {*id, 4096}};
+
+  // The raw fast call: zeroed by default, kept when asked.
+  fill();
+  ASSERT_TRUE(c_->CallPrepared(*call, refs).ok());
+  EXPECT_TRUE(all(0.0f)) << y[0];
+  fill();
+  ASSERT_TRUE(c_->CallPrepared(*call, refs, {}, /*keep_output_bytes=*/true).ok());
+  EXPECT_TRUE(all(7.0f)) << y[0];
+
+  // Forward by name on the fast path, and over gRPC (a fast-off client of
+  // the same principal naming this client's region), with and without it.
+  auto off = Connect("off");
+  for (client::Client* c : {c_.get(), off.get()}) {
+    for (bool keep : {false, true}) {
+      v1::ForwardRequest req = ShmCall("none", 16, "keep", 0, 4096);
+      req.set_keep_output_bytes(keep);
+      fill();
+      auto r = c->Forward(req);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(all(keep ? 7.0f : 0.0f)) << "keep=" << keep << " fast=" << (c == c_.get());
+    }
+  }
+  // An inline output starts zeroed whatever the call asks.
+  v1::ForwardRequest inline_out = ShmCall("none", 16, "keep", 0, 4096);
+  inline_out.clear_outputs();
+  inline_out.set_keep_output_bytes(true);
+  auto r = off->Forward(inline_out);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->outputs(0).inline_data().size(), 64u);
+  EXPECT_EQ(r->outputs(0).inline_data(), std::string(64, '\0'));
 }
 
 TEST_F(FastIT, ConcurrentThreadsShareTheChannel) {
