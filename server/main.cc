@@ -41,6 +41,7 @@
 #include "server/rpc/metrics_interceptor.h"
 #include "server/autograd/autograd.h"
 #include "server/common/sha256.h"
+#include "server/common/subordinate_ids.h"
 #include "server/common/subprocess.h"
 #include "server/cache/disk_cache.h"
 #include "server/config.h"
@@ -101,6 +102,36 @@ std::string HelperDir() { return FindHelperDir(ExeDir()); }
 
 // Kernel headers: the configured dir, else installed next to the binary, else
 // the source tree this binary was built from.
+// A daemon without root: each namespace's executors as one of its user's
+// subordinate uids (and gids). Sets o's range and returns "", or says why
+// not.
+std::string UseSubordinateIds(const DaemonConfig& cfg, runner::ProcessRunnerOptions* o) {
+  if (!cfg.exec_namespaces) return "exec.namespaces = false";
+  if (!subprocess::UserNamespaces()) return "this kernel refuses it user namespaces";
+  std::optional<subordinate::Ids> ids = subordinate::ForThisUser();
+  if (!ids) {
+    return "its user has no subordinate ids (/etc/subuid and /etc/subgid) or newuidmap and "
+           "newgidmap are missing";
+  }
+  // One start to prove that newuidmap and newgidmap accept the ranges.
+  subprocess::SpawnOptions probe;
+  probe.path = "/bin/true";
+  probe.own_process_group = false;
+  probe.user_namespace = subprocess::SpawnOptions::UserNamespace{ids->uids.first, ids->gids.first};
+  absl::StatusOr<pid_t> pid = subprocess::Spawn(probe);
+  absl::StatusOr<subprocess::Exit> e =
+      pid.ok() ? subprocess::Wait(*pid) : absl::StatusOr<subprocess::Exit>(pid.status());
+  if (!e.ok() || !e->exited() || e->code() != 0) {
+    return absl::StrCat("mapping its subordinate ids failed (",
+                        e.ok() ? e->Describe() : std::string(e.status().message()), ")");
+  }
+  const uint32_t n = std::min(ids->uids.count, ids->gids.count);
+  o->uid_first = ids->uids.first;
+  o->uid_last = ids->uids.first + n - 1;
+  o->gid_first = ids->gids.first;
+  return "";
+}
+
 // The process runner's options from the [exec] config.
 runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
                                                       const runner::KernelHostOptions& host) {
@@ -139,13 +170,19 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
     Logger("runner")->warn(
         "WARNING: exec.uid_range = \"\": every namespace's executors share one uid, so tenants "
         "are not apart by uid and exec.threads_per_namespace is not enforced; set exec.uid_range");
+  } else if (std::string why = UseSubordinateIds(cfg, &o); why.empty()) {
+    Logger("runner")->info(
+        "executors run as a subordinate uid per namespace, from {}-{} (gids from {}), each in "
+        "user and PID namespaces of its own",
+        o.uid_first, o.uid_last, o.gid_first);
   } else {
     Logger("runner")->warn(
-        "WARNING: opjitd is not root, so its executors run as its own uid ({}): tenants are not "
-        "apart by uid, a kernel shares the daemon's per-user limits, and "
-        "exec.threads_per_namespace is not enforced (exec.threads_per_executor is). Landlock and "
-        "seccomp still confine every executor; start opjitd as root for a uid per namespace",
-        ::geteuid());
+        "WARNING: opjitd is not root and {}, so its executors run as its own uid ({}), each in a "
+        "user namespace of its own: tenants are not apart by uid, a kernel shares the daemon's "
+        "per-user limits, and exec.threads_per_namespace caps each executor, not a namespace. "
+        "Landlock and seccomp still confine every executor; give opjitd's user subordinate ids "
+        "(usermod --add-subuids/--add-subgids, with the uidmap package) for a uid per namespace",
+        why, ::geteuid());
   }
   if (!cfg.exec_namespaces) {
     subprocess::AllowNamespaces(false);
@@ -161,12 +198,12 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
         "and network namespaces, and an executor's scratch is a host directory (each file at "
         "most exec.scratch_mb) instead of a private tmpfs. seccomp still refuses every call "
         "aimed at another process");
-  } else if (!subprocess::PidNamespaces()) {
+  } else if (!subprocess::PidNamespaces() && !subprocess::UserNamespaces()) {
     Logger("runner")->warn(
         "WARNING: opjitd is not root: executors and compile workers get network, IPC, mount and "
         "UTS namespaces of their own (through a user namespace) and a private tmpfs scratch, "
-        "but share the host's PID namespace (a PID namespace needs root). seccomp still refuses "
-        "every call aimed at another process");
+        "but share the host's PID namespace (this kernel refuses it a PID namespace). seccomp "
+        "still refuses every call aimed at another process");
   }
   return o;
 }

@@ -326,12 +326,28 @@ absl::Status WriteProcFile(const char* path, const std::string& text) {
   return absl::OkStatus();
 }
 
+// The capabilities a user namespace gave: none left, none to regain.
+absl::Status DropUserNamespaceCapabilities() {
+  for (int cap = 0; cap <= 63; ++cap) ::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
+  ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+  struct {
+    uint32_t version;
+    int pid;
+  } header{0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
+  struct {
+    uint32_t effective, permitted, inheritable;
+  } data[2] = {};
+  if (::syscall(SYS_capset, &header, data) != 0) return Errno("capset");
+  return absl::OkStatus();
+}
+
 absl::Status EnterPrivateNamespaces(const Policy& p) {
   const int common = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS;
-  const bool root = ::geteuid() == 0;
+  // The host's root (not the root of a user namespace the spawner made).
+  const bool root = ::geteuid() == 0 && !p.user_namespace_root;
   const uid_t uid = ::geteuid();
   const gid_t gid = ::getegid();
-  if (root) {
+  if (root || p.user_namespace_root) {
     if (::unshare(common) != 0) return Errno("unshare");
   } else {
     // Not root: a user namespace of its own first (unprivileged), in which
@@ -362,19 +378,7 @@ absl::Status EnterPrivateNamespaces(const Policy& p) {
       return Errno("scratch tmpfs");
     }
   }
-  if (!root) {
-    // The user namespace's capabilities: none left, none to regain.
-    for (int cap = 0; cap <= 63; ++cap) ::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
-    ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
-    struct {
-      uint32_t version;
-      int pid;
-    } header{0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
-    struct {
-      uint32_t effective, permitted, inheritable;
-    } data[2] = {};
-    if (::syscall(SYS_capset, &header, data) != 0) return Errno("capset");
-  }
+  if (!root) return DropUserNamespaceCapabilities();
   return absl::OkStatus();
 }
 
@@ -424,6 +428,8 @@ absl::Status Apply(const Policy& p) {
   }
   if (p.private_namespaces) {
     if (auto s = EnterPrivateNamespaces(p); !s.ok()) return s;
+  } else if (p.user_namespace_root) {
+    if (auto s = DropUserNamespaceCapabilities(); !s.ok()) return s;
   }
   rlimit core{0, 0};
   if (::setrlimit(RLIMIT_CORE, &core) != 0) return Errno("RLIMIT_CORE");
@@ -440,7 +446,7 @@ absl::Status Apply(const Policy& p) {
   if (auto s = SetLimit(RLIMIT_FSIZE, p.file_size_bytes, "RLIMIT_FSIZE"); !s.ok()) return s;
   if (auto s = SetLimit(RLIMIT_NPROC, p.max_processes, "RLIMIT_NPROC"); !s.ok()) return s;
   ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-  if (::geteuid() == 0 && p.uid >= 0) {
+  if (::geteuid() == 0 && !p.user_namespace_root && p.uid >= 0) {
     const gid_t gid = static_cast<gid_t>(p.gid >= 0 ? p.gid : p.uid);
     // While still root: the bounding set down to CAP_DAC_READ_SEARCH, and
     // the permitted set kept across setresuid (which clears the effective).

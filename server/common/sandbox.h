@@ -50,6 +50,13 @@ struct Policy {
   // else's, mounts of its own. (A PID namespace is the spawner's part:
   // subprocess::SpawnOptions::new_pid_namespace.)
   bool private_namespaces = false;
+  // The process is uid 0 of a user namespace its spawner made
+  // (subprocess::SpawnOptions::user_namespace: a daemon without root), and
+  // so holds every capability there. With private_namespaces, the other
+  // namespaces are made in that one (no new user namespace), and every
+  // capability is dropped once the mounts are done, as for a non-root
+  // process. The uid switch (uid, gid) is skipped: the spawner chose the ids.
+  bool user_namespace_root = false;
   // With private_namespaces and a non-empty existing scratch_dir: a tmpfs
   // of at most scratch_bytes is mounted over it, owned by uid/gid, mode
   // 0700, nosuid and nodev (e.g. over /dev/shm). Only this process sees it (it

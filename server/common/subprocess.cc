@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sched.h>
+#include <linux/close_range.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -32,6 +33,10 @@ namespace opjit::subprocess {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Debian's uidmap package: the set-uid tools that map subordinate ids.
+constexpr char kNewUidMap[] = "/usr/bin/newuidmap";
+constexpr char kNewGidMap[] = "/usr/bin/newgidmap";
 
 // strerror() is not thread-safe; this is.
 std::string ErrnoText(int err) {
@@ -134,6 +139,215 @@ pid_t ParentOf(const std::string& pid) {
 
 namespace {
 
+// Reads what `fd` gives until EOF (at most 4 KiB kept).
+std::string ReadAll(int fd) {
+  std::string out;
+  char buf[512];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    if (out.size() < 4096) out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// Waits for a child started here outside Spawn (EINTR-safe).
+int WaitStatus(pid_t pid) {
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return status;
+}
+
+// Makes id 0 of `pid`'s user namespace stand for `outer` ("uid_map" or
+// "gid_map"). A daemon maps its own ids, or any as root, by writing the
+// file; any other id goes through newuidmap or newgidmap, which check
+// /etc/subuid or /etc/subgid. Empty on success, else why not.
+std::string MapId(pid_t pid, bool uid, uint32_t outer) {
+  const bool own = uid ? outer == ::geteuid() : outer == ::getegid();
+  if (own || ::geteuid() == 0) {
+    const std::string dir = absl::StrCat("/proc/", pid, "/");
+    if (!uid && ::geteuid() != 0) {
+      // Without CAP_SETGID a gid map needs setgroups denied first.
+      const int fd = ::open((dir + "setgroups").c_str(), O_WRONLY | O_CLOEXEC);
+      const bool ok = fd >= 0 && ::write(fd, "deny", 4) == 4;
+      const int err = errno;
+      if (fd >= 0) ::close(fd);
+      if (!ok) return "setgroups: " + ErrnoText(err);
+    }
+    const std::string line = absl::StrCat("0 ", outer, " 1");
+    const int fd = ::open((dir + (uid ? "uid_map" : "gid_map")).c_str(), O_WRONLY | O_CLOEXEC);
+    const bool ok = fd >= 0 && ::write(fd, line.data(), line.size()) ==
+                                   static_cast<ssize_t>(line.size());
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    return ok ? "" : absl::StrCat(uid ? "uid_map: " : "gid_map: ", ErrnoText(err));
+  }
+  const char* tool = uid ? kNewUidMap : kNewGidMap;
+  const std::string target = std::to_string(pid), id = std::to_string(outer);
+  std::vector<std::string> args = {tool, target, "0", id, "1"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  char env_path[] = "PATH=/usr/bin:/bin";
+  char* envp[] = {env_path, nullptr};
+  int out[2];
+  if (::pipe2(out, O_CLOEXEC) != 0) return "pipe: " + ErrnoText(errno);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 2);
+  posix_spawn_file_actions_addclosefrom_np(&fa, 3);
+  pid_t tool_pid = -1;
+  const int err = ::posix_spawn(&tool_pid, tool, &fa, nullptr, argv.data(), envp);
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(out[1]);
+  if (err != 0) {
+    ::close(out[0]);
+    return absl::StrCat(uid ? "newuidmap" : "newgidmap", " cannot start: ", ErrnoText(err));
+  }
+  std::string said = ReadAll(out[0]);
+  ::close(out[0]);
+  const int status = WaitStatus(tool_pid);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  while (!said.empty() && (said.back() == '\n' || said.back() == ' ')) said.pop_back();
+  return absl::StrCat(uid ? "newuidmap" : "newgidmap", " ", DescribeExit(status),
+                      said.empty() ? "" : ": ", said);
+}
+
+// The child half of SpawnInUserNamespace, between clone and exec: only
+// system calls (the daemon has other threads, whose locks it shares).
+[[noreturn]] void UserNamespaceChild(const SpawnOptions& o, const std::vector<int>& sources,
+                                     const std::set<int>& targets, int max_child, int go_fd,
+                                     int err_fd, char* const* argv, char* const* envp) {
+  auto fail = [err_fd](int step) {
+    const int report[2] = {step, errno};
+    (void)!::write(err_fd, report, sizeof(report));
+    ::_exit(127);
+  };
+  char go = 0;
+  while (::read(go_fd, &go, 1) < 0 && errno == EINTR) {
+  }
+  if (go != 'g') ::_exit(127);  // the daemon gave up on it
+  // Become the namespace's uid 0 and gid 0 (the mapped ids): directly, as
+  // the raw calls (glibc's wrappers would signal the daemon's threads,
+  // which this copy does not have). No supplementary group of the daemon's
+  // stays where the namespace allows dropping them.
+  if (::syscall(SYS_setresgid, 0, 0, 0) != 0) fail(1);
+  (void)::syscall(SYS_setgroups, 0, nullptr);
+  if (::syscall(SYS_setresuid, 0, 0, 0) != 0) fail(2);
+  if (o.own_process_group && ::setpgid(0, 0) != 0) fail(3);
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  for (int sig = 1; sig < NSIG; ++sig) {
+    if (sig != SIGKILL && sig != SIGSTOP) ::sigaction(sig, &dfl, nullptr);  // EINVAL for some
+  }
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  for (size_t i = 0; i < o.fds.size(); ++i) {
+    int from = sources[i];
+    if (from < 0) {
+      from = ::open("/dev/null", O_RDWR);
+      if (from < 0) fail(4);
+    }
+    if (::dup2(from, o.fds[i].child_fd) < 0) fail(5);
+    if (sources[i] < 0 && from != o.fds[i].child_fd) ::close(from);
+  }
+  for (int fd = 0; fd <= max_child; ++fd) {
+    if (targets.count(fd) != 0) continue;
+    if (fd <= 2) {
+      const int null_fd = ::open("/dev/null", O_RDWR);
+      if (null_fd < 0) fail(4);
+      if (null_fd != fd) {
+        if (::dup2(null_fd, fd) < 0) fail(5);
+        ::close(null_fd);
+      }
+    } else {
+      ::close(fd);
+    }
+  }
+  // Nothing else of the daemon's survives the exec (the error pipe, open
+  // until then, included).
+  ::syscall(SYS_close_range, static_cast<unsigned>(max_child + 1), ~0u, CLOSE_RANGE_CLOEXEC);
+  ::execve(o.path.c_str(), argv, envp);
+  fail(6);
+  ::_exit(127);
+}
+
+// Spawn() with o.user_namespace, on the spawn thread: the child is cloned
+// into new user and PID namespaces, waits until its ids are mapped, takes
+// them and execs. Returns 0 and sets `*pid`, or an errno-like failure with
+// `*why` set.
+int SpawnInUserNamespace(const SpawnOptions& o, const std::vector<int>& sources,
+                         const std::set<int>& targets, int max_child, char* const* argv,
+                         char* const* envp, pid_t* pid, std::string* why) {
+  // Both pipes above every target, so that no dup2 in the child lands on
+  // them.
+  int go[2], err[2];
+  if (::pipe2(go, O_CLOEXEC) != 0) return errno;
+  if (::pipe2(err, O_CLOEXEC) != 0) {
+    const int e = errno;
+    ::close(go[0]);
+    ::close(go[1]);
+    return e;
+  }
+  for (int* fd : {&go[0], &err[1]}) {
+    const int high = ::fcntl(*fd, F_DUPFD_CLOEXEC, max_child + 1);
+    if (high >= 0) {
+      ::close(*fd);
+      *fd = high;
+    }
+  }
+  const long child = ::syscall(SYS_clone, CLONE_NEWUSER | CLONE_NEWPID | SIGCHLD, nullptr, nullptr,
+                               nullptr, nullptr);
+  if (child == 0) {
+    // The parent's ends: with them open here, neither side would see the
+    // other's end of file.
+    ::close(go[1]);
+    ::close(err[0]);
+    UserNamespaceChild(o, sources, targets, max_child, go[0], err[1], argv, envp);
+  }
+  const int clone_err = errno;
+  ::close(go[0]);
+  ::close(err[1]);
+  if (child < 0) {
+    ::close(go[1]);
+    ::close(err[0]);
+    *why = "clone: " + ErrnoText(clone_err);
+    return clone_err;
+  }
+  const pid_t p = static_cast<pid_t>(child);
+  std::string mapped = MapId(p, /*uid=*/true, o.user_namespace->uid);
+  if (mapped.empty()) mapped = MapId(p, /*uid=*/false, o.user_namespace->gid);
+  if (mapped.empty()) (void)!::write(go[1], "g", 1);
+  ::close(go[1]);  // without "g" the child exits
+  if (!mapped.empty()) {
+    ::close(err[0]);
+    ::kill(p, SIGKILL);
+    (void)WaitStatus(p);
+    *why = mapped;
+    return EPERM;
+  }
+  int report[2] = {0, 0};
+  const std::string got = ReadAll(err[0]);  // EOF at its exec
+  ::close(err[0]);
+  if (!got.empty()) {
+    ::kill(p, SIGKILL);
+    (void)WaitStatus(p);
+    std::memcpy(report, got.data(), std::min(got.size(), sizeof(report)));
+    static const char* const kSteps[] = {"", "setresgid", "setresuid", "setpgid", "/dev/null",
+                                         "dup2", "exec"};
+    *why = absl::StrCat(kSteps[report[0] >= 1 && report[0] <= 6 ? report[0] : 0], ": ",
+                        ErrnoText(report[1]));
+    return report[1] != 0 ? report[1] : EPERM;
+  }
+  *pid = p;
+  return 0;
+}
+
 // Spawn(), with the PID namespace decided by the caller; `*in_namespace`
 // (if given) says whether the child got one.
 absl::StatusOr<pid_t> SpawnImpl(const SpawnOptions& o, bool pid_namespace, bool* in_namespace) {
@@ -221,6 +435,23 @@ absl::StatusOr<pid_t> SpawnImpl(const SpawnOptions& o, bool pid_namespace, bool*
 
   pid_t pid = -1;
   bool isolated = false;
+  if (o.user_namespace.has_value()) {
+    posix_spawn_file_actions_destroy(&fa);
+    posix_spawnattr_destroy(&attr);
+    std::string why;
+    const int err = TheSpawnThread().Call([&] {
+      return SpawnInUserNamespace(o, sources, targets, max_child, argv.data(), envp.data(), &pid,
+                                  &why);
+    });
+    close_sources();
+    if (err != 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot start the program in a user namespace: ", why.empty() ? ErrnoText(err) : why));
+    }
+    NoteInit(pid);
+    if (in_namespace != nullptr) *in_namespace = true;
+    return pid;
+  }
   const int err = TheSpawnThread().Call([&] {
     // The spawn thread's children go to a new PID namespace (unshare
     // changes only where this thread's next child goes), and back to ours
@@ -401,6 +632,35 @@ bool PrivateNamespaces() {
 }
 
 void AllowNamespaces(bool allowed) { g_namespaces_allowed.store(allowed); }
+
+void IsolateHelper(SpawnOptions* spawn) {
+  if (!PrivateNamespaces()) return;
+  spawn->args.insert(spawn->args.end(), {"--isolate", "1"});
+  if (::geteuid() != 0 && UserNamespaces()) {
+    spawn->user_namespace = SpawnOptions::UserNamespace{static_cast<uint32_t>(::geteuid()),
+                                                        static_cast<uint32_t>(::getegid())};
+    spawn->args.insert(spawn->args.end(), {"--userns", "1"});
+  } else {
+    spawn->new_pid_namespace = PidNamespaces();
+  }
+}
+
+bool UserNamespaces() {
+  if (!g_namespaces_allowed.load()) return false;
+  static const bool works = [] {
+    // Try it: one short-lived child, as the daemon's own ids.
+    SpawnOptions probe;
+    probe.path = "/bin/true";
+    probe.own_process_group = false;
+    probe.user_namespace = SpawnOptions::UserNamespace{static_cast<uint32_t>(::geteuid()),
+                                                       static_cast<uint32_t>(::getegid())};
+    absl::StatusOr<pid_t> pid = Spawn(probe);
+    if (!pid.ok()) return false;
+    absl::StatusOr<Exit> e = Wait(*pid);
+    return e.ok() && e->exited() && e->code() == 0;
+  }();
+  return works;
+}
 
 bool PidNamespaces() {
   if (!g_namespaces_allowed.load()) return false;

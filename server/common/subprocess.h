@@ -78,6 +78,20 @@ struct SpawnOptions {
   // cannot die of a signal it raises itself (abort()): it calls ActAsInit()
   // at start, and Wait() and Reap() report its abort as SIGABRT.
   bool new_pid_namespace = false;
+  // Start it as uid 0 of a new user namespace, and as process 1 of a PID
+  // namespace that namespace owns: what a daemon without root uses for the
+  // walls `new_pid_namespace` gives a root one. Its uid 0 and gid 0 stand
+  // for `uid` and `gid` on the host: the daemon's own ids are mapped
+  // directly; any other (a subordinate id of the daemon's user, from
+  // /etc/subuid and /etc/subgid) through newuidmap and newgidmap, which
+  // check that the user owns it. The child holds every capability inside
+  // its user namespace and none outside; it must drop them once its mounts
+  // are made (sandbox::Policy::user_namespace_root). Overrides
+  // new_pid_namespace. Where UserNamespaces() is false, Spawn fails.
+  struct UserNamespace {
+    uint32_t uid = 0, gid = 0;
+  };
+  std::optional<UserNamespace> user_namespace;
 };
 
 // Whether Spawn(new_pid_namespace) can start children in PID namespaces of
@@ -91,6 +105,18 @@ bool PidNamespaces();
 bool PrivateNamespaces();
 // The operator's choice (exec.namespaces); call it at startup. Default: true.
 void AllowNamespaces(bool allowed);
+// Whether Spawn(user_namespace) works here with the daemon's own ids
+// (probed once: a kernel that lets this user make user and PID namespaces),
+// and the operator has not turned namespaces off.
+bool UserNamespaces();
+
+// For a helper that takes "--isolate 1" and "--userns 1" (compile workers,
+// NVRTC sandboxes): namespaces of its own where the daemon can make them.
+// Root: a PID namespace (new_pid_namespace), the rest its own. Not root:
+// user and PID namespaces from the spawn (user_namespace, as the daemon's
+// own ids, which its include directories need), the rest its own. Neither:
+// nothing (the daemon warned at start).
+void IsolateHelper(SpawnOptions* spawn);
 
 // Starts a child; returns its pid. The caller reaps it (Wait, Reap).
 // INVALID_ARGUMENT for a bad fd map or an empty path, UNAVAILABLE when the

@@ -50,7 +50,8 @@ int Fail(const std::string& what) {
 
 int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
              uint64_t memory, uint64_t cpu_seconds, const std::string& archs,
-             const std::vector<std::string>& includes, bool isolate, long long uid) {
+             const std::vector<std::string>& includes, bool isolate, bool userns,
+             long long uid) {
   // Dies with the daemon (PDEATHSIG: the daemon starts every child from one
   // long-lived thread, so a spare does not die with the thread that asked
   // for it); a dead daemon also closes stdin (an empty request: exit), and
@@ -79,6 +80,7 @@ int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
     // No network, no IPC and mounts of its own (--isolate); memory only
     // where RLIMIT_AS counts it.
     p.private_namespaces = isolate;
+    p.user_namespace_root = userns;
     p.refuse_shared_memory = true;
     // The compile uid (root daemon), with CAP_DAC_READ_SEARCH alone.
     p.uid = uid;
@@ -103,7 +105,7 @@ int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
 }
 
 int Main(int argc, char** argv) {
-  bool nvrtc = false, exec = false, isolate = false;
+  bool nvrtc = false, exec = false, isolate = false, userns = false;
   std::string cuda_root = "/usr/local/cuda", lib, archs, rw;
   uint64_t memory = 0, cpu_seconds = 0;
   long long uid = -1;
@@ -144,6 +146,8 @@ int Main(int argc, char** argv) {
       rw = argv[++i];
     } else if (a == "--isolate") {
       isolate = std::string(argv[++i]) == "1";
+    } else if (a == "--userns") {
+      userns = std::string(argv[++i]) == "1";
     } else if (a == "--uid") {
       char* end = nullptr;
       uid = std::strtoll(v, &end, 10);
@@ -156,7 +160,8 @@ int Main(int argc, char** argv) {
     }
   }
   if (nvrtc) {
-    return RunNvrtc(parent, cuda_root, lib, memory, cpu_seconds, archs, includes, isolate, uid);
+    return RunNvrtc(parent, cuda_root, lib, memory, cpu_seconds, archs, includes, isolate, userns,
+                    uid);
   }
   if (!exec || i >= argc || rw.empty()) return Fail("usage: see the comment in gpu_sandbox_main.cc");
   sandbox::Policy p;

@@ -434,8 +434,7 @@ absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
   spawn.tag_instance = true;
   // Namespaces of its own where the daemon can make them, like the CPU
   // compile workers'.
-  spawn.new_pid_namespace = subprocess::PidNamespaces();
-  if (subprocess::PrivateNamespaces()) spawn.args.insert(spawn.args.end(), {"--isolate", "1"});
+  subprocess::IsolateHelper(&spawn);
   // Root: the compile uid, never root's (the sandbox drops to it).
   if (options_.sandbox_uid > 0 && ::geteuid() == 0) {
     spawn.args.insert(spawn.args.end(), {"--uid", std::to_string(options_.sandbox_uid)});

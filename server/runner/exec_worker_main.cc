@@ -138,6 +138,7 @@ struct Flags {
   std::string scratch_dir = "/tmp", ns;
   uint64_t scratch_bytes = 0;
   bool isolate = false;
+  bool userns = false;         // uid 0 of a user namespace opjitd made (a daemon without root)
   std::vector<std::string> libraries, read_only;
   uint64_t channel_bytes = 0;  // > 0: serve a fast channel
   int64_t max_threads = 0;     // threads a call may leave behind (0: unchecked)
@@ -804,6 +805,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (a == "--scratch-dir") f->scratch_dir = v;
     else if (a == "--scratch-bytes") f->scratch_bytes = std::strtoull(v.c_str(), nullptr, 10);
     else if (a == "--isolate") f->isolate = v == "1";
+    else if (a == "--userns") f->userns = v == "1";
     else if (a == "--namespace") f->ns = v;
     else if (a == "--allow-library") f->libraries.push_back(v);
     else if (a == "--read-only") f->read_only.push_back(v);
@@ -877,6 +879,7 @@ int Main(int argc, char** argv) {
   // it): its scratch is a private tmpfs of --scratch-bytes. Without them,
   // each file it writes is capped instead.
   policy.private_namespaces = flags.isolate;
+  policy.user_namespace_root = flags.userns;
   policy.scratch_dir = flags.scratch_dir;
   policy.scratch_bytes = flags.scratch_bytes;
   if (!flags.isolate) policy.file_size_bytes = flags.scratch_bytes;

@@ -182,7 +182,10 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
       }
       it = ns_uids.emplace(ns, static_cast<uint32_t>(next)).first;
     }
-    return std::pair<int64_t, int64_t>{it->second, it->second};
+    const int64_t gid = options.gid_first == 0
+                            ? int64_t{it->second}
+                            : int64_t{options.gid_first} + (it->second - options.uid_first);
+    return std::pair<int64_t, int64_t>{it->second, gid};
   }
   std::map<std::string, int> crash_streak;             // by quarantine key; guarded by mu
   // Each namespace's memory cap over all of its executors; null: none.
@@ -333,7 +336,11 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   // unprivileged user namespaces.
   std::string scratch;
   const bool isolated = options.private_namespaces && subprocess::PrivateNamespaces();
-  const bool own_pids = isolated && subprocess::PidNamespaces();
+  // Without root: a user namespace of its own, made by the spawn, whose
+  // uid 0 is the namespace's subordinate uid (or the daemon's own uid,
+  // without subordinate ids), and a PID namespace that one owns.
+  const bool userns = isolated && ::geteuid() != 0 && subprocess::UserNamespaces();
+  const bool own_pids = isolated && (userns || subprocess::PidNamespaces());
   if (isolated) {
     scratch = "/dev/shm";
   } else if (!options.host.scratch_dir.empty()) {
@@ -353,12 +360,17 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
       subprocess::kParentPidFlag, std::to_string(::getpid()),
       "--arena-bytes", std::to_string(options.arena_bytes),
       "--memory-bytes", std::to_string(options.memory_bytes),
-      "--uid", std::to_string(uid),
-      "--gid", std::to_string(gid),
+      // In a user namespace it already is who it runs as (the spawn chose).
+      "--uid", std::to_string(userns ? -1 : uid),
+      "--gid", std::to_string(userns ? -1 : gid),
+      "--userns", userns ? "1" : "0",
       "--max-threads", std::to_string(options.threads_per_executor),
       // RLIMIT_NPROC counts per uid: a cap for the namespace only when the
       // uid is the namespace's alone.
-      "--max-processes", std::to_string(options.uid_first != 0 ? options.threads_per_namespace : 0),
+      // In a user namespace of its own it counts that namespace's, i.e. its
+      // own threads: a cap per executor.
+      "--max-processes",
+      std::to_string(options.uid_first != 0 || userns ? options.threads_per_namespace : 0),
       "--spin-us", std::to_string(channel != nullptr ? channel_spin_us : options.spin_us),
       "--scratch-dir", scratch,
       "--scratch-bytes", std::to_string(options.scratch_bytes),
@@ -402,6 +414,11 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   if (channel != nullptr) spawn.fds.push_back({5, channel->fd()});
   spawn.tag_instance = true;
   spawn.new_pid_namespace = own_pids;
+  if (userns) {
+    spawn.user_namespace = subprocess::SpawnOptions::UserNamespace{
+        static_cast<uint32_t>(uid >= 0 ? uid : ::geteuid()),
+        static_cast<uint32_t>(gid >= 0 ? gid : ::getegid())};
+  }
   absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(child_sock);
   if (!isolated) w->scratch = scratch;

@@ -65,6 +65,13 @@ struct ProcessRunnerOptions {
   // 0700. When the range is used up, a new namespace's spawn fails with
   // RESOURCE_EXHAUSTED. 0: off (all namespaces use uid/gid).
   uint32_t uid_first = 0, uid_last = 0;
+  // With uid_first: the gid of the namespace that takes uid_first + k is
+  // gid_first + k. 0: the gid of the same number as the uid. A daemon
+  // without root sets both from its user's subordinate ids
+  // (server/common/subordinate_ids.h); its workers then start in user
+  // namespaces of their own whose uid 0 is that uid
+  // (subprocess::SpawnOptions::user_namespace).
+  uint32_t gid_first = 0;
   // Threads a worker may keep after a call. A worker that has more is
   // stopped when it comes back to the pool (its call answers
   // RESOURCE_EXHAUSTED, as the worker itself checks); a fast-channel worker

@@ -191,9 +191,8 @@ def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
         return workers if workers and all(l["net"] != own["net"] for _, l in workers) else None
 
     for pid, l in wait_for(compilers_apart, 60, "a compile worker in namespaces of its own"):
-        for n in NAMESPACES:
-            apart = rooted or n != "pid"
-            assert (l[n] != own[n]) == apart, "compile worker %d, %s namespace" % (pid, n)
+        for n in NAMESPACES + ([] if rooted else ["user"]):
+            assert l[n] != own[n], "compile worker %d, %s namespace" % (pid, n)
     c = opjit.Client(daemon.unix_address, timeout=120)
     c.register(unary_spec("probe", PROBE, namespace="alice"))
     c.register(unary_spec("probe", PROBE, namespace="bob"))
@@ -211,21 +210,18 @@ def test_executors_are_apart_and_their_scratch_and_memory_are_capped(daemon):
     procs = executors(daemon.proc.pid)
     assert len(procs) >= 2, procs
     links = {pid: ns_links(pid) for pid in procs}
-    # A non-root daemon: the same through a user namespace of each
-    # executor's own, but the host's PID namespace (that needs root).
-    if rooted:
-        assert (a[0], a[1]) == (1, 0) and (b[0], b[1]) == (1, 0), (a[:2], b[:2])
-    else:
-        assert a[0] > 1 and a[0] != b[0] and a[1] == daemon.proc.pid, (a[:2], b[:2])
-        assert "share the host's PID namespace" in daemon.read_log()
+    # A non-root daemon: the same, inside a user namespace of each
+    # executor's own that the daemon made (its PID namespace is owned by
+    # that one).
+    assert (a[0], a[1]) == (1, 0) and (b[0], b[1]) == (1, 0), (a[:2], b[:2])
+    if not rooted:
+        assert "share the host's PID namespace" not in daemon.read_log()
     for pid, l in links.items():
         for n in NAMESPACES + ([] if rooted else ["user"]):
-            apart = rooted or n != "pid"
-            assert (l[n] != own[n]) == apart, "executor %d, %s namespace" % (pid, n)
-    for n in NAMESPACES:
-        if rooted or n != "pid":
-            seen = [l[n] for l in links.values()]
-            assert len(set(seen)) == len(seen), "executors share a %s namespace" % n
+            assert l[n] != own[n], "executor %d, %s namespace" % (pid, n)
+    for n in NAMESPACES + ([] if rooted else ["user"]):
+        seen = [l[n] for l in links.values()]
+        assert len(set(seen)) == len(seen), "executors share a %s namespace" % n
 
     # Scratch: each its own tmpfs over its /dev/shm, capped (ENOSPC), nothing
     # of it on the host.

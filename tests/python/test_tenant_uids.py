@@ -1,9 +1,10 @@
 """A uid per namespace and caps on threads (issue 27).
 
 On a root daemon, each namespace's executors run as a uid (and gid) of their
-own from [exec] uid_range, never the daemon's nor nobody's, with no
-supplementary groups; the namespace's scratch directory is that uid's, mode
-0700. A kernel in bob's namespace that starts 1,500 sleeping threads per call
+own from [exec] uid_range; on a non-root daemon with subordinate ids (as the
+package sets up), as one of those (SubuidDaemon). Never the daemon's nor
+nobody's, with no supplementary groups; the executor's scratch tmpfs is that
+uid's, mode 0700. A kernel in bob's namespace that starts 1,500 sleeping threads per call
 is held to [exec] threads_per_namespace (RLIMIT_NPROC of bob's uid: its
 pthread_create gets EAGAIN), its call answers RESOURCE_EXHAUSTED once it has
 left more than threads_per_executor, and that executor is replaced (pool and
@@ -25,7 +26,7 @@ import opjit
 
 from conftest import TempDaemon, health, unary_kernel, unary_spec, wait_for
 from test_tenant_walls import N as PROBE_N
-from test_tenant_walls import ATTACKS, PROBE, NobodyDaemon, executors
+from test_tenant_walls import ATTACKS, PROBE, NobodyDaemon, SubuidDaemon, executors
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
 FIRST, LAST = 1879048192, 1879113727  # the documented default exec.uid_range
@@ -116,8 +117,33 @@ def root_daemon():
     d.close()
 
 
-def test_each_namespace_runs_as_a_uid_of_its_own(root_daemon):
-    d = root_daemon
+@pytest.fixture(params=["root", "subuid"], ids=["root_daemon", "non_root_daemon_with_subuids"])
+def uid_daemon(request):
+    """A daemon that gives each namespace a uid of its own: as root from
+    [exec] uid_range (gid = uid), or as nobody from its subordinate ids
+    (SubuidDaemon: uid = first + k, gid = gid_first + k). d.ids(uid) is the
+    gid that goes with uid, None outside its range."""
+    if os.geteuid() != 0:
+        pytest.skip("a uid per namespace needs a root daemon, and the subordinate-id case "
+                    "starts one as nobody; run as root")
+    if request.param == "root":
+        d = TempDaemon()
+        d.spawn("", prefix="opjit-tu-", serving=True)
+        d.gid_of = lambda uid: uid if FIRST <= uid <= LAST else None
+    else:
+        d = SubuidDaemon()
+        d.gid_of = lambda uid: (d.gid_first + uid - d.first
+                                if d.first <= uid < d.first + d.count else None)
+        log = wait_for(lambda: "subordinate uid per namespace" in d.read_log() and d.read_log(),
+                       30, "the daemon to say it uses its subordinate ids")
+        assert "WARNING" not in log or "not apart by uid" not in log, log[-2000:]
+    d.kind = request.param
+    yield d
+    d.close()
+
+
+def test_each_namespace_runs_as_a_uid_of_its_own(uid_daemon):
+    d = uid_daemon
     c = opjit.Client(d.unix_address, timeout=120, fast="off")
     x = np.arange(8, dtype=np.float32)
     for ns in ("alice", "bob"):
@@ -132,9 +158,9 @@ def test_each_namespace_runs_as_a_uid_of_its_own(root_daemon):
             gids = set(int(g) for g in st["Gid"].split())
             assert len(uids) == 1 and len(gids) == 1, st  # real, effective, saved, fs
             uid = uids.pop()
-            assert gids.pop() == uid
+            assert d.gid_of(uid) is not None, (uid, d.kind)
+            assert gids.pop() == d.gid_of(uid)
             assert st["Groups"] == "", "supplementary groups: %r" % st["Groups"]
-            assert FIRST <= uid <= LAST, uid
             assert uid not in (0, NOBODY, os.getuid()), uid
             ids.setdefault(ns, set()).add(uid)
     assert len(ids["alice"]) == 1 and len(ids["bob"]) == 1, ids

@@ -10,14 +10,16 @@ EPERM; the same calls aimed at the kernel's own process (pid 0) must work.
 Afterwards alice's executor, the daemon, the test and the bystander keep
 their limits (/proc/<pid>/limits), nice value (/proc/<pid>/stat), CPU
 affinity and scheduling policy, and alice's calls, registration and health
-are as before. Against a root daemon (executors as nobody) and a non-root
-one (the daemon as nobody: its executors share its uid, as under the
-package's unit).
+are as before. Against a root daemon (a uid per namespace), a non-root
+one (the daemon as nobody: without subordinate ids its executors share its
+uid) and a non-root one with subordinate ids (a subordinate uid per
+namespace, as the package sets up for its unit).
 """
 
 import errno
 import os
 import pwd
+import random
 import shutil
 import stat
 import subprocess
@@ -184,17 +186,61 @@ class NobodyDaemon(TempDaemon):
         self.wrapper_dir = tempfile.mkdtemp(prefix="opjit-tw-bin-")
         wrapper = os.path.join(self.wrapper_dir, "opjitd-as-nobody")
         with open(wrapper, "w") as f:
-            f.write("#!/bin/sh\nexec setpriv --reuid=%d --regid=%d --clear-groups %s \"$@\"\n" %
-                    (NOBODY.pw_uid, NOBODY.pw_gid, opjitd_binary()))
+            f.write(self.wrapper_script())
         os.chmod(wrapper, stat.S_IRWXU)
         d = tempfile.mkdtemp(prefix="opjit-tw-")
         os.chmod(d, 0o755)
         os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
         self.spawn('socket_mode = "0666"\n' + config, binary=wrapper, dir=d, serving=True)
 
+    def setpriv(self):
+        return "setpriv --reuid=%d --regid=%d --clear-groups %s" % (
+            NOBODY.pw_uid, NOBODY.pw_gid, opjitd_binary())
+
+    def wrapper_script(self):
+        return "#!/bin/sh\nexec %s \"$@\"\n" % self.setpriv()
+
     def close(self):
         super().close()
         shutil.rmtree(self.wrapper_dir, ignore_errors=True)
+
+
+class SubuidDaemon(NobodyDaemon):
+    """opjitd as nobody with subordinate ids of its own, as the package sets
+    up for its user (postinst: usermod --add-subuids): each namespace's
+    executors run as one of them. The daemon runs in a mount namespace of
+    its own where /etc/subuid and /etc/subgid are this test's files (what
+    newuidmap and newgidmap read), so nothing of the host's changes. The
+    range is random, high, and `count` long: [first, first + count)."""
+
+    count = 64
+
+    def __init__(self, config=""):
+        for tool in ("unshare", "newuidmap", "newgidmap"):
+            if shutil.which(tool) is None:
+                pytest.skip("%s is missing (util-linux, uidmap)" % tool)
+        if not (os.path.exists("/etc/subuid") and os.path.exists("/etc/subgid")):
+            pytest.skip("/etc/subuid or /etc/subgid is missing (the passwd package makes them)")
+        self.first = 0x90000000 + random.randrange(1 << 12) * 0x10000
+        self.gid_first = self.first + 0x8000
+        self.ids_dir = tempfile.mkdtemp(prefix="opjit-tw-ids-")
+        os.chmod(self.ids_dir, 0o755)
+        for name, first in (("subuid", self.first), ("subgid", self.gid_first)):
+            with open(os.path.join(self.ids_dir, name), "w") as f:
+                f.write("nobody:%d:%d\n" % (first, self.count))
+            os.chmod(os.path.join(self.ids_dir, name), 0o644)
+        super().__init__(config)
+
+    def wrapper_script(self):
+        inner = ('mount --bind "$1" /etc/subuid && mount --bind "$2" /etc/subgid && shift 2 && '
+                 'exec %s "$@"' % self.setpriv())
+        return ("#!/bin/sh\nexec unshare --mount --propagation private /bin/sh -c '%s' opjit-ids "
+                "%s %s \"$@\"\n") % (
+            inner, os.path.join(self.ids_dir, "subuid"), os.path.join(self.ids_dir, "subgid"))
+
+    def close(self):
+        super().close()
+        shutil.rmtree(self.ids_dir, ignore_errors=True)
 
 
 def _make(kind):
@@ -209,10 +255,11 @@ def _make(kind):
                     "the root case: its executors share your uid)")
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is missing")
-    return NobodyDaemon()
+    return SubuidDaemon() if kind == "subuid" else NobodyDaemon()
 
 
-@pytest.fixture(params=["root", "nobody"], ids=["root_daemon", "non_root_daemon"])
+@pytest.fixture(params=["root", "nobody", "subuid"],
+                ids=["root_daemon", "non_root_daemon", "non_root_daemon_with_subuids"])
 def daemon(request):
     d = _make(request.param)
     yield d

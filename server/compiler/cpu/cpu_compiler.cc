@@ -365,10 +365,9 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   spawn.env = subprocess::HelperEnvironment();
   spawn.fds = {{2, 2}, {3, sv[1]}};
   spawn.tag_instance = true;
-  // Namespaces of its own where the daemon can make them (root): it sees
-  // no other process, has no network, and its mounts are its own.
-  spawn.new_pid_namespace = subprocess::PidNamespaces();
-  if (subprocess::PrivateNamespaces()) spawn.args.insert(spawn.args.end(), {"--isolate", "1"});
+  // Namespaces of its own where the daemon can make them: it sees no
+  // other process, has no network, and its mounts are its own.
+  subprocess::IsolateHelper(&spawn);
   // Root: the compile uid, never root's (the worker drops to it).
   if (options_.worker_uid > 0 && ::geteuid() == 0) {
     spawn.args.insert(spawn.args.end(), {"--uid", std::to_string(options_.worker_uid)});

@@ -106,7 +106,8 @@ int Main(int argc, char** argv) {
   unsigned long long memory_limit = 0;
   std::string clang_path = OPJIT_CLANG_PATH;
   std::vector<std::string> read_only;
-  bool isolate = false;  // namespaces of its own (a root daemon)
+  bool isolate = false;  // namespaces of its own
+  bool userns = false;   // uid 0 of a user namespace the daemon made (a daemon without root)
   long long uid = -1;     // the compile uid (a root daemon)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -130,6 +131,9 @@ int Main(int argc, char** argv) {
       ++i;
     } else if (a == "--isolate" && v) {
       isolate = std::string(v) == "1";
+      ++i;
+    } else if (a == "--userns" && v) {
+      userns = std::string(v) == "1";
       ++i;
     } else if (a == "--uid" && v) {
       char* end = nullptr;
@@ -184,6 +188,7 @@ int Main(int argc, char** argv) {
   // No network, no IPC and mounts of its own; memory only where
   // RLIMIT_AS counts it.
   policy.private_namespaces = isolate;
+  policy.user_namespace_root = userns;
   policy.refuse_shared_memory = true;
   // Never root (a root daemon's compile uid, which no executor has): only
   // CAP_DAC_READ_SEARCH stays, to read the include directories.

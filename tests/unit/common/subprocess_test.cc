@@ -18,6 +18,8 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/paths.h"
+#include "server/common/subordinate_ids.h"
 
 namespace opjit::subprocess {
 namespace {
@@ -146,6 +148,103 @@ TEST(SubprocessTest, NewPidNamespaceChildIsProcessOne) {
   RunSh("exit 134", {}, {}, true, &plain);
   EXPECT_TRUE(plain.exited());
   EXPECT_EQ(plain.code(), kInitAbortExit);
+}
+
+// Output of `script` run by /bin/sh as uid 0 of a user namespace whose
+// ids stand for `uid`/`gid`; `*e` how it ended.
+std::string RunInUserNamespace(const std::string& script, uint32_t uid, uint32_t gid, Exit* e) {
+  int out[2];
+  EXPECT_EQ(::pipe2(out, O_CLOEXEC), 0);
+  SpawnOptions o;
+  o.path = "/bin/sh";
+  o.args = {"-c", script};
+  o.fds = {{1, out[1]}, {2, kDevNull}};
+  o.user_namespace = SpawnOptions::UserNamespace{uid, gid};
+  absl::StatusOr<pid_t> pid = Spawn(o);
+  ::close(out[1]);
+  EXPECT_TRUE(pid.ok()) << pid.status();
+  std::string text;
+  char buf[256];
+  for (;;) {
+    const ssize_t n = ::read(out[0], buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  ::close(out[0]);
+  if (pid.ok()) {
+    absl::StatusOr<Exit> done = Wait(*pid);
+    EXPECT_TRUE(done.ok()) << done.status();
+    if (done.ok()) *e = *done;
+  }
+  return text;
+}
+
+// A daemon without root starts its helpers as uid 0 of a user namespace of
+// their own, and process 1 of a PID namespace that one owns: its own ids
+// mapped (or, as root, any), no supplementary group, an abort() reported as
+// SIGABRT, and only the descriptors it was given.
+TEST(SubprocessTest, UserNamespaceChildIsRootOfItsOwnNamespacesOnly) {
+  if (!UserNamespaces()) GTEST_SKIP() << "this kernel refuses user namespaces here";
+  const bool root = ::geteuid() == 0;
+  // As root any id can be mapped directly; otherwise only our own (other
+  // ids go through newuidmap, which the integration tests cover).
+  const uint32_t uid = root ? 1879113001u : ::geteuid();
+  const uint32_t gid = root ? 1879113002u : ::getegid();
+  Exit e;
+  const std::string said = RunInUserNamespace(
+      "echo $$ $PPID; id -u; id -g; id -G; tr -s ' ' < /proc/self/uid_map; "
+      "tr -s ' ' < /proc/self/gid_map; ls /proc/self/fd | sort -n | tr '\\n' ' '; echo; exit 134",
+      uid, gid, &e);
+  EXPECT_EQ(said, absl::StrCat("1 0\n0\n0\n0\n 0 ", uid, " 1\n 0 ", gid, " 1\n0 1 2 3 \n"));
+  EXPECT_EQ(e.signal(), SIGABRT) << e.Describe();
+
+  // What the host sees: the mapped ids.
+  int out[2];
+  ASSERT_EQ(::pipe2(out, O_CLOEXEC), 0);
+  SpawnOptions o;
+  o.path = "/bin/sh";
+  o.args = {"-c", "read line"};
+  o.fds = {{0, out[0]}};
+  o.user_namespace = SpawnOptions::UserNamespace{uid, gid};
+  absl::StatusOr<pid_t> pid = Spawn(o);
+  ::close(out[0]);
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  std::string status;
+  for (int i = 0; i < 200 && status.find("Uid:") == std::string::npos; ++i) {
+    status = ReadSmallFile(absl::StrCat("/proc/", *pid, "/status"));
+  }
+  EXPECT_NE(status.find(absl::StrCat("Uid:\t", uid, "\t", uid, "\t", uid, "\t", uid)),
+            std::string::npos)
+      << status;
+  EXPECT_NE(status.find(absl::StrCat("Gid:\t", gid, "\t", gid, "\t", gid, "\t", gid)),
+            std::string::npos)
+      << status;
+  ::close(out[1]);  // its read ends
+  absl::StatusOr<Exit> done = Wait(*pid);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(done->exited());
+}
+
+TEST(SubprocessTest, UserNamespaceSpawnFailuresSayWhy) {
+  if (!UserNamespaces()) GTEST_SKIP() << "this kernel refuses user namespaces here";
+  SpawnOptions o;
+  o.path = "/nonexistent/program";
+  o.user_namespace = SpawnOptions::UserNamespace{static_cast<uint32_t>(::geteuid()),
+                                                 static_cast<uint32_t>(::getegid())};
+  absl::StatusOr<pid_t> missing = Spawn(o);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(missing.status().message().find("exec: No such file"), std::string::npos)
+      << missing.status();
+  EXPECT_EQ(missing.status().message().find("nonexistent"), std::string::npos);
+  if (::geteuid() != 0) {
+    // Someone else's id, without subordinate ids for it: newuidmap refuses.
+    o.path = "/bin/true";
+    o.user_namespace->uid = ::geteuid() + 1;
+    absl::StatusOr<pid_t> refused = Spawn(o);
+    EXPECT_FALSE(refused.ok());
+  }
 }
 
 TEST(SubprocessTest, BadDescriptorMapsAreRefused) {
@@ -376,6 +475,27 @@ TEST(SubprocessTest, EndLeftoversKillsOnlyOrphansOfThisInstance) {
   ::close(hold[1]);  // the others read EOF and exit
   int status = 0;
   EXPECT_EQ(::waitpid(child_mine, &status, 0), child_mine);
+}
+
+// /etc/subuid's format: by name or uid, first match, comments and bad
+// lines skipped; a malformed matching line or one past the id space: none.
+TEST(SubordinateIdsTest, FindsTheUsersFirstRange) {
+  using subordinate::Find;
+  const std::string text =
+      "# comment\nalice:100000:65536\n  opjit:1879048192:65536  \n1001:300000:10\n"
+      "opjit:5:5\nbroken line\n";
+  auto r = Find(text, "opjit", 999);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->first, 1879048192u);
+  EXPECT_EQ(r->count, 65536u);
+  r = Find(text, "bob", 1001);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->first, 300000u);
+  EXPECT_FALSE(Find(text, "bob", 1002).has_value());
+  EXPECT_FALSE(Find(text, "", 1002).has_value());
+  EXPECT_FALSE(Find("carol:x:10\n", "carol", 1).has_value());
+  EXPECT_FALSE(Find("carol:10:0\n", "carol", 1).has_value());
+  EXPECT_FALSE(Find("carol:4294967000:1000\n", "carol", 1).has_value());
 }
 
 }  // namespace
