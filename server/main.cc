@@ -102,39 +102,62 @@ std::string HelperDir() { return FindHelperDir(ExeDir()); }
 
 // Kernel headers: the configured dir, else installed next to the binary, else
 // the source tree this binary was built from.
-// A daemon without root: each namespace's executors as one of its user's
-// subordinate uids (and gids). Sets o's range and returns "", or says why
-// not.
-std::string UseSubordinateIds(const DaemonConfig& cfg, runner::ProcessRunnerOptions* o) {
-  if (!cfg.exec_namespaces) return "exec.namespaces = false";
-  if (!subprocess::UserNamespaces()) return "this kernel refuses it user namespaces";
+// A daemon without root, with subordinate ids (/etc/subuid, /etc/subgid):
+// each namespace's executors as one of them, and its compile workers as the
+// last, which no executor gets.
+struct SubordinateIds {
+  uint32_t uid_first = 0, uid_last = 0, gid_first = 0;  // executors
+  uint32_t compile_uid = 0, compile_gid = 0;
+  std::string why_not;  // empty: use them
+};
+
+SubordinateIds PickSubordinateIds(const DaemonConfig& cfg) {
+  SubordinateIds out;
+  if (::geteuid() == 0) {
+    out.why_not = "root";
+    return out;
+  }
+  if (!cfg.exec_namespaces) {
+    out.why_not = "exec.namespaces = false";
+    return out;
+  }
+  if (!subprocess::UserNamespaces()) {
+    out.why_not = "this kernel refuses it user namespaces";
+    return out;
+  }
   std::optional<subordinate::Ids> ids = subordinate::ForThisUser();
-  if (!ids) {
-    return "its user has no subordinate ids (/etc/subuid and /etc/subgid) or newuidmap and "
-           "newgidmap are missing";
+  if (!ids || std::min(ids->uids.count, ids->gids.count) < 2) {
+    out.why_not = "its user has no subordinate ids (at least 2 in /etc/subuid and /etc/subgid) or "
+                  "newuidmap and newgidmap are missing";
+    return out;
   }
   // One start to prove that newuidmap and newgidmap accept the ranges.
   subprocess::SpawnOptions probe;
   probe.path = "/bin/true";
   probe.own_process_group = false;
-  probe.user_namespace = subprocess::SpawnOptions::UserNamespace{ids->uids.first, ids->gids.first};
+  probe.user_namespace = subprocess::SpawnOptions::UserNamespace{ids->uids.first, ids->gids.first,
+                                                                 /*map_own_ids=*/true};
   absl::StatusOr<pid_t> pid = subprocess::Spawn(probe);
   absl::StatusOr<subprocess::Exit> e =
       pid.ok() ? subprocess::Wait(*pid) : absl::StatusOr<subprocess::Exit>(pid.status());
   if (!e.ok() || !e->exited() || e->code() != 0) {
-    return absl::StrCat("mapping its subordinate ids failed (",
-                        e.ok() ? e->Describe() : std::string(e.status().message()), ")");
+    out.why_not = absl::StrCat("mapping its subordinate ids failed (",
+                               e.ok() ? e->Describe() : std::string(e.status().message()), ")");
+    return out;
   }
   const uint32_t n = std::min(ids->uids.count, ids->gids.count);
-  o->uid_first = ids->uids.first;
-  o->uid_last = ids->uids.first + n - 1;
-  o->gid_first = ids->gids.first;
-  return "";
+  out.uid_first = ids->uids.first;
+  out.uid_last = ids->uids.first + n - 2;
+  out.gid_first = ids->gids.first;
+  out.compile_uid = ids->uids.first + n - 1;
+  out.compile_gid = ids->gids.first + n - 1;
+  return out;
 }
 
 // The process runner's options from the [exec] config.
 runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
-                                                      const runner::KernelHostOptions& host) {
+                                                      const runner::KernelHostOptions& host,
+                                                      const SubordinateIds& sub) {
   runner::ProcessRunnerOptions o;
   o.worker_path = HelperDir() + "/opjit-exec-worker";
   o.workers_per_namespace = cfg.exec_workers;
@@ -170,7 +193,10 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
     Logger("runner")->warn(
         "WARNING: exec.uid_range = \"\": every namespace's executors share one uid, so tenants "
         "are not apart by uid and exec.threads_per_namespace is not enforced; set exec.uid_range");
-  } else if (std::string why = UseSubordinateIds(cfg, &o); why.empty()) {
+  } else if (sub.why_not.empty()) {
+    o.uid_first = sub.uid_first;
+    o.uid_last = sub.uid_last;
+    o.gid_first = sub.gid_first;
     Logger("runner")->info(
         "executors run as a subordinate uid per namespace, from {}-{} (gids from {}), each in "
         "user and PID namespaces of its own",
@@ -182,7 +208,7 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFrom(const DaemonConfig& cfg,
         "per-user limits, and exec.threads_per_namespace caps each executor, not a namespace. "
         "Landlock and seccomp still confine every executor; give opjitd's user subordinate ids "
         "(usermod --add-subuids/--add-subgids, with the uidmap package) for a uid per namespace",
-        why, ::geteuid());
+        sub.why_not, ::geteuid());
   }
   if (!cfg.exec_namespaces) {
     subprocess::AllowNamespaces(false);
@@ -654,6 +680,15 @@ int Run(int argc, char** argv) {
           cfg->compile_uid);
     }
   }
+  // Not root, with subordinate ids: compile workers as the last of them.
+  const SubordinateIds sub_ids = PickSubordinateIds(*cfg);
+  if (sub_ids.why_not.empty()) {
+    copts.compile_uid = sub_ids.compile_uid;
+    copts.compile_gid = sub_ids.compile_gid;
+    log->info("compile workers run as subordinate uid {} (gid {}) with CAP_DAC_READ_SEARCH over "
+              "opjitd's own files alone",
+              sub_ids.compile_uid, sub_ids.compile_gid);
+  }
   auto compiler = compiler::KernelCompiler::Create(copts);
   if (!compiler.ok()) {
     log->error("compiler: {}", compiler.status().ToString());
@@ -710,7 +745,7 @@ int Run(int argc, char** argv) {
     }
     kernel_runner = *std::move(r);
   } else {
-    auto r = runner::ProcessRunner::Create(ProcessRunnerOptionsFrom(*cfg, hopts));
+    auto r = runner::ProcessRunner::Create(ProcessRunnerOptionsFrom(*cfg, hopts, sub_ids));
     if (!r.ok()) {
       log->error("runner: {}", r.status().ToString());
       return 1;

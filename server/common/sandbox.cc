@@ -326,9 +326,13 @@ absl::Status WriteProcFile(const char* path, const std::string& text) {
   return absl::OkStatus();
 }
 
-// The capabilities a user namespace gave: none left, none to regain.
-absl::Status DropUserNamespaceCapabilities() {
-  for (int cap = 0; cap <= 63; ++cap) ::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
+// The capabilities a user namespace gave: none left (but
+// CAP_DAC_READ_SEARCH with `keep_read_search`, which there reaches only
+// files of the ids the namespace maps), none to regain.
+absl::Status DropUserNamespaceCapabilities(bool keep_read_search) {
+  for (int cap = 0; cap <= 63; ++cap) {
+    if (!(keep_read_search && cap == CAP_DAC_READ_SEARCH)) ::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
+  }
   ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
   struct {
     uint32_t version;
@@ -337,6 +341,10 @@ absl::Status DropUserNamespaceCapabilities() {
   struct {
     uint32_t effective, permitted, inheritable;
   } data[2] = {};
+  if (keep_read_search) {
+    data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].effective = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
+    data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].permitted = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
+  }
   if (::syscall(SYS_capset, &header, data) != 0) return Errno("capset");
   return absl::OkStatus();
 }
@@ -378,7 +386,7 @@ absl::Status EnterPrivateNamespaces(const Policy& p) {
       return Errno("scratch tmpfs");
     }
   }
-  if (!root) return DropUserNamespaceCapabilities();
+  if (!root) return DropUserNamespaceCapabilities(p.user_namespace_root && p.keep_read_search);
   return absl::OkStatus();
 }
 
@@ -429,7 +437,7 @@ absl::Status Apply(const Policy& p) {
   if (p.private_namespaces) {
     if (auto s = EnterPrivateNamespaces(p); !s.ok()) return s;
   } else if (p.user_namespace_root) {
-    if (auto s = DropUserNamespaceCapabilities(); !s.ok()) return s;
+    if (auto s = DropUserNamespaceCapabilities(p.keep_read_search); !s.ok()) return s;
   }
   rlimit core{0, 0};
   if (::setrlimit(RLIMIT_CORE, &core) != 0) return Errno("RLIMIT_CORE");

@@ -82,7 +82,10 @@ struct Policy {
   // by a handle, past Landlock) and name_to_handle_at, as for every
   // policy. A root process whose permitted set lacks CAP_DAC_READ_SEARCH
   // (a container's) keeps no capability. Ignored when not root or without
-  // uid (the compile workers).
+  // uid (the compile workers). With user_namespace_root: CAP_DAC_READ_SEARCH
+  // is the one capability kept in that namespace, where it reaches only
+  // files of the ids it maps (a non-root daemon's compile workers, whose
+  // namespace maps the daemon's ids too).
   bool keep_read_search = false;
 };
 

@@ -164,8 +164,10 @@ int WaitStatus(pid_t pid) {
 // "gid_map"). A daemon maps its own ids, or any as root, by writing the
 // file; any other id goes through newuidmap or newgidmap, which check
 // /etc/subuid or /etc/subgid. Empty on success, else why not.
-std::string MapId(pid_t pid, bool uid, uint32_t outer) {
-  const bool own = uid ? outer == ::geteuid() : outer == ::getegid();
+std::string MapId(pid_t pid, bool uid, uint32_t outer, bool map_own) {
+  const uint32_t self = uid ? ::geteuid() : ::getegid();
+  const bool own = outer == self;
+  map_own = map_own && !own;  // (then it is mapped as 0 already)
   if (own || ::geteuid() == 0) {
     const std::string dir = absl::StrCat("/proc/", pid, "/");
     if (!uid && ::geteuid() != 0) {
@@ -176,7 +178,8 @@ std::string MapId(pid_t pid, bool uid, uint32_t outer) {
       if (fd >= 0) ::close(fd);
       if (!ok) return "setgroups: " + ErrnoText(err);
     }
-    const std::string line = absl::StrCat("0 ", outer, " 1");
+    const std::string line =
+        absl::StrCat("0 ", outer, " 1", map_own ? absl::StrCat("\n1 ", self, " 1") : "");
     const int fd = ::open((dir + (uid ? "uid_map" : "gid_map")).c_str(), O_WRONLY | O_CLOEXEC);
     const bool ok = fd >= 0 && ::write(fd, line.data(), line.size()) ==
                                    static_cast<ssize_t>(line.size());
@@ -187,6 +190,7 @@ std::string MapId(pid_t pid, bool uid, uint32_t outer) {
   const char* tool = uid ? kNewUidMap : kNewGidMap;
   const std::string target = std::to_string(pid), id = std::to_string(outer);
   std::vector<std::string> args = {tool, target, "0", id, "1"};
+  if (map_own) args.insert(args.end(), {"1", std::to_string(self), "1"});
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -320,8 +324,9 @@ int SpawnInUserNamespace(const SpawnOptions& o, const std::vector<int>& sources,
     return clone_err;
   }
   const pid_t p = static_cast<pid_t>(child);
-  std::string mapped = MapId(p, /*uid=*/true, o.user_namespace->uid);
-  if (mapped.empty()) mapped = MapId(p, /*uid=*/false, o.user_namespace->gid);
+  const SpawnOptions::UserNamespace& ids = *o.user_namespace;
+  std::string mapped = MapId(p, /*uid=*/true, ids.uid, ids.map_own_ids);
+  if (mapped.empty()) mapped = MapId(p, /*uid=*/false, ids.gid, ids.map_own_ids);
   if (mapped.empty()) (void)!::write(go[1], "g", 1);
   ::close(go[1]);  // without "g" the child exits
   if (!mapped.empty()) {
@@ -633,12 +638,19 @@ bool PrivateNamespaces() {
 
 void AllowNamespaces(bool allowed) { g_namespaces_allowed.store(allowed); }
 
-void IsolateHelper(SpawnOptions* spawn) {
+std::optional<SpawnOptions::UserNamespace> CompileIds(int64_t uid, int64_t gid) {
+  if (uid <= 0 || uid > 0xFFFFFFFEll) return std::nullopt;
+  const int64_t g = gid >= 0 ? gid : uid;
+  return SpawnOptions::UserNamespace{static_cast<uint32_t>(uid), static_cast<uint32_t>(g)};
+}
+
+void IsolateHelper(SpawnOptions* spawn, std::optional<SpawnOptions::UserNamespace> as) {
   if (!PrivateNamespaces()) return;
   spawn->args.insert(spawn->args.end(), {"--isolate", "1"});
   if (::geteuid() != 0 && UserNamespaces()) {
-    spawn->user_namespace = SpawnOptions::UserNamespace{static_cast<uint32_t>(::geteuid()),
-                                                        static_cast<uint32_t>(::getegid())};
+    if (as.has_value()) as->map_own_ids = true;
+    spawn->user_namespace = as.value_or(SpawnOptions::UserNamespace{
+        static_cast<uint32_t>(::geteuid()), static_cast<uint32_t>(::getegid())});
     spawn->args.insert(spawn->args.end(), {"--userns", "1"});
   } else {
     spawn->new_pid_namespace = PidNamespaces();

@@ -90,6 +90,10 @@ struct SpawnOptions {
   // new_pid_namespace. Where UserNamespaces() is false, Spawn fails.
   struct UserNamespace {
     uint32_t uid = 0, gid = 0;
+    // Also map the daemon's own uid and gid, as 1 inside: a capability the
+    // child keeps there (CAP_DAC_READ_SEARCH) then reaches the daemon's
+    // files, which it could not as `uid` alone.
+    bool map_own_ids = false;
   };
   std::optional<UserNamespace> user_namespace;
 };
@@ -113,10 +117,15 @@ bool UserNamespaces();
 // For a helper that takes "--isolate 1" and "--userns 1" (compile workers,
 // NVRTC sandboxes): namespaces of its own where the daemon can make them.
 // Root: a PID namespace (new_pid_namespace), the rest its own. Not root:
-// user and PID namespaces from the spawn (user_namespace, as the daemon's
-// own ids, which its include directories need), the rest its own. Neither:
-// nothing (the daemon warned at start).
-void IsolateHelper(SpawnOptions* spawn);
+// user and PID namespaces from the spawn (user_namespace: `as`, with the
+// daemon's own ids mapped too, or else the daemon's own ids), the rest its
+// own. Neither: nothing (the daemon warned at start).
+void IsolateHelper(SpawnOptions* spawn,
+                   std::optional<SpawnOptions::UserNamespace> as = std::nullopt);
+
+// The ids IsolateHelper takes for a daemon that is not root: `uid` and
+// `gid` (-1: uid's number) when uid > 0, else none (the daemon's own).
+std::optional<SpawnOptions::UserNamespace> CompileIds(int64_t uid, int64_t gid);
 
 // Starts a child; returns its pid. The caller reaps it (Wait, Reap).
 // INVALID_ARGUMENT for a bad fd map or an empty path, UNAVAILABLE when the

@@ -136,6 +136,7 @@ absl::StatusOr<std::unique_ptr<CompileBackend>> MakeCpuBackend(const KernelCompi
   copts.long_after_ms = options.long_after_ms;
   copts.long_workers = options.long_workers;
   copts.worker_uid = options.compile_uid;
+  copts.worker_gid = options.compile_gid;
   OPJIT_ASSIGN_OR_RETURN(auto cpu, CpuCompiler::Create(copts));
   return std::unique_ptr<CompileBackend>(new CpuBackend(std::move(cpu)));
 }

@@ -304,6 +304,7 @@ class GpuBackend : public CompileBackend {
     o.timeout_ms = options_.timeout_ms;
     o.memory_limit_bytes = options_.memory_limit_bytes;
     o.sandbox_uid = options_.compile_uid;
+    o.sandbox_gid = options_.compile_gid;
     if (o.worker_path.empty()) {
       nvrtc_status_ = NoSandbox();
       return nvrtc_status_;

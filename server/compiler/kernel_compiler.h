@@ -155,6 +155,11 @@ struct KernelCompilerOptions {
   // (and gid), keeping only CAP_DAC_READ_SEARCH ([compiler] uid). <= 0, or
   // a daemon that is not root: the daemon's uid.
   int64_t compile_uid = -1;
+  // A daemon that is not root: its compile workers and NVRTC sandboxes run
+  // as compile_uid and this gid, subordinate ids of its user, in user
+  // namespaces that map its own ids too; with compile_uid <= 0, as its own
+  // ids. -1: the gid of compile_uid's number.
+  int64_t compile_gid = -1;
   // Threads that drive compiles. Default (0): workers + long_workers, so that
   // compiles in the long lane do not hold every thread.
   int pool_threads = 0;

@@ -82,10 +82,11 @@ int RunNvrtc(pid_t parent, const std::string& cuda_root, const std::string& lib,
     p.private_namespaces = isolate;
     p.user_namespace_root = userns;
     p.refuse_shared_memory = true;
-    // The compile uid (root daemon), with CAP_DAC_READ_SEARCH alone.
+    // The compile uid (root daemon), with CAP_DAC_READ_SEARCH alone; in the
+    // user namespace a non-root daemon made, the same over its files.
     p.uid = uid;
     p.gid = uid;
-    p.keep_read_search = uid > 0;
+    p.keep_read_search = uid > 0 || userns;
     if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
     if (!subprocess::DieWithParent(parent)) return 3;  // (again, after the sandbox)
     std::string request((std::istreambuf_iterator<char>(std::cin)),

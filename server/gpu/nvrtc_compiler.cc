@@ -434,7 +434,8 @@ absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
   spawn.tag_instance = true;
   // Namespaces of its own where the daemon can make them, like the CPU
   // compile workers'.
-  subprocess::IsolateHelper(&spawn);
+  subprocess::IsolateHelper(&spawn,
+                            subprocess::CompileIds(options_.sandbox_uid, options_.sandbox_gid));
   // Root: the compile uid, never root's (the sandbox drops to it).
   if (options_.sandbox_uid > 0 && ::geteuid() == 0) {
     spawn.args.insert(spawn.args.end(), {"--uid", std::to_string(options_.sandbox_uid)});

@@ -50,6 +50,9 @@ struct NvrtcOptions {
   // loaded, with CAP_DAC_READ_SEARCH alone (the compile uid, as the CPU
   // compile workers'). <= 0, or a daemon that is not root: the daemon's uid.
   int64_t sandbox_uid = -1;
+  // With sandbox_uid, on a daemon that is not root: the gid (-1:
+  // sandbox_uid's number), as KernelCompilerOptions::compile_gid.
+  int64_t sandbox_gid = -1;
 };
 
 struct GpuCompileRequest {

@@ -238,6 +238,10 @@ env -u DPKG_ROOT sh "$PKG/../control/postinst" configure 0.1.0  # again: idempot
 [ "$(stat -c '%U:%G %a' /var/lib/opjit)" = "opjit:opjit 750" ] ||
   { echo "/var/lib/opjit: $(stat -c '%U:%G %a' /var/lib/opjit)"; exit 1; }
 [ -d /etc/opjit ] || { echo "no /etc/opjit"; exit 1; }
+for f in subuid subgid; do
+  [ "$(grep -c '^opjit:1879048192:65536$' /etc/$f)" = 1 ] ||
+    { echo "/etc/$f: $(grep '^opjit:' /etc/$f | tr '\n' ' ')"; exit 1; }
+done
 shell=$(getent passwd opjit | cut -d: -f7)
 echo "postinst via $HOW: $(getent passwd opjit | cut -d: -f1,3,4,6) shell $shell," \
      "/var/lib/opjit $(stat -c '%U:%G %a' /var/lib/opjit); second run: no change"

@@ -352,3 +352,55 @@ def test_a_non_root_daemons_compiles_read_nothing_either():
                             assert line not in str(e.value).encode()
     finally:
         d.close()
+
+
+def test_a_non_root_daemons_compile_workers_run_as_a_subordinate_uid_of_their_own():
+    """With subordinate ids (as the package sets up for its user), the
+    compile workers of opjitd running as nobody run as the last of them,
+    which no executor gets and which is not the daemon's, in user and PID
+    namespaces of their own that map the daemon's ids too: with
+    CAP_DAC_READ_SEARCH alone there, they still read the daemon's 0700
+    include directory."""
+    if os.geteuid() != 0:
+        pytest.skip("starting a daemon as nobody needs root")
+    from test_tenant_walls import NOBODY, SubuidDaemon
+    top = tempfile.mkdtemp(prefix="opjit-walls-sub-")
+    inc = os.path.join(top, "include")
+    os.mkdir(inc, 0o700)
+    with open(os.path.join(inc, "walls_private.h"), "w") as f:
+        f.write("#pragma once\n#define WALLS_PRIVATE_SCALE 3.0f\n")
+    os.chmod(os.path.join(inc, "walls_private.h"), 0o600)
+    for path in (top, inc, os.path.join(inc, "walls_private.h")):
+        os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+    os.chmod(top, 0o700)
+    d = SubuidDaemon(config='[compiler]\nextra_include_dirs = ["%s"]\n' % inc)
+    try:
+        compile_uid, compile_gid = d.first + d.count - 1, d.gid_first + d.count - 1
+        with opjit.Client(d.unix_address, timeout=120) as c:
+            # The first builds the include block's PCH (its worker is then
+            # recycled), the second reuses it.
+            for n in (1, 2):
+                c.register(unary_spec("walls_private_%d" % n, PRIVATE_KERNEL % n,
+                                      namespace="alice"))
+                y = c.op("alice/walls_private_%d" % n)(np.ones(4, np.float32))
+                assert list(y) == [3.0 * n] * 4
+            executor_uids = {int(status_of(pid)["Uid"].split()[0])
+                             for pid in executors(d.proc.pid)}
+        assert executor_uids and compile_uid not in executor_uids, executor_uids
+        own_user_ns = os.readlink("/proc/%d/ns/user" % d.proc.pid)
+        workers = wait_for(lambda: {p: s for p, s in compile_workers(d.proc.pid).items()
+                                    if s["Uid"].split()[0] != str(NOBODY.pw_uid)} or None,
+                           60, "a compile worker")
+        for pid, s in workers.items():
+            assert {int(u) for u in s["Uid"].split()} == {compile_uid}, s["Uid"]
+            assert {int(g) for g in s["Gid"].split()} == {compile_gid}, s["Gid"]
+            assert s["NSpid"].split()[-1] == "1", s["NSpid"]  # process 1 of its own
+            assert os.readlink("/proc/%d/ns/user" % pid) != own_user_ns
+            one = "%016x" % (1 << 2)  # CAP_DAC_READ_SEARCH, in its own user namespace
+            for field in ("CapEff", "CapPrm", "CapBnd"):
+                assert s[field] == one, (pid, field, s[field])
+            assert s["NoNewPrivs"] == "1"
+        assert "compile workers run as subordinate uid %d" % compile_uid in d.read_log()
+    finally:
+        d.close()
+        shutil.rmtree(top, ignore_errors=True)

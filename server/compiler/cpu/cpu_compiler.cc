@@ -367,7 +367,8 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   spawn.tag_instance = true;
   // Namespaces of its own where the daemon can make them: it sees no
   // other process, has no network, and its mounts are its own.
-  subprocess::IsolateHelper(&spawn);
+  subprocess::IsolateHelper(&spawn,
+                            subprocess::CompileIds(options_.worker_uid, options_.worker_gid));
   // Root: the compile uid, never root's (the worker drops to it).
   if (options_.worker_uid > 0 && ::geteuid() == 0) {
     spawn.args.insert(spawn.args.end(), {"--uid", std::to_string(options_.worker_uid)});

@@ -95,6 +95,9 @@ struct CpuCompilerOptions {
   // uid, which no executor has. <= 0, or a daemon that is not root: the
   // daemon's uid.
   int64_t worker_uid = -1;
+  // With worker_uid, on a daemon that is not root: the gid (-1: worker_uid's
+  // number), as KernelCompilerOptions::compile_gid.
+  int64_t worker_gid = -1;
 };
 
 // Thread-safe. Compile() blocks the calling thread until a worker is free and

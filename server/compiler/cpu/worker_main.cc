@@ -191,10 +191,12 @@ int Main(int argc, char** argv) {
   policy.user_namespace_root = userns;
   policy.refuse_shared_memory = true;
   // Never root (a root daemon's compile uid, which no executor has): only
-  // CAP_DAC_READ_SEARCH stays, to read the include directories.
+  // CAP_DAC_READ_SEARCH stays, to read the include directories. In the
+  // user namespace a non-root daemon made: the same, over the daemon's
+  // files (that namespace maps its ids too).
   policy.uid = uid;
   policy.gid = uid;
-  policy.keep_read_search = uid > 0;
+  policy.keep_read_search = uid > 0 || userns;
   // A PCH is written to the descriptor the daemon passes: never more than
   // the memory it was built in. EFBIG rather than SIGXFSZ past that.
   {
