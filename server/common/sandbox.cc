@@ -394,10 +394,11 @@ absl::Status EnterPrivateNamespaces(const Policy& p) {
 // every capability effective): the bounding set loses every capability but
 // CAP_DAC_READ_SEARCH, and PR_SET_KEEPCAPS keeps the permitted set across
 // setresuid. After it: KEEPCAPS off again, no ambient capability, and
-// CAP_DAC_READ_SEARCH alone effective and permitted (none inheritable), or
+// CAP_DAC_READ_SEARCH alone effective and permitted (and, `across_exec`,
+// inheritable and ambient, for what the process execs), or
 // no capability at all where the permitted set lacked it (a root without
 // it, e.g. in a container: nothing to keep).
-absl::Status KeepReadSearchOnly(bool before_uid) {
+absl::Status KeepReadSearchOnly(bool before_uid, bool across_exec = false) {
   if (before_uid) {
     // PR_CAPBSET_READ fails (EINVAL) past the kernel's last capability.
     for (int cap = 0; ::prctl(PR_CAPBSET_READ, cap, 0, 0, 0) >= 0; ++cap) {
@@ -419,7 +420,14 @@ absl::Status KeepReadSearchOnly(bool before_uid) {
   const uint32_t kept = data[index].permitted & mask;
   for (auto& d : data) d = {};
   data[index].effective = data[index].permitted = kept;
+  // A process that execs (nvcc, under the GPU sandbox) passes it on as an
+  // ambient capability: inheritable too, then raised.
+  if (across_exec) data[index].inheritable = kept;
   if (::syscall(SYS_capset, &header, data) != 0) return Errno("capset CAP_DAC_READ_SEARCH");
+  if (across_exec && kept != 0 &&
+      ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH, 0, 0) != 0) {
+    return Errno("raising the ambient CAP_DAC_READ_SEARCH");
+  }
   return absl::OkStatus();
 }
 
@@ -468,7 +476,7 @@ absl::Status Apply(const Policy& p) {
       return Errno("setresuid");
     }
     if (p.keep_read_search) {
-      if (auto s = KeepReadSearchOnly(/*before_uid=*/false); !s.ok()) return s;
+      if (auto s = KeepReadSearchOnly(/*before_uid=*/false, p.allow_exec); !s.ok()) return s;
     }
   }
   if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return Errno("no_new_privs");

@@ -85,7 +85,9 @@ struct Policy {
   // uid (the compile workers). With user_namespace_root: CAP_DAC_READ_SEARCH
   // is the one capability kept in that namespace, where it reaches only
   // files of the ids it maps (a non-root daemon's compile workers, whose
-  // namespace maps the daemon's ids too).
+  // namespace maps the daemon's ids too). With allow_exec (the GPU
+  // sandbox's nvcc), it is also inheritable and ambient, so the programs the
+  // process execs keep it, and nothing else.
   bool keep_read_search = false;
 };
 

@@ -173,6 +173,14 @@ int Main(int argc, char** argv) {
   p.allow_exec = true;
   p.allow_processes = true;
   p.data_bytes = memory;
+  // As the NVRTC sandbox: namespaces of its own (nvcc is process 1 of its
+  // PID namespace, with no network), and a root daemon's compile uid with
+  // CAP_DAC_READ_SEARCH alone, passed on to nvcc and its tools (ambient).
+  p.private_namespaces = isolate;
+  p.user_namespace_root = userns;
+  p.uid = uid;
+  p.gid = uid;
+  p.keep_read_search = uid > 0 || userns;
   if (absl::Status s = sandbox::Apply(p); !s.ok()) return Fail(s.ToString());
   // Kept across the exec (nvcc is no set-uid program): nvcc dies with the
   // daemon too.

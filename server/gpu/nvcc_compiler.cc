@@ -37,7 +37,8 @@ struct RunResult {
 
 // Runs argv[0] with `argv` in a new process group, stdout+stderr into one
 // pipe, stdin from /dev/null. Kills the group at the deadline.
-absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_ms) {
+absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_ms,
+                              bool isolate = false) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0)
     return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
@@ -58,6 +59,17 @@ absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_
                                            "LSAN_OPTIONS"});
   if (std::getenv("PATH") == nullptr) spawn.env.push_back("PATH=/usr/bin:/bin");
   spawn.fds = {{1, fds[1]}, {2, fds[1]}};
+  // Under the sandbox: namespaces of its own, where the daemon can make
+  // them (as a compile worker's); the sandbox's flags go before the "--"
+  // that starts nvcc's command line.
+  if (isolate) {
+    subprocess::SpawnOptions with;
+    subprocess::IsolateHelper(&with);
+    spawn.args.insert(std::find(spawn.args.begin(), spawn.args.end(), "--"), with.args.begin(),
+                      with.args.end());
+    spawn.new_pid_namespace = with.new_pid_namespace;
+    spawn.user_namespace = with.user_namespace;
+  }
   absl::StatusOr<pid_t> started = subprocess::Spawn(spawn);
   close(fds[1]);
   if (!started.ok()) {
@@ -181,6 +193,14 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
   if (!request.sandbox_path.empty()) {
     argv = {request.sandbox_path, "--exec", "--rw", dir, "--ro", request.cuda_root,
             "--memory", std::to_string(request.memory_limit_bytes)};
+    // A root daemon's compile uid owns the temp dir (and reads the source).
+    if (request.compile_uid > 0 && ::geteuid() == 0) {
+      const uid_t u = static_cast<uid_t>(request.compile_uid);
+      if (::chown(dir.c_str(), u, u) != 0 || ::chown(src.c_str(), u, u) != 0) {
+        return absl::InternalError(absl::StrCat("chown of the temp dir: ", std::strerror(errno)));
+      }
+      argv.insert(argv.end(), {"--uid", std::to_string(request.compile_uid)});
+    }
     if (!request.kernel_include_dir.empty()) argv.insert(argv.end(), {"--ro", request.kernel_include_dir});
     for (const std::string& d : request.extra_include_dirs) argv.insert(argv.end(), {"--ro", d});
     argv.push_back("--");
@@ -200,7 +220,8 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
 
   auto log = Logger("gpu");
   log->debug("nvcc: {}", absl::StrJoin(argv, " "));
-  OPJIT_ASSIGN_OR_RETURN(RunResult r, Run(argv, request.timeout_ms));
+  OPJIT_ASSIGN_OR_RETURN(RunResult r,
+                         Run(argv, request.timeout_ms, !request.sandbox_path.empty()));
   // Paths of the temp dir mean nothing to the client.
   std::string diagnostics = r.output;
   for (size_t p = 0; (p = diagnostics.find(dir + "/", p)) != std::string::npos;)

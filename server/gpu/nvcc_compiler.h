@@ -37,6 +37,11 @@ struct NvccRequest {
   std::string sandbox_path;
   // RLIMIT_DATA of nvcc and each tool it runs. Default: 2 GiB.
   uint64_t memory_limit_bytes = 2ull << 30;
+  // With sandbox_path, on a root daemon: nvcc runs as this uid (and gid of
+  // the same number), the compile uid, which owns the temp dir; <= 0: the
+  // daemon's. A daemon that is not root runs it as its own uid, in user
+  // and PID namespaces of its own (the temp dir is its).
+  int64_t compile_uid = -1;
 };
 
 struct NvccOutput {

@@ -3,7 +3,17 @@
 #include <elf.h>
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <thread>
 
 #include "tests/unit/gpu/test_util.h"
 
@@ -134,6 +144,82 @@ TEST(NvccTest, ToolchainId) {
   EXPECT_NE(id->find("release 13."), std::string::npos) << *id;
   EXPECT_NE(id->find("host="), std::string::npos) << *id;
   EXPECT_EQ(NvccToolchainId("/nonexistent").status().code(), absl::StatusCode::kUnavailable);
+}
+
+// /proc/<pid>/status fields ("Uid", "NSpid", ...) of every process whose
+// command line mentions `needle`.
+std::vector<std::map<std::string, std::string>> ProcessesMentioning(const std::string& needle) {
+  std::vector<std::map<std::string, std::string>> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream cmd(e.path() / "cmdline", std::ios::binary);
+    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
+    if (argv.find(needle) == std::string::npos) continue;
+    std::ifstream st(e.path() / "status");
+    std::map<std::string, std::string> fields;
+    for (std::string line; std::getline(st, line);) {
+      const size_t colon = line.find(":\t");
+      if (colon != std::string::npos) fields[line.substr(0, colon)] = line.substr(colon + 2);
+    }
+    if (!fields.empty()) out.push_back(std::move(fields));
+  }
+  return out;
+}
+
+// On a root daemon nvcc runs as the compile uid, never root, as process 1 of
+// a PID namespace of its own (its tools below it), and still reads a 0700
+// include directory of root's (CAP_DAC_READ_SEARCH, ambient across its
+// execs, within Landlock).
+TEST(NvccTest, SandboxedNvccRunsAsTheCompileUidInNamespacesOfItsOwn) {
+  if (::geteuid() != 0) GTEST_SKIP() << "the compile uid is a root daemon's";
+  char top[] = "/tmp/opjit-nvcc-private-XXXXXX";
+  ASSERT_NE(::mkdtemp(top), nullptr);  // 0700, root's
+  const std::string inc = std::string(top) + "/include";
+  ASSERT_EQ(::mkdir(inc.c_str(), 0700), 0);
+  {
+    std::ofstream h(inc + "/nvcc_private.h");
+    h << "#pragma once\n#define NVCC_PRIVATE_SCALE 3.0f\n";
+  }
+  ::chmod((inc + "/nvcc_private.h").c_str(), 0600);
+  // Its temp dirs, found by this name. Searchable by anyone, as /tmp is:
+  // gcc checks its TMPDIR with access(), which counts no capability.
+  char tmp[] = "/tmp/opjit-nvcc-tmp-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmp), nullptr);
+  ::chmod(tmp, 0711);
+  NvccRequest r = Request(std::string("#include <nvcc_private.h>\n") + kAotAdd);
+  r.extra_include_dirs = {inc};
+  r.tmp_dir = tmp;
+  r.compile_uid = 1879113728;
+  absl::StatusOr<NvccOutput> out;
+  std::atomic<bool> done{false};
+  std::thread compile([&] {
+    out = CompileAotSharedObject(r);
+    done = true;
+  });
+  std::set<std::string> uids, nspids;
+  while (!done) {
+    for (const auto& p : ProcessesMentioning(tmp)) {
+      uids.insert(p.count("Uid") ? p.at("Uid") : "?");
+      nspids.insert(p.count("NSpid") ? p.at("NSpid") : "?");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  compile.join();
+  std::filesystem::remove_all(top);
+  std::filesystem::remove_all(tmp);
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_FALSE(uids.empty()) << "no process of the compile was seen";
+  for (const std::string& u : uids) {
+    // The sandbox itself may be seen before it switches; what runs nvcc's
+    // work never keeps root.
+    EXPECT_TRUE(u == "1879113728\t1879113728\t1879113728\t1879113728" || u.rfind("0\t", 0) == 0)
+        << u;
+  }
+  EXPECT_TRUE(uids.count("1879113728\t1879113728\t1879113728\t1879113728")) << "nvcc never ran "
+                                                                                "as the compile uid";
+  // Every one is in a PID namespace below the host's ("<host pid>\t<pid>").
+  for (const std::string& n : nspids) EXPECT_NE(n.find('\t'), std::string::npos) << n;
 }
 
 }  // namespace
