@@ -53,6 +53,9 @@ run zero "$BUILD/bin/zero_bench" "$OUT/zero.json" >"$OUT/zero.md"
 # What the executors' namespaces cost (executor start, tiny calls), against a
 # daemon without them (needs root; otherwise it says so and measures nothing).
 run isolation "$BUILD/bin/isolation_bench" "$OUT/isolation.json" >"$OUT/isolation.md"
+# What a non-root daemon's user and PID namespaces (and subordinate ids) cost
+# against a root daemon's (needs root: it starts daemons as nobody).
+run userns "$PY" bench/userns_bench.py "$OUT/userns.json" --build "$BUILD" --md "$OUT/userns.md"
 
 "$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
 # Its own table, after the report's sections.
@@ -68,5 +71,9 @@ fi
 if [ -s "$OUT/isolation.md" ]; then
   printf '\n## Executor namespaces (executor start and tiny calls)\n\n' >>bench/results.md
   cat "$OUT/isolation.md" >>bench/results.md
+fi
+if [ -s "$OUT/userns.md" ]; then
+  printf '\n## A non-root daemon: user namespaces and subordinate ids\n\n' >>bench/results.md
+  cat "$OUT/userns.md" >>bench/results.md
 fi
 cat bench/results.md
