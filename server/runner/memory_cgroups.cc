@@ -144,6 +144,12 @@ absl::Status MemoryCgroups::Place(const std::string& ns, pid_t pid) {
         return absl::InternalError(absl::StrCat("memory cgroup: limit: ", s.message()));
       }
       if (mode_ == "cgroup2") (void)WriteText(path + "/memory.swap.max", "0");  // absent without swap
+      if (tasks_ != 0) {
+        if (absl::Status t = WriteText(path + "/pids.max", std::to_string(tasks_)); !t.ok()) {
+          ::rmdir(path.c_str());
+          return absl::InternalError(absl::StrCat("pids cgroup: limit: ", t.message()));
+        }
+      }
       made_.emplace(ns, path);
     } else {
       path = it->second;
@@ -153,6 +159,19 @@ absl::Status MemoryCgroups::Place(const std::string& ns, pid_t pid) {
     return absl::InternalError(absl::StrCat("memory cgroup: move: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+bool MemoryCgroups::CapTasks(uint64_t tasks) {
+  if (mode_ != "cgroup2" || tasks == 0) return false;
+  // The pids controller, where the daemon's cgroup offers it (a unit with
+  // Delegate=memory pids), for the namespaces' cgroups too.
+  if (ReadSmallFile(dir_ + "/cgroup.controllers").find("pids") == std::string::npos ||
+      !WriteText(dir_ + "/cgroup.subtree_control", "+pids").ok()) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  tasks_ = tasks;
+  return true;
 }
 
 uint64_t MemoryCgroups::OomKills(const std::string& ns) {

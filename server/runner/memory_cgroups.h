@@ -56,6 +56,13 @@ class MemoryCgroups {
   const std::string& dir() const { return dir_; }
   uint64_t bytes() const { return bytes_; }
 
+  // cgroup v2 with the pids controller delegated too: each namespace's
+  // cgroup also gets pids.max = `tasks` (threads and processes of all its
+  // executors together: what RLIMIT_NPROC of a namespace's own uid gives a
+  // root daemon, which a non-root daemon's user namespaces cannot). Call
+  // before the first Place. Returns whether it will be applied.
+  bool CapTasks(uint64_t tasks);
+
  private:
   MemoryCgroups(std::string mode, std::string dir, uint64_t bytes)
       : mode_(std::move(mode)), dir_(std::move(dir)), bytes_(bytes) {}
@@ -63,6 +70,7 @@ class MemoryCgroups {
 
   const std::string mode_, dir_;
   const uint64_t bytes_;
+  uint64_t tasks_ = 0;  // pids.max per namespace (cgroup v2 only); 0: none
   std::mutex mu_;
   std::map<std::string, std::string> made_;  // ns -> cgroup dir; guarded by mu_
 };

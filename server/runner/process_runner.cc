@@ -1547,6 +1547,13 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
     Logger("runner")->info("each namespace's executors share a memory cap of {} MiB ({} under {})",
                            options.namespace_memory_bytes >> 20, impl->cgroups->mode(),
                            impl->cgroups->dir());
+    // Without root, RLIMIT_NPROC cannot cap a namespace (each executor's
+    // user namespace counts its own); a delegated pids controller can.
+    if (::geteuid() != 0 &&
+        impl->cgroups->CapTasks(static_cast<uint64_t>(options.threads_per_namespace))) {
+      Logger("runner")->info("each namespace's executors share a cap of {} threads (pids.max)",
+                             options.threads_per_namespace);
+    }
   } else if (options.namespace_memory_bytes != 0) {
     Logger("runner")->warn(
         "WARNING: no writable cgroup with a memory controller (cgroup v2 needs a delegated "
