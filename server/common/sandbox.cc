@@ -334,13 +334,8 @@ absl::Status DropUserNamespaceCapabilities(bool keep_read_search) {
     if (!(keep_read_search && cap == CAP_DAC_READ_SEARCH)) ::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
   }
   ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
-  struct {
-    uint32_t version;
-    int pid;
-  } header{0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
-  struct {
-    uint32_t effective, permitted, inheritable;
-  } data[2] = {};
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
   if (keep_read_search) {
     data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].effective = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
     data[CAP_TO_INDEX(CAP_DAC_READ_SEARCH)].permitted = CAP_TO_MASK(CAP_DAC_READ_SEARCH);
