@@ -18,6 +18,7 @@ constexpr uint16_t kAclGroupObj = 0x04;
 constexpr uint16_t kAclMask = 0x10;
 constexpr uint16_t kAclOther = 0x20;
 constexpr uint16_t kAclReadWrite = 6;
+constexpr uint16_t kAclAll = 7;
 constexpr uint32_t kAclUndefinedId = 0xffffffffu;
 
 void PutLe(std::string* out, uint64_t value, int bytes) {
@@ -26,7 +27,8 @@ void PutLe(std::string* out, uint64_t value, int bytes) {
 
 }  // namespace
 
-absl::Status GrantUserReadWrite(int fd, uid_t uid) {
+// Owner and `uid` get `perm`, the owning group and others nothing.
+static absl::Status GrantUser(int fd, uid_t uid, uint16_t perm) {
   std::string acl;
   PutLe(&acl, kAclXattrVersion, 4);
   auto entry = [&](uint16_t tag, uint16_t perm, uint32_t id) {
@@ -34,10 +36,10 @@ absl::Status GrantUserReadWrite(int fd, uid_t uid) {
     PutLe(&acl, perm, 2);
     PutLe(&acl, id, 4);
   };
-  entry(kAclUserObj, kAclReadWrite, kAclUndefinedId);
-  entry(kAclUser, kAclReadWrite, static_cast<uint32_t>(uid));
+  entry(kAclUserObj, perm, kAclUndefinedId);
+  entry(kAclUser, perm, static_cast<uint32_t>(uid));
   entry(kAclGroupObj, 0, kAclUndefinedId);
-  entry(kAclMask, kAclReadWrite, kAclUndefinedId);
+  entry(kAclMask, perm, kAclUndefinedId);
   entry(kAclOther, 0, kAclUndefinedId);
   if (::fsetxattr(fd, "system.posix_acl_access", acl.data(), acl.size(), 0) != 0) {
     const int e = errno;
@@ -48,5 +50,9 @@ absl::Status GrantUserReadWrite(int fd, uid_t uid) {
   }
   return absl::OkStatus();
 }
+
+absl::Status GrantUserReadWrite(int fd, uid_t uid) { return GrantUser(fd, uid, kAclReadWrite); }
+
+absl::Status GrantUserAll(int fd, uid_t uid) { return GrantUser(fd, uid, kAclAll); }
 
 }  // namespace opjit

@@ -4,7 +4,8 @@
 //
 // Used for shared memory between two uids: the daemon grants a client's uid
 // on regions it creates (server/tensor/region.cc), and a client grants the
-// daemon's uid on objects it registers (client/cpp/shm_region.cc).
+// daemon's uid on objects it registers (client/cpp/shm_region.cc); and for
+// nvcc's temp directory (GrantUserAll).
 #pragma once
 
 #include <sys/types.h>
@@ -19,5 +20,10 @@ namespace opjit {
 // FAILED_PRECONDITION when the file system does not support POSIX ACLs
 // (EOPNOTSUPP); other failures as their errno's code. Messages name no file.
 absl::Status GrantUserReadWrite(int fd, uid_t uid);
+
+// The same with read, write and execute (search, for a directory): a
+// non-root daemon lets a compile uid of its own work in a temp directory
+// it owns (server/gpu/nvcc_compiler.cc).
+absl::Status GrantUserAll(int fd, uid_t uid);
 
 }  // namespace opjit

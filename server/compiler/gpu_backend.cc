@@ -171,7 +171,8 @@ class GpuBackend : public CompileBackend {
       req.extra_include_dirs = options_.extra_include_dirs;
       req.sandbox_path = SandboxPath();
       req.memory_limit_bytes = options_.memory_limit_bytes;
-      if (::geteuid() == 0) req.compile_uid = options_.compile_uid;
+      req.compile_uid = options_.compile_uid;
+      req.compile_gid = options_.compile_gid;
       if (req.sandbox_path.empty()) return NoSandbox();
       OPJIT_ASSIGN_OR_RETURN(gpu::NvccOutput r, gpu::CompileAotSharedObject(req));
       g->shared_object = std::move(r.shared_object);

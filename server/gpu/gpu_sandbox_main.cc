@@ -20,6 +20,7 @@
 //
 // Started by opjitd (server/gpu/nvrtc_compiler.cc, nvcc_compiler.cc).
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -186,6 +187,9 @@ int Main(int argc, char** argv) {
   // daemon too.
   if (!subprocess::DieWithParent(parent)) return 3;
   ::setenv("TMPDIR", rw.c_str(), 1);
+  // What nvcc writes, the daemon reads back, whichever uid nvcc runs as
+  // (others cannot reach the directory).
+  ::umask(022);
   ::execv(argv[i], argv + i);
   return Fail(std::string("exec ") + argv[i] + ": " + std::strerror(errno));
 }

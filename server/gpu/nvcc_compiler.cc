@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +22,7 @@
 #include "server/common/error_info.h"
 #include "server/common/frame_io.h"
 #include "server/common/logging.h"
+#include "server/common/posix_acl.h"
 #include "server/common/status_macros.h"
 #include "server/common/subprocess.h"
 
@@ -37,8 +39,9 @@ struct RunResult {
 
 // Runs argv[0] with `argv` in a new process group, stdout+stderr into one
 // pipe, stdin from /dev/null. Kills the group at the deadline.
-absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_ms,
-                              bool isolate = false) {
+absl::StatusOr<RunResult> Run(
+    const std::vector<std::string>& argv, int timeout_ms, bool isolate = false,
+    std::optional<subprocess::SpawnOptions::UserNamespace> as = std::nullopt) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0)
     return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
@@ -64,7 +67,7 @@ absl::StatusOr<RunResult> Run(const std::vector<std::string>& argv, int timeout_
   // that starts nvcc's command line.
   if (isolate) {
     subprocess::SpawnOptions with;
-    subprocess::IsolateHelper(&with);
+    subprocess::IsolateHelper(&with, as);
     spawn.args.insert(std::find(spawn.args.begin(), spawn.args.end(), "--"), with.args.begin(),
                       with.args.end());
     spawn.new_pid_namespace = with.new_pid_namespace;
@@ -190,6 +193,7 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
   }
 
   std::vector<std::string> argv;
+  std::optional<subprocess::SpawnOptions::UserNamespace> as;  // a non-root daemon's compile ids
   if (!request.sandbox_path.empty()) {
     argv = {request.sandbox_path, "--exec", "--rw", dir, "--ro", request.cuda_root,
             "--memory", std::to_string(request.memory_limit_bytes)};
@@ -200,6 +204,20 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
         return absl::InternalError(absl::StrCat("chown of the temp dir: ", std::strerror(errno)));
       }
       argv.insert(argv.end(), {"--uid", std::to_string(request.compile_uid)});
+    } else if (request.compile_uid > 0) {
+      // Not root: the temp dir's ACL lets the compile uid work in it (the
+      // source is world-readable; what nvcc writes, the daemon reads).
+      const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      absl::Status granted = fd >= 0 ? GrantUserAll(fd, static_cast<uid_t>(request.compile_uid))
+                                     : absl::InternalError(std::strerror(errno));
+      if (fd >= 0) ::close(fd);
+      if (granted.ok() && ::chmod(src.c_str(), 0644) == 0) {
+        as = subprocess::CompileIds(request.compile_uid, request.compile_gid);
+      } else {
+        Logger("gpu")->warn("nvcc runs as opjitd's own uid: the compile uid cannot be granted "
+                            "its temp directory ({})",
+                            std::string(granted.message()));
+      }
     }
     if (!request.kernel_include_dir.empty()) argv.insert(argv.end(), {"--ro", request.kernel_include_dir});
     for (const std::string& d : request.extra_include_dirs) argv.insert(argv.end(), {"--ro", d});
@@ -221,7 +239,7 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
   auto log = Logger("gpu");
   log->debug("nvcc: {}", absl::StrJoin(argv, " "));
   OPJIT_ASSIGN_OR_RETURN(RunResult r,
-                         Run(argv, request.timeout_ms, !request.sandbox_path.empty()));
+                         Run(argv, request.timeout_ms, !request.sandbox_path.empty(), as));
   // Paths of the temp dir mean nothing to the client.
   std::string diagnostics = r.output;
   for (size_t p = 0; (p = diagnostics.find(dir + "/", p)) != std::string::npos;)

@@ -37,11 +37,14 @@ struct NvccRequest {
   std::string sandbox_path;
   // RLIMIT_DATA of nvcc and each tool it runs. Default: 2 GiB.
   uint64_t memory_limit_bytes = 2ull << 30;
-  // With sandbox_path, on a root daemon: nvcc runs as this uid (and gid of
-  // the same number), the compile uid, which owns the temp dir; <= 0: the
-  // daemon's. A daemon that is not root runs it as its own uid, in user
-  // and PID namespaces of its own (the temp dir is its).
+  // With sandbox_path, nvcc runs as this uid, the compile uid; <= 0: the
+  // daemon's. A root daemon switches to it (the gid of the same number;
+  // it owns the temp dir). A daemon that is not root maps it, with
+  // compile_gid, as uid 0 of a user namespace (with its own ids as 1; the
+  // temp dir's ACL grants it), where that file system has POSIX ACLs; else
+  // nvcc runs as the daemon's own ids in a user namespace of its own.
   int64_t compile_uid = -1;
+  int64_t compile_gid = -1;
 };
 
 struct NvccOutput {

@@ -404,3 +404,61 @@ def test_a_non_root_daemons_compile_workers_run_as_a_subordinate_uid_of_their_ow
     finally:
         d.close()
         shutil.rmtree(top, ignore_errors=True)
+
+
+NVCC_TOOLS = {"nvcc", "cicc", "ptxas", "cudafe++", "fatbinary", "nvlink", "gcc", "cc1plus", "as",
+              "ld", "collect2"}
+
+
+def test_a_non_root_daemons_nvcc_runs_as_its_compile_subordinate_uid():
+    """nvcc (MindSpore aot .cu kernels) on opjitd as nobody with subordinate
+    ids: it and every tool it starts run as the compile uid (the last
+    subordinate uid), below a PID namespace of their own; the temp dir's ACL
+    lets that uid work there, and the daemon reads the object back."""
+    if os.geteuid() != 0:
+        pytest.skip("starting a daemon as nobody needs root")
+    if not os.access("/usr/local/cuda/bin/nvcc", os.X_OK):
+        pytest.skip("no nvcc in /usr/local/cuda")
+    import threading
+    import time
+    from conftest import REPO
+    from test_tenant_walls import SubuidDaemon
+    with open(os.path.join(REPO, "kernels", "examples", "add_aot.cu")) as f:
+        source = f.read()
+    d = SubuidDaemon()
+    seen, done = {}, threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for pid, comm in _descendants(d.proc.pid).items():
+                if comm in NVCC_TOOLS:
+                    try:
+                        # A compile's (not `nvcc --version`, which the daemon
+                        # runs itself for cache keys): it names the temp dir.
+                        with open("/proc/%d/cmdline" % pid, "rb") as f:
+                            if b"opjit-nvcc-" not in f.read():
+                                continue
+                        s = status_of(pid)
+                        seen[pid] = (comm, int(s["Uid"].split()[0]), s["NSpid"])
+                    except (OSError, KeyError):
+                        pass
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with opjit.Client(d.unix_address, timeout=300) as c:
+            r = c.compile(source, entry="CustomAddGpu", language="cuda", target="GPU",
+                          namespace="alice")
+            assert r.cache_key and r.cache_hit == "" and r.binary_bytes > 0, r
+    finally:
+        done.set()
+        watcher.join()
+        log = d.read_log()
+        d.close()
+    compile_uid = d.first + d.count - 1
+    assert seen, "no nvcc process was seen"
+    for pid, (comm, uid, nspid) in seen.items():
+        assert uid == compile_uid, (pid, comm, uid)
+        assert "\t" in nspid, (pid, comm, nspid)  # below a PID namespace of its own
+    assert "nvcc runs as opjitd's own uid" not in log
