@@ -98,7 +98,8 @@ struct DaemonConfig {
   // root's; Landlock still limits what they read). Never root, nobody, or
   // a uid of exec.uid_range (no executor has it). The default is the uid
   // right after the default exec.uid_range. A non-root daemon's compile
-  // workers keep its uid.
+  // workers run as its last subordinate uid where it has subordinate ids
+  // (main.cc PickSubordinateIds), else as its own uid.
   int64_t compile_uid = 1879113728;
   std::vector<std::string> extra_include_dirs;
   std::vector<std::string> allowed_libraries;
