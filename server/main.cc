@@ -348,14 +348,17 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
 }
 
 // Writes the bound addresses, one per line, to <state_dir>/endpoints (atomic),
-// so tools and tests can find a port chosen by the OS.
-void WriteEndpoints(const std::string& state_dir, const std::vector<std::string>& bound) {
+// so tools and tests can find a port chosen by the OS. False (errno set)
+// when the file could not be written or put in place.
+bool WriteEndpoints(const std::string& state_dir, const std::vector<std::string>& bound) {
   const std::string tmp = state_dir + "/endpoints.tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
     for (const auto& b : bound) out << b << "\n";
+    out.flush();
+    if (!out) return false;
   }
-  std::rename(tmp.c_str(), (state_dir + "/endpoints").c_str());
+  return std::rename(tmp.c_str(), (state_dir + "/endpoints").c_str()) == 0;
 }
 
 // opjitd --check-config FILE: every problem on its own line (stderr), or one
@@ -579,7 +582,12 @@ int Run(int argc, char** argv) {
     log->error("cannot create state dir {}: {}", cfg->state_dir, ec.message());
     return 1;
   }
-  chmod(cfg->state_dir.c_str(), 0700);
+  if (::chmod(cfg->state_dir.c_str(), 0700) != 0) {
+    // Not fatal (a state dir owned by someone else, or on a file system
+    // without modes): the operator learns that others may read it.
+    log->warn("cannot make the state dir {} private (chmod 700): {}", cfg->state_dir,
+              std::strerror(errno));
+  }
   // A full disk or a file-size limit must fail a write, not kill the daemon.
   signal(SIGXFSZ, SIG_IGN);
   auto lock_fd = LockStateDir(cfg->state_dir);
@@ -864,7 +872,11 @@ int Run(int argc, char** argv) {
     log->error("{}", std::string(server.status().message()));
     return 1;
   }
-  WriteEndpoints(cfg->state_dir, (*server)->bound());
+  if (!WriteEndpoints(cfg->state_dir, (*server)->bound())) {
+    // Serving goes on; only tools that look the address up there miss it.
+    log->error("cannot write {}/endpoints (the bound addresses): {}", cfg->state_dir,
+               std::strerror(errno));
+  }
   for (const std::string& address : cfg->listen) {
     if (address.rfind("unix:", 0) != 0 && !IsLoopbackTcp(address) &&
         (cfg->tls_cert.empty() || cfg->principals.empty())) {
