@@ -35,7 +35,7 @@ import opjit
 
 from test_access import AuthDaemon
 from conftest import unary_spec, wait_for
-from test_tenant_walls import _descendants, executors
+from test_tenant_walls import _descendants, executors, helpers
 
 with open("/etc/os-release", "rb") as _f:
     OS_RELEASE = _f.read()
@@ -271,13 +271,8 @@ def compile_workers(daemon_pid):
     """{pid: status} of the daemon's compile workers (not the health
     monitor's short-lived --probe runs, which load nothing)."""
     out = {}
-    for pid, comm in _descendants(daemon_pid).items():
-        if not comm.startswith("opjit-compile"):
-            continue
+    for pid in helpers(daemon_pid, "opjit-compile"):
         try:
-            with open("/proc/%d/cmdline" % pid, "rb") as f:
-                if b"--probe" in f.read():
-                    continue
             out[pid] = status_of(pid)
         except OSError:
             continue

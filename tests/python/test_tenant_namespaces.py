@@ -28,7 +28,7 @@ import pytest
 import opjit
 
 from conftest import TempDaemon, health, unary_kernel, unary_spec, wait_for
-from test_tenant_walls import NobodyDaemon, _descendants, executors
+from test_tenant_walls import NobodyDaemon, executors, helpers
 
 SCRATCH_MB = 8
 NAMESPACES = ["pid", "mnt", "ipc", "net", "uts"]
@@ -130,13 +130,8 @@ def compile_workers(daemon_pid):
     """[(pid, ns_links)] of the daemon's compile workers, less the health
     monitor's short-lived --probe runs and any that ended while looked at."""
     out = []
-    for pid, comm in _descendants(daemon_pid).items():
-        if not comm.startswith("opjit-compile"):
-            continue
+    for pid in helpers(daemon_pid, "opjit-compile"):
         try:
-            with open("/proc/%d/cmdline" % pid, "rb") as f:
-                if b"--probe" in f.read():
-                    continue
             out.append((pid, ns_links(pid)))
         except OSError:
             continue

@@ -150,12 +150,12 @@ def _descendants(root):
     return out
 
 
-def executors(daemon_pid):
-    """Pids of the daemon's executors (below it; not the health monitor's
-    short-lived --probe runs)."""
+def helpers(daemon_pid, comm_prefix):
+    """Pids of the daemon's helpers whose name starts with `comm_prefix`
+    (below it; not the health monitor's short-lived --probe runs)."""
     out = set()
     for pid, comm in _descendants(daemon_pid).items():
-        if comm != "opjit-exec-work":
+        if not comm.startswith(comm_prefix):
             continue
         try:
             with open("/proc/%d/cmdline" % pid, "rb") as f:
@@ -165,6 +165,11 @@ def executors(daemon_pid):
             continue
         out.add(pid)
     return out
+
+
+def executors(daemon_pid):
+    """Pids of the daemon's executors."""
+    return helpers(daemon_pid, "opjit-exec-work")
 
 
 def observe(pid):

@@ -121,6 +121,21 @@ pid_t StartVictim() {
   return pid;
 }
 
+// The parent's half of InSandbox and InPolicy: what child `pid` reported
+// on `fd` (closed here), and how it ended when that was not exit 0.
+std::string Collect(pid_t pid, int fd) {
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) out.append(buf, n);
+  ::close(fd);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    out += "sandboxed child ended with status " + std::to_string(status) + "\n";
+  }
+  return out;
+}
+
 // Runs `body(report)` in a child that first installs the filter (`full`:
 // the whole sandbox, as a worker applies it, without Landlock's files), and
 // returns the child's findings, or how it ended when that was not exit 0.
@@ -147,16 +162,7 @@ std::string InSandbox(bool full, F body) {
     ::_exit(0);
   }
   ::close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, n);
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    out += "sandboxed child ended with status " + std::to_string(status) + "\n";
-  }
-  return out;
+  return Collect(pid, fds[0]);
 }
 
 void EndVictim(pid_t victim) {
@@ -464,16 +470,7 @@ std::string InPolicy(const Policy& p, F body) {
     ::_exit(0);
   }
   ::close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, n);
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    out += "sandboxed child ended with status " + std::to_string(status) + "\n";
-  }
-  return out;
+  return Collect(pid, fds[0]);
 }
 
 // The content of `path`, or "" when it cannot be opened (errno says why).
