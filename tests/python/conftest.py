@@ -297,96 +297,19 @@ def examples_registered(daemon):
     return True
 
 
-# Kernels for the autograd tests: square (y = x*x) with bprop square_grad
-# (x, y, dy) -> 2*x*dy; mul (x, w) -> x*w with bprop mul_grad.
-SQUARE_SRC = r'''
-#include <cstdint>
-extern "C" int Square(int nparam, void** params, int* ndims, int64_t** shapes,
-                      const char** dtypes, void* stream, void* extra) {
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);
-  float* y = static_cast<float*>(params[1]);
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * x[i];
-  return 0;
-}
-'''
+def example_source(name):
+    """The text of kernels/examples/<name>: tests use the examples' kernels, not copies."""
+    with open(os.path.join(EXAMPLES, name)) as f:
+        return f.read()
 
-SQUARE_GRAD_SRC = r'''
-#include <cstdint>
-extern "C" int SquareGrad(int nparam, void** params, int* ndims, int64_t** shapes,
-                          const char** dtypes, void* stream, void* extra) {
-  // inputs: x, y, dy; output: dx
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);
-  const float* dy = static_cast<const float*>(params[2]);
-  float* dx = static_cast<float*>(params[3]);
-  for (int64_t i = 0; i < n; ++i) dx[i] = 2.0f * x[i] * dy[i];
-  return 0;
-}
-'''
 
-MUL_SRC = r'''
-#include <cstdint>
-extern "C" int Mul(int nparam, void** params, int* ndims, int64_t** shapes,
-                   const char** dtypes, void* stream, void* extra) {
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);
-  const float* w = static_cast<const float*>(params[1]);
-  float* y = static_cast<float*>(params[2]);
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * w[i];
-  return 0;
-}
-'''
-
-MUL_GRAD_SRC = r'''
-#include <cstdint>
-extern "C" int MulGrad(int nparam, void** params, int* ndims, int64_t** shapes,
-                       const char** dtypes, void* stream, void* extra) {
-  // inputs: x, w, y, dy; outputs: dx, dw
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);
-  const float* w = static_cast<const float*>(params[1]);
-  const float* dy = static_cast<const float*>(params[3]);
-  float* dx = static_cast<float*>(params[4]);
-  float* dw = static_cast<float*>(params[5]);
-  for (int64_t i = 0; i < n; ++i) { dx[i] = dy[i] * w[i]; dw[i] = dy[i] * x[i]; }
-  return 0;
-}
-'''
-
-# Elementwise helpers for Function tests (client-side backward calls these).
-TANH_SRC = r'''
-#include <cmath>
-#include <cstdint>
-extern "C" int Tanh(int nparam, void** params, int* ndims, int64_t** shapes,
-                    const char** dtypes, void* stream, void* extra) {
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);
-  float* y = static_cast<float*>(params[1]);
-  for (int64_t i = 0; i < n; ++i) y[i] = std::tanh(x[i]);
-  return 0;
-}
-'''
-
-TANH_GRAD_SRC = r'''
-#include <cstdint>
-extern "C" int TanhGrad(int nparam, void** params, int* ndims, int64_t** shapes,
-                        const char** dtypes, void* stream, void* extra) {
-  // inputs: dy, y; output: dy * (1 - y*y)
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* dy = static_cast<const float*>(params[0]);
-  const float* y = static_cast<const float*>(params[1]);
-  float* dx = static_cast<float*>(params[2]);
-  for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * (1.0f - y[i] * y[i]);
-  return 0;
-}
-'''
+# Kernels for the autograd tests, from kernels/examples: square.cc (Square:
+# y = x*x, SquareGrad: (x, y, dy) -> 2*x*dy), mul.cc (Mul: (x, w) -> x*w,
+# MulGrad: (x, w, y, dy) -> (dy*w, dy*x)) and tanh.cc (Tanh, and TanhGrad:
+# (y, dy) -> dy * (1 - y*y) when called directly).
+SQUARE_SRC = SQUARE_GRAD_SRC = example_source("square.cc")
+MUL_SRC = MUL_GRAD_SRC = example_source("mul.cc")
+TANH_SRC = TANH_GRAD_SRC = example_source("tanh.cc")
 
 
 def unary(name, src, entry, bprop=None, doc=""):
@@ -417,7 +340,7 @@ def grad_ops(daemon):
                    .dtype_format(F32, F32, F32).target("CPU").impl(source=MUL_SRC, entry="Mul")
                    .output_rule("same_as", input=0).bprop("mul_grad"))
         c.register(unary("tanh", TANH_SRC, "Tanh"))
-        c.register(opjit.CustomRegOp("tanh_grad").input(0, "dy").input(1, "y").output(0, "dx")
+        c.register(opjit.CustomRegOp("tanh_grad").input(0, "y").input(1, "dy").output(0, "dx")
                    .dtype_format(F32, F32, F32).target("CPU")
                    .impl(source=TANH_GRAD_SRC, entry="TanhGrad").output_rule("same_as", input=0))
     return True

@@ -9,38 +9,16 @@ output per forward input: dx = 2 * x * dy. The backward runs in opjitd
 bprop with finite differences. Needs a running opjitd ($OPJIT_SERVER or the
 default socket) with Backward support.
 """
+import os
+
 import numpy as np
 
 import opjit
 from opjit import CustomRegOp, DataType
 
-SQUARE = r'''
-#include <cstdint>
-extern "C" int Square(int nparam, void** params, int* ndims, int64_t** shapes,
-                      const char** dtypes, void* stream, void* extra) {
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);
-  float* y = static_cast<float*>(params[1]);
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * x[i];
-  return 0;
-}
-'''
-
-SQUARE_GRAD = r'''
-#include <cstdint>
-extern "C" int SquareGrad(int nparam, void** params, int* ndims, int64_t** shapes,
-                          const char** dtypes, void* stream, void* extra) {
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);   // forward input
-  const float* dout = static_cast<const float*>(params[2]); // output grad (params[1] is y)
-  float* dx = static_cast<float*>(params[3]);
-  for (int64_t i = 0; i < n; ++i) dx[i] = 2.0f * x[i];
-  for (int64_t i = 0; i < n; ++i) dx[i] = dx[i] * dout[i];
-  return 0;
-}
-'''
+# square.cc holds Square and its bprop SquareGrad (and SquareGradGrad).
+KERNELS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        "..", "..", "..", "kernels", "examples"))
 
 F32 = DataType.F32_Default
 
@@ -49,11 +27,11 @@ if __name__ == "__main__":
         # The bprop is an op of its own; register it first.
         client.register(CustomRegOp("square_grad").input(0, "x").input(1, "out")
                         .input(2, "dout").output(0, "dx").dtype_format(F32, F32, F32, F32)
-                        .target("CPU").impl(source=SQUARE_GRAD, entry="SquareGrad")
-                        .output_rule("same_as", input=0))
+                        .target("CPU").impl(source_file="square.cc", entry="SquareGrad")
+                        .output_rule("same_as", input=0), base_dir=KERNELS)
         client.register(CustomRegOp("square").input(0, "x").output(0, "y").dtype_format(F32, F32)
-                        .target("CPU").impl(source=SQUARE, entry="Square")
-                        .output_rule("same_as", input=0).bprop("square_grad"))
+                        .target("CPU").impl(source_file="square.cc", entry="Square")
+                        .output_rule("same_as", input=0).bprop("square_grad"), base_dir=KERNELS)
         square = client.op("square")
 
         x = opjit.tensor(np.array([1.0, 4.0, 9.0]).astype(np.float32), requires_grad=True)

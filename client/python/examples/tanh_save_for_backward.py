@@ -6,48 +6,27 @@ it back with ctx.saved_tensor() and computes dy * (1 - y^2) with op
 `tanh_grad`. The backward runs here, client side; the arithmetic runs in
 opjitd. Needs a running opjitd ($OPJIT_SERVER or the default socket).
 """
+import os
+
 import numpy as np
 
 import opjit
 from opjit import CustomRegOp, DataType
 
-TANH = r'''
-#include <cmath>
-#include <cstdint>
-extern "C" int Tanh(int nparam, void** params, int* ndims, int64_t** shapes,
-                    const char** dtypes, void* stream, void* extra) {
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);
-  float* y = static_cast<float*>(params[1]);
-  for (int64_t i = 0; i < n; ++i) y[i] = std::tanh(x[i]);
-  return 0;
-}
-'''
-
-TANH_GRAD = r'''
-#include <cstdint>
-// inputs: dy, y; output: dx = dy * (1 - y^2)
-extern "C" int TanhGrad(int nparam, void** params, int* ndims, int64_t** shapes,
-                        const char** dtypes, void* stream, void* extra) {
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* dy = static_cast<const float*>(params[0]);
-  const float* y = static_cast<const float*>(params[1]);
-  float* dx = static_cast<float*>(params[2]);
-  for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * (1.0f - y[i] * y[i]);
-  return 0;
-}
-'''
+# tanh.cc holds Tanh and TanhGrad; called directly, TanhGrad takes (y, dy).
+KERNELS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        "..", "..", "..", "kernels", "examples"))
 
 F32 = DataType.F32_Default
 
 client = opjit.Client()
 client.register(CustomRegOp("tanh").input(0, "x").output(0, "y").dtype_format(F32, F32)
-                .target("CPU").impl(source=TANH, entry="Tanh").output_rule("same_as", input=0))
-client.register(CustomRegOp("tanh_grad").input(0, "dy").input(1, "y").output(0, "dx")
-                .dtype_format(F32, F32, F32).target("CPU").impl(source=TANH_GRAD, entry="TanhGrad")
-                .output_rule("same_as", input=0))
+                .target("CPU").impl(source_file="tanh.cc", entry="Tanh").output_rule("same_as", input=0),
+                base_dir=KERNELS)
+client.register(CustomRegOp("tanh_grad").input(0, "y").input(1, "dy").output(0, "dx")
+                .dtype_format(F32, F32, F32).target("CPU").impl(source_file="tanh.cc",
+                                                                        entry="TanhGrad")
+                .output_rule("same_as", input=0), base_dir=KERNELS)
 tanh = client.op("tanh")
 tanh_grad = client.op("tanh_grad")
 
@@ -64,7 +43,7 @@ class cus_tanh(opjit.Function):
     def backward(ctx, dy):
         # one forward output, so one gradient in; one forward input, so one out.
         y, = ctx.saved_tensor()
-        return tanh_grad(dy, y)
+        return tanh_grad(y, dy)
 
 
 if __name__ == "__main__":

@@ -29,29 +29,23 @@ namespace {
 namespace fs = std::filesystem;
 using exec::TensorArg;
 
+// A kernel file of kernels/examples: tests use the examples, not copies.
+std::string ReadExample(const char* name) {
+  std::ifstream in(std::string(OPJIT_SOURCE_DIR "/kernels/examples/") + name);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 // (x, w) -> (y = x * w, z = x + w); its bprop checks MindSpore's positions
 // (x, w, y, z, dy, dz, dx, dw) with x and y not saved, and returns a code
 // naming what was wrong.
-const std::string kPos2 = [] {
-  std::ifstream in(OPJIT_SOURCE_DIR "/kernels/examples/mul_add.cc");
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}();
+const std::string kPos2 = ReadExample("mul_add.cc");
 
-// y = x * x; bprop (x, y, dy) -> dx saves only x; its bprop (x, y, dy, dx,
+// kernels/examples/square.cc (Square: y = x * x), then probes: the bprop
+// SqGrad (x, y, dy) -> dx saves only x; its bprop SqGradGrad (x, y, dy, dx,
 // ddx) -> (gx, gy, gdy) saves everything, so the null y of the first bprop is
-// saved as null and dx with its data.
-constexpr char kSquare[] = R"(
-#include <cstdint>
-extern "C" int Sq(int nparam, void** params, int* ndims, int64_t** shapes, const char**, void*,
-                  void*) {
-  if (nparam != 2) return 1;
-  int64_t n = 1;
-  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
-  const float* x = static_cast<const float*>(params[0]);
-  float* y = static_cast<float*>(params[1]);
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * x[i];
-  return 0;
-}
+// saved as null and dx with its data. Each returns a code naming what was
+// wrong.
+const std::string kSquare = ReadExample("square.cc") + R"(
 extern "C" int SqGrad(int nparam, void** params, int* ndims, int64_t** shapes, const char**,
                       void*, void*) {
   if (nparam != 4) return 10;
@@ -288,7 +282,7 @@ TEST_P(AutogradTest, DoubleBackwardSavesANullSlotAsNull) {
   auto g = Def("sq_grad", {"x", "y", "dy"}, {"dx"}, kSquare, "SqGrad");
   g.backward.op = "sq_grad_grad";  // saves everything
   Register(g);
-  auto f = Def("sq", {"x"}, {"y"}, kSquare, "Sq");
+  auto f = Def("sq", {"x"}, {"y"}, kSquare, "Square");
   f.backward.op = "sq_grad";
   f.backward.save_for_backward = {"x"};
   Register(f);
@@ -321,7 +315,7 @@ TEST_P(AutogradTest, DoubleBackwardSavesANullSlotAsNull) {
 }
 
 TEST_P(AutogradTest, RequiresGradOnAnOpWithoutBackwardRunsAndItsBackwardFails) {
-  Register(Def("nodiff", {"x"}, {"y"}, kSquare, "Sq"));
+  Register(Def("nodiff", {"x"}, {"y"}, kSquare, "Square"));
   const std::string x = Bytes({1, 4});
   exec::ForwardCall call;
   call.op = "nodiff";
@@ -388,7 +382,7 @@ TEST_P(AutogradTest, ExecutorNullTensors) {
   EXPECT_EQ(run(with_bytes).status().code(), absl::StatusCode::kInvalidArgument);
 
   // A shape rule cannot take its shape from a null slot.
-  Register(Def("same", {"x"}, {"y"}, kSquare, "Sq"));
+  Register(Def("same", {"x"}, {"y"}, kSquare, "Square"));
   exec::ForwardCall call;
   call.op = "same";
   call.inputs = {{NullArg()}};
