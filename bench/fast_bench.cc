@@ -62,7 +62,7 @@
 #include "bench/proc_cpu.h"
 #include "client/cpp/opjit_client.h"
 #include "client/cpp/shm_region.h"
-#include "server/runner/fast_channel.h"
+#include "proto/opjit/wire/fast_channel.h"
 
 extern char** environ;
 

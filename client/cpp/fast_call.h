@@ -1,5 +1,5 @@
 // The client side of the same-host fast path: a mapped fast channel (the
-// slot ring of server/runner/fast_channel.h, served by an executor process
+// slot ring of proto/opjit/wire/fast_channel.h, served by an executor process
 // of one namespace) and the per-Client state that lets Client::Forward run
 // calls on it transparently (prepared handles by call shape, region ids,
 // open channels).
@@ -18,7 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/cpp/opjit_client.h"
-#include "server/runner/fast_channel.h"
+#include "proto/opjit/wire/fast_channel.h"
 
 namespace opjit::client {
 

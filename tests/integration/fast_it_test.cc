@@ -20,7 +20,7 @@
 
 #include "client/cpp/shm_region.h"
 #include "server/common/error_info.h"
-#include "server/runner/fast_channel.h"
+#include "proto/opjit/wire/fast_channel.h"
 #include "tests/integration/daemon_harness.h"
 
 extern char** environ;

@@ -157,7 +157,7 @@ STUB_EXECUTOR = textwrap.dedent(r'''
 
 @pytest.mark.parametrize("mode", ["ok", "running", "submitted"])
 def test_channel_protocol_against_a_stub_executor(mode, monkeypatch):
-    """The client's half of server/runner/fast_channel.h, against a Python
+    """The client's half of proto/opjit/wire/fast_channel.h, against a Python
     executor: replies, errors, 8 slots shared by 12 threads, and a channel
     closed with a call running (a crash) or not yet taken (retry)."""
     from opjit import _fast

@@ -1,6 +1,6 @@
 """The same-host fast channel: a shared-memory slot ring served by an executor.
 
-This mirrors ``server/runner/fast_channel.h`` (the byte offsets are fixed
+This mirrors ``proto/opjit/wire/fast_channel.h`` (the byte offsets are fixed
 there and checked by static_asserts; they are repeated here with ``struct``).
 No compiled extension: the ring is an ``mmap`` of ``/dev/shm/<key>``, its
 32-bit state words are ``ctypes.c_uint32`` objects over the mapping, and the
@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-# Layout (server/runner/fast_channel.h).
+# Layout (proto/opjit/wire/fast_channel.h).
 MAGIC = 0x314A504F  # "OPJ1"
 VERSION = 1
 HEADER_BYTES = 4096
@@ -47,7 +47,7 @@ FREE, SUBMITTED, RUNNING, DONE = 0, 1, 2, 3
 H_MAGIC, H_VERSION, H_SLOTS, H_SLOT_BYTES, H_MAX_TENSORS, H_WORKER_PID = 0, 4, 8, 12, 16, 20
 H_DOORBELL, H_WORKER_SLEEPING, H_CLOSED, H_SPIN_US = 24, 28, 32, 40
 # Slot offsets.
-S_STATE, S_CLIENT_WAITING, S_N_TENSORS, S_HANDLE, S_SEQ, S_DEADLINE = 0, 4, 8, 16, 24, 32
+S_STATE, S_CLIENT_WAITING, S_N_TENSORS, S_FLAGS, S_HANDLE, S_SEQ, S_DEADLINE = 0, 4, 8, 12, 16, 24, 32
 S_CODE, S_MESSAGE_LEN, S_KERNEL_MS, S_REASON, S_MESSAGE, S_TENSORS = 40, 44, 48, 56, 96, 1152
 
 _HEADER = struct.Struct("<IIIIII")           # magic .. worker_pid
