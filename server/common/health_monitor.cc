@@ -20,29 +20,29 @@ HealthMonitor::HealthMonitor(std::vector<Probe> probes, std::chrono::millisecond
 
 HealthMonitor::~HealthMonitor() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
 }
 
 bool HealthMonitor::serving() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return serving_;
 }
 
 std::string HealthMonitor::why() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return why_;
 }
 
 void HealthMonitor::Loop() {
   auto log = Logger("health");
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (uint64_t round = 0; !stop_; ++round) {
     const bool serving_before = serving_;
-    lock.unlock();
+    lock.Unlock();
     std::string why;
     for (size_t i = 0; i < probes_.size(); ++i) {
       const Probe& p = probes_[i];
@@ -56,22 +56,25 @@ void HealthMonitor::Loop() {
       }
     }
     const bool serving = why.empty();
-    lock.lock();
+    lock.Lock();
     const bool changed = !reported_ || serving != serving_;
     serving_ = serving;
     why_ = why;
     reported_ = true;
     if (changed) {
-      lock.unlock();
+      lock.Unlock();
       if (serving) {
         log->info("SERVING: every probe passes");
       } else {
         log->error("NOT_SERVING: {}", why);
       }
       on_change_(serving, why);
-      lock.lock();
+      lock.Lock();
     }
-    cv_.wait_for(lock, interval_, [this] { return stop_; });
+    // cv.wait_for(lock, interval_, pred): until stop_ or the interval passed.
+    const auto wake = std::chrono::steady_clock::now() + interval_;
+    while (!stop_ && cv_.WaitUntil(&mu_, wake)) {
+    }
   }
 }
 

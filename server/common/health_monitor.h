@@ -8,14 +8,13 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "server/common/mutex.h"
 
 namespace opjit {
 
@@ -49,12 +48,12 @@ class HealthMonitor {
   const std::chrono::milliseconds interval_;
   const std::function<void(bool, const std::string&)> on_change_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  bool serving_ = true;
-  bool reported_ = false;
-  std::string why_;
+  mutable Mutex mu_;
+  CondVar cv_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool serving_ ABSL_GUARDED_BY(mu_) = true;
+  bool reported_ ABSL_GUARDED_BY(mu_) = false;
+  std::string why_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> last_errors_;  // per probe; "" when it passed (monitor thread only)
   std::thread thread_;
 };

@@ -1,15 +1,16 @@
 #include "server/common/logging.h"
 
 #include <chrono>
-#include <mutex>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
+
+#include "server/common/mutex.h"
 
 namespace opjit {
 namespace {
 
-std::mutex& Mu() {
-  static std::mutex mu;
+Mutex& Mu() {
+  static Mutex mu;
   return mu;
 }
 
@@ -22,7 +23,7 @@ spdlog::level::level_enum& Level() {
 
 std::shared_ptr<spdlog::logger> Logger(const std::string& subsystem) {
   if (auto existing = spdlog::get(subsystem)) return existing;
-  std::lock_guard<std::mutex> lock(Mu());
+  MutexLock lock(&Mu());
   if (auto existing = spdlog::get(subsystem)) return existing;
   // Logs go to stderr so stdout stays free for tools that print results.
   auto logger = spdlog::stderr_color_mt(subsystem);
@@ -32,7 +33,7 @@ std::shared_ptr<spdlog::logger> Logger(const std::string& subsystem) {
 }
 
 void SetLogLevel(const std::string& level) {
-  std::lock_guard<std::mutex> lock(Mu());
+  MutexLock lock(&Mu());
   auto parsed = spdlog::level::from_str(level);
   if (parsed == spdlog::level::off && level != "off") parsed = spdlog::level::info;
   Level() = parsed;

@@ -16,17 +16,16 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <future>
-#include <mutex>
 #include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/mutex.h"
 #include "server/common/paths.h"
 
 namespace opjit::subprocess {
@@ -58,10 +57,10 @@ class SpawnThread {
     std::packaged_task<int()> task(std::move(fn));
     std::future<int> result = task.get_future();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       queue_.push_back([&task] { task(); });
     }
-    cv_.notify_one();
+    cv_.Signal();
     return result.get();
   }
 
@@ -70,8 +69,8 @@ class SpawnThread {
     for (;;) {
       std::function<void()> job;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return !queue_.empty(); });
+        MutexLock lock(&mu_);
+        while (queue_.empty()) cv_.Wait(&mu_);
         job = std::move(queue_.front());
         queue_.pop_front();
       }
@@ -79,9 +78,9 @@ class SpawnThread {
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;  // guarded by mu_
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;                        // last: starts after the rest exists
 };
 
@@ -89,10 +88,10 @@ class SpawnThread {
 // must outlive every child). A forked copy of this process (tests do that)
 // gets its own.
 SpawnThread& TheSpawnThread() {
-  static std::mutex mu;
+  static Mutex mu;
   static SpawnThread* thread = nullptr;
   static pid_t owner = 0;
-  std::lock_guard<std::mutex> lock(mu);
+  MutexLock lock(&mu);
   if (thread == nullptr || owner != ::getpid()) {
     thread = new SpawnThread();  // never freed, on purpose
     owner = ::getpid();
@@ -105,24 +104,24 @@ std::atomic<bool> g_namespaces_allowed{true};
 
 // Children started as process 1 of a PID namespace (their abort() exits
 // with kInitAbortExit; Wait reports SIGABRT).
-std::mutex g_init_mu;
-std::set<pid_t>* g_init_pids = nullptr;  // guarded by g_init_mu; never freed
+Mutex g_init_mu;
+std::set<pid_t>* g_init_pids ABSL_GUARDED_BY(g_init_mu) = nullptr;  // never freed
 
 void NoteInit(pid_t pid) {
-  std::lock_guard<std::mutex> lock(g_init_mu);
+  MutexLock lock(&g_init_mu);
   if (g_init_pids == nullptr) g_init_pids = new std::set<pid_t>();
   g_init_pids->insert(pid);
 }
 
 // `e` is how `pid` ended: an init's abort exit becomes death by SIGABRT.
 void Reaped(pid_t pid, int* wait_status) {
-  std::lock_guard<std::mutex> lock(g_init_mu);
+  MutexLock lock(&g_init_mu);
   if (g_init_pids == nullptr || g_init_pids->erase(pid) == 0) return;
   if (WIFEXITED(*wait_status) && WEXITSTATUS(*wait_status) == kInitAbortExit) *wait_status = SIGABRT;
 }
 
-std::mutex g_tag_mu;
-std::string* g_tag = nullptr;  // guarded by g_tag_mu; never freed
+Mutex g_tag_mu;
+std::string* g_tag ABSL_GUARDED_BY(g_tag_mu) = nullptr;  // never freed
 
 // The parent pid in /proc/<pid>/stat, or -1.
 pid_t ParentOf(const std::string& pid) {
@@ -699,13 +698,13 @@ void SetInstanceTag(const std::string& tag) {
       clean.push_back(c);
     }
   }
-  std::lock_guard<std::mutex> lock(g_tag_mu);
+  MutexLock lock(&g_tag_mu);
   if (g_tag == nullptr) g_tag = new std::string();  // never freed: read by any thread until exit
   *g_tag = clean;
 }
 
 std::string InstanceTag() {
-  std::lock_guard<std::mutex> lock(g_tag_mu);
+  MutexLock lock(&g_tag_mu);
   return g_tag != nullptr ? *g_tag : "";
 }
 

@@ -42,14 +42,14 @@ std::chrono::microseconds WatchdogInterval() {
 }
 
 void ReadyGate::StartupDone() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   started_ = true;
   MaybeSendLocked();
 }
 
 void ReadyGate::SetServing(bool serving, absl::string_view why) {
   NotifyStatus(serving ? std::string("serving") : "not serving: " + std::string(why));
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   serving_ = serving;
   MaybeSendLocked();
 }
@@ -71,19 +71,19 @@ WatchdogPinger::WatchdogPinger(std::chrono::microseconds period, std::function<b
 
 WatchdogPinger::~WatchdogPinger() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
 }
 
 void WatchdogPinger::Loop() {
   auto log = Logger("systemd");
   bool was_healthy = true;
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   while (!stop_) {
-    lock.unlock();
+    lock.Unlock();
     const bool healthy = healthy_();
     if (healthy) NotifyWatchdog();
     if (healthy != was_healthy) {
@@ -95,8 +95,11 @@ void WatchdogPinger::Loop() {
       }
       was_healthy = healthy;
     }
-    lock.lock();
-    cv_.wait_for(lock, period_, [this] { return stop_; });
+    lock.Lock();
+    // cv.wait_for(lock, period_, pred): until stop_ or the period passed.
+    const auto wake = std::chrono::steady_clock::now() + period_;
+    while (!stop_ && cv_.WaitUntil(&mu_, wake)) {
+    }
   }
 }
 

@@ -7,14 +7,13 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "absl/strings/string_view.h"
+#include "server/common/mutex.h"
 
 namespace opjit::systemd {
 
@@ -40,12 +39,12 @@ class ReadyGate {
   void SetServing(bool serving, absl::string_view why);
 
  private:
-  void MaybeSendLocked();
+  void MaybeSendLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  std::mutex mu_;
-  bool started_ = false;  // GUARDED_BY(mu_)
-  bool serving_ = false;  // GUARDED_BY(mu_)
-  bool sent_ = false;     // GUARDED_BY(mu_)
+  Mutex mu_;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;
+  bool sent_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Sends WATCHDOG=1 every `interval / 2` from its own thread, but only while
@@ -69,9 +68,9 @@ class WatchdogPinger {
   const std::chrono::microseconds period_;
   const std::function<bool()> healthy_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  CondVar cv_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
