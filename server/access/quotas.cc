@@ -22,7 +22,7 @@ double QuotaManager::UsedLocked(Space& space, Clock::time_point now) {
 
 absl::StatusOr<std::unique_ptr<QuotaManager::CompileTicket>> QuotaManager::BeginCompile(
     const std::string& ns) {
-  const Clock::time_point now = Clock::now();
+  const Clock::time_point now = clock_->Now();
   absl::MutexLock lock(&mu_);
   Space& space = spaces_[ns];
   if (options_.concurrent_compiles > 0 && space.compiling >= options_.concurrent_compiles) {
@@ -44,7 +44,7 @@ absl::StatusOr<std::unique_ptr<QuotaManager::CompileTicket>> QuotaManager::Begin
 }
 
 void QuotaManager::EndCompile(const std::string& ns, Clock::time_point start, double charge) {
-  const Clock::time_point now = Clock::now();
+  const Clock::time_point now = clock_->Now();
   absl::MutexLock lock(&mu_);
   Space& space = spaces_[ns];
   space.compiling = std::max(0, space.compiling - 1);
@@ -55,7 +55,7 @@ void QuotaManager::EndCompile(const std::string& ns, Clock::time_point start, do
 
 void QuotaManager::ChargeCompileForTest(const std::string& ns, double seconds) {
   absl::MutexLock lock(&mu_);
-  spaces_[ns].recent.emplace_back(Clock::now(), seconds);
+  spaces_[ns].recent.emplace_back(clock_->Now(), seconds);
 }
 
 absl::Status QuotaManager::AdmitCall(const std::string& ns) {
@@ -64,7 +64,7 @@ absl::Status QuotaManager::AdmitCall(const std::string& ns) {
 
 absl::StatusOr<uint64_t> QuotaManager::AdmitCalls(const std::string& ns, uint64_t n) {
   if (calls_per_second_.load(std::memory_order_relaxed) <= 0 || n == 0) return n;
-  const Clock::time_point now = Clock::now();
+  const Clock::time_point now = clock_->Now();
   absl::MutexLock lock(&mu_);
   if (options_.calls_per_second <= 0) return n;  // lifted by a reload meanwhile
   Space& space = spaces_[ns];

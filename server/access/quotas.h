@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/common/clock.h"
 
 namespace opjit::access {
 
@@ -40,10 +41,12 @@ struct QuotaOptions {
 
 class QuotaManager {
  public:
-  using Clock = std::chrono::steady_clock;
+  using Clock = opjit::Clock;
 
-  explicit QuotaManager(QuotaOptions options)
-      : calls_per_second_(options.calls_per_second), options_(options) {}
+  // `clock`: where the compile window and the call bucket read the time
+  // (tests pass a FakeClock). Never null.
+  explicit QuotaManager(QuotaOptions options, const Clock* clock = SteadyClock())
+      : clock_(clock), calls_per_second_(options.calls_per_second), options_(options) {}
 
   // Holds one compile slot of a namespace; its destructor gives the slot back
   // and charges the elapsed time to the namespace's compile budget.
@@ -107,6 +110,7 @@ class QuotaManager {
   void EndCompile(const std::string& ns, Clock::time_point start, double charge);
   double UsedLocked(Space& space, Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const Clock* const clock_;
   // Read without the lock on every call: 0 (no bound) costs no lock at all.
   std::atomic<double> calls_per_second_;
   mutable absl::Mutex mu_;

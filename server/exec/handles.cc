@@ -7,7 +7,6 @@
 namespace opjit::exec {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 absl::Status Stale(uint64_t id, absl::string_view why) {
   return WithReason(absl::FailedPreconditionError(absl::StrCat(
@@ -56,7 +55,7 @@ absl::StatusOr<std::shared_ptr<const Handle>> HandleTable::Add(const std::string
   h->checked_generation.store(0);
   Owned& o = owners_[{ns, owner}];
   o.handles[h->id] = h;
-  o.expires = Clock::now() + std::chrono::milliseconds(options_.lease_ms);
+  o.expires = options_.clock->Now() + std::chrono::milliseconds(options_.lease_ms);
   ++used;
   ++total_;
   return std::shared_ptr<const Handle>(std::move(h));
@@ -73,7 +72,7 @@ absl::StatusOr<std::shared_ptr<const Handle>> HandleTable::Get(const std::string
       auto it = o->second.handles.find(id);
       if (it != o->second.handles.end()) {
         h = it->second;
-        o->second.expires = Clock::now() + std::chrono::milliseconds(options_.lease_ms);
+        o->second.expires = options_.clock->Now() + std::chrono::milliseconds(options_.lease_ms);
       }
     }
   }
@@ -109,7 +108,7 @@ void HandleTable::Renew(const std::string& ns, const std::string& owner) {
   std::lock_guard<std::mutex> lock(mu_);
   auto o = owners_.find({ns, owner});
   if (o != owners_.end()) {
-    o->second.expires = Clock::now() + std::chrono::milliseconds(options_.lease_ms);
+    o->second.expires = options_.clock->Now() + std::chrono::milliseconds(options_.lease_ms);
   }
 }
 
@@ -118,7 +117,7 @@ int HandleTable::Expire(
   std::vector<std::pair<std::string, std::string>> lapsed;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const auto now = Clock::now();
+    const auto now = options_.clock->Now();
     for (const auto& [key, o] : owners_) {
       if (o.expires <= now) lapsed.push_back(key);
     }

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/common/clock.h"
 #include "server/exec/executor.h"
 
 namespace opjit::registry {
@@ -54,6 +55,8 @@ struct HandleTableOptions {
   // Life of the handles of an owner without regions, renewed by use and
   // RenewLease. Default: 300000 (the region lease's default).
   int64_t lease_ms = 300000;
+  // Where leases read the time (tests pass a FakeClock). Never null.
+  const Clock* clock = SteadyClock();
 };
 
 class HandleTable {
@@ -83,7 +86,7 @@ class HandleTable {
  private:
   struct Owned {
     std::map<uint64_t, std::shared_ptr<const Handle>> handles;
-    std::chrono::steady_clock::time_point expires;
+    Clock::time_point expires;
   };
   bool Current(const Handle& h) const;
 

@@ -221,7 +221,9 @@ TEST(QuotaTest, ConcurrentCompilesAndCompileSeconds) {
 }
 
 TEST(QuotaTest, CallsPerSecondIsATokenBucket) {
-  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 0, .calls_per_second = 3});
+  FakeClock clock;
+  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 0, .calls_per_second = 3},
+                 &clock);
   int admitted = 0;
   for (int i = 0; i < 10; ++i) admitted += q.AdmitCall("a").ok();
   EXPECT_EQ(admitted, 3);
@@ -231,13 +233,54 @@ TEST(QuotaTest, CallsPerSecondIsATokenBucket) {
   EXPECT_TRUE(q.AdmitCall("b").ok());
 }
 
+// The bucket refills at the rate, never past one second's worth.
+TEST(QuotaTest, TheCallBucketRefillsWithTime) {
+  FakeClock clock;
+  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 0, .calls_per_second = 4},
+                 &clock);
+  auto drain = [&q] {
+    int n = 0;
+    while (q.AdmitCall("a").ok() && n < 100) ++n;
+    return n;
+  };
+  EXPECT_EQ(drain(), 4);
+  clock.Advance(std::chrono::milliseconds(200));  // 0.8 of a token
+  EXPECT_EQ(drain(), 0);
+  clock.Advance(std::chrono::milliseconds(100));  // 1.2 tokens
+  EXPECT_EQ(drain(), 1);
+  clock.Advance(std::chrono::seconds(60));  // capped at one second's worth
+  EXPECT_EQ(drain(), 4);
+}
+
+// Compile seconds count in a sliding 60 s window.
+TEST(QuotaTest, CompileSecondsLeaveTheWindowAfterAMinute) {
+  FakeClock clock;
+  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 2, .calls_per_second = 0},
+                 &clock);
+  {
+    auto t = q.BeginCompile("a");
+    ASSERT_TRUE(t.ok());
+    clock.Advance(std::chrono::seconds(3));  // a 3 s compile, charged its wall time
+  }
+  auto refused = q.BeginCompile("a");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(GetReason(refused.status())->metadata.at("quota"), "compile_seconds_per_minute");
+  EXPECT_NE(refused.status().message().find("3.0 s"), absl::string_view::npos)
+      << refused.status();
+  clock.Advance(std::chrono::seconds(59));
+  EXPECT_FALSE(q.BeginCompile("a").ok()) << "59 s later the compile is still in the window";
+  clock.Advance(std::chrono::seconds(2));
+  EXPECT_TRUE(q.BeginCompile("a").ok()) << "61 s later it has left it";
+}
+
 // Credit for fast channels comes out of the same bucket as AdmitCall: a
 // batch is granted whole while the bucket holds it, partly when it holds
 // less, and refused with AdmitCall's own status when it holds less than one
-// call. (Rate 10/s: a token takes 100 ms to come back, far longer than this
-// test runs between two calls.)
+// call. (The clock stands still, so no token comes back meanwhile.)
 TEST(QuotaTest, AdmitCallsGrantsBatchesFromTheSameBucket) {
-  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 0, .calls_per_second = 10});
+  FakeClock clock;
+  QuotaManager q({.concurrent_compiles = 0, .compile_seconds_per_minute = 0, .calls_per_second = 10},
+                 &clock);
   auto first = q.AdmitCalls("a", 4);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(*first, 4u);

@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <filesystem>
-#include <thread>
 
 #include "gtest/gtest.h"
 #include "server/common/error_info.h"
@@ -123,15 +122,16 @@ TEST_F(HandlesTest, TheNamespaceLimitIsQuotaExceededUntilHandlesAreReleased) {
 }
 
 TEST_F(HandlesTest, HandlesOfOwnersWithoutRegionsExpireUnlessRenewed) {
-  // Margins a loaded machine cannot eat: a stall only ages "idle" more;
-  // "busy" would need a 1.5 s stall between its renewal and Expire.
-  HandleTable t({.lease_ms = 3000}, registry_.get());
+  FakeClock clock;
+  HandleTable t({.lease_ms = 3000, .clock = &clock}, registry_.get());
   auto kept = Add(t, "with-regions/c");
   auto gone = Add(t, "idle/c");
   auto renewed = Add(t, "busy/c");
-  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  clock.Advance(std::chrono::milliseconds(2000));
   t.Renew("default", "busy/c");
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_EQ(t.Expire([](const std::string&, const std::string&) { return false; }), 0)
+      << "nothing lapsed yet";
+  clock.Advance(std::chrono::milliseconds(1000));  // idle: 3000 ms, its whole lease
   const int n = t.Expire([](const std::string&, const std::string& owner) {
     return owner == "with-regions/c";
   });
