@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
+#include "server/common/mutex.h"
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
 #include "server/common/text.h"
@@ -140,12 +141,12 @@ struct Autograd::Impl {
   exec::Executor* executor = nullptr;
   std::unique_ptr<ThreadPool> pool;  // gradcheck
 
-  mutable std::mutex mu;
-  std::unordered_map<std::string, std::shared_ptr<Context>> contexts;  // GUARDED_BY(mu)
-  std::map<std::string, uint64_t> ns_bytes;                            // GUARDED_BY(mu)
+  mutable Mutex mu;
+  std::unordered_map<std::string, std::shared_ptr<Context>> contexts ABSL_GUARDED_BY(mu);
+  std::map<std::string, uint64_t> ns_bytes ABSL_GUARDED_BY(mu);
 
   absl::Status Keep(std::shared_ptr<Context> ctx) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     uint64_t& used = ns_bytes[ctx->ns];
     if (used + ctx->bytes > options.namespace_bytes) {
       return QuotaExceeded(
@@ -168,7 +169,7 @@ struct Autograd::Impl {
     return absl::OkStatus();
   }
 
-  void DropLocked(const std::string& id) {
+  void DropLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = contexts.find(id);
     if (it == contexts.end()) return;
     ns_bytes[it->second->ns] -= it->second->bytes;
@@ -177,7 +178,7 @@ struct Autograd::Impl {
 
   absl::StatusOr<std::shared_ptr<Context>> Take(const std::string& ns, const std::string& id,
                                                 bool retain) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     auto it = contexts.find(id);
     if (it == contexts.end() || it->second->ns != ns) {
       return WithReason(absl::FailedPreconditionError(absl::StrCat(
@@ -409,7 +410,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
 }
 
 absl::Status Autograd::Release(const std::string& ns, const std::string& context_id) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   auto it = impl_->contexts.find(context_id);
   if (it == impl_->contexts.end() || it->second->ns != ns) {
     return WithReason(absl::NotFoundError(absl::StrCat("no backward context \"",
@@ -422,7 +423,7 @@ absl::Status Autograd::Release(const std::string& ns, const std::string& context
 }
 
 int Autograd::ExpireContexts(Clock::time_point now) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   std::vector<std::string> expired;
   for (const auto& [id, ctx] : impl_->contexts) {
     if (now - ctx->last_used > std::chrono::milliseconds(impl_->options.ttl_ms)) expired.push_back(id);
@@ -432,7 +433,7 @@ int Autograd::ExpireContexts(Clock::time_point now) {
 }
 
 std::map<std::string, uint64_t> Autograd::BytesByNamespace() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   std::map<std::string, uint64_t> out;
   for (const auto& [ns, b] : impl_->ns_bytes) {
     if (b > 0) out[ns] = b;
@@ -441,7 +442,7 @@ std::map<std::string, uint64_t> Autograd::BytesByNamespace() const {
 }
 
 size_t Autograd::LiveContexts() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   return impl_->contexts.size();
 }
 
@@ -465,6 +466,115 @@ absl::StatusOr<BackwardResult> BackwardNow(Autograd* ag, BackwardCall call) {
   return f.get();
 }
 
+// Gradcheck's inputs: the call's own, or random ones in the widest floating
+// dtype the op takes (`*dtype`); an error when there are none to check or
+// too many elements to perturb.
+absl::Status GradCheckInputs(const GradCheckCall& c, const registry::OpDef& def,
+                             std::vector<std::vector<SavedTensor>>* inputs, std::string* dtype) {
+  const size_t n_in = def.inputs.size();
+  // The inputs: given, or random in the widest floating dtype the op takes.
+  if (!c.inputs.empty()) {
+    if (c.inputs.size() != n_in) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("give one input group per declared input (", n_in, ")"));
+    }
+    for (size_t i = 0; i < n_in; ++i) {
+      for (const auto& t : c.inputs[i]) {
+        if (t.in_shm) {
+          return absl::InvalidArgumentError("gradcheck takes inline inputs only");
+        }
+        (*inputs)[i].push_back({t.desc, std::string(t.inline_bytes)});
+        if (IsFloat(t.desc.dtype) && dtype->empty()) *dtype = t.desc.dtype;
+      }
+    }
+  } else {
+    for (const char* want : {"float64", "float32", "float16"}) {
+      for (const auto& df : def.dtype_formats) {
+        bool all = true;
+        for (size_t i = 0; i < n_in; ++i) all &= df.io[i].first == want;
+        if (all && dtype->empty()) *dtype = want;
+      }
+    }
+    if (dtype->empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "op ", def.name, " has no dtype combination with all-floating inputs to check"));
+    }
+    std::mt19937_64 rng(c.seed);
+    std::uniform_real_distribution<double> mag(0.5, 1.5);
+    for (size_t i = 0; i < n_in; ++i) {
+      const int count = def.inputs[i].param_type == registry::ParamType::kOptional ? 0
+                        : def.inputs[i].param_type == registry::ParamType::kDynamic ? 2
+                                                                                     : 1;
+      for (int k = 0; k < count; ++k) {
+        SavedTensor t;
+        t.desc = {*dtype, c.random_shape};
+        auto n = tensor::ByteSize(*dtype, c.random_shape);
+        if (!n.ok()) return n.status();
+        t.bytes.assign(*n, '\0');
+        const size_t elems = *n / registry::DtypeSize(*dtype);
+        for (size_t e = 0; e < elems; ++e) Set(*dtype, &t.bytes, e, (rng() & 1 ? 1 : -1) * mag(rng));
+        (*inputs)[i].push_back(std::move(t));
+      }
+    }
+  }
+  // The quota: every element costs two forward calls.
+  size_t total_elems = 0;
+  for (const auto& g : *inputs) {
+    for (const auto& t : g) total_elems += t.bytes.size() / std::max<size_t>(registry::DtypeSize(t.desc.dtype), 1);
+  }
+  if (total_elems > kMaxGradCheckElements) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "gradcheck would perturb ", total_elems, " input elements (two calls each); at most ",
+        kMaxGradCheckElements, ": check on smaller inputs (random_shape)"));
+  }
+  return absl::OkStatus();
+}
+
+// Compares the backward's grad of input `i`'s tensor `k` with central
+// differences of `dot` (<f(x), v>), element by element, into `*gi`.
+template <class Dot>
+absl::Status CompareWithCentralDifferences(const GradCheckCall& c, const registry::OpDef& def,
+                                           const std::vector<std::vector<SavedTensor>>& inputs,
+                                           size_t i, size_t k, const exec::OutputResult& grad,
+                                           double eps, double atol, double rtol, Dot& dot,
+                                           GradCheckInput* gi) {
+  const std::string& analytic = grad.inline_bytes;
+  const std::string& idtype = inputs[i][k].desc.dtype;
+  const size_t elems = inputs[i][k].bytes.size() / registry::DtypeSize(idtype);
+  for (size_t e = 0; e < elems; ++e) {
+    if (std::chrono::steady_clock::now() > c.deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "gradcheck of ", def.name, " ran past its deadline after ", e, " of ", elems,
+          " elements of ", gi->name));
+    }
+    auto in = inputs;
+    const double x0 = Get(idtype, inputs[i][k].bytes, e);
+    Set(idtype, &in[i][k].bytes, e, x0 + eps);
+    auto plus = dot(in);
+    Set(idtype, &in[i][k].bytes, e, x0 - eps);
+    auto minus = dot(in);
+    if (!plus.ok()) return plus.status();
+    if (!minus.ok()) return minus.status();
+    // The step actually taken, after rounding to the dtype.
+    const double h = Get(idtype, in[i][k].bytes, e);
+    Set(idtype, &in[i][k].bytes, e, x0 + eps);
+    const double step = Get(idtype, in[i][k].bytes, e) - h;
+    const double numeric = (*plus - *minus) / step;
+    const double a = Get(grad.desc.dtype, analytic, e);
+    const double abs_err = std::fabs(a - numeric);
+    const double rel_err = abs_err / std::max(std::fabs(numeric), 1e-12);
+    if (abs_err > atol + rtol * std::fabs(numeric)) gi->passed = false;
+    if (abs_err > gi->max_abs_error || gi->worst_index < 0) {
+      gi->worst_index = static_cast<int64_t>(e);
+      gi->analytic = a;
+      gi->numeric = numeric;
+    }
+    gi->max_abs_error = std::max(gi->max_abs_error, abs_err);
+    gi->max_rel_error = std::max(gi->max_rel_error, rel_err);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
@@ -476,64 +586,9 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
     const registry::OpDef& def = (*record)->def;
     const size_t n_in = def.inputs.size();
 
-    // The inputs: given, or random in the widest floating dtype the op takes.
     std::vector<std::vector<SavedTensor>> inputs(n_in);
     std::string dtype;
-    if (!c.inputs.empty()) {
-      if (c.inputs.size() != n_in) {
-        return done(absl::InvalidArgumentError(
-            absl::StrCat("give one input group per declared input (", n_in, ")")));
-      }
-      for (size_t i = 0; i < n_in; ++i) {
-        for (const auto& t : c.inputs[i]) {
-          if (t.in_shm) {
-            return done(absl::InvalidArgumentError("gradcheck takes inline inputs only"));
-          }
-          inputs[i].push_back({t.desc, std::string(t.inline_bytes)});
-          if (IsFloat(t.desc.dtype) && dtype.empty()) dtype = t.desc.dtype;
-        }
-      }
-    } else {
-      for (const char* want : {"float64", "float32", "float16"}) {
-        for (const auto& df : def.dtype_formats) {
-          bool all = true;
-          for (size_t i = 0; i < n_in; ++i) all &= df.io[i].first == want;
-          if (all && dtype.empty()) dtype = want;
-        }
-      }
-      if (dtype.empty()) {
-        return done(absl::InvalidArgumentError(absl::StrCat(
-            "op ", def.name, " has no dtype combination with all-floating inputs to check")));
-      }
-      std::mt19937_64 rng(c.seed);
-      std::uniform_real_distribution<double> mag(0.5, 1.5);
-      for (size_t i = 0; i < n_in; ++i) {
-        const int count = def.inputs[i].param_type == registry::ParamType::kOptional ? 0
-                          : def.inputs[i].param_type == registry::ParamType::kDynamic ? 2
-                                                                                       : 1;
-        for (int k = 0; k < count; ++k) {
-          SavedTensor t;
-          t.desc = {dtype, c.random_shape};
-          auto n = tensor::ByteSize(dtype, c.random_shape);
-          if (!n.ok()) return done(n.status());
-          t.bytes.assign(*n, '\0');
-          const size_t elems = *n / registry::DtypeSize(dtype);
-          for (size_t e = 0; e < elems; ++e) Set(dtype, &t.bytes, e, (rng() & 1 ? 1 : -1) * mag(rng));
-          inputs[i].push_back(std::move(t));
-        }
-      }
-    }
-    // The quota: every element costs two forward calls.
-    size_t total_elems = 0;
-    for (const auto& g : inputs) {
-      for (const auto& t : g) total_elems += t.bytes.size() / std::max<size_t>(registry::DtypeSize(t.desc.dtype), 1);
-    }
-    if (total_elems > kMaxGradCheckElements) {
-      return done(absl::ResourceExhaustedError(absl::StrCat(
-          "gradcheck would perturb ", total_elems, " input elements (two calls each); at most ",
-          kMaxGradCheckElements, ": check on smaller inputs (random_shape)")));
-    }
-    auto past_deadline = [&c] { return std::chrono::steady_clock::now() > c.deadline; };
+    if (absl::Status s = GradCheckInputs(c, def, &inputs, &dtype); !s.ok()) return done(s);
     const double eps = c.eps > 0 ? c.eps : dtype == "float64" ? 1e-6 : dtype == "float16" ? 1e-2 : 1e-3;
     const double atol = c.atol > 0 ? c.atol : dtype == "float64" ? 1e-5 : dtype == "float16" ? 1e-1 : 1e-3;
     const double rtol = c.rtol > 0 ? c.rtol : dtype == "float64" ? 1e-4 : dtype == "float16" ? 5e-2 : 1e-2;
@@ -617,40 +672,9 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
           result.inputs.push_back(gi);
           continue;
         }
-        const std::string& analytic = grads[k].inline_bytes;
-        const std::string& idtype = inputs[i][k].desc.dtype;
-        const size_t elems = inputs[i][k].bytes.size() / registry::DtypeSize(idtype);
-        for (size_t e = 0; e < elems; ++e) {
-          if (past_deadline()) {
-            return done(absl::DeadlineExceededError(absl::StrCat(
-                "gradcheck of ", def.name, " ran past its deadline after ", e, " of ", elems,
-                " elements of ", gi.name)));
-          }
-          auto in = inputs;
-          const double x0 = Get(idtype, inputs[i][k].bytes, e);
-          Set(idtype, &in[i][k].bytes, e, x0 + eps);
-          auto plus = dot(in);
-          Set(idtype, &in[i][k].bytes, e, x0 - eps);
-          auto minus = dot(in);
-          if (!plus.ok()) return done(plus.status());
-          if (!minus.ok()) return done(minus.status());
-          // The step actually taken, after rounding to the dtype.
-          const double h = Get(idtype, in[i][k].bytes, e);
-          Set(idtype, &in[i][k].bytes, e, x0 + eps);
-          const double step = Get(idtype, in[i][k].bytes, e) - h;
-          const double numeric = (*plus - *minus) / step;
-          const double a = Get(grads[k].desc.dtype, analytic, e);
-          const double abs_err = std::fabs(a - numeric);
-          const double rel_err = abs_err / std::max(std::fabs(numeric), 1e-12);
-          if (abs_err > atol + rtol * std::fabs(numeric)) gi.passed = false;
-          if (abs_err > gi.max_abs_error || gi.worst_index < 0) {
-            gi.worst_index = static_cast<int64_t>(e);
-            gi.analytic = a;
-            gi.numeric = numeric;
-          }
-          gi.max_abs_error = std::max(gi.max_abs_error, abs_err);
-          gi.max_rel_error = std::max(gi.max_rel_error, rel_err);
-        }
+        absl::Status s = CompareWithCentralDifferences(c, def, inputs, i, k, grads[k], eps, atol,
+                                                       rtol, dot, &gi);
+        if (!s.ok()) return done(s);
         result.passed &= gi.passed;
         result.inputs.push_back(gi);
       }

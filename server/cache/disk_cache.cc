@@ -11,7 +11,6 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <mutex>
 #include <random>
 #include <system_error>
 #include <utility>
@@ -179,12 +178,12 @@ absl::Status MakeDir(const std::string& path, bool* created) {
 }
 
 std::string RandomSuffix() {
-  static std::mutex mu;
-  static std::mt19937_64 rng{std::random_device{}() ^
-                             (static_cast<uint64_t>(::time(nullptr)) << 20)};
+  static absl::Mutex mu(absl::kConstInit);
+  static std::mt19937_64 rng ABSL_GUARDED_BY(mu){
+      std::random_device{}() ^ (static_cast<uint64_t>(::time(nullptr)) << 20)};
   uint64_t v;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     v = rng();
   }
   static constexpr char kHex[] = "0123456789abcdef";

@@ -31,7 +31,7 @@ void ChannelManager::Shutdown() {
   regions_->SetRemovalListener(nullptr);
   std::map<uint64_t, Entry> all;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     all.swap(channels_);
   }
   for (auto& [id, e] : all) e.channel->Close();
@@ -44,7 +44,7 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
     return absl::UnimplementedError("fast channels are disabled on this server ([fast] enabled)");
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     size_t used = 0;
     for (const auto& [id, e] : channels_) used += e.ns == ns;
     if (channels_.size() >= options_.total) {
@@ -97,7 +97,7 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
   };
   ChannelAccounting accounting;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     accounting = accounting_;
   }
   if (accounting.admit) spec.admit_calls = [admit = accounting.admit, ns] { return admit(ns); };
@@ -120,7 +120,7 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
   out.pid = (*channel)->pid();
   out.spin_us = options_.spin_us;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     out.id = next_id_++;
     channels_[out.id] = Entry{out.id, ns, owner, name, region_id, *channel};
   }
@@ -130,12 +130,12 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
 }
 
 void ChannelManager::SetAccounting(ChannelAccounting accounting) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   accounting_ = std::move(accounting);
 }
 
 void ChannelManager::OnRegistryChanged() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& [id, e] : channels_) e.channel->InvalidateHandles();
 }
 
@@ -144,7 +144,7 @@ void ChannelManager::OnRegionsRemoved(
   std::vector<std::shared_ptr<runner::Channel>> doomed;
   std::set<std::pair<std::string, std::string>> owners;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& region : removed) {
       const tensor::RegionInfo& info = region->info();
       owners.insert({info.ns, info.owner});
@@ -172,7 +172,7 @@ void ChannelManager::OnRegionsRemoved(
 void ChannelManager::Maintain() {
   std::vector<std::pair<std::string, std::string>> dead;  // (ns, region)
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const auto& [id, e] : channels_) {
       if (!e.channel->alive()) dead.push_back({e.ns, e.region});
     }
@@ -182,7 +182,7 @@ void ChannelManager::Maintain() {
 }
 
 size_t ChannelManager::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return channels_.size();
 }
 

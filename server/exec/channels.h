@@ -37,12 +37,12 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/common/mutex.h"
 #include "server/runner/kernel_runner.h"
 
 namespace opjit::tensor {
@@ -136,11 +136,11 @@ class ChannelManager {
   tensor::RegionManager* const regions_;
   HandleTable* const handles_;
   runner::KernelRunner* const runner_;
-  mutable std::mutex mu_;
-  std::map<uint64_t, Entry> channels_;  // by id
-  uint64_t next_id_ = 1;
-  bool shut_down_ = false;
-  ChannelAccounting accounting_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::map<uint64_t, Entry> channels_ ABSL_GUARDED_BY(mu_);  // by id
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool shut_down_ = false;  // Shutdown's caller only
+  ChannelAccounting accounting_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace opjit::exec

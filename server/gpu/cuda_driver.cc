@@ -153,7 +153,7 @@ absl::StatusOr<std::unique_ptr<CudaDriver>> CudaDriver::Open(const std::string& 
   if (d->device_count_ <= 0)
     return absl::UnavailableError("the CUDA driver reports no GPU devices");
   {
-    std::lock_guard<std::mutex> lock(d->mu_);
+    MutexLock lock(&d->mu_);
     d->devices_.resize(d->device_count_);
   }
   Logger("gpu")->info("{} loaded from {}: {} device(s)", d->Version(), library, d->device_count_);
@@ -180,7 +180,7 @@ absl::StatusOr<CudaDriver*> CudaDriver::Get() {
 }
 
 CudaDriver::~CudaDriver() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& dev : devices_) {
     if (dev != nullptr && dev->context_ != nullptr) api_->cuDevicePrimaryCtxRelease(dev->handle_);
   }
@@ -196,7 +196,7 @@ absl::StatusOr<Device*> CudaDriver::GetDevice(int ordinal) {
     return absl::InvalidArgumentError(
         absl::StrCat("GPU ", ordinal, " does not exist (", device_count_, " device(s))"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (devices_[ordinal] != nullptr) return devices_[ordinal].get();
   std::unique_ptr<Device> dev(new Device());
   dev->driver_ = this;

@@ -21,7 +21,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,6 +28,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/common/mutex.h"
 #include "server/gpu/launch_spec.h"
 
 // The driver's opaque handle types (cuda.h: typedef struct CUctx_st* CUcontext).
@@ -124,7 +124,7 @@ class CudaDriver {
   int device_count_ = 0;
   int version_ = 0;  // e.g. 13000
 
-  std::mutex mu_;
+  Mutex mu_;
   std::vector<std::unique_ptr<Device>> devices_
       ABSL_GUARDED_BY(mu_);  // by ordinal; null until used
 };

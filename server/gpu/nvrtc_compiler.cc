@@ -200,7 +200,10 @@ absl::StatusOr<std::unique_ptr<NvrtcCompiler>> NvrtcCompiler::Create(const Nvrtc
             absl::StrJoin(options.archs, ","));
   if (!options.worker_path.empty()) {
     // The first compile's sandbox starts now.
-    if (auto spare = c->StartSandbox(); spare.ok()) c->spare_ = *spare;
+    if (auto spare = c->StartSandbox(); spare.ok()) {
+      MutexLock lock(&c->spare_mu_);
+      c->spare_ = *spare;
+    }
   }
   return c;
 }
@@ -461,7 +464,7 @@ void NvrtcCompiler::Discard(Sandbox& s) {
 }
 
 NvrtcCompiler::~NvrtcCompiler() {
-  std::lock_guard<std::mutex> lock(spare_mu_);
+  MutexLock lock(&spare_mu_);
   Discard(spare_);
 }
 
@@ -473,7 +476,7 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest&
   // time (NVRTC loaded, sandbox closed), and a new spare starts now.
   Sandbox sb;
   {
-    std::lock_guard<std::mutex> lock(spare_mu_);
+    MutexLock lock(&spare_mu_);
     std::swap(sb, spare_);
     if (auto next = StartSandbox(); next.ok()) spare_ = *next;
   }

@@ -18,12 +18,12 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/common/mutex.h"
 
 namespace opjit::gpu {
 
@@ -144,8 +144,8 @@ class NvrtcCompiler {
   };
   absl::StatusOr<Sandbox> StartSandbox() const;
   static void Discard(Sandbox& s);
-  mutable std::mutex spare_mu_;
-  mutable Sandbox spare_;  // GUARDED_BY(spare_mu_); pid -1: none
+  mutable Mutex spare_mu_;
+  mutable Sandbox spare_ ABSL_GUARDED_BY(spare_mu_);  // pid -1: none
 };
 
 // How a request and its result cross the sandbox's pipes.

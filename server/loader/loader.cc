@@ -8,7 +8,6 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
-#include <mutex>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -29,6 +28,7 @@
 #include "llvm/Support/TargetSelect.h"
 #include "llvm/TargetParser/Host.h"
 #include "server/common/logging.h"
+#include "server/common/mutex.h"
 
 namespace opjit::loader {
 namespace {
@@ -82,30 +82,30 @@ class AtexitRegistry {
   }
 
   void Open(uint64_t dso) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     entries_[dso];
   }
   bool Add(uint64_t dso, AtexitEntry entry) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = entries_.find(dso);
     if (it == entries_.end()) return false;
     it->second.push_back(entry);
     return true;
   }
   std::vector<AtexitEntry> Take(uint64_t dso) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = entries_.find(dso);
     if (it == entries_.end()) return {};
     return std::exchange(it->second, {});
   }
   void Close(uint64_t dso) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     entries_.erase(dso);
   }
 
  private:
-  std::mutex mu_;
-  std::map<uint64_t, std::vector<AtexitEntry>> entries_;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::map<uint64_t, std::vector<AtexitEntry>> entries_ ABSL_GUARDED_BY(mu_);
 };
 
 // The kernel whose static initialisation/destruction runs on this thread.
@@ -196,7 +196,7 @@ class DsoHandlePlugin : public orc::ObjectLinkingLayer::Plugin {
     });
     config.PostAllocationPasses.push_back([this, jd, handle](jitlink::LinkGraph&) -> llvm::Error {
       if (*handle == nullptr) return llvm::Error::success();
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       handles_[jd] = (*handle)->getAddress().getValue();
       return llvm::Error::success();
     });
@@ -204,7 +204,7 @@ class DsoHandlePlugin : public orc::ObjectLinkingLayer::Plugin {
 
   // The dso handle of the object linked into `jd`; 0 if none was recorded.
   uint64_t Take(orc::JITDylib* jd) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = handles_.find(jd);
     if (it == handles_.end()) return 0;
     uint64_t value = it->second;
@@ -213,20 +213,20 @@ class DsoHandlePlugin : public orc::ObjectLinkingLayer::Plugin {
   }
 
   llvm::Error notifyFailed(orc::MaterializationResponsibility& mr) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     handles_.erase(&mr.getTargetJITDylib());
     return llvm::Error::success();
   }
   llvm::Error notifyRemovingResources(orc::JITDylib& jd, orc::ResourceKey) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     handles_.erase(&jd);
     return llvm::Error::success();
   }
   void notifyTransferringResources(orc::JITDylib&, orc::ResourceKey, orc::ResourceKey) override {}
 
  private:
-  std::mutex mu_;
-  std::map<orc::JITDylib*, uint64_t> handles_;  // GUARDED_BY(mu_)
+  Mutex mu_;
+  std::map<orc::JITDylib*, uint64_t> handles_ ABSL_GUARDED_BY(mu_);
 };
 
 // What the symbol table of an object says, read before linking.
@@ -298,7 +298,7 @@ class LoaderState {
           "', which is not on the server's allow-list (allowed: ",
           allowed_libraries.empty() ? "none" : absl::StrJoin(allowed_libraries, ", "), ")"));
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = handles_.find(lib);
     if (it != handles_.end()) return it->second;
     void* handle = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -313,10 +313,10 @@ class LoaderState {
   }
 
  private:
-  std::mutex mu_;
+  Mutex mu_;
   // Opened libraries stay open for the life of the process: code loaded later
   // may point into them, and dlclose of a library with TLS/atexit is unsafe.
-  std::map<std::string, void*> handles_;  // GUARDED_BY(mu_)
+  std::map<std::string, void*> handles_ ABSL_GUARDED_BY(mu_);
 };
 
 // The code of one LoadedKernel: its JITDylib and static destructors.
