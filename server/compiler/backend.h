@@ -7,8 +7,15 @@
 //   CpuBackend  C/C++ through the sandboxed clang worker pool -> ELF object
 //   GpuBackend  CUDA through NVRTC (CUBIN + PTX) or nvcc (aot .so), both in
 //               opjit-gpu-sandbox processes
+//
+// A KernelCompiler holds a BackendSet, one backend per target, and looks each
+// job's backend up by its target. To add a backend: write one file with a
+// CompileBackend subclass and its Make...Backend function, and add it to
+// MakeDefaultBackends (backend.cc); a test passes its own set to
+// KernelCompiler::Create (tests/unit/compiler/backend_set_test.cc).
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -32,6 +39,16 @@ class CompileBackend {
  public:
   virtual ~CompileBackend() = default;
   virtual registry::Target target() const = 0;
+  // The languages it compiles ("c++", "c"), in the order messages list them.
+  virtual std::vector<std::string> Languages() const = 0;
+  // Its compile-option allow-list: "" when `option` is allowed for
+  // `language`, otherwise why not. The registry asks through
+  // KernelCompiler::Rules(); KernelCompiler asks before each compile.
+  virtual std::string OptionRefusal(const std::string& language, std::string_view option) const = 0;
+  // OK, or INVALID_ARGUMENT "<field>[k]: option "X" is refused: <why>" for
+  // the first option OptionRefusal refuses.
+  absl::Status ValidateOptions(const std::string& language, const std::vector<std::string>& options,
+                               const std::string& field = "compile_options") const;
   // Everything of the toolchain and of `job` beyond the common fields
   // (source, language, options, libraries, file name) that changes the
   // output: part of the request key. INVALID_ARGUMENT for a job this backend
@@ -52,11 +69,14 @@ class CompileBackend {
   virtual std::string ToolchainId() const = 0;
 };
 
-
 // The CPU backend: starts the compile worker pool (and its PCH).
 absl::StatusOr<std::unique_ptr<CompileBackend>> MakeCpuBackend(const KernelCompilerOptions& options);
 // The GPU backend: NVRTC and nvcc are found on first use, so a host without
 // the CUDA toolkit still compiles for the CPU.
 std::unique_ptr<CompileBackend> MakeGpuBackend(const KernelCompilerOptions& options);
+
+// The built-in set (CPU and GPU), what KernelCompiler::Create(options) uses:
+// the one place backends are registered. Errors: the CPU backend's.
+absl::StatusOr<BackendSet> MakeDefaultBackends(const KernelCompilerOptions& options);
 
 }  // namespace opjit::compiler

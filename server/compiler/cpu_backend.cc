@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/backend.h"
+#include "server/compiler/compile_options.h"
 #include "server/compiler/cpu/cpu_compiler.h"
 #include "server/compiler/elf_symbols.h"
 
@@ -27,6 +28,12 @@ class CpuBackend : public CompileBackend {
   explicit CpuBackend(std::unique_ptr<CpuCompiler> cpu) : cpu_(std::move(cpu)) {}
 
   registry::Target target() const override { return registry::Target::kCpu; }
+
+  std::vector<std::string> Languages() const override { return CpuLanguages(); }
+
+  std::string OptionRefusal(const std::string& language, std::string_view option) const override {
+    return CpuOptionRefusal(language, option);
+  }
 
   absl::StatusOr<std::string> Identity(const CompileJob& job) override {
     if (job.language != "c++" && job.language != "c") {

@@ -22,6 +22,7 @@
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/backend.h"
+#include "server/compiler/compile_options.h"
 #include "server/compiler/cuda_source.h"
 #include "server/gpu/nvcc_compiler.h"
 #include "server/gpu/nvrtc_compiler.h"
@@ -128,6 +129,12 @@ class GpuBackend : public CompileBackend {
   explicit GpuBackend(KernelCompilerOptions options) : options_(std::move(options)) {}
 
   registry::Target target() const override { return registry::Target::kGpu; }
+
+  std::vector<std::string> Languages() const override { return CudaLanguages(); }
+
+  std::string OptionRefusal(const std::string& language, std::string_view option) const override {
+    return CudaOptionRefusal(option);
+  }
 
   absl::StatusOr<std::string> Identity(const CompileJob& job) override {
     if (job.language != "cuda") {

@@ -163,9 +163,31 @@ std::string CanonicalFileName(const std::string& language) {
   return language == "c" ? "kernel.c" : language == "cuda" ? "kernel.cu" : "kernel.cc";
 }
 
+// The rules of a compiler's backends, as the registry asks for them.
+class BackendRules : public registry::TargetRules {
+ public:
+  explicit BackendRules(const BackendSet* backends) : backends_(backends) {}
+  std::vector<std::string> Languages(registry::Target target) const override {
+    auto it = backends_->find(target);
+    return it == backends_->end() ? std::vector<std::string>{} : it->second->Languages();
+  }
+  std::string OptionRefusal(registry::Target target, const std::string& language,
+                            std::string_view option) const override {
+    auto it = backends_->find(target);
+    if (it == backends_->end()) {
+      return absl::StrCat("no compile backend for target ", registry::TargetName(target));
+    }
+    return it->second->OptionRefusal(language, option);
+  }
+
+ private:
+  const BackendSet* backends_;
+};
+
 struct KernelCompiler::Impl {
   KernelCompilerOptions options;
-  std::unique_ptr<CompileBackend> cpu, gpu;
+  BackendSet backends;
+  BackendRules rules{&backends};
   std::unique_ptr<cache::DiskCache> disk;
   std::unique_ptr<cache::RemoteTier> remote;  // null when off
   std::unique_ptr<cache::LruCache<MemoryEntry>> memory;
@@ -174,14 +196,18 @@ struct KernelCompiler::Impl {
   // header_recheck_ms per path, so a memory hit costs no syscalls.
   std::unique_ptr<cache::FileDigestCache> digests;
   std::unique_ptr<ThreadPool> pool;
-  std::string toolchain_id;  // the CPU backend's, for ServerInfo
+  std::string toolchain_id;  // the CPU backend's (else the first's), for ServerInfo
   IncludeRoots roots;        // include dirs by label, their tree digest
   std::unique_ptr<CompileWatch> watch;  // logs slow compiles
 
   std::atomic<uint64_t> compiles{0}, compile_failures{0}, joins{0};
   std::atomic<uint64_t> compile_us_total{0};
 
-  CompileBackend* For(registry::Target t) { return t == registry::Target::kGpu ? gpu.get() : cpu.get(); }
+  // The backend for `t`; nullptr when there is none.
+  CompileBackend* For(registry::Target t) {
+    auto it = backends.find(t);
+    return it == backends.end() ? nullptr : it->second.get();
+  }
 
   absl::StatusOr<std::vector<Dependency>> DigestDependencies(
       const std::vector<std::string>& paths);
@@ -306,6 +332,9 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
     }
   }
 
+  // The backend's allow-list, before anything runs (callers checked it too:
+  // registration and the compile call, through Rules()).
+  OPJIT_RETURN_IF_ERROR(backend->ValidateOptions(job.language, job.options));
   compiles.fetch_add(1);
   const uint64_t ticket = watch->Begin(absl::StrCat(job.label, " (", registry::TargetName(job.target),
                                                     ", key ", request_key.substr(0, 12), ")"));
@@ -374,10 +403,26 @@ KernelCompiler::~KernelCompiler() {
 
 absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
     const KernelCompilerOptions& options) {
+  OPJIT_ASSIGN_OR_RETURN(BackendSet backends, MakeDefaultBackends(options));
+  return Create(options, std::move(backends));
+}
+
+absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
+    const KernelCompilerOptions& options, BackendSet backends) {
+  for (auto it = backends.begin(); it != backends.end();) {
+    it = it->second == nullptr ? backends.erase(it) : std::next(it);
+  }
+  if (backends.empty()) return absl::InvalidArgumentError("the compiler needs a compile backend");
+  for (const auto& [target, backend] : backends) {
+    if (backend->target() != target) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a ", registry::TargetName(backend->target()),
+                       " compile backend registered for target ", registry::TargetName(target)));
+    }
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  OPJIT_ASSIGN_OR_RETURN(impl->cpu, MakeCpuBackend(options));
-  impl->gpu = MakeGpuBackend(options);
+  impl->backends = std::move(backends);
   OPJIT_ASSIGN_OR_RETURN(impl->disk, cache::DiskCache::Create(
                                          {.dir = options.cache_dir, .max_bytes = options.disk_bytes}));
   if (!options.remote.url.empty()) {
@@ -386,7 +431,9 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
   impl->memory = std::make_unique<cache::LruCache<MemoryEntry>>(options.memory_entries,
                                                                 options.memory_bytes);
   impl->digests = std::make_unique<cache::FileDigestCache>(options.header_recheck_ms);
-  impl->toolchain_id = impl->cpu->ToolchainId();
+  CompileBackend* main_backend = impl->For(registry::Target::kCpu);
+  if (main_backend == nullptr) main_backend = impl->backends.begin()->second.get();
+  impl->toolchain_id = main_backend->ToolchainId();
   const auto t_roots = Clock::now();
   impl->roots = IncludeRoots::Create(options.kernel_include_dir, options.extra_include_dirs);
   Logger("compiler")->debug("include roots digested in {:.1f} ms: {} files by content, {} by name",
@@ -399,7 +446,7 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
                           : options.workers + std::max(0, options.long_workers);
   impl->pool = std::make_unique<ThreadPool>(threads, /*max_queue=*/256, "opjit-compile");
   Logger("compiler")->info("compiler ready: {} worker(s), cache {}, toolchain {}", options.workers,
-                           options.cache_dir, impl->cpu->ToolchainId().substr(0, 80));
+                           options.cache_dir, impl->toolchain_id.substr(0, 80));
   return std::unique_ptr<KernelCompiler>(new KernelCompiler(std::move(impl)));
 }
 
@@ -432,7 +479,13 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
                                           : RenameFile(r->kernel->diagnostics, canonical, display);
     done(std::move(r));
   };
-  auto identity = impl->For(job.target)->Identity(job);
+  CompileBackend* backend = impl->For(job.target);
+  if (backend == nullptr) {
+    done(absl::InvalidArgumentError(absl::StrCat("no compile backend for target ",
+                                                 registry::TargetName(job.target))));
+    return;
+  }
+  auto identity = backend->Identity(job);
   if (!identity.ok()) {
     done(identity.status());
     return;
@@ -570,5 +623,7 @@ uint64_t KernelCompiler::Clear(bool memory_only) {
 const std::string& KernelCompiler::ToolchainId() const { return impl_->toolchain_id; }
 
 const std::string& KernelCompiler::IncludeIdentity() const { return impl_->roots.Identity(); }
+
+const registry::TargetRules& KernelCompiler::Rules() const { return impl_->rules; }
 
 }  // namespace opjit::compiler

@@ -1,6 +1,7 @@
 // KernelCompiler: source in, compiled artifact out, through the
 // content-addressed cache. The same for every target; what differs lives in
-// one compile backend per target (backend.h: cpu_backend.cc, gpu_backend.cc).
+// one compile backend per target (backend.h: cpu_backend.cc, gpu_backend.cc),
+// looked up by the job's target in the compiler's BackendSet.
 // The path of one compile:
 //
 //   key1 = SHA-256(ABI version, backend identity, language, options,
@@ -44,8 +45,15 @@
 #include "absl/status/statusor.h"
 #include "server/cache/remote_tier.h"
 #include "server/registry/op_def.h"
+#include "server/registry/validate.h"
 
 namespace opjit::compiler {
+
+class CompileBackend;  // backend.h
+
+// The compile backends of one KernelCompiler, by the target each compiles for
+// (backend.h; MakeDefaultBackends builds the built-in set).
+using BackendSet = std::map<registry::Target, std::unique_ptr<CompileBackend>>;
 
 // opjit's kernel-ABI version: part of every cache key.
 inline constexpr int kKernelAbiVersion = 1;
@@ -203,11 +211,16 @@ class KernelCompiler {
  public:
   using Callback = std::function<void(absl::StatusOr<CompileOutcome>)>;
 
-  // Starts the compile backends and opens the disk cache (and the remote
-  // tier, which connects lazily). INVALID_ARGUMENT for bad options (a
-  // malformed remote url or a short remote key among them); the disk cache's
-  // and the CPU backend's errors as they give them.
+  // Starts the built-in compile backends (MakeDefaultBackends) and opens the
+  // disk cache (and the remote tier, which connects lazily). INVALID_ARGUMENT
+  // for bad options (a malformed remote url or a short remote key among
+  // them); the disk cache's and the CPU backend's errors as they give them.
   static absl::StatusOr<std::unique_ptr<KernelCompiler>> Create(const KernelCompilerOptions& options);
+  // The same with the given backends (at least one; the key of each is the
+  // target it compiles for): how tests pass a fake backend. A job whose
+  // target has no backend fails with INVALID_ARGUMENT.
+  static absl::StatusOr<std::unique_ptr<KernelCompiler>> Create(const KernelCompilerOptions& options,
+                                                                BackendSet backends);
   ~KernelCompiler();
 
   // Compiles (or finds) `job` and calls `done` exactly once, on a pool thread
@@ -216,6 +229,8 @@ class KernelCompiler {
   // compiler crash), DEADLINE_EXCEEDED (compile timeout), RESOURCE_EXHAUSTED
   // (memory limit, or the compile queue is full), PERMISSION_DENIED (a library
   // off the allow-list), UNAVAILABLE (GPU target without NVRTC or nvcc).
+  // INVALID_ARGUMENT too for a target without a backend, and, before a
+  // compile (not on a cache hit), for an option off the backend's allow-list.
   // GPU jobs compile with NVRTC (or nvcc for aot .cu files) and are cached
   // the same way; their key holds the NVRTC/nvcc identity and the archs.
   void CompileAsync(CompileJob job, Callback done);
@@ -232,8 +247,13 @@ class KernelCompiler {
   // may be remote hits.
   uint64_t Clear(bool memory_only);
 
-  // Toolchain identity (compiler version, triple, CPU, features).
+  // Toolchain identity (compiler version, triple, CPU, features): the CPU
+  // backend's, else that of the first backend.
   const std::string& ToolchainId() const;
+  // The languages and compile options of this compiler's backends, by target,
+  // for registry::ValidateOpDef and ValidateCompileOptions. Lives as long as
+  // the compiler.
+  const registry::TargetRules& Rules() const;
   // The include roots' labels and tree digest (cache_key.h): part of every
   // request key.
   const std::string& IncludeIdentity() const;

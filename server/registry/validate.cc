@@ -1,6 +1,7 @@
 #include "server/registry/validate.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "absl/status/status.h"
@@ -11,6 +12,7 @@
 #include "server/common/error_info.h"
 #include "server/common/status_macros.h"
 #include "server/common/text.h"
+#include "server/compiler/compile_options.h"
 #include "server/gpu/launch_spec.h"
 #include "server/registry/attr_value.h"
 
@@ -218,127 +220,41 @@ absl::Status CheckDtypeFormats(const OpDef& def) {
   return absl::OkStatus();
 }
 
-bool IsMacroOption(absl::string_view opt, absl::string_view flag) {
-  // -D<macro>[=<value>] or -U<macro>.
-  if (!absl::StartsWith(opt, flag)) return false;
-  absl::string_view rest = opt.substr(flag.size());
-  size_t eq = rest.find('=');
-  absl::string_view macro = rest.substr(0, eq);
-  if (!IsIdent(macro)) return false;
-  if (eq == absl::string_view::npos) return true;
-  if (flag == "-U") return false;
-  for (char c : rest.substr(eq + 1)) {
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return false;
-  }
-  return true;
+// "" when `target`'s backend compiles `language`; otherwise why not:
+// `quoted` "is not a CPU language (<expected_prefix>c++ or c)", or "no compile
+// backend for target X" when `rules` have none.
+std::string LanguageRefusal(const TargetRules& rules, Target target, const std::string& language,
+                            const std::string& quoted, const char* expected_prefix) {
+  std::vector<std::string> langs = rules.Languages(target);
+  if (std::find(langs.begin(), langs.end(), language) != langs.end()) return "";
+  if (langs.empty()) return absl::StrCat("no compile backend for target ", TargetName(target));
+  return absl::StrCat(quoted, " is not a ", TargetName(target), " language (", expected_prefix,
+                      absl::StrJoin(langs, " or "), ")");
 }
 
-bool IsWarningOption(absl::string_view opt) {
-  if (opt == "-w") return true;
-  if (!absl::StartsWith(opt, "-W") || opt.size() == 2) return false;
-  for (char c : opt.substr(2)) {
-    if (!IsAlpha(c) && !IsDigit(c) && c != '-' && c != '=' && c != '+') return false;
-  }
-  return true;
-}
-
-bool IsBoolValued(absl::string_view opt, absl::string_view prefix) {
-  return opt == absl::StrCat(prefix, "true") || opt == absl::StrCat(prefix, "false");
-}
-
-bool IsGpuArch(absl::string_view a) {
-  absl::string_view digits;
-  if (absl::StartsWith(a, "sm_")) {
-    digits = a.substr(3);
-  } else if (absl::StartsWith(a, "compute_")) {
-    digits = a.substr(8);
-  } else {
-    return false;
-  }
-  if (!digits.empty() && digits.back() == 'a') digits.remove_suffix(1);
-  if (digits.size() < 2 || digits.size() > 3) return false;
-  return std::all_of(digits.begin(), digits.end(), IsDigit);
-}
-
-bool IsPositiveInt(absl::string_view s) {
-  return !s.empty() && s.size() <= 4 && std::all_of(s.begin(), s.end(), IsDigit) && s[0] != '0';
-}
-
-// Returns an empty string when `opt` is allowed for `language`, otherwise why not.
-std::string CheckCompileOption(const std::string& language, absl::string_view opt) {
-  if (absl::StartsWith(opt, "-D")) {
-    return IsMacroOption(opt, "-D") ? "" : "-D needs a C identifier, optionally =<value>";
-  }
-  if (absl::StartsWith(opt, "-U")) {
-    return IsMacroOption(opt, "-U") ? "" : "-U needs a C identifier";
-  }
-  if (language == "cuda") {
-    if (opt == "-std=c++17" || opt == "-std=c++20" || opt == "--std=c++17" ||
-        opt == "--std=c++20" || opt == "--use_fast_math" || opt == "-use_fast_math" ||
-        opt == "-lineinfo" || opt == "--generate-line-info" ||
-        opt == "--extra-device-vectorization" || opt == "--restrict" || opt == "-w" ||
-        opt == "--disable-warnings") {
-      return "";
-    }
-    if (absl::StartsWith(opt, "-arch=")) {
-      return IsGpuArch(opt.substr(6)) ? "" : "-arch= needs sm_NN or compute_NN";
-    }
-    if (absl::StartsWith(opt, "--gpu-architecture=")) {
-      return IsGpuArch(opt.substr(19)) ? "" : "--gpu-architecture= needs sm_NN or compute_NN";
-    }
-    for (absl::string_view p : {"--ftz=", "--prec-div=", "--prec-sqrt=", "--fmad="}) {
-      if (absl::StartsWith(opt, p)) {
-        return IsBoolValued(opt, p) ? "" : absl::StrCat(p, " needs true or false");
-      }
-    }
-    for (absl::string_view p : {"--maxrregcount=", "-maxrregcount="}) {
-      if (absl::StartsWith(opt, p)) {
-        return IsPositiveInt(opt.substr(p.size())) ? "" : absl::StrCat(p, " needs a count");
-      }
-    }
-    return "not allowed for cuda";
-  }
-  if (opt == "-O0" || opt == "-O1" || opt == "-O2" || opt == "-O3" || opt == "-ffast-math" ||
-      opt == "-fno-fast-math") {
-    return "";
-  }
-  if (absl::StartsWith(opt, "-std=")) {
-    if (language == "c++" && (opt == "-std=c++17" || opt == "-std=c++20")) return "";
-    if (language == "c" && (opt == "-std=c11" || opt == "-std=c17")) return "";
-    return language == "c" ? "allowed for c: -std=c11, -std=c17"
-                           : "allowed for c++: -std=c++17, -std=c++20";
-  }
-  if (IsWarningOption(opt)) return "";
-  return absl::StrCat("not allowed for ", language);
-}
-
-absl::Status CheckImplementations(const OpDef& def) {
+absl::Status CheckImplementations(const OpDef& def, const TargetRules& rules) {
   if (def.implementations.empty()) {
     return Invalid("implementations", "at least one implementation is required");
   }
   std::set<std::string> op_attrs;
   for (const AttrDef& a : def.attrs) op_attrs.insert(a.name);
-  int first_of_target[2] = {-1, -1};
+  std::map<Target, size_t> first_of_target;
   for (size_t i = 0; i < def.implementations.size(); ++i) {
     const Implementation& impl = def.implementations[i];
     std::string path = absl::StrCat("implementations[", i, "]");
     if (impl.target != Target::kCpu && impl.target != Target::kGpu) {
       return Invalid(absl::StrCat(path, ".target"), "is not CPU or GPU");
     }
-    int t = impl.target == Target::kCpu ? 0 : 1;
-    if (first_of_target[t] >= 0) {
+    if (auto [it, first] = first_of_target.emplace(impl.target, i); !first) {
       return Invalid(absl::StrCat(path, ".target"),
                      absl::StrCat(TargetName(impl.target), " already has implementations[",
-                                  first_of_target[t], "] (at most one per target)"));
+                                  it->second, "] (at most one per target)"));
     }
-    first_of_target[t] = static_cast<int>(i);
-    if (impl.target == Target::kCpu && impl.language != "c++" && impl.language != "c") {
-      return Invalid(absl::StrCat(path, ".language"),
-                     absl::StrCat(Q(impl.language), " is not a CPU language (c++ or c)"));
-    }
-    if (impl.target == Target::kGpu && impl.language != "cuda") {
-      return Invalid(absl::StrCat(path, ".language"),
-                     absl::StrCat(Q(impl.language), " is not a GPU language (cuda)"));
+    // The target's backend says which languages and options it takes.
+    if (std::string why = LanguageRefusal(rules, impl.target, impl.language, Q(impl.language), "");
+        !why.empty()) {
+      return Invalid(absl::StrCat(path, rules.Languages(impl.target).empty() ? ".target" : ".language"),
+                     why);
     }
     if (!IsIdent(impl.entry)) {
       return Invalid(absl::StrCat(path, ".entry"),
@@ -358,10 +274,11 @@ absl::Status CheckImplementations(const OpDef& def) {
       const std::string& opt = impl.compile_options[k];
       std::string opath = absl::StrCat(path, ".compile_options[", k, "]");
       OPJIT_RETURN_IF_ERROR(CheckUtf8(opath, opt));
-      std::string why = CheckCompileOption(impl.language, opt);
+      std::string why = rules.OptionRefusal(impl.target, impl.language, opt);
       if (!why.empty()) {
         return Invalid(opath, absl::StrCat("option ", Q(opt), " is refused: ", why,
-                                           " (see the allow-list in server/registry/validate.h)"));
+                                           " (see the allow-list in "
+                                           "server/compiler/compile_options.h)"));
       }
     }
     for (size_t k = 0; k < impl.libraries.size(); ++k) {
@@ -597,17 +514,40 @@ bool IsValidNamespace(const std::string& ns) {
   });
 }
 
+const TargetRules& BuiltinTargetRules() {
+  // The built-in backends' rules, as compiler::CpuBackend and GpuBackend
+  // state them (server/compiler/compile_options.h).
+  class Builtin : public TargetRules {
+   public:
+    std::vector<std::string> Languages(Target target) const override {
+      switch (target) {
+        case Target::kCpu:
+          return compiler::CpuLanguages();
+        case Target::kGpu:
+          return compiler::CudaLanguages();
+      }
+      return {};
+    }
+    std::string OptionRefusal(Target target, const std::string& language,
+                              std::string_view option) const override {
+      return target == Target::kGpu ? compiler::CudaOptionRefusal(option)
+                                    : compiler::CpuOptionRefusal(language, option);
+    }
+  };
+  static const Builtin* rules = new Builtin;
+  return *rules;
+}
+
 absl::Status ValidateCompileOptions(Target target, const std::string& language,
                                     const std::vector<std::string>& options,
-                                    const std::string& field) {
-  const bool cpu_lang = language == "c++" || language == "c";
-  if ((target == Target::kCpu && !cpu_lang) || (target == Target::kGpu && language != "cuda")) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "language: \"", Excerpt(language), "\" is not a ", TargetName(target),
-        " language (expected ", target == Target::kCpu ? "c++ or c" : "cuda", ")"));
+                                    const std::string& field, const TargetRules& rules) {
+  if (std::string why = LanguageRefusal(rules, target, language,
+                                        absl::StrCat("\"", Excerpt(language), "\""), "expected ");
+      !why.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("language: ", why));
   }
   for (size_t k = 0; k < options.size(); ++k) {
-    std::string why = CheckCompileOption(language, options[k]);
+    std::string why = rules.OptionRefusal(target, language, options[k]);
     if (!why.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(field, "[", k, "]: option \"",
                                                      Excerpt(options[k]), "\" is refused: ", why));
@@ -618,7 +558,7 @@ absl::Status ValidateCompileOptions(Target target, const std::string& language,
 
 namespace {
 
-absl::Status ValidateOpDefFields(const OpDef& def) {
+absl::Status ValidateOpDefFields(const OpDef& def, const TargetRules& rules) {
   if (!IsValidNamespace(def.ns)) {
     return Invalid("ns", absl::StrCat(Q(def.ns), " is not a valid namespace ([a-z0-9_-]{1,64})"));
   }
@@ -632,7 +572,7 @@ absl::Status ValidateOpDefFields(const OpDef& def) {
   OPJIT_RETURN_IF_ERROR(CheckTensorParams(def.outputs, "outputs", /*is_output=*/true, &io_names));
   OPJIT_RETURN_IF_ERROR(CheckAttrs(def.attrs));
   OPJIT_RETURN_IF_ERROR(CheckDtypeFormats(def));
-  OPJIT_RETURN_IF_ERROR(CheckImplementations(def));
+  OPJIT_RETURN_IF_ERROR(CheckImplementations(def, rules));
   OPJIT_RETURN_IF_ERROR(CheckOutputRules(def));
   OPJIT_RETURN_IF_ERROR(CheckBackward(def));
   if (def.doc.size() > kMaxDocBytes) {
@@ -645,8 +585,8 @@ absl::Status ValidateOpDefFields(const OpDef& def) {
 
 }  // namespace
 
-absl::Status ValidateOpDef(const OpDef& def) {
-  absl::Status s = ValidateOpDefFields(def);
+absl::Status ValidateOpDef(const OpDef& def, const TargetRules& rules) {
+  absl::Status s = ValidateOpDefFields(def, rules);
   if (s.ok()) return s;
   return WithReason(std::move(s), reason::kInvalidSpec);
 }

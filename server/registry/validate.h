@@ -42,27 +42,14 @@
 //   - No combination appears twice.
 //  Implementations
 //   - At least one, and at most one per target.
-//   - language: "c++" or "c" for CPU, "cuda" for GPU (exact spellings).
+//   - language: one the target's compile backend compiles: "c++" or "c" for
+//     CPU, "cuda" for GPU (exact spellings).
 //   - entry is a C identifier, [A-Za-z_][A-Za-z0-9_]{0,127}.
 //   - source is non-empty and at most 1 MiB.
-//   - Every compile option is on the allow-list below; anything else (-I, -L,
-//     -l, -o, -include, -fplugin, -Xclang, -Wl,..., -fopenmp, ...) is refused.
-//       CPU (c++ and c):
-//         -D<macro>[=<value>]  -U<macro>   (<macro> a C identifier)
-//         -O0 -O1 -O2 -O3
-//         -ffast-math -fno-fast-math
-//         -std=c++17 -std=c++20 (c++)      -std=c11 -std=c17 (c)
-//         -w  -W<warning>                  (<warning> of [A-Za-z0-9_=+-], so no -Wl, -Wa, -Wp)
-//       GPU (cuda, NVRTC spellings):
-//         -D<macro>[=<value>]  -U<macro>
-//         -std=c++17 -std=c++20 (also --std=)
-//         --use_fast_math (also -use_fast_math)
-//         -arch=<a> --gpu-architecture=<a> (<a>: sm_NN, sm_NNa, compute_NN, compute_NNa)
-//         --ftz= --prec-div= --prec-sqrt= --fmad= (each =true or =false)
-//         -lineinfo --generate-line-info
-//         --maxrregcount=<N> (also -maxrregcount=)
-//         --extra-device-vectorization --restrict -w --disable-warnings
-//     A -D value must not contain control characters.
+//   - Every compile option is on the target's allow-list, which its compile
+//     backend owns (the built-in ones: server/compiler/compile_options.h);
+//     anything else (-I, -L, -l, -o, -include, -fplugin, -Xclang, -Wl,...,
+//     -fopenmp, ...) is refused.
 //   - Every entry of libraries is non-empty (the server's allow-list is checked
 //     later, by the compiler).
 //   - attr_names, when non-empty, has no duplicates and equals the set of the
@@ -90,6 +77,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -97,20 +85,42 @@
 
 namespace opjit::registry {
 
+// What each target's compile backend accepts: its languages and its
+// compile-option allow-list. The backends own these rules
+// (compiler::CompileBackend); the registry depends on no compiler, so it asks
+// through this interface. KernelCompiler::Rules() answers for the backends a
+// compiler has; BuiltinTargetRules() for the built-in CPU and GPU backends,
+// without starting them. Implementations are thread-safe.
+class TargetRules {
+ public:
+  virtual ~TargetRules() = default;
+  // The languages `target` compiles, in the order messages list them; empty
+  // when no backend compiles for it.
+  virtual std::vector<std::string> Languages(Target target) const = 0;
+  // "" when `option` is allowed for `language` on `target`; otherwise why not.
+  virtual std::string OptionRefusal(Target target, const std::string& language,
+                                    std::string_view option) const = 0;
+};
+
+// The rules of the built-in backends (CPU: c++ and c; GPU: cuda).
+const TargetRules& BuiltinTargetRules();
+
 // Limits, exposed for clients and tests.
 inline constexpr size_t kMaxSourceBytes = 1 << 20;  // 1 MiB
 inline constexpr size_t kMaxDocBytes = 64 << 10;    // 64 KiB
 
-// OK when `def` satisfies every rule above; otherwise INVALID_ARGUMENT naming
-// the first offending field, with reason INVALID_SPEC.
-absl::Status ValidateOpDef(const OpDef& def);
+// OK when `def` satisfies every rule above, languages and compile options as
+// `rules` say; otherwise INVALID_ARGUMENT naming the first offending field,
+// with reason INVALID_SPEC.
+absl::Status ValidateOpDef(const OpDef& def, const TargetRules& rules = BuiltinTargetRules());
 
-// Checks `options` against the compile-option allow-list above for `language`
-// ("c++", "c" or "cuda"), as ValidateOpDef does for an implementation; `field`
-// prefixes the message, e.g. "compile_options". Used by the bare compile call.
+// Checks `language` and `options` against `target`'s rules, as ValidateOpDef
+// does for an implementation; `field` prefixes the message, e.g.
+// "compile_options". Used by the bare compile call.
 absl::Status ValidateCompileOptions(Target target, const std::string& language,
                                     const std::vector<std::string>& options,
-                                    const std::string& field);
+                                    const std::string& field,
+                                    const TargetRules& rules = BuiltinTargetRules());
 
 // The formats a dtype_format pair may name, "DefaultFormat" first.
 const std::vector<std::string>& KnownFormats();

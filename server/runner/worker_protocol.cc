@@ -71,8 +71,20 @@ std::string EncodeKernel(const compiler::CompiledKernel& k) {
 absl::StatusOr<std::shared_ptr<const compiler::CompiledKernel>> DecodeKernel(std::string_view in) {
   Reader r(in);
   auto k = std::make_shared<compiler::CompiledKernel>();
-  k->target = r.U8() == static_cast<uint8_t>(registry::Target::kGpu) ? registry::Target::kGpu
-                                                                      : registry::Target::kCpu;
+  // Only the targets this build knows; anything else is a protocol error,
+  // never a CPU kernel by default.
+  const uint8_t target = r.U8();
+  switch (static_cast<registry::Target>(target)) {
+    case registry::Target::kCpu:
+    case registry::Target::kGpu:
+      k->target = static_cast<registry::Target>(target);
+      break;
+    default:
+      if (r.ok()) {
+        return absl::DataLossError(
+            absl::StrCat("malformed kernel frame: unknown target ", static_cast<int>(target)));
+      }
+  }
   k->cache_key = r.Str();
   k->object = r.Str();
   k->libraries = r.Strs();

@@ -71,6 +71,7 @@
 #include "llvm/Support/VirtualFileSystem.h"
 #include "llvm/Support/raw_ostream.h"
 #include "server/common/sandbox.h"
+#include "server/compiler/compile_options.h"
 
 namespace opjit::compiler {
 namespace {
@@ -380,21 +381,6 @@ bool AsmReadsFiles(const llvm::Module& m) {
         if (ReadsAFile(ia->getAsmString())) return true;
       }
     }
-  }
-  return false;
-}
-
-bool IsUserOptionAllowed(const std::string& o) {
-  llvm::StringRef s(o);
-  if (s.startswith("-D") || s.startswith("-U")) return s.size() > 2;
-  if (s == "-O0" || s == "-O1" || s == "-O2" || s == "-O3" || s == "-ffast-math" ||
-      s == "-fno-fast-math" || s == "-w") {
-    return true;
-  }
-  if (s.startswith("-std=")) return true;
-  if (s.startswith("-W") && s.size() > 2) {
-    // -Wl, -Wp, -Wa pass arguments to other tools: never.
-    return s.find(',') == llvm::StringRef::npos;
   }
   return false;
 }
@@ -742,8 +728,10 @@ struct FdCloser {
 ipc::WorkerResponse ClangFrontend::Handle(const ipc::WorkerRequest& req, int pch_fd) {
   FdCloser closer{pch_fd};
   ipc::WorkerResponse resp;
+  // The registry's rule, the one copy (compile_options.h).
+  const char* language = req.language == ipc::Language::kC ? "c" : "c++";
   for (const std::string& o : req.options) {
-    if (!IsUserOptionAllowed(o)) {
+    if (!CpuOptionRefusal(language, o).empty()) {
       resp.kind = ipc::ResponseKind::kBadRequest;
       resp.diagnostics = "option '" + o + "' is not allowed";
       return resp;

@@ -34,6 +34,7 @@
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
 #include "server/common/subprocess.h"
+#include "server/compiler/compile_options.h"
 #include "server/compiler/cpu/ipc.h"
 #include "server/compiler/cpu/preamble.h"
 
@@ -57,29 +58,6 @@ std::string Normalize(const std::string& dir) {
   std::string s = p.lexically_normal().string();
   while (s.size() > 1 && s.back() == '/') s.pop_back();
   return s;
-}
-
-bool IsIdentStart(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
-
-// Mirrors the registry's rule; the worker checks again.
-bool IsOptionAllowed(const std::string& o) {
-  if (absl::StartsWith(o, "-D") || absl::StartsWith(o, "-U")) {
-    return o.size() > 2 && IsIdentStart(o[2]);
-  }
-  if (o == "-O0" || o == "-O1" || o == "-O2" || o == "-O3" || o == "-ffast-math" ||
-      o == "-fno-fast-math" || o == "-w") {
-    return true;
-  }
-  if (absl::StartsWith(o, "-std=")) return true;
-  if (absl::StartsWith(o, "-W") && o.size() > 2) {
-    for (char c : o.substr(2)) {
-      bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                c == '-' || c == '=' || c == '+';
-      if (!ok) return false;  // -Wl, -Wp, -Wa pass arguments to other tools
-    }
-    return true;
-  }
-  return false;
 }
 
 // The options a PCH must be built with to be loadable by a compile with
@@ -689,8 +667,10 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
 }
 
 absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& request) {
+  // The registry's rule (compile_options.h); the worker checks again.
+  const char* language = request.language == Language::kC ? "c" : "c++";
   for (const std::string& o : request.options) {
-    if (!IsOptionAllowed(o)) {
+    if (!CpuOptionRefusal(language, o).empty()) {
       return absl::InvalidArgumentError(absl::StrCat("compile option '", o, "' is not allowed"));
     }
   }

@@ -55,6 +55,19 @@ TEST(WireTest, KernelsAndInstancesRoundTrip) {
   EXPECT_TRUE(absl::IsNotFound(wire::DecodeInstance(wire::EncodeInstance(42, spec), &id, {}).status()));
 }
 
+// A target this build does not know is a protocol error, never a CPU kernel.
+TEST(WireTest, AnUnknownTargetIsAnError) {
+  std::string frame = wire::EncodeKernel(*Kernel());
+  ASSERT_EQ(frame[0], static_cast<char>(registry::Target::kCpu));
+  frame[0] = static_cast<char>(registry::Target::kGpu);
+  EXPECT_EQ((*wire::DecodeKernel(frame))->target, registry::Target::kGpu);
+  frame[0] = 7;
+  auto back = wire::DecodeKernel(frame);
+  ASSERT_FALSE(back.ok());
+  EXPECT_EQ(back.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(back.status().message(), "malformed kernel frame: unknown target 7");
+}
+
 // Truncations, bit flips and random bytes give errors, never a crash or a
 // read past the input (ASan would say so).
 TEST(WireTest, MalformedFramesAreErrors) {
