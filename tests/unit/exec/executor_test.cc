@@ -1,0 +1,305 @@
+// The executor (server/exec/executor.cc) on its own: a real registry and
+// compiler, and a fake KernelRunner in place of executor processes, so each
+// test sees exactly what the executor hands a runner (the instance spec,
+// tensor locations, the deadline) and what it makes of the runner's answer.
+#include "server/exec/executor.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <future>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "server/compiler/kernel_compiler.h"
+#include "server/registry/registry.h"
+#include "server/runner/kernel_runner.h"
+#include "server/tensor/region_manager.h"
+
+namespace opjit::exec {
+namespace {
+
+namespace fs = std::filesystem;
+using runner::InstanceSpec;
+using runner::KernelInstance;
+using runner::RunArgs;
+
+// What the fake runner saw and how it answers. Its kernel writes
+// y[i] = 2 * x[i] (float32), after checking that the output came zeroed.
+struct FakeState {
+  std::mutex mu;
+  std::vector<InstanceSpec> specs;  // one per Instance()
+  std::vector<std::chrono::steady_clock::time_point> deadlines;
+  std::vector<std::string> input_bytes;
+  bool output_was_zeroed = true;
+  std::atomic<int> runs{0};
+  absl::Status answer;         // what Run returns
+  double kernel_ms = 1.5;      // what Run reports through RunArgs::kernel_ms
+  std::promise<void>* running = nullptr;  // set when a Run starts, if given
+  std::shared_future<void> release;      // a Run waits on it, if valid
+};
+
+class FakeInstance : public KernelInstance {
+ public:
+  explicit FakeInstance(FakeState* s) : s_(s) {}
+  absl::StatusOr<std::vector<int64_t>> InferShape() override {
+    return absl::FailedPreconditionError("no InferShape");
+  }
+  absl::Status Run(const RunArgs& a) override {
+    s_->runs.fetch_add(1);
+    if (s_->running != nullptr) s_->running->set_value();
+    if (s_->release.valid()) s_->release.wait();
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      s_->deadlines.push_back(a.deadline);
+      const runner::TensorLoc& in = a.inputs[0];
+      s_->input_bytes.emplace_back(in.data, in.nbytes);
+      const runner::TensorLoc& out = a.outputs[0];
+      for (uint64_t i = 0; i < out.nbytes; ++i) {
+        if (out.data[i] != 0) s_->output_was_zeroed = false;
+      }
+    }
+    if (!s_->answer.ok()) return s_->answer;
+    const auto* x = reinterpret_cast<const float*>(a.inputs[0].data);
+    auto* y = reinterpret_cast<float*>(a.outputs[0].data);
+    for (uint64_t i = 0; i < a.outputs[0].nbytes / 4; ++i) y[i] = 2 * x[i];
+    if (a.kernel_ms != nullptr) *a.kernel_ms = s_->kernel_ms;
+    return absl::OkStatus();
+  }
+
+ private:
+  FakeState* s_;
+};
+
+class FakeRunner : public runner::KernelRunner {
+ public:
+  explicit FakeRunner(FakeState* s) : s_(s) {}
+  absl::StatusOr<std::shared_ptr<KernelInstance>> Instance(const InstanceSpec& spec) override {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->specs.push_back(spec);
+    return std::make_shared<FakeInstance>(s_);
+  }
+  runner::RunnerStats Stats() const override { return {}; }
+  const char* mode() const override { return "fake"; }
+
+ private:
+  FakeState* s_;
+};
+
+std::string Floats(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+
+class ExecutorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (fs::temp_directory_path() / "opjit-executor-test-XXXXXX").string();
+    dir_ = ::mkdtemp(tmpl.data());
+    auto reg = registry::Registry::Create({.db_path = dir_ + "/registry.db"});
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    registry_ = *std::move(reg);
+    compiler::KernelCompilerOptions co;
+    co.cache_dir = dir_ + "/cache";
+    co.worker_path = OPJIT_BINARY_DIR "/bin/opjit-compile-worker";
+    co.kernel_include_dir = OPJIT_SOURCE_DIR "/kernels/include";
+    co.workers = 1;
+    auto kc = compiler::KernelCompiler::Create(co);
+    ASSERT_TRUE(kc.ok()) << kc.status();
+    compiler_ = *std::move(kc);
+    tensor::RegionManagerOptions ro;
+    ro.instance_tag = absl::StrCat("extest", ::getpid());
+    auto rm = tensor::RegionManager::Create(ro);
+    ASSERT_TRUE(rm.ok()) << rm.status();
+    regions_ = *std::move(rm);
+    runner_ = std::make_unique<FakeRunner>(&state_);
+    Register();
+  }
+  void TearDown() override {
+    executor_.reset();
+    runner_.reset();
+    regions_.reset();
+    compiler_.reset();
+    registry_.reset();
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  // Op "twice": (x float32) -> (y, same shape), attr scale (optional, 2).
+  void Register() {
+    registry::OpDef d;
+    d.name = "twice";
+    d.inputs.push_back({0, "x", registry::ParamType::kRequired});
+    d.outputs.push_back({0, "y", registry::ParamType::kRequired});
+    registry::AttrDef scale;
+    scale.name = "scale";
+    scale.param_type = registry::ParamType::kOptional;
+    scale.value_type = registry::ValueType::kFloat;
+    scale.default_value = "2";
+    d.attrs.push_back(scale);
+    registry::DtypeFormat df;
+    df.io = {{"float32", "DefaultFormat"}, {"float32", "DefaultFormat"}};
+    d.dtype_formats.push_back(df);
+    registry::Implementation impl;
+    impl.language = "c++";
+    impl.source = R"(#include <cstdint>
+extern "C" int K(int, void**, int*, int64_t**, const char**, void*, void*) { return 0; })";
+    impl.entry = "K";
+    d.implementations.push_back(impl);
+    auto r = registry_->Register(std::move(d));
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+
+  void Start(ExecutorOptions o = {}) {
+    auto ex = Executor::Create(o, registry_.get(), compiler_.get(), regions_.get(), runner_.get());
+    ASSERT_TRUE(ex.ok()) << ex.status();
+    executor_ = *std::move(ex);
+  }
+
+  ForwardCall Call(const std::string& bytes) {
+    ForwardCall c;
+    c.op = "twice";
+    TensorArg a;
+    a.desc = {"float32", {static_cast<int64_t>(bytes.size() / 4)}};
+    a.inline_bytes = bytes;
+    c.inputs = {{a}};
+    return c;
+  }
+
+  std::string dir_;
+  FakeState state_;
+  std::unique_ptr<registry::Registry> registry_;
+  std::unique_ptr<compiler::KernelCompiler> compiler_;
+  std::unique_ptr<tensor::RegionManager> regions_;
+  std::unique_ptr<FakeRunner> runner_;
+  std::unique_ptr<Executor> executor_;
+};
+
+TEST_F(ExecutorTest, TheRunnerGetsTheCheckedCallAndItsOutputsComeBack) {
+  Start();
+  const std::string x = Floats({1, 2, 3});
+  auto r = executor_->Forward(Call(x));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(state_.specs.size(), 1u);
+  const InstanceSpec& spec = state_.specs[0];
+  EXPECT_EQ(spec.ns, "default");
+  EXPECT_EQ(spec.entry, "K");
+  EXPECT_NE(spec.label.find("twice v1"), std::string::npos) << spec.label;
+  ASSERT_EQ(spec.inputs.size(), 1u);
+  EXPECT_EQ(spec.inputs[0], (TensorDesc{"float32", {3}}));
+  EXPECT_EQ(spec.input_names, std::vector<std::string>{"x"});
+  ASSERT_EQ(spec.outputs.size(), 1u) << "a declarative output rule: outputs known at creation";
+  EXPECT_EQ(spec.outputs[0], (TensorDesc{"float32", {3}}));
+  EXPECT_EQ(spec.attrs.count("scale"), 1u) << "the default of an optional attr is filled in";
+  ASSERT_NE(spec.kernel, nullptr);
+  EXPECT_EQ(state_.input_bytes, std::vector<std::string>{x});
+  EXPECT_TRUE(state_.output_was_zeroed);
+  ASSERT_EQ(r->outputs.size(), 1u);
+  EXPECT_EQ(r->outputs[0].desc, (TensorDesc{"float32", {3}}));
+  EXPECT_EQ(r->outputs[0].inline_bytes, Floats({2, 4, 6}));
+  EXPECT_FALSE(r->outputs[0].in_shm);
+  EXPECT_EQ(r->kernel_ms, 1.5) << "the runner's own measure of the kernel";
+  EXPECT_EQ(r->version, 1);
+  EXPECT_TRUE(r->ran_inline);
+  EXPECT_EQ(executor_->Stats().calls, 1u);
+}
+
+TEST_F(ExecutorTest, AnInstanceIsCreatedOncePerShape) {
+  Start();
+  ASSERT_TRUE(executor_->Forward(Call(Floats({1, 2}))).ok());
+  ASSERT_TRUE(executor_->Forward(Call(Floats({3, 4}))).ok());
+  EXPECT_EQ(state_.specs.size(), 1u);
+  EXPECT_EQ(executor_->Stats().instance_hits, 1u);
+  ASSERT_TRUE(executor_->Forward(Call(Floats({1, 2, 3}))).ok());
+  EXPECT_EQ(state_.specs.size(), 2u) << "another shape is another instance";
+  EXPECT_EQ(state_.runs.load(), 3);
+}
+
+TEST_F(ExecutorTest, ARunnerErrorReachesTheCallerWithTheOpNamed) {
+  Start();
+  state_.answer = absl::AbortedError("the kernel returned 3");
+  auto r = executor_->Forward(Call(Floats({1})));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
+  EXPECT_NE(r.status().message().find("the kernel returned 3"), absl::string_view::npos)
+      << r.status();
+  EXPECT_NE(r.status().message().find("twice"), absl::string_view::npos) << r.status();
+  EXPECT_EQ(executor_->Stats().failures, 1u);
+}
+
+TEST_F(ExecutorTest, CallsOverTheInlineLimitRunOnThePool) {
+  Start({.inline_max_bytes = 4});
+  auto small = executor_->Forward(Call(Floats({1})));
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_TRUE(small->ran_inline);
+  auto big = executor_->Forward(Call(Floats({1, 2})));
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_FALSE(big->ran_inline);
+  EXPECT_EQ(big->outputs[0].inline_bytes, Floats({2, 4}));
+  EXPECT_EQ(executor_->Stats().pool_runs, 1u);
+  EXPECT_EQ(executor_->Stats().inline_runs, 1u);
+}
+
+TEST_F(ExecutorTest, AFullQueueIsRefusedWithoutRunning) {
+  Start({.pool_threads = 1, .max_queue = 1, .inline_max_bytes = 0});
+  std::promise<void> running, release;
+  state_.running = &running;
+  state_.release = release.get_future().share();
+  std::promise<absl::Status> first, second, third;
+  executor_->ForwardAsync(Call(Floats({1})), [&](auto r) { first.set_value(r.status()); });
+  running.get_future().wait();  // the pool's one thread is busy
+  state_.running = nullptr;
+  executor_->ForwardAsync(Call(Floats({2})), [&](auto r) { second.set_value(r.status()); });
+  executor_->ForwardAsync(Call(Floats({3})), [&](auto r) { third.set_value(r.status()); });
+  const absl::Status refused = third.get_future().get();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("queue is full"), absl::string_view::npos) << refused;
+  release.set_value();
+  EXPECT_TRUE(first.get_future().get().ok());
+  EXPECT_TRUE(second.get_future().get().ok());
+  EXPECT_EQ(state_.runs.load(), 2);
+  EXPECT_EQ(executor_->Stats().rejected, 1u);
+}
+
+TEST_F(ExecutorTest, OutputsPastTheInlineLimitAreRefusedBeforeTheKernel) {
+  Start({.max_inline_output_bytes = 8});
+  auto r = executor_->Forward(Call(Floats({1, 2, 3})));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_EQ(state_.runs.load(), 0);
+}
+
+TEST_F(ExecutorTest, TheDeadlineReachesTheRunnerAndAPassedOneNeverRuns) {
+  Start();
+  ForwardCall c = Call(Floats({1}));
+  c.deadline = std::chrono::steady_clock::now() + std::chrono::hours(1);
+  ASSERT_TRUE(executor_->Forward(c).ok());
+  ASSERT_EQ(state_.deadlines.size(), 1u);
+  EXPECT_EQ(state_.deadlines[0], c.deadline);
+  c.deadline = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  auto late = executor_->Forward(c);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_EQ(state_.runs.load(), 1);
+}
+
+TEST_F(ExecutorTest, BadCallsNeverReachTheRunner) {
+  Start();
+  ForwardCall wrong_dtype = Call(Floats({1}));
+  wrong_dtype.inputs[0][0].desc.dtype = "int32";
+  EXPECT_EQ(executor_->Forward(wrong_dtype).status().code(), absl::StatusCode::kInvalidArgument);
+  ForwardCall short_bytes = Call(Floats({1}));
+  short_bytes.inputs[0][0].desc.shape = {4};
+  EXPECT_EQ(executor_->Forward(short_bytes).status().code(), absl::StatusCode::kInvalidArgument);
+  ForwardCall unknown = Call(Floats({1}));
+  unknown.op = "nope";
+  EXPECT_EQ(executor_->Forward(unknown).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(state_.runs.load(), 0);
+  EXPECT_EQ(executor_->Stats().failures, 3u);
+}
+
+}  // namespace
+}  // namespace opjit::exec
