@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
+#include "server/core/compile_service.h"
+#include "server/exec/executor.h"
 #include "server/registry/validate.h"
 
 namespace opjit::core {
@@ -26,21 +28,38 @@ struct Registration {
   uint64_t rid = 0;
   std::vector<compiler::CompileJob> jobs;
   RegisterOutcome outcome;
+  // Given back before `done` runs, so the client's next compile finds the
+  // slot free.
+  CompileTicket ticket;
   OpService::RegisterCallback done;
+
+  // Ends the compile slot (a failure is charged its wall time) and answers.
+  void Fail(const absl::Status& s) {
+    ticket.reset();
+    done(s);
+  }
 };
 
 }  // namespace
 
 void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, RegisterCallback done,
-                              const std::vector<std::string>& file_names) {
+                              const std::vector<std::string>& file_names) const {
   auto log = Logger("core");
-  if (absl::Status s = registry::ValidateOpDef(def); !s.ok()) {
+  auto ticket = BeginCompile(quotas_, def.ns);
+  if (!ticket.ok()) return done(ticket.status());
+  // Languages and options as the compiler's backends say (the built-in
+  // rules when there is no compiler).
+  const registry::TargetRules& rules =
+      compiler_ != nullptr ? compiler_->Rules() : registry::BuiltinTargetRules();
+  if (absl::Status s = registry::ValidateOpDef(def, rules); !s.ok()) {
     log->debug("req={} register {}/{}: {}", request_id, def.ns, def.name, s.ToString());
+    ticket->reset();
     return done(s);
   }
   auto reg = std::make_shared<Registration>();
   reg->def = std::move(def);
   reg->rid = request_id;
+  reg->ticket = *std::move(ticket);
   reg->done = std::move(done);
   if (compiler_ != nullptr) {
     for (size_t i = 0; i < reg->def.implementations.size(); ++i) {
@@ -50,16 +69,28 @@ void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, Register
   }
   registry::Registry* registry = registry_;
   compiler::KernelCompiler* kc = compiler_;
+  exec::Executor* executor = executor_;
   // Stores the op once every implementation compiled.
-  auto store = [registry, reg, log]() {
+  auto store = [registry, executor, reg, log]() {
     const registry::OpDef& d = reg->def;
     auto result = registry->Register(d);
     if (!result.ok()) {
       log->warn("req={} register {}/{}: {}", reg->rid, d.ns, d.name, result.status().ToString());
-      return reg->done(result.status());
+      return reg->Fail(result.status());
     }
     log->info("req={} registered {}/{} v{}{}", reg->rid, d.ns, d.name, result->record.version,
               result->created ? "" : " (unchanged)");
+    if (reg->ticket != nullptr) {
+      double seconds = 0;
+      for (const auto& [t, c] : reg->outcome.compiled) seconds += CompileSeconds(c);
+      reg->ticket->Charge(seconds);
+    }
+    reg->ticket.reset();
+    // Registering again, even the identical definition, lifts the op's
+    // quarantine.
+    if (executor != nullptr && executor->LiftQuarantine(d.ns, d.name) > 0) {
+      Logger("rpc")->info("{}/{}: quarantine lifted by its registration", d.ns, d.name);
+    }
     reg->outcome.result = *std::move(result);
     reg->done(std::move(reg->outcome));
   };
@@ -82,7 +113,7 @@ void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, Register
                   absl::StatusCodeToString(outcome.status().code()),
                   why ? absl::StrCat(", ", why->reason) : "", Brief(outcome.status()));
         *next = nullptr;
-        return reg->done(Annotate(
+        return reg->Fail(Annotate(
             outcome.status(), absl::StrCat("op \"", reg->def.ns, "/", reg->def.name, "\" ",
                                            registry::TargetName(target), " implementation: ")));
       }

@@ -12,6 +12,8 @@
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/common/text.h"
+#include "server/core/call_service.h"
+#include "server/core/defaults.h"
 #include "server/autograd/autograd.h"
 #include "server/exec/channels.h"
 #include "server/exec/executor.h"
@@ -196,19 +198,9 @@ absl::Status AddPlacementsAndDeadline(const v1::ForwardRequest& req,
   return absl::OkStatus();
 }
 
-absl::StatusOr<registry::Target> TargetFromProto(const std::string& target) {
-  if (target.empty()) return registry::Target::kCpu;
-  auto t = registry::ParseTarget(target);
-  if (!t) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("target: unknown \"", Excerpt(target), "\" (expected CPU or GPU)"));
-  }
-  return *t;
-}
-
-// The call of a prepared handle: op, version (the one prepared), target,
-// attrs and principal from the handle; tensors and placements from `req`,
-// whose inputs must have the prepared dtypes and shapes.
+// The call of a prepared handle: op, version, target, attrs and principal
+// from the handle (core::CallService::CallFromHandle checks the inputs
+// against it); tensors and placements from `req`.
 absl::StatusOr<exec::ForwardCall> CallFromHandle(const exec::Handle& h,
                                                  const v1::ForwardRequest& req,
                                                  const grpc::CallbackServerContext& ctx) {
@@ -216,31 +208,11 @@ absl::StatusOr<exec::ForwardCall> CallFromHandle(const exec::Handle& h,
     return absl::InvalidArgumentError(
         "a call with a handle takes op, version, target and attrs from it; leave them empty");
   }
-  exec::ForwardCall call = h.call;
-  call.version = h.prepared.record->version;
   auto inputs = InputsFromProto(req.inputs());
   if (!inputs.ok()) return inputs.status();
-  call.inputs = *std::move(inputs);
-  size_t flat = 0;
-  for (size_t i = 0; i < call.inputs.size(); ++i) {
-    for (size_t k = 0; k < call.inputs[i].size(); ++k, ++flat) {
-      const runner::TensorDesc& got = call.inputs[i][k].desc;
-      if (flat >= h.prepared.inputs.size() || !(got == h.prepared.inputs[flat])) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "inputs[", i, "][", k, "] is ", runner::DescString(got), "; handle ", h.id,
-            " was prepared for ",
-            flat < h.prepared.inputs.size() ? runner::DescString(h.prepared.inputs[flat])
-                                            : std::string("fewer inputs"),
-            " (prepare the new shape)"));
-      }
-    }
-  }
-  if (flat != h.prepared.inputs.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("the call passes ", flat, " input tensors; handle ",
-                                                   h.id, " was prepared for ",
-                                                   h.prepared.inputs.size()));
-  }
-  OPJIT_RETURN_IF_ERROR(AddPlacementsAndDeadline(req, ctx, &call));
+  auto call = core::CallService::CallFromHandle(h, *std::move(inputs));
+  if (!call.ok()) return call.status();
+  OPJIT_RETURN_IF_ERROR(AddPlacementsAndDeadline(req, ctx, &*call));
   return call;
 }
 
@@ -252,7 +224,7 @@ absl::StatusOr<exec::ForwardCall> CallFromProto(const v1::ForwardRequest& req,
   call.ns = NamespaceOrDefault(req.namespace_());
   call.op = req.op();
   call.version = req.version();
-  auto target = TargetFromProto(req.target());
+  auto target = core::TargetOrDefault(req.target());
   if (!target.ok()) return target.status();
   call.target = *target;
   auto inputs = InputsFromProto(req.inputs());
@@ -354,15 +326,10 @@ grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* 
                                                    v1::ForwardResponse* resp) {
   const std::string ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
-  if (core_.quotas != nullptr) {
-    if (absl::Status s = core_.quotas->AdmitCall(ns); !s.ok()) return FinishNow(ctx, s);
-  }
+  if (absl::Status s = calls_.Admit(ns); !s.ok()) return FinishNow(ctx, s);
   absl::StatusOr<exec::ForwardCall> call;
   if (req->handle() != 0) {
-    if (core_.handles == nullptr) {
-      return FinishNow(ctx, absl::UnimplementedError("this server has no prepared calls"));
-    }
-    auto h = core_.handles->Get(ns, RegionOwner(caller, req->client_id()), req->handle());
+    auto h = calls_.FindHandle(ns, RegionOwner(caller, req->client_id()), req->handle());
     if (!h.ok()) return FinishNow(ctx, h.status());
     call = CallFromHandle(**h, *req, *ctx);
   } else {
@@ -388,18 +355,8 @@ grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* 
     reactor->Finish(grpc::Status::OK);
   };
   const auto& flags = req->requires_grad();
-  if (std::find(flags.begin(), flags.end(), true) == flags.end()) {
-    // No input requires a grad: a plain forward, no backward context.
-    core_.executor->ForwardAsync(*std::move(call), [answer](absl::StatusOr<exec::ForwardResult> r) {
-      answer(r.status(), r.ok() ? &*r : nullptr, "");
-    });
-    return reactor;
-  }
-  core_.autograd->ForwardAsync(
-      *std::move(call), std::vector<bool>(flags.begin(), flags.end()),
-      [answer](absl::StatusOr<autograd::GradForwardResult> r) {
-        answer(r.status(), r.ok() ? &r->forward : nullptr, r.ok() ? r->context_id : "");
-      });
+  calls_.ForwardAsync(*std::move(call), absl::MakeConstSpan(flags.data(), flags.size()),
+                      std::move(answer));
   return reactor;
 }
 
@@ -409,9 +366,7 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
   autograd::BackwardCall call;
   call.ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
-  if (core_.quotas != nullptr) {
-    if (absl::Status s = core_.quotas->AdmitCall(call.ns); !s.ok()) return FinishNow(ctx, s);
-  }
+  if (absl::Status s = calls_.Admit(call.ns); !s.ok()) return FinishNow(ctx, s);
   call.principal = RegionScope(caller);
   call.context_id = req->context_id();
   for (int j = 0; j < req->grad_outputs_size(); ++j) {
@@ -434,7 +389,7 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
   }
   call.deadline = SteadyDeadline(*ctx);
   auto* reactor = ctx->DefaultReactor();
-  core_.autograd->BackwardAsync(
+  calls_.BackwardAsync(
       std::move(call), [reactor, resp](absl::StatusOr<autograd::BackwardResult> r) {
         if (!r.ok()) {
           reactor->Finish(ToGrpcStatus(r.status()));
@@ -458,7 +413,7 @@ grpc::ServerUnaryReactor* ExecutorService::ReleaseContext(grpc::CallbackServerCo
   const std::string ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
   (void)caller;
-  return FinishNow(ctx, core_.autograd->Release(ns, req->context_id()));
+  return FinishNow(ctx, calls_.ReleaseContext(ns, req->context_id()));
 }
 
 grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext* ctx,
@@ -468,9 +423,7 @@ grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext
   call.deadline = SteadyDeadline(*ctx);
   call.ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
-  if (core_.quotas != nullptr) {
-    if (absl::Status s = core_.quotas->AdmitCall(call.ns); !s.ok()) return FinishNow(ctx, s);
-  }
+  if (absl::Status s = calls_.Admit(call.ns); !s.ok()) return FinishNow(ctx, s);
   call.principal = RegionScope(caller);
   call.op = req->op();
   call.version = req->version();
@@ -482,19 +435,13 @@ grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext
   call.attrs = *std::move(attrs);
   if (req->random_shape_size() > 0) {
     call.random_shape.assign(req->random_shape().begin(), req->random_shape().end());
-    for (int64_t d : call.random_shape) {
-      if (d < 0 || d > 4096) {
-        return FinishNow(ctx, absl::InvalidArgumentError(
-                               "random_shape dims must be in [0, 4096] (gradcheck runs 2 forwards per element)"));
-      }
-    }
   }
   call.seed = req->seed();
   call.eps = req->eps();
   call.atol = req->atol();
   call.rtol = req->rtol();
   auto* reactor = ctx->DefaultReactor();
-  core_.autograd->GradCheckAsync(
+  calls_.GradCheckAsync(
       std::move(call), [reactor, resp](absl::StatusOr<autograd::GradCheckResult> r) {
         if (!r.ok()) {
           Logger("rpc")->debug("GradCheck: {}", r.status().ToString());
@@ -529,43 +476,26 @@ grpc::ServerUnaryReactor* ExecutorService::Prepare(grpc::CallbackServerContext* 
   exec::ForwardCall call;
   call.ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
-  if (core_.handles == nullptr) {
-    return FinishNow(ctx, absl::UnimplementedError("this server has no prepared calls"));
-  }
+  if (absl::Status s = calls_.HandlesAvailable(); !s.ok()) return FinishNow(ctx, s);
   call.op = req->op();
   call.version = req->version();
-  auto target = TargetFromProto(req->target());
+  auto target = core::TargetOrDefault(req->target());
   if (!target.ok()) return FinishNow(ctx, target.status());
   call.target = *target;
   auto inputs = InputsFromProto(req->inputs());
   if (!inputs.ok()) return FinishNow(ctx, inputs.status());
   call.inputs = *std::move(inputs);
-  // Only dtypes and shapes count; data, if any, is ignored.
-  for (auto& group : call.inputs) {
-    for (auto& t : group) {
-      t.in_shm = false;
-      t.region.clear();
-      t.offset = 0;
-      t.inline_bytes = {};
-    }
-  }
   auto attrs = AttrsFromProto(req->attrs());
   if (!attrs.ok()) return FinishNow(ctx, attrs.status());
   call.attrs = *std::move(attrs);
   call.principal = RegionScope(caller);
   call.deadline = SteadyDeadline(*ctx);
-  exec::ForwardCall kept = call;
-  const std::string owner = RegionOwner(caller, req->client_id());
   auto* reactor = ctx->DefaultReactor();
-  CoreRefs core = core_;
-  core_.executor->PrepareAsync(
-      std::move(call), [reactor, resp, core, owner, kept = std::move(kept)](
-                           absl::StatusOr<exec::PreparedCall> p) mutable {
-        if (!p.ok()) return reactor->Finish(ToGrpcStatus(p.status()));
-        const bool fast = p->target == registry::Target::kCpu && core.channels != nullptr &&
-                          core.channels->enabled();
-        const int64_t version = p->record->version;
-        const exec::PreparedCall& prepared = *p;
+  calls_.PrepareAsync(
+      std::move(call), RegionOwner(caller, req->client_id()),
+      [reactor, resp](absl::StatusOr<std::shared_ptr<const exec::Handle>> h) {
+        if (!h.ok()) return reactor->Finish(ToGrpcStatus(h.status()));
+        const exec::PreparedCall& prepared = (*h)->prepared;
         for (size_t i = 0; i < prepared.inputs.size(); ++i) {
           v1::TensorSpec* t = resp->add_inputs();
           t->set_dtype(prepared.inputs[i].dtype);
@@ -578,12 +508,9 @@ grpc::ServerUnaryReactor* ExecutorService::Prepare(grpc::CallbackServerContext* 
           for (int64_t d : prepared.outputs[j].shape) t->add_shape(d);
           t->set_byte_size(prepared.output_bytes[j]);
         }
-        const std::string ns = kept.ns;
-        auto h = core.handles->Add(ns, owner, std::move(kept), *std::move(p), fast);
-        if (!h.ok()) return reactor->Finish(ToGrpcStatus(h.status()));
         resp->set_handle((*h)->id);
-        resp->set_version(version);
-        resp->set_fast(fast);
+        resp->set_version(prepared.record->version);
+        resp->set_fast((*h)->fast);
         reactor->Finish(grpc::Status::OK);
       });
   return reactor;
@@ -594,9 +521,8 @@ grpc::ServerUnaryReactor* ExecutorService::ReleaseHandles(grpc::CallbackServerCo
                                                           v1::ReleaseHandlesResponse* resp) {
   const std::string ns = NamespaceOrDefault(req->namespace_());
   OPJIT_RPC_ADMIT(caller, ns, access::Action::kCall);
-  if (core_.handles == nullptr) return FinishNow(ctx, absl::OkStatus());
   std::vector<uint64_t> ids(req->handles().begin(), req->handles().end());
-  resp->set_released(core_.handles->Release(ns, RegionOwner(caller, req->client_id()), ids));
+  resp->set_released(calls_.ReleaseHandles(ns, RegionOwner(caller, req->client_id()), ids));
   return FinishNow(ctx, absl::OkStatus());
 }
 

@@ -16,7 +16,7 @@
 #include "server/common/text.h"
 #include "server/autograd/autograd.h"
 #include "server/compiler/kernel_compiler.h"
-#include "server/core/op_service.h"
+#include "server/core/defaults.h"
 #include "server/exec/executor.h"
 #include "server/registry/registry.h"
 #include "server/registry/validate.h"
@@ -33,16 +33,6 @@ namespace {
 std::atomic<uint64_t> next_request_id{1};
 
 uint64_t NextRequestId() { return next_request_id.fetch_add(1, std::memory_order_relaxed); }
-
-std::string ShortKey(const std::string& key) { return key.substr(0, 12); }
-
-// The first line of a status, for logs: compile diagnostics quote the
-// client's source, which does not belong in the daemon's log.
-std::string Brief(const absl::Status& s) {
-  std::string text = s.ToString();
-  auto nl = text.find('\n');
-  return nl == std::string::npos ? text : text.substr(0, nl) + " [...]";
-}
 
 void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& target,
                     v1::CompileResponse* resp) {
@@ -71,39 +61,14 @@ grpc::ServerUnaryReactor* RegistryService::RegisterOp(grpc::CallbackServerContex
   if (!def.ok()) return FinishNow(ctx, def.status());
   OPJIT_RPC_ADMIT(caller, def->ns, access::Action::kWrite);
   (void)caller;
-  // Given back before the answer is sent, so the client's next compile finds the slot free.
-  auto ticket = std::make_shared<std::unique_ptr<access::QuotaManager::CompileTicket>>();
-  if (core_.quotas != nullptr) {
-    auto t = core_.quotas->BeginCompile(def->ns);
-    if (!t.ok()) return FinishNow(ctx, t.status());
-    *ticket = *std::move(t);
-  }
   // Clients keep the base name of a source_file they read: diagnostics use it.
   std::vector<std::string> file_names;
   for (const auto& im : req->op().implementations()) file_names.push_back(im.source_file());
   auto* reactor = ctx->DefaultReactor();
-  core::OpService ops(core_.registry, core_.compiler);
   registry::Registry* reg = core_.registry;
-  exec::Executor* executor = core_.executor;
-  ops.RegisterAsync(*std::move(def), NextRequestId(),
-                    [reactor, resp, ticket, reg,
-                     executor](absl::StatusOr<core::RegisterOutcome> outcome) {
-                      if (outcome.ok() && *ticket != nullptr) {
-                        double ms = 0;
-                        for (const auto& [t, c] : outcome->compiled) {
-                          if (c.cache_hit.empty()) ms += c.kernel->compile_ms;
-                        }
-                        (*ticket)->Charge(ms / 1000.0);
-                      }
-                      ticket->reset();
+  ops_.RegisterAsync(*std::move(def), NextRequestId(),
+                    [reactor, resp, reg](absl::StatusOr<core::RegisterOutcome> outcome) {
                       if (!outcome.ok()) return reactor->Finish(ToGrpcStatus(outcome.status()));
-                      // Registering again, even the identical definition,
-                      // lifts the op's quarantine.
-                      const registry::OpDef& done = outcome->result.record.def;
-                      if (executor != nullptr && executor->LiftQuarantine(done.ns, done.name) > 0) {
-                        Logger("rpc")->info("{}/{}: quarantine lifted by its registration",
-                                            done.ns, done.name);
-                      }
                       for (const auto& [target, compiled] : outcome->compiled) {
                         OutcomeToProto(compiled, registry::TargetName(target),
                                        resp->add_compiled());
@@ -192,15 +157,12 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   OPJIT_RPC_ADMIT(caller, ns, access::Action::kWrite);
   (void)caller;
   compiler::CompileJob job;
-  const std::string target_name = req->target().empty() ? "CPU" : req->target();
-  auto target = registry::ParseTarget(target_name);
-  if (!target) {
-    return FinishNow(ctx, absl::InvalidArgumentError(absl::StrCat(
-                              "target: unknown \"", Excerpt(target_name),
-                              "\" (expected CPU or GPU)")));
-  }
+  auto target = core::TargetOrDefault(req->target());
+  if (!target.ok()) return FinishNow(ctx, target.status());
+  // The answer names the target as the request did ("CPU" when it named none).
+  std::string target_name = req->target().empty() ? registry::TargetName(*target) : req->target();
   job.target = *target;
-  job.language = req->language().empty() ? "c++" : req->language();
+  job.language = core::LanguageOrDefault(req->language(), job.target);
   job.source = req->source();
   job.file_name = req->file_name();
   job.entry = req->entry();
@@ -210,44 +172,15 @@ grpc::ServerUnaryReactor* CompilerService::Compile(grpc::CallbackServerContext* 
   job.archs.assign(req->archs().begin(), req->archs().end());
   job.aot_shared_object = req->aot_shared_object();
   job.ns = ns;
-  if (req->language().empty() && job.target == registry::Target::kGpu) job.language = "cuda";
-  // Options of a bare compile get the same checks as a registered op's.
-  if (absl::Status s = registry::ValidateCompileOptions(*target, job.language, job.options,
-                                                        "compile_options");
-      !s.ok()) {
-    return FinishNow(ctx, s);
-  }
-  if (job.source.empty()) {
-    return FinishNow(ctx, absl::InvalidArgumentError("source: empty; send the kernel's text"));
-  }
-  auto ticket = std::make_shared<std::unique_ptr<access::QuotaManager::CompileTicket>>();
-  if (core_.quotas != nullptr) {
-    auto t = core_.quotas->BeginCompile(ns);
-    if (!t.ok()) return FinishNow(ctx, t.status());
-    *ticket = *std::move(t);
-  }
+  // Errors found before the compile (an option, the source, the quota) come
+  // back on this thread; the default reactor finishes the same from here.
   auto* reactor = ctx->DefaultReactor();
-  const uint64_t rid = NextRequestId();
-  core_.compiler->CompileAsync(
-      std::move(job),
-      [reactor, resp, target_name, rid, ticket, ns](absl::StatusOr<compiler::CompileOutcome> outcome) {
-        if (outcome.ok() && *ticket != nullptr) {
-          (*ticket)->Charge(outcome->cache_hit.empty() ? outcome->kernel->compile_ms / 1000.0 : 0);
-        }
-        ticket->reset();
-        if (!outcome.ok()) {
-          // Every failed compile is logged (its diagnostics go to the client).
-          const auto why = GetReason(outcome.status());
-          Logger("rpc")->info("req={} compile in {} failed ({}{}): {}", rid, ns,
-                              absl::StatusCodeToString(outcome.status().code()),
-                              why ? absl::StrCat(", ", why->reason) : "", Brief(outcome.status()));
-          reactor->Finish(ToGrpcStatus(outcome.status()));
-          return;
-        }
+  compiles_.CompileAsync(
+      std::move(job), NextRequestId(),
+      [reactor, resp, target_name = std::move(target_name)](
+          absl::StatusOr<compiler::CompileOutcome> outcome) {
+        if (!outcome.ok()) return reactor->Finish(ToGrpcStatus(outcome.status()));
         OutcomeToProto(*outcome, target_name, resp);
-        Logger("rpc")->debug("req={} Compile key={} hit={} {:.2f} ms", rid,
-                             ShortKey(outcome->kernel->cache_key), outcome->cache_hit,
-                             outcome->total_ms);
         reactor->Finish(grpc::Status::OK);
       });
   return reactor;

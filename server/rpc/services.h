@@ -1,7 +1,9 @@
 // gRPC services of opjitd (callback API). Each handler converts the request to
-// domain types, calls the core, converts the result, and maps absl::Status to
-// a gRPC status once, at this edge. Handlers never block on a compile: those
-// run on the compiler's pool and finish the reactor from there.
+// domain types, calls the core (the use cases in server/core: OpService,
+// CompileService, CallService; they hold the policy: quotas, defaults, the
+// routing of a call), converts the result, and maps absl::Status to a gRPC
+// status once, at this edge. Handlers never block on a compile: those run on
+// the compiler's pool and finish the reactor from there.
 //
 // Thread-safety: services are stateless beyond pointers to thread-safe core
 // objects, which must outlive the server.
@@ -18,6 +20,9 @@
 #include "opjit/v1/memory.grpc.pb.h"
 #include "opjit/v1/registry.grpc.pb.h"
 #include "opjit/v1/server.grpc.pb.h"
+#include "server/core/call_service.h"
+#include "server/core/compile_service.h"
+#include "server/core/op_service.h"
 
 namespace opjit {
 namespace registry {
@@ -76,7 +81,8 @@ struct ServerFacts {
 
 class RegistryService final : public v1::Registry::CallbackService {
  public:
-  explicit RegistryService(CoreRefs core) : core_(core) {}
+  explicit RegistryService(CoreRefs core)
+      : core_(core), ops_(core.registry, core.compiler, core.quotas, core.executor) {}
   grpc::ServerUnaryReactor* RegisterOp(grpc::CallbackServerContext* ctx,
                                        const v1::RegisterOpRequest* req,
                                        v1::RegisterOpResponse* resp) override;
@@ -94,11 +100,13 @@ class RegistryService final : public v1::Registry::CallbackService {
 
  private:
   CoreRefs core_;
+  const core::OpService ops_;
 };
 
 class CompilerService final : public v1::Compiler::CallbackService {
  public:
-  explicit CompilerService(CoreRefs core) : core_(core) {}
+  explicit CompilerService(CoreRefs core)
+      : core_(core), compiles_(core.compiler, core.quotas) {}
   grpc::ServerUnaryReactor* Compile(grpc::CallbackServerContext* ctx, const v1::CompileRequest* req,
                                     v1::CompileResponse* resp) override;
   grpc::ServerUnaryReactor* GetCacheStats(grpc::CallbackServerContext* ctx,
@@ -110,6 +118,7 @@ class CompilerService final : public v1::Compiler::CallbackService {
 
  private:
   CoreRefs core_;
+  const core::CompileService compiles_;
 };
 
 class MemoryService final : public v1::Memory::CallbackService {
@@ -140,7 +149,9 @@ class MemoryService final : public v1::Memory::CallbackService {
 
 class ExecutorService final : public v1::Executor::CallbackService {
  public:
-  explicit ExecutorService(CoreRefs core) : core_(core) {}
+  explicit ExecutorService(CoreRefs core)
+      : core_(core),
+        calls_(core.executor, core.autograd, core.handles, core.channels, core.quotas) {}
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
                                     v1::ForwardResponse* resp) override;
   grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* ctx,
@@ -164,6 +175,7 @@ class ExecutorService final : public v1::Executor::CallbackService {
 
  private:
   CoreRefs core_;
+  const core::CallService calls_;
 };
 
 class ServerService final : public v1::Server::CallbackService {
