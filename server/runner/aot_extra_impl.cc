@@ -38,7 +38,7 @@ AotExtraImpl::AotExtraImpl(std::map<std::string, AttrValue> attrs) : attrs_(std:
 AotExtraImpl::~AotExtraImpl() = default;
 
 std::vector<std::string> AotExtraImpl::TakeErrors() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return std::exchange(errors_, {});
 }
 
@@ -51,7 +51,7 @@ absl::Status AotExtraImpl::TakeStatus(const std::string& what) {
 const AttrValue* AotExtraImpl::Lookup(const std::string& name, const char* as) const {
   auto it = attrs_.find(name);
   if (it != attrs_.end()) return &it->second;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   errors_.push_back(absl::StrCat("kernel read attr '", name, "' as ", as,
                                  " but the op instance has no such attr"));
   return nullptr;
@@ -59,7 +59,7 @@ const AttrValue* AotExtraImpl::Lookup(const std::string& name, const char* as) c
 
 void AotExtraImpl::RecordMismatch(const std::string& name, const char* as,
                                   const AttrValue& v) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   errors_.push_back(
       absl::StrCat("kernel read attr '", name, "' as ", as, " but it is ", AttrValueTypeName(v)));
 }

@@ -3,12 +3,12 @@
 #pragma once
 
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "custom_aot_extra.h"
+#include "server/common/mutex.h"
 #include "server/registry/op_def.h"
 
 namespace opjit::runner {
@@ -60,8 +60,8 @@ class AotExtraImpl final : public AotExtra {
   void RecordMismatch(const std::string& name, const char* as, const registry::AttrValue& v) const;
 
   const std::map<std::string, registry::AttrValue> attrs_;
-  mutable std::mutex mu_;
-  mutable std::vector<std::string> errors_;  // GUARDED_BY(mu_)
+  mutable Mutex mu_;
+  mutable std::vector<std::string> errors_ ABSL_GUARDED_BY(mu_);
 };
 
 // The registry's name of the type an AttrValue holds ("int", "listFloat", ...).

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -160,7 +161,7 @@ absl::StatusOr<std::unique_ptr<AotKernelInstance>> AotKernelInstance::Create(
   instance->infer_shape_ = instance->kernel_->FindAs<InferShapeFn>(entry + "InferShape");
 
   if (!outputs.empty()) {
-    std::lock_guard<std::mutex> call_lock(instance->call_mu_);
+    MutexLock call_lock(&instance->call_mu_);
     OPJIT_RETURN_IF_ERROR(instance->RunInitLocked(outputs));
   }
   return instance;
@@ -181,7 +182,7 @@ absl::Status AotKernelInstance::RunInitLocked(const std::vector<TensorDesc>& out
     }
   }
   {
-    std::lock_guard<std::mutex> lock(state_mu_);
+    MutexLock lock(&state_mu_);
     init_status_ = status;
     outputs_ = outputs;
     workspace_ = extra_.WorkSpace();
@@ -197,7 +198,7 @@ const std::vector<TensorDesc>& AotKernelInstance::outputs() const {
 }
 
 std::vector<size_t> AotKernelInstance::workspace_sizes() const {
-  std::lock_guard<std::mutex> lock(state_mu_);
+  MutexLock lock(&state_mu_);
   return workspace_;
 }
 
@@ -206,7 +207,7 @@ absl::StatusOr<std::vector<int64_t>> AotKernelInstance::InferShape() const {
     return absl::FailedPreconditionError(
         absl::StrCat("kernel ", entry_, " defines no ", entry_, "InferShape"));
   }
-  std::lock_guard<std::mutex> call_lock(call_mu_);
+  MutexLock call_lock(&call_mu_);
   CallArgs args(CallArgs::Dims(inputs_));
   args.AddAll(inputs_);
   std::vector<int64_t> shape;
@@ -230,7 +231,7 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
 
   // Deferred Init: the first Run brings the outputs.
   if (!init_done_.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> call_lock(call_mu_);
+    MutexLock call_lock(&call_mu_);
     if (!init_done_.load(std::memory_order_acquire)) {
       std::vector<TensorDesc> descs;
       for (const HostTensor& t : outputs) descs.push_back(t.desc);
@@ -292,8 +293,10 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
     args.Add(p, "uint8", &dim, 1);
   }
 
-  std::unique_lock<std::mutex> call_lock(call_mu_, std::defer_lock);
-  if (options_.serialize_runs) call_lock.lock();
+  // Held for the call only when serialize_runs; the analysis does not follow
+  // a lock taken on one path only, and nothing it guards is read below.
+  std::optional<MutexLock> call_lock;
+  if (options_.serialize_runs) call_lock.emplace(&call_mu_);
   int rc = 0;
   void* extra = static_cast<AotExtra*>(&extra_);
   OPJIT_RETURN_IF_ERROR(CatchKernelExceptions(what_, [&] {

@@ -6,13 +6,13 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "absl/status/statusor.h"
+#include "server/common/mutex.h"
 #include "server/runner/aot_extra_impl.h"
 #include "server/loader/loader.h"
 #include "server/registry/op_def.h"
@@ -109,7 +109,8 @@ class AotKernelInstance {
                     std::map<std::string, registry::AttrValue> attrs, AotKernelOptions options);
 
   // Runs Init with inputs_ + `outputs`; sets init_done_ and init_status_.
-  absl::Status RunInitLocked(const std::vector<TensorDesc>& outputs) const;
+  absl::Status RunInitLocked(const std::vector<TensorDesc>& outputs) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
 
   // Declared first: destroyed last, after extra_ dropped the kernel data.
   const std::shared_ptr<const loader::LoadedKernel> kernel_;
@@ -124,12 +125,13 @@ class AotKernelInstance {
   mutable AotExtraImpl extra_;
 
   // Held around Init and InferShape, and around Run when serialize_runs.
-  mutable std::mutex call_mu_;
+  mutable Mutex call_mu_;
   // Set (release) once Init ran or was found absent; the fields below are
   // written under state_mu_ before it is set, and never change after, so
-  // readers that saw it set (acquire) read them without the lock.
+  // readers that saw it set (acquire) read them without the lock (hence no
+  // ABSL_GUARDED_BY: the analysis cannot see that publication).
   mutable std::atomic<bool> init_done_{false};
-  mutable std::mutex state_mu_;
+  mutable Mutex state_mu_;
   mutable absl::Status init_status_;
   mutable std::vector<TensorDesc> outputs_;
   mutable std::vector<size_t> workspace_;

@@ -39,7 +39,7 @@ absl::Status GpuRunner::Available() { return DefaultDevice().status(); }
 
 absl::StatusOr<std::shared_ptr<gpu::Module>> GpuRunner::ModuleFor(
     const compiler::CompiledKernel& kernel) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = modules_.find(kernel.cache_key);
   if (it != modules_.end()) return it->second;
   OPJIT_ASSIGN_OR_RETURN(gpu::Device * device, DefaultDevice());
@@ -60,7 +60,7 @@ absl::StatusOr<std::shared_ptr<gpu::Module>> GpuRunner::ModuleFor(
 }
 
 absl::StatusOr<void*> GpuRunner::SharedObjectFor(const compiler::CompiledKernel& kernel) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = shared_objects_.find(kernel.cache_key);
   if (it != shared_objects_.end()) return it->second;
   std::error_code ec;

@@ -12,12 +12,12 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "server/common/mutex.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/runner/aot_kernel.h"
 #include "server/registry/op_def.h"
@@ -51,9 +51,9 @@ class GpuRunner {
   absl::StatusOr<void*> SharedObjectFor(const compiler::CompiledKernel& kernel);
 
   const std::string scratch_dir_;
-  std::mutex mu_;
-  std::map<std::string, std::shared_ptr<gpu::Module>> modules_;  // GUARDED_BY(mu_), by cache key
-  std::map<std::string, void*> shared_objects_;                 // GUARDED_BY(mu_), dlopen handles
+  Mutex mu_;
+  std::map<std::string, std::shared_ptr<gpu::Module>> modules_ ABSL_GUARDED_BY(mu_);  // by cache key
+  std::map<std::string, void*> shared_objects_ ABSL_GUARDED_BY(mu_);  // dlopen handles
 };
 
 }  // namespace opjit::runner

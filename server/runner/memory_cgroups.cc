@@ -115,7 +115,7 @@ std::unique_ptr<MemoryCgroups> MemoryCgroups::Open(const std::string& tag, uint6
 }
 
 MemoryCgroups::~MemoryCgroups() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // Empty once their executors are gone; one still ending stays, and the
   // next daemon on this state dir removes it.
   for (const auto& [ns, path] : made_) ::rmdir(path.c_str());
@@ -129,7 +129,7 @@ std::string MemoryCgroups::PathOf(const std::string& ns) const {
 absl::Status MemoryCgroups::Place(const std::string& ns, pid_t pid) {
   std::string path;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = made_.find(ns);
     if (it == made_.end()) {
       path = PathOf(ns);
@@ -169,7 +169,7 @@ bool MemoryCgroups::CapTasks(uint64_t tasks) {
       !WriteText(dir_ + "/cgroup.subtree_control", "+pids").ok()) {
     return false;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   tasks_ = tasks;
   return true;
 }
@@ -177,7 +177,7 @@ bool MemoryCgroups::CapTasks(uint64_t tasks) {
 uint64_t MemoryCgroups::OomKills(const std::string& ns) {
   std::string path;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = made_.find(ns);
     if (it == made_.end()) return 0;
     path = it->second;

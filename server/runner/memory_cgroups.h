@@ -29,10 +29,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
+#include "server/common/mutex.h"
 
 namespace opjit::runner {
 
@@ -70,9 +70,9 @@ class MemoryCgroups {
 
   const std::string mode_, dir_;
   const uint64_t bytes_;
-  uint64_t tasks_ = 0;  // pids.max per namespace (cgroup v2 only); 0: none
-  std::mutex mu_;
-  std::map<std::string, std::string> made_;  // ns -> cgroup dir; guarded by mu_
+  Mutex mu_;
+  uint64_t tasks_ ABSL_GUARDED_BY(mu_) = 0;  // pids.max per namespace (cgroup v2 only); 0: none
+  std::map<std::string, std::string> made_ ABSL_GUARDED_BY(mu_);  // ns -> cgroup dir
 };
 
 }  // namespace opjit::runner

@@ -14,7 +14,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -28,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
+#include "server/common/mutex.h"
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
 #include "server/common/subprocess.h"
@@ -135,10 +135,10 @@ struct Worker {
 };
 
 struct Pool {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::unique_ptr<Worker>> idle;  // guarded by mu
-  int live = 0;                              // guarded by mu: idle + busy + starting
+  Mutex mu;
+  CondVar cv;
+  std::deque<std::unique_ptr<Worker>> idle ABSL_GUARDED_BY(mu);
+  int live ABSL_GUARDED_BY(mu) = 0;  // idle + busy + starting
 };
 
 // What a worker said to a control request or a call.
@@ -159,17 +159,17 @@ absl::Status StatusOf(const Reply& r) {
 
 struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   ProcessRunnerOptions options;
-  std::mutex mu;
-  std::map<std::string, std::unique_ptr<Pool>> pools;  // by namespace; guarded by mu
+  Mutex mu;
+  std::map<std::string, std::unique_ptr<Pool>> pools ABSL_GUARDED_BY(mu);  // by namespace
   // With options.uid_first: each namespace's uid, taken on its first
-  // worker (the lowest free), never given back. Guarded by mu.
-  std::map<std::string, uint32_t> ns_uids;
+  // worker (the lowest free), never given back.
+  std::map<std::string, uint32_t> ns_uids ABSL_GUARDED_BY(mu);
 
   // The uid (and gid) of `ns`'s workers; RESOURCE_EXHAUSTED when every uid
   // of the range is taken. With no range: options.uid/gid.
   absl::StatusOr<std::pair<int64_t, int64_t>> IdsFor(const std::string& ns) {
     if (options.uid_first == 0) return std::pair<int64_t, int64_t>{options.uid, options.gid};
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     auto it = ns_uids.find(ns);
     if (it == ns_uids.end()) {
       // Never given back, so the lowest free is the next one.
@@ -187,10 +187,10 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
                             : int64_t{options.gid_first} + (it->second - options.uid_first);
     return std::pair<int64_t, int64_t>{it->second, gid};
   }
-  std::map<std::string, int> crash_streak;             // by quarantine key; guarded by mu
+  std::map<std::string, int> crash_streak ABSL_GUARDED_BY(mu);  // by quarantine key
   // Each namespace's memory cap over all of its executors; null: none.
   std::unique_ptr<MemoryCgroups> cgroups;
-  std::map<std::string, uint64_t> oom_kills_seen;      // by namespace; guarded by mu
+  std::map<std::string, uint64_t> oom_kills_seen ABSL_GUARDED_BY(mu);  // by namespace
   std::atomic<uint64_t> next_instance_id{1};
   // Where workers without namespaces get their scratch directories: this
   // runner's own directory under options.host.scratch_dir (never anything
@@ -200,7 +200,7 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   std::atomic<uint64_t> started{0}, crashes{0}, timeouts{0}, quarantined{0}, live{0};
 
   Pool* PoolFor(const std::string& ns) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     auto& p = pools[ns];
     if (!p) p = std::make_unique<Pool>();
     return p.get();
@@ -211,6 +211,14 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   absl::StatusOr<std::unique_ptr<Worker>> Spawn(const std::string& ns,
                                                 const tensor::Region* channel = nullptr,
                                                 int64_t channel_spin_us = 0);
+  // Spawn's parts: the worker's arena, and how its process is started.
+  absl::Status MapArena(Worker& w);
+  subprocess::SpawnOptions ExecutorSpawnOptions(const std::string& ns,
+                                                const tensor::Region* channel,
+                                                int64_t channel_spin_us,
+                                                const std::string& scratch, int64_t uid,
+                                                int64_t gid, bool isolated, bool userns,
+                                                bool own_pids, int child_sock, int arena_fd) const;
   // How a worker that stopped answering ended, as the status of the call it
   // ran (ABORTED or RESOURCE_EXHAUSTED, reason KERNEL_CRASHED); reaps it.
   absl::Status DeathStatus(Worker& w, const absl::Status& s, const std::string& label,
@@ -242,7 +250,7 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   absl::StatusOr<Reply> Call(Worker& w, Clock::time_point deadline, int64_t spin_us);
 
   absl::Status QuarantineCheck(const std::string& key, const std::string& label) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     auto it = crash_streak.find(key);
     if (it == crash_streak.end() || it->second < options.quarantine_after) return absl::OkStatus();
     return WithReason(absl::FailedPreconditionError(absl::StrCat(
@@ -252,7 +260,7 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
                       reason::kKernelQuarantined);
   }
   void NoteCrash(const std::string& key, const std::string& label, const std::string& ns) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     if (++crash_streak[key] == options.quarantine_after) {
       quarantined.fetch_add(1);
       Logger("runner")->warn("{} (namespace {}): quarantined after {} crashes in a row", label, ns,
@@ -263,7 +271,7 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   // every namespace that calls it; how many kernels were quarantined.
   int LiftQuarantine(const std::string& op) {
     const std::string prefix = absl::StrCat("\x1f", op, " v");
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     int lifted = 0;
     for (auto it = crash_streak.begin(); it != crash_streak.end();) {
       const size_t at = it->first.find('\x1f');
@@ -277,85 +285,42 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
     return lifted;
   }
   void NoteSuccess(const std::string& key) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     crash_streak.erase(key);
   }
 };
 
-absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::string& ns,
-                                                                   const tensor::Region* channel,
-                                                                   int64_t channel_spin_us) {
-  auto w = std::make_unique<Worker>();
-  int sv[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-    return absl::UnavailableError(absl::StrCat("socketpair: ", std::strerror(errno)));
-  }
-  w->sock = sv[0];
-  const int child_sock = sv[1];
-  w->arena_fd = ::memfd_create("opjit-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (w->arena_fd < 0) {
-    ::close(child_sock);
+// Its arena: a sealed memfd of the slot and options.arena_bytes, mapped.
+absl::Status ProcessRunner::Impl::MapArena(Worker& w) {
+  w.arena_fd = ::memfd_create("opjit-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (w.arena_fd < 0) {
     return absl::UnavailableError(absl::StrCat("memfd_create: ", std::strerror(errno)));
   }
-  w->map_bytes = wire::kSlotBytes + options.arena_bytes;
+  w.map_bytes = wire::kSlotBytes + options.arena_bytes;
   // Sealed: the worker (and any kernel in it) can neither shrink nor grow
   // it, so the daemon's reads of it never fault.
-  if (::ftruncate(w->arena_fd, static_cast<off_t>(w->map_bytes)) != 0 ||
-      ::fcntl(w->arena_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    ::close(child_sock);
+  if (::ftruncate(w.arena_fd, static_cast<off_t>(w.map_bytes)) != 0 ||
+      ::fcntl(w.arena_fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     return absl::UnavailableError(absl::StrCat("arena: ", std::strerror(errno)));
   }
-  w->map = ::mmap(nullptr, w->map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, w->arena_fd, 0);
-  if (w->map == MAP_FAILED) {
-    w->map = nullptr;
-    ::close(child_sock);
+  w.map = ::mmap(nullptr, w.map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, w.arena_fd, 0);
+  if (w.map == MAP_FAILED) {
+    w.map = nullptr;
     return absl::ResourceExhaustedError(absl::StrCat("arena mmap: ", std::strerror(errno)));
   }
-  w->slot = static_cast<wire::SlotHeader*>(w->map);
-  new (w->slot) wire::SlotHeader();
-  w->data = static_cast<char*>(w->map) + wire::kSlotBytes;
-  w->data_bytes = options.arena_bytes;
+  w.slot = static_cast<wire::SlotHeader*>(w.map);
+  new (w.slot) wire::SlotHeader();
+  w.data = static_cast<char*>(w.map) + wire::kSlotBytes;
+  w.data_bytes = options.arena_bytes;
+  return absl::OkStatus();
+}
 
-  // Who it runs as: its namespace's own uid (a root daemon with a range),
-  // else options.uid/gid.
-  absl::StatusOr<std::pair<int64_t, int64_t>> ids = IdsFor(ns);
-  if (!ids.ok()) {
-    ::close(child_sock);
-    return ids.status();
-  }
-  const auto [uid, gid] = *ids;
-  // The only directory a worker may write (aot GPU objects are written
-  // there to be loaded): one per namespace, so no kernel can plant a file
-  // another namespace's executor would load.
-  // Its scratch space. With namespaces: a private tmpfs over its own
-  // /dev/shm (mounted by the worker in its mount namespace; nothing on the
-  // host). Not /tmp: that would hide what the executor reads there (a
-  // driver or an allowed library under /tmp); /dev/shm it never reads.
-  // Without: a host directory of its own under its namespace's, removed
-  // when it is reaped. A PID namespace needs root; the others need root or
-  // unprivileged user namespaces.
-  std::string scratch;
-  const bool isolated = options.private_namespaces && subprocess::PrivateNamespaces();
-  // Without root: a user namespace of its own, made by the spawn, whose
-  // uid 0 is the namespace's subordinate uid (or the daemon's own uid,
-  // without subordinate ids), and a PID namespace that one owns.
-  const bool userns = isolated && ::geteuid() != 0 && subprocess::UserNamespaces();
-  const bool own_pids = isolated && (userns || subprocess::PidNamespaces());
-  if (isolated) {
-    scratch = "/dev/shm";
-  } else if (!options.host.scratch_dir.empty()) {
-    scratch = absl::StrCat(scratch_root, "/", Sha256Hex(ns).substr(0, 16), "/e",
-                           scratch_serial.fetch_add(1));
-    std::error_code ec;
-    std::filesystem::create_directories(scratch, ec);
-    // Only the executors' user may use it.
-    if (!ec && uid >= 0 &&
-        ::chown(scratch.c_str(), static_cast<uid_t>(uid),
-                static_cast<gid_t>(gid >= 0 ? gid : uid)) != 0) {
-      scratch.clear();  // no scratch dir: aot GPU objects cannot load, nothing else breaks
-    }
-    if (!scratch.empty()) ::chmod(scratch.c_str(), 0700);
-  }
+// How an executor of `ns` is started: its flags, environment and
+// descriptors (`child_sock` on 3, `arena_fd` on 4, the channel's on 5).
+subprocess::SpawnOptions ProcessRunner::Impl::ExecutorSpawnOptions(
+    const std::string& ns, const tensor::Region* channel, int64_t channel_spin_us,
+    const std::string& scratch, int64_t uid, int64_t gid, bool isolated, bool userns,
+    bool own_pids, int child_sock, int arena_fd) const {
   std::vector<std::string> args = {
       subprocess::kParentPidFlag, std::to_string(::getpid()),
       "--arena-bytes", std::to_string(options.arena_bytes),
@@ -410,7 +375,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   spawn.path = options.worker_path;
   spawn.args = std::move(args);
   spawn.env = std::move(env);
-  spawn.fds = {{2, 2}, {3, child_sock}, {4, w->arena_fd}};
+  spawn.fds = {{2, 2}, {3, child_sock}, {4, arena_fd}};
   if (channel != nullptr) spawn.fds.push_back({5, channel->fd()});
   spawn.tag_instance = true;
   spawn.new_pid_namespace = own_pids;
@@ -419,6 +384,67 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
         static_cast<uint32_t>(uid >= 0 ? uid : ::geteuid()),
         static_cast<uint32_t>(gid >= 0 ? gid : ::getegid())};
   }
+  return spawn;
+}
+
+absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::string& ns,
+                                                                   const tensor::Region* channel,
+                                                                   int64_t channel_spin_us) {
+  auto w = std::make_unique<Worker>();
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    return absl::UnavailableError(absl::StrCat("socketpair: ", std::strerror(errno)));
+  }
+  w->sock = sv[0];
+  const int child_sock = sv[1];
+  if (absl::Status arena = MapArena(*w); !arena.ok()) {
+    ::close(child_sock);
+    return arena;
+  }
+
+  // Who it runs as: its namespace's own uid (a root daemon with a range),
+  // else options.uid/gid.
+  absl::StatusOr<std::pair<int64_t, int64_t>> ids = IdsFor(ns);
+  if (!ids.ok()) {
+    ::close(child_sock);
+    return ids.status();
+  }
+  const auto [uid, gid] = *ids;
+  // The only directory a worker may write (aot GPU objects are written
+  // there to be loaded): one per namespace, so no kernel can plant a file
+  // another namespace's executor would load.
+  // Its scratch space. With namespaces: a private tmpfs over its own
+  // /dev/shm (mounted by the worker in its mount namespace; nothing on the
+  // host). Not /tmp: that would hide what the executor reads there (a
+  // driver or an allowed library under /tmp); /dev/shm it never reads.
+  // Without: a host directory of its own under its namespace's, removed
+  // when it is reaped. A PID namespace needs root; the others need root or
+  // unprivileged user namespaces.
+  std::string scratch;
+  const bool isolated = options.private_namespaces && subprocess::PrivateNamespaces();
+  // Without root: a user namespace of its own, made by the spawn, whose
+  // uid 0 is the namespace's subordinate uid (or the daemon's own uid,
+  // without subordinate ids), and a PID namespace that one owns.
+  const bool userns = isolated && ::geteuid() != 0 && subprocess::UserNamespaces();
+  const bool own_pids = isolated && (userns || subprocess::PidNamespaces());
+  if (isolated) {
+    scratch = "/dev/shm";
+  } else if (!options.host.scratch_dir.empty()) {
+    scratch = absl::StrCat(scratch_root, "/", Sha256Hex(ns).substr(0, 16), "/e",
+                           scratch_serial.fetch_add(1));
+    std::error_code ec;
+    std::filesystem::create_directories(scratch, ec);
+    // Only the executors' user may use it.
+    if (!ec && uid >= 0 &&
+        ::chown(scratch.c_str(), static_cast<uid_t>(uid),
+                static_cast<gid_t>(gid >= 0 ? gid : uid)) != 0) {
+      scratch.clear();  // no scratch dir: aot GPU objects cannot load, nothing else breaks
+    }
+    if (!scratch.empty()) ::chmod(scratch.c_str(), 0700);
+  }
+  subprocess::SpawnOptions spawn = ExecutorSpawnOptions(ns, channel, channel_spin_us, scratch, uid,
+                                                        gid, isolated, userns, own_pids,
+                                                        child_sock, w->arena_fd);
   absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
   ::close(child_sock);
   if (!isolated) w->scratch = scratch;
@@ -467,18 +493,18 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Acquire(const std::
                                                                      Clock::time_point deadline,
                                                                      bool fresh) {
   Pool* pool = PoolFor(ns);
-  std::unique_lock<std::mutex> lock(pool->mu);
+  MutexLock lock(&pool->mu);
   for (;;) {
     if (fresh && !pool->idle.empty() && pool->live >= options.workers_per_namespace) {
       // Room for a new one: the least recently used idle worker goes.
       std::unique_ptr<Worker> old = std::move(pool->idle.front());
       pool->idle.pop_front();
       --pool->live;
-      lock.unlock();
+      lock.Unlock();
       old->Reap(/*kill=*/true);
       live.fetch_sub(1);
       old.reset();
-      lock.lock();
+      lock.Lock();
       continue;
     }
     if (!fresh && !pool->idle.empty()) {
@@ -488,16 +514,17 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Acquire(const std::
     }
     if (pool->live < options.workers_per_namespace) {
       ++pool->live;
-      lock.unlock();
+      lock.Unlock();
       auto w = Spawn(ns);
       if (!w.ok()) {
-        lock.lock();
+        lock.Lock();
         --pool->live;
-        pool->cv.notify_one();
+        pool->cv.Signal();
+        return w;
       }
       return w;
     }
-    if (pool->cv.wait_until(lock, deadline) == std::cv_status::timeout && pool->idle.empty()) {
+    if (!pool->cv.WaitUntil(&pool->mu, deadline) && pool->idle.empty()) {
       return absl::DeadlineExceededError(absl::StrCat(
           "all ", options.workers_per_namespace, " executor processes of namespace \"", ns,
           "\" stayed busy until the deadline"));
@@ -520,9 +547,9 @@ void ProcessRunner::Impl::Release(const std::string& ns, std::unique_ptr<Worker>
   }
   Pool* pool = PoolFor(ns);
   w->last_used = Clock::now();
-  std::lock_guard<std::mutex> lock(pool->mu);
+  MutexLock lock(&pool->mu);
   pool->idle.push_back(std::move(w));
-  pool->cv.notify_one();
+  pool->cv.Signal();
 }
 
 void ProcessRunner::Impl::Discard(const std::string& ns, std::unique_ptr<Worker>& w, bool kill) {
@@ -530,9 +557,9 @@ void ProcessRunner::Impl::Discard(const std::string& ns, std::unique_ptr<Worker>
   w.reset();
   live.fetch_sub(1);
   Pool* pool = PoolFor(ns);
-  std::lock_guard<std::mutex> lock(pool->mu);
+  MutexLock lock(&pool->mu);
   --pool->live;
-  pool->cv.notify_one();
+  pool->cv.Signal();
 }
 
 absl::StatusOr<Reply> ProcessRunner::Impl::Control(Worker& w, wire::Msg type,
@@ -656,7 +683,7 @@ absl::Status ProcessRunner::Impl::DeathStatus(Worker& w, const absl::Status& s,
       const uint64_t kills = cgroups->OomKills(ns);
       bool cap = false;
       {
-        std::lock_guard<std::mutex> lock(mu);
+        MutexLock lock(&mu);
         uint64_t& seen = oom_kills_seen[ns];
         cap = kills > seen;
         seen = kills;
@@ -733,7 +760,7 @@ class RemoteInstance : public KernelInstance {
                                     bool fresh, bool* retry);
   // The instance's spec as a worker needs it now (outputs once known).
   std::string EncodedSpec() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return wire::EncodeInstance(id_, spec_);
   }
   absl::Status Failure(Worker& w, const absl::Status& s, bool timed_out,
@@ -745,8 +772,10 @@ class RemoteInstance : public KernelInstance {
   std::optional<absl::Status> ClientMemoryFault(const RunArgs* args) const;
 
   const std::shared_ptr<ProcessRunner::Impl> runner_;
-  std::mutex mu_;
-  InstanceSpec spec_;  // outputs guarded by mu_ once set
+  Mutex mu_;
+  // Its outputs are filled in under mu_ once (the rest never changes); no
+  // ABSL_GUARDED_BY, as the analysis cannot guard one field of a member.
+  InstanceSpec spec_;
   const uint64_t id_;
   const std::string quarantine_key_;
   std::atomic<double> ewma_us_{0};  // recent kernel time, for the spin budget
@@ -939,7 +968,7 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
   {
     // Outputs are fixed per instance: the first run tells workers that
     // create the instance later (Init then runs with them).
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (spec_.outputs.empty() && !args.outputs.empty()) {
       for (const TensorLoc& t : args.outputs) spec_.outputs.push_back(t.desc);
     }
@@ -1073,7 +1102,7 @@ class ChannelImpl : public Channel {
     w_->slot->region_epoch.fetch_add(1, std::memory_order_acq_rel);
   }
   void Close() override {
-    std::lock_guard<std::mutex> lock(close_mu_);
+    MutexLock lock(&close_mu_);
     if (closed_) return;
     closed_ = true;
     stop_.store(true);
@@ -1132,8 +1161,8 @@ class ChannelImpl : public Channel {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> alive_{true};
-  std::mutex close_mu_;
-  bool closed_ = false;  // guarded by close_mu_
+  Mutex close_mu_;
+  bool closed_ ABSL_GUARDED_BY(close_mu_) = false;
   std::map<uint64_t, uint64_t> instance_ids_;  // handle -> instance id (thread only)
   // handle -> its kernel's quarantine key, as the pool uses (thread only):
   // a kernel that crashes channel executors is quarantined like one that
@@ -1576,9 +1605,9 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
 }
 
 ProcessRunner::~ProcessRunner() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(&impl_->mu);
   for (auto& [ns, pool] : impl_->pools) {
-    std::lock_guard<std::mutex> plock(pool->mu);
+    MutexLock plock(&pool->mu);
     for (auto& w : pool->idle) w->Reap(/*kill=*/true);
     pool->idle.clear();
   }
@@ -1604,9 +1633,9 @@ void ProcessRunner::Maintain() {
   const auto cutoff = now - std::chrono::milliseconds(impl_->options.idle_ms);
   std::vector<std::unique_ptr<Worker>> stale;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    MutexLock lock(&impl_->mu);
     for (auto& [ns, pool] : impl_->pools) {
-      std::lock_guard<std::mutex> plock(pool->mu);
+      MutexLock plock(&pool->mu);
       for (auto& w : pool->idle) {
         // Idle for a while after big inline calls: give the arena's pages
         // back. Not sooner: faulting fresh pages in costs ~3 ms per MiB on
