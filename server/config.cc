@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -20,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 namespace opjit {
 namespace {
@@ -73,6 +75,7 @@ class Checker {
     return std::move(problems_);
   }
   bool ok() const { return problems_.empty(); }
+  size_t problem_count() const { return problems_.size(); }
 
  private:
   std::string Where(const std::string& key, const toml::node* node) const {
@@ -90,55 +93,39 @@ class Checker {
   std::vector<ConfigProblem> problems_;
 };
 
-// Each Read* leaves *out alone when the key is absent, and on a bad value
-// (recording the problem).
+// Each Parse* reads the value of `name` from `n` into *out, or records a
+// problem and leaves *out alone.
 template <typename T>
-void ReadInt(Checker& ck, const toml::table& t, const char* key, const std::string& where, T* out,
-             int64_t lo = 0, int64_t hi = std::numeric_limits<T>::max()) {
-  const toml::node* n = t.get(key);
-  if (n == nullptr) return;
-  const std::string name = absl::StrCat(where, key);
-  ck.Saw(name, *n);
-  std::optional<int64_t> v = n->is_integer() ? n->value<int64_t>() : std::nullopt;
-  if (!v) return ck.Problem(name, "expected an integer", n);
+void ParseInt(Checker& ck, const std::string& name, const toml::node& n, T* out, int64_t lo,
+              int64_t hi) {
+  std::optional<int64_t> v = n.is_integer() ? n.value<int64_t>() : std::nullopt;
+  if (!v) return ck.Problem(name, "expected an integer", &n);
   if (*v < lo || *v > hi) {
     if (hi == std::numeric_limits<int64_t>::max() || hi == std::numeric_limits<T>::max()) {
-      return ck.Problem(name, absl::StrCat("expected an integer >= ", lo, ", not ", *v), n);
+      return ck.Problem(name, absl::StrCat("expected an integer >= ", lo, ", not ", *v), &n);
     }
     return ck.Problem(name, absl::StrCat("expected an integer in [", lo, ", ", hi, "], not ", *v),
-                      n);
+                      &n);
   }
   *out = static_cast<T>(*v);
 }
 
-void ReadString(Checker& ck, const toml::table& t, const char* key, const std::string& where,
-                std::string* out) {
-  const toml::node* n = t.get(key);
-  if (n == nullptr) return;
-  ck.Saw(absl::StrCat(where, key), *n);
-  auto v = n->value<std::string>();
-  if (!v) return ck.Problem(absl::StrCat(where, key), "expected a string", n);
+void ParseString(Checker& ck, const std::string& name, const toml::node& n, std::string* out) {
+  auto v = n.value<std::string>();
+  if (!v) return ck.Problem(name, "expected a string", &n);
   *out = *v;
 }
 
-void ReadBool(Checker& ck, const toml::table& t, const char* key, const std::string& where,
-              bool* out) {
-  const toml::node* n = t.get(key);
-  if (n == nullptr) return;
-  ck.Saw(absl::StrCat(where, key), *n);
-  auto v = n->value<bool>();
-  if (!v) return ck.Problem(absl::StrCat(where, key), "expected true or false", n);
+void ParseBool(Checker& ck, const std::string& name, const toml::node& n, bool* out) {
+  auto v = n.value<bool>();
+  if (!v) return ck.Problem(name, "expected true or false", &n);
   *out = *v;
 }
 
-void ReadStrings(Checker& ck, const toml::table& t, const char* key, const std::string& where,
-                 std::vector<std::string>* out) {
-  const toml::node* n = t.get(key);
-  if (n == nullptr) return;
-  const std::string name = absl::StrCat(where, key);
-  ck.Saw(name, *n);
-  const toml::array* arr = n->as_array();
-  if (arr == nullptr) return ck.Problem(name, "expected an array of strings", n);
+void ParseStrings(Checker& ck, const std::string& name, const toml::node& n,
+                  std::vector<std::string>* out) {
+  const toml::array* arr = n.as_array();
+  if (arr == nullptr) return ck.Problem(name, "expected an array of strings", &n);
   std::vector<std::string> values;
   for (const auto& e : *arr) {
     auto v = e.value<std::string>();
@@ -148,26 +135,19 @@ void ReadStrings(Checker& ck, const toml::table& t, const char* key, const std::
   *out = std::move(values);
 }
 
-void ReadDouble(Checker& ck, const toml::table& t, const char* key, const std::string& where,
-                double* out) {
-  const toml::node* n = t.get(key);
-  if (n == nullptr) return;
-  const std::string name = absl::StrCat(where, key);
-  ck.Saw(name, *n);
+void ParseDouble(Checker& ck, const std::string& name, const toml::node& n, double* out) {
   std::optional<double> v =
-      n->is_integer() || n->is_floating_point() ? n->value<double>() : std::nullopt;
-  if (!v || !std::isfinite(*v) || *v < 0) return ck.Problem(name, "expected a non-negative number", n);
+      n.is_integer() || n.is_floating_point() ? n.value<double>() : std::nullopt;
+  if (!v || !std::isfinite(*v) || *v < 0) {
+    return ck.Problem(name, "expected a non-negative number", &n);
+  }
   *out = *v;
 }
 
-void ReadIds(Checker& ck, const toml::table& t, const char* key, const std::string& where,
-             std::vector<uint32_t>* out) {
-  const toml::node* n = t.get(key);
-  if (n == nullptr) return;
-  const std::string name = absl::StrCat(where, key);
-  ck.Saw(name, *n);
-  const toml::array* arr = n->as_array();
-  if (arr == nullptr) return ck.Problem(name, "expected an array of integers", n);
+void ParseIds(Checker& ck, const std::string& name, const toml::node& n,
+              std::vector<uint32_t>* out) {
+  const toml::array* arr = n.as_array();
+  if (arr == nullptr) return ck.Problem(name, "expected an array of integers", &n);
   for (const auto& e : *arr) {
     std::optional<int64_t> v = e.is_integer() ? e.value<int64_t>() : std::nullopt;
     if (!v || *v < 0 || *v > 0xfffffffell) {
@@ -193,7 +173,7 @@ bool CheckKeys(Checker& ck, const toml::table& t, const std::string& where,
 
 // A section that must be a table, or nullptr (recording the problem when it
 // is something else).
-const toml::table* Section(Checker& ck, const toml::table& t, const char* key,
+const toml::table* Section(Checker& ck, const toml::table& t, const std::string& key,
                            const std::string& where) {
   const toml::node* n = t.get(key);
   if (n == nullptr) return nullptr;
@@ -203,180 +183,521 @@ const toml::table* Section(Checker& ck, const toml::table& t, const char* key,
   return nullptr;
 }
 
-void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
-  CheckKeys(ck, root, "",
-            {"state_dir", "listen", "log_level", "max_message_mb", "allow_insecure_tcp",
-             "compiler", "cache", "exec", "shm", "autograd", "socket_mode", "socket_group",
-             "principal", "tls", "metrics", "health", "quota", "fast", "registry"});
-  ReadString(ck, root, "socket_group", "", &cfg->socket_group);
-  if (const toml::node* n = root.get("socket_mode")) {
-    ck.Saw("socket_mode", *n);
-    auto v = n->value<std::string>();
-    char* end = nullptr;
-    const unsigned long mode = v ? std::strtoul(v->c_str(), &end, 8) : 0;
-    if (!v || v->empty() || *end != '\0' || mode > 0777) {
-      ck.Problem("socket_mode", "expected an octal mode string such as \"0660\"", n);
-    } else {
-      cfg->socket_mode = static_cast<unsigned>(mode);
-    }
+// "\"a\", \"b\" or \"c\"".
+std::string OrList(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += i + 1 == names.size() ? " or " : ", ";
+    absl::StrAppend(&out, "\"", names[i], "\"");
   }
-  if (const toml::node* n = root.get("principal")) {
-    ck.Saw("principal", *n);
-    const toml::array* arr = n->as_array();
-    if (arr == nullptr) {
-      ck.Problem("principal", "expected [[principal]] tables", n);
-    } else {
-      for (size_t i = 0; i < arr->size(); ++i) {
-        const toml::table* t = (*arr)[i].as_table();
-        const std::string where = absl::StrCat("principal[", i, "].");
-        ck.Saw(absl::StrCat("principal[", i, "]"), (*arr)[i]);
-        if (t == nullptr) {
-          ck.Problem(absl::StrCat("principal[", i, "]"), "expected a table", &(*arr)[i]);
-          continue;
-        }
-        CheckKeys(ck, *t, where, {"name", "role", "namespaces", "token_sha256", "uids", "gids"});
-        access::PrincipalConfig p;
-        std::string role = "user";
-        ReadString(ck, *t, "name", where, &p.name);
-        ReadString(ck, *t, "role", where, &role);
-        if (auto r = access::ParseRole(role)) {
-          p.role = *r;
-        } else {
-          ck.Problem(absl::StrCat(where, "role"),
-                     "expected \"admin\", \"user\", \"reader\" or \"metrics\"", t->get("role"));
-        }
-        ReadStrings(ck, *t, "namespaces", where, &p.namespaces);
-        ReadStrings(ck, *t, "token_sha256", where, &p.token_sha256);
-        ReadIds(ck, *t, "uids", where, &p.uids);
-        ReadIds(ck, *t, "gids", where, &p.gids);
-        cfg->principals.push_back(std::move(p));
+  return out;
+}
+
+// The names of an enum's values, in order, and the parse of one.
+template <typename E>
+struct Choices {
+  std::vector<std::pair<std::string, E>> values;
+
+  std::optional<E> Parse(const std::string& text) const {
+    for (const auto& [name, value] : values) {
+      if (name == text) return value;
+    }
+    return std::nullopt;
+  }
+  std::string NameOf(E e) const {
+    for (const auto& [name, value] : values) {
+      if (value == e) return name;
+    }
+    return "?";
+  }
+  std::vector<std::string> Names() const {
+    std::vector<std::string> names;
+    for (const auto& [name, value] : values) names.push_back(name);
+    return names;
+  }
+  // What a bad value's problem says: every allowed value.
+  std::string Expected(const std::string& text) const {
+    return absl::StrCat("expected ", OrList(Names()), ", not \"", text, "\"");
+  }
+};
+
+const Choices<Isolation>& IsolationChoices() {
+  static const Choices<Isolation> kChoices{
+      {{"process", Isolation::kProcess}, {"in-daemon", Isolation::kInDaemon}}};
+  return kChoices;
+}
+
+const Choices<RegistryBackend>& RegistryBackendChoices() {
+  static const Choices<RegistryBackend> kChoices{
+      {{"sqlite", RegistryBackend::kSqlite}, {"postgres", RegistryBackend::kPostgres}}};
+  return kChoices;
+}
+
+const std::vector<std::string>& LogLevels() {
+  static const std::vector<std::string> kLevels = {"trace", "debug", "info",    "warn",
+                                                   "error", "critical", "off"};
+  return kLevels;
+}
+
+std::string LogLevelExpected(const std::string& level) {
+  return absl::StrCat("expected trace, debug, info, warn, error, critical or off, not \"", level,
+                      "\"");
+}
+
+std::string Join(const std::vector<std::string>& v) {
+  return absl::StrCat("[", absl::StrJoin(v, ", "), "]");
+}
+
+// One key of the config file: its name ("section.key"), its type and
+// meaning (--help-config), how its value is read into a DaemonConfig and
+// how it is printed back (SettingsOf, the defaults of --help-config). The
+// table of these rows (Keys()) is the only list of keys: the reads, the
+// unknown-key check, SettingsOf and --help-config all iterate it.
+struct KeyRow {
+  std::string key;
+  std::string type;
+  std::string doc;
+  // Stores the value at `n` (set in the file) or records a problem.
+  std::function<void(Checker&, const std::string& key, const toml::node& n, DaemonConfig*)> read;
+  std::function<std::string(const DaemonConfig&)> print;
+  // The default as --help-config shows it, when print(DaemonConfig{}) is not
+  // it (a default computed at load).
+  std::string shown_default;
+  // Another name for a key the table lists too: left out of SettingsOf.
+  bool alias = false;
+
+  KeyRow&& Default(std::string text) && {
+    shown_default = std::move(text);
+    return std::move(*this);
+  }
+  KeyRow&& Alias() && {
+    alias = true;
+    return std::move(*this);
+  }
+};
+
+using Cfg = DaemonConfig;
+
+template <typename T>
+KeyRow Int(std::string key, T Cfg::*f, std::string doc, int64_t lo = 0,
+           int64_t hi = std::numeric_limits<T>::max()) {
+  const bool open =
+      hi == std::numeric_limits<int64_t>::max() || hi == std::numeric_limits<T>::max();
+  return {std::move(key),
+          open ? absl::StrCat("integer >= ", lo) : absl::StrCat("integer in [", lo, ", ", hi, "]"),
+          std::move(doc),
+          [f, lo, hi](Checker& ck, const std::string& k, const toml::node& n, Cfg* c) {
+            ParseInt(ck, k, n, &(c->*f), lo, hi);
+          },
+          [f](const Cfg& c) { return absl::StrCat(c.*f); }};
+}
+
+KeyRow Str(std::string key, std::string Cfg::*f, std::string doc) {
+  return {std::move(key), "string", std::move(doc),
+          [f](Checker& ck, const std::string& k, const toml::node& n, Cfg* c) {
+            ParseString(ck, k, n, &(c->*f));
+          },
+          [f](const Cfg& c) { return c.*f; }};
+}
+
+KeyRow Bool(std::string key, bool Cfg::*f, std::string doc) {
+  return {std::move(key), "boolean", std::move(doc),
+          [f](Checker& ck, const std::string& k, const toml::node& n, Cfg* c) {
+            ParseBool(ck, k, n, &(c->*f));
+          },
+          [f](const Cfg& c) { return std::string(c.*f ? "true" : "false"); }};
+}
+
+KeyRow Strings(std::string key, std::vector<std::string> Cfg::*f, std::string doc) {
+  return {std::move(key), "array of strings", std::move(doc),
+          [f](Checker& ck, const std::string& k, const toml::node& n, Cfg* c) {
+            ParseStrings(ck, k, n, &(c->*f));
+          },
+          [f](const Cfg& c) { return Join(c.*f); }};
+}
+
+KeyRow Number(std::string key, double Cfg::*f, std::string doc) {
+  return {std::move(key), "number >= 0", std::move(doc),
+          [f](Checker& ck, const std::string& k, const toml::node& n, Cfg* c) {
+            ParseDouble(ck, k, n, &(c->*f));
+          },
+          [f](const Cfg& c) { return absl::StrCat(c.*f); }};
+}
+
+// A string that must be one of `choices`, parsed once, here.
+template <typename E>
+KeyRow Enum(std::string key, E Cfg::*f, const Choices<E>& choices, std::string doc) {
+  return {std::move(key), absl::StrJoin(choices.Names(), " | "), std::move(doc),
+          [f, &choices](Checker& ck, const std::string& k, const toml::node& n, Cfg* c) {
+            auto v = n.value<std::string>();
+            if (!v) return ck.Problem(k, "expected a string", &n);
+            if (auto e = choices.Parse(*v)) {
+              c->*f = *e;
+            } else {
+              ck.Problem(k, choices.Expected(*v), &n);
+            }
+          },
+          [f, &choices](const Cfg& c) { return choices.NameOf(c.*f); }};
+}
+
+void ReadPrincipals(Checker& ck, const toml::node& n, Cfg* cfg);
+
+// The top level: where the daemon lives and listens, and who may call.
+void AddTopLevelKeys(std::vector<KeyRow>& k) {
+  // The top level.
+  k.push_back(Str("state_dir", &Cfg::state_dir,
+                  "Everything the daemon keeps: registry.db, cache/, the lock file, the socket "
+                  "(--state-dir).")
+                  .Default("$OPJIT_STATE_DIR, else $HOME/.opjit, else /tmp/opjit-<uid>"));
+  k.push_back(Strings("listen", &Cfg::listen,
+                      "Endpoints: \"unix:/path\" or \"host:port\" (port 0 picks a free one); "
+                      "a TCP address other than loopback needs TLS and principals, or "
+                      "allow_insecure_tcp (--listen).")
+                  .Default("[unix:<state_dir>/opjitd.sock, 127.0.0.1:7878]"));
+  KeyRow level = Str("log_level", &Cfg::log_level,
+                     "trace, debug, info, warn, error, critical or off (--log-level; a SIGHUP "
+                     "applies a change).");
+  level.type = absl::StrJoin(LogLevels(), " | ");
+  level.read = [](Checker& ck, const std::string& key, const toml::node& n, Cfg* c) {
+    std::string v;
+    const size_t before = ck.problem_count();
+    ParseString(ck, key, n, &v);
+    if (ck.problem_count() != before) return;
+    if (!ValidLogLevel(v)) return ck.Problem(key, LogLevelExpected(v), &n);
+    c->log_level = v;
+  };
+  k.push_back(std::move(level));
+  k.push_back({"max_message_mb", "integer in [1, 2047]",
+               "Largest gRPC message, both directions, MiB: a call's inline tensors must fit.",
+               [](Checker& ck, const std::string& key, const toml::node& n, Cfg* c) {
+                 // gRPC takes the message size as an int.
+                 int64_t mb = c->max_message_bytes >> 20;
+                 ParseInt(ck, key, n, &mb, 1, 2047);
+                 c->max_message_bytes = mb << 20;
+               },
+               [](const Cfg& c) { return absl::StrCat(c.max_message_bytes >> 20); }});
+  k.push_back(Bool("allow_insecure_tcp", &Cfg::allow_insecure_tcp,
+                   "Allow a TCP address other than loopback without TLS and principals "
+                   "(--allow-insecure-tcp; trusted networks only)."));
+  k.push_back({"socket_mode", "octal string", "Mode of the unix socket.",
+               [](Checker& ck, const std::string& key, const toml::node& n, Cfg* c) {
+                 auto v = n.value<std::string>();
+                 char* end = nullptr;
+                 const unsigned long mode = v ? std::strtoul(v->c_str(), &end, 8) : 0;
+                 if (!v || v->empty() || *end != '\0' || mode > 0777) {
+                   return ck.Problem(key, "expected an octal mode string such as \"0660\"", &n);
+                 }
+                 c->socket_mode = static_cast<unsigned>(mode);
+               },
+               [](const Cfg& c) {
+                 char mode[8];
+                 std::snprintf(mode, sizeof(mode), "%04o", c.socket_mode);
+                 return std::string(mode);
+               }});
+  k.push_back(Str("socket_group", &Cfg::socket_group, "Group of the unix socket.")
+                  .Default("the daemon's group"));
+  k.push_back({"principal", "array of tables",
+               "[[principal]]: who may call, one table each: name, role (admin | user | reader "
+               "| metrics; default user), namespaces, token_sha256 (hex SHA-256 of bearer "
+               "tokens), uids, gids (local callers). None: every local caller is admin. A "
+               "SIGHUP applies a change.",
+               [](Checker& ck, const std::string&, const toml::node& n, Cfg* c) {
+                 ReadPrincipals(ck, n, c);
+               },
+               nullptr, "none"});
+}
+
+// [tls], [metrics], [health] and [quota].
+void AddTlsMetricsQuotaKeys(std::vector<KeyRow>& k) {
+  // [tls]
+  k.push_back(Str("tls.cert", &Cfg::tls_cert,
+                  "PEM certificate; with tls.key, every TCP address uses TLS."));
+  k.push_back(Str("tls.key", &Cfg::tls_key, "PEM private key of tls.cert."));
+  k.push_back(Str("tls.client_ca", &Cfg::tls_client_ca, "PEM CA that signs client certificates."));
+  k.push_back(Bool("tls.require_client_cert", &Cfg::tls_require_client_cert,
+                   "Refuse TLS clients without a certificate signed by tls.client_ca."));
+  // [metrics], [health]
+  k.push_back(Str("metrics.listen", &Cfg::metrics_listen,
+                  "\"host:port\" of the Prometheus endpoint (\"\": off). With principals a "
+                  "scrape needs a bearer token; non-admins see only their namespaces."));
+  k.push_back(Int("health.interval_ms", &Cfg::health_interval_ms,
+                  "How often the workers and the registry store are probed, ms.", 50, 3600000));
+  // [quota]: read before [exec], [shm] and [autograd], whose keys win.
+  k.push_back(Int("quota.shm_mb", &Cfg::shm_quota_mb, "Same as shm.quota_mb.").Alias());
+  k.push_back(Int("quota.context_mb", &Cfg::context_mb, "Same as autograd.context_mb.").Alias());
+  k.push_back(Int("quota.executor_processes", &Cfg::exec_workers, "Same as exec.workers.", 1)
+                  .Alias());
+  k.push_back(Int("quota.concurrent_compiles", &Cfg::quota_concurrent_compiles,
+                  "Compiles a namespace runs at once (a SIGHUP applies a change)."));
+  k.push_back(Number("quota.compile_seconds_per_minute",
+                     &Cfg::quota_compile_seconds_per_minute,
+                     "Compile seconds a namespace may use per minute (a SIGHUP applies a "
+                     "change)."));
+  k.push_back(Number("quota.calls_per_second", &Cfg::quota_calls_per_second,
+                     "Calls per second per namespace, gRPC and fast channels together; 0: no "
+                     "bound (a SIGHUP applies a change).")
+                  .Default("0 without principals, 20000 with"));
+  k.push_back(Int("quota.ops", &Cfg::quota_ops, "Ops per namespace."));
+  k.push_back(Int("quota.versions_per_op", &Cfg::quota_versions, "Versions kept per op."));
+  k.push_back(Int("quota.namespaces", &Cfg::quota_namespaces,
+                  "Namespaces on the daemon (a SIGHUP applies a change)."));
+  k.push_back(Int("quota.total_shm_mb", &Cfg::quota_total_shm_mb,
+                  "Shared memory of all namespaces together, MiB; 0: half of /dev/shm."));
+  k.push_back(Int("quota.total_context_mb", &Cfg::quota_total_context_mb,
+                  "Saved tensors of all namespaces' backward contexts together, MiB."));
+}
+
+// [compiler].
+void AddCompilerKeys(std::vector<KeyRow>& k) {
+  // [compiler]
+  k.push_back(Int("compiler.workers", &Cfg::compile_workers,
+                  "Compile worker processes (opjit-compile-worker).", 1, 1024));
+  k.push_back(Int("compiler.timeout_ms", &Cfg::compile_timeout_ms,
+                  "A compile running longer is killed, ms.", 1));
+  k.push_back(Int("compiler.memory_limit_mb", &Cfg::compile_memory_limit_mb,
+                  "Address space of a compile worker, MiB.", 64));
+  k.push_back(Int("compiler.threads", &Cfg::compile_threads,
+                  "Compile pool threads; 0: workers + long_workers.", 0, 1024));
+  k.push_back(Int("compiler.recycle_after", &Cfg::compile_recycle_after,
+                  "Compiles, then a worker is replaced."));
+  k.push_back(Int("compiler.recycle_memory_mb", &Cfg::compile_recycle_memory_mb,
+                  "Address space that retires a worker, MiB; 0: half of memory_limit_mb."));
+  k.push_back(Int("compiler.long_after_ms", &Cfg::compile_long_after_ms,
+                  "A compile running longer moves to the long lane, ms."));
+  k.push_back(Int("compiler.long_workers", &Cfg::compile_long_workers,
+                  "Compiles in the long lane at once.", 0, 1024));
+  k.push_back(Int("compiler.slow_log_ms", &Cfg::compile_slow_log_ms,
+                  "A compile running longer is logged, ms; 0: never.", 0));
+  k.push_back(Int("compiler.uid", &Cfg::compile_uid,
+                  "Started as root, compile workers run as this uid (and gid), keeping only "
+                  "CAP_DAC_READ_SEARCH; never root, nobody, or a uid of exec.uid_range.",
+                  1, 4294967294));
+  k.push_back(Strings("compiler.extra_include_dirs", &Cfg::extra_include_dirs,
+                      "Directories kernels may #include from, besides the kernel headers."));
+  k.push_back(Strings("compiler.allowed_libraries", &Cfg::allowed_libraries,
+                      "Libraries kernels may link (-l names)."));
+  k.push_back(Str("compiler.kernel_include_dir", &Cfg::kernel_include_dir,
+                  "The opjit kernel headers.")
+                  .Default("the installed or source-tree kernels/include"));
+}
+
+// [exec].
+void AddExecKeys(std::vector<KeyRow>& k) {
+  // [exec]
+  k.push_back(Int("exec.threads", &Cfg::exec_threads, "Execution pool threads.", 1, 1024));
+  k.push_back(Int("exec.queue", &Cfg::exec_queue,
+                  "Calls waiting for the pool, then RESOURCE_EXHAUSTED."));
+  k.push_back(Int("exec.inline_max_bytes", &Cfg::inline_max_bytes,
+                  "Calls with at most this many input bytes run inline."));
+  k.push_back(Enum("exec.isolation", &Cfg::isolation, IsolationChoices(),
+                   "Where kernels run: process (sandboxed opjit-exec-worker processes, one "
+                   "pool per namespace) or in-daemon (inside opjitd: unsafe, for a trusted "
+                   "single user) (--isolation)."));
+  k.push_back(Int("exec.workers", &Cfg::exec_workers,
+                  "Executor processes per namespace, at most.", 1));
+  k.push_back(Int("exec.worker_idle_ms", &Cfg::worker_idle_ms,
+                  "An idle executor process is stopped after this, ms."));
+  k.push_back(Int("exec.kernel_timeout_ms", &Cfg::kernel_timeout_ms,
+                  "A kernel running longer is killed (DEADLINE_EXCEEDED), ms.", 1));
+  k.push_back(Int("exec.worker_memory_mb", &Cfg::worker_memory_mb,
+                  "Private memory of an executor process (RLIMIT_DATA), MiB.", 16,
+                  std::numeric_limits<int64_t>::max() >> 20));
+  k.push_back(Str("exec.worker_user", &Cfg::worker_user,
+                  "Started as root without exec.uid_range, executors drop to this user (\"\" "
+                  "keeps root)."));
+  k.push_back(Str("exec.uid_range", &Cfg::uid_range,
+                  "Started as root, each namespace's executors run as a uid of their own from "
+                  "\"<first>-<last>\"; \"\": all as worker_user."));
+  k.push_back(Int("exec.threads_per_executor", &Cfg::threads_per_executor,
+                  "Threads an executor may keep after a call.", 8, 1 << 20));
+  k.push_back(Int("exec.threads_per_namespace", &Cfg::threads_per_namespace,
+                  "Threads of all of a namespace's executors together (root with "
+                  "uid_range).", 8, 1 << 22));
+  k.push_back(Int("exec.scratch_mb", &Cfg::scratch_mb, "An executor's scratch space, MiB.", 1,
+                  1 << 20));
+  k.push_back(Bool("exec.namespaces", &Cfg::exec_namespaces,
+                   "Executors and compile workers in PID, mount, IPC, network and UTS "
+                   "namespaces of their own."));
+  k.push_back(Int("exec.namespace_memory_mb", &Cfg::namespace_memory_mb,
+                  "Memory of all of a namespace's executors together (a cgroup), MiB; 0: "
+                  "none.", 0, 1 << 30));
+  k.push_back(Int("exec.worker_spin_us", &Cfg::worker_spin_us,
+                  "An executor's busy-wait for its next call, us; 0: sleep at once.", 0,
+                  1000000));
+  k.push_back(Int("exec.wait_spin_us", &Cfg::wait_spin_us,
+                  "The daemon's busy-wait for a call's result before it sleeps, us.", 0,
+                  1000000));
+  k.push_back(Int("exec.quarantine_after", &Cfg::quarantine_after,
+                  "Crashes in a row that quarantine a kernel."));
+}
+
+// [fast], [shm], [autograd], [cache], [cache.remote] and [registry].
+void AddMemoryAndStoreKeys(std::vector<KeyRow>& k) {
+  // [fast]
+  k.push_back(Bool("fast.enabled", &Cfg::fast_enabled, "Same-host fast channels at all."));
+  k.push_back(Int("fast.channels", &Cfg::fast_channels,
+                  "Open channels per namespace (one executor process each)."));
+  k.push_back(Int("fast.total_channels", &Cfg::fast_total_channels, "Open channels in all."));
+  k.push_back(Int("fast.spin_us", &Cfg::fast_spin_us,
+                  "A channel executor's (and its client's) spin before sleeping, us.", 0,
+                  100000));
+  k.push_back(Int("fast.handles", &Cfg::fast_handles, "Prepared handles per namespace.", 1));
+  // [shm], [autograd]
+  k.push_back(Int("shm.quota_mb", &Cfg::shm_quota_mb, "Shared memory per namespace, MiB."));
+  k.push_back(Int("shm.lease_ms", &Cfg::lease_ms,
+                  "A client's regions are released unless renewed within this, ms.", 1));
+  k.push_back(Int("autograd.context_ttl_ms", &Cfg::context_ttl_ms,
+                  "A backward context unused this long is released, ms.", 1));
+  k.push_back(Int("autograd.context_mb", &Cfg::context_mb,
+                  "Saved tensors per namespace, MiB."));
+  // [cache], [cache.remote]
+  k.push_back(Int("cache.memory_entries", &Cfg::cache_memory_entries,
+                  "Compiled kernels kept in memory."));
+  k.push_back(Int("cache.memory_mb", &Cfg::cache_memory_mb, "Memory cache size, MiB."));
+  k.push_back(Int("cache.disk_mb", &Cfg::cache_disk_mb, "Disk cache size, MiB."));
+  k.push_back(Str("cache.remote.url", &Cfg::cache_remote_url,
+                  "A Redis tier shared by daemons: \"redis://host:port\" or "
+                  "\"unix:/path/redis.sock\" (\"\": off)."));
+  k.push_back(Str("cache.remote.key_file", &Cfg::cache_remote_key_file,
+                  "The cluster's HMAC key that authenticates shared entries (needed with "
+                  "url)."));
+  k.push_back(Int("cache.remote.timeout_ms", &Cfg::cache_remote_timeout_ms,
+                  "Connect and per-command timeout, ms.", 1, 60000));
+  k.push_back(Int("cache.remote.max_mb", &Cfg::cache_remote_max_mb,
+                  "Larger artifacts are not shared, MiB.", 1));
+  k.push_back(Int("cache.remote.ttl_s", &Cfg::cache_remote_ttl_s,
+                  "Shared entries expire after this, s; 0: never."));
+  // [registry]
+  k.push_back(Enum("registry.backend", &Cfg::registry_backend, RegistryBackendChoices(),
+                   "Where op versions are stored: sqlite (<state_dir>/registry.db) or "
+                   "postgres (registry.url)."));
+  k.push_back(Str("registry.url", &Cfg::registry_url,
+                  "postgres: a libpq connection string or URI."));
+  k.push_back(Str("registry.password_file", &Cfg::registry_password_file,
+                  "postgres: a file holding the password, kept out of the config."));
+  k.push_back(Int("registry.poll_ms", &Cfg::registry_poll_ms,
+                  "postgres: backstop poll behind LISTEN/NOTIFY, ms.", 50, 600000));
+}
+
+// Every key, in the order they are read (an alias before the key it
+// stands for, so that the latter wins) and --help-config lists them.
+const std::vector<KeyRow>& Keys() {
+  static const std::vector<KeyRow> kKeys = [] {
+    std::vector<KeyRow> k;
+    AddTopLevelKeys(k);
+    AddTlsMetricsQuotaKeys(k);
+    AddCompilerKeys(k);
+    AddExecKeys(k);
+    AddMemoryAndStoreKeys(k);
+    return k;
+  }();
+  return kKeys;
+}
+
+// "exec.workers" -> {"exec", "workers"}; "state_dir" -> {"", "state_dir"}.
+std::pair<std::string, std::string> SplitKey(const std::string& key) {
+  const size_t dot = key.rfind('.');
+  if (dot == std::string::npos) return {"", key};
+  return {key.substr(0, dot), key.substr(dot + 1)};
+}
+
+// The keys each section knows ("" is the top level): its rows' and its
+// subsections' names.
+const std::map<std::string, std::set<std::string>>& KnownKeys() {
+  static const std::map<std::string, std::set<std::string>> kKnown = [] {
+    std::map<std::string, std::set<std::string>> known;
+    for (const KeyRow& row : Keys()) {
+      auto [section, leaf] = SplitKey(row.key);
+      known[section].insert(leaf);
+      while (!section.empty()) {
+        auto [parent, name] = SplitKey(section);
+        known[parent].insert(name);
+        section = parent;
       }
     }
+    return known;
+  }();
+  return kKnown;
+}
+
+// Reads the file's tables through the key table: each section is looked up
+// once (a section that is not a table is one problem) and checked for
+// unknown keys when first seen.
+class TomlReader {
+ public:
+  TomlReader(Checker& ck, const toml::table& root) : ck_(ck) {
+    sections_[""] = &root;
+    CheckKeys(ck_, root, "", KnownKeys().at(""));
   }
-  if (const toml::table* c = Section(ck, root, "tls", "")) {
-    CheckKeys(ck, *c, "tls.", {"cert", "key", "client_ca", "require_client_cert"});
-    ReadString(ck, *c, "cert", "tls.", &cfg->tls_cert);
-    ReadString(ck, *c, "key", "tls.", &cfg->tls_key);
-    ReadString(ck, *c, "client_ca", "tls.", &cfg->tls_client_ca);
-    ReadBool(ck, *c, "require_client_cert", "tls.", &cfg->tls_require_client_cert);
+
+  // The table of `section` ("cache.remote"), or nullptr when it is absent or
+  // not a table.
+  const toml::table* Find(const std::string& section) {
+    if (auto it = sections_.find(section); it != sections_.end()) return it->second;
+    auto [parent_name, name] = SplitKey(section);
+    const toml::table* parent = Find(parent_name);
+    const std::string where = parent_name.empty() ? "" : parent_name + ".";
+    const toml::table* t = parent == nullptr ? nullptr : Section(ck_, *parent, name, where);
+    sections_[section] = t;
+    if (t != nullptr) CheckKeys(ck_, *t, section + ".", KnownKeys().at(section));
+    return t;
   }
-  if (const toml::table* c = Section(ck, root, "metrics", "")) {
-    CheckKeys(ck, *c, "metrics.", {"listen"});
-    ReadString(ck, *c, "listen", "metrics.", &cfg->metrics_listen);
+
+ private:
+  Checker& ck_;
+  std::map<std::string, const toml::table*> sections_;
+};
+
+void ApplyToml(Checker& ck, const toml::table& root, DaemonConfig* cfg) {
+  TomlReader reader(ck, root);
+  for (const KeyRow& row : Keys()) {
+    auto [section, leaf] = SplitKey(row.key);
+    const toml::table* t = reader.Find(section);
+    const toml::node* n = t == nullptr ? nullptr : t->get(leaf);
+    if (n == nullptr) continue;
+    ck.Saw(row.key, *n);
+    row.read(ck, row.key, *n, cfg);
   }
-  if (const toml::table* c = Section(ck, root, "health", "")) {
-    CheckKeys(ck, *c, "health.", {"interval_ms"});
-    ReadInt(ck, *c, "interval_ms", "health.", &cfg->health_interval_ms, 50, 3600000);
-  }
-  if (const toml::table* c = Section(ck, root, "quota", "")) {
-    CheckKeys(ck, *c, "quota.",
-              {"shm_mb", "context_mb", "executor_processes", "concurrent_compiles",
-               "compile_seconds_per_minute", "calls_per_second", "ops", "versions_per_op",
-               "namespaces", "total_shm_mb", "total_context_mb"});
-    ReadInt(ck, *c, "shm_mb", "quota.", &cfg->shm_quota_mb);
-    ReadInt(ck, *c, "context_mb", "quota.", &cfg->context_mb);
-    ReadInt(ck, *c, "executor_processes", "quota.", &cfg->exec_workers, 1);
-    ReadInt(ck, *c, "concurrent_compiles", "quota.", &cfg->quota_concurrent_compiles);
-    ReadDouble(ck, *c, "compile_seconds_per_minute", "quota.",
-               &cfg->quota_compile_seconds_per_minute);
-    ReadDouble(ck, *c, "calls_per_second", "quota.", &cfg->quota_calls_per_second);
-    ReadInt(ck, *c, "ops", "quota.", &cfg->quota_ops);
-    ReadInt(ck, *c, "versions_per_op", "quota.", &cfg->quota_versions);
-    ReadInt(ck, *c, "namespaces", "quota.", &cfg->quota_namespaces);
-    ReadInt(ck, *c, "total_shm_mb", "quota.", &cfg->quota_total_shm_mb);
-    ReadInt(ck, *c, "total_context_mb", "quota.", &cfg->quota_total_context_mb);
-  }
-  ReadString(ck, root, "state_dir", "", &cfg->state_dir);
-  ReadStrings(ck, root, "listen", "", &cfg->listen);
-  ReadString(ck, root, "log_level", "", &cfg->log_level);
-  ReadBool(ck, root, "allow_insecure_tcp", "", &cfg->allow_insecure_tcp);
-  // gRPC takes the message size as an int.
-  int64_t max_mb = cfg->max_message_bytes >> 20;
-  ReadInt(ck, root, "max_message_mb", "", &max_mb, 1, 2047);
-  cfg->max_message_bytes = max_mb << 20;
-  if (const toml::table* c = Section(ck, root, "compiler", "")) {
-    CheckKeys(ck, *c, "compiler.",
-              {"workers", "timeout_ms", "memory_limit_mb", "threads", "extra_include_dirs",
-               "allowed_libraries", "kernel_include_dir", "recycle_after", "recycle_memory_mb",
-               "long_after_ms", "long_workers", "slow_log_ms", "uid"});
-    ReadInt(ck, *c, "workers", "compiler.", &cfg->compile_workers, 1, 1024);
-    ReadInt(ck, *c, "timeout_ms", "compiler.", &cfg->compile_timeout_ms, 1);
-    ReadInt(ck, *c, "memory_limit_mb", "compiler.", &cfg->compile_memory_limit_mb, 64);
-    ReadInt(ck, *c, "threads", "compiler.", &cfg->compile_threads, 0, 1024);
-    ReadInt(ck, *c, "recycle_after", "compiler.", &cfg->compile_recycle_after);
-    ReadInt(ck, *c, "recycle_memory_mb", "compiler.", &cfg->compile_recycle_memory_mb);
-    ReadInt(ck, *c, "long_after_ms", "compiler.", &cfg->compile_long_after_ms);
-    ReadInt(ck, *c, "long_workers", "compiler.", &cfg->compile_long_workers, 0, 1024);
-    ReadInt(ck, *c, "slow_log_ms", "compiler.", &cfg->compile_slow_log_ms, 0);
-    ReadInt(ck, *c, "uid", "compiler.", &cfg->compile_uid, 1, 4294967294);
-    ReadStrings(ck, *c, "extra_include_dirs", "compiler.", &cfg->extra_include_dirs);
-    ReadStrings(ck, *c, "allowed_libraries", "compiler.", &cfg->allowed_libraries);
-    ReadString(ck, *c, "kernel_include_dir", "compiler.", &cfg->kernel_include_dir);
-  }
-  if (const toml::table* c = Section(ck, root, "exec", "")) {
-    CheckKeys(ck, *c, "exec.",
-              {"threads", "queue", "inline_max_bytes", "isolation", "workers", "worker_idle_ms",
-               "kernel_timeout_ms", "worker_memory_mb", "worker_user", "worker_spin_us",
-               "wait_spin_us", "quarantine_after", "uid_range", "threads_per_executor",
-               "threads_per_namespace", "scratch_mb", "namespaces", "namespace_memory_mb"});
-    ReadInt(ck, *c, "threads", "exec.", &cfg->exec_threads, 1, 1024);
-    ReadInt(ck, *c, "queue", "exec.", &cfg->exec_queue);
-    ReadInt(ck, *c, "inline_max_bytes", "exec.", &cfg->inline_max_bytes);
-    ReadString(ck, *c, "isolation", "exec.", &cfg->isolation);
-    ReadInt(ck, *c, "workers", "exec.", &cfg->exec_workers, 1);
-    ReadInt(ck, *c, "worker_idle_ms", "exec.", &cfg->worker_idle_ms);
-    ReadInt(ck, *c, "kernel_timeout_ms", "exec.", &cfg->kernel_timeout_ms, 1);
-    ReadInt(ck, *c, "worker_memory_mb", "exec.", &cfg->worker_memory_mb, 16,
-            std::numeric_limits<int64_t>::max() >> 20);
-    ReadString(ck, *c, "worker_user", "exec.", &cfg->worker_user);
-    ReadString(ck, *c, "uid_range", "exec.", &cfg->uid_range);
-    ReadInt(ck, *c, "threads_per_executor", "exec.", &cfg->threads_per_executor, 8, 1 << 20);
-    ReadInt(ck, *c, "threads_per_namespace", "exec.", &cfg->threads_per_namespace, 8, 1 << 22);
-    ReadInt(ck, *c, "scratch_mb", "exec.", &cfg->scratch_mb, 1, 1 << 20);
-    ReadBool(ck, *c, "namespaces", "exec.", &cfg->exec_namespaces);
-    ReadInt(ck, *c, "namespace_memory_mb", "exec.", &cfg->namespace_memory_mb, 0, 1 << 30);
-    ReadInt(ck, *c, "worker_spin_us", "exec.", &cfg->worker_spin_us, 0, 1000000);
-    ReadInt(ck, *c, "wait_spin_us", "exec.", &cfg->wait_spin_us, 0, 1000000);
-    ReadInt(ck, *c, "quarantine_after", "exec.", &cfg->quarantine_after);
-  }
-  if (const toml::table* c = Section(ck, root, "fast", "")) {
-    CheckKeys(ck, *c, "fast.", {"enabled", "channels", "total_channels", "spin_us", "handles"});
-    ReadBool(ck, *c, "enabled", "fast.", &cfg->fast_enabled);
-    ReadInt(ck, *c, "channels", "fast.", &cfg->fast_channels);
-    ReadInt(ck, *c, "total_channels", "fast.", &cfg->fast_total_channels);
-    ReadInt(ck, *c, "spin_us", "fast.", &cfg->fast_spin_us, 0, 100000);
-    ReadInt(ck, *c, "handles", "fast.", &cfg->fast_handles, 1);
-  }
-  if (const toml::table* c = Section(ck, root, "shm", "")) {
-    CheckKeys(ck, *c, "shm.", {"quota_mb", "lease_ms"});
-    ReadInt(ck, *c, "quota_mb", "shm.", &cfg->shm_quota_mb);
-    ReadInt(ck, *c, "lease_ms", "shm.", &cfg->lease_ms, 1);
-  }
-  if (const toml::table* c = Section(ck, root, "autograd", "")) {
-    CheckKeys(ck, *c, "autograd.", {"context_ttl_ms", "context_mb"});
-    ReadInt(ck, *c, "context_ttl_ms", "autograd.", &cfg->context_ttl_ms, 1);
-    ReadInt(ck, *c, "context_mb", "autograd.", &cfg->context_mb);
-  }
-  if (const toml::table* c = Section(ck, root, "cache", "")) {
-    CheckKeys(ck, *c, "cache.", {"memory_entries", "memory_mb", "disk_mb", "remote"});
-    ReadInt(ck, *c, "memory_entries", "cache.", &cfg->cache_memory_entries);
-    ReadInt(ck, *c, "memory_mb", "cache.", &cfg->cache_memory_mb);
-    ReadInt(ck, *c, "disk_mb", "cache.", &cfg->cache_disk_mb);
-    if (const toml::table* r = Section(ck, *c, "remote", "cache.")) {
-      CheckKeys(ck, *r, "cache.remote.", {"url", "key_file", "timeout_ms", "max_mb", "ttl_s"});
-      ReadString(ck, *r, "url", "cache.remote.", &cfg->cache_remote_url);
-      ReadString(ck, *r, "key_file", "cache.remote.", &cfg->cache_remote_key_file);
-      ReadInt(ck, *r, "timeout_ms", "cache.remote.", &cfg->cache_remote_timeout_ms, 1, 60000);
-      ReadInt(ck, *r, "max_mb", "cache.remote.", &cfg->cache_remote_max_mb, 1);
-      ReadInt(ck, *r, "ttl_s", "cache.remote.", &cfg->cache_remote_ttl_s);
+}
+
+// [[principal]] tables.
+void ReadPrincipals(Checker& ck, const toml::node& n, DaemonConfig* cfg) {
+  const toml::array* arr = n.as_array();
+  if (arr == nullptr) return ck.Problem("principal", "expected [[principal]] tables", &n);
+  for (size_t i = 0; i < arr->size(); ++i) {
+    const toml::table* t = (*arr)[i].as_table();
+    const std::string where = absl::StrCat("principal[", i, "].");
+    ck.Saw(absl::StrCat("principal[", i, "]"), (*arr)[i]);
+    if (t == nullptr) {
+      ck.Problem(absl::StrCat("principal[", i, "]"), "expected a table", &(*arr)[i]);
+      continue;
     }
-  }
-  if (const toml::table* c = Section(ck, root, "registry", "")) {
-    CheckKeys(ck, *c, "registry.", {"backend", "url", "password_file", "poll_ms"});
-    ReadString(ck, *c, "backend", "registry.", &cfg->registry_backend);
-    ReadString(ck, *c, "url", "registry.", &cfg->registry_url);
-    ReadString(ck, *c, "password_file", "registry.", &cfg->registry_password_file);
-    ReadInt(ck, *c, "poll_ms", "registry.", &cfg->registry_poll_ms, 50, 600000);
+    CheckKeys(ck, *t, where, {"name", "role", "namespaces", "token_sha256", "uids", "gids"});
+    // The key `k` of this principal, marked as seen; nullptr when absent.
+    auto get = [&](const char* k) -> const toml::node* {
+      const toml::node* v = t->get(k);
+      if (v != nullptr) ck.Saw(where + k, *v);
+      return v;
+    };
+    access::PrincipalConfig p;
+    std::string role = "user";
+    if (const toml::node* v = get("name")) ParseString(ck, where + "name", *v, &p.name);
+    if (const toml::node* v = get("role")) ParseString(ck, where + "role", *v, &role);
+    if (auto r = access::ParseRole(role)) {
+      p.role = *r;
+    } else {
+      ck.Problem(where + "role", "expected \"admin\", \"user\", \"reader\" or \"metrics\"",
+                 t->get("role"));
+    }
+    if (const toml::node* v = get("namespaces")) {
+      ParseStrings(ck, where + "namespaces", *v, &p.namespaces);
+    }
+    if (const toml::node* v = get("token_sha256")) {
+      ParseStrings(ck, where + "token_sha256", *v, &p.token_sha256);
+    }
+    if (const toml::node* v = get("uids")) ParseIds(ck, where + "uids", *v, &p.uids);
+    if (const toml::node* v = get("gids")) ParseIds(ck, where + "gids", *v, &p.gids);
+    cfg->principals.push_back(std::move(p));
   }
 }
 
@@ -407,14 +728,6 @@ absl::StatusOr<std::pair<uint32_t, uint32_t>> ParseUidRange(const std::string& t
 
 // The checks across keys, once the file and the flags are in.
 void CheckCombined(Checker& ck, DaemonConfig& cfg) {
-  if (!ValidLogLevel(cfg.log_level)) {
-    ck.Problem("log_level", absl::StrCat("expected trace, debug, info, warn, error, critical or "
-                                         "off, not \"", cfg.log_level, "\""));
-  }
-  if (cfg.isolation != "process" && cfg.isolation != "in-daemon") {
-    ck.Problem("exec.isolation", absl::StrCat("expected \"process\" or \"in-daemon\", not \"",
-                                              cfg.isolation, "\""));
-  }
   if (auto range = ParseUidRange(cfg.uid_range); range.ok()) {
     cfg.uid_first = range->first;
     cfg.uid_last = range->second;
@@ -459,11 +772,7 @@ void CheckCombined(Checker& ck, DaemonConfig& cfg) {
         "127.0.0.1 or a unix socket, configure both, or set allow_insecure_tcp = true "
         "(--allow-insecure-tcp) on a trusted network"));
   }
-  if (cfg.registry_backend != "sqlite" && cfg.registry_backend != "postgres") {
-    ck.Problem("registry.backend", absl::StrCat("expected \"sqlite\" or \"postgres\", not \"",
-                                                cfg.registry_backend, "\""));
-  }
-  if (cfg.registry_backend == "postgres" && cfg.registry_url.empty()) {
+  if (cfg.registry_backend == RegistryBackend::kPostgres && cfg.registry_url.empty()) {
     ck.ProblemFrom("registry.url", "registry.backend",
                "registry.backend = \"postgres\" needs registry.url (a libpq connection string "
                "such as \"host=db.example port=5432 dbname=opjit user=opjit\")");
@@ -500,10 +809,6 @@ void CheckCombined(Checker& ck, DaemonConfig& cfg) {
   if (cfg.quota_calls_per_second < 0) {
     cfg.quota_calls_per_second = cfg.principals.empty() ? 0 : kSharedCallsPerSecond;
   }
-}
-
-std::string Join(const std::vector<std::string>& v) {
-  return absl::StrCat("[", absl::StrJoin(v, ", "), "]");
 }
 
 }  // namespace
@@ -552,6 +857,7 @@ std::string Usage() {
          "  --verify-cache        check every disk-cache entry's checksum (the daemon may\n"
          "                        be running or not), print what does not verify, and exit\n"
          "  -V, --version         print the version and git revision, and exit\n"
+         "  --help-config         print every config key (type, default, meaning), and exit\n"
          "  -h, --help            print this help, and exit\n"
          "\n"
          "Signals:\n"
@@ -567,7 +873,7 @@ std::string Usage() {
          "\n"
          "Exit status:\n"
          "  0  stopped by SIGTERM/SIGINT; --check-config found no problem; --verify-cache\n"
-         "     found every entry intact; --help, --version\n"
+         "     found every entry intact; --help, --help-config, --version\n"
          "  1  could not start (state dir locked or unwritable, registry, listen address,\n"
          "     ...); --check-config found problems; --verify-cache found corrupt entries\n"
          "  2  bad flags or configuration\n";
@@ -579,9 +885,8 @@ std::string ConfigProblem::ToString() const {
 }
 
 bool ValidLogLevel(const std::string& level) {
-  static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn",
-                                                "error", "critical", "off"};
-  return kLevels.count(level) > 0;
+  const std::vector<std::string>& levels = LogLevels();
+  return std::find(levels.begin(), levels.end(), level) != levels.end();
 }
 
 ConfigResult BuildConfig(const std::string& path, const ConfigFlags& flags) {
@@ -613,10 +918,17 @@ ConfigResult BuildConfig(const std::string& path, const ConfigFlags& flags) {
   if (!flags.log_level.empty()) {
     cfg.log_level = flags.log_level;
     ck.SawFlag("log_level", "--log-level");
+    if (!ValidLogLevel(flags.log_level)) {
+      ck.Problem("log_level", LogLevelExpected(flags.log_level));
+    }
   }
   if (!flags.isolation.empty()) {
-    cfg.isolation = flags.isolation;
     ck.SawFlag("exec.isolation", "--isolation");
+    if (auto isolation = IsolationChoices().Parse(flags.isolation)) {
+      cfg.isolation = *isolation;
+    } else {
+      ck.Problem("exec.isolation", IsolationChoices().Expected(flags.isolation));
+    }
   }
   if (flags.allow_insecure_tcp) cfg.allow_insecure_tcp = true;
   if (cfg.state_dir.empty()) cfg.state_dir = DefaultStateDir();
@@ -641,6 +953,7 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
       return arg == name || arg.rfind(absl::StrCat(name, "="), 0) == 0;
     };
     if (arg == "--help" || arg == "-h") return absl::CancelledError(Usage());
+    if (arg == "--help-config") return absl::CancelledError(ConfigHelp());
     absl::StatusOr<std::string> v;
     if (arg == "--version" || arg == "-V") {
       cfg.version = true;
@@ -696,85 +1009,54 @@ absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv) {
 }
 
 std::map<std::string, std::string> SettingsOf(const DaemonConfig& c) {
-  auto n = [](auto v) { return absl::StrCat(v); };
-  auto b = [](bool v) { return std::string(v ? "true" : "false"); };
-  char mode[8];
-  std::snprintf(mode, sizeof(mode), "%04o", c.socket_mode);
-  return {
-      {"state_dir", c.state_dir},
-      {"listen", Join(c.listen)},
-      {"log_level", c.log_level},
-      {"max_message_mb", n(c.max_message_bytes >> 20)},
-      {"allow_insecure_tcp", b(c.allow_insecure_tcp)},
-      {"socket_mode", mode},
-      {"socket_group", c.socket_group},
-      {"tls.cert", c.tls_cert},
-      {"tls.key", c.tls_key},
-      {"tls.client_ca", c.tls_client_ca},
-      {"tls.require_client_cert", b(c.tls_require_client_cert)},
-      {"metrics.listen", c.metrics_listen},
-      {"health.interval_ms", n(c.health_interval_ms)},
-      {"quota.concurrent_compiles", n(c.quota_concurrent_compiles)},
-      {"quota.compile_seconds_per_minute", n(c.quota_compile_seconds_per_minute)},
-      {"quota.calls_per_second", n(c.quota_calls_per_second)},
-      {"quota.ops", n(c.quota_ops)},
-      {"quota.versions_per_op", n(c.quota_versions)},
-      {"quota.namespaces", n(c.quota_namespaces)},
-      {"quota.total_shm_mb", n(c.quota_total_shm_mb)},
-      {"quota.total_context_mb", n(c.quota_total_context_mb)},
-      {"compiler.workers", n(c.compile_workers)},
-      {"compiler.timeout_ms", n(c.compile_timeout_ms)},
-      {"compiler.memory_limit_mb", n(c.compile_memory_limit_mb)},
-      {"compiler.threads", n(c.compile_threads)},
-      {"compiler.recycle_after", n(c.compile_recycle_after)},
-      {"compiler.recycle_memory_mb", n(c.compile_recycle_memory_mb)},
-      {"compiler.long_after_ms", n(c.compile_long_after_ms)},
-      {"compiler.long_workers", n(c.compile_long_workers)},
-      {"compiler.slow_log_ms", n(c.compile_slow_log_ms)},
-      {"compiler.uid", n(c.compile_uid)},
-      {"compiler.extra_include_dirs", Join(c.extra_include_dirs)},
-      {"compiler.allowed_libraries", Join(c.allowed_libraries)},
-      {"compiler.kernel_include_dir", c.kernel_include_dir},
-      {"exec.threads", n(c.exec_threads)},
-      {"exec.queue", n(c.exec_queue)},
-      {"exec.inline_max_bytes", n(c.inline_max_bytes)},
-      {"exec.isolation", c.isolation},
-      {"exec.workers", n(c.exec_workers)},
-      {"exec.worker_idle_ms", n(c.worker_idle_ms)},
-      {"exec.kernel_timeout_ms", n(c.kernel_timeout_ms)},
-      {"exec.worker_memory_mb", n(c.worker_memory_mb)},
-      {"exec.worker_user", c.worker_user},
-      {"exec.uid_range", c.uid_range},
-      {"exec.threads_per_executor", n(c.threads_per_executor)},
-      {"exec.threads_per_namespace", n(c.threads_per_namespace)},
-      {"exec.scratch_mb", n(c.scratch_mb)},
-      {"exec.namespaces", b(c.exec_namespaces)},
-      {"exec.namespace_memory_mb", n(c.namespace_memory_mb)},
-      {"exec.worker_spin_us", n(c.worker_spin_us)},
-      {"exec.wait_spin_us", n(c.wait_spin_us)},
-      {"exec.quarantine_after", n(c.quarantine_after)},
-      {"fast.enabled", b(c.fast_enabled)},
-      {"fast.channels", n(c.fast_channels)},
-      {"fast.total_channels", n(c.fast_total_channels)},
-      {"fast.spin_us", n(c.fast_spin_us)},
-      {"fast.handles", n(c.fast_handles)},
-      {"shm.quota_mb", n(c.shm_quota_mb)},
-      {"shm.lease_ms", n(c.lease_ms)},
-      {"autograd.context_ttl_ms", n(c.context_ttl_ms)},
-      {"autograd.context_mb", n(c.context_mb)},
-      {"cache.memory_entries", n(c.cache_memory_entries)},
-      {"cache.memory_mb", n(c.cache_memory_mb)},
-      {"cache.disk_mb", n(c.cache_disk_mb)},
-      {"cache.remote.url", c.cache_remote_url},
-      {"cache.remote.key_file", c.cache_remote_key_file},
-      {"cache.remote.timeout_ms", n(c.cache_remote_timeout_ms)},
-      {"cache.remote.max_mb", n(c.cache_remote_max_mb)},
-      {"cache.remote.ttl_s", n(c.cache_remote_ttl_s)},
-      {"registry.backend", c.registry_backend},
-      {"registry.url", c.registry_url},
-      {"registry.password_file", c.registry_password_file},
-      {"registry.poll_ms", n(c.registry_poll_ms)},
-  };
+  std::map<std::string, std::string> settings;
+  for (const KeyRow& row : Keys()) {
+    if (!row.alias && row.print) settings[row.key] = row.print(c);
+  }
+  return settings;
+}
+
+const char* IsolationName(Isolation isolation) {
+  return isolation == Isolation::kInDaemon ? "in-daemon" : "process";
+}
+
+const char* RegistryBackendName(RegistryBackend backend) {
+  return backend == RegistryBackend::kPostgres ? "postgres" : "sqlite";
+}
+
+std::vector<ConfigKeyInfo> ConfigKeys() {
+  const DaemonConfig defaults;
+  std::vector<ConfigKeyInfo> keys;
+  for (const KeyRow& row : Keys()) {
+    std::string shown = row.shown_default;
+    if (shown.empty()) {
+      shown = row.print(defaults);
+      if (row.type == "string") shown = absl::StrCat("\"", shown, "\"");
+    }
+    keys.push_back({row.key, row.type, std::move(shown), row.doc, row.alias});
+  }
+  return keys;
+}
+
+std::string ConfigHelp() {
+  std::string out =
+      "Every key of opjitd's TOML config (--config FILE), in the order it is read: a key\n"
+      "\"a.b\" is b in section [a]. Any other key is refused. Some flags override keys\n"
+      "(opjitd --help). For each: KEY  TYPE  (default DEFAULT), then what it does.\n\n";
+  for (const ConfigKeyInfo& k : ConfigKeys()) {
+    absl::StrAppend(&out, k.key, "  ", k.type, "  (default ", k.default_value, ")\n");
+    // The doc, wrapped at 80 columns under a 4-space indent.
+    std::string line = "   ";
+    for (absl::string_view word : absl::StrSplit(k.doc, ' ', absl::SkipEmpty())) {
+      if (line.size() + 1 + word.size() > 80 && line.size() > 3) {
+        absl::StrAppend(&out, line, "\n");
+        line = "   ";
+      }
+      absl::StrAppend(&line, " ", word);
+    }
+    absl::StrAppend(&out, line, "\n");
+  }
+  return out;
 }
 
 }  // namespace opjit

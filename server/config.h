@@ -15,6 +15,20 @@ namespace opjit {
 // [quota] calls_per_second's default on a daemon with principals.
 inline constexpr double kSharedCallsPerSecond = 20000;
 
+// [exec] isolation: where kernels run.
+enum class Isolation {
+  kProcess,   // "process": sandboxed opjit-exec-worker processes (the default)
+  kInDaemon,  // "in-daemon": inside opjitd, unconfined (a trusted single user)
+};
+// [registry] backend: where op versions are stored.
+enum class RegistryBackend {
+  kSqlite,    // "sqlite": <state_dir>/registry.db (the default)
+  kPostgres,  // "postgres": registry.url
+};
+// The config's spelling of each ("process", "postgres", ...).
+const char* IsolationName(Isolation isolation);
+const char* RegistryBackendName(RegistryBackend backend);
+
 // The flags that override the config file. Kept, so that a reload (SIGHUP)
 // applies them over the file again.
 struct ConfigFlags {
@@ -112,7 +126,7 @@ struct DaemonConfig {
   // Where kernels run: "process" (sandboxed opjit-exec-worker processes, one
   // pool per namespace) or "in-daemon" (inside opjitd: unsafe, for a trusted
   // single user).
-  std::string isolation = "process";
+  Isolation isolation = Isolation::kProcess;
   int exec_workers = 2;                  // executor processes per namespace, at most
   int64_t worker_idle_ms = 60000;        // an idle executor process is stopped after this
   int64_t kernel_timeout_ms = 60000;     // a kernel running longer is killed (DEADLINE_EXCEEDED)
@@ -176,7 +190,7 @@ struct DaemonConfig {
   int64_t cache_remote_ttl_s = 7 * 24 * 3600;  // entries expire (0: never)
 
   // [registry]: where op versions are stored (server/registry/store.h).
-  std::string registry_backend = "sqlite";  // "sqlite": <state_dir>/registry.db; "postgres"
+  RegistryBackend registry_backend = RegistryBackend::kSqlite;
   std::string registry_url;                 // postgres: a libpq connection string or URI
   std::string registry_password_file;       // postgres: password, kept out of the config
   int64_t registry_poll_ms = 2000;          // postgres: backstop poll behind LISTEN/NOTIFY
@@ -213,14 +227,30 @@ ConfigResult BuildConfig(const std::string& path, const ConfigFlags& flags);
 
 // Builds the configuration from defaults, the TOML file named by --config (if
 // any) and the flags. INVALID_ARGUMENT for unknown flags or keys and bad
-// values, one problem per line; --help returns CANCELLED with the usage text
-// as message. With --check-config or --version only the flags are read.
+// values, one problem per line; --help (--help-config) returns CANCELLED with
+// the usage text (ConfigHelp()) as message. With --check-config or --version
+// only the flags are read.
 absl::StatusOr<DaemonConfig> LoadConfig(int argc, char** argv);
 
 // Every setting but the principals, as "section.key" -> its value printed
 // (file paths as given; no secret is held in the config itself): what a
 // reload compares to tell which keys changed.
 std::map<std::string, std::string> SettingsOf(const DaemonConfig& cfg);
+
+// One key of the config file, as opjitd --help-config prints it. The list
+// comes from config.cc's key table, the one place that names a key, reads
+// it, prints it (SettingsOf) and documents it.
+struct ConfigKeyInfo {
+  std::string key;            // "exec.workers": key workers of section [exec]
+  std::string type;           // "integer >= 1", "string", "process | in-daemon", ...
+  std::string default_value;  // as written in the file, or how it is computed
+  std::string doc;
+  bool alias = false;         // another name for a key listed too
+};
+std::vector<ConfigKeyInfo> ConfigKeys();
+
+// opjitd --help-config: every key, its type, default and meaning.
+std::string ConfigHelp();
 
 // The log levels log_level and --log-level accept.
 bool ValidLogLevel(const std::string& level);
