@@ -514,6 +514,14 @@ void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane, boo
   idle_cv_.notify_all();
 }
 
+void CpuCompiler::Reap(std::unique_ptr<Worker>* worker, int* status, struct rusage* usage) {
+  if (absl::StatusOr<subprocess::Exit> e = subprocess::Reap((*worker)->pid); e.ok()) {
+    if (status != nullptr) *status = e->wait_status;
+    if (usage != nullptr) *usage = e->usage;
+  }
+  worker->reset();
+}
+
 absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worker,
                                                   const std::string& payload,
                                                   const std::string& file_name, bool allow_long,
@@ -535,21 +543,9 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
   std::string frame;
   if (s.ok()) s = ipc::ReadFrame(w.fd, &frame, deadline);
 
-  // Reaps the worker (killing it first if it still runs) and drops it.
-  auto reap = [&](int* status, rusage* usage) {
-    if (absl::StatusOr<subprocess::Exit> e = subprocess::Reap(w.pid); e.ok()) {
-      *status = e->wait_status;
-      *usage = e->usage;
-    }
-    worker->reset();
-  };
-  int status = 0;
-  rusage usage{};
-  const uint64_t limit_mib = options_.memory_limit_bytes >> 20;
-
   if (absl::IsDeadlineExceeded(s)) {
     log->debug("compile worker {} killed at the {} ms deadline", w.pid, options_.timeout_ms);
-    reap(&status, &usage);
+    Reap(worker);
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.timeouts;
     return absl::DeadlineExceededError(
@@ -561,7 +557,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
     // so rather than blaming a crash or an outside signal.
     log->warn("compile worker {} broke the protocol while compiling {}: {}; killed", w.pid,
               file_name, s.ToString());
-    reap(&status, &usage);
+    Reap(worker);
     {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.crashes;
@@ -570,67 +566,79 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
         "the compile worker broke its protocol while compiling ", file_name, " (",
         s.message(), ") and was stopped"));
   }
-  if (!s.ok()) {
-    // The worker hung up: it died. An exit after the process had already
-    // begun to exit keeps its own status, so killing first is safe.
-    const pid_t pid = w.pid;
-    reap(&status, &usage);
-    uint64_t maxrss = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
-    bool near_limit = options_.memory_limit_bytes != 0 &&
-                      maxrss + options_.memory_limit_bytes / 4 >= options_.memory_limit_bytes;
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 71) near_limit = true;
-    const int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-    if (sig != 0 && !IsCrashSignal(sig) && !near_limit) {
-      // Not the source's doing: an operator, a supervisor or the kernel's
-      // OOM killer (the machine, not this worker, ran short) sent it.
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++stats_.killed_outside;
-      }
-      log->warn("compile worker {} was killed by signal {} ({}) from outside opjitd while "
-                "compiling {}",
-                pid, sig, SignalName(sig), file_name);
-      return absl::UnavailableError(absl::StrCat(
-          "the compile worker was killed by signal ", sig, " (", SignalName(sig),
-          ") from outside opjitd while compiling ", file_name,
-          "; the source was not at fault, retry the request"));
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.crashes;
-    }
-    log->warn("compile worker died ({}) while compiling {}", DescribeExit(status), file_name);
-    if (near_limit) {
-      return absl::ResourceExhaustedError(absl::StrCat("the compiler ran out of memory (limit ",
-                                                       limit_mib, " MiB) while compiling ",
-                                                       file_name));
-    }
-    if (sig != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the compiler crashed (signal ", sig, ") while compiling ", file_name,
-                       "; the source triggers a compiler bug or exhausts its stack"));
-    }
-    return absl::InvalidArgumentError(
-        absl::StrCat("the compiler died (", DescribeExit(status), ") while compiling ", file_name,
-                     "; the source triggers a compiler bug or exhausts its stack"));
-  }
+  if (!s.ok()) return WorkerDied(worker, file_name);
 
   absl::StatusOr<ipc::WorkerResponse> resp = ipc::DecodeResponse(frame);
   if (!resp.ok()) {
-    reap(&status, &usage);
+    Reap(worker);
     return absl::InternalError(
         absl::StrCat("bad response from the compile worker: ", resp.status().ToString()));
   }
   if (response_flags != nullptr) {
     *response_flags = (resp->pch_built ? kPchBuilt : 0) | (resp->pch_stale ? kPchStale : 0);
   }
+  return Answer(worker, &*resp, file_name);
+}
+
+absl::Status CpuCompiler::WorkerDied(std::unique_ptr<Worker>* worker,
+                                     const std::string& file_name) {
+  // The worker hung up: it died. An exit after the process had already
+  // begun to exit keeps its own status, so killing first is safe.
+  auto log = Logger("compiler");
+  const pid_t pid = (*worker)->pid;
+  int status = 0;
+  rusage usage{};
+  Reap(worker, &status, &usage);
+  uint64_t maxrss = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+  bool near_limit = options_.memory_limit_bytes != 0 &&
+                    maxrss + options_.memory_limit_bytes / 4 >= options_.memory_limit_bytes;
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 71) near_limit = true;
+  const int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  if (sig != 0 && !IsCrashSignal(sig) && !near_limit) {
+    // Not the source's doing: an operator, a supervisor or the kernel's
+    // OOM killer (the machine, not this worker, ran short) sent it.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.killed_outside;
+    }
+    log->warn("compile worker {} was killed by signal {} ({}) from outside opjitd while "
+              "compiling {}",
+              pid, sig, SignalName(sig), file_name);
+    return absl::UnavailableError(absl::StrCat(
+        "the compile worker was killed by signal ", sig, " (", SignalName(sig),
+        ") from outside opjitd while compiling ", file_name,
+        "; the source was not at fault, retry the request"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.crashes;
+  }
+  log->warn("compile worker died ({}) while compiling {}", DescribeExit(status), file_name);
+  if (near_limit) {
+    return absl::ResourceExhaustedError(absl::StrCat("the compiler ran out of memory (limit ",
+                                                     options_.memory_limit_bytes >> 20,
+                                                     " MiB) while compiling ", file_name));
+  }
+  if (sig != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the compiler crashed (signal ", sig, ") while compiling ", file_name,
+                     "; the source triggers a compiler bug or exhausts its stack"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("the compiler died (", DescribeExit(status), ") while compiling ", file_name,
+                   "; the source triggers a compiler bug or exhausts its stack"));
+}
+
+absl::StatusOr<CpuCompileOutput> CpuCompiler::Answer(std::unique_ptr<Worker>* worker,
+                                                     ipc::WorkerResponse* resp,
+                                                     const std::string& file_name) {
   switch (resp->kind) {
     case ipc::ResponseKind::kOk: {
       if (!resp->pch_note.empty()) {
         std::lock_guard<std::mutex> lock(mu_);
         if (warned_pch_.size() < 16) {
           warned_pch_.push_back(resp->pch_note);
-          log->warn("compiled {} without its PCH: {}", file_name, resp->pch_note);
+          Logger("compiler")->warn("compiled {} without its PCH: {}", file_name, resp->pch_note);
         }
       }
       CpuCompileOutput out;
@@ -647,7 +655,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
     case ipc::ResponseKind::kBadRequest:
       return absl::InvalidArgumentError(resp->diagnostics);
     case ipc::ResponseKind::kFatalError: {
-      reap(&status, &usage);
+      Reap(worker);
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.crashes;
       return absl::InvalidArgumentError(absl::StrCat(
@@ -655,12 +663,12 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
           file_name, "; the source triggers a compiler bug or exhausts its stack"));
     }
     case ipc::ResponseKind::kOutOfMemory: {
-      reap(&status, &usage);
+      Reap(worker);
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.crashes;
       return absl::ResourceExhaustedError(absl::StrCat("the compiler ran out of memory (limit ",
-                                                       limit_mib, " MiB) while compiling ",
-                                                       file_name));
+                                                       options_.memory_limit_bytes >> 20,
+                                                       " MiB) while compiling ", file_name));
     }
   }
   return absl::InternalError("unreachable");

@@ -21,7 +21,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 
+struct rusage;
+
 namespace opjit::compiler {
+namespace ipc {
+struct WorkerResponse;
+}  // namespace ipc
 
 enum class Language { kC, kCxx };
 
@@ -168,6 +173,16 @@ class CpuCompiler {
                                        const std::string& file_name, bool allow_long,
                                        bool* long_lane, int pass_fd = -1,
                                        int* response_flags = nullptr);
+  // Run's halves: the error for a worker that hung up mid-compile (it died:
+  // reaped, counted, and its death explained), and the answer a worker's
+  // response gives (a crash or running out of memory reaps it too).
+  absl::Status WorkerDied(std::unique_ptr<Worker>* worker, const std::string& file_name);
+  absl::StatusOr<CpuCompileOutput> Answer(std::unique_ptr<Worker>* worker,
+                                          ipc::WorkerResponse* resp, const std::string& file_name);
+  // Kills the worker if it still runs, reaps it and drops it (`*worker`
+  // null); its wait status and usage go to `status` and `usage` when given.
+  static void Reap(std::unique_ptr<Worker>* worker, int* status = nullptr,
+                   struct rusage* usage = nullptr);
   // Moves a busy worker's slot to the long lane when the lane has room.
   bool EnterLongLane(Worker* worker, const std::string& file_name);
   // Gives back what a worker held after a compile: the worker (or null when

@@ -99,16 +99,19 @@ void OnFatal(const char* message, bool out_of_memory) {
   _exit(70);
 }
 
-int Main(int argc, char** argv) {
-  // opjitd's health probe: the program loads and starts.
-  if (argc == 2 && std::string(argv[1]) == "--probe") return 0;
+// The command line (see the top of this file).
+struct Flags {
   long parent_pid = 0;
   unsigned long long memory_limit = 0;
   std::string clang_path = OPJIT_CLANG_PATH;
   std::vector<std::string> read_only;
   bool isolate = false;  // namespaces of its own
   bool userns = false;   // uid 0 of a user namespace the daemon made (a daemon without root)
-  long long uid = -1;     // the compile uid (a root daemon)
+  long long uid = -1;    // the compile uid (a root daemon)
+};
+
+// Fills `f` (and g_fd); 0, or the exit code for a bad command line.
+int ParseFlags(int argc, char** argv, Flags* f) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -116,29 +119,29 @@ int Main(int argc, char** argv) {
       g_fd = std::atoi(v);
       ++i;
     } else if (a == subprocess::kParentPidFlag && v) {
-      parent_pid = std::atol(v);
+      f->parent_pid = std::atol(v);
       ++i;
     } else if (a == subprocess::kInstanceFlag && v) {
       ++i;  // a tag for a restart's sweep of leftovers (subprocess.h)
     } else if (a == "--memory-limit" && v) {
-      memory_limit = std::strtoull(v, nullptr, 10);
+      f->memory_limit = std::strtoull(v, nullptr, 10);
       ++i;
     } else if (a == "--clang" && v) {
-      clang_path = v;
+      f->clang_path = v;
       ++i;
     } else if (a == "--read-only" && v) {
-      read_only.push_back(v);
+      f->read_only.push_back(v);
       ++i;
     } else if (a == "--isolate" && v) {
-      isolate = std::string(v) == "1";
+      f->isolate = std::string(v) == "1";
       ++i;
     } else if (a == "--userns" && v) {
-      userns = std::string(v) == "1";
+      f->userns = std::string(v) == "1";
       ++i;
     } else if (a == "--uid" && v) {
       char* end = nullptr;
-      uid = std::strtoll(v, &end, 10);
-      if (*v == '\0' || *end != '\0' || uid <= 0 || uid >= 0xFFFFFFFFll) {
+      f->uid = std::strtoll(v, &end, 10);
+      if (*v == '\0' || *end != '\0' || f->uid <= 0 || f->uid >= 0xFFFFFFFFll) {
         std::fprintf(stderr, "opjit-compile-worker: bad --uid %s\n", v);
         return 2;
       }
@@ -148,76 +151,12 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  if (::fcntl(g_fd, F_GETFD) < 0) {
-    std::fprintf(stderr, "opjit-compile-worker: fd %d is not open; start it from opjitd\n", g_fd);
-    return 2;
-  }
-  ::fcntl(g_fd, F_SETFD, FD_CLOEXEC);
-  // Process 1 of its own PID namespace (--isolate): a clang abort is
-  // reported as one, and the daemon's socket says whether the daemon lives.
-  subprocess::ActAsInit();
-  subprocess::SetParentLink(g_fd);
-  // Die with the daemon. The parent check closes the race with its exit.
-  if (!subprocess::DieWithParent(static_cast<pid_t>(parent_pid))) return 3;
-  ::signal(SIGPIPE, SIG_IGN);
-  if (::chdir("/") != 0) return 2;
+  return 0;
+}
 
-  g_oom_frame = new std::string([] {
-    ipc::WorkerResponse r;
-    r.kind = ipc::ResponseKind::kOutOfMemory;
-    r.diagnostics = "out of memory";
-    return ipc::EncodeFrame(ipc::Encode(r));
-  }());
-  std::set_new_handler(OnNewFailure);
-  InitializeLlvm(OnFatal);
-  std::string error;
-  std::unique_ptr<ClangFrontend> frontend = ClangFrontend::Create(clang_path, &error);
-  if (frontend == nullptr) {
-    std::fprintf(stderr, "opjit-compile-worker: %s\n", error.c_str());
-    return 4;
-  }
-
-  sandbox::Policy policy;
-  // The toolchain, the system headers and the request's include directories;
-  // the libraries are loaded already, and the driver read the distribution's
-  // name (it keeps it) when the frontend started.
-  policy.read_only_paths = frontend->ReadPaths();
-  policy.read_only_paths.insert(policy.read_only_paths.end(), read_only.begin(), read_only.end());
-  policy.device_paths = {"/dev/null"};
-  policy.address_space_bytes = memory_limit;
-  // No network, no IPC and mounts of its own; memory only where
-  // RLIMIT_AS counts it.
-  policy.private_namespaces = isolate;
-  policy.user_namespace_root = userns;
-  policy.refuse_shared_memory = true;
-  // Never root (a root daemon's compile uid, which no executor has): only
-  // CAP_DAC_READ_SEARCH stays, to read the include directories. In the
-  // user namespace a non-root daemon made: the same, over the daemon's
-  // files (that namespace maps its ids too).
-  policy.uid = uid;
-  policy.gid = uid;
-  policy.keep_read_search = uid > 0 || userns;
-  // A PCH is written to the descriptor the daemon passes: never more than
-  // the memory it was built in. EFBIG rather than SIGXFSZ past that.
-  {
-    ::signal(SIGXFSZ, SIG_IGN);
-    const rlim_t fsize = memory_limit != 0 ? memory_limit : (4ull << 30);
-    rlimit lim{fsize, fsize};
-    if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) return 5;
-  }
-  if (absl::Status s = sandbox::Apply(policy); !s.ok()) {
-    std::fprintf(stderr, "opjit-compile-worker: %s\n", s.ToString().c_str());
-    return 5;
-  }
-  // Once more after the sandbox: a credential change clears it.
-  if (!subprocess::DieWithParent(static_cast<pid_t>(parent_pid))) return 3;
-
-  ipc::Hello hello = frontend->Describe();
-  hello.pid = static_cast<int32_t>(::getpid());
-  if (!ipc::WriteFrame(g_fd, ipc::Encode(hello), absl::InfiniteFuture(), ipc::kFromWorker).ok()) {
-    return 6;
-  }
-
+// Answers requests until the daemon closes the socket (0) or is gone (0),
+// or the socket fails (7, 8).
+int Serve(ClangFrontend* frontend, pid_t parent_pid) {
   for (;;) {
     // Wait for the next request, checking every second that the daemon is
     // still the parent.
@@ -225,7 +164,7 @@ int Main(int argc, char** argv) {
       pollfd p{g_fd, POLLIN, 0};
       const int r = ::poll(&p, 1, 1000);
       if (r > 0 || (r < 0 && errno != EINTR)) break;  // the read says what happened
-      if (!subprocess::ParentIs(static_cast<pid_t>(parent_pid))) return 0;
+      if (!subprocess::ParentIs(parent_pid)) return 0;
     }
     std::string payload;
     int pch_fd = -1;
@@ -259,6 +198,88 @@ int Main(int argc, char** argv) {
     }
     if (!ipc::WriteFrame(g_fd, out, absl::InfiniteFuture(), ipc::kFromWorker).ok()) return 8;
   }
+}
+
+int Main(int argc, char** argv) {
+  // opjitd's health probe: the program loads and starts.
+  if (argc == 2 && std::string(argv[1]) == "--probe") return 0;
+  Flags flags;
+  if (int bad = ParseFlags(argc, argv, &flags); bad != 0) return bad;
+  const long parent_pid = flags.parent_pid;
+  const unsigned long long memory_limit = flags.memory_limit;
+  const long long uid = flags.uid;
+  if (::fcntl(g_fd, F_GETFD) < 0) {
+    std::fprintf(stderr, "opjit-compile-worker: fd %d is not open; start it from opjitd\n", g_fd);
+    return 2;
+  }
+  ::fcntl(g_fd, F_SETFD, FD_CLOEXEC);
+  // Process 1 of its own PID namespace (--isolate): a clang abort is
+  // reported as one, and the daemon's socket says whether the daemon lives.
+  subprocess::ActAsInit();
+  subprocess::SetParentLink(g_fd);
+  // Die with the daemon. The parent check closes the race with its exit.
+  if (!subprocess::DieWithParent(static_cast<pid_t>(parent_pid))) return 3;
+  ::signal(SIGPIPE, SIG_IGN);
+  if (::chdir("/") != 0) return 2;
+
+  g_oom_frame = new std::string([] {
+    ipc::WorkerResponse r;
+    r.kind = ipc::ResponseKind::kOutOfMemory;
+    r.diagnostics = "out of memory";
+    return ipc::EncodeFrame(ipc::Encode(r));
+  }());
+  std::set_new_handler(OnNewFailure);
+  InitializeLlvm(OnFatal);
+  std::string error;
+  std::unique_ptr<ClangFrontend> frontend = ClangFrontend::Create(flags.clang_path, &error);
+  if (frontend == nullptr) {
+    std::fprintf(stderr, "opjit-compile-worker: %s\n", error.c_str());
+    return 4;
+  }
+
+  sandbox::Policy policy;
+  // The toolchain, the system headers and the request's include directories;
+  // the libraries are loaded already, and the driver read the distribution's
+  // name (it keeps it) when the frontend started.
+  policy.read_only_paths = frontend->ReadPaths();
+  policy.read_only_paths.insert(policy.read_only_paths.end(), flags.read_only.begin(),
+                               flags.read_only.end());
+  policy.device_paths = {"/dev/null"};
+  policy.address_space_bytes = memory_limit;
+  // No network, no IPC and mounts of its own; memory only where
+  // RLIMIT_AS counts it.
+  policy.private_namespaces = flags.isolate;
+  policy.user_namespace_root = flags.userns;
+  policy.refuse_shared_memory = true;
+  // Never root (a root daemon's compile uid, which no executor has): only
+  // CAP_DAC_READ_SEARCH stays, to read the include directories. In the
+  // user namespace a non-root daemon made: the same, over the daemon's
+  // files (that namespace maps its ids too).
+  policy.uid = uid;
+  policy.gid = uid;
+  policy.keep_read_search = uid > 0 || flags.userns;
+  // A PCH is written to the descriptor the daemon passes: never more than
+  // the memory it was built in. EFBIG rather than SIGXFSZ past that.
+  {
+    ::signal(SIGXFSZ, SIG_IGN);
+    const rlim_t fsize = memory_limit != 0 ? memory_limit : (4ull << 30);
+    rlimit lim{fsize, fsize};
+    if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) return 5;
+  }
+  if (absl::Status s = sandbox::Apply(policy); !s.ok()) {
+    std::fprintf(stderr, "opjit-compile-worker: %s\n", s.ToString().c_str());
+    return 5;
+  }
+  // Once more after the sandbox: a credential change clears it.
+  if (!subprocess::DieWithParent(static_cast<pid_t>(parent_pid))) return 3;
+
+  ipc::Hello hello = frontend->Describe();
+  hello.pid = static_cast<int32_t>(::getpid());
+  if (!ipc::WriteFrame(g_fd, ipc::Encode(hello), absl::InfiniteFuture(), ipc::kFromWorker).ok()) {
+    return 6;
+  }
+
+  return Serve(frontend.get(), static_cast<pid_t>(parent_pid));
 }
 
 }  // namespace
