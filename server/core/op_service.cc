@@ -71,9 +71,9 @@ void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, Register
   compiler::KernelCompiler* kc = compiler_;
   exec::Executor* executor = executor_;
   // Stores the op once every implementation compiled.
-  auto store = [registry, executor, reg, log]() {
+  auto store = [registry, executor, reg, log, rules = &rules]() {
     const registry::OpDef& d = reg->def;
-    auto result = registry->Register(d);
+    auto result = registry->Register(d, *rules);
     if (!result.ok()) {
       log->warn("req={} register {}/{}: {}", reg->rid, d.ns, d.name, result.status().ToString());
       return reg->Fail(result.status());

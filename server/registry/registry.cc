@@ -124,9 +124,9 @@ void Registry::NoteLocalWrite(uint64_t store_generation) {
   Changed();
 }
 
-absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def) {
+absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def, const TargetRules& rules) {
   auto log = Logger("registry");
-  if (absl::Status s = ValidateOpDef(def); !s.ok()) {
+  if (absl::Status s = ValidateOpDef(def, rules); !s.ok()) {
     return s.code() == absl::StatusCode::kInvalidArgument ? WithReason(s, reason::kInvalidSpec) : s;
   }
   std::string hash = ContentHash(def);

@@ -43,6 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/registry/op_def.h"
 #include "server/registry/store.h"
+#include "server/registry/validate.h"
 
 namespace opjit::registry {
 
@@ -86,7 +87,8 @@ class Registry {
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
 
-  // Validates `def` (ValidateOpDef: INVALID_ARGUMENT naming the field). If the
+  // Validates `def` (ValidateOpDef by `rules`, the compile backends' languages
+  // and options: INVALID_ARGUMENT naming the field). If the
   // latest version of (def.ns, def.name) has the same content hash, returns it
   // with created = false. Otherwise stores the definition as a new version
   // (the highest version ever used + 1, so 1 for a new op) and returns it with
@@ -94,7 +96,8 @@ class Registry {
   // RESOURCE_EXHAUSTED with reason QUOTA_EXCEEDED. A store error is returned
   // as is (UNAVAILABLE with reason STORE_UNAVAILABLE while the database
   // cannot be reached) and leaves the registry unchanged.
-  absl::StatusOr<RegisterResult> Register(OpDef def);
+  absl::StatusOr<RegisterResult> Register(OpDef def,
+                                          const TargetRules& rules = BuiltinTargetRules());
 
   // Version `version` of (ns, name), or the latest when `version` is 0.
   // NOT_FOUND: `op "default/foo" not found` or

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/compiler/backend.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/registry/registry.h"
 #include "server/registry/validate.h"
 #include "tests/unit/cache/test_util.h"
 
@@ -266,6 +267,19 @@ TEST_F(BackendSetTest, TheFakesAllowListIsConsultedByTheCompilerAndTheRegistry) 
   impl.compile_options = {"-fake-level=3"};
   def.implementations = {impl};
   EXPECT_TRUE(registry::ValidateOpDef(def, rules).ok()) << registry::ValidateOpDef(def, rules);
+  {
+    // The registry stores it by the fake's rules; by the built-in ones it
+    // is not a GPU language.
+    registry::Registry::Options ro;
+    ro.db_path = dir_.Sub("ops.db");
+    auto reg = registry::Registry::Create(ro);
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    auto stored = (*reg)->Register(def, rules);
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    EXPECT_TRUE(stored->created);
+    EXPECT_EQ((*reg)->Register(def).status().message(),
+              "implementations[0].language: \"fake\" is not a GPU language (cuda)");
+  }
   def.implementations[0].compile_options = {"-fake-level=x"};
   s = registry::ValidateOpDef(def, rules);
   EXPECT_TRUE(absl::StrContains(s.message(), "implementations[0].compile_options[0]: option "
