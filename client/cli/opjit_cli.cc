@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -25,7 +24,6 @@
 #include <future>
 #include <iostream>
 #include <map>
-#include <mutex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -47,6 +45,7 @@
 #include "client/cpp/shm_region.h"
 #include "opjit/version.h"
 #include "server/common/error_info.h"
+#include "server/common/mutex.h"
 #include "server/common/random.h"
 #include "server/common/sha256.h"
 
@@ -373,10 +372,10 @@ class Progress {
   ~Progress() {
     if (!thread_.joinable()) return;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      opjit::MutexLock lock(&mu_);
       done_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     thread_.join();
   }
   Progress(const Progress&) = delete;
@@ -386,9 +385,13 @@ class Progress {
   void Run() {
     const auto start = std::chrono::steady_clock::now();
     bool shown = false;
-    std::unique_lock<std::mutex> lock(mu_);
+    opjit::MutexLock lock(&mu_);
     for (int s = 1;; ++s) {
-      if (cv_.wait_until(lock, start + std::chrono::seconds(s), [this] { return done_; })) break;
+      // cv.wait_until(lock, t, pred): until done_ or t passed; then done_.
+      const auto t = start + std::chrono::seconds(s);
+      while (!done_ && cv_.WaitUntil(&mu_, t)) {
+      }
+      if (done_) break;
       std::fprintf(stderr, "\r  %s\u2026 %ds\033[K", what_.c_str(), s);
       std::fflush(stderr);
       shown = true;
@@ -400,9 +403,9 @@ class Progress {
   }
 
   const std::string what_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;  // guarded by mu_
+  opjit::Mutex mu_;
+  opjit::CondVar cv_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

@@ -170,8 +170,8 @@ bool FastChannel::closed() const {
 }
 
 int FastChannel::TakeSlot() {
-  std::unique_lock<std::mutex> lock(mu_);
-  slot_freed_.wait(lock, [&] { return !free_.empty(); });
+  MutexLock lock(&mu_);
+  while (free_.empty()) slot_freed_.Wait(&mu_);
   const int slot = free_.back();
   free_.pop_back();
   return slot;
@@ -179,10 +179,10 @@ int FastChannel::TakeSlot() {
 
 void FastChannel::GiveSlot(int slot) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     free_.push_back(slot);
   }
-  slot_freed_.notify_one();
+  slot_freed_.Signal();
 }
 
 bool FastChannel::WorkerGone() const {
@@ -220,7 +220,7 @@ FastChannel::Result FastChannel::Call(uint64_t handle, std::span<const FastTenso
   Slot* s = fast::SlotAt(base_, static_cast<uint32_t>(index));
   uint64_t seq;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     seq = next_seq_++;
   }
   // The slot is ours (client-local bookkeeping); a slot the executor still
@@ -345,16 +345,16 @@ absl::StatusOr<std::shared_ptr<FastChannel>> GetChannel(Client& client, FastStat
                                                         const std::string& ns) {
   const std::string key = NsKey(ns);
   {
-    std::lock_guard<std::mutex> lock(st.mu);
+    MutexLock lock(&st.mu);
     auto it = st.channels.find(key);
     if (it != st.channels.end() && !it->second->closed()) return it->second;
     auto refused = st.no_channel.find(key);
     if (refused != st.no_channel.end()) return refused->second;
   }
-  std::lock_guard<std::mutex> opening(st.open_mu);
+  MutexLock opening(&st.open_mu);
   std::shared_ptr<FastChannel> old;
   {
-    std::lock_guard<std::mutex> lock(st.mu);
+    MutexLock lock(&st.mu);
     auto it = st.channels.find(key);
     if (it != st.channels.end()) {
       if (!it->second->closed()) return it->second;  // another thread reopened it
@@ -369,7 +369,7 @@ absl::StatusOr<std::shared_ptr<FastChannel>> GetChannel(Client& client, FastStat
   if (!info.ok()) {
     // Kernels run in the daemon: this server has no fast path; stay on gRPC.
     if (info.status().code() == absl::StatusCode::kUnimplemented) {
-      std::lock_guard<std::mutex> lock(st.mu);
+      MutexLock lock(&st.mu);
       st.no_channel[key] = info.status();
     }
     return info.status();
@@ -380,13 +380,13 @@ absl::StatusOr<std::shared_ptr<FastChannel>> GetChannel(Client& client, FastStat
     return channel.status();
   }
   std::shared_ptr<FastChannel> shared = *std::move(channel);
-  std::lock_guard<std::mutex> lock(st.mu);
+  MutexLock lock(&st.mu);
   st.channels[key] = shared;
   return shared;
 }
 
 void DropChannel(FastState& st, const std::string& ns, const FastChannel* ch) {
-  std::lock_guard<std::mutex> lock(st.mu);
+  MutexLock lock(&st.mu);
   auto it = st.channels.find(NsKey(ns));
   if (it != st.channels.end() && it->second.get() == ch) st.channels.erase(it);
 }
@@ -471,13 +471,13 @@ absl::StatusOr<double> Client::CallPrepared(const PreparedCall& call,
 absl::StatusOr<uint64_t> Client::RegionId(const std::string& ns, const std::string& name) {
   const std::string key = NsKey(ns);
   {
-    std::lock_guard<std::mutex> lock(fast_->mu);
+    MutexLock lock(&fast_->mu);
     auto& ids = fast_->region_ids[key];
     if (auto it = ids.find(name); it != ids.end()) return it->second;
   }
   auto list = ListRegions(ns);
   if (!list.ok()) return list.status();
-  std::lock_guard<std::mutex> lock(fast_->mu);
+  MutexLock lock(&fast_->mu);
   auto& ids = fast_->region_ids[key];
   auto& foreign = fast_->foreign_regions[key];
   for (const auto& r : *list) {
@@ -521,7 +521,7 @@ std::optional<absl::StatusOr<v1::ForwardResponse>> Client::ForwardFast(
   // refuses goes over gRPC, which answers with the canonical error.
   auto prepared = [&](bool fresh) -> std::shared_ptr<const PreparedCall> {
     if (!fresh) {
-      std::lock_guard<std::mutex> lock(fast_->mu);
+      MutexLock lock(&fast_->mu);
       auto it = fast_->handles.find(key);
       if (it != fast_->handles.end()) return it->second;
     }
@@ -542,13 +542,13 @@ std::optional<absl::StatusOr<v1::ForwardResponse>> Client::ForwardFast(
     auto call = PrepareHandle(p);
     if (!call.ok()) return nullptr;
     auto shared = std::make_shared<const PreparedCall>(*std::move(call));
-    std::lock_guard<std::mutex> lock(fast_->mu);
+    MutexLock lock(&fast_->mu);
     if (fast_->handles.size() >= kMaxCachedHandles) fast_->handles.clear();
     fast_->handles[key] = shared;
     return shared;
   };
   auto forget = [&](const PreparedCall* stale) {
-    std::lock_guard<std::mutex> lock(fast_->mu);
+    MutexLock lock(&fast_->mu);
     auto it = fast_->handles.find(key);
     if (it != fast_->handles.end() && it->second.get() == stale) fast_->handles.erase(it);
   };
@@ -632,7 +632,7 @@ std::optional<absl::StatusOr<v1::ForwardResponse>> Client::ForwardFast(
       if (IsReason(r.status, absl::StatusCode::kNotFound, reason::kRegionNotRegistered)) {
         // Our region ids are out of date (a lease lapsed, a region was made
         // again) and no kernel ran: forget them; gRPC answers by name.
-        std::lock_guard<std::mutex> lock(fast_->mu);
+        MutexLock lock(&fast_->mu);
         fast_->region_ids.erase(NsKey(ns));
         fast_->foreign_regions.erase(NsKey(ns));
         return std::nullopt;

@@ -6,11 +6,9 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -19,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "client/cpp/opjit_client.h"
 #include "proto/opjit/wire/fast_channel.h"
+#include "server/common/mutex.h"
 
 namespace opjit::client {
 
@@ -74,10 +73,10 @@ class FastChannel {
   const uint32_t max_tensors_;
   const int64_t spin_ns_;
 
-  std::mutex mu_;
-  std::condition_variable slot_freed_;
-  std::vector<int> free_;  // slots this process may take
-  uint64_t next_seq_ = 1;
+  Mutex mu_;
+  CondVar slot_freed_;
+  std::vector<int> free_ ABSL_GUARDED_BY(mu_);  // slots this process may take
+  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   // Set when a call gave up on a slot that the executor may still write (a
   // lost executor): the channel is not used again.
   std::atomic<bool> broken_{false};
@@ -90,19 +89,19 @@ struct FastState {
   // addresses: the home daemon, once chosen).
   std::atomic<bool> unix_socket{false};
 
-  std::mutex mu;
+  Mutex mu;
   // Prepared handles by call shape (see ShapeKey in fast_call.cc).
-  std::map<std::string, std::shared_ptr<const PreparedCall>> handles;
+  std::map<std::string, std::shared_ptr<const PreparedCall>> handles ABSL_GUARDED_BY(mu);
   // Region ids of this client's regions: ns -> name -> id.
-  std::map<std::string, std::map<std::string, uint64_t>> region_ids;
+  std::map<std::string, std::map<std::string, uint64_t>> region_ids ABSL_GUARDED_BY(mu);
   // Names of regions in each ns that are not this client's (they go over gRPC).
-  std::map<std::string, std::map<std::string, bool>> foreign_regions;
+  std::map<std::string, std::map<std::string, bool>> foreign_regions ABSL_GUARDED_BY(mu);
   // Open channels by namespace.
-  std::map<std::string, std::shared_ptr<FastChannel>> channels;
+  std::map<std::string, std::shared_ptr<FastChannel>> channels ABSL_GUARDED_BY(mu);
   // Namespaces where OpenChannel was refused (auto mode stays on gRPC there).
-  std::map<std::string, absl::Status> no_channel;
+  std::map<std::string, absl::Status> no_channel ABSL_GUARDED_BY(mu);
   // Serializes channel opening (one OpenChannel per namespace at a time).
-  std::mutex open_mu;
+  Mutex open_mu ABSL_ACQUIRED_BEFORE(mu);
 };
 
 }  // namespace opjit::client

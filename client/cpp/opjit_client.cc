@@ -53,7 +53,7 @@ std::string EnvOr(const std::string& value, const char* name) {
 void RememberRegion(FastState& st, const std::string& ns, const v1::RegionInfo& info) {
   if (info.id() == 0) return;
   const std::string key = ns.empty() ? "default" : ns;
-  std::lock_guard<std::mutex> lock(st.mu);
+  MutexLock lock(&st.mu);
   st.region_ids[key][info.name()] = info.id();
   st.foreign_regions[key].erase(info.name());
 }
@@ -62,7 +62,7 @@ void RememberRegion(FastState& st, const std::string& ns, const v1::RegionInfo& 
 // channels and handles, when null: the client released its regions).
 void ForgetRegions(FastState& st, const std::string& ns, const std::string* name) {
   const std::string key = ns.empty() ? "default" : ns;
-  std::lock_guard<std::mutex> lock(st.mu);
+  MutexLock lock(&st.mu);
   if (name != nullptr) {
     st.region_ids[key].erase(*name);
     st.foreign_regions[key].erase(*name);
@@ -193,7 +193,7 @@ Client::~Client() {
   std::vector<std::string> handle_ns;
   std::vector<std::pair<std::string, std::string>> channel_regions;
   {
-    std::lock_guard<std::mutex> lock(fast_->mu);
+    MutexLock lock(&fast_->mu);
     for (const auto& [key, call] : fast_->handles) {
       if (std::find(handle_ns.begin(), handle_ns.end(), call->ns) == handle_ns.end()) {
         handle_ns.push_back(call->ns);
@@ -332,7 +332,7 @@ bool Client::Check(Endpoint& e) const {
 }
 
 absl::StatusOr<Client::Endpoint*> Client::Home() {
-  std::lock_guard<std::mutex> lock(home_mu_);
+  MutexLock lock(&home_mu_);
   if (home_ != nullptr) return home_;
   for (Endpoint* e : Order("", "")) {
     if (e->healthy.load() || Check(*e)) {
@@ -654,7 +654,7 @@ absl::StatusOr<int> Client::ReleaseHandles(const std::string& ns,
   for (uint64_t h : handles) req.add_handles(h);
   {
     // Cached call shapes on released handles are prepared again on next use.
-    std::lock_guard<std::mutex> lock(fast_->mu);
+    MutexLock lock(&fast_->mu);
     for (auto it = fast_->handles.begin(); it != fast_->handles.end();) {
       const bool gone = it->second->ns == ns &&
                         (handles.empty() || std::find(handles.begin(), handles.end(),

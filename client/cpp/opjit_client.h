@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -18,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/common/mutex.h"
 #include "opjit/v1/compile.grpc.pb.h"
 #include "opjit/v1/exec.grpc.pb.h"
 #include "opjit/v1/memory.grpc.pb.h"
@@ -252,8 +252,8 @@ class Client {
   std::chrono::milliseconds timeout_{0};
   std::vector<std::unique_ptr<Endpoint>> endpoints_;
   std::atomic<size_t> current_{0};
-  std::mutex home_mu_;
-  Endpoint* home_ = nullptr;  // guarded by home_mu_ (set once)
+  Mutex home_mu_;
+  Endpoint* home_ ABSL_GUARDED_BY(home_mu_) = nullptr;  // set once
   std::string client_id_;
   std::string token_;
   std::unique_ptr<FastState> fast_;
