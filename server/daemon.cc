@@ -393,7 +393,11 @@ absl::Status Daemon::PrepareStateDir() {
   }
   absl::StatusOr<int> lock_fd = LockStateDir(cfg_.state_dir);
   if (!lock_fd.ok()) return absl::Status(lock_fd.status().code(), lock_fd.status().message());
-  parts_->unlock_state_dir.Set([fd = *lock_fd] { ::close(fd); });
+  parts_->unlock_state_dir.Set([fd = *lock_fd] {
+    if (::close(fd) != 0) {
+      Logger("main")->warn("closing the state dir's lock: {}", std::strerror(errno));
+    }
+  });
   // Every helper carries a tag of the state dir (as the shm names do). With
   // the lock held no other daemon of this state dir lives, so a tagged
   // helper that is not ours was left by a killed predecessor: end it.
@@ -710,8 +714,13 @@ int Daemon::Serve() {
   served_ = true;
   parts_->ready.StartupDone();
   int sig = 0;
-  while (sigwait(&signals_, &sig) == 0 && sig == SIGHUP) {
+  int error = 0;
+  while ((error = sigwait(&signals_, &sig)) == 0 && sig == SIGHUP) {
     Reload(&cfg_, parts_->access.get(), parts_->quotas.get());
+  }
+  if (error != 0) {
+    Logger("main")->error("waiting for signals failed: {}; shutting down", std::strerror(error));
+    return 0;
   }
   Logger("main")->info("{} received, shutting down", strsignal(sig));
   return sig;
@@ -719,7 +728,9 @@ int Daemon::Serve() {
 
 void Daemon::Shutdown() {
   if (parts_ == nullptr) return;
-  if (served_) systemd::NotifyStopping();
+  // False without $NOTIFY_SOCKET (no systemd); a failed send is logged by
+  // systemd_notify.cc: either way the stop goes on.
+  if (served_) static_cast<void>(systemd::NotifyStopping());
   parts_.reset();
   if (served_) Logger("main")->info("bye");
 }
