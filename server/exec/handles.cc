@@ -40,7 +40,7 @@ absl::StatusOr<std::shared_ptr<const Handle>> HandleTable::Add(const std::string
   h->call.outputs.clear();
   h->prepared = std::move(prepared);
   h->fast = fast;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   size_t& used = per_namespace_[ns];
   if (used >= options_.max_per_namespace) {
     return WithReason(absl::ResourceExhaustedError(absl::StrCat(
@@ -66,7 +66,7 @@ absl::StatusOr<std::shared_ptr<const Handle>> HandleTable::Get(const std::string
                                                                uint64_t id) {
   std::shared_ptr<const Handle> h;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto o = owners_.find({ns, owner});
     if (o != owners_.end()) {
       auto it = o->second.handles.find(id);
@@ -87,7 +87,7 @@ absl::StatusOr<std::shared_ptr<const Handle>> HandleTable::Get(const std::string
 
 int HandleTable::Release(const std::string& ns, const std::string& owner,
                          const std::vector<uint64_t>& ids) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto o = owners_.find({ns, owner});
   if (o == owners_.end()) return 0;
   int n = 0;
@@ -105,7 +105,7 @@ int HandleTable::Release(const std::string& ns, const std::string& owner,
 }
 
 void HandleTable::Renew(const std::string& ns, const std::string& owner) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto o = owners_.find({ns, owner});
   if (o != owners_.end()) {
     o->second.expires = options_.clock->Now() + std::chrono::milliseconds(options_.lease_ms);
@@ -116,7 +116,7 @@ int HandleTable::Expire(
     const std::function<bool(const std::string& ns, const std::string& owner)>& has_regions) {
   std::vector<std::pair<std::string, std::string>> lapsed;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     const auto now = options_.clock->Now();
     for (const auto& [key, o] : owners_) {
       if (o.expires <= now) lapsed.push_back(key);
@@ -130,7 +130,7 @@ int HandleTable::Expire(
 }
 
 size_t HandleTable::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return total_;
 }
 

@@ -20,12 +20,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/common/clock.h"
+#include "server/common/mutex.h"
 #include "server/exec/executor.h"
 
 namespace opjit::registry {
@@ -92,11 +92,11 @@ class HandleTable {
 
   const HandleTableOptions options_;
   registry::Registry* const registry_;
-  mutable std::mutex mu_;
-  std::map<std::pair<std::string, std::string>, Owned> owners_;  // (ns, owner)
-  std::map<std::string, size_t> per_namespace_;
-  size_t total_ = 0;
-  uint64_t next_id_ = 1;
+  mutable Mutex mu_;
+  std::map<std::pair<std::string, std::string>, Owned> owners_ ABSL_GUARDED_BY(mu_);  // (ns, owner)
+  std::map<std::string, size_t> per_namespace_ ABSL_GUARDED_BY(mu_);
+  size_t total_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace opjit::exec
