@@ -30,7 +30,10 @@ test-quick: build
 
 # A second build with clang 16, AddressSanitizer + UndefinedBehaviorSanitizer
 # and libFuzzer coverage: the unit and integration suites run under the
-# sanitizers, then each fuzzer for FUZZ_SECONDS from its seed corpus.
+# sanitizers, then each fuzzer for FUZZ_SECONDS from its seed corpus. Being
+# clang, it also checks the lock annotations (OPJIT_THREAD_SAFETY, on by
+# default under clang: -Wthread-safety -Werror=thread-safety), so a lock
+# annotation violation fails `make test` at this build.
 ASAN_BUILD ?= build-asan
 FUZZ_SECONDS ?= 60
 SANITIZER_ENV = ASAN_OPTIONS=halt_on_error=1:detect_stack_use_after_return=0:strict_string_checks=1 \
