@@ -6,12 +6,10 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/error_info.h"
 #include "server/common/logging.h"
 #include "server/common/text.h"
 #include "server/autograd/autograd.h"
@@ -19,9 +17,7 @@
 #include "server/core/defaults.h"
 #include "server/exec/executor.h"
 #include "server/registry/registry.h"
-#include "server/registry/validate.h"
 #include "server/access/access.h"
-#include "server/access/quotas.h"
 #include "server/rpc/caller.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/status_util.h"
