@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/error_info.h"
 #include "server/common/text.h"
+#include "server/core/defaults.h"
 
 namespace opjit::rpc {
 namespace {
@@ -121,8 +122,7 @@ absl::StatusOr<registry::OpDef> ConvertOpDef(const v1::OpDef& proto) {
     auto target = registry::ParseTarget(im.target().empty() ? "CPU" : im.target());
     if (!target) return Unknown(field + ".target", im.target(), "CPU or GPU");
     impl.target = *target;
-    impl.language = im.language();
-    if (impl.language.empty()) impl.language = impl.target == registry::Target::kGpu ? "cuda" : "c++";
+    impl.language = core::LanguageOrDefault(im.language(), impl.target);
     if (im.source().empty() && !im.source_file().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".source is empty but source_file \"", Excerpt(im.source_file()),
