@@ -89,8 +89,8 @@ class SpawnThread {
 // gets its own.
 SpawnThread& TheSpawnThread() {
   static Mutex mu;
-  static SpawnThread* thread = nullptr;
-  static pid_t owner = 0;
+  static SpawnThread* thread ABSL_GUARDED_BY(mu) = nullptr;
+  static pid_t owner ABSL_GUARDED_BY(mu) = 0;
   MutexLock lock(&mu);
   if (thread == nullptr || owner != ::getpid()) {
     thread = new SpawnThread();  // never freed, on purpose
