@@ -20,10 +20,10 @@ CompileWatch::CompileWatch(std::chrono::milliseconds after, std::chrono::millise
 
 CompileWatch::~CompileWatch() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -32,11 +32,11 @@ uint64_t CompileWatch::Begin(std::string what) {
   const auto now = Clock::now();
   uint64_t ticket;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ticket = next_ticket_++;
     running_[ticket] = Entry{std::move(what), now, now + after_};
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   return ticket;
 }
 
@@ -45,7 +45,7 @@ void CompileWatch::End(uint64_t ticket, bool ok) {
   const auto now = Clock::now();
   Entry e;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = running_.find(ticket);
     if (it == running_.end()) return;
     e = std::move(it->second);
@@ -58,21 +58,21 @@ void CompileWatch::End(uint64_t ticket, bool ok) {
 }
 
 uint64_t CompileWatch::reported() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return reported_;
 }
 
 void CompileWatch::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   while (!stop_) {
     auto next = Clock::time_point::max();
     for (const auto& [ticket, e] : running_) next = std::min(next, e.next_report);
     if (next == Clock::time_point::max()) {
-      cv_.wait(lock);
+      cv_.Wait(&mu_);
       continue;
     }
     if (Clock::now() < next) {
-      cv_.wait_until(lock, next);
+      cv_.WaitUntil(&mu_, next);
       continue;
     }
     const auto now = Clock::now();

@@ -11,12 +11,13 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <string>
 #include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "server/common/mutex.h"
 
 namespace opjit::compiler {
 
@@ -49,12 +50,12 @@ class CompileWatch {
   void Run();
 
   const std::chrono::milliseconds after_, every_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<uint64_t, Entry> running_;  // guarded by mu_
-  uint64_t next_ticket_ = 1;           // guarded by mu_
-  uint64_t reported_ = 0;              // guarded by mu_
-  bool stop_ = false;                  // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;  // signalled on a new compile and at the stop
+  std::map<uint64_t, Entry> running_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t reported_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

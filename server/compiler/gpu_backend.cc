@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <mutex>
 #include <optional>
 
 #include "absl/strings/cord.h"
@@ -20,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "server/common/logging.h"
+#include "server/common/mutex.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/backend.h"
 #include "server/compiler/compile_options.h"
@@ -143,7 +143,7 @@ class GpuBackend : public CompileBackend {
     }
     std::string id;
     if (UsesNvcc(job)) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (nvcc_id_.empty()) {
         OPJIT_ASSIGN_OR_RETURN(nvcc_id_, gpu::NvccToolchainId(options_.cuda_root));
       }
@@ -273,7 +273,7 @@ class GpuBackend : public CompileBackend {
   }
 
   std::string ToolchainId() const override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return nvrtc_ ? nvrtc_->ToolchainId() : std::string();
   }
 
@@ -302,7 +302,7 @@ class GpuBackend : public CompileBackend {
   }
 
   absl::StatusOr<gpu::NvrtcCompiler*> Nvrtc() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (nvrtc_) return nvrtc_.get();
     if (!nvrtc_status_.ok()) return nvrtc_status_;
     gpu::NvrtcOptions o;
@@ -351,10 +351,12 @@ class GpuBackend : public CompileBackend {
   }
 
   const KernelCompilerOptions options_;
-  mutable std::mutex mu_;
-  std::unique_ptr<gpu::NvrtcCompiler> nvrtc_;  // guarded by mu_ until set
-  absl::Status nvrtc_status_;                  // guarded by mu_
-  std::string nvcc_id_;                        // guarded by mu_
+  mutable Mutex mu_;
+  // Created on first use; what Nvrtc() returns stays valid for the backend's
+  // life.
+  std::unique_ptr<gpu::NvrtcCompiler> nvrtc_ ABSL_GUARDED_BY(mu_);
+  absl::Status nvrtc_status_ ABSL_GUARDED_BY(mu_);
+  std::string nvcc_id_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

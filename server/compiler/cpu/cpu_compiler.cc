@@ -189,7 +189,7 @@ CpuCompiler::CpuCompiler(const CpuCompilerOptions& options) : options_(options) 
 CpuCompiler::~CpuCompiler() {
   std::deque<std::unique_ptr<Worker>> idle;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     idle.swap(idle_);
   }
   for (auto& w : idle) KillAndReap(w->pid);
@@ -214,7 +214,7 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
 
   OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker, c->StartWorker());
   {
-    std::lock_guard<std::mutex> lock(c->mu_);
+    MutexLock lock(&c->mu_);
     c->live_ = 1;
   }
   const ipc::Hello& h = worker->hello;
@@ -271,10 +271,10 @@ void CpuCompiler::NotePchUse(const std::string& key, bool existed, bool built) {
   }
   if (!built) return;  // not built (a failing preamble)
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ++stats_.pch_built;
   }
-  std::lock_guard<std::mutex> lock(evict_mu_);
+  MutexLock lock(&evict_mu_);
   struct Entry {
     fs::file_time_type mtime;
     uint64_t bytes;
@@ -310,7 +310,7 @@ void CpuCompiler::NotePchUse(const std::string& key, bool existed, bool built) {
     ++evicted;
   }
   if (evicted > 0) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stats_.pch_evicted += evicted;
     Logger("compiler")->debug("evicted {} preamble PCHs ({} left, {} MiB)", evicted, count,
                               total >> 20);
@@ -387,10 +387,8 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::Acquire(
     std::unique_ptr<Worker> other;  // another namespace's, to end
     bool start = false;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      idle_cv_.wait(lock, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return !idle_.empty() || live_ < options_.num_workers;
-      });
+      MutexLock lock(&mu_);
+      while (idle_.empty() && live_ >= options_.num_workers) idle_cv_.Wait(&mu_);
       auto mine = std::find_if(idle_.begin(), idle_.end(), [&](const auto& i) {
         return !i->assigned || i->tenant == tenant;
       });
@@ -411,10 +409,10 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::Acquire(
     if (other != nullptr) KillAndReap(other->pid);
     if (start) {
       absl::StatusOr<std::unique_ptr<Worker>> started = StartWorker();
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (!started.ok()) {
         --live_;
-        idle_cv_.notify_one();
+        idle_cv_.Signal();
         return started.status();
       }
       if (dead_ > 0) {
@@ -433,34 +431,34 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::Acquire(
 
 void CpuCompiler::Release(std::unique_ptr<Worker> worker) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     idle_.push_back(std::move(worker));
   }
-  idle_cv_.notify_one();
+  idle_cv_.Signal();
 }
 
 void CpuCompiler::Discard(std::unique_ptr<Worker> worker) {
   KillAndReap(worker->pid);
   worker.reset();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     --live_;
     ++dead_;
   }
-  idle_cv_.notify_one();
+  idle_cv_.Signal();
 }
 
 bool CpuCompiler::EnterLongLane(Worker* worker, const std::string& file_name) {
   int in_lane = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (long_ >= options_.long_workers) return false;
     ++long_;
     --live_;
     ++stats_.long_compiles;
     in_lane = long_;
   }
-  idle_cv_.notify_one();
+  idle_cv_.Signal();
   // Small compiles that start meanwhile get the CPU first. Best effort.
   ::setpriority(PRIO_PROCESS, static_cast<id_t>(worker->pid), 10);
   Logger("compiler")->info(
@@ -499,7 +497,7 @@ void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane, boo
     worker.reset();
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (long_lane) {
       --long_;
     } else {
@@ -511,7 +509,7 @@ void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane, boo
       }
     }
   }
-  idle_cv_.notify_all();
+  idle_cv_.SignalAll();
 }
 
 void CpuCompiler::Reap(std::unique_ptr<Worker>* worker, int* status, struct rusage* usage) {
@@ -546,7 +544,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
   if (absl::IsDeadlineExceeded(s)) {
     log->debug("compile worker {} killed at the {} ms deadline", w.pid, options_.timeout_ms);
     Reap(worker);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ++stats_.timeouts;
     return absl::DeadlineExceededError(
         absl::StrCat("compile exceeded the ", options_.timeout_ms, " ms limit"));
@@ -559,7 +557,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
               file_name, s.ToString());
     Reap(worker);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       ++stats_.crashes;
     }
     return absl::InternalError(absl::StrCat(
@@ -598,7 +596,7 @@ absl::Status CpuCompiler::WorkerDied(std::unique_ptr<Worker>* worker,
     // Not the source's doing: an operator, a supervisor or the kernel's
     // OOM killer (the machine, not this worker, ran short) sent it.
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       ++stats_.killed_outside;
     }
     log->warn("compile worker {} was killed by signal {} ({}) from outside opjitd while "
@@ -610,7 +608,7 @@ absl::Status CpuCompiler::WorkerDied(std::unique_ptr<Worker>* worker,
         "; the source was not at fault, retry the request"));
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ++stats_.crashes;
   }
   log->warn("compile worker died ({}) while compiling {}", DescribeExit(status), file_name);
@@ -635,7 +633,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Answer(std::unique_ptr<Worker>* wo
   switch (resp->kind) {
     case ipc::ResponseKind::kOk: {
       if (!resp->pch_note.empty()) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         if (warned_pch_.size() < 16) {
           warned_pch_.push_back(resp->pch_note);
           Logger("compiler")->warn("compiled {} without its PCH: {}", file_name, resp->pch_note);
@@ -656,7 +654,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Answer(std::unique_ptr<Worker>* wo
       return absl::InvalidArgumentError(resp->diagnostics);
     case ipc::ResponseKind::kFatalError: {
       Reap(worker);
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       ++stats_.crashes;
       return absl::InvalidArgumentError(absl::StrCat(
           "the compiler crashed (LLVM fatal error: ", resp->diagnostics, ") while compiling ",
@@ -664,7 +662,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Answer(std::unique_ptr<Worker>* wo
     }
     case ipc::ResponseKind::kOutOfMemory: {
       Reap(worker);
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       ++stats_.crashes;
       return absl::ResourceExhaustedError(absl::StrCat("the compiler ran out of memory (limit ",
                                                        options_.memory_limit_bytes >> 20,
@@ -778,7 +776,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
   }
   if (!pch_key.empty()) NotePchUse(pch_key, req.pch == ipc::PchUse::kLoad, built);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ++stats_.compiles;
     if (!out.ok()) ++stats_.failures;
   }
@@ -791,7 +789,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
 }
 
 CpuCompiler::Stats CpuCompiler::GetStats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return stats_;
 }
 

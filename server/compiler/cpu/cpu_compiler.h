@@ -10,16 +10,15 @@
 // __attribute__((destructor))), which every object defines.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "server/common/mutex.h"
 
 struct rusage;
 
@@ -208,15 +207,15 @@ class CpuCompiler {
   std::string toolchain_id_;
   std::string pch_dir_;  // normalised; empty: PCH disabled
 
-  mutable std::mutex mu_;
-  std::condition_variable idle_cv_;
+  mutable Mutex mu_;
+  CondVar idle_cv_;  // signalled when a worker goes idle or a slot frees
   std::deque<std::unique_ptr<Worker>> idle_ ABSL_GUARDED_BY(mu_);
   int live_ ABSL_GUARDED_BY(mu_) = 0;  // idle + busy + starting
   int dead_ ABSL_GUARDED_BY(mu_) = 0;  // died, not yet replaced
   int long_ ABSL_GUARDED_BY(mu_) = 0;  // compiles in the long lane (not in live_)
   Stats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> warned_pch_ ABSL_GUARDED_BY(mu_);
-  std::mutex evict_mu_;  // one eviction pass at a time
+  Mutex evict_mu_;  // one eviction pass at a time
 };
 
 }  // namespace opjit::compiler
