@@ -14,7 +14,8 @@ Mutex& Mu() {
   return mu;
 }
 
-spdlog::level::level_enum& Level() {
+// The level new loggers get; set by SetLogLevel.
+spdlog::level::level_enum& Level() ABSL_EXCLUSIVE_LOCKS_REQUIRED(Mu()) {
   static spdlog::level::level_enum level = spdlog::level::info;
   return level;
 }
