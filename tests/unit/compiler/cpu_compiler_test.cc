@@ -304,8 +304,11 @@ TEST_F(CpuCompilerTest, UserOptionsApply) {
 TEST_F(CpuCompilerTest, RefusesOptionsAndDirectoriesOutsideTheConfig) {
   auto c = Make(Options());
   ASSERT_NE(c, nullptr);
+  // The registry's allow-list (compile_options.h), not a looser copy: a
+  // -std= of the other language or a GNU dialect, a -D that is no C
+  // identifier, are refused here too.
   for (const char* bad : {"-I/etc", "-Wl,-rpath", "-Wp,-include,/etc/passwd", "-include",
-                          "-fplugin=x.so", "-o/tmp/x"}) {
+                          "-fplugin=x.so", "-o/tmp/x", "-std=gnu++17", "-std=c11", "-DA-B"}) {
     CpuCompileRequest r = Cxx("int f() { return 0; }\n");
     r.options = {bad};
     absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
