@@ -391,9 +391,8 @@ absl::Status Daemon::PrepareStateDir() {
     log->warn("cannot make the state dir {} private (chmod 700): {}", cfg_.state_dir,
               std::strerror(errno));
   }
-  absl::StatusOr<int> lock_fd = LockStateDir(cfg_.state_dir);
-  if (!lock_fd.ok()) return absl::Status(lock_fd.status().code(), lock_fd.status().message());
-  parts_->unlock_state_dir.Set([fd = *lock_fd] {
+  OPJIT_ASSIGN_OR_RETURN(const int lock_fd, LockStateDir(cfg_.state_dir));
+  parts_->unlock_state_dir.Set([fd = lock_fd] {
     if (::close(fd) != 0) {
       Logger("main")->warn("closing the state dir's lock: {}", std::strerror(errno));
     }
@@ -541,10 +540,7 @@ absl::Status Daemon::StartExecution() {
 // Who may call (principals), the quotas, and the metrics they all feed.
 absl::Status Daemon::StartAccess() {
   Parts& p = *parts_;
-  absl::StatusOr<std::unique_ptr<access::AccessControl>> access =
-      access::AccessControl::Create(AccessOptionsFromConfig(cfg_));
-  if (!access.ok()) return absl::Status(access.status().code(), access.status().message());
-  p.access = *std::move(access);
+  OPJIT_ASSIGN_OR_RETURN(p.access, access::AccessControl::Create(AccessOptionsFromConfig(cfg_)));
   p.access->AddExisting(p.registry->Namespaces());
   p.quotas = std::make_unique<access::QuotaManager>(QuotaOptionsFromConfig(cfg_));
   p.metrics = std::make_unique<metrics::Registry>();
@@ -578,10 +574,7 @@ absl::Status Daemon::StartServer() {
                                        double kernel_seconds) {
          rpc::CountChannelCalls(m, ns, op, code, calls, kernel_seconds);
        }});
-  absl::StatusOr<std::unique_ptr<rpc::GrpcServer>> server =
-      rpc::GrpcServer::Start(std::move(sopts), core, *facts_);
-  if (!server.ok()) return absl::Status(server.status().code(), server.status().message());
-  p.server = *std::move(server);
+  OPJIT_ASSIGN_OR_RETURN(p.server, rpc::GrpcServer::Start(std::move(sopts), core, *facts_));
   p.drain_server.Set([s = p.server.get()] {
     s->Shutdown(std::chrono::seconds(5));
     s->Wait();
