@@ -445,7 +445,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
   subprocess::SpawnOptions spawn = ExecutorSpawnOptions(ns, channel, channel_spin_us, scratch, uid,
                                                         gid, isolated, userns, own_pids,
                                                         child_sock, w->arena_fd);
-  absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
+  absl::StatusOr<pid_t> pid = options.spawn(spawn);  // subprocess::Spawn but in tests
   ::close(child_sock);
   if (!isolated) w->scratch = scratch;
   if (!pid.ok()) {
@@ -453,6 +453,7 @@ absl::StatusOr<std::unique_ptr<Worker>> ProcessRunner::Impl::Spawn(const std::st
         absl::StrCat("cannot start an executor process: ", pid.status().message()));
   }
   w->pid = *pid;
+  w->last_used = options.clock->Now();
   started.fetch_add(1);
   live.fetch_add(1);
   // Under its namespace's memory cap before any user code runs (that comes
@@ -546,7 +547,7 @@ void ProcessRunner::Impl::Release(const std::string& ns, std::unique_ptr<Worker>
     }
   }
   Pool* pool = PoolFor(ns);
-  w->last_used = Clock::now();
+  w->last_used = options.clock->Now();
   MutexLock lock(&pool->mu);
   pool->idle.push_back(std::move(w));
   pool->cv.Signal();
@@ -1567,6 +1568,8 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
   }
   auto impl = std::make_shared<Impl>();
   impl->options = options;
+  if (!impl->options.spawn) impl->options.spawn = subprocess::Spawn;
+  if (impl->options.clock == nullptr) impl->options.clock = SteadyClock();
   ::signal(SIGPIPE, SIG_IGN);
   impl->cgroups = MemoryCgroups::Open(subprocess::InstanceTag().empty()
                                           ? std::to_string(::getpid())
@@ -1629,7 +1632,7 @@ absl::StatusOr<std::shared_ptr<KernelInstance>> ProcessRunner::Instance(const In
 }
 
 void ProcessRunner::Maintain() {
-  const auto now = Clock::now();
+  const auto now = impl_->options.clock->Now();
   const auto cutoff = now - std::chrono::milliseconds(impl_->options.idle_ms);
   std::vector<std::unique_ptr<Worker>> stale;
   {

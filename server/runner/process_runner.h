@@ -25,18 +25,41 @@
 // and a worker that dies after serving other instances gets the call run
 // once more in a fresh worker; only a crash there counts.
 //
+// Seams. Every executor process is started through
+// ProcessRunnerOptions::spawn (subprocess::Spawn unless a test puts a
+// recorder or a failure there), and idle time is read from
+// ProcessRunnerOptions::clock, so tests check what the runner asks for and
+// how it answers a failed start without root, and step time instead of
+// sleeping (tests/unit/runner/process_runner_seam_test.cc).
+//
 // Thread-safety: all methods are thread-safe.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "server/common/clock.h"
+#include "server/common/subprocess.h"
 #include "server/runner/kernel_host.h"
 #include "server/runner/kernel_runner.h"
 
 namespace opjit::runner {
+
+// How ProcessRunner starts one executor process (a pool worker or a fast
+// channel's): given everything the process gets (program, arguments,
+// environment, descriptors, namespaces, ids), it returns the pid of a child
+// of this process, which the runner then talks to, ends and reaps with
+// subprocess::Reap; or UNAVAILABLE, whose message the runner passes on to
+// the caller (so it names no host path, as subprocess::Spawn's does not).
+// Called from several threads at once, never on a call's hot path (only
+// when a worker starts).
+using ExecutorSpawn = std::function<absl::StatusOr<pid_t>(const subprocess::SpawnOptions&)>;
 
 struct ProcessRunnerOptions {
   // The opjit-exec-worker binary. Required.
@@ -113,6 +136,14 @@ struct ProcessRunnerOptions {
   KernelHostOptions host;
   // Extra read-only paths in the worker sandbox (allowed libraries' dirs).
   std::vector<std::string> read_only_paths;
+  // Starts executor processes. Empty: subprocess::Spawn. Tests record the
+  // SpawnOptions and still run the real worker, or make a start fail or
+  // hand back a process that dies at once.
+  ExecutorSpawn spawn;
+  // The time idle_ms is measured on (when a worker was last used, and
+  // Maintain()'s now). Null: SteadyClock(). Call deadlines and the kernel
+  // time limit always use the steady clock. Not owned; outlives the runner.
+  const Clock* clock = nullptr;
 };
 
 class ProcessRunner : public KernelRunner {
