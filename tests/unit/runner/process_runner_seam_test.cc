@@ -20,6 +20,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -30,11 +31,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "proto/opjit/wire/fast_channel.h"
 #include "server/common/clock.h"
 #include "server/common/error_info.h"
 #include "server/common/subprocess.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/runner/process_runner.h"
+#include "server/tensor/region.h"
 
 namespace opjit::runner {
 namespace {
@@ -420,6 +423,55 @@ TEST_F(ProcessRunnerSeamTest, MaintainStopsWorkersIdleLongerThanIdleMsOnTheInjec
   runner->Maintain();
   EXPECT_EQ(runner->Stats().workers_live, 1u);
   EXPECT_EQ(recorder_.calls(), 2);
+}
+
+TEST_F(ProcessRunnerSeamTest, AFastChannelsExecutorGetsItsRingAndItsNamespacesUid) {
+  ProcessRunnerOptions o = Options();
+  o.private_namespaces = false;
+  o.uid_first = 2100000000u + static_cast<uint32_t>(::getpid() % 100000) * 4;
+  o.uid_last = o.uid_first + 1;
+  auto runner = Make(o);
+  ASSERT_NE(runner, nullptr);
+  auto inst = Instance(*runner, "ns-a");
+  ASSERT_NE(inst, nullptr);
+  EXPECT_TRUE(FromWorker(Touch(*inst)));  // ns-a takes uid_first
+  auto ring = tensor::Region::CreateShm(absl::StrCat("/opjit-seamtest-", ::getpid(), "-ring"),
+                                        fast::kChannelBytes, tensor::RegionInfo{});
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  ChannelSpec spec;
+  spec.ns = "ns-a";
+  spec.label = "ns-a/channel";
+  spec.memory = std::shared_ptr<const tensor::Region>(*std::move(ring));
+  spec.resolve_handle = [](uint64_t) -> absl::StatusOr<HandleBinding> {
+    return absl::NotFoundError("no handles here");
+  };
+  spec.resolve_region = [](uint64_t) -> absl::StatusOr<std::shared_ptr<const tensor::Region>> {
+    return absl::NotFoundError("no regions here");
+  };
+  auto channel = runner->OpenChannel(spec);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  ASSERT_EQ(recorder_.calls(), 2);
+  const SpawnOptions got = recorder_.seen()[1];
+  EXPECT_EQ(Flag(got.args, "--namespace"), "ns-a");
+  EXPECT_EQ(Flag(got.args, "--uid"), std::to_string(o.uid_first));  // the namespace's own
+  EXPECT_EQ(Flag(got.args, "--channel-bytes"), std::to_string(fast::kChannelBytes));
+  std::map<int, int> fds;
+  for (const auto& m : got.fds) fds[m.child_fd] = m.parent_fd;
+  EXPECT_EQ(fds.size(), 4u);  // stderr, socket, arena, and the ring on 5
+  EXPECT_EQ(fds[5], spec.memory->fd());
+  EXPECT_EQ((*channel)->pid(), recorder_.pids()[1]);
+  EXPECT_TRUE((*channel)->alive());
+  EXPECT_EQ(runner->Stats().workers_live, 2u);
+  (*channel)->Close();
+  EXPECT_FALSE((*channel)->alive());
+  EXPECT_EQ(runner->Stats().workers_live, 1u);
+  EXPECT_EQ(::waitpid(recorder_.pids()[1], nullptr, WNOHANG), -1);  // reaped
+  // A channel whose executor cannot start is refused, naming no path.
+  recorder_.SetMode(Recorder::Mode::kFail);
+  auto refused = runner->OpenChannel(spec);
+  EXPECT_TRUE(absl::IsUnavailable(refused.status())) << refused.status();
+  EXPECT_EQ(std::string(refused.status().message()).find('/'), std::string::npos);
+  EXPECT_EQ(runner->Stats().workers_live, 1u);
 }
 
 }  // namespace
