@@ -508,8 +508,12 @@ absl::Status Daemon::StartExecution() {
   p.registry->SetChangeListener([c = p.channels.get()] { c->OnRegistryChanged(); });
   p.unhook_channels.Set([r = p.registry.get()] { r->SetChangeListener(nullptr); });
   p.reaper = std::thread([&p] {
-    std::unique_lock<std::mutex> lock(p.reaper_mu);
-    while (!p.reaper_cv.wait_for(lock, std::chrono::seconds(1), [&] { return p.reaper_stop; })) {
+    MutexLock lock(&p.reaper_mu);
+    for (;;) {
+      const auto next = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      while (!p.reaper_stop && p.reaper_cv.WaitUntil(&p.reaper_mu, next)) {
+      }
+      if (p.reaper_stop) return;
       const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
@@ -528,10 +532,10 @@ absl::Status Daemon::StartExecution() {
   });
   p.stop_reaper.Set([&p] {
     {
-      std::lock_guard<std::mutex> lock(p.reaper_mu);
+      MutexLock lock(&p.reaper_mu);
       p.reaper_stop = true;
     }
-    p.reaper_cv.notify_all();
+    p.reaper_cv.SignalAll();
     p.reaper.join();
   });
   return absl::OkStatus();

@@ -14,14 +14,15 @@
 #include <signal.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
+#include <string>
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "server/common/mutex.h"
 #include "server/common/systemd_notify.h"
 #include "server/config.h"
 
@@ -94,7 +95,8 @@ class Daemon {
 
   // Tells systemd the daemon is ready (once healthy), then waits for
   // signals: each SIGHUP reloads the --config file (what can change while
-  // serving), SIGTERM or SIGINT returns. Returns the signal that ended it.
+  // serving), SIGTERM or SIGINT returns. Returns the signal that ended it
+  // (0 when waiting for signals failed, which is logged).
   int Serve();
 
   // Tells systemd the daemon is stopping and stops every part in the
@@ -130,9 +132,9 @@ class Daemon {
     std::unique_ptr<exec::ChannelManager> channels;  // its destructor closes every channel
     OnExit unhook_channels;  // the registry stops telling the channels of changes
     // Releases lapsed leases and idle contexts once a second.
-    std::mutex reaper_mu;
-    std::condition_variable reaper_cv;
-    bool reaper_stop = false;  // guarded by reaper_mu
+    Mutex reaper_mu;
+    CondVar reaper_cv;
+    bool reaper_stop ABSL_GUARDED_BY(reaper_mu) = false;
     std::thread reaper;
     OnExit stop_reaper;  // stops and joins the reaper
     // gRPC: stops accepting, then gives in-flight calls up to 5 s.
