@@ -32,6 +32,7 @@ extern char** environ;
 namespace {
 
 namespace fs = std::filesystem;
+using opjit::compiler::CacheTier;
 using opjit::compiler::CompileJob;
 using opjit::compiler::KernelCompiler;
 
@@ -152,7 +153,8 @@ void BM_OpjitColdCompileCmath(benchmark::State& state) {
     job.source = std::string(kCmathKernel) + "// " + std::to_string(counter++) + "\n";
     job.entry = "Softplus";
     auto r = kc.Compile(job);
-    if (!r.ok() || !r->cache_hit.empty()) state.SkipWithError("compile failed or was a hit");
+    if (!r.ok() || r->cache_hit != CacheTier::kNone)
+      state.SkipWithError("compile failed or was a hit");
   }
 }
 BENCHMARK(BM_OpjitColdCompileCmath)->Unit(benchmark::kMillisecond)->Iterations(10)->Repetitions(3);
@@ -238,7 +240,7 @@ void BM_OpjitAtenSecondKernel(benchmark::State& state) {
   static std::atomic<int> counter{0};
   for (auto _ : state) {
     auto r = kc->Compile(AtenJob("softplus.cc", "Softplus", counter++));
-    if (!r.ok() || !r->cache_hit.empty()) {
+    if (!r.ok() || r->cache_hit != CacheTier::kNone) {
       return state.SkipWithError(r.ok() ? "a cache hit" : r.status().ToString().c_str());
     }
   }
@@ -268,7 +270,7 @@ void BM_OpjitMemoryHit(benchmark::State& state) {
   if (!kc.Compile(job).ok()) state.SkipWithError("warm-up compile failed");
   for (auto _ : state) {
     auto r = kc.Compile(job);
-    if (!r.ok() || r->cache_hit != "memory") state.SkipWithError("not a memory hit");
+    if (!r.ok() || r->cache_hit != CacheTier::kMemory) state.SkipWithError("not a memory hit");
     benchmark::DoNotOptimize(r);
   }
 }
@@ -293,7 +295,7 @@ void BM_OpjitDiskHitFreshCompiler(benchmark::State& state) {
     }
     state.ResumeTiming();
     auto r = (*kc)->Compile(job);
-    if (!r.ok() || r->cache_hit != "disk") state.SkipWithError("not a disk hit");
+    if (!r.ok() || r->cache_hit != CacheTier::kDisk) state.SkipWithError("not a disk hit");
     state.PauseTiming();
     kc->reset();
     state.ResumeTiming();
@@ -342,7 +344,8 @@ void BM_OpjitNvrtcCold(benchmark::State& state) {
   static std::atomic<int> counter{0};
   for (auto _ : state) {
     auto r = Shared().Compile(GpuJob(std::string(kSaxpy) + "// " + std::to_string(counter++) + "\n"));
-    if (!r.ok() || !r->cache_hit.empty()) state.SkipWithError("GPU compile failed or was a hit");
+    if (!r.ok() || r->cache_hit != CacheTier::kNone)
+      state.SkipWithError("GPU compile failed or was a hit");
   }
 }
 BENCHMARK(BM_OpjitNvrtcCold)->Unit(benchmark::kMillisecond)->Iterations(6)->Repetitions(3);
@@ -352,7 +355,7 @@ void BM_OpjitNvrtcMemoryHit(benchmark::State& state) {
   if (!Shared().Compile(job).ok()) state.SkipWithError("warm-up GPU compile failed");
   for (auto _ : state) {
     auto r = Shared().Compile(job);
-    if (!r.ok() || r->cache_hit != "memory") state.SkipWithError("not a memory hit");
+    if (!r.ok() || r->cache_hit != CacheTier::kMemory) state.SkipWithError("not a memory hit");
   }
 }
 BENCHMARK(BM_OpjitNvrtcMemoryHit)->Unit(benchmark::kMicrosecond)->Repetitions(3);
@@ -378,7 +381,7 @@ QualityFn JitQuality(const std::string& name) {
     job.entry = name;
     auto r = Shared().Compile(job);
     if (!r.ok() || !loader.ok()) return nullptr;
-    auto loaded = (*loader)->Load(r->kernel->object, name, {});
+    auto loaded = (*loader)->Load(r->kernel->cpu_object()->elf, name, {});
     if (!loaded.ok()) return nullptr;
     kept = *std::move(loaded);
   }

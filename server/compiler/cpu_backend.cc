@@ -54,7 +54,7 @@ class CpuBackend : public CompileBackend {
     BackendOutput result;
     result.kernel = std::make_shared<CompiledKernel>();
     result.kernel->target = registry::Target::kCpu;
-    result.kernel->object = std::move(out.object);
+    result.kernel->artifact = CpuObject{std::move(out.object), {}, {}, {}};
     result.kernel->diagnostics = std::move(out.diagnostics);
     result.kernel->compile_ms = out.compile_ms;
     result.dependencies = std::move(out.dependencies);
@@ -64,7 +64,9 @@ class CpuBackend : public CompileBackend {
   // The object is checked, never linked here: user code runs only where a
   // kernel runner loads it.
   absl::Status Check(const CompileJob& job, CompiledKernel* k) const override {
-    OPJIT_ASSIGN_OR_RETURN(ElfSymbols symbols, ReadElfSymbols(k->object));
+    CpuObject* cpu = k->cpu_object();
+    if (cpu == nullptr) return absl::InvalidArgumentError("not a CPU object");
+    OPJIT_ASSIGN_OR_RETURN(ElfSymbols symbols, ReadElfSymbols(cpu->elf));
     if (job.libraries.empty()) {
       // Everything it uses must come from the C/C++ runtime the runners
       // offer (the same libraries this process links), or the first call
@@ -83,9 +85,9 @@ class CpuBackend : public CompileBackend {
             "allowed library)"));
       }
     }
-    k->libraries = job.libraries;
-    k->defined_symbols = std::move(symbols.exported);
-    k->entry_points = std::move(symbols.defined);
+    cpu->libraries = job.libraries;
+    cpu->defined_symbols = std::move(symbols.exported);
+    cpu->entry_points = std::move(symbols.defined);
     return absl::OkStatus();
   }
 
@@ -96,7 +98,7 @@ class CpuBackend : public CompileBackend {
     std::string blob = kObjectMagic;
     absl::StrAppend(&blob, "\n", k.compile_ms, "\n", k.diagnostics.size(), "\n");
     blob += k.diagnostics;
-    blob += k.object;
+    if (const CpuObject* cpu = k.cpu_object()) blob += cpu->elf;
     return blob;
   }
 
@@ -116,7 +118,7 @@ class CpuBackend : public CompileBackend {
     }
     k->target = registry::Target::kCpu;
     k->diagnostics = text.substr(off, diag_len);
-    k->object = text.substr(off + diag_len);
+    k->artifact = CpuObject{text.substr(off + diag_len), {}, {}, {}};
     return k;
   }
 

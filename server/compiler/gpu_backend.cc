@@ -158,11 +158,11 @@ class GpuBackend : public CompileBackend {
 
   absl::StatusOr<BackendOutput> Compile(const CompileJob& job) override {
     const std::vector<std::string> archs = Archs(job);
-    auto g = std::make_shared<GpuBinary>();
-    g->archs = archs;
     BackendOutput out;
     out.kernel = std::make_shared<CompiledKernel>();
     out.kernel->target = registry::Target::kGpu;
+    GpuBinary* g = &out.kernel->artifact.emplace<GpuBinary>();
+    g->archs = archs;
     if (UsesNvcc(job)) {
       if (!job.aot_shared_object) {
         Logger("compiler")->info("{}: host code ({}): compiling with nvcc", job.file_name,
@@ -203,7 +203,6 @@ class GpuBackend : public CompileBackend {
       out.kernel->compile_ms = r.compile_ms;
       out.kernel->diagnostics = std::move(r.diagnostics);
     }
-    out.kernel->gpu = std::move(g);
     // NVRTC and nvcc do not say which headers they read: depend on every
     // header they may read besides the toolkit's, so an edited one misses.
     out.dependencies = IncludeTreeFiles();
@@ -220,7 +219,7 @@ class GpuBackend : public CompileBackend {
 
   // Fields as "<len>:<bytes>".
   std::string Encode(const CompiledKernel& k) const override {
-    const GpuBinary& g = *k.gpu;
+    const GpuBinary& g = std::get<GpuBinary>(k.artifact);  // this backend's kernels
     std::string out = kGpuMagic;
     PutField(&out, absl::StrCat(k.compile_ms));
     PutField(&out, k.diagnostics);
@@ -246,7 +245,7 @@ class GpuBackend : public CompileBackend {
     if (in.substr(0, sizeof(kGpuMagic) - 1) != kGpuMagic) return malformed();
     in.remove_prefix(sizeof(kGpuMagic) - 1);
     auto k = std::make_shared<CompiledKernel>();
-    auto g = std::make_shared<GpuBinary>();
+    GpuBinary* g = &k->artifact.emplace<GpuBinary>();
     std::string ms, count, archs;
     if (!GetField(&in, &ms) || !GetField(&in, &k->diagnostics) || !GetField(&in, &g->ptx) ||
         !GetField(&in, &g->ptx_arch) || !GetField(&in, &g->shared_object) ||
@@ -268,7 +267,6 @@ class GpuBackend : public CompileBackend {
     if (!GetField(&in, &archs) || !in.empty()) return malformed();
     if (!archs.empty()) g->archs = absl::StrSplit(archs, ',');
     k->target = registry::Target::kGpu;
-    k->gpu = std::move(g);
     return k;
   }
 

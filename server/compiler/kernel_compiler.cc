@@ -68,7 +68,7 @@ using Writes = std::vector<std::tuple<std::string, std::string, std::string>>;
 // What one compile flight produces for all its waiters.
 struct FlightResult {
   std::shared_ptr<const MemoryEntry> entry;
-  std::string hit;  // "disk", "remote" or ""
+  CacheTier hit = CacheTier::kNone;  // kDisk, kRemote or kNone (compiled now)
   // Disk writes of a fresh compile or a remote hit, in order: (kind, key,
   // bytes). They run after the waiters have their answer; fsync is not on
   // their critical path.
@@ -76,9 +76,6 @@ struct FlightResult {
   // Also offer them to the remote tier (a fresh compile, not a remote hit).
   bool share = false;
 };
-
-// Where a verified cached artifact came from.
-enum class Tier { kDisk, kRemote };
 
 // A cached artifact that passed every check, and the bytes it was read from.
 struct Found {
@@ -159,6 +156,20 @@ absl::Status RenameFile(const absl::Status& s, const std::string& from, const st
 
 }  // namespace
 
+std::string_view CacheTierName(CacheTier tier) {
+  switch (tier) {
+    case CacheTier::kMemory:
+      return "memory";
+    case CacheTier::kDisk:
+      return "disk";
+    case CacheTier::kRemote:
+      return "remote";
+    case CacheTier::kNone:
+      break;
+  }
+  return "";
+}
+
 std::string CanonicalFileName(const std::string& language) {
   return language == "c" ? "kernel.c" : language == "cuda" ? "kernel.cu" : "kernel.cc";
 }
@@ -218,11 +229,13 @@ struct KernelCompiler::Impl {
   // every dependency still has its recorded digest, with each stamp replaced
   // by this host's (taken before the digest, as DigestDependencies does).
   bool RestampDependencies(std::vector<Dependency>* deps);
-  // What `tier` holds for the job, verified as a unit: the manifest decodes,
-  // its dependencies still hash the same, the final key follows from them,
-  // and the artifact decodes and passes the backend's checks. nullopt if any
-  // step fails (logged when an entry exists but is unusable).
-  std::optional<Found> Lookup(Tier tier, const CompileJob& job, const std::string& request_key);
+  // What `tier` (disk or remote) holds for the job, verified as a unit: the
+  // manifest decodes, its dependencies still hash the same, the final key
+  // follows from them, and the artifact decodes and passes the backend's
+  // checks. nullopt if any step fails (logged when an entry exists but is
+  // unusable).
+  std::optional<Found> Lookup(CacheTier tier, const CompileJob& job,
+                             const std::string& request_key);
   // Disk, else the remote tier, else a compile; the same for every backend.
   absl::StatusOr<FlightResult> Produce(const CompileJob& job, const std::string& request_key);
 };
@@ -271,14 +284,14 @@ bool KernelCompiler::Impl::RestampDependencies(std::vector<Dependency>* deps) {
   return true;
 }
 
-std::optional<Found> KernelCompiler::Impl::Lookup(Tier tier, const CompileJob& job,
+std::optional<Found> KernelCompiler::Impl::Lookup(CacheTier tier, const CompileJob& job,
                                                   const std::string& request_key) {
   CompileBackend* backend = For(job.target);
   const std::string kind = backend->DiskKind();
   const auto get = [&](const std::string& k, const std::string& key) {
-    return tier == Tier::kDisk ? disk->Get(k, key) : remote->Get(k, key);
+    return tier == CacheTier::kDisk ? disk->Get(k, key) : remote->Get(k, key);
   };
-  const char* where = tier == Tier::kDisk ? "disk" : "remote";
+  const std::string_view where = CacheTierName(tier);
   // The manifest names the dependencies; if they still hash the same, the
   // artifact under the final key is what a compile would produce.
   auto manifest = get("manifest", request_key);
@@ -293,7 +306,7 @@ std::optional<Found> KernelCompiler::Impl::Lookup(Tier tier, const CompileJob& j
   // A remote manifest's stamps were taken on another host: only content
   // digests count, and the stamps kept are this host's.
   const bool unchanged =
-      tier == Tier::kDisk ? DependenciesUnchanged(deps, true) : RestampDependencies(&deps);
+      tier == CacheTier::kDisk ? DependenciesUnchanged(deps, true) : RestampDependencies(&deps);
   if (!unchanged || FinalKeyOf(roots, request_key, deps) != found.final_key) return std::nullopt;
   auto blob = get(kind, found.final_key);
   if (!blob.ok()) return std::nullopt;
@@ -317,13 +330,13 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   auto log = Logger("compiler");
   CompileBackend* backend = For(job.target);
   const std::string kind = backend->DiskKind();
-  if (auto found = Lookup(Tier::kDisk, job, request_key)) {
-    return FlightResult{std::move(found->entry), "disk"};
+  if (auto found = Lookup(CacheTier::kDisk, job, request_key)) {
+    return FlightResult{std::move(found->entry), CacheTier::kDisk};
   }
   if (remote != nullptr) {
-    if (auto found = Lookup(Tier::kRemote, job, request_key)) {
+    if (auto found = Lookup(CacheTier::kRemote, job, request_key)) {
       log->debug("key={} {} from the remote tier", found->final_key.substr(0, 12), kind);
-      FlightResult result{found->entry, "remote"};
+      FlightResult result{found->entry, CacheTier::kRemote};
       // To disk as a compile would write it, so a restart hits disk.
       result.persist.emplace_back(kind, found->final_key, std::move(found->blob));
       result.persist.emplace_back("manifest", request_key,
@@ -494,11 +507,12 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
 
   // Checks the entry symbol of a kernel against this job and answers.
   auto finish = [t0, entry = job.entry, done](std::shared_ptr<const MemoryEntry> e,
-                                              std::string hit) {
+                                              CacheTier hit) {
     const CompiledKernel& k = *e->kernel;
-    if (!entry.empty() && k.target == registry::Target::kCpu &&
-        !std::binary_search(k.entry_points.begin(), k.entry_points.end(), entry)) {
-      const auto& syms = k.defined_symbols;
+    const CpuObject* cpu = k.target == registry::Target::kCpu ? k.cpu_object() : nullptr;
+    if (!entry.empty() && cpu != nullptr &&
+        !std::binary_search(cpu->entry_points.begin(), cpu->entry_points.end(), entry)) {
+      const auto& syms = cpu->defined_symbols;
       std::string hint;
       for (const auto& s : syms) {
         if (s.find(entry) != std::string::npos && s != entry) {
@@ -511,12 +525,12 @@ void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
           "; it defines: ", syms.empty() ? "(nothing)" : absl::StrJoin(syms, ", "))));
       return;
     }
-    done(CompileOutcome{e->kernel, std::move(hit), MsSince(t0)});
+    done(CompileOutcome{e->kernel, hit, MsSince(t0)});
   };
 
   if (auto hit = impl->memory->Get(request_key)) {
     if (impl->DependenciesUnchanged(hit->deps, false)) {
-      finish(std::move(hit), "memory");
+      finish(std::move(hit), CacheTier::kMemory);
       return;
     }
     impl->memory->Erase(request_key);

@@ -40,6 +40,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <variant>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -100,29 +102,53 @@ struct GpuBinary {
 // use the same one, so execution finds what registration compiled.
 CompileJob JobForImplementation(const registry::OpDef& def, const registry::Implementation& impl);
 
+// A CPU artifact: a relocatable ELF object for the host, and what the CPU
+// backend's checks read from it.
+struct CpuObject {
+  std::string elf;                     // ELF relocatable object
+  std::vector<std::string> libraries;  // allowed libraries it links against
+  // The strong global functions and data the object defines, sorted.
+  std::vector<std::string> defined_symbols;
+  // Every global symbol it defines (weak ones too), sorted: what an entry
+  // may name.
+  std::vector<std::string> entry_points;
+};
+
 // A compiled kernel: the artifact a runner loads. Immutable; shared by the
-// cache and in-flight calls. Exactly one of `object` (CPU) and `gpu` (GPU)
-// is set, as `target` says.
+// cache and in-flight calls. The artifact is one of a CPU object and a GPU
+// binary (a backend whose artifact is plain bytes, such as the test's fake,
+// uses CpuObject::elf); the CPU backend makes CPU objects, the GPU backend
+// GPU binaries.
 struct CompiledKernel {
   registry::Target target = registry::Target::kCpu;
   std::string cache_key;  // final content key (hex SHA-256)
-  std::string object;     // CPU: ELF relocatable object for the host
-  std::vector<std::string> libraries;  // CPU: allowed libraries it links against
-  std::shared_ptr<const GpuBinary> gpu;  // GPU
+  std::variant<CpuObject, GpuBinary> artifact;
   std::string diagnostics;  // warnings from the compile that produced it
-  // CPU: the strong global functions and data the object defines, sorted.
-  std::vector<std::string> defined_symbols;
-  // CPU: every global symbol it defines (weak ones too), sorted: what an
-  // entry may name.
-  std::vector<std::string> entry_points;
   double compile_ms = 0;
 
-  size_t binary_bytes() const { return gpu ? gpu->bytes() : object.size(); }
+  // The artifact as a CPU object or a GPU binary; nullptr when it is the other.
+  const CpuObject* cpu_object() const { return std::get_if<CpuObject>(&artifact); }
+  CpuObject* cpu_object() { return std::get_if<CpuObject>(&artifact); }
+  const GpuBinary* gpu() const { return std::get_if<GpuBinary>(&artifact); }
+  GpuBinary* gpu() { return std::get_if<GpuBinary>(&artifact); }
+
+  size_t binary_bytes() const {
+    const GpuBinary* g = gpu();
+    return g != nullptr ? g->bytes() : std::get<CpuObject>(artifact).elf.size();
+  }
 };
+
+// Where a compile's answer came from: the memory, disk or remote cache, or a
+// compile now (kNone).
+enum class CacheTier { kNone, kMemory, kDisk, kRemote };
+
+// Its text in the CompileResponse's cache_hit, logs and metrics labels:
+// "", "memory", "disk", "remote".
+std::string_view CacheTierName(CacheTier tier);
 
 struct CompileOutcome {
   std::shared_ptr<const CompiledKernel> kernel;
-  std::string cache_hit;  // "memory", "disk", "remote", or "" when compiled now
+  CacheTier cache_hit = CacheTier::kNone;  // kNone when compiled now
   double total_ms = 0;
   std::string diagnostics;  // the kernel's warnings, naming the job's file_name
 };

@@ -26,7 +26,8 @@ absl::StatusOr<CompileTicket> BeginCompile(access::QuotaManager* quotas, const s
 }
 
 double CompileSeconds(const compiler::CompileOutcome& outcome) {
-  return outcome.cache_hit.empty() ? outcome.kernel->compile_ms / 1000.0 : 0;
+  return outcome.cache_hit == compiler::CacheTier::kNone ? outcome.kernel->compile_ms / 1000.0
+                                                         : 0;
 }
 
 void CompileService::CompileAsync(compiler::CompileJob job, uint64_t request_id,
@@ -60,8 +61,8 @@ void CompileService::CompileAsync(compiler::CompileJob job, uint64_t request_id,
                     why ? absl::StrCat(", ", why->reason) : "", Brief(outcome.status()));
         } else {
           log->debug("req={} Compile key={} hit={} {:.2f} ms", request_id,
-                     outcome->kernel->cache_key.substr(0, 12), outcome->cache_hit,
-                     outcome->total_ms);
+                     outcome->kernel->cache_key.substr(0, 12),
+                     compiler::CacheTierName(outcome->cache_hit), outcome->total_ms);
         }
         done(std::move(outcome));
       });

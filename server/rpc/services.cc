@@ -35,15 +35,17 @@ void OutcomeToProto(const compiler::CompileOutcome& outcome, const std::string& 
   const auto& k = *outcome.kernel;
   resp->set_cache_key(k.cache_key);
   resp->set_diagnostics(outcome.diagnostics);
-  resp->set_cache_hit(outcome.cache_hit);
-  resp->set_compile_ms(outcome.cache_hit.empty() ? k.compile_ms : 0);
+  resp->set_cache_hit(std::string(compiler::CacheTierName(outcome.cache_hit)));
+  resp->set_compile_ms(outcome.cache_hit == compiler::CacheTier::kNone ? k.compile_ms : 0);
   resp->set_total_ms(outcome.total_ms);
-  for (const auto& s : k.defined_symbols) resp->add_defined_symbols(s);
+  if (const compiler::CpuObject* cpu = k.cpu_object()) {
+    for (const auto& s : cpu->defined_symbols) resp->add_defined_symbols(s);
+  }
   resp->set_target(target);
-  if (k.gpu) {
-    for (const auto& a : k.gpu->archs) resp->add_archs(a);
-    resp->set_ptx_arch(k.gpu->ptx_arch);
-    for (const auto& [expr, name] : k.gpu->lowered_names) (*resp->mutable_lowered_names())[expr] = name;
+  if (const compiler::GpuBinary* g = k.gpu()) {
+    for (const auto& a : g->archs) resp->add_archs(a);
+    resp->set_ptx_arch(g->ptx_arch);
+    for (const auto& [expr, name] : g->lowered_names) (*resp->mutable_lowered_names())[expr] = name;
   }
   resp->set_binary_bytes(k.binary_bytes());
 }

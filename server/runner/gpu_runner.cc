@@ -42,11 +42,13 @@ absl::StatusOr<std::shared_ptr<gpu::Module>> GpuRunner::ModuleFor(
   MutexLock lock(&mu_);
   auto it = modules_.find(kernel.cache_key);
   if (it != modules_.end()) return it->second;
+  const compiler::GpuBinary* binary = kernel.gpu();
+  if (binary == nullptr) return absl::InternalError("not a GPU kernel");
   OPJIT_ASSIGN_OR_RETURN(gpu::Device * device, DefaultDevice());
   // The CUBIN for this device's arch, else the PTX (the driver JIT-compiles it).
   const std::string arch = device->Arch();
-  auto cubin = kernel.gpu->cubins.find(arch);
-  const std::string& image = cubin != kernel.gpu->cubins.end() ? cubin->second : kernel.gpu->ptx;
+  auto cubin = binary->cubins.find(arch);
+  const std::string& image = cubin != binary->cubins.end() ? cubin->second : binary->ptx;
   if (image.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("no CUBIN for ", arch, " and no PTX in the compiled kernel"));
@@ -55,7 +57,7 @@ absl::StatusOr<std::shared_ptr<gpu::Module>> GpuRunner::ModuleFor(
   std::shared_ptr<gpu::Module> shared(std::move(module));
   modules_[kernel.cache_key] = shared;
   Logger("runner")->info("loaded GPU module {} for {} ({})", kernel.cache_key.substr(0, 12), arch,
-                       cubin != kernel.gpu->cubins.end() ? "CUBIN" : "PTX");
+                       cubin != binary->cubins.end() ? "CUBIN" : "PTX");
   return shared;
 }
 
@@ -63,13 +65,15 @@ absl::StatusOr<void*> GpuRunner::SharedObjectFor(const compiler::CompiledKernel&
   MutexLock lock(&mu_);
   auto it = shared_objects_.find(kernel.cache_key);
   if (it != shared_objects_.end()) return it->second;
+  const compiler::GpuBinary* binary = kernel.gpu();
+  if (binary == nullptr) return absl::InternalError("not a GPU kernel");
   std::error_code ec;
   std::filesystem::create_directories(scratch_dir_, ec);
   const std::string path = absl::StrCat(scratch_dir_, "/", kernel.cache_key.substr(0, 32), ".so");
   {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out.write(kernel.gpu->shared_object.data(),
-              static_cast<std::streamsize>(kernel.gpu->shared_object.size()));
+    out.write(binary->shared_object.data(),
+              static_cast<std::streamsize>(binary->shared_object.size()));
     if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
   }
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -89,7 +93,8 @@ absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implemen
                             absl::Span<const HostTensor> inputs,
                             const std::vector<std::string>& input_names,
                             absl::Span<const HostTensor> outputs) {
-  if (!kernel.gpu) return absl::InternalError("not a GPU kernel");
+  const compiler::GpuBinary* binary = kernel.gpu();
+  if (binary == nullptr) return absl::InternalError("not a GPU kernel");
   OPJIT_ASSIGN_OR_RETURN(gpu::Device * device, DefaultDevice());
   OPJIT_ASSIGN_OR_RETURN(gpu::Stream stream, gpu::Stream::Create(*device));
 
@@ -118,7 +123,7 @@ absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implemen
     out_bytes.push_back(n);
   }
 
-  if (!kernel.gpu->shared_object.empty()) {
+  if (!binary->shared_object.empty()) {
     // A MindSpore aot .cu kernel: its host launcher gets device pointers and the stream.
     OPJIT_ASSIGN_OR_RETURN(void* handle, SharedObjectFor(kernel));
     auto entry = reinterpret_cast<AotEntry>(dlsym(handle, impl.entry.c_str()));
@@ -185,9 +190,9 @@ absl::Status GpuRunner::Run(const registry::OpDef& def, const registry::Implemen
     OPJIT_ASSIGN_OR_RETURN(gpu::LaunchConfig config, gpu::Resolve(spec, env));
     OPJIT_ASSIGN_OR_RETURN(std::vector<gpu::KernelArg> args, gpu::ResolveArgs(spec, env));
     OPJIT_ASSIGN_OR_RETURN(auto module, ModuleFor(kernel));
-    auto lowered = kernel.gpu->lowered_names.find(spec.kernel);
+    auto lowered = binary->lowered_names.find(spec.kernel);
     const std::string name =
-        lowered != kernel.gpu->lowered_names.end() ? lowered->second : spec.kernel;
+        lowered != binary->lowered_names.end() ? lowered->second : spec.kernel;
     OPJIT_ASSIGN_OR_RETURN(gpu::Kernel fn, module->GetKernel(name));
     // Parameter storage: every value lives in `slots`; params point at them.
     std::vector<uint64_t> slots(args.size());

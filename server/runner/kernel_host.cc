@@ -87,11 +87,13 @@ absl::StatusOr<std::unique_ptr<HostInstance>> KernelHost::NewInstance(const Inst
     OPJIT_RETURN_IF_ERROR(GpuRunner::Available());
     return std::unique_ptr<HostInstance>(new GpuInstance(spec, impl_->gpu.get()));
   }
+  const compiler::CpuObject* cpu = spec.kernel->cpu_object();
+  if (cpu == nullptr) return absl::InternalError("not a CPU kernel");
   std::shared_ptr<const loader::LoadedKernel> kernel = impl_->loaded->Get(spec.kernel->cache_key);
   if (kernel == nullptr) {
-    OPJIT_ASSIGN_OR_RETURN(kernel, impl_->loader->Load(spec.kernel->object,
+    OPJIT_ASSIGN_OR_RETURN(kernel, impl_->loader->Load(cpu->elf,
                                                        spec.kernel->cache_key.substr(0, 16),
-                                                       spec.kernel->libraries));
+                                                       cpu->libraries));
     impl_->loads.fetch_add(1, std::memory_order_relaxed);
     impl_->loaded->Put(spec.kernel->cache_key, kernel, kernel->code_bytes());
   }

@@ -44,12 +44,17 @@ std::string EncodeKernel(const compiler::CompiledKernel& k) {
   Writer w;
   w.U8(static_cast<uint8_t>(k.target));
   w.Str(k.cache_key);
-  w.Str(k.object);
-  w.Strs(k.libraries);
-  w.Strs(k.defined_symbols);
-  w.U8(k.gpu != nullptr);
-  if (k.gpu) {
-    const auto& g = *k.gpu;
+  // The frame keeps its layout: a CPU object's fields (empty for a GPU
+  // binary), then a flag and the GPU binary's fields.
+  const compiler::CpuObject no_object;
+  const compiler::CpuObject* cpu = k.cpu_object() != nullptr ? k.cpu_object() : &no_object;
+  w.Str(cpu->elf);
+  w.Strs(cpu->libraries);
+  w.Strs(cpu->defined_symbols);
+  const compiler::GpuBinary* gpu = k.gpu();
+  w.U8(gpu != nullptr);
+  if (gpu != nullptr) {
+    const auto& g = *gpu;
     w.Count(g.cubins.size());
     for (const auto& [arch, bin] : g.cubins) {
       w.Str(arch);
@@ -86,11 +91,18 @@ absl::StatusOr<std::shared_ptr<const compiler::CompiledKernel>> DecodeKernel(std
       }
   }
   k->cache_key = r.Str();
-  k->object = r.Str();
-  k->libraries = r.Strs();
-  k->defined_symbols = r.Strs();
-  if (r.U8()) {
-    auto g = std::make_shared<compiler::GpuBinary>();
+  compiler::CpuObject cpu;
+  cpu.elf = r.Str();
+  cpu.libraries = r.Strs();
+  cpu.defined_symbols = r.Strs();
+  if (!r.U8()) {
+    k->artifact = std::move(cpu);
+  } else {
+    // A GPU binary: the CPU fields are empty.
+    if (!cpu.elf.empty() || !cpu.libraries.empty() || !cpu.defined_symbols.empty()) {
+      return absl::DataLossError("malformed kernel frame");
+    }
+    compiler::GpuBinary* g = &k->artifact.emplace<compiler::GpuBinary>();
     // Each entry takes at least its two string lengths.
     for (uint32_t i = 0, n = r.Count(8); r.ok() && i < n; ++i) {
       std::string arch = r.Str();
@@ -104,7 +116,6 @@ absl::StatusOr<std::shared_ptr<const compiler::CompiledKernel>> DecodeKernel(std
     }
     g->shared_object = r.Str();
     g->archs = r.Strs();
-    k->gpu = std::move(g);
   }
   if (!r.done()) return absl::DataLossError("malformed kernel frame");
   return std::shared_ptr<const compiler::CompiledKernel>(std::move(k));

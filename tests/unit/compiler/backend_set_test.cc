@@ -95,13 +95,17 @@ class FakeBackend : public CompileBackend {
     BackendOutput out;
     out.kernel = std::make_shared<CompiledKernel>();
     out.kernel->target = Target::kGpu;
-    for (char ch : job.source) out.kernel->object += static_cast<char>(std::toupper(ch));
+    // Plain bytes: a CpuObject's elf holds them (the artifact is not loaded).
+    std::string& bytes = out.kernel->cpu_object()->elf;
+    for (char ch : job.source) bytes += static_cast<char>(std::toupper(ch));
     out.kernel->diagnostics = "kernel.cc: note: compiled by the fake";
     return out;
   }
 
   absl::Status Check(const CompileJob& job, CompiledKernel* k) const override {
-    if (k->object.empty()) return absl::InvalidArgumentError("empty fake artifact");
+    if (k->cpu_object() == nullptr || k->cpu_object()->elf.empty()) {
+      return absl::InvalidArgumentError("empty fake artifact");
+    }
     return absl::OkStatus();
   }
 
@@ -109,7 +113,7 @@ class FakeBackend : public CompileBackend {
 
   std::string Encode(const CompiledKernel& k) const override {
     c_->encodes.fetch_add(1);
-    return kFakeMagic + k.object;
+    return kFakeMagic + k.cpu_object()->elf;
   }
 
   absl::StatusOr<std::shared_ptr<CompiledKernel>> Decode(std::string_view blob) const override {
@@ -119,7 +123,7 @@ class FakeBackend : public CompileBackend {
     }
     auto k = std::make_shared<CompiledKernel>();
     k->target = Target::kGpu;
-    k->object = std::string(blob.substr(sizeof(kFakeMagic) - 1));
+    k->cpu_object()->elf = std::string(blob.substr(sizeof(kFakeMagic) - 1));
     return k;
   }
 
@@ -171,31 +175,31 @@ TEST_F(BackendSetTest, AFakeBackendGetsTheMemoryAndDiskCachesWithNoOtherChange) 
     EXPECT_EQ(kc->ToolchainId(), "fake-toolchain-1");
     auto first = kc->Compile(Job());
     ASSERT_TRUE(first.ok()) << first.status();
-    EXPECT_EQ(first->cache_hit, "");
-    EXPECT_EQ(first->kernel->object, "ADD ONE");
+    EXPECT_EQ(first->cache_hit, CacheTier::kNone);
+    EXPECT_EQ(first->kernel->cpu_object()->elf, "ADD ONE");
     EXPECT_EQ(first->kernel->cache_key.size(), 64u);
     auto again = kc->Compile(Job());
     ASSERT_TRUE(again.ok()) << again.status();
-    EXPECT_EQ(again->cache_hit, "memory");
+    EXPECT_EQ(again->cache_hit, CacheTier::kMemory);
     EXPECT_EQ(again->kernel, first->kernel);
     EXPECT_EQ(counters_->compiles.load(), 1);
     EXPECT_EQ(counters_->encodes.load(), 1);
     // Another source is another key.
     auto other = kc->Compile(Job("sub one"));
     ASSERT_TRUE(other.ok()) << other.status();
-    EXPECT_EQ(other->cache_hit, "");
+    EXPECT_EQ(other->cache_hit, CacheTier::kNone);
     EXPECT_EQ(counters_->compiles.load(), 2);
   }  // the compiler's pool finishes its disk writes before it goes
   auto kc = Make();
   ASSERT_NE(kc, nullptr);
   auto from_disk = kc->Compile(Job());
   ASSERT_TRUE(from_disk.ok()) << from_disk.status();
-  EXPECT_EQ(from_disk->cache_hit, "disk");
-  EXPECT_EQ(from_disk->kernel->object, "ADD ONE");
+  EXPECT_EQ(from_disk->cache_hit, CacheTier::kDisk);
+  EXPECT_EQ(from_disk->kernel->cpu_object()->elf, "ADD ONE");
   EXPECT_EQ(counters_->decodes.load(), 1);
   EXPECT_EQ(counters_->compiles.load(), 2);  // no compile for a disk hit
   EXPECT_EQ(kc->Stats().disk_hits, 2u);  // the manifest, then the fake's artifact
-  EXPECT_EQ(kc->Compile(Job())->cache_hit, "memory");
+  EXPECT_EQ(kc->Compile(Job())->cache_hit, CacheTier::kMemory);
 }
 
 TEST_F(BackendSetTest, ConcurrentRequestsForOneKeyShareOneFakeCompile) {

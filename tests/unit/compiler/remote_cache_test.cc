@@ -108,7 +108,7 @@ TEST_F(RemoteCacheTest, SecondDaemonGetsARemoteHitAndKeepsItOnDisk) {
   ASSERT_NE(first, nullptr);
   auto compiled = first->Compile(Job());
   ASSERT_TRUE(compiled.ok()) << compiled.status();
-  EXPECT_EQ(compiled->cache_hit, "");
+  EXPECT_EQ(compiled->cache_hit, CacheTier::kNone);
   AwaitRemotePuts(first.get(), 2);  // the object, then its manifest
   KernelCacheStats s1 = first->Stats();
   EXPECT_EQ(s1.compiles, 1u);
@@ -121,17 +121,18 @@ TEST_F(RemoteCacheTest, SecondDaemonGetsARemoteHitAndKeepsItOnDisk) {
   ASSERT_NE(second, nullptr);
   auto fetched = second->Compile(Job());
   ASSERT_TRUE(fetched.ok()) << fetched.status();
-  EXPECT_EQ(fetched->cache_hit, "remote");
+  EXPECT_EQ(fetched->cache_hit, CacheTier::kRemote);
   EXPECT_EQ(fetched->kernel->cache_key, compiled->kernel->cache_key);
-  EXPECT_EQ(fetched->kernel->object, compiled->kernel->object);
-  EXPECT_EQ(fetched->kernel->entry_points, compiled->kernel->entry_points);
+  EXPECT_EQ(fetched->kernel->cpu_object()->elf, compiled->kernel->cpu_object()->elf);
+  EXPECT_EQ(fetched->kernel->cpu_object()->entry_points,
+            compiled->kernel->cpu_object()->entry_points);
   KernelCacheStats s2 = second->Stats();
   EXPECT_EQ(s2.compiles, 0u);  // nothing compiled
   EXPECT_EQ(s2.remote_hits, 2u);  // manifest and object
   EXPECT_EQ(s2.remote_rejected, 0u);
   EXPECT_EQ(s2.remote_errors, 0u);
   std::cout << "[ measure  ] compile " << compiled->total_ms << " ms; remote hit "
-            << fetched->total_ms << " ms (" << compiled->kernel->object.size()
+            << fetched->total_ms << " ms (" << compiled->kernel->cpu_object()->elf.size()
             << " byte object)\n";
   RecordProperty("compile_ms", std::to_string(compiled->total_ms));
   RecordProperty("remote_hit_ms", std::to_string(fetched->total_ms));
@@ -139,7 +140,7 @@ TEST_F(RemoteCacheTest, SecondDaemonGetsARemoteHitAndKeepsItOnDisk) {
   // Now in memory...
   auto again = second->Compile(Job());
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(again->cache_hit, "memory");
+  EXPECT_EQ(again->cache_hit, CacheTier::kMemory);
   EXPECT_EQ(second->Stats().remote_puts, 0u);  // a remote hit is not put back
   // ...and on disk: the same cache dir, with Redis gone, hits disk.
   second.reset();  // finishes its disk writes
@@ -148,8 +149,8 @@ TEST_F(RemoteCacheTest, SecondDaemonGetsARemoteHitAndKeepsItOnDisk) {
   ASSERT_NE(restarted, nullptr);
   auto from_disk = restarted->Compile(Job());
   ASSERT_TRUE(from_disk.ok()) << from_disk.status();
-  EXPECT_EQ(from_disk->cache_hit, "disk");
-  EXPECT_EQ(from_disk->kernel->object, compiled->kernel->object);
+  EXPECT_EQ(from_disk->cache_hit, CacheTier::kDisk);
+  EXPECT_EQ(from_disk->kernel->cpu_object()->elf, compiled->kernel->cpu_object()->elf);
   KernelCacheStats s3 = restarted->Stats();
   EXPECT_EQ(s3.compiles, 0u);
   EXPECT_EQ(s3.disk_hits, 2u);
@@ -195,14 +196,14 @@ TEST_F(RemoteCacheTest, InstallPrefixesShareKeysHeaderContentSplitsThem) {
 
   auto fetched = b->Compile(job);
   ASSERT_TRUE(fetched.ok()) << fetched.status();
-  EXPECT_EQ(fetched->cache_hit, "remote");
+  EXPECT_EQ(fetched->cache_hit, CacheTier::kRemote);
   EXPECT_EQ(fetched->kernel->cache_key, compiled->kernel->cache_key);
-  EXPECT_EQ(fetched->kernel->object, compiled->kernel->object);
+  EXPECT_EQ(fetched->kernel->cpu_object()->elf, compiled->kernel->cpu_object()->elf);
   EXPECT_EQ(b->Stats().compiles, 0u);
   EXPECT_EQ(redis_->Keys("opjit:v1:manifest:*").size(), 1u);  // one request key
 
-  EXPECT_EQ(compiled->kernel->object.find(dir_.path()), std::string::npos);
-  EXPECT_NE(compiled->kernel->object.find("include1/where.h"), std::string::npos);
+  EXPECT_EQ(compiled->kernel->cpu_object()->elf.find(dir_.path()), std::string::npos);
+  EXPECT_NE(compiled->kernel->cpu_object()->elf.find("include1/where.h"), std::string::npos);
   // Compiled at the other prefix (another cluster key: no tier), the same
   // bytes.
   auto alone = Make("d", "another-cluster-key-987654321", "",
@@ -210,18 +211,18 @@ TEST_F(RemoteCacheTest, InstallPrefixesShareKeysHeaderContentSplitsThem) {
   ASSERT_NE(alone, nullptr);
   auto own = alone->Compile(job);
   ASSERT_TRUE(own.ok()) << own.status();
-  EXPECT_EQ(own->cache_hit, "");
+  EXPECT_EQ(own->cache_hit, CacheTier::kNone);
   EXPECT_EQ(own->kernel->cache_key, compiled->kernel->cache_key);
-  EXPECT_EQ(own->kernel->object, compiled->kernel->object);
+  EXPECT_EQ(own->kernel->cpu_object()->elf, compiled->kernel->cpu_object()->elf);
 
   auto other = c->Compile(job);
   ASSERT_TRUE(other.ok()) << other.status();
-  EXPECT_EQ(other->cache_hit, "");
+  EXPECT_EQ(other->cache_hit, CacheTier::kNone);
   EXPECT_EQ(c->Stats().compiles, 1u);
   EXPECT_NE(other->kernel->cache_key, compiled->kernel->cache_key);
   std::cout << "[ measure  ] key at prefix a " << compiled->kernel->cache_key.substr(0, 16)
             << ", at prefix b " << fetched->kernel->cache_key.substr(0, 16) << " ("
-            << fetched->cache_hit << " hit), edited header "
+            << CacheTierName(fetched->cache_hit) << " hit), edited header "
             << other->kernel->cache_key.substr(0, 16) << "\n";
 
   // A header edited while a daemon runs: the final key follows it.
@@ -229,7 +230,7 @@ TEST_F(RemoteCacheTest, InstallPrefixesShareKeysHeaderContentSplitsThem) {
                             "constexpr float kScale = 5.0f;\n");
   auto edited = b->Compile(job);
   ASSERT_TRUE(edited.ok()) << edited.status();
-  EXPECT_EQ(edited->cache_hit, "");
+  EXPECT_EQ(edited->cache_hit, CacheTier::kNone);
   EXPECT_NE(edited->kernel->cache_key, compiled->kernel->cache_key);
   EXPECT_EQ(b->Stats().compiles, 1u);
 }
@@ -244,7 +245,7 @@ TEST_F(RemoteCacheTest, AnotherClusterKeyRecompiles) {
   ASSERT_NE(stranger, nullptr);
   auto r = stranger->Compile(Job());
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->cache_hit, "");
+  EXPECT_EQ(r->cache_hit, CacheTier::kNone);
   KernelCacheStats s = stranger->Stats();
   EXPECT_EQ(s.compiles, 1u);
   EXPECT_EQ(s.remote_hits, 0u);
@@ -265,10 +266,10 @@ TEST_F(RemoteCacheTest, ChangedHeaderIsNotServedFromTheRemoteTier) {
   ASSERT_NE(second, nullptr);
   auto r = second->Compile(Job());
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->cache_hit, "");
+  EXPECT_EQ(r->cache_hit, CacheTier::kNone);
   EXPECT_EQ(second->Stats().compiles, 1u);
   EXPECT_NE(r->kernel->cache_key, old_kernel->kernel->cache_key);
-  EXPECT_NE(r->kernel->object, old_kernel->kernel->object);
+  EXPECT_NE(r->kernel->cpu_object()->elf, old_kernel->kernel->cpu_object()->elf);
 }
 
 // Entries that authenticate (written with the cluster key) still get every
@@ -300,7 +301,7 @@ TEST_F(RemoteCacheTest, AuthenticEntriesStillPassTheDiskChecks) {
   ASSERT_NE(b, nullptr);
   auto r = b->Compile(Job());
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->cache_hit, "");
+  EXPECT_EQ(r->cache_hit, CacheTier::kNone);
   EXPECT_EQ(b->Stats().compiles, 1u);
   EXPECT_EQ(r->kernel->cache_key, final_key);
 
@@ -312,7 +313,7 @@ TEST_F(RemoteCacheTest, AuthenticEntriesStillPassTheDiskChecks) {
   ASSERT_NE(c, nullptr);
   r = c->Compile(Job());
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->cache_hit, "");
+  EXPECT_EQ(r->cache_hit, CacheTier::kNone);
   EXPECT_EQ(c->Stats().compiles, 1u);
   EXPECT_EQ(c->Stats().remote_hits, 2u);  // both authenticated; the object did not decode
 }
@@ -326,7 +327,7 @@ TEST_F(RemoteCacheTest, ClearLeavesTheSharedTierAlone) {
   EXPECT_EQ(redis_->Keys("opjit:v1:*").size(), 2u);
   auto r = kc->Compile(Job());
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->cache_hit, "remote");
+  EXPECT_EQ(r->cache_hit, CacheTier::kRemote);
   EXPECT_EQ(kc->Stats().compiles, 1u);
 }
 
@@ -336,10 +337,10 @@ TEST_F(RemoteCacheTest, UnreachableRedisOnlyMeansCompiling) {
   ASSERT_NE(kc, nullptr);
   auto r = kc->Compile(Job());
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->cache_hit, "");
+  EXPECT_EQ(r->cache_hit, CacheTier::kNone);
   r = kc->Compile(Job());
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->cache_hit, "memory");
+  EXPECT_EQ(r->cache_hit, CacheTier::kMemory);
   KernelCacheStats s = kc->Stats();
   EXPECT_EQ(s.compiles, 1u);
   EXPECT_EQ(s.remote_errors, 1u);  // then backing off: the puts were dropped

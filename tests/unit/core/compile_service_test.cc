@@ -99,7 +99,7 @@ TEST_F(CompileServiceTest, CompilesWithoutQuotas) {
   CompileService service(compiler_.get(), nullptr);
   auto r = Compile(service, Job("default"));
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->cache_hit, "");
+  EXPECT_EQ(r->cache_hit, compiler::CacheTier::kNone);
   EXPECT_EQ(compiler_->Stats().compiles, 1u);
 }
 
@@ -141,7 +141,7 @@ TEST_F(CompileServiceTest, CompileSecondsAreChargedAndCacheHitsAreFree) {
   CompileService service(compiler_.get(), &quotas);
   auto first = Compile(service, Job("a"));
   ASSERT_TRUE(first.ok()) << first.status();
-  ASSERT_EQ(first->cache_hit, "");
+  ASSERT_EQ(first->cache_hit, compiler::CacheTier::kNone);
   ASSERT_GT(first->kernel->compile_ms, 0);
   ExpectQuota(Compile(service, Job("a")).status(), "compile_seconds_per_minute");
   // The same source in another namespace is a cache hit: charged nothing
@@ -149,7 +149,7 @@ TEST_F(CompileServiceTest, CompileSecondsAreChargedAndCacheHitsAreFree) {
   for (int i = 0; i < 3; ++i) {
     auto hit = Compile(service, Job("b"));
     ASSERT_TRUE(hit.ok()) << hit.status();
-    EXPECT_EQ(hit->cache_hit, "memory");
+    EXPECT_EQ(hit->cache_hit, compiler::CacheTier::kMemory);
   }
   EXPECT_EQ(compiler_->Stats().compiles, 1u);
 }
@@ -178,7 +178,7 @@ TEST_F(CompileServiceTest, RegistrationsTakeTheSameQuota) {
   auto first = Register(Def("a", "copy"));
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_EQ(first->compiled.size(), 1u);
-  EXPECT_EQ(first->compiled[0].second.cache_hit, "");
+  EXPECT_EQ(first->compiled[0].second.cache_hit, compiler::CacheTier::kNone);
   // Charged its compile seconds: the budget is spent.
   ExpectQuota(Register(Def("a", "copy2")).status(), "compile_seconds_per_minute");
   EXPECT_FALSE((*reg)->Get("a", "copy2", 0).ok());
@@ -186,7 +186,7 @@ TEST_F(CompileServiceTest, RegistrationsTakeTheSameQuota) {
   for (const char* name : {"copy", "copy3"}) {
     auto hit = Register(Def("b", name));
     ASSERT_TRUE(hit.ok()) << hit.status();
-    EXPECT_EQ(hit->compiled[0].second.cache_hit, "memory");
+    EXPECT_EQ(hit->compiled[0].second.cache_hit, compiler::CacheTier::kMemory);
   }
   // A bare compile and a registration share the namespace's budget.
   CompileService service(compiler_.get(), &quotas);

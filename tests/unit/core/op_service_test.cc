@@ -87,19 +87,19 @@ TEST_F(OpServiceTest, RegistersCompiledOpsAndIsIdempotent) {
   EXPECT_EQ(r->result.record.version, 1);
   ASSERT_EQ(r->compiled.size(), 1u);
   EXPECT_EQ(r->compiled[0].first, registry::Target::kCpu);
-  EXPECT_EQ(r->compiled[0].second.cache_hit, "");
+  EXPECT_EQ(r->compiled[0].second.cache_hit, compiler::CacheTier::kNone);
   EXPECT_TRUE(registry_->Get("default", "twice", 0).ok());
 
   auto again = Register(Def("twice"));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_FALSE(again->result.created);
   EXPECT_EQ(again->result.record.version, 1);
-  EXPECT_EQ(again->compiled[0].second.cache_hit, "memory");
+  EXPECT_EQ(again->compiled[0].second.cache_hit, compiler::CacheTier::kMemory);
 
   // A renamed copy of the same source hits the cache: the key ignores the name.
   auto renamed = Register(Def("twice_too"));
   ASSERT_TRUE(renamed.ok()) << renamed.status();
-  EXPECT_EQ(renamed->compiled[0].second.cache_hit, "memory");
+  EXPECT_EQ(renamed->compiled[0].second.cache_hit, compiler::CacheTier::kMemory);
   EXPECT_EQ(compiler_->Stats().compiles, 1u);
 }
 
@@ -180,13 +180,13 @@ TEST(GpuCacheKeyTest, EditedHeaderMisses) {
   ASSERT_TRUE(first.ok()) << first.status();
   auto hit = (*kc)->Compile(job);
   ASSERT_TRUE(hit.ok());
-  EXPECT_EQ(hit->cache_hit, "memory");
+  EXPECT_EQ(hit->cache_hit, compiler::CacheTier::kMemory);
   EXPECT_EQ(hit->kernel->cache_key, first->kernel->cache_key);
   // A different size, so the digest memo sees the change at once.
   std::ofstream(dir + "/inc/scale.h") << "#define SCALE 3.0f /* edited */\n";
   auto edited = (*kc)->Compile(job);
   ASSERT_TRUE(edited.ok()) << edited.status();
-  EXPECT_EQ(edited->cache_hit, "");
+  EXPECT_EQ(edited->cache_hit, compiler::CacheTier::kNone);
   EXPECT_NE(edited->kernel->cache_key, first->kernel->cache_key);
   kc->reset();
   std::error_code ec;

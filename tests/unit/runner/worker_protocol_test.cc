@@ -17,9 +17,23 @@ namespace {
 std::shared_ptr<compiler::CompiledKernel> Kernel() {
   auto k = std::make_shared<compiler::CompiledKernel>();
   k->cache_key = "abc123";
-  k->object = std::string("\x7f" "ELF", 4) + std::string(100, 'x');
-  k->libraries = {"libm.so.6"};
-  k->defined_symbols = {"K", "KInit"};
+  compiler::CpuObject* cpu = k->cpu_object();
+  cpu->elf = std::string("\x7f" "ELF", 4) + std::string(100, 'x');
+  cpu->libraries = {"libm.so.6"};
+  cpu->defined_symbols = {"K", "KInit"};
+  return k;
+}
+
+std::shared_ptr<compiler::CompiledKernel> GpuKernel() {
+  auto k = std::make_shared<compiler::CompiledKernel>();
+  k->target = registry::Target::kGpu;
+  k->cache_key = "def456";
+  compiler::GpuBinary& g = k->artifact.emplace<compiler::GpuBinary>();
+  g.cubins = {{"sm_80", "cubin80"}, {"sm_90", "cubin90"}};
+  g.ptx = "ptx";
+  g.ptx_arch = "compute_80";
+  g.lowered_names = {{"&saxpy<float>", "_Z5saxpyIfEvv"}};
+  g.archs = {"sm_80", "sm_90"};
   return k;
 }
 
@@ -28,8 +42,11 @@ TEST(WireTest, KernelsAndInstancesRoundTrip) {
   auto back = wire::DecodeKernel(wire::EncodeKernel(*k));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ((*back)->cache_key, k->cache_key);
-  EXPECT_EQ((*back)->object, k->object);
-  EXPECT_EQ((*back)->libraries, k->libraries);
+  ASSERT_NE((*back)->cpu_object(), nullptr);
+  EXPECT_EQ((*back)->gpu(), nullptr);
+  EXPECT_EQ((*back)->cpu_object()->elf, k->cpu_object()->elf);
+  EXPECT_EQ((*back)->cpu_object()->libraries, k->cpu_object()->libraries);
+  EXPECT_EQ((*back)->cpu_object()->defined_symbols, k->cpu_object()->defined_symbols);
 
   InstanceSpec spec;
   spec.ns = "alice";
@@ -53,6 +70,70 @@ TEST(WireTest, KernelsAndInstancesRoundTrip) {
   EXPECT_EQ(decoded->attrs, spec.attrs);
   // Without the artifact the worker asks for it.
   EXPECT_TRUE(absl::IsNotFound(wire::DecodeInstance(wire::EncodeInstance(42, spec), &id, {}).status()));
+}
+
+// The kernel frame's layout, written out field by field: target, cache key,
+// the CPU object's bytes, libraries and symbols (empty for a GPU binary), a
+// flag, then the GPU binary's cubins, PTX, PTX arch, lowered names, shared
+// object and archs. The sum type did not change a byte of it.
+TEST(WireTest, TheKernelFrameKeepsItsLayout) {
+  wire::Writer cpu;
+  cpu.U8(static_cast<uint8_t>(registry::Target::kCpu));
+  cpu.Str("abc123");
+  cpu.Str(std::string("\x7f" "ELF", 4) + std::string(100, 'x'));
+  cpu.Strs({"libm.so.6"});
+  cpu.Strs({"K", "KInit"});
+  cpu.U8(0);
+  EXPECT_EQ(wire::EncodeKernel(*Kernel()), cpu.out());
+
+  wire::Writer gpu;
+  gpu.U8(static_cast<uint8_t>(registry::Target::kGpu));
+  gpu.Str("def456");
+  gpu.Str("");
+  gpu.Strs({});
+  gpu.Strs({});
+  gpu.U8(1);
+  gpu.Count(2);
+  for (const char* s : {"sm_80", "cubin80", "sm_90", "cubin90"}) gpu.Str(s);
+  gpu.Str("ptx");
+  gpu.Str("compute_80");
+  gpu.Count(1);
+  gpu.Str("&saxpy<float>");
+  gpu.Str("_Z5saxpyIfEvv");
+  gpu.Str("");
+  gpu.Strs({"sm_80", "sm_90"});
+  EXPECT_EQ(wire::EncodeKernel(*GpuKernel()), gpu.out());
+
+  auto back = wire::DecodeKernel(gpu.out());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ((*back)->cpu_object(), nullptr);
+  ASSERT_NE((*back)->gpu(), nullptr);
+  EXPECT_EQ((*back)->gpu()->cubins, GpuKernel()->gpu()->cubins);
+  EXPECT_EQ((*back)->gpu()->lowered_names, GpuKernel()->gpu()->lowered_names);
+  EXPECT_EQ((*back)->gpu()->archs, GpuKernel()->gpu()->archs);
+  EXPECT_EQ((*back)->binary_bytes(), GpuKernel()->binary_bytes());
+}
+
+// A frame with both a CPU object and a GPU binary is malformed: a kernel is
+// one or the other.
+TEST(WireTest, AFrameWithBothArtifactsIsAnError) {
+  wire::Writer both;
+  both.U8(static_cast<uint8_t>(registry::Target::kGpu));
+  both.Str("k");
+  both.Str("elf");
+  both.Strs({});
+  both.Strs({});
+  both.U8(1);
+  both.Count(0);
+  both.Str("ptx");
+  both.Str("compute_80");
+  both.Count(0);
+  both.Str("");
+  both.Strs({});
+  ASSERT_TRUE(both.out().size() > 0);
+  auto back = wire::DecodeKernel(both.out());
+  ASSERT_FALSE(back.ok());
+  EXPECT_EQ(back.status().code(), absl::StatusCode::kDataLoss);
 }
 
 // A target this build does not know is a protocol error, never a CPU kernel.
