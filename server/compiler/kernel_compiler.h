@@ -62,7 +62,11 @@ inline constexpr int kKernelAbiVersion = 1;
 
 struct CompileJob {
   registry::Target target = registry::Target::kCpu;
-  std::string language = "c++";  // "c++" | "c" (CPU), "cuda" (GPU)
+  // "c++" | "c" (CPU), "cuda" (GPU). A name, not an enum: each backend
+  // names the languages it compiles (CompileBackend::Languages), and the
+  // registry and CompileService check a request's against them once, as it
+  // enters, so a new backend brings its own languages without a change here.
+  std::string language = "c++";
   std::string source;
   // The name diagnostics give the source (the user's file; a directory part
   // is dropped); default kernel.cc / kernel.c / kernel.cu. Not part of the
