@@ -116,9 +116,7 @@ const std::string& TinyBytes() {
 exec::ForwardCall TinyCall() {
   exec::ForwardCall call;
   call.op = "leaky_relu";
-  exec::TensorArg x;
-  x.desc = {"float32", {kTinyFloats}};
-  x.inline_bytes = TinyBytes();
+  exec::TensorArg x = exec::TensorArg::Inline({"float32", {kTinyFloats}}, TinyBytes());
   call.inputs = {{x}};
   exec::AttrArg alpha;
   alpha.is_text = true;
@@ -138,7 +136,8 @@ void BM_ExecutorForwardTiny(benchmark::State& state) {
   for (auto _ : state) {
     ex.ForwardAsync(TinyCall(), [&ok](absl::StatusOr<exec::ForwardResult> r) {
       ok = ok && r.ok() && r->ran_inline && r->outputs.size() == 1 &&
-           r->outputs[0].inline_bytes.size() == kTinyFloats * sizeof(float);
+           r->outputs[0].inline_bytes() != nullptr &&
+           r->outputs[0].inline_bytes()->bytes.size() == kTinyFloats * sizeof(float);
       benchmark::DoNotOptimize(r);
     });
   }

@@ -55,19 +55,19 @@ struct Context {
 };
 
 TensorArg ArgOf(const SavedTensor& t) {
-  TensorArg a;
-  a.desc = t.desc;
-  a.inline_bytes = t.bytes;
-  a.null = t.null;
-  return a;
+  if (t.null) return {t.desc, exec::NullTensor{}};
+  return {t.desc, exec::InlineBytes{t.bytes}};
 }
 
 // A slot without data: the kernel gets params[i] == nullptr, ndims[i] == 0.
-TensorArg NullArg(const std::string& dtype) {
-  TensorArg a;
-  a.desc.dtype = dtype;
-  a.null = true;
-  return a;
+TensorArg NullArg(const std::string& dtype) { return TensorArg::Null(dtype); }
+
+// An output's inline bytes; none for one in shared memory (gradcheck's
+// calls place none there).
+const std::string& InlineOf(const exec::OutputResult& o) {
+  static const std::string kNone;
+  const exec::OwnedBytes* b = o.inline_bytes();
+  return b != nullptr ? b->bytes : kNone;
 }
 
 // Element access in double for the floating dtypes gradcheck supports.
@@ -360,10 +360,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
       auto n = tensor::ByteSize(desc.dtype, desc.shape);
       if (!n.ok()) return done(n.status());
       zeros->emplace_back(*n, '\0');
-      TensorArg z;
-      z.desc = desc;
-      z.inline_bytes = zeros->back();
-      group.push_back(z);
+      group.push_back(TensorArg::Inline(desc, zeros->back()));
     } else {
       group.push_back(NullArg(ctx->output_descs[j].dtype));  // a missing grad, in its slot
     }
@@ -379,7 +376,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   // is no tensor of the caller's, so it gets none).
   std::vector<bool> bprop_grad;
   if (call.create_graph) {
-    for (const auto& group : bcall.inputs) bprop_grad.push_back(!group.empty() && !group[0].null);
+    for (const auto& group : bcall.inputs) bprop_grad.push_back(!group.empty() && !group[0].is_null());
   }
 
   auto finish = [ctx, zeros, done, t0](absl::StatusOr<GradForwardResult> r) {
@@ -480,10 +477,9 @@ absl::Status GradCheckInputs(const GradCheckCall& c, const registry::OpDef& def,
     }
     for (size_t i = 0; i < n_in; ++i) {
       for (const auto& t : c.inputs[i]) {
-        if (t.in_shm) {
-          return absl::InvalidArgumentError("gradcheck takes inline inputs only");
-        }
-        (*inputs)[i].push_back({t.desc, std::string(t.inline_bytes)});
+        const exec::InlineBytes* b = t.inline_bytes();
+        if (b == nullptr) return absl::InvalidArgumentError("gradcheck takes inline inputs only");
+        (*inputs)[i].push_back({t.desc, std::string(b->bytes)});
         if (IsFloat(t.desc.dtype) && dtype->empty()) *dtype = t.desc.dtype;
       }
     }
@@ -538,7 +534,7 @@ absl::Status CompareWithCentralDifferences(const GradCheckCall& c, const registr
                                            size_t i, size_t k, const exec::OutputResult& grad,
                                            double eps, double atol, double rtol, Dot& dot,
                                            GradCheckInput* gi) {
-  const std::string& analytic = grad.inline_bytes;
+  const std::string& analytic = InlineOf(grad);
   const std::string& idtype = inputs[i][k].desc.dtype;
   const size_t elems = inputs[i][k].bytes.size() / registry::DtypeSize(idtype);
   for (size_t e = 0; e < elems; ++e) {
@@ -628,11 +624,11 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
     bc.context_id = fwd->context_id;
     for (size_t j = 0; j < fwd->forward.outputs.size(); ++j) {
       const auto& o = fwd->forward.outputs[j];
-      SavedTensor t{o.desc, std::string(o.inline_bytes.size(), '\0')};
+      SavedTensor t{o.desc, std::string(InlineOf(o).size(), '\0')};
       const bool diff = IsFloat(o.desc.dtype) &&
                         !Contains(def.backward.non_differentiable, def.outputs[j].name);
       if (diff) {
-        const size_t elems = o.inline_bytes.size() / registry::DtypeSize(o.desc.dtype);
+        const size_t elems = InlineOf(o).size() / registry::DtypeSize(o.desc.dtype);
         for (size_t e = 0; e < elems; ++e) Set(o.desc.dtype, &t.bytes, e, vdist(rng));
       }
       v.push_back(std::move(t));
@@ -649,9 +645,10 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
       for (size_t j = 0; j < r->outputs.size(); ++j) {
         const auto& o = r->outputs[j];
         if (!IsFloat(o.desc.dtype)) continue;
-        const size_t elems = o.inline_bytes.size() / registry::DtypeSize(o.desc.dtype);
+        const std::string& bytes = InlineOf(o);
+        const size_t elems = bytes.size() / registry::DtypeSize(o.desc.dtype);
         for (size_t e = 0; e < elems; ++e) {
-          s += Get(o.desc.dtype, o.inline_bytes, e) * Get(v[j].desc.dtype, v[j].bytes, e);
+          s += Get(o.desc.dtype, bytes, e) * Get(v[j].desc.dtype, v[j].bytes, e);
         }
       }
       return s;

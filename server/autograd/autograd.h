@@ -20,7 +20,7 @@
 //     did not require a grad get none (the bprop's value is dropped).
 //     Positions are MindSpore's: every forward tensor keeps its slot, so
 //     nparam and the indices do not depend on save_for_backward. A tensor
-//     not saved is a null slot (exec::TensorArg::null): params[i] ==
+//     not saved is a null slot (exec::TensorArg::Null): params[i] ==
 //     nullptr, ndims[i] == 0, dtypes[i] its dtype. Missing output grads are
 //     zero-filled (materialize_grads, the default) or null slots; grads
 //     given for non-differentiable outputs are treated as missing. Only an

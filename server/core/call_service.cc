@@ -59,10 +59,7 @@ void CallService::PrepareAsync(exec::ForwardCall call, const std::string& owner,
   // Only dtypes and shapes count; data, if any, is ignored.
   for (auto& group : call.inputs) {
     for (auto& t : group) {
-      t.in_shm = false;
-      t.region.clear();
-      t.offset = 0;
-      t.inline_bytes = {};
+      if (!t.is_null()) t.data = exec::InlineBytes{};
     }
   }
   exec::ForwardCall kept = call;

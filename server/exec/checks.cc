@@ -102,10 +102,10 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
           absl::StrCat(what(), " is dynamic: give one or more tensors, got none"));
     }
     c->present.push_back(!group.empty());
-    c->shaped.push_back(!group.empty() && !group[0].null);
+    c->shaped.push_back(!group.empty() && !group[0].is_null());
     for (size_t k = 0; k < group.size(); ++k) {
       const TensorDesc& d = group[k].desc;
-      if (group[k].null && !d.shape.empty()) {  // its data is checked in Place, per call
+      if (group[k].is_null() && !d.shape.empty()) {
         return absl::InvalidArgumentError(absl::StrCat(what(), ": a null tensor has rank 0"));
       }
       if (!registry::IsKnownDtype(d.dtype)) {
@@ -119,7 +119,7 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
             ", tensor 0 is ", group[0].desc.dtype));
       }
       OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(d.dtype, d.shape));
-      if (!group[k].null) c->input_bytes += nbytes;
+      if (!group[k].is_null()) c->input_bytes += nbytes;
       c->input_params.push_back(&param);
     }
     if (!group.empty()) group_dtype[i] = &group[0].desc.dtype;
@@ -234,7 +234,7 @@ std::string ShapeKey(const ForwardCall& call) {
     for (const TensorArg& arg : group) {
       AppendKeyValue(&key, arg.desc.dtype);
       AppendKeyValue(&key, arg.desc.shape);
-      AppendKeyValue(&key, arg.null);
+      AppendKeyValue(&key, arg.is_null());
     }
   }
   for (const auto& [name, arg] : call.attrs) {

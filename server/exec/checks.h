@@ -45,7 +45,7 @@ struct Checked {
   absl::InlinedVector<const registry::TensorParam*, 4> input_params;  // one per flat input
   std::vector<bool> present;                                          // per declared input
   // Per declared input: present with data, so a shape rule can read its
-  // shape (false for a null tensor, TensorArg::null).
+  // shape (false for a null tensor, TensorArg::Null).
   std::vector<bool> shaped;
   absl::InlinedVector<const std::string*, 4> output_dtypes;
   uint64_t input_bytes = 0;

@@ -44,15 +44,14 @@ SavedTensor Placeholder(const TensorDesc& desc) {
 // A saved copy of a placed tensor. Shm bytes are read under the copy guard:
 // a client may shrink its object under us.
 absl::StatusOr<SavedTensor> Save(const runner::TensorLoc& loc) {
-  if (loc.null) return Placeholder(loc.desc);
+  if (loc.is_null()) return Placeholder(loc.desc);
   SavedTensor saved{loc.desc, std::string(loc.nbytes, '\0')};
-  const void* src = loc.region != nullptr ? static_cast<const void*>(loc.region->data() + loc.offset)
-                                          : static_cast<const void*>(loc.data);
   if (loc.nbytes == 0) return saved;
-  if (loc.region == nullptr) {
-    std::memcpy(saved.bytes.data(), src, loc.nbytes);
+  if (const runner::InRegion* r = loc.in_region()) {
+    OPJIT_RETURN_IF_ERROR(
+        tensor::GuardedCopy(saved.bytes.data(), r->region->data() + r->offset, loc.nbytes));
   } else {
-    OPJIT_RETURN_IF_ERROR(tensor::GuardedCopy(saved.bytes.data(), src, loc.nbytes));
+    std::memcpy(saved.bytes.data(), loc.in_memory()->data, loc.nbytes);
   }
   return saved;
 }

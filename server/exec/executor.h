@@ -35,6 +35,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -57,8 +58,10 @@ using runner::DescString;
 using runner::HostTensor;
 using runner::TensorDesc;
 
-// One input tensor of a call: in a shared-memory region, inline bytes owned
-// by the caller (alive until `done` runs), or no data at all (`null`).
+// One input tensor of a call: exactly one of
+//   InlineBytes  bytes owned by the caller (alive until `done` runs);
+//   ShmRef       at `offset` in the caller's shared-memory region `region`;
+//   NullTensor   no data at all.
 //
 // A null tensor is a slot that keeps its position without data: autograd
 // passes forward tensors that were not saved for backward this way, so a
@@ -67,13 +70,32 @@ using runner::TensorDesc;
 // It counts as present for the input count and the dtype match, but a shape
 // rule cannot take its shape from it. Only the server makes null tensors
 // (the RPC layer never does).
+struct InlineBytes {
+  std::string_view bytes;
+};
+struct ShmRef {
+  std::string region;  // the region's name
+  uint64_t offset = 0;
+};
+using runner::NullTensor;
+
 struct TensorArg {
   TensorDesc desc;
-  bool in_shm = false;
-  std::string region;  // in_shm
-  uint64_t offset = 0;  // in_shm
-  std::string_view inline_bytes;  // !in_shm
-  bool null = false;
+  std::variant<InlineBytes, ShmRef, NullTensor> data;  // default: no inline bytes
+
+  static TensorArg Inline(TensorDesc desc, std::string_view bytes) {
+    return {std::move(desc), InlineBytes{bytes}};
+  }
+  static TensorArg Shm(TensorDesc desc, std::string region, uint64_t offset) {
+    return {std::move(desc), ShmRef{std::move(region), offset}};
+  }
+  // `dtype`, rank 0.
+  static TensorArg Null(std::string dtype) { return {{std::move(dtype), {}}, NullTensor{}}; }
+
+  bool is_null() const { return std::holds_alternative<NullTensor>(data); }
+  // The alternative it holds, or nullptr.
+  const InlineBytes* inline_bytes() const { return std::get_if<InlineBytes>(&data); }
+  const ShmRef* shm() const { return std::get_if<ShmRef>(&data); }
 };
 
 struct OutputPlacement {
@@ -117,19 +139,26 @@ struct ForwardCall {
 };
 
 // A tensor copied out of a call, owned by whoever keeps it (autograd
-// contexts); `null`: a placeholder without data (see TensorArg::null).
+// contexts); `null`: a placeholder without data (see TensorArg::Null).
 struct SavedTensor {
   TensorDesc desc;
   std::string bytes;
   bool null = false;
 };
 
+// One output of a call: its bytes (an inline output, owned here) or where in
+// the caller's shared memory the kernel wrote it.
+struct OwnedBytes {
+  std::string bytes;
+};
 struct OutputResult {
   TensorDesc desc;
-  bool in_shm = false;
-  std::string region;
-  uint64_t offset = 0;
-  std::string inline_bytes;  // !in_shm
+  std::variant<OwnedBytes, ShmRef> data;  // default: no inline bytes
+
+  // The alternative it holds, or nullptr.
+  const OwnedBytes* inline_bytes() const { return std::get_if<OwnedBytes>(&data); }
+  OwnedBytes* mutable_inline_bytes() { return std::get_if<OwnedBytes>(&data); }
+  const ShmRef* shm() const { return std::get_if<ShmRef>(&data); }
 };
 
 struct ForwardResult {

@@ -28,39 +28,36 @@ absl::Status Place(const ForwardCall& call, const Checked& c,
                             call.inputs[i].size() > 1 ? absl::StrCat("[", k, "]") : "", " (",
                             def.inputs[i].name, ")");
       };
-      runner::TensorLoc loc;
-      loc.desc = arg.desc;
-      if (arg.null) {
+      if (arg.is_null()) {
         // No data, so nothing to bounds-check: the kernel gets a null
-        // pointer. Checked per call (bytes are not in the call-shape key).
-        if (!arg.desc.shape.empty() || arg.in_shm || !arg.inline_bytes.empty()) {
+        // pointer.
+        if (!arg.desc.shape.empty()) {
           return absl::InvalidArgumentError(
               absl::StrCat(what(), ": a null tensor has rank 0 and no data"));
         }
-        loc.null = true;
-        placed->inputs.push_back(std::move(loc));
+        placed->inputs.push_back(runner::TensorLoc::Null(arg.desc));
         continue;
       }
       OPJIT_ASSIGN_OR_RETURN(uint64_t nbytes, tensor::ByteSize(arg.desc.dtype, arg.desc.shape));
-      loc.nbytes = nbytes;
-      if (arg.in_shm) {
-        OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, arg.region, call.principal));
+      if (const ShmRef* shm = arg.shm()) {
+        OPJIT_ASSIGN_OR_RETURN(auto region, regions->Acquire(call.ns, shm->region, call.principal));
         OPJIT_ASSIGN_OR_RETURN(
-            auto view, tensor::Resolve(region, {arg.region, arg.offset, arg.desc.dtype, arg.desc.shape},
+            auto view, tensor::Resolve(region, {shm->region, shm->offset, arg.desc.dtype, arg.desc.shape},
                                        what()));
-        loc.region = std::move(region);
-        loc.offset = arg.offset;
+        placed->inputs.push_back(
+            runner::TensorLoc::Region(arg.desc, nbytes, std::move(region), shm->offset));
         in_views.push_back(std::move(view));
       } else {
-        if (arg.inline_bytes.size() != nbytes) {
+        const std::string_view bytes = arg.inline_bytes()->bytes;
+        if (bytes.size() != nbytes) {
           return absl::InvalidArgumentError(absl::StrCat(
-              what(), ": ", arg.inline_bytes.size(), " inline bytes, but ", DescString(arg.desc),
+              what(), ": ", bytes.size(), " inline bytes, but ", DescString(arg.desc),
               " needs ", nbytes));
         }
         // The request's bytes are this call's private copy; kernels get void*.
-        loc.data = const_cast<char*>(arg.inline_bytes.data());
+        placed->inputs.push_back(
+            runner::TensorLoc::Memory(arg.desc, nbytes, const_cast<char*>(bytes.data())));
       }
-      placed->inputs.push_back(std::move(loc));
     }
   }
 
@@ -98,8 +95,8 @@ absl::Status Place(const ForwardCall& call, const Checked& c,
               "+ bytes inline, over the server's ", max_inline_output_bytes,
               "-byte message limit; place them in shared memory (alloc_in or shm)"));
         }
-        r.inline_bytes.resize(nbytes);
-        loc.data = r.inline_bytes.data();
+        r.data.emplace<OwnedBytes>().bytes.resize(nbytes);
+        loc.where = runner::InMemory{r.mutable_inline_bytes()->bytes.data()};
         break;
       case OutputPlacement::Kind::kShm:
       case OutputPlacement::Kind::kAllocIn: {
@@ -138,14 +135,10 @@ absl::Status Place(const ForwardCall& call, const Checked& c,
                 absl::StrCat(what(), " overlaps another output in region \"", place.region, "\""));
           }
         }
-        r.in_shm = true;
-        r.region = place.region;
-        r.offset = offset;
-        loc.region = std::move(region);
-        loc.offset = offset;
+        r.data = ShmRef{place.region, offset};
         // The region came from Acquire with the caller's principal: its
         // bytes are the caller's to read, so they may stay if it asked.
-        loc.keep_bytes = call.keep_output_bytes;
+        loc.where = runner::InRegion{std::move(region), offset, call.keep_output_bytes};
         out_views.push_back(std::move(view));
         break;
       }

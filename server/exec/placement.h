@@ -2,7 +2,7 @@
 // kernel runner can use. Every shm reference is checked against its
 // region's bounds, alignment and the other tensors of the call before any
 // location exists; inline outputs get buffers in the result. A null input
-// (TensorArg::null) has no data to check: its location is null too.
+// (TensorArg::Null) has no data to check: its location is null too.
 #pragma once
 
 #include <cstdint>
@@ -20,8 +20,8 @@ class RegionManager;
 
 namespace opjit::exec {
 
-// The tensors of one call, placed. Output locations with `data` point into
-// `result.outputs[j].inline_bytes`: keep a Placed where it is (do not move
+// The tensors of one call, placed. Output locations InMemory point into
+// `result.outputs[j]`'s inline bytes: keep a Placed where it is (do not move
 // it) until the kernel ran.
 struct Placed {
   absl::InlinedVector<runner::TensorLoc, 4> inputs;

@@ -19,7 +19,7 @@ absl::StatusOr<Shape> BroadcastShapes(const std::vector<Shape>& shapes);
 
 // The shape of output `output` under `rule`. `inputs` holds the shape of each
 // declared input's first tensor; `present` is false for inputs with no shape
-// to take (absent optional inputs, null tensors: see TensorArg::null);
+// to take (absent optional inputs, null tensors: see TensorArg::Null);
 // `attrs` the call's resolved attrs.
 absl::StatusOr<Shape> ApplyShapeRule(const registry::OutputRule& rule, int output,
                                      const std::vector<Shape>& inputs,

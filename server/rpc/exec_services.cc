@@ -113,11 +113,9 @@ absl::StatusOr<exec::TensorArg> TensorFromProto(const v1::Tensor& t,
     }
   }
   if (t.has_shm()) {
-    arg.in_shm = true;
-    arg.region = t.shm().region();
-    arg.offset = t.shm().offset();
+    arg.data = exec::ShmRef{t.shm().region(), t.shm().offset()};
   } else {
-    arg.inline_bytes = t.inline_data();
+    arg.data = exec::InlineBytes{t.inline_data()};
   }
   return arg;
 }
@@ -173,11 +171,11 @@ std::chrono::steady_clock::time_point SteadyDeadline(const grpc::CallbackServerC
 void OutputToProto(exec::OutputResult& o, v1::Tensor* t) {
   t->set_dtype(o.desc.dtype);
   for (int64_t d : o.desc.shape) t->add_shape(d);
-  if (o.in_shm) {
-    t->mutable_shm()->set_region(o.region);
-    t->mutable_shm()->set_offset(o.offset);
+  if (const exec::ShmRef* shm = o.shm()) {
+    t->mutable_shm()->set_region(shm->region);
+    t->mutable_shm()->set_offset(shm->offset);
   } else {
-    t->set_inline_data(std::move(o.inline_bytes));
+    t->set_inline_data(std::move(o.mutable_inline_bytes()->bytes));
   }
 }
 

@@ -33,14 +33,15 @@ class InProcessInstance : public KernelInstance {
 HostTensor ToHost(const TensorLoc& loc) {
   HostTensor t;
   t.desc = loc.desc;
-  if (loc.null) {
+  if (loc.is_null()) {
     t.null = true;
-    return t;
+  } else if (const InRegion* r = loc.in_region()) {
+    t.data = r->region->data() + r->offset;
+    // Only a region's bytes may be kept: inline buffers are always zeroed.
+    t.keep_bytes = r->keep_bytes;
+  } else {
+    t.data = loc.in_memory()->data;
   }
-  t.data = loc.region != nullptr ? static_cast<void*>(loc.region->data() + loc.offset)
-                                 : static_cast<void*>(loc.data);
-  // Only a region's bytes may be kept: inline buffers are always zeroed.
-  t.keep_bytes = loc.keep_bytes && loc.region != nullptr;
   return t;
 }
 

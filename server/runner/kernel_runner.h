@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -58,29 +59,52 @@ struct HostTensor {
   // An output that keeps the bytes its memory holds: not zero-filled before
   // the kernel (AotKernelInstance::Run). Set only for outputs in the
   // caller's own shared memory when its call asked for it
-  // (ForwardRequest.keep_output_bytes); see TensorLoc::keep_bytes.
+  // (ForwardRequest.keep_output_bytes); see InRegion::keep_bytes.
   bool keep_bytes = false;
 };
 
-// Where one tensor of a call lives, already checked by the executor: either
-// `nbytes` at `offset` inside `region` (which the caller keeps alive for the
-// call), or the caller's own buffer `data` (inline tensors: read for inputs,
-// written for outputs), or no data at all (`null`, inputs only: see
-// HostTensor::null; nbytes 0, no region, no data).
+// Where one tensor of a call lives, already checked by the executor: exactly
+// one of these (TensorLoc::where).
+//
+// `nbytes` at `offset` inside `region`, which the caller keeps alive for the
+// call. `keep_bytes` (outputs only): the kernel finds the region's bytes as
+// they are, rather than zeroed. The executor sets it only for an output in a
+// region the caller itself may name (its own, or any of the namespace for an
+// admin) when the call asked to keep output bytes: bytes the caller could
+// read anyway. Only region outputs can keep bytes: inline outputs (an arena,
+// a daemon buffer) are zeroed always.
+struct InRegion {
+  std::shared_ptr<const tensor::Region> region;  // never null
+  uint64_t offset = 0;
+  bool keep_bytes = false;
+};
+// The caller's own buffer (inline tensors: read for inputs, written for
+// outputs), `nbytes` long.
+struct InMemory {
+  char* data = nullptr;
+};
+// No data at all (inputs only: see HostTensor::null); nbytes is 0.
+struct NullTensor {};
+
 struct TensorLoc {
   TensorDesc desc;
   uint64_t nbytes = 0;
-  std::shared_ptr<const tensor::Region> region;
-  uint64_t offset = 0;
-  char* data = nullptr;  // when region is null
-  bool null = false;
-  // Outputs only: the kernel finds the region's bytes as they are, rather
-  // than zeroed. The executor sets it only for an output in a region the
-  // caller itself may name (its own, or any of the namespace for an admin)
-  // when the call asked to keep output bytes: bytes the caller could read
-  // anyway. Runners honour it only for region outputs: inline outputs (an
-  // arena, a daemon buffer) are zeroed whatever it says.
-  bool keep_bytes = false;
+  std::variant<InMemory, InRegion, NullTensor> where;
+
+  static TensorLoc Region(const TensorDesc& desc, uint64_t nbytes,
+                          std::shared_ptr<const tensor::Region> region, uint64_t offset,
+                          bool keep_bytes = false) {
+    return {desc, nbytes, InRegion{std::move(region), offset, keep_bytes}};
+  }
+  static TensorLoc Memory(const TensorDesc& desc, uint64_t nbytes, char* data) {
+    return {desc, nbytes, InMemory{data}};
+  }
+  static TensorLoc Null(const TensorDesc& desc) { return {desc, 0, NullTensor{}}; }
+
+  bool is_null() const { return std::holds_alternative<NullTensor>(where); }
+  // The alternative it holds, or nullptr.
+  const InRegion* in_region() const { return std::get_if<InRegion>(&where); }
+  const InMemory* in_memory() const { return std::get_if<InMemory>(&where); }
 };
 
 // What makes one kernel instance.

@@ -788,12 +788,13 @@ std::optional<absl::Status> RemoteInstance::ClientMemoryFault(const RunArgs* arg
   for (auto span : {args->inputs, args->outputs}) {
     const bool inputs = span.data() == args->inputs.data();
     for (size_t j = 0; j < span.size(); ++j, ++i) {
-      const TensorLoc& t = span[j];
-      if (t.region == nullptr) continue;
+      const InRegion* in = span[j].in_region();
+      if (in == nullptr) continue;
+      const tensor::Region* region = in->region.get();
       struct stat st {};
-      if (::fstat(t.region->fd(), &st) != 0) continue;
+      if (::fstat(region->fd(), &st) != 0) continue;
       const uint64_t have = st.st_size < 0 ? 0 : static_cast<uint64_t>(st.st_size);
-      const uint64_t mapped = t.region->info().offset + t.region->size();
+      const uint64_t mapped = region->info().offset + region->size();
       if (have >= mapped) continue;
       const std::string tensor =
           inputs ? (j < spec_.input_names.size() && !spec_.input_names[j].empty()
@@ -802,12 +803,12 @@ std::optional<absl::Status> RemoteInstance::ClientMemoryFault(const RunArgs* arg
                  : absl::StrCat("output ", j);
       return WithReason(
           absl::FailedPreconditionError(absl::StrCat(
-              "region \"", t.region->name(), "\" (", tensor, ") shrank to ",
-              have > t.region->info().offset ? have - t.region->info().offset : 0,
-              " bytes while the call used it (registered with ", t.region->size(),
+              "region \"", region->name(), "\" (", tensor, ") shrank to ",
+              have > region->info().offset ? have - region->info().offset : 0,
+              " bytes while the call used it (registered with ", region->size(),
               "); the kernel faulted on the missing memory. The client's memory is at fault, not "
               "the kernel: this does not count towards its quarantine")),
-          reason::kRegionTooSmall, {{"region", t.region->name()}, {"cause", "client_memory"}});
+          reason::kRegionTooSmall, {{"region", region->name()}, {"cause", "client_memory"}});
     }
   }
   return std::nullopt;
@@ -922,7 +923,8 @@ absl::StatusOr<Reply> RemoteInstance::TryOnWorker(Clock::time_point call_deadlin
       const tensor::Region* region = nullptr;
       for (auto span : {args->inputs, args->outputs}) {
         for (const TensorLoc& t : span) {
-          if (t.region != nullptr && t.region->serial() == reply->need) region = t.region.get();
+          const InRegion* in = t.in_region();
+          if (in != nullptr && in->region->serial() == reply->need) region = in->region.get();
         }
       }
       if (region == nullptr) return fail(absl::DataLossError("asked for a region not in the call"));
@@ -978,7 +980,7 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
   uint64_t arena_need = 0;
   for (auto span : {args.inputs, args.outputs}) {
     for (const TensorLoc& t : span) {
-      if (t.region == nullptr && !t.null) arena_need = Align64(arena_need + t.nbytes);
+      if (t.in_memory() != nullptr) arena_need = Align64(arena_need + t.nbytes);
     }
   }
   if (arena_need > runner_->options.arena_bytes) {
@@ -999,10 +1001,10 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
         slot->n_inputs = static_cast<uint32_t>(args.inputs.size());
         slot->n_outputs = static_cast<uint32_t>(args.outputs.size());
         // Region outputs keep their bytes only when every one of them may
-        // (TensorLoc::keep_bytes); arena outputs are zeroed regardless.
+        // (InRegion::keep_bytes); arena outputs are zeroed regardless.
         bool keep = false, zero = false;
         for (const TensorLoc& t : args.outputs) {
-          if (t.region != nullptr) (t.keep_bytes ? keep : zero) = true;
+          if (const InRegion* in = t.in_region()) (in->keep_bytes ? keep : zero) = true;
         }
         slot->flags = keep && !zero ? wire::kKeepRegionOutputs : 0;
         uint64_t cursor = 0;
@@ -1014,12 +1016,12 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
         for (auto span : {args.inputs, args.outputs}) {
           const bool inputs = span.data() == args.inputs.data();
           for (const TensorLoc& t : span) {
-            if (t.null) {
+            if (t.is_null()) {
               recs[i++] = {wire::kNullSerial, 0, 0};
-            } else if (t.region != nullptr) {
-              recs[i++] = {t.region->serial(), t.offset, t.nbytes};
+            } else if (const InRegion* in = t.in_region()) {
+              recs[i++] = {in->region->serial(), in->offset, t.nbytes};
             } else {
-              if (inputs && t.nbytes) std::memcpy(w.data + cursor, t.data, t.nbytes);
+              if (inputs && t.nbytes) std::memcpy(w.data + cursor, t.in_memory()->data, t.nbytes);
               recs[i++] = {0, cursor, t.nbytes};
               if (!inputs) out_offsets.push_back(cursor);
               cursor = Align64(cursor + t.nbytes);
@@ -1032,8 +1034,9 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
           // arena) is still this call's.
           size_t k = 0;
           for (const TensorLoc& t : args.outputs) {
-            if (t.region != nullptr) continue;
-            if (t.nbytes) std::memcpy(t.data, w.data + out_offsets[k], t.nbytes);
+            const InMemory* mem = t.in_memory();
+            if (mem == nullptr) continue;
+            if (t.nbytes) std::memcpy(mem->data, w.data + out_offsets[k], t.nbytes);
             ++k;
           }
         }

@@ -126,7 +126,7 @@ struct alignas(64) SlotHeader {
 // SlotHeader::flags. kKeepRegionOutputs: the call's outputs in regions
 // (serial != 0) keep their bytes rather than start zeroed; the daemon sets
 // it only when each of them is in memory the caller asked to keep
-// (TensorLoc::keep_bytes). Outputs in the arena are zeroed regardless.
+// (InRegion::keep_bytes). Outputs in the arena are zeroed regardless.
 inline constexpr uint32_t kKeepRegionOutputs = 1;
 
 // The slot: header then TensorRecs, kSlotBytes in all; the data area follows.

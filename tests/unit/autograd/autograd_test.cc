@@ -128,19 +128,21 @@ std::vector<float> Floats(const std::string& bytes) {
   return out;
 }
 
-TensorArg Arg(const std::string& bytes) {
-  TensorArg a;
-  a.desc = {"float32", {static_cast<int64_t>(bytes.size() / 4)}};
-  a.inline_bytes = bytes;
-  return a;
+// An output's inline bytes as floats (a failure when it is in shared memory).
+std::vector<float> Floats(const exec::OutputResult& o) {
+  const exec::OwnedBytes* b = o.inline_bytes();
+  if (b == nullptr) {
+    ADD_FAILURE() << "the output is not inline";
+    return {};
+  }
+  return Floats(b->bytes);
 }
 
-TensorArg NullArg() {
-  TensorArg a;
-  a.desc.dtype = "float32";
-  a.null = true;
-  return a;
+TensorArg Arg(const std::string& bytes) {
+  return TensorArg::Inline({"float32", {static_cast<int64_t>(bytes.size() / 4)}}, bytes);
 }
+
+TensorArg NullArg() { return TensorArg::Null("float32"); }
 
 class AutogradTest : public ::testing::TestWithParam<const char*> {
  protected:
@@ -251,8 +253,8 @@ TEST_P(AutogradTest, NotSavedTensorsAreNullSlotsInMindSporePositions) {
   ASSERT_TRUE(bwd.ok()) << bwd.status();
   ASSERT_EQ(bwd->grad_inputs.size(), 2u);
   ASSERT_EQ(bwd->grad_inputs[0].size(), 1u);
-  EXPECT_EQ(Floats(bwd->grad_inputs[0][0].inline_bytes), (std::vector<float>{4.5f, 1.5f, 6.5f}));
-  EXPECT_EQ(Floats(bwd->grad_inputs[1][0].inline_bytes), (std::vector<float>{1.5f, 4.5f, -8.5f}));
+  EXPECT_EQ(Floats(bwd->grad_inputs[0][0]), (std::vector<float>{4.5f, 1.5f, 6.5f}));
+  EXPECT_EQ(Floats(bwd->grad_inputs[1][0]), (std::vector<float>{1.5f, 4.5f, -8.5f}));
   EXPECT_EQ(autograd_->LiveContexts(), 0u);
 }
 
@@ -270,8 +272,8 @@ TEST_P(AutogradTest, AMissingGradWithoutMaterializeIsANullSlot) {
   b.grad_outputs = {Arg(dy), std::nullopt};
   auto bwd = Backward(b);
   ASSERT_TRUE(bwd.ok()) << bwd.status();
-  EXPECT_EQ(Floats(bwd->grad_inputs[0][0].inline_bytes), (std::vector<float>{4, 1, 6}));
-  EXPECT_EQ(Floats(bwd->grad_inputs[1][0].inline_bytes), (std::vector<float>{1, 4, -9}));
+  EXPECT_EQ(Floats(bwd->grad_inputs[0][0]), (std::vector<float>{4, 1, 6}));
+  EXPECT_EQ(Floats(bwd->grad_inputs[1][0]), (std::vector<float>{1, 4, -9}));
 }
 
 TEST_P(AutogradTest, DoubleBackwardSavesANullSlotAsNull) {
@@ -300,7 +302,7 @@ TEST_P(AutogradTest, DoubleBackwardSavesANullSlotAsNull) {
   b.create_graph = true;
   auto first = Backward(b);
   ASSERT_TRUE(first.ok()) << first.status();
-  EXPECT_EQ(Floats(first->grad_inputs[0][0].inline_bytes), (std::vector<float>{12}));
+  EXPECT_EQ(Floats(first->grad_inputs[0][0]), (std::vector<float>{12}));
   ASSERT_FALSE(first->context_id.empty());
   const std::string ddx = Bytes({1});
   BackwardCall b2;
@@ -309,9 +311,9 @@ TEST_P(AutogradTest, DoubleBackwardSavesANullSlotAsNull) {
   auto second = Backward(b2);
   ASSERT_TRUE(second.ok()) << second.status();
   ASSERT_EQ(second->grad_inputs.size(), 3u);
-  EXPECT_EQ(Floats(second->grad_inputs[0][0].inline_bytes), (std::vector<float>{4}));
+  EXPECT_EQ(Floats(second->grad_inputs[0][0]), (std::vector<float>{4}));
   EXPECT_TRUE(second->grad_inputs[1].empty());  // the null y gets no grad
-  EXPECT_EQ(Floats(second->grad_inputs[2][0].inline_bytes), (std::vector<float>{6}));
+  EXPECT_EQ(Floats(second->grad_inputs[2][0]), (std::vector<float>{6}));
 }
 
 TEST_P(AutogradTest, RequiresGradOnAnOpWithoutBackwardRunsAndItsBackwardFails) {
@@ -322,7 +324,7 @@ TEST_P(AutogradTest, RequiresGradOnAnOpWithoutBackwardRunsAndItsBackwardFails) {
   call.inputs = {{Arg(x)}};
   auto fwd = Forward(call, {true});
   ASSERT_TRUE(fwd.ok()) << fwd.status();
-  EXPECT_EQ(Floats(fwd->forward.outputs[0].inline_bytes), (std::vector<float>{1, 16}));
+  EXPECT_EQ(Floats(fwd->forward.outputs[0]), (std::vector<float>{1, 16}));
   ASSERT_FALSE(fwd->context_id.empty());
   EXPECT_EQ(autograd_->BytesByNamespace()["default"], 0u);  // nothing saved
 
@@ -355,7 +357,7 @@ TEST_P(AutogradTest, ExecutorNullTensors) {
     call.inputs = {{a}};
     auto r = executor_->Forward(std::move(call));
     if (!r.ok()) return r.status();
-    return Floats(r->outputs[0].inline_bytes)[0];
+    return Floats(r->outputs[0])[0];
   };
   // A null slot, then a real scalar of the same dtype (same descriptor:
   // they share a kernel instance but are different call shapes), then null.
@@ -363,23 +365,17 @@ TEST_P(AutogradTest, ExecutorNullTensors) {
   ASSERT_TRUE(null1.ok()) << null1.status();
   EXPECT_EQ(*null1, 1.0f);
   const std::string scalar = Bytes({7});
-  TensorArg s;
-  s.desc = {"float32", {}};
-  s.inline_bytes = scalar;
-  auto data = run(s);
+  auto data = run(TensorArg::Inline({"float32", {}}, scalar));
   ASSERT_TRUE(data.ok()) << data.status();
   EXPECT_EQ(*data, 2.0f);
   auto null2 = run(NullArg());
   ASSERT_TRUE(null2.ok()) << null2.status();
   EXPECT_EQ(*null2, 1.0f);
 
-  // A null tensor has rank 0 and no bytes.
+  // A null tensor has rank 0 (and no bytes: a TensorArg cannot hold both).
   TensorArg shaped = NullArg();
   shaped.desc.shape = {3};
   EXPECT_EQ(run(shaped).status().code(), absl::StatusCode::kInvalidArgument);
-  TensorArg with_bytes = NullArg();
-  with_bytes.inline_bytes = scalar;
-  EXPECT_EQ(run(with_bytes).status().code(), absl::StatusCode::kInvalidArgument);
 
   // A shape rule cannot take its shape from a null slot.
   Register(Def("same", {"x"}, {"y"}, kSquare, "Square"));

@@ -62,10 +62,13 @@ std::vector<float> Floats(const std::string& bytes) {
 }
 
 exec::TensorArg Arg(const std::string& bytes) {
-  exec::TensorArg a;
-  a.desc = {"float32", {static_cast<int64_t>(bytes.size() / 4)}};
-  a.inline_bytes = bytes;
-  return a;
+  return exec::TensorArg::Inline({"float32", {static_cast<int64_t>(bytes.size() / 4)}}, bytes);
+}
+
+// An output's inline bytes ("" when it is in shared memory).
+std::string InlineOf(const exec::OutputResult& o) {
+  const exec::OwnedBytes* b = o.inline_bytes();
+  return b != nullptr ? b->bytes : std::string();
 }
 
 // What ForwardAsync's callback got.
@@ -142,7 +145,7 @@ class CallServiceTest : public ::testing::Test {
                        [&p](const absl::Status& s, exec::ForwardResult* r,
                             const std::string& context_id) {
                          Answer a{s, {}, context_id};
-                         if (r != nullptr) a.y = Floats(r->outputs.at(0).inline_bytes);
+                         if (r != nullptr) a.y = Floats(InlineOf(r->outputs.at(0)));
                          p.set_value(std::move(a));
                        });
     return p.get_future().get();
@@ -204,7 +207,7 @@ TEST_F(CallServiceTest, AForwardWithRequiresGradGoesThroughAutograd) {
   auto grads = Backward(b);
   ASSERT_TRUE(grads.ok()) << grads.status();
   ASSERT_EQ(grads->grad_inputs.size(), 1u);
-  EXPECT_EQ(Floats(grads->grad_inputs[0].at(0).inline_bytes), (std::vector<float>{2, 4, 6}));
+  EXPECT_EQ(Floats(InlineOf(grads->grad_inputs[0].at(0))), (std::vector<float>{2, 4, 6}));
   EXPECT_EQ(autograd_->LiveContexts(), 0u);  // released after its backward
 }
 

@@ -58,15 +58,18 @@ class FakeInstance : public KernelInstance {
       std::lock_guard<std::mutex> lock(s_->mu);
       s_->deadlines.push_back(a.deadline);
       const runner::TensorLoc& in = a.inputs[0];
-      s_->input_bytes.emplace_back(in.data, in.nbytes);
+      if (in.in_memory() == nullptr || a.outputs[0].in_memory() == nullptr) {
+        return absl::InternalError("the fake runner takes inline tensors only");
+      }
+      s_->input_bytes.emplace_back(in.in_memory()->data, in.nbytes);
       const runner::TensorLoc& out = a.outputs[0];
       for (uint64_t i = 0; i < out.nbytes; ++i) {
-        if (out.data[i] != 0) s_->output_was_zeroed = false;
+        if (out.in_memory()->data[i] != 0) s_->output_was_zeroed = false;
       }
     }
     if (!s_->answer.ok()) return s_->answer;
-    const auto* x = reinterpret_cast<const float*>(a.inputs[0].data);
-    auto* y = reinterpret_cast<float*>(a.outputs[0].data);
+    const auto* x = reinterpret_cast<const float*>(a.inputs[0].in_memory()->data);
+    auto* y = reinterpret_cast<float*>(a.outputs[0].in_memory()->data);
     for (uint64_t i = 0; i < a.outputs[0].nbytes / 4; ++i) y[i] = 2 * x[i];
     if (a.kernel_ms != nullptr) *a.kernel_ms = s_->kernel_ms;
     return absl::OkStatus();
@@ -163,10 +166,7 @@ extern "C" int K(int, void**, int*, int64_t**, const char**, void*, void*) { ret
   ForwardCall Call(const std::string& bytes) {
     ForwardCall c;
     c.op = "twice";
-    TensorArg a;
-    a.desc = {"float32", {static_cast<int64_t>(bytes.size() / 4)}};
-    a.inline_bytes = bytes;
-    c.inputs = {{a}};
+    c.inputs = {{TensorArg::Inline({"float32", {static_cast<int64_t>(bytes.size() / 4)}}, bytes)}};
     return c;
   }
 
@@ -200,8 +200,9 @@ TEST_F(ExecutorTest, TheRunnerGetsTheCheckedCallAndItsOutputsComeBack) {
   EXPECT_TRUE(state_.output_was_zeroed);
   ASSERT_EQ(r->outputs.size(), 1u);
   EXPECT_EQ(r->outputs[0].desc, (TensorDesc{"float32", {3}}));
-  EXPECT_EQ(r->outputs[0].inline_bytes, Floats({2, 4, 6}));
-  EXPECT_FALSE(r->outputs[0].in_shm);
+  EXPECT_EQ(r->outputs[0].shm(), nullptr);
+  ASSERT_NE(r->outputs[0].inline_bytes(), nullptr);
+  EXPECT_EQ(r->outputs[0].inline_bytes()->bytes, Floats({2, 4, 6}));
   EXPECT_EQ(r->kernel_ms, 1.5) << "the runner's own measure of the kernel";
   EXPECT_EQ(r->version, 1);
   EXPECT_TRUE(r->ran_inline);
@@ -239,7 +240,8 @@ TEST_F(ExecutorTest, CallsOverTheInlineLimitRunOnThePool) {
   auto big = executor_->Forward(Call(Floats({1, 2})));
   ASSERT_TRUE(big.ok()) << big.status();
   EXPECT_FALSE(big->ran_inline);
-  EXPECT_EQ(big->outputs[0].inline_bytes, Floats({2, 4}));
+  ASSERT_NE(big->outputs[0].inline_bytes(), nullptr);
+  EXPECT_EQ(big->outputs[0].inline_bytes()->bytes, Floats({2, 4}));
   EXPECT_EQ(executor_->Stats().pool_runs, 1u);
   EXPECT_EQ(executor_->Stats().inline_runs, 1u);
 }
@@ -299,6 +301,52 @@ TEST_F(ExecutorTest, BadCallsNeverReachTheRunner) {
   EXPECT_EQ(executor_->Forward(unknown).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(state_.runs.load(), 0);
   EXPECT_EQ(executor_->Stats().failures, 3u);
+}
+
+// Tensors are sum types: each holds one kind of data, named by its
+// constructor, and the accessors of the other kinds give nullptr.
+TEST(TensorTypesTest, EachTensorHoldsExactlyOneKindOfData) {
+  const std::string bytes = Floats({1, 2});
+  const TensorArg in = TensorArg::Inline({"float32", {2}}, bytes);
+  ASSERT_NE(in.inline_bytes(), nullptr);
+  EXPECT_EQ(in.inline_bytes()->bytes.data(), bytes.data()) << "a view of the caller's bytes";
+  EXPECT_EQ(in.shm(), nullptr);
+  EXPECT_FALSE(in.is_null());
+
+  const TensorArg shm = TensorArg::Shm({"float32", {2}}, "r1", 64);
+  ASSERT_NE(shm.shm(), nullptr);
+  EXPECT_EQ(shm.shm()->region, "r1");
+  EXPECT_EQ(shm.shm()->offset, 64u);
+  EXPECT_EQ(shm.inline_bytes(), nullptr);
+  EXPECT_FALSE(shm.is_null());
+
+  const TensorArg null = TensorArg::Null("float32");
+  EXPECT_TRUE(null.is_null());
+  EXPECT_EQ(null.desc, (TensorDesc{"float32", {}})) << "its dtype, rank 0";
+  EXPECT_EQ(null.inline_bytes(), nullptr);
+  EXPECT_EQ(null.shm(), nullptr);
+
+  const TensorArg empty;
+  ASSERT_NE(empty.inline_bytes(), nullptr) << "default: no inline bytes";
+  EXPECT_TRUE(empty.inline_bytes()->bytes.empty());
+
+  std::string buf(8, '\0');
+  const runner::TensorLoc mem = runner::TensorLoc::Memory({"float32", {2}}, 8, buf.data());
+  ASSERT_NE(mem.in_memory(), nullptr);
+  EXPECT_EQ(mem.in_memory()->data, buf.data());
+  EXPECT_EQ(mem.in_region(), nullptr);
+  EXPECT_FALSE(mem.is_null());
+  const runner::TensorLoc none = runner::TensorLoc::Null({"float32", {}});
+  EXPECT_TRUE(none.is_null());
+  EXPECT_EQ(none.nbytes, 0u);
+  EXPECT_EQ(none.in_memory(), nullptr);
+  EXPECT_EQ(none.in_region(), nullptr);
+
+  OutputResult out;
+  out.data = ShmRef{"r2", 128};
+  EXPECT_EQ(out.inline_bytes(), nullptr);
+  ASSERT_NE(out.shm(), nullptr);
+  EXPECT_EQ(out.shm()->offset, 128u);
 }
 
 }  // namespace
