@@ -55,8 +55,15 @@ struct Context {
 };
 
 TensorArg ArgOf(const SavedTensor& t) {
-  if (t.null) return {t.desc, exec::NullTensor{}};
-  return {t.desc, exec::InlineBytes{t.bytes}};
+  if (const exec::OwnedBytes* b = t.bytes()) return {t.desc, exec::InlineBytes{b->bytes}};
+  return {t.desc, exec::NullTensor{}};
+}
+
+// A saved tensor's bytes; none for a placeholder.
+const std::string& BytesOf(const SavedTensor& t) {
+  static const std::string kNone;
+  const exec::OwnedBytes* b = t.bytes();
+  return b != nullptr ? b->bytes : kNone;
 }
 
 // A slot without data: the kernel gets params[i] == nullptr, ndims[i] == 0.
@@ -265,9 +272,9 @@ void Autograd::ForwardAsync(exec::ForwardCall call, std::vector<bool> requires_g
         ctx->outputs = std::move(r->saved_outputs);
         for (const auto& o : r->outputs) ctx->output_descs.push_back(o.desc);
         for (const auto& g : ctx->inputs) {
-          for (const auto& t : g) ctx->bytes += t.bytes.size();
+          for (const auto& t : g) ctx->bytes += BytesOf(t).size();
         }
-        for (const auto& t : ctx->outputs) ctx->bytes += t.bytes.size();
+        for (const auto& t : ctx->outputs) ctx->bytes += BytesOf(t).size();
         ctx->last_used = Clock::now();
         if (absl::Status s = impl->Keep(ctx); !s.ok()) return done(s);
         Logger("autograd")->debug("context {} kept for {}/{} ({} bytes)", ctx->id.substr(0, 8),
@@ -479,7 +486,7 @@ absl::Status GradCheckInputs(const GradCheckCall& c, const registry::OpDef& def,
       for (const auto& t : c.inputs[i]) {
         const exec::InlineBytes* b = t.inline_bytes();
         if (b == nullptr) return absl::InvalidArgumentError("gradcheck takes inline inputs only");
-        (*inputs)[i].push_back({t.desc, std::string(b->bytes)});
+        (*inputs)[i].push_back(SavedTensor::Copy(t.desc, std::string(b->bytes)));
         if (IsFloat(t.desc.dtype) && dtype->empty()) *dtype = t.desc.dtype;
       }
     }
@@ -502,13 +509,12 @@ absl::Status GradCheckInputs(const GradCheckCall& c, const registry::OpDef& def,
                         : def.inputs[i].param_type == registry::ParamType::kDynamic ? 2
                                                                                      : 1;
       for (int k = 0; k < count; ++k) {
-        SavedTensor t;
-        t.desc = {*dtype, c.random_shape};
         auto n = tensor::ByteSize(*dtype, c.random_shape);
         if (!n.ok()) return n.status();
-        t.bytes.assign(*n, '\0');
+        SavedTensor t = SavedTensor::Copy({*dtype, c.random_shape}, std::string(*n, '\0'));
+        std::string* bytes = &t.mutable_bytes()->bytes;
         const size_t elems = *n / registry::DtypeSize(*dtype);
-        for (size_t e = 0; e < elems; ++e) Set(*dtype, &t.bytes, e, (rng() & 1 ? 1 : -1) * mag(rng));
+        for (size_t e = 0; e < elems; ++e) Set(*dtype, bytes, e, (rng() & 1 ? 1 : -1) * mag(rng));
         (*inputs)[i].push_back(std::move(t));
       }
     }
@@ -516,7 +522,7 @@ absl::Status GradCheckInputs(const GradCheckCall& c, const registry::OpDef& def,
   // The quota: every element costs two forward calls.
   size_t total_elems = 0;
   for (const auto& g : *inputs) {
-    for (const auto& t : g) total_elems += t.bytes.size() / std::max<size_t>(registry::DtypeSize(t.desc.dtype), 1);
+    for (const auto& t : g) total_elems += BytesOf(t).size() / std::max<size_t>(registry::DtypeSize(t.desc.dtype), 1);
   }
   if (total_elems > kMaxGradCheckElements) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -536,7 +542,8 @@ absl::Status CompareWithCentralDifferences(const GradCheckCall& c, const registr
                                            GradCheckInput* gi) {
   const std::string& analytic = InlineOf(grad);
   const std::string& idtype = inputs[i][k].desc.dtype;
-  const size_t elems = inputs[i][k].bytes.size() / registry::DtypeSize(idtype);
+  const std::string& x = BytesOf(inputs[i][k]);
+  const size_t elems = x.size() / registry::DtypeSize(idtype);
   for (size_t e = 0; e < elems; ++e) {
     if (std::chrono::steady_clock::now() > c.deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
@@ -544,17 +551,19 @@ absl::Status CompareWithCentralDifferences(const GradCheckCall& c, const registr
           " elements of ", gi->name));
     }
     auto in = inputs;
-    const double x0 = Get(idtype, inputs[i][k].bytes, e);
-    Set(idtype, &in[i][k].bytes, e, x0 + eps);
+    // Gradcheck's inputs all have bytes (GradCheckInputs copies them).
+    std::string* xe = &in[i][k].mutable_bytes()->bytes;
+    const double x0 = Get(idtype, x, e);
+    Set(idtype, xe, e, x0 + eps);
     auto plus = dot(in);
-    Set(idtype, &in[i][k].bytes, e, x0 - eps);
+    Set(idtype, xe, e, x0 - eps);
     auto minus = dot(in);
     if (!plus.ok()) return plus.status();
     if (!minus.ok()) return minus.status();
     // The step actually taken, after rounding to the dtype.
-    const double h = Get(idtype, in[i][k].bytes, e);
-    Set(idtype, &in[i][k].bytes, e, x0 + eps);
-    const double step = Get(idtype, in[i][k].bytes, e) - h;
+    const double h = Get(idtype, *xe, e);
+    Set(idtype, xe, e, x0 + eps);
+    const double step = Get(idtype, *xe, e) - h;
     const double numeric = (*plus - *minus) / step;
     const double a = Get(grad.desc.dtype, analytic, e);
     const double abs_err = std::fabs(a - numeric);
@@ -624,12 +633,12 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
     bc.context_id = fwd->context_id;
     for (size_t j = 0; j < fwd->forward.outputs.size(); ++j) {
       const auto& o = fwd->forward.outputs[j];
-      SavedTensor t{o.desc, std::string(InlineOf(o).size(), '\0')};
+      SavedTensor t = SavedTensor::Copy(o.desc, std::string(InlineOf(o).size(), '\0'));
       const bool diff = IsFloat(o.desc.dtype) &&
                         !Contains(def.backward.non_differentiable, def.outputs[j].name);
       if (diff) {
         const size_t elems = InlineOf(o).size() / registry::DtypeSize(o.desc.dtype);
-        for (size_t e = 0; e < elems; ++e) Set(o.desc.dtype, &t.bytes, e, vdist(rng));
+        for (size_t e = 0; e < elems; ++e) Set(o.desc.dtype, &t.mutable_bytes()->bytes, e, vdist(rng));
       }
       v.push_back(std::move(t));
     }
@@ -648,7 +657,7 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
         const std::string& bytes = InlineOf(o);
         const size_t elems = bytes.size() / registry::DtypeSize(o.desc.dtype);
         for (size_t e = 0; e < elems; ++e) {
-          s += Get(o.desc.dtype, bytes, e) * Get(v[j].desc.dtype, v[j].bytes, e);
+          s += Get(o.desc.dtype, bytes, e) * Get(v[j].desc.dtype, BytesOf(v[j]), e);
         }
       }
       return s;

@@ -34,24 +34,19 @@ double MsSince(Clock::time_point t0) {
 }
 
 // What stands for a tensor that is not saved: its dtype, no data.
-SavedTensor Placeholder(const TensorDesc& desc) {
-  SavedTensor t;
-  t.desc.dtype = desc.dtype;
-  t.null = true;
-  return t;
-}
+SavedTensor Placeholder(const TensorDesc& desc) { return SavedTensor::Null(desc.dtype); }
 
 // A saved copy of a placed tensor. Shm bytes are read under the copy guard:
 // a client may shrink its object under us.
 absl::StatusOr<SavedTensor> Save(const runner::TensorLoc& loc) {
   if (loc.is_null()) return Placeholder(loc.desc);
-  SavedTensor saved{loc.desc, std::string(loc.nbytes, '\0')};
+  SavedTensor saved = SavedTensor::Copy(loc.desc, std::string(loc.nbytes, '\0'));
   if (loc.nbytes == 0) return saved;
+  char* dst = saved.mutable_bytes()->bytes.data();
   if (const runner::InRegion* r = loc.in_region()) {
-    OPJIT_RETURN_IF_ERROR(
-        tensor::GuardedCopy(saved.bytes.data(), r->region->data() + r->offset, loc.nbytes));
+    OPJIT_RETURN_IF_ERROR(tensor::GuardedCopy(dst, r->region->data() + r->offset, loc.nbytes));
   } else {
-    std::memcpy(saved.bytes.data(), loc.in_memory()->data, loc.nbytes);
+    std::memcpy(dst, loc.in_memory()->data, loc.nbytes);
   }
   return saved;
 }

@@ -138,19 +138,31 @@ struct ForwardCall {
   std::vector<bool> save_outputs;
 };
 
+// Bytes owned by the struct that holds them.
+struct OwnedBytes {
+  std::string bytes;
+};
+
 // A tensor copied out of a call, owned by whoever keeps it (autograd
-// contexts); `null`: a placeholder without data (see TensorArg::Null).
+// contexts): its bytes, or a placeholder without data (NullTensor: a tensor
+// not saved, or a null input; its dtype, rank 0: see TensorArg::Null).
 struct SavedTensor {
   TensorDesc desc;
-  std::string bytes;
-  bool null = false;
+  std::variant<OwnedBytes, NullTensor> data;  // default: no bytes
+
+  static SavedTensor Copy(TensorDesc desc, std::string bytes) {
+    return {std::move(desc), OwnedBytes{std::move(bytes)}};
+  }
+  static SavedTensor Null(std::string dtype) { return {{std::move(dtype), {}}, NullTensor{}}; }
+
+  bool is_null() const { return std::holds_alternative<NullTensor>(data); }
+  // Its bytes, or nullptr for a placeholder.
+  const OwnedBytes* bytes() const { return std::get_if<OwnedBytes>(&data); }
+  OwnedBytes* mutable_bytes() { return std::get_if<OwnedBytes>(&data); }
 };
 
 // One output of a call: its bytes (an inline output, owned here) or where in
 // the caller's shared memory the kernel wrote it.
-struct OwnedBytes {
-  std::string bytes;
-};
 struct OutputResult {
   TensorDesc desc;
   std::variant<OwnedBytes, ShmRef> data;  // default: no inline bytes
