@@ -8,7 +8,7 @@
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
 #include "server/exec/handles.h"
-#include "server/runner/fast_channel.h"
+#include "proto/opjit/wire/fast_channel.h"
 #include "server/tensor/region.h"
 #include "server/tensor/region_manager.h"
 

@@ -1,5 +1,5 @@
 // Fast channels: same-host clients calling prepared handles through shared
-// memory, with no gRPC and no daemon hop (server/runner/fast_channel.h).
+// memory, with no gRPC and no daemon hop (proto/opjit/wire/fast_channel.h).
 //
 // A channel is
 //   * a region of the client's ("opjit-channel-<hex>"), created here: it

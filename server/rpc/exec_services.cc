@@ -21,7 +21,7 @@
 #include "server/rpc/caller.h"
 #include "server/rpc/services.h"
 #include "server/rpc/status_util.h"
-#include "server/runner/fast_channel.h"
+#include "proto/opjit/wire/fast_channel.h"
 #include "server/tensor/region_manager.h"
 
 namespace opjit::rpc {

@@ -64,7 +64,7 @@
 #include "server/common/subprocess.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/common/error_info.h"
-#include "server/runner/fast_channel.h"
+#include "proto/opjit/wire/fast_channel.h"
 #include "server/runner/kernel_host.h"
 #include "server/runner/worker_protocol.h"
 

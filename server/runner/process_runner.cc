@@ -32,7 +32,7 @@
 #include "server/common/status_macros.h"
 #include "server/common/subprocess.h"
 #include "server/compiler/kernel_compiler.h"
-#include "server/runner/fast_channel.h"
+#include "proto/opjit/wire/fast_channel.h"
 #include "server/runner/memory_cgroups.h"
 #include "server/runner/worker_protocol.h"
 #include "server/tensor/guarded_copy.h"
