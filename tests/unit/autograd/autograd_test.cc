@@ -7,13 +7,8 @@
 
 #include <unistd.h>
 
-#include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <future>
 
-#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/common/error_info.h"
 #include "server/compiler/kernel_compiler.h"
@@ -22,30 +17,28 @@
 #include "server/runner/in_process_runner.h"
 #include "server/runner/process_runner.h"
 #include "server/tensor/region_manager.h"
+#include "tests/unit/testing/core_stack.h"
 
 namespace opjit::autograd {
 namespace {
 
-namespace fs = std::filesystem;
 using exec::TensorArg;
 
-// A kernel file of kernels/examples: tests use the examples, not copies.
-std::string ReadExample(const char* name) {
-  std::ifstream in(std::string(OPJIT_SOURCE_DIR "/kernels/examples/") + name);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+using opjit::testing::Bytes;
+using opjit::testing::ExampleSource;
+using opjit::testing::Floats;
 
 // (x, w) -> (y = x * w, z = x + w); its bprop checks MindSpore's positions
 // (x, w, y, z, dy, dz, dx, dw) with x and y not saved, and returns a code
 // naming what was wrong.
-const std::string kPos2 = ReadExample("mul_add.cc");
+const std::string kPos2 = ExampleSource("mul_add.cc");
 
 // kernels/examples/square.cc (Square: y = x * x), then probes: the bprop
 // SqGrad (x, y, dy) -> dx saves only x; its bprop SqGradGrad (x, y, dy, dx,
 // ddx) -> (gx, gy, gdy) saves everything, so the null y of the first bprop is
 // saved as null and dx with its data. Each returns a code naming what was
 // wrong.
-const std::string kSquare = ReadExample("square.cc") + R"(
+const std::string kSquare = ExampleSource("square.cc") + R"(
 extern "C" int SqGrad(int nparam, void** params, int* ndims, int64_t** shapes, const char**,
                       void*, void*) {
   if (nparam != 4) return 10;
@@ -91,41 +84,13 @@ extern "C" int IsNull(int nparam, void** params, int* ndims, int64_t**, const ch
 registry::OpDef Def(const std::string& name, const std::vector<std::string>& inputs,
                     const std::vector<std::string>& outputs, const std::string& source,
                     const std::string& entry) {
-  registry::OpDef d;
-  d.name = name;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    d.inputs.push_back({static_cast<int>(i), inputs[i], registry::ParamType::kRequired});
-  }
-  for (size_t j = 0; j < outputs.size(); ++j) {
-    d.outputs.push_back({static_cast<int>(j), outputs[j], registry::ParamType::kRequired});
-  }
-  registry::DtypeFormat df;
-  for (size_t k = 0; k < inputs.size() + outputs.size(); ++k) {
-    df.io.emplace_back("float32", "DefaultFormat");
-  }
-  d.dtype_formats.push_back(df);
-  registry::Implementation impl;
-  impl.language = "c++";
-  impl.source = source;
-  impl.entry = entry;
-  d.implementations.push_back(impl);
-  return d;
+  return opjit::testing::FloatOp(name, inputs, outputs, source, entry);
 }
 
 registry::OutputRule SameAs(int input) {
   registry::OutputRule r;
   r.input = input;
   return r;
-}
-
-std::string Bytes(const std::vector<float>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
-
-std::vector<float> Floats(const std::string& bytes) {
-  std::vector<float> out(bytes.size() / 4);
-  std::memcpy(out.data(), bytes.data(), out.size() * 4);
-  return out;
 }
 
 // An output's inline bytes as floats (a failure when it is in shared memory).
@@ -147,23 +112,10 @@ TensorArg NullArg() { return TensorArg::Null("float32"); }
 class AutogradTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "opjit-autograd-test-XXXXXX").string();
-    dir_ = ::mkdtemp(tmpl.data());
-    auto reg = registry::Registry::Create({.db_path = dir_ + "/registry.db"});
-    ASSERT_TRUE(reg.ok()) << reg.status();
-    registry_ = *std::move(reg);
-    compiler::KernelCompilerOptions co;
-    co.cache_dir = dir_ + "/cache";
-    co.worker_path = OPJIT_BINARY_DIR "/bin/opjit-compile-worker";
-    co.kernel_include_dir = OPJIT_SOURCE_DIR "/kernels/include";
-    auto kc = compiler::KernelCompiler::Create(co);
-    ASSERT_TRUE(kc.ok()) << kc.status();
-    compiler_ = *std::move(kc);
-    tensor::RegionManagerOptions ro;
-    ro.instance_tag = absl::StrCat("agtest", ::getpid());
-    auto rm = tensor::RegionManager::Create(ro);
-    ASSERT_TRUE(rm.ok()) << rm.status();
-    regions_ = *std::move(rm);
+    auto stack = opjit::testing::CoreStack::Create("autograd-test");
+    ASSERT_TRUE(stack.ok()) << stack.status();
+    stack_ = *std::move(stack);
+    registry_ = stack_->registry.get();
     if (std::string(GetParam()) == "process") {
       runner::ProcessRunnerOptions po;
       po.worker_path = OPJIT_BINARY_DIR "/bin/opjit-exec-worker";
@@ -176,11 +128,11 @@ class AutogradTest : public ::testing::TestWithParam<const char*> {
       ASSERT_TRUE(r.ok()) << r.status();
       runner_ = *std::move(r);
     }
-    auto ex = exec::Executor::Create({}, registry_.get(), compiler_.get(), regions_.get(),
-                                     runner_.get());
+    auto ex = exec::Executor::Create({}, registry_, stack_->compiler.get(),
+                                     stack_->regions.get(), runner_.get());
     ASSERT_TRUE(ex.ok()) << ex.status();
     executor_ = *std::move(ex);
-    auto ag = Autograd::Create({}, registry_.get(), executor_.get());
+    auto ag = Autograd::Create({}, registry_, executor_.get());
     ASSERT_TRUE(ag.ok()) << ag.status();
     autograd_ = *std::move(ag);
   }
@@ -188,11 +140,7 @@ class AutogradTest : public ::testing::TestWithParam<const char*> {
     autograd_.reset();
     executor_.reset();
     runner_.reset();
-    regions_.reset();
-    compiler_.reset();
-    registry_.reset();
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
+    stack_.reset();
   }
 
   void Register(registry::OpDef def) {
@@ -224,10 +172,8 @@ class AutogradTest : public ::testing::TestWithParam<const char*> {
     return p.get_future().get();
   }
 
-  std::string dir_;
-  std::unique_ptr<registry::Registry> registry_;
-  std::unique_ptr<compiler::KernelCompiler> compiler_;
-  std::unique_ptr<tensor::RegionManager> regions_;
+  std::unique_ptr<opjit::testing::CoreStack> stack_;
+  registry::Registry* registry_ = nullptr;  // the stack's
   std::unique_ptr<runner::KernelRunner> runner_;
   std::unique_ptr<exec::Executor> executor_;
   std::unique_ptr<Autograd> autograd_;

@@ -3,15 +3,8 @@
 // to the executor or, when an input requires a grad, to autograd.
 #include "server/core/call_service.h"
 
-#include <unistd.h>
-
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <future>
-#include <iterator>
 
-#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/access/quotas.h"
 #include "server/common/error_info.h"
@@ -19,46 +12,22 @@
 #include "server/registry/registry.h"
 #include "server/runner/in_process_runner.h"
 #include "server/tensor/region_manager.h"
+#include "tests/unit/testing/core_stack.h"
 
 namespace opjit::core {
 namespace {
 
-namespace fs = std::filesystem;
+using opjit::testing::Bytes;
+using opjit::testing::Floats;
 
-// kernels/examples/square.cc: Square (y = x * x) and its bprop SquareGrad.
-std::string ReadExample(const char* name) {
-  std::ifstream in(std::string(OPJIT_SOURCE_DIR "/kernels/examples/") + name);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
+// kernels/examples/square.cc: Square (y = x * x) and its bprop SquareGrad;
+// one output, shaped as input 0.
 registry::OpDef Def(const std::string& name, const std::vector<std::string>& inputs,
                     const std::string& output, const std::string& entry) {
-  registry::OpDef d;
-  d.name = name;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    d.inputs.push_back({static_cast<int>(i), inputs[i], registry::ParamType::kRequired});
-  }
-  d.outputs.push_back({0, output, registry::ParamType::kRequired});
-  registry::DtypeFormat df;
-  for (size_t k = 0; k < inputs.size() + 1; ++k) df.io.emplace_back("float32", "DefaultFormat");
-  d.dtype_formats.push_back(df);
-  registry::Implementation impl;
-  impl.language = "c++";
-  impl.source = ReadExample("square.cc");
-  impl.entry = entry;
-  d.implementations.push_back(impl);
+  registry::OpDef d = opjit::testing::FloatOp(name, inputs, {output},
+                                              opjit::testing::ExampleSource("square.cc"), entry);
   d.output_rules.push_back({});  // the shape and dtype of input 0
   return d;
-}
-
-std::string Bytes(const std::vector<float>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
-
-std::vector<float> Floats(const std::string& bytes) {
-  std::vector<float> out(bytes.size() / 4);
-  std::memcpy(out.data(), bytes.data(), out.size() * 4);
-  return out;
 }
 
 exec::TensorArg Arg(const std::string& bytes) {
@@ -81,34 +50,21 @@ struct Answer {
 class CallServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "opjit-call-service-test-XXXXXX").string();
-    dir_ = ::mkdtemp(tmpl.data());
-    auto reg = registry::Registry::Create({.db_path = dir_ + "/registry.db"});
-    ASSERT_TRUE(reg.ok()) << reg.status();
-    registry_ = *std::move(reg);
-    compiler::KernelCompilerOptions co;
-    co.cache_dir = dir_ + "/cache";
-    co.worker_path = OPJIT_BINARY_DIR "/bin/opjit-compile-worker";
-    co.kernel_include_dir = OPJIT_SOURCE_DIR "/kernels/include";
-    auto kc = compiler::KernelCompiler::Create(co);
-    ASSERT_TRUE(kc.ok()) << kc.status();
-    compiler_ = *std::move(kc);
-    tensor::RegionManagerOptions ro;
-    ro.instance_tag = absl::StrCat("coretest", ::getpid());
-    auto rm = tensor::RegionManager::Create(ro);
-    ASSERT_TRUE(rm.ok()) << rm.status();
-    regions_ = *std::move(rm);
+    auto stack = opjit::testing::CoreStack::Create("call-service-test");
+    ASSERT_TRUE(stack.ok()) << stack.status();
+    stack_ = *std::move(stack);
+    registry_ = stack_->registry.get();
     auto r = runner::InProcessRunner::Create({});
     ASSERT_TRUE(r.ok()) << r.status();
     runner_ = *std::move(r);
-    auto ex = exec::Executor::Create({}, registry_.get(), compiler_.get(), regions_.get(),
-                                     runner_.get());
+    auto ex = exec::Executor::Create({}, registry_, stack_->compiler.get(),
+                                     stack_->regions.get(), runner_.get());
     ASSERT_TRUE(ex.ok()) << ex.status();
     executor_ = *std::move(ex);
-    auto ag = autograd::Autograd::Create({}, registry_.get(), executor_.get());
+    auto ag = autograd::Autograd::Create({}, registry_, executor_.get());
     ASSERT_TRUE(ag.ok()) << ag.status();
     autograd_ = *std::move(ag);
-    handles_ = std::make_unique<exec::HandleTable>(exec::HandleTableOptions{}, registry_.get());
+    handles_ = std::make_unique<exec::HandleTable>(exec::HandleTableOptions{}, registry_);
     calls_ = std::make_unique<CallService>(executor_.get(), autograd_.get(), handles_.get(),
                                            nullptr, nullptr);
 
@@ -124,11 +80,7 @@ class CallServiceTest : public ::testing::Test {
     autograd_.reset();
     executor_.reset();
     runner_.reset();
-    regions_.reset();
-    compiler_.reset();
-    registry_.reset();
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
+    stack_.reset();
   }
 
   exec::ForwardCall Square(const std::string& x) {
@@ -170,10 +122,8 @@ class CallServiceTest : public ::testing::Test {
     return p.get_future().get();
   }
 
-  std::string dir_;
-  std::unique_ptr<registry::Registry> registry_;
-  std::unique_ptr<compiler::KernelCompiler> compiler_;
-  std::unique_ptr<tensor::RegionManager> regions_;
+  std::unique_ptr<opjit::testing::CoreStack> stack_;
+  registry::Registry* registry_ = nullptr;  // the stack's
   std::unique_ptr<runner::KernelRunner> runner_;
   std::unique_ptr<exec::Executor> executor_;
   std::unique_ptr<autograd::Autograd> autograd_;

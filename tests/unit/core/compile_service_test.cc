@@ -14,6 +14,7 @@
 #include "server/core/defaults.h"
 #include "server/core/op_service.h"
 #include "server/registry/registry.h"
+#include "tests/unit/testing/core_stack.h"
 
 namespace opjit::core {
 namespace {
@@ -31,27 +32,16 @@ compiler::CompileJob Job(const std::string& ns, const std::string& source = kSou
 }
 
 registry::OpDef Def(const std::string& ns, const std::string& name) {
-  registry::OpDef d;
-  d.ns = ns;
-  d.name = name;
-  d.inputs.push_back({});
-  d.inputs[0].name = "x";
-  d.outputs.push_back({});
-  d.outputs[0].name = "y";
-  registry::DtypeFormat df;
-  df.io = {{"float32", "DefaultFormat"}, {"float32", "DefaultFormat"}};
-  d.dtype_formats.push_back(df);
-  registry::Implementation impl;
-  impl.language = "c++";
-  impl.source =
+  registry::OpDef d = opjit::testing::FloatOp(
+      name, {"x"}, {"y"},
       "#include <cstdint>\n"
       "extern \"C\" int Copy(int, void** p, int*, int64_t** s, const char**, void*, void*) {\n"
       "  for (int64_t i = 0; i < s[0][0]; ++i) static_cast<float*>(p[1])[i] = "
       "static_cast<float*>(p[0])[i];\n"
       "  return 0;\n"
-      "}\n";
-  impl.entry = "Copy";
-  d.implementations.push_back(impl);
+      "}\n",
+      "Copy");
+  d.ns = ns;
   return d;
 }
 

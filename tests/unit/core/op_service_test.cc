@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "tests/unit/testing/core_stack.h"
 
 namespace opjit::core {
 namespace {
@@ -24,22 +25,8 @@ extern "C" int Twice(int, void** p, int*, int64_t** s, const char**, void*, void
 
 registry::OpDef Def(const std::string& name, const std::string& source = kSource,
                     const std::string& entry = "Twice") {
-  registry::OpDef d;
+  registry::OpDef d = opjit::testing::FloatOp(name, {"x"}, {"y"}, source, entry);
   d.ns = "default";
-  d.name = name;
-  d.inputs.push_back({});
-  d.inputs[0].name = "x";
-  d.outputs.push_back({});
-  d.outputs[0].name = "y";
-  registry::DtypeFormat df;
-  df.io = {{"float32", "DefaultFormat"}, {"float32", "DefaultFormat"}};
-  d.dtype_formats.push_back(df);
-  registry::Implementation impl;
-  impl.target = registry::Target::kCpu;
-  impl.language = "c++";
-  impl.source = source;
-  impl.entry = entry;
-  d.implementations.push_back(impl);
   return d;
 }
 

@@ -4,27 +4,24 @@
 // tensor locations, the deadline) and what it makes of the runner's answer.
 #include "server/exec/executor.h"
 
-#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
-#include <filesystem>
 #include <future>
 #include <mutex>
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/compiler/kernel_compiler.h"
 #include "server/registry/registry.h"
 #include "server/runner/kernel_runner.h"
 #include "server/tensor/region_manager.h"
+#include "tests/unit/testing/core_stack.h"
 
 namespace opjit::exec {
 namespace {
 
-namespace fs = std::filesystem;
 using runner::InstanceSpec;
 using runner::KernelInstance;
 using runner::RunArgs;
@@ -94,71 +91,41 @@ class FakeRunner : public runner::KernelRunner {
   FakeState* s_;
 };
 
-std::string Floats(const std::vector<float>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
+using opjit::testing::Bytes;
 
 class ExecutorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "opjit-executor-test-XXXXXX").string();
-    dir_ = ::mkdtemp(tmpl.data());
-    auto reg = registry::Registry::Create({.db_path = dir_ + "/registry.db"});
-    ASSERT_TRUE(reg.ok()) << reg.status();
-    registry_ = *std::move(reg);
-    compiler::KernelCompilerOptions co;
-    co.cache_dir = dir_ + "/cache";
-    co.worker_path = OPJIT_BINARY_DIR "/bin/opjit-compile-worker";
-    co.kernel_include_dir = OPJIT_SOURCE_DIR "/kernels/include";
-    co.workers = 1;
-    auto kc = compiler::KernelCompiler::Create(co);
-    ASSERT_TRUE(kc.ok()) << kc.status();
-    compiler_ = *std::move(kc);
-    tensor::RegionManagerOptions ro;
-    ro.instance_tag = absl::StrCat("extest", ::getpid());
-    auto rm = tensor::RegionManager::Create(ro);
-    ASSERT_TRUE(rm.ok()) << rm.status();
-    regions_ = *std::move(rm);
+    auto stack = opjit::testing::CoreStack::Create("executor-test", 1);
+    ASSERT_TRUE(stack.ok()) << stack.status();
+    stack_ = *std::move(stack);
     runner_ = std::make_unique<FakeRunner>(&state_);
     Register();
   }
   void TearDown() override {
     executor_.reset();
     runner_.reset();
-    regions_.reset();
-    compiler_.reset();
-    registry_.reset();
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
+    stack_.reset();
   }
 
   // Op "twice": (x float32) -> (y, same shape), attr scale (optional, 2).
   void Register() {
-    registry::OpDef d;
-    d.name = "twice";
-    d.inputs.push_back({0, "x", registry::ParamType::kRequired});
-    d.outputs.push_back({0, "y", registry::ParamType::kRequired});
+    registry::OpDef d = opjit::testing::FloatOp("twice", {"x"}, {"y"}, R"(#include <cstdint>
+extern "C" int K(int, void**, int*, int64_t**, const char**, void*, void*) { return 0; })",
+                                                 "K");
     registry::AttrDef scale;
     scale.name = "scale";
     scale.param_type = registry::ParamType::kOptional;
     scale.value_type = registry::ValueType::kFloat;
     scale.default_value = "2";
     d.attrs.push_back(scale);
-    registry::DtypeFormat df;
-    df.io = {{"float32", "DefaultFormat"}, {"float32", "DefaultFormat"}};
-    d.dtype_formats.push_back(df);
-    registry::Implementation impl;
-    impl.language = "c++";
-    impl.source = R"(#include <cstdint>
-extern "C" int K(int, void**, int*, int64_t**, const char**, void*, void*) { return 0; })";
-    impl.entry = "K";
-    d.implementations.push_back(impl);
-    auto r = registry_->Register(std::move(d));
+    auto r = stack_->registry->Register(std::move(d));
     ASSERT_TRUE(r.ok()) << r.status();
   }
 
   void Start(ExecutorOptions o = {}) {
-    auto ex = Executor::Create(o, registry_.get(), compiler_.get(), regions_.get(), runner_.get());
+    auto ex = Executor::Create(o, stack_->registry.get(), stack_->compiler.get(),
+                               stack_->regions.get(), runner_.get());
     ASSERT_TRUE(ex.ok()) << ex.status();
     executor_ = *std::move(ex);
   }
@@ -170,18 +137,15 @@ extern "C" int K(int, void**, int*, int64_t**, const char**, void*, void*) { ret
     return c;
   }
 
-  std::string dir_;
   FakeState state_;
-  std::unique_ptr<registry::Registry> registry_;
-  std::unique_ptr<compiler::KernelCompiler> compiler_;
-  std::unique_ptr<tensor::RegionManager> regions_;
+  std::unique_ptr<opjit::testing::CoreStack> stack_;
   std::unique_ptr<FakeRunner> runner_;
   std::unique_ptr<Executor> executor_;
 };
 
 TEST_F(ExecutorTest, TheRunnerGetsTheCheckedCallAndItsOutputsComeBack) {
   Start();
-  const std::string x = Floats({1, 2, 3});
+  const std::string x = Bytes({1, 2, 3});
   auto r = executor_->Forward(Call(x));
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(state_.specs.size(), 1u);
@@ -202,7 +166,7 @@ TEST_F(ExecutorTest, TheRunnerGetsTheCheckedCallAndItsOutputsComeBack) {
   EXPECT_EQ(r->outputs[0].desc, (TensorDesc{"float32", {3}}));
   EXPECT_EQ(r->outputs[0].shm(), nullptr);
   ASSERT_NE(r->outputs[0].inline_bytes(), nullptr);
-  EXPECT_EQ(r->outputs[0].inline_bytes()->bytes, Floats({2, 4, 6}));
+  EXPECT_EQ(r->outputs[0].inline_bytes()->bytes, Bytes({2, 4, 6}));
   EXPECT_EQ(r->kernel_ms, 1.5) << "the runner's own measure of the kernel";
   EXPECT_EQ(r->version, 1);
   EXPECT_TRUE(r->ran_inline);
@@ -211,11 +175,11 @@ TEST_F(ExecutorTest, TheRunnerGetsTheCheckedCallAndItsOutputsComeBack) {
 
 TEST_F(ExecutorTest, AnInstanceIsCreatedOncePerShape) {
   Start();
-  ASSERT_TRUE(executor_->Forward(Call(Floats({1, 2}))).ok());
-  ASSERT_TRUE(executor_->Forward(Call(Floats({3, 4}))).ok());
+  ASSERT_TRUE(executor_->Forward(Call(Bytes({1, 2}))).ok());
+  ASSERT_TRUE(executor_->Forward(Call(Bytes({3, 4}))).ok());
   EXPECT_EQ(state_.specs.size(), 1u);
   EXPECT_EQ(executor_->Stats().instance_hits, 1u);
-  ASSERT_TRUE(executor_->Forward(Call(Floats({1, 2, 3}))).ok());
+  ASSERT_TRUE(executor_->Forward(Call(Bytes({1, 2, 3}))).ok());
   EXPECT_EQ(state_.specs.size(), 2u) << "another shape is another instance";
   EXPECT_EQ(state_.runs.load(), 3);
 }
@@ -223,7 +187,7 @@ TEST_F(ExecutorTest, AnInstanceIsCreatedOncePerShape) {
 TEST_F(ExecutorTest, ARunnerErrorReachesTheCallerWithTheOpNamed) {
   Start();
   state_.answer = absl::AbortedError("the kernel returned 3");
-  auto r = executor_->Forward(Call(Floats({1})));
+  auto r = executor_->Forward(Call(Bytes({1})));
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
   EXPECT_NE(r.status().message().find("the kernel returned 3"), absl::string_view::npos)
@@ -234,14 +198,14 @@ TEST_F(ExecutorTest, ARunnerErrorReachesTheCallerWithTheOpNamed) {
 
 TEST_F(ExecutorTest, CallsOverTheInlineLimitRunOnThePool) {
   Start({.inline_max_bytes = 4});
-  auto small = executor_->Forward(Call(Floats({1})));
+  auto small = executor_->Forward(Call(Bytes({1})));
   ASSERT_TRUE(small.ok()) << small.status();
   EXPECT_TRUE(small->ran_inline);
-  auto big = executor_->Forward(Call(Floats({1, 2})));
+  auto big = executor_->Forward(Call(Bytes({1, 2})));
   ASSERT_TRUE(big.ok()) << big.status();
   EXPECT_FALSE(big->ran_inline);
   ASSERT_NE(big->outputs[0].inline_bytes(), nullptr);
-  EXPECT_EQ(big->outputs[0].inline_bytes()->bytes, Floats({2, 4}));
+  EXPECT_EQ(big->outputs[0].inline_bytes()->bytes, Bytes({2, 4}));
   EXPECT_EQ(executor_->Stats().pool_runs, 1u);
   EXPECT_EQ(executor_->Stats().inline_runs, 1u);
 }
@@ -252,11 +216,11 @@ TEST_F(ExecutorTest, AFullQueueIsRefusedWithoutRunning) {
   state_.running = &running;
   state_.release = release.get_future().share();
   std::promise<absl::Status> first, second, third;
-  executor_->ForwardAsync(Call(Floats({1})), [&](auto r) { first.set_value(r.status()); });
+  executor_->ForwardAsync(Call(Bytes({1})), [&](auto r) { first.set_value(r.status()); });
   running.get_future().wait();  // the pool's one thread is busy
   state_.running = nullptr;
-  executor_->ForwardAsync(Call(Floats({2})), [&](auto r) { second.set_value(r.status()); });
-  executor_->ForwardAsync(Call(Floats({3})), [&](auto r) { third.set_value(r.status()); });
+  executor_->ForwardAsync(Call(Bytes({2})), [&](auto r) { second.set_value(r.status()); });
+  executor_->ForwardAsync(Call(Bytes({3})), [&](auto r) { third.set_value(r.status()); });
   const absl::Status refused = third.get_future().get();
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
   EXPECT_NE(refused.message().find("queue is full"), absl::string_view::npos) << refused;
@@ -269,7 +233,7 @@ TEST_F(ExecutorTest, AFullQueueIsRefusedWithoutRunning) {
 
 TEST_F(ExecutorTest, OutputsPastTheInlineLimitAreRefusedBeforeTheKernel) {
   Start({.max_inline_output_bytes = 8});
-  auto r = executor_->Forward(Call(Floats({1, 2, 3})));
+  auto r = executor_->Forward(Call(Bytes({1, 2, 3})));
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_EQ(state_.runs.load(), 0);
@@ -277,7 +241,7 @@ TEST_F(ExecutorTest, OutputsPastTheInlineLimitAreRefusedBeforeTheKernel) {
 
 TEST_F(ExecutorTest, TheDeadlineReachesTheRunnerAndAPassedOneNeverRuns) {
   Start();
-  ForwardCall c = Call(Floats({1}));
+  ForwardCall c = Call(Bytes({1}));
   c.deadline = std::chrono::steady_clock::now() + std::chrono::hours(1);
   ASSERT_TRUE(executor_->Forward(c).ok());
   ASSERT_EQ(state_.deadlines.size(), 1u);
@@ -290,13 +254,13 @@ TEST_F(ExecutorTest, TheDeadlineReachesTheRunnerAndAPassedOneNeverRuns) {
 
 TEST_F(ExecutorTest, BadCallsNeverReachTheRunner) {
   Start();
-  ForwardCall wrong_dtype = Call(Floats({1}));
+  ForwardCall wrong_dtype = Call(Bytes({1}));
   wrong_dtype.inputs[0][0].desc.dtype = "int32";
   EXPECT_EQ(executor_->Forward(wrong_dtype).status().code(), absl::StatusCode::kInvalidArgument);
-  ForwardCall short_bytes = Call(Floats({1}));
+  ForwardCall short_bytes = Call(Bytes({1}));
   short_bytes.inputs[0][0].desc.shape = {4};
   EXPECT_EQ(executor_->Forward(short_bytes).status().code(), absl::StatusCode::kInvalidArgument);
-  ForwardCall unknown = Call(Floats({1}));
+  ForwardCall unknown = Call(Bytes({1}));
   unknown.op = "nope";
   EXPECT_EQ(executor_->Forward(unknown).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(state_.runs.load(), 0);
@@ -306,7 +270,7 @@ TEST_F(ExecutorTest, BadCallsNeverReachTheRunner) {
 // Tensors are sum types: each holds one kind of data, named by its
 // constructor, and the accessors of the other kinds give nullptr.
 TEST(TensorTypesTest, EachTensorHoldsExactlyOneKindOfData) {
-  const std::string bytes = Floats({1, 2});
+  const std::string bytes = Bytes({1, 2});
   const TensorArg in = TensorArg::Inline({"float32", {2}}, bytes);
   ASSERT_NE(in.inline_bytes(), nullptr);
   EXPECT_EQ(in.inline_bytes()->bytes.data(), bytes.data()) << "a view of the caller's bytes";
