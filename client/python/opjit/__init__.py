@@ -6,7 +6,8 @@
     y = client.op("leaky_relu")(np.array([-1., 2.], np.float32), alpha=0.1)
 
 See client/python/README.md for the tour: CustomRegOp, shared-memory tensors,
-autograd (Tensor, Function, gradcheck), DLPack and errors.
+autograd (Tensor, its client-side arithmetic, Function, grad with create_graph,
+gradcheck/gradgradcheck), DLPack and errors.
 """
 
 from opjit.errors import (OpjitError, InvalidArgument, NotFound, AlreadyExists, PermissionDenied,
@@ -18,6 +19,8 @@ from opjit.regop import CustomRegOp, DataType
 from opjit.autograd import (Tensor, tensor, Function, FunctionCtx, no_grad, enable_grad,
                             is_grad_enabled, grad)
 from opjit.op import Op, gradcheck, GradCheckResult, GradCheckInput
+from opjit._check import gradgradcheck, FunctionCheckResult
+from opjit._math import tanh, exp, log, sqrt, square, randn, seed
 from opjit._tensors import from_dlpack, DTYPES
 
 PyLayer = Function  # Paddle's name
@@ -28,7 +31,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Client", "Op", "CustomRegOp", "DataType", "Tensor", "tensor", "Function", "FunctionCtx",
     "PyLayer", "PyLayerContext", "no_grad", "enable_grad", "is_grad_enabled", "grad",
-    "gradcheck", "GradCheckResult", "GradCheckInput", "from_dlpack", "load_spec",
+    "gradcheck", "GradCheckResult", "GradCheckInput", "gradgradcheck", "FunctionCheckResult",
+    "tanh", "exp", "log", "sqrt", "square", "randn", "seed", "from_dlpack", "load_spec",
     "default_address", "DTYPES", "OpjitError", "InvalidArgument", "NotFound", "AlreadyExists",
     "PermissionDenied", "FailedPrecondition", "ResourceExhausted", "Unavailable",
     "DeadlineExceeded", "Unimplemented", "Internal", "Cancelled", "Aborted", "OutOfRange",

@@ -240,10 +240,14 @@ class RoutedSession:
         return ep if ep is not None else self._router.current
 
     def backward(self, context_id, grads, retain_context=False, grad_bytes=0,
-                 keep_output_bytes=False):
+                 keep_output_bytes=False, create_graph=False):
         ep = self._owner(context_id, pop=not retain_context)
-        return ep.transport.backward(self.namespace, context_id, grads, retain_context,
-                                     grad_bytes, keep_output_bytes)
+        out = ep.transport.backward(self.namespace, context_id, grads, retain_context,
+                                    grad_bytes, keep_output_bytes, create_graph)
+        if getattr(out, "context_id", ""):
+            with self._lock:  # the bprop's context lives where the forward's did
+                self._contexts[out.context_id] = ep
+        return out
 
     def gradcheck(self, request):
         return self._router.call(lambda ep: ep.transport.gradcheck(request), idempotent=True,

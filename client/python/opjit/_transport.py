@@ -654,12 +654,14 @@ class Transport:
     # ---- backward, gradcheck --------------------------------------------------------------
 
     def backward(self, ns, context_id, grads, retain_context=False, grad_bytes=0,
-                 keep_output_bytes=False):
+                 keep_output_bytes=False, create_graph=False):
         """Runs Backward on a context; returns one list of arrays per forward input.
 
         grads: one array (or None: a missing grad) per forward output;
         grad_bytes: the space the input grads need (their inputs' sizes);
-        keep_output_bytes: as for forward.
+        keep_output_bytes: as for forward; create_graph: the server keeps a
+        context on the bprop op too (double backward), whose id is the
+        result's ``context_id`` ("" without create_graph).
         """
         inline = inline_outputs = False
         for attempt in range(4):
@@ -668,16 +670,18 @@ class Transport:
             try:
                 req = exec_pb2.BackwardRequest(namespace=ns, context_id=context_id,
                                                retain_context=bool(retain_context),
-                                               keep_output_bytes=bool(keep_output_bytes))
+                                               keep_output_bytes=bool(keep_output_bytes),
+                                               create_graph=bool(create_graph))
                 for g in grads:
                     req.grad_outputs.append(exec_pb2.Tensor() if g is None else st.tensor(g))
                 req.outputs.extend(st.placements(grad_bytes))
                 resp = _rpc(self.executor.Backward, req, self.timeout)
                 flat = st.results([t for arg in resp.grad_inputs for t in arg.tensors])
-                out, k = [], 0
+                out, k = BackwardGrads(), 0
                 for arg in resp.grad_inputs:
                     out.append(flat[k:k + len(arg.tensors)])
                     k += len(arg.tensors)
+                out.context_id = resp.context_id
                 return out
             except ShmUnavailable as e:
                 if e.permanent:
@@ -728,6 +732,13 @@ class Transport:
         self._channels.clear()
 
 
+class BackwardGrads(list):
+    """Backward's answer: one list of arrays per forward input, and ``context_id``:
+    the context kept on the bprop op when create_graph was asked ("" otherwise)."""
+
+    context_id = ""
+
+
 class _NoChannelType:
     def close(self):
         pass
@@ -759,10 +770,11 @@ class Session:
                                requires_grad, keep_output_bytes)
 
     def backward(self, context_id, grads, retain_context=False, grad_bytes=0,
-                 keep_output_bytes=False):
-        """Backward on a context kept by a forward; one list of arrays per input."""
+                 keep_output_bytes=False, create_graph=False):
+        """Backward on a context kept by a forward; one list of arrays per input
+        (a BackwardGrads: its ``context_id`` is the bprop's context with create_graph)."""
         return self._t.backward(self.namespace, context_id, grads, retain_context, grad_bytes,
-                                keep_output_bytes)
+                                keep_output_bytes, create_graph)
 
     def gradcheck(self, request):
         return self._t.gradcheck(request)

@@ -8,6 +8,11 @@ Two kinds of graph node exist:
 * ``FunctionNode``: a ``Function`` subclass; its ``backward`` runs here, in
   Python, and calls daemon ops itself (Paddle PyLayer / torch.autograd.Function).
 
+* ``MathNode``: arithmetic on Tensors (``+ - * /``, ``**``, ``sum``, ``mean``,
+  ``reshape``, slicing, ``tanh``...), computed here with numpy (see
+  ``opjit._math``); its backward is written with the same Tensor ops, so with
+  ``create_graph=True`` the gradients are recorded too (double backward).
+
 ``Tensor.backward`` walks the graph from the tensor in topological order,
 hands each node the gradients of its outputs, and accumulates the gradients
 that reach leaf tensors with ``requires_grad`` into their ``.grad`` (a numpy
@@ -24,7 +29,7 @@ from opjit import _tensors as T
 from opjit.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["Tensor", "tensor", "no_grad", "enable_grad", "is_grad_enabled", "Function",
-           "FunctionCtx", "grad"]
+           "FunctionCtx", "PyLayer", "PyLayerContext", "grad"]
 
 _state = threading.local()
 
@@ -69,9 +74,20 @@ class Tensor:
     Attributes:
       data: the ndarray (may be a view over shared memory; see Client).
       requires_grad: whether gradients flow to (or through) it.
-      grad: the accumulated gradient, an ndarray, or None.
+      grad: the accumulated gradient, an ndarray, or None (an opjit.Tensor
+        with its own grad_fn after ``backward(create_graph=True)``).
       grad_fn: the node that produced it (None for leaves).
     ``stop_gradient`` is Paddle's spelling of ``not requires_grad``.
+
+    Arithmetic runs on the client, with numpy, and is recorded on the tape
+    when an operand requires grad (and grad mode is on): ``+ - * /`` between
+    tensors (numpy broadcasting), arrays and scalars, reflected forms too;
+    ``-t``, ``t ** p``, ``sum``/``mean`` (``axis``/``dim``, ``keepdims``/
+    ``keepdim``), ``reshape``/``view``, ``t[index]``, ``astype``, ``clone``,
+    ``tanh``/``exp``/``log``/``sqrt``/``square``. Each has an analytic
+    backward; a broadcast operand's gradient is summed back to its shape.
+    Results are new Tensors: numpy's dtype rules decide their dtype (a Python
+    scalar does not widen float32).
     """
 
     __array_priority__ = 100
@@ -164,22 +180,32 @@ class Tensor:
 
     clear_grad = zero_grad
 
-    def backward(self, grad_tensor=None, retain_graph=False):
+    def backward(self, grad_tensor=None, retain_graph=None, create_graph=False, gradient=None):
         """Backpropagates from this tensor.
 
-        grad_tensor: d(loss)/d(self); default ones (so ``y.backward()`` on any
-        shape is the gradient of ``y.sum()``). Gradients accumulate into
-        ``.grad`` of leaf tensors that require them. A tensor that needs no
-        gradient makes this a no-op (Paddle's rule: backward is not run).
-        retain_graph: keep the graph (and server contexts) for another backward.
+        grad_tensor (or ``gradient``, torch's name): d(loss)/d(self); default
+        ones (so ``y.backward()`` on any shape is the gradient of
+        ``y.sum()``). Gradients accumulate into ``.grad`` of leaf tensors that
+        require them. A tensor that needs no gradient makes this a no-op
+        (Paddle's rule: backward is not run).
+        retain_graph: keep the graph (and server contexts) for another
+          backward; default: ``create_graph``. Without it the graph is freed
+          and a second backward through it raises FailedPrecondition.
+        create_graph: record the backward itself, so that ``.grad`` is an
+          opjit.Tensor with a grad_fn and can be differentiated again (daemon
+          ops differentiate their grads through their bprop's own bprop).
         """
+        if gradient is not None:
+            grad_tensor = gradient
         if self.grad_fn is None and not self.requires_grad:
             return
+        if retain_graph is None:
+            retain_graph = create_graph
         if grad_tensor is None:
             g = np.ones_like(self.data)
         else:
             g = _as_grad(grad_tensor, self)
-        _run_backward([(self, g)], retain_graph=retain_graph)
+        _run_backward([(self, g)], retain_graph=retain_graph, create_graph=create_graph)
 
 
 def tensor(data, requires_grad=False, dtype=None):
@@ -212,7 +238,9 @@ class Node:
     def name(self):
         return type(self).__name__
 
-    def apply(self, grads, retain_graph):  # pragma: no cover - abstract
+    def apply(self, grads, retain_graph, create_graph=False):  # pragma: no cover - abstract
+        """grads: one Tensor (or None) per output. Returns one gradient per input
+        slot (Tensor, ndarray, None, or a list of those for a dynamic input)."""
         raise NotImplementedError
 
 
@@ -227,8 +255,28 @@ def _edges(node):
             yield i, None, v
 
 
-def _run_backward(roots, retain_graph=False, capture=None):
-    """roots: (tensor, grad ndarray). capture: {id(tensor): None} to collect, not accumulate."""
+def _as_grad_tensor(g, like):
+    """g (Tensor, ndarray or None) as a Tensor of like's shape, or None."""
+    if g is None:
+        return None
+    if not isinstance(g, Tensor):
+        g = Tensor(T.as_ndarray(g))
+    if like is not None and g.shape != like.shape:
+        raise InvalidArgument("gradient of shape %s for a tensor of shape %s"
+                              % (g.shape, like.shape))
+    return g
+
+
+def _run_backward(roots, retain_graph=False, capture=None, create_graph=False):
+    """roots: (tensor, grad). capture: {id(tensor): None} to collect, not accumulate.
+
+    Gradients travel as Tensors. With create_graph the engine runs with grad
+    mode on, so every node's backward is recorded; otherwise with it off."""
+    with _GradMode(bool(create_graph)):
+        _backward_pass(roots, retain_graph, capture, create_graph)
+
+
+def _backward_pass(roots, retain_graph, capture, create_graph):
     # Discover the graph and count each node's consumers.
     deps = {}
     order = []
@@ -251,20 +299,24 @@ def _run_backward(roots, retain_graph=False, capture=None):
     def deliver(t, g):
         if g is None:
             return
+        if capture is not None and id(t) in capture:
+            prev = capture[id(t)]
+            capture[id(t)] = g if prev is None else prev + g
         if t.grad_fn is not None:
             buf = buffers[id(t.grad_fn)]
             i = t._output_index
             buf[i] = g if buf[i] is None else buf[i] + g
-        elif t.requires_grad:
-            if capture is not None:
-                if id(t) in capture:
-                    prev = capture[id(t)]
-                    capture[id(t)] = g if prev is None else prev + g
+        elif t.requires_grad and capture is None:
+            if create_graph:
+                prev = t.grad
+                t.grad = g if prev is None else (
+                    prev if isinstance(prev, Tensor) else Tensor(prev)) + g
             else:
-                t.grad = g.copy() if t.grad is None else t.grad + g
+                prev = t.grad.data if isinstance(t.grad, Tensor) else t.grad
+                t.grad = g.data.copy() if prev is None else prev + g.data
 
     for t, g in roots:
-        deliver(t, g)
+        deliver(t, _as_grad_tensor(g, t))
 
     ready = [n for n in order if deps[id(n)] == 0]
     while ready:
@@ -275,7 +327,7 @@ def _run_backward(roots, retain_graph=False, capture=None):
                 raise FailedPrecondition(
                     "trying to backward through %s a second time: its saved tensors were freed "
                     "(pass retain_graph=True to the first backward)" % n.name())
-            in_grads = n.apply(grads, retain_graph)
+            in_grads = n.apply(grads, retain_graph, create_graph)
             if not retain_graph:
                 n.released = True
         else:
@@ -288,32 +340,47 @@ def _run_backward(roots, retain_graph=False, capture=None):
                 if k is not None and not isinstance(gi, (list, tuple)):
                     g = None
             if g is not None and t.requires_grad:
-                deliver(t, _as_grad(g, t))
+                deliver(t, _as_grad_tensor(g, t))
             if t.grad_fn is not None:
                 deps[id(t.grad_fn)] -= 1
                 if deps[id(t.grad_fn)] == 0:
                     ready.append(nodes[id(t.grad_fn)])
 
 
-def grad(outputs, inputs, grad_outputs=None, retain_graph=False):
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+         allow_unused=True):
     """The gradients of `outputs` w.r.t. `inputs` (torch.autograd.grad), without touching .grad.
 
-    Returns one ndarray (or None) per input.
+    Returns one ndarray (or None) per input; with ``create_graph=True`` one
+    opjit.Tensor (or None) per input, recorded on the tape, so it can be
+    differentiated again (double backward). ``inputs`` may be leaves or
+    intermediate tensors. retain_graph defaults to create_graph; without it
+    the graph is freed. allow_unused=False: an input the outputs do not
+    depend on raises InvalidArgument instead of giving None.
     """
     if isinstance(outputs, Tensor):
         outputs = [outputs]
     if isinstance(inputs, Tensor):
         inputs = [inputs]
+    if retain_graph is None:
+        retain_graph = create_graph
     if grad_outputs is None or isinstance(grad_outputs, (Tensor, np.ndarray)):
         grad_outputs = [grad_outputs] * len(outputs) if grad_outputs is None else [grad_outputs]
     roots = []
     for o, g in zip(outputs, grad_outputs):
         if o.grad_fn is None and not o.requires_grad:
             continue
-        roots.append((o, np.ones_like(o.data) if g is None else _as_grad(g, o)))
+        roots.append((o, np.ones_like(o.data) if g is None else g))
     capture = {id(t): None for t in inputs}
-    _run_backward(roots, retain_graph=retain_graph, capture=capture)
-    return [capture[id(t)] for t in inputs]
+    _run_backward(roots, retain_graph=retain_graph, capture=capture, create_graph=create_graph)
+    out = []
+    for k, t in enumerate(inputs):
+        g = capture[id(t)]
+        if g is None and not allow_unused:
+            raise InvalidArgument("input %d of grad() is not used by the outputs "
+                                  "(pass allow_unused=True to get None)" % k)
+        out.append(None if g is None else g if create_graph else g.data)
+    return out
 
 
 # ---- Function (PyLayer) ----------------------------------------------------------
@@ -363,13 +430,14 @@ class FunctionNode(Node):
     def name(self):
         return self.cls.__name__ + "Backward"
 
-    def apply(self, grads, retain_graph):
+    def apply(self, grads, retain_graph, create_graph=False):
         args = []
         for g, (shape, dtype) in zip(grads, self.out_meta):
             if g is None and self.ctx.materialize_grads:
-                g = np.zeros(shape, dtype)
-            args.append(None if g is None else Tensor(g))
-        with no_grad():
+                g = Tensor(np.zeros(shape, dtype))
+            args.append(g)
+        # With create_graph the ops backward runs are recorded (torch's rule).
+        with _GradMode(bool(create_graph)):
             result = self.cls.backward(self.ctx, *args)
         if not isinstance(result, (tuple, list)):
             result = (result,)
@@ -382,7 +450,7 @@ class FunctionNode(Node):
             if g is None or not t.requires_grad:
                 out.append(None)
             else:
-                out.append(g.data if isinstance(g, Tensor) else T.as_ndarray(g))
+                out.append(g if isinstance(g, Tensor) else T.as_ndarray(g))
         if not retain_graph:
             self.ctx._saved = None
         return out
@@ -440,3 +508,9 @@ class Function:
         for t in tensor_slots:
             del t._non_diff
         return outs[0] if single else type(result)(outs) if isinstance(result, tuple) else outs
+
+
+PyLayer = Function  # Paddle's names: from paddle.autograd import PyLayer
+PyLayerContext = FunctionCtx
+
+from opjit import _math  # noqa: E402,F401  (Tensor arithmetic; imports this module)

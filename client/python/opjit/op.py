@@ -204,6 +204,8 @@ class Op:
             non_diff = set(opdef.backward.non_differentiable)
             node = OpNode(self, ns, fwd.context_id, graph_inputs,
                           [(o.shape, o.dtype) for o in outs], opdef, record.version)
+            out_names = [q.name for q in sorted(opdef.outputs, key=lambda q: q.index)]
+            node.non_diff = {j for j, n in enumerate(out_names) if n in non_diff}
             for j, (t, p) in enumerate(zip(results, sorted(opdef.outputs, key=lambda q: q.index))):
                 if p.name in non_diff:
                     continue
@@ -221,8 +223,9 @@ class OpNode(Node):
         self.op = op
         self.namespace = namespace
         self.context_id = context_id
-        self.bprop = opdef.backward.op
+        self.bprop = opdef.backward.op if opdef is not None else ""
         self.version = version
+        self.non_diff = set()  # indices of outputs without a gradient
         self._finalizer = None
         if context_id:
             self._finalizer = weakref.finalize(self, op._session.release_context_later,
@@ -231,7 +234,7 @@ class OpNode(Node):
     def name(self):
         return "%sBackward" % self.op.name
 
-    def apply(self, grads, retain_graph):
+    def apply(self, grads, retain_graph, create_graph=False):
         if not self.context_id:
             if not self.bprop:
                 # What opjitd answers for a backward through such an op's
@@ -247,16 +250,22 @@ class OpNode(Node):
                 "opjitd kept no backward context for op %s although it has backward %r: "
                 "this server does not implement autograd (UNIMPLEMENTED)"
                 % (self.op.qualified_name, self.bprop))
-        grads = [None if g is None else np.ascontiguousarray(g) for g in grads]
+        grad_tensors = list(grads)
+        grads = [None if g is None else np.ascontiguousarray(
+            g.data if isinstance(g, Tensor) else g) for g in grads]
         # The input grads have their inputs' shapes and dtypes.
         grad_bytes = sum(_align(a.nbytes) for row in self.inputs
                          for a in (row if isinstance(row, list) else [row])
                          if isinstance(a, Tensor)) + 64
         per_input = self.op._session.backward(self.context_id, grads,
                                               retain_context=bool(retain_graph),
-                                              grad_bytes=grad_bytes)
+                                              grad_bytes=grad_bytes,
+                                              create_graph=bool(create_graph))
         if not retain_graph and self._finalizer is not None:
             self._finalizer.detach()  # the server dropped the context
+        bprop_ctx = getattr(per_input, "context_id", "") if create_graph else ""
+        if bprop_ctx:
+            per_input = self._bprop_node(bprop_ctx, per_input, grad_tensors)
         out = []
         for i, got in enumerate(per_input):
             slot = self.inputs[i] if i < len(self.inputs) else None
@@ -266,6 +275,52 @@ class OpNode(Node):
                 out.append(got[0] if got else None)
         while len(out) < len(self.inputs):
             out.append(None)
+        return out
+
+
+    def _bprop_node(self, context_id, per_input, grad_tensors):
+        """create_graph: the grads as Tensors made by the bprop op's call,
+        recorded as an OpNode on the context the server kept for it.
+
+        The bprop op took (forward inputs, forward outputs, output grads), so
+        those are its node's inputs: the forward inputs as they are, each
+        differentiable output as a stand-in Tensor routed to this node (its
+        data is not kept here), the output grads as they reached this node.
+        """
+        n_out = len(self.out_meta)
+        outputs = []
+        for j, (shape, dtype) in enumerate(self.out_meta):
+            if j in self.non_diff:
+                outputs.append(None)
+                continue
+            y = Tensor(np.broadcast_to(np.zeros((), dtype), shape))
+            y.grad_fn, y._output_index, y.requires_grad = self, j, True
+            outputs.append(y)
+        gslots = [g if isinstance(g, Tensor) else None for g in grad_tensors[:n_out]]
+        gslots += [None] * (n_out - len(gslots))
+        inputs = list(self.inputs) + outputs + gslots
+        if not self.bprop:  # a bprop's own node: ask for its backward (third order)
+            self.bprop = self.op.definition().op.backward.op
+        bprop_op = Op(self.op.client,
+                      "%s/%s" % (self.namespace, self.bprop) if self.namespace else self.bprop)
+        metas = []
+        for i, slot in enumerate(self.inputs):
+            got = per_input[i] if i < len(per_input) else []
+            if got:
+                metas.append((got[0].shape, got[0].dtype))
+            elif isinstance(slot, Tensor):
+                metas.append((slot.shape, slot.dtype))
+            else:
+                metas.append(((), np.dtype(np.float32)))
+        node = OpNode(bprop_op, self.namespace, context_id, inputs, metas, None, 0)
+        out = []
+        for i, got in enumerate(per_input):
+            row = []
+            for a in got:
+                t = Tensor(a)
+                t.grad_fn, t._output_index, t.requires_grad = node, i, True
+                row.append(t)
+            out.append(row)
         return out
 
 
@@ -314,10 +369,16 @@ def gradcheck(client_or_op, op_name=None, inputs=None, attrs=None, atol=0.0, rto
     """Compares an op's registered backward with finite differences (GradCheck RPC).
 
     gradcheck(client, "square", inputs=[x]) or gradcheck(client.op("square"), inputs=[x]).
+    gradcheck(fn, [x, ...]) with a Python function of Tensors checks the
+    client's tape instead (opjit._check.check_function; see gradgradcheck).
     inputs: one array (or list, for a dynamic input; None for an absent
     optional one) per declared input; None: random inputs of `random_shape`.
     atol/rtol/eps: 0 means the server's defaults. Returns GradCheckResult.
     """
+    if callable(client_or_op) and not isinstance(client_or_op, Op):
+        from opjit._check import check_function
+        return check_function(client_or_op, op_name if inputs is None else inputs,
+                              eps=eps or None, atol=atol or None, rtol=rtol or None, seed=seed)
     if isinstance(client_or_op, Op):
         op = client_or_op
         if op_name is not None and not isinstance(op_name, str):
