@@ -14,7 +14,7 @@ import pytest
 
 import opjit
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, free_port
 
 NS = "cg29"  # the JSON ops' own namespace: grad_ops registers another `square`
 
@@ -180,3 +180,25 @@ def test_daemon_retain_graph_false_frees_the_context(dd_client, backward_support
     with pytest.raises(opjit.FailedPrecondition) as e:
         y.backward()
     assert "a second time" in str(e.value) and "retain_graph=True" in str(e.value)
+
+
+def test_daemon_bprop_without_its_own_bprop(client, grad_ops, backward_supported):
+    # grad_ops' square_grad has no bprop: the first backward works, the second says why not.
+    x = opjit.tensor(np.array([1.0, 2.0], np.float32), requires_grad=True)
+    g, = opjit.grad(client.op("square")(x).sum(), x, create_graph=True)
+    np.testing.assert_allclose(g.numpy(), 2 * x.data)
+    with pytest.raises(opjit.FailedPrecondition) as e:
+        opjit.grad(g.sum(), x)
+    assert e.value.reason == "NOT_DIFFERENTIABLE" and "square_grad" in str(e.value)
+
+
+def test_daemon_double_backward_through_a_routed_client(daemon, dd_client, backward_supported):
+    # Several addresses (the first dead): the bprop's context is used where it was kept.
+    dead = "127.0.0.1:%d" % free_port()
+    with opjit.Client([dead, daemon.tcp_address], namespace=NS, timeout=60,
+                      health_timeout=0.5) as c:
+        x = opjit.tensor(np.array([2.0, -0.5], np.float32), requires_grad=True)
+        g, = opjit.grad((c.op("square")(x) * 3).sum(), x, create_graph=True)
+        np.testing.assert_allclose(g.numpy(), 6 * x.data)
+        gg, = opjit.grad(g.sum(), x)
+        np.testing.assert_allclose(gg, np.full(2, 6.0))

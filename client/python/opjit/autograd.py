@@ -203,6 +203,8 @@ class Tensor:
             retain_graph = create_graph
         if grad_tensor is None:
             g = np.ones_like(self.data)
+        elif isinstance(grad_tensor, Tensor):
+            g = grad_tensor  # kept as is: under create_graph it may carry a graph of its own
         else:
             g = _as_grad(grad_tensor, self)
         _run_backward([(self, g)], retain_graph=retain_graph, create_graph=create_graph)
