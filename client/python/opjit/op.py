@@ -301,8 +301,19 @@ class OpNode(Node):
         inputs = list(self.inputs) + outputs + gslots
         if not self.bprop:  # a bprop's own node: ask for its backward (third order)
             self.bprop = self.op.definition().op.backward.op
-        bprop_op = Op(self.op.client,
-                      "%s/%s" % (self.namespace, self.bprop) if self.namespace else self.bprop)
+        cache = self.op.__dict__.setdefault("_bprop_ops", {})
+        bprop_op = cache.get(self.bprop)
+        if bprop_op is None:
+            bprop_op = cache[self.bprop] = Op(
+                self.op.client,
+                "%s/%s" % (self.namespace, self.bprop) if self.namespace else self.bprop)
+        declared = len(bprop_op.definition().op.inputs)  # cached by the Op
+        if declared != len(inputs):
+            # Its grads would land on the wrong tensors: say so instead.
+            raise Unimplemented(
+                "create_graph through op %s: its bprop %s declares %d inputs, but this client "
+                "maps a bprop's inputs as (forward inputs, forward outputs, output grads) = %d"
+                % (self.op.qualified_name, self.bprop, declared, len(inputs)))
         metas = []
         for i, slot in enumerate(self.inputs):
             got = per_input[i] if i < len(per_input) else []
