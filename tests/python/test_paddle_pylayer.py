@@ -189,13 +189,15 @@ def printed_array(text):
     return np.array([float(v) for v in text.replace("[", " ").replace("]", " ").split()])
 
 
+# Random inputs: where tanh(x)^2 nears 1, float32's 1 - tanh^2 loses relative
+# precision, so the comparisons have an absolute floor.
 def test_cus_tanh_as_written():
     g, out = run(SCRIPT_TANH)
     data = g["data"]
     assert data.dtype == np.float32 and data.shape == (2, 3)
     want = (1 - np.tanh(data.numpy()) ** 2) / 6
-    np.testing.assert_allclose(g["data"].grad, want, rtol=1e-6)
-    np.testing.assert_allclose(printed_array(out), want.reshape(-1), rtol=1e-6)
+    np.testing.assert_allclose(g["data"].grad, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(printed_array(out), want.reshape(-1), rtol=1e-5, atol=1e-7)
     assert g["z"].grad_fn is not None
 
 
@@ -216,8 +218,8 @@ def test_cus_tanh_with_the_daemons_kernels(client, grad_ops, backward_supported)
     g, out = run(SCRIPT_TANH, paddle=daemon_paddle)
     data = g["data"].numpy()
     want = (1 - np.tanh(data) ** 2) / 6
-    np.testing.assert_allclose(g["data"].grad, want, rtol=1e-5)
-    np.testing.assert_allclose(printed_array(out), want.reshape(-1), rtol=1e-5)
+    np.testing.assert_allclose(g["data"].grad, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(printed_array(out), want.reshape(-1), rtol=1e-5, atol=1e-7)
 
 
 def test_ctx_attribute_and_keyword_apply():
