@@ -10,7 +10,7 @@ from opjit._proto import exec_pb2
 from opjit.autograd import Node, Tensor, is_grad_enabled
 from opjit.errors import FailedPrecondition, InvalidArgument, Unimplemented
 
-__all__ = ["Op", "gradcheck", "GradCheckResult", "GradCheckInput", "split_name"]
+__all__ = ["Op", "OpArgumentError", "gradcheck", "GradCheckResult", "GradCheckInput", "split_name"]
 
 _RESERVED = ("version", "target", "requires_grad", "keep_output_bytes", "attrs")
 
@@ -27,12 +27,19 @@ def _align(n):
     return (n + 63) & ~63
 
 
+class OpArgumentError(InvalidArgument, TypeError):
+    """A call that does not fit the op's signature (too many positional arguments,
+    an attr given twice): an InvalidArgument that is also a TypeError, as Python
+    raises for a function called so."""
+
+
 class Op:
     """A registered op, callable like a function.
 
     ``op(*inputs, **kw)``: inputs by position or by their declared names;
-    attrs as keywords (or ``attrs={...}``) with Python values, typed by the
-    op's declared value_type; a dynamic input takes a list; an optional input
+    attrs as keywords (or ``attrs={...}``), or positionally after all the
+    inputs in their declaration order (MindSpore's ``program(x, y, 0.7)``),
+    with Python values, typed by the op's declared value_type; a dynamic input takes a list; an optional input
     may be None or left out. Reserved keywords: ``version`` (0: latest),
     ``target`` ("CPU"/"GPU"), ``requires_grad`` (True: every ndarray input
     becomes a leaf Tensor that receives a gradient; or one bool per input),
@@ -107,12 +114,26 @@ class Op:
 
     def _bind(self, opdef, args, kwargs):
         _, inputs, names, attr_defs = self._plan(opdef)
+        attrs = dict(kwargs.pop("attrs", None) or {})
         if len(args) > len(inputs):
-            raise InvalidArgument("op %s takes %d input(s) (%s); got %d positional arguments"
-                                  % (self.name, len(inputs), ", ".join(names), len(args)))
+            # MindSpore's calling convention: program(x, y, 0.7) passes the
+            # attrs after the inputs, in their declaration order.
+            attr_names = list(attr_defs)
+            extra = args[len(inputs):]
+            if len(extra) > len(attr_names):
+                raise OpArgumentError(
+                    "op %s takes %d input(s) (%s) and %d attr(s) (%s) positionally: at most %d "
+                    "positional arguments, got %d"
+                    % (self.name, len(inputs), ", ".join(names) or "-", len(attr_names),
+                       ", ".join(attr_names) or "-", len(inputs) + len(attr_names), len(args)))
+            for k, v in zip(attr_names, extra):
+                if k in attrs or k in kwargs:
+                    raise OpArgumentError("attr %s of op %s given twice (positionally, after the "
+                                          "%d input(s), and by name)" % (k, self.name, len(inputs)))
+                attrs[k] = v
+            args = args[:len(inputs)]
         values = list(args) + [None] * (len(inputs) - len(args))
         given = [True] * len(args) + [False] * (len(inputs) - len(args))
-        attrs = dict(kwargs.pop("attrs", None) or {})
         for k, v in kwargs.items():
             if k in names:
                 i = names.index(k)
