@@ -23,7 +23,10 @@ std::string ParamNames(const std::vector<registry::TensorParam>& params) {
 
 std::string ComboString(const registry::DtypeFormat& df, size_t n_inputs) {
   std::vector<std::string> in, out;
-  for (size_t i = 0; i < df.io.size(); ++i) (i < n_inputs ? in : out).push_back(df.io[i].first);
+  for (size_t i = 0; i < df.io.size(); ++i) {
+    // MindSpore's DataType.None_None: any dtype (or an absent optional input).
+    (i < n_inputs ? in : out).push_back(df.io[i].first.empty() ? "None" : df.io[i].first);
+  }
   return absl::StrCat("(", absl::StrJoin(in, ", "), ") -> (", absl::StrJoin(out, ", "), ")");
 }
 
@@ -50,6 +53,15 @@ template <typename T>
 void AppendKeyValue(std::string* key, const std::vector<T>& v) {
   AppendPod<uint64_t>(key, v.size());
   for (const T& x : v) AppendKeyValue(key, x);
+}
+
+// The registry's own copy of a known dtype name: lives as long as the
+// process, so a Checked shared by later calls may point at it.
+const std::string* StableDtype(const std::string& dtype) {
+  for (const std::string& d : registry::KnownDtypes()) {
+    if (d == dtype) return &d;
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -125,14 +137,39 @@ absl::Status CheckInputs(const ForwardCall& call, const OpDef& def, Checked* c) 
     if (!group.empty()) group_dtype[i] = &group[0].desc.dtype;
   }
   // The first dtype_format whose input dtypes match gives the output dtypes.
+  // An empty dtype (MindSpore's DataType.None_None) at a required or dynamic
+  // input matches any dtype (the kernel checks); at an optional input it
+  // matches only its absence; at an output it is the output rule's dtype,
+  // else the dtype of the call's first input given.
   const size_t n_in = def.inputs.size();
   for (const auto& df : def.dtype_formats) {
     bool match = true;
     for (size_t i = 0; i < n_in && match; ++i) {
-      if (c->present[i] && df.io[i].first != *group_dtype[i]) match = false;
+      if (!c->present[i]) continue;
+      const std::string& want = df.io[i].first;
+      if (want.empty() && def.inputs[i].param_type != ParamType::kOptional) continue;
+      if (want != *group_dtype[i]) match = false;
     }
     if (!match) continue;
-    for (size_t j = 0; j < def.outputs.size(); ++j) c->output_dtypes.push_back(&df.io[n_in + j].first);
+    for (size_t j = 0; j < def.outputs.size(); ++j) {
+      const std::string* dtype = &df.io[n_in + j].first;
+      if (dtype->empty()) {
+        if (j < def.output_rules.size() && !def.output_rules[j].dtype.empty()) {
+          dtype = &def.output_rules[j].dtype;
+        } else {
+          size_t first = 0;
+          while (first < n_in && !c->present[first]) ++first;
+          dtype = first < n_in ? StableDtype(*group_dtype[first]) : nullptr;
+          if (dtype == nullptr) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "op ", OpName(def), ": output ", j, " (", def.outputs[j].name,
+                ") takes the dtype of the call's first input (its dtype_format is None and its "
+                "output rule gives no dtype), but the call gives no input"));
+          }
+        }
+      }
+      c->output_dtypes.push_back(dtype);
+    }
     return absl::OkStatus();
   }
   std::vector<std::string> got, accepted;

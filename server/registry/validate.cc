@@ -191,14 +191,20 @@ absl::Status CheckDtypeFormats(const OpDef& def) {
       std::string ppath =
           absl::StrCat(path, "[", k, "] (", is_input ? "input " : "output ", pname, ")");
       if (dtype.empty()) {
-        // MindSpore's DataType.None_*: a placeholder for an absent optional input.
-        if (is_input && def.inputs[k].param_type == ParamType::kOptional) continue;
+        // MindSpore's DataType.None_*: any dtype (and format) at a required or
+        // dynamic input, matched at call time, the kernel checks; an absent
+        // optional input; at an output, its rule's dtype, else the dtype of the
+        // call's first input (exec/checks.cc).
+        if (is_input) continue;
+        const size_t j = k - def.inputs.size();
+        if (!def.inputs.empty() ||
+            (j < def.output_rules.size() && !def.output_rules[j].dtype.empty())) {
+          continue;
+        }
         return Invalid(ppath, absl::StrCat(
-            "an empty dtype (MindSpore's DataType.None_None) is allowed only for an optional "
-            "input, where the combination applies when that input is absent; ",
-            is_input ? absl::StrCat("input ", Q(pname), " is ",
-                                    ParamTypeName(def.inputs[k].param_type))
-                     : "an output needs a dtype",
+            "an empty dtype (MindSpore's DataType.None_None) at an output means its output "
+            "rule's dtype, else the dtype of the call's first input; the op has no inputs and no "
+            "output rule dtype for output ", Q(pname),
             "; known dtypes: ", absl::StrJoin(KnownDtypes(), ", ")));
       }
       if (!IsKnownDtype(dtype)) {
@@ -566,7 +572,15 @@ absl::Status ValidateOpDefFields(const OpDef& def, const TargetRules& rules) {
     return Invalid("name", absl::StrCat(Q(def.name),
                                         " is not a valid op name ([A-Za-z_][A-Za-z0-9_.]{0,127})"));
   }
-  if (def.outputs.empty()) return Invalid("outputs", "an op needs at least one output");
+  if (def.outputs.empty()) {
+    return Invalid("outputs", absl::StrCat(
+        "an op needs at least one output",
+        def.attrs.empty() || !def.inputs.empty()
+            ? ""
+            : "; an attr-only registration (like MindSpore's attr-only reg_info) is merged with "
+              "one that declares the op's inputs and outputs before it is registered: in "
+              "Python, client.register([io_info, attr_info])"));
+  }
   std::set<std::string> io_names;
   OPJIT_RETURN_IF_ERROR(CheckTensorParams(def.inputs, "inputs", /*is_output=*/false, &io_names));
   OPJIT_RETURN_IF_ERROR(CheckTensorParams(def.outputs, "outputs", /*is_output=*/true, &io_names));

@@ -148,3 +148,207 @@ def test_too_many_positionals_without_attrs(client):
         client.op("msr_pos_noattr")(x, x)
     assert e.value.message == ("op msr_pos_noattr takes 1 input(s) (x) and 0 attr(s) (-) "
                                "positionally: at most 1 positional arguments, got 2")
+
+
+# --- (b) an unnamed CustomRegOp() takes its name from the kernel's entry -------------------
+
+def add_cpu_info_f32():
+    """MindSpore's add_cpu_info (unnamed), with float32 rows."""
+    return (CustomRegOp()
+            .input(0, "x1")
+            .input(1, "x2")
+            .output(0, "y")
+            .dtype_format(F32, F32, F32)
+            .target("CPU"))
+
+
+def test_unnamed_op_takes_its_entry_name(client):
+    info = add_cpu_info_f32().impl(source=CUSTOM_ADD, entry="CustomAdd")
+    assert "name" not in info.get_op_info()  # named when registered
+    r = client.register(info)
+    assert r.record.op.name == "CustomAdd"
+    x, y = inputs()
+    np.testing.assert_allclose(client.op("CustomAdd")(x, y), x + y, rtol=1e-6)
+    # The same for a dict from get_op_info() and for CustomRegOp(op_name="Custom").
+    info = (CustomRegOp(op_name="Custom").input(0, "x1").input(1, "x2").output(0, "y")
+            .dtype_format(F32, F32, F32).target("CPU")
+            .impl(source=CUSTOM_ADD, entry="CustomAdd"))
+    assert client.register(info.get_op_info()).record.op.name == "CustomAdd"
+    # The same entry on two targets is one name.
+    info = (add_cpu_info_f32().impl(source=CUSTOM_ADD, entry="CustomAdd")
+            .target("GPU").impl(source="__global__ void k() {}", entry="CustomAdd"))
+    assert opjit.load_spec(info).name == "CustomAdd"
+
+
+def test_explicit_name_at_register(client):
+    info = add_cpu_info_f32().impl(source=CUSTOM_ADD, entry="CustomAdd")
+    r = client.register(info, name="msr_named_add")
+    assert r.record.op.name == "msr_named_add"
+    r = client.register(info, name="msr_team/msr_named_add")
+    assert (r.record.op.namespace, r.record.op.name) == ("msr_team", "msr_named_add")
+    # name= wins over the info's own name too.
+    named = add_with_attrs_info("msr_info_name")
+    assert client.register(named, name="msr_renamed").record.op.name == "msr_renamed"
+
+
+def test_unnamed_without_an_entry_is_refused_clearly(client):
+    with pytest.raises(opjit.InvalidArgument) as e:
+        client.register(add_cpu_info_f32())
+    assert e.value.message == (
+        'CustomRegOp: the op has no name, and it has no implementation entry to take it from. '
+        'An unnamed CustomRegOp() ("Custom" is MindSpore\'s placeholder) takes the name of its '
+        'implementation\'s entry, as MindSpore names a Custom op after its function; name it: '
+        'CustomRegOp("my_op") or client.register(info, name="my_op")')
+    two = (add_cpu_info_f32().impl(source=CUSTOM_ADD, entry="CustomAdd")
+           .target("GPU").impl(source="__global__ void k() {}", entry="CustomAddGpu"))
+    with pytest.raises(opjit.InvalidArgument,
+                       match=r"its implementations name different entries \(CustomAdd, "
+                             r"CustomAddGpu\)"):
+        client.register(two)
+    with pytest.raises(opjit.NotFound):
+        client.describe("Custom")
+
+
+# --- (c) an attr-only reg_info merges with the op's inputs and outputs ---------------------
+
+def add_cpu_info_attr_only():
+    """MindSpore's add_cpu_info_attr_only, as written."""
+    return (CustomRegOp("add_with_attr_kernel_cpu_2")
+            .attr("scale", "required", "float", value=0.7)
+            .attr("paddings", "required", "all", value=[2.0, 2.0])
+            .target("CPU")
+            .get_op_info())
+
+
+def test_attr_only_info_merges_with_the_inputs_and_outputs(client):
+    impl = CustomRegOp().target("CPU").impl(source=ADD_WITH_ATTRS, entry="AddWithAttrs")
+    r = client.register([add_cpu_info_f32().get_op_info(), add_cpu_info_attr_only(), impl])
+    op = r.record.op
+    assert op.name == "add_with_attr_kernel_cpu_2"  # the name the attr-only info gives
+    assert [p.name for p in op.inputs] == ["x1", "x2"]
+    assert [a.name for a in op.attrs] == ["scale", "paddings"]
+    assert [a.default_value for a in op.attrs] == ["0.7", "[2.0, 2.0]"]
+    # MindSpore's aot_single_output_with_attr_only: self.program(x, y), attrs from value=.
+    program = client.op("add_with_attr_kernel_cpu_2")
+    x, y = inputs()
+    np.testing.assert_allclose(program(x, y), x + y * 0.7 * 2 + 4, rtol=1e-5, atol=1e-5)
+    # A tuple works too, with the impl in the io info.
+    io = add_cpu_info_f32().impl(source=ADD_WITH_ATTRS, entry="AddWithAttrs")
+    r = client.register((io, add_cpu_info_attr_only()), name="msr_merged_tuple")
+    assert [a.name for a in r.record.op.attrs] == ["scale", "paddings"]
+
+
+def test_attr_only_info_alone_says_to_merge(client):
+    with pytest.raises(opjit.InvalidArgument) as e:
+        client.register(add_cpu_info_attr_only())
+    assert e.value.reason == "INVALID_SPEC"
+    assert e.value.message.startswith("outputs: an op needs at least one output")
+    assert "client.register([io_info, attr_info])" in e.value.message
+
+
+def test_merge_conflicts_are_refused(client):
+    io = add_cpu_info_f32().impl(source=ADD_WITH_ATTRS, entry="AddWithAttrs")
+    other_io = CustomRegOp().input(0, "a").output(0, "b").dtype_format(F32, F32)
+    with pytest.raises(opjit.InvalidArgument,
+                       match=r"reg_info\[0\] and reg_info\[1\] both declare the op's inputs"):
+        client.register([io, other_io])
+    # The same io twice is fine (a CPU and a GPU info, as MindSpore lists them).
+    op = opjit.load_spec([io, add_cpu_info_f32()])
+    assert len(op.inputs) == 2 and len(op.dtype_formats) == 1
+    clash = CustomRegOp().attr("scale", "required", "int", value=1)
+    with pytest.raises(opjit.InvalidArgument,
+                       match=r'attr "scale" is declared differently in reg_info\[2\]'):
+        client.register([io, add_cpu_info_attr_only(), clash])
+    with pytest.raises(opjit.InvalidArgument,
+                       match=r'two names, "add_with_attr_kernel_cpu_2" and "other"'):
+        client.register([io, add_cpu_info_attr_only(), CustomRegOp("other")])
+    with pytest.raises(opjit.InvalidArgument, match="an empty list of infos"):
+        client.register([])
+
+
+# --- (d) DataType.None_None rows: any dtype, the kernel checks --------------------------
+
+# MindSpore's registrations, as written in test_custom_aot.py (only imports differ).
+add_cpu_info = CustomRegOp() \
+    .input(0, "x1") \
+    .input(1, "x2") \
+    .output(0, "y") \
+    .dtype_format(DataType.None_None, DataType.None_None, DataType.None_None) \
+    .target("CPU") \
+    .get_op_info()
+
+add_with_attr_cpu_info = CustomRegOp("add_with_attr_kernel_cpu_1") \
+    .input(0, "x1") \
+    .input(1, "x2") \
+    .output(0, "y") \
+    .dtype_format(DataType.None_None, DataType.None_None, DataType.None_None) \
+    .attr("scale", "required", "float") \
+    .attr("paddings", "required", "all", value=[2.0, 2.0]) \
+    .target("CPU") \
+    .get_op_info()
+
+
+def cpu_impl(source, entry):
+    """What MindSpore's ops.Custom("file.cc:Entry", ...) names: the kernel, for the CPU."""
+    return CustomRegOp().target("CPU").impl(source=source, entry=entry)
+
+
+def test_add_cpu_info_as_written(client):
+    # MindSpore: ops.Custom("add.cc:CustomAdd", (shape,), (mstype.float32,), "aot",
+    #                       reg_info=add_cpu_info)
+    r = client.register([add_cpu_info, cpu_impl(CUSTOM_ADD, "CustomAdd")])
+    assert r.record.op.name == "CustomAdd"  # named after the kernel's entry
+    assert [list(d.dtypes) for d in r.record.op.dtype_formats] == [["", "", ""]]
+    program = client.op("CustomAdd")
+    x, y = inputs()
+    out = program(x, y)
+    assert out.dtype == np.float32 and out.shape == SHAPE
+    np.testing.assert_allclose(out, x + y, rtol=1e-3, atol=1e-3)  # MindSpore's tolerance
+    # Any dtype: the output takes the first input's; the kernel checks.
+    for dt in (np.float64, np.int32):
+        a, b = x.astype(dt), y.astype(dt)
+        out = program(a, b)
+        assert out.dtype == dt
+        np.testing.assert_array_equal(out, a + b)
+    with pytest.raises(opjit.OpjitError) as e:
+        program(x.astype(np.int64), y.astype(np.int64))  # the kernel refuses int64
+    assert "CustomAdd" in e.value.message
+    with pytest.raises(opjit.OpjitError):
+        program(x, y.astype(np.float64))  # mixed: the kernel refuses too
+
+
+def test_add_with_attr_cpu_info_as_written(client):
+    # MindSpore's AOTSingleOutputWithAttrNet: self.program(x, y, 0.7) with
+    # add_with_attr_cpu_info (scale has no value; paddings value=[2.0, 2.0]).
+    r = client.register([add_with_attr_cpu_info, cpu_impl(ADD_WITH_ATTRS, "AddWithAttrs")])
+    assert r.record.op.name == "add_with_attr_kernel_cpu_1"
+    program = client.op("add_with_attr_kernel_cpu_1")
+    x, y = inputs()
+    np.testing.assert_allclose(program(x, y, 0.7), x + y * 0.7 * 2 + 4, rtol=1e-3, atol=1e-3)
+    # The kernel checks dtypes: float64 is its own error, not a refused row.
+    with pytest.raises(opjit.OpjitError):
+        program(x.astype(np.float64), y.astype(np.float64), 0.7)
+
+
+def test_add_with_attr_only_as_written(client):
+    # MindSpore's aot_single_output_with_attr_only: program(x, y), the attrs from the
+    # attr-only info, merged with add_cpu_info's inputs and outputs.
+    r = client.register([add_cpu_info, add_cpu_info_attr_only(),
+                         cpu_impl(ADD_WITH_ATTRS, "AddWithAttrs")])
+    assert r.record.op.name == "add_with_attr_kernel_cpu_2"
+    x, y = inputs()
+    np.testing.assert_allclose(client.op("add_with_attr_kernel_cpu_2")(x, y),
+                               x + y * 0.7 * 2 + 4, rtol=1e-3, atol=1e-3)
+
+
+def test_none_output_takes_the_rule_dtype(client):
+    info = (CustomRegOp("msr_none_rule").input(0, "x1").input(1, "x2").output(0, "y")
+            .dtype_format(DataType.None_None, DataType.None_None, DataType.None_None)
+            .output_rule("same_as", input=0, dtype="float64")
+            .target("CPU").impl(source=CUSTOM_ADD, entry="CustomAdd"))
+    client.register(info)
+    x, y = inputs()
+    a, b = x.astype(np.float64), y.astype(np.float64)
+    out = client.op("msr_none_rule")(a, b)
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, a + b)

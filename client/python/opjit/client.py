@@ -165,13 +165,26 @@ def _call_with_progress(fn, request, timeout, progress, started):
     return result
 
 
-def load_spec(spec, base_dir=None):
-    """An opjit.v1.OpDef from a dict, a JSON file path, JSON text, a builder or an OpDef.
+def load_spec(spec, base_dir=None, name=None):
+    """An opjit.v1.OpDef from a dict, a JSON file path, JSON text, a builder or an OpDef,
+    or a list of those (MindSpore's ``reg_info`` list), merged into one op
+    (opjit.regop.merge_op_defs).
 
     ``source_file`` of each implementation is read (relative to ``base_dir``,
     else the spec file's directory, else the current directory) into
-    ``source``, as the CLI does.
+    ``source``, as the CLI does. ``name`` ("op" or "ns/op") names the op; an
+    op without a name takes its implementation's entry
+    (opjit.regop.resolve_name).
     """
+    from opjit.regop import merge_op_defs, resolve_name
+    if isinstance(spec, (list, tuple)):
+        op = merge_op_defs([_load_one(s, base_dir) for s in spec])
+    else:
+        op = _load_one(spec, base_dir)
+    return resolve_name(op, name)
+
+
+def _load_one(spec, base_dir=None):
     if isinstance(spec, op_pb2.OpDef):
         op = op_pb2.OpDef()
         op.CopyFrom(spec)
@@ -475,13 +488,20 @@ class Client:
         """opjit.v1.ServerInfo: version, CPU target, GPU availability, listen addresses."""
         return self._rpc("server", "GetServerInfo", server_pb2.GetServerInfoRequest())
 
-    def register(self, spec, base_dir=None, progress=None):
+    def register(self, spec, base_dir=None, progress=None, name=None):
         """Registers an op; returns opjit.v1.RegisterOpResponse (.record.version, .created).
 
         spec: a dict in protobuf's JSON mapping of OpDef (snake_case or
         lowerCamelCase keys), a path to a JSON spec file, a CustomRegOp
-        builder, or an OpDef. ``source_file`` is read relative to `base_dir`
+        builder, or an OpDef; or a list of those, merged into one op
+        (MindSpore's ``reg_info`` list: an attr-only info adds its attrs to
+        the inputs and outputs another one declares; see
+        opjit.regop.merge_op_defs). ``source_file`` is read relative to `base_dir`
         (default: the spec file's directory, or the current directory).
+
+        name: the op's name ("op" or "ns/op"), over the spec's. An op left
+        unnamed (``CustomRegOp()``) is named after its implementation's entry,
+        as MindSpore names a Custom op after its function.
 
         progress: a callable, called with the seconds elapsed (a float) about
         once a second while the server compiles the implementations, and once
@@ -493,7 +513,7 @@ class Client:
         no registered op yet) come back in the response's ``.warnings`` and
         are each issued as an OpjitWarning (warnings.warn).
         """
-        op = load_spec(spec, base_dir)
+        op = load_spec(spec, base_dir, name=name)
         if self.namespace and not op.namespace:
             op.namespace = self.namespace
         resp = self._rpc("registry", "RegisterOp", registry_pb2.RegisterOpRequest(op=op),

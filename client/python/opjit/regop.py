@@ -20,8 +20,16 @@ MindSpore parity (what MindSpore's CustomRegOp accepts, and what it means here):
 
 - ``CustomRegOp(op_name="Custom")``: MindSpore's default "Custom" is a
   placeholder (MindSpore names the op after the Custom primitive's function).
-  opjit registers ops by name, so an op still named "Custom" is refused by
-  get_op_info(): name it, ``CustomRegOp("my_op")`` (or "namespace/my_op").
+  An op left unnamed takes its name when registered: ``client.register(info,
+  name="my_op")``, else the entry of its implementation (``impl(...,
+  entry="CustomAdd")`` registers op "CustomAdd"), as MindSpore names an aot op
+  after its function ("add.so:CustomAdd"). With no implementation entry, or
+  implementations naming different entries, registration is refused with a
+  message saying how to name it (see resolve_name).
+- A list of infos (MindSpore's ``reg_info`` list), ``client.register([io_info,
+  attr_info, impl_info])``, is merged into one op before registering: so an
+  attr-only info (MindSpore's ``add_cpu_info_attr_only``) adds its attrs to
+  the inputs and outputs another info declares (see merge_op_defs).
 - ``input(index, name, param_type)`` / ``output(...)``: param_type None means
   "required". Outputs cannot be optional.
 - ``attr(name, param_type, value_type, default_value=None, value=V)``:
@@ -34,10 +42,13 @@ MindSpore parity (what MindSpore's CustomRegOp accepts, and what it means here):
   Other keyword arguments are MindSpore extension info that opjit has no use
   for: they are ignored with a warning, never silently.
 - ``dtype_format(*args)`` takes every DataType constant. ``DataType.None_*``
-  (an empty dtype) marks an absent optional input: the combination applies
-  when that input is not given. opjit needs real dtypes everywhere else, and
-  Ascend's blocked formats (5HD, FracZ, ...) and complex/bfloat16 dtypes are
-  not served: get_op_info() refuses those with the server's own message.
+  (an empty dtype) at a required or dynamic input means any dtype (and any
+  format), as in MindSpore: the kernel checks what it gets. At an optional
+  input it marks the input absent: the combination applies when that input is
+  not given. At an output it means the output rule's ``dtype``, else the
+  dtype of the call's first input given. Ascend's blocked formats (5HD, FracZ,
+  ...) and complex/bfloat16 dtypes are not served: get_op_info() refuses those
+  with the server's own message.
 - ``target("CPU" | "GPU")``; MindSpore's "Ascend" is refused.
 """
 
@@ -68,7 +79,8 @@ class DataType:
     """(dtype, format) pairs for dtype_format, named as in MindSpore: F32_Default, I64_NCHW...
 
     Every MindSpore constant exists. ``None_None`` / ``None_Default`` (an empty
-    dtype) mark an absent optional input.
+    dtype): any dtype at a required or dynamic input and at an output (the
+    kernel checks); an absent optional input.
     """
 
     None_None = ("", "")
@@ -376,11 +388,6 @@ class CustomRegOp:
 
     def _check(self, inputs, outputs):
         """What the server would refuse in the MindSpore-facing parts, with its messages."""
-        if self._info["name"] == _PLACEHOLDER_NAME:
-            raise InvalidArgument(
-                'CustomRegOp: the op has no name: "Custom" is MindSpore\'s placeholder '
-                "(MindSpore names a Custom op after its function), and opjit registers ops by "
-                'name; give one: CustomRegOp("my_op")')
         for what, params in (("inputs", inputs), ("outputs", outputs)):
             for i, p in enumerate(params):
                 if p["index"] != i:
@@ -401,13 +408,15 @@ class CustomRegOp:
                                                           p["name"])
                 known = "; known dtypes: " + ", ".join(_KNOWN_DTYPES)
                 if dtype == "":
-                    if is_input and p["param_type"] == "optional":
+                    # MindSpore's DataType.None_None: any dtype (an absent optional input).
+                    j = k - len(inputs)
+                    if is_input or inputs or (j < len(self._rules) and self._rules[j].get("dtype")):
                         continue
                     raise InvalidArgument(
-                        "%s: an empty dtype (MindSpore's DataType.None_None) is allowed only for "
-                        "an optional input, where the combination applies when that input is "
-                        "absent; %s%s" % (path, "input %s is %s" % (_q(p["name"]), p["param_type"])
-                                          if is_input else "an output needs a dtype", known))
+                        "%s: an empty dtype (MindSpore's DataType.None_None) at an output means "
+                        "its output rule's dtype, else the dtype of the call's first input; the "
+                        "op has no inputs and no output rule dtype for output %s%s"
+                        % (path, _q(p["name"]), known))
                 if dtype not in _KNOWN_DTYPES:
                     raise InvalidArgument("%s: unknown dtype %s%s" % (path, _q(dtype), known))
                 if fmt and fmt not in _KNOWN_FORMATS:
@@ -419,12 +428,16 @@ class CustomRegOp:
         """The op as a dict in protobuf's JSON mapping of opjit.v1.OpDef.
 
         Refuses (InvalidArgument, with the server's message) what the server
-        would refuse in the MindSpore-facing parts, and an op left named "Custom".
+        would refuse in the MindSpore-facing parts. An op left unnamed (MindSpore's
+        placeholder "Custom") has no "name" key: Client.register names it (see
+        resolve_name).
         """
         inputs = sorted(self._inputs, key=lambda r: r["index"])
         outputs = sorted(self._outputs, key=lambda r: r["index"])
         self._check(inputs, outputs)
         info = copy.deepcopy(self._info)
+        if info.get("name") == _PLACEHOLDER_NAME:
+            del info["name"]  # unnamed: named when registered (see resolve_name)
         for key, rows in (("inputs", inputs), ("outputs", outputs),
                           ("attrs", self._attrs), ("dtype_formats", self._dtype_formats),
                           ("implementations", self._impls), ("output_rules", self._rules)):
@@ -433,3 +446,112 @@ class CustomRegOp:
         if self._backward:
             info["backward"] = dict(self._backward)
         return info
+
+
+# ---- merging infos and naming the op (used by Client.register / load_spec) ------------------
+
+def merge_op_defs(defs):
+    """One opjit.v1.OpDef from several (MindSpore's ``reg_info`` list), in order.
+
+    - name, namespace: the one they give (an unnamed info gives none); two
+      different ones are refused.
+    - inputs, outputs, output_rules, backward: from the info that declares
+      them; two infos declaring different ones are refused (the same ones
+      twice are fine).
+    - attrs: the union, by name, in order; one attr declared differently
+      twice is refused.
+    - dtype_formats, implementations: concatenated (a repeated
+      dtype_format counts once); the server checks the result as any op.
+    - doc: the first given.
+
+    So an attr-only info (MindSpore's ``add_cpu_info_attr_only``) merges with
+    the info that declares the op's inputs and outputs.
+    """
+    from opjit._proto import op_pb2
+    defs = list(defs)
+    out = op_pb2.OpDef()
+    if not defs:
+        raise InvalidArgument("register: an empty list of infos (give at least one)")
+
+    def where(i):
+        return "reg_info[%d]" % i
+
+    def one(field, i, d, present):
+        if not present(d):
+            return
+        if present(out):
+            if getattr(out, field) != getattr(d, field):
+                first = next(k for k, e in enumerate(defs) if present(e))
+                raise InvalidArgument(
+                    "register: %s and %s both declare the op's %s, differently; declare them "
+                    "in one info (an attr-only info, like MindSpore's attr-only reg_info, "
+                    "declares only attrs)" % (where(first), where(i), field))
+            return
+        if field == "backward":
+            out.backward.CopyFrom(d.backward)
+        else:
+            getattr(out, field).extend(getattr(d, field))
+
+    for i, d in enumerate(defs):
+        for field in ("namespace", "name"):
+            if getattr(d, field) and getattr(out, field) and getattr(d, field) != getattr(out, field):
+                raise InvalidArgument(
+                    "register: the infos give the op two %ss, %s and %s (%s); give one, or "
+                    "register(..., name=\"ns/name\")" % (field, _q(getattr(out, field)),
+                                                          _q(getattr(d, field)), where(i)))
+            if getattr(d, field):
+                setattr(out, field, getattr(d, field))
+        one("inputs", i, d, lambda e: len(e.inputs) > 0)
+        one("outputs", i, d, lambda e: len(e.outputs) > 0)
+        one("output_rules", i, d, lambda e: len(e.output_rules) > 0)
+        one("backward", i, d, lambda e: e.HasField("backward"))
+        for a in d.attrs:
+            prev = next((x for x in out.attrs if x.name == a.name), None)
+            if prev is None:
+                out.attrs.add().CopyFrom(a)
+            elif prev != a:
+                raise InvalidArgument(
+                    "register: attr %s is declared differently in %s and an earlier info"
+                    % (_q(a.name), where(i)))
+        for row in d.dtype_formats:
+            if row not in out.dtype_formats:
+                out.dtype_formats.add().CopyFrom(row)
+        out.implementations.extend(d.implementations)
+        if d.doc and not out.doc:
+            out.doc = d.doc
+    return out
+
+
+def resolve_name(op, name=None):
+    """Names `op` (an opjit.v1.OpDef) in place, MindSpore's way for an unnamed op.
+
+    ``name`` ("op" or "ns/op") wins. Else an op without a name (an unnamed
+    ``CustomRegOp()``, whose "Custom" is MindSpore's placeholder) takes the
+    entry of its implementation(s): MindSpore names an aot Custom op after its
+    function, "add.so:CustomAdd" -> CustomAdd. With no entry to take, or
+    implementations naming different entries, InvalidArgument says so.
+    """
+    if name:
+        if not isinstance(name, str):
+            raise InvalidArgument("register: name must be a str, got %s" % type(name).__name__)
+        if "/" in name:
+            op.namespace, op.name = name.split("/", 1)
+        else:
+            op.name = name
+        return op
+    if op.name:
+        return op
+    entries = []
+    for impl in op.implementations:
+        if impl.entry and impl.entry not in entries:
+            entries.append(impl.entry)
+    if len(entries) == 1:
+        op.name = entries[0]
+        return op
+    why = ("its implementations name different entries (%s)" % ", ".join(entries) if entries
+           else "it has no implementation entry to take it from")
+    raise InvalidArgument(
+        "CustomRegOp: the op has no name, and %s. An unnamed CustomRegOp() (\"Custom\" is "
+        "MindSpore's placeholder) takes the name of its implementation's entry, as MindSpore "
+        "names a Custom op after its function; name it: CustomRegOp(\"my_op\") or "
+        "client.register(info, name=\"my_op\")" % why)

@@ -140,8 +140,10 @@ TEST(ValidateTest, DtypeFormats) {
   });
 }
 
-// MindSpore's DataType.None_None: an empty dtype marks an absent optional input.
-TEST(ValidateTest, EmptyDtypeOnlyForOptionalInputs) {
+// MindSpore's DataType.None_None: an empty dtype is any dtype at a required or
+// dynamic input, an absent optional input, and at an output the output rule's
+// dtype or else the call's first input's (issue 29).
+TEST(ValidateTest, EmptyDtypes) {
   auto with_bias = [](OpDef& d) {
     d.inputs.push_back({1, "bias", ParamType::kOptional});
     d.dtype_formats = {
@@ -151,39 +153,68 @@ TEST(ValidateTest, EmptyDtypeOnlyForOptionalInputs) {
     };
   };
   ExpectValid(with_bias);
-  ExpectInvalid(
-      [&](OpDef& d) {
-        with_bias(d);
-        d.dtype_formats[1].io[0].first = "";
-      },
-      "dtype_formats[1][0] (input x)",
-      "dtype_formats[1][0] (input x): an empty dtype (MindSpore's DataType.None_None) is allowed "
-      "only for an optional input, where the combination applies when that input is absent; "
-      "input \"x\" is required; known dtypes: float16, float32, float64, int8, int16, int32, "
-      "int64, uint8, uint16, uint32, uint64, bool");
-  ExpectInvalid(
-      [&](OpDef& d) {
-        with_bias(d);
-        d.dtype_formats[1].io[2].first = "";
-      },
-      "dtype_formats[1][2] (output y)",
-      "is absent; an output needs a dtype; known dtypes: float16,");
-  ExpectInvalid(
-      [](OpDef& d) {
-        d.inputs[0].param_type = ParamType::kDynamic;
-        d.dtype_formats[0].io[0].first = "";
-      },
-      "dtype_formats[0][0] (input x)", "input \"x\" is dynamic");
-  // MindSpore's all-None row ("any dtype") has no meaning here.
-  ExpectInvalid([](OpDef& d) { d.dtype_formats[0].io = {{"", ""}, {"", ""}}; },
-                "dtype_formats[0][0] (input x)", "is required");
-  // A placeholder row still counts for duplicates.
+  // Any dtype at a required input, and an output that takes the first input's.
+  ExpectValid([&](OpDef& d) {
+    with_bias(d);
+    d.dtype_formats[1].io[0].first = "";
+    d.dtype_formats[1].io[2].first = "";
+  });
+  // MindSpore's all-None row (add_cpu_info), and at a dynamic input.
+  ExpectValid([](OpDef& d) { d.dtype_formats[0].io = {{"", ""}, {"", ""}}; });
+  ExpectValid([](OpDef& d) {
+    d.inputs[0].param_type = ParamType::kDynamic;
+    d.dtype_formats[0].io[0].first = "";
+  });
+  // An output with no input to take a dtype from needs its rule's dtype.
+  auto no_inputs = [](OpDef& d) {
+    d.inputs.clear();
+    d.dtype_formats = {{{{"", ""}}}};
+  };
+  ExpectInvalid(no_inputs, "dtype_formats[0][0] (output y)",
+                "dtype_formats[0][0] (output y): an empty dtype (MindSpore's DataType.None_None) "
+                "at an output means its output rule's dtype, else the dtype of the call's first "
+                "input; the op has no inputs and no output rule dtype for output \"y\"; known "
+                "dtypes: float16, float32, float64, int8, int16, int32, int64, uint8, uint16, "
+                "uint32, uint64, bool");
+  ExpectValid([&](OpDef& d) {
+    no_inputs(d);
+    OutputRule r;
+    r.kind = OutputRule::Kind::kExplicit;
+    r.shape = {2};
+    r.dtype = "int32";
+    d.output_rules = {r};
+  });
+  // Other bad rows keep their errors; an all-None row still counts for duplicates.
+  ExpectInvalid([](OpDef& d) { d.dtype_formats[0].io[0].first = "complex64"; },
+                "dtype_formats[0][0] (input x)", "unknown dtype \"complex64\"");
   ExpectInvalid(
       [&](OpDef& d) {
         with_bias(d);
         d.dtype_formats.push_back(d.dtype_formats[1]);
       },
       "dtype_formats[3]", "duplicates dtype_formats[1]");
+  ExpectInvalid(
+      [](OpDef& d) {
+        d.dtype_formats[0].io = {{"", ""}, {"", ""}};
+        d.dtype_formats[1].io = {{"", ""}, {"", ""}};
+      },
+      "dtype_formats[1]", "duplicates dtype_formats[0]");
+  ExpectInvalid([](OpDef& d) { d.dtype_formats[0].io = {{"", ""}}; }, "dtype_formats[0]",
+                "has 1 (dtype, format) pairs, but the op has 1 inputs + 1 outputs = 2");
+}
+
+// An attr-only registration is told how to merge it.
+TEST(ValidateTest, AttrOnlyRegistrationIsToldToMerge) {
+  ExpectInvalid(
+      [](OpDef& d) {
+        d.inputs.clear();
+        d.outputs.clear();
+        d.dtype_formats.clear();
+      },
+      "outputs",
+      "outputs: an op needs at least one output; an attr-only registration (like MindSpore's "
+      "attr-only reg_info) is merged with one that declares the op's inputs and outputs before "
+      "it is registered: in Python, client.register([io_info, attr_info])");
 }
 
 TEST(ValidateTest, PlainLayoutFormatsAreLabels) {
