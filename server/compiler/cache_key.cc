@@ -124,6 +124,15 @@ std::string RequestKey(const CompileJob& job, const std::string& backend_identit
   h.UpdateField(job.source);
   // Always kernel.<ext> (see CompileJob::file_name), which __FILE__ sees.
   h.UpdateField(job.file_name);
+  // The extra files, by name and content, in order; nothing for a one-file
+  // kernel, whose key stays what it was.
+  if (!job.files.empty()) {
+    h.UpdateField(absl::StrCat("files=", job.files.size()));
+    for (const registry::SourceFile& f : job.files) {
+      h.UpdateField(f.name);
+      h.UpdateField(f.content);
+    }
+  }
   return h.HexDigest();
 }
 

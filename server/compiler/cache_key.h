@@ -11,7 +11,8 @@
 //                      taken once at startup
 //   request key      = SHA-256(ABI version, backend identity, include
 //                      identity, target, language, options, libraries,
-//                      source, canonical file name)
+//                      source, canonical file name, then each extra file
+//                      of the job: its name and content)
 //   final key        = SHA-256(request key, then per header the compile read:
 //                      its portable name and the SHA-256 of its content)
 //

@@ -49,6 +49,7 @@ class CpuBackend : public CompileBackend {
     req.source = job.source;
     req.file_name = job.file_name;
     req.options = job.options;
+    for (const registry::SourceFile& f : job.files) req.files.emplace_back(f.name, f.content);
     req.tenant = job.ns;
     OPJIT_ASSIGN_OR_RETURN(CpuCompileOutput out, cpu_->Compile(req));
     BackendOutput result;

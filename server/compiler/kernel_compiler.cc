@@ -383,6 +383,7 @@ CompileJob JobForImplementation(const registry::OpDef& def, const registry::Impl
   job.target = impl.target;
   job.language = impl.language;
   job.source = impl.source;
+  job.files = impl.files;
   // Not the op's name: diagnostics say kernel.<ext> unless the caller names
   // the user's file (the key never depends on it).
   job.entry = impl.entry;

@@ -5,7 +5,7 @@
 // The path of one compile:
 //
 //   key1 = SHA-256(ABI version, backend identity, language, options,
-//                  libraries, file name, source)
+//                  libraries, file name, source, extra files)
 //   memory LRU[key1] ─hit─▶ artifact (dependencies re-verified by digest)
 //   disk manifest[key1] ─▶ dependency digests ─▶ final key ─▶ disk artifact
 //   remote manifest[key1] ─▶ the same checks ─▶ remote artifact ─▶ disk
@@ -68,6 +68,11 @@ struct CompileJob {
   // enters, so a new backend brings its own languages without a change here.
   std::string language = "c++";
   std::string source;
+  // Extra files the source includes (and, for CPU, extra translation units),
+  // seen by the compile in memory under their relative names, for this
+  // compile only (registry::SourceFile; registry::ValidateSourceFiles checks
+  // them). Part of the request key, names and contents, in order.
+  std::vector<registry::SourceFile> files;
   // The name diagnostics give the source (the user's file; a directory part
   // is dropped); default kernel.cc / kernel.c / kernel.cu. Not part of the
   // key: every source compiles as kernel.<ext>, and the answer's diagnostics

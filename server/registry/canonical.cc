@@ -229,6 +229,19 @@ std::string ToJson(const OpDef& def) {
       jl["archs"] = StringsJson(impl.launch.archs);
       ji["launch"] = std::move(jl);
     }
+    // Only when there are any, for the same reason: a one-file kernel keeps
+    // its hash. In the order given (a name is unique; the order is the
+    // client's, and the compile's key follows it too).
+    if (!impl.files.empty()) {
+      Json jf = Json::array();
+      for (const SourceFile& f : impl.files) {
+        Json e = Json::object();
+        e["name"] = f.name;
+        e["content"] = f.content;
+        jf.push_back(std::move(e));
+      }
+      ji["files"] = std::move(jf);
+    }
     impls.push_back(std::move(ji));
   }
   j["implementations"] = std::move(impls);
@@ -299,7 +312,7 @@ absl::StatusOr<OpDef> FromJson(std::string_view text) {
         OPJIT_RETURN_IF_ERROR(CheckObject(e, p,
                                           {"target", "language", "source", "entry",
                                            "compile_options", "libraries", "attr_names",
-                                           "launch"}));
+                                           "launch", "files"}));
         Implementation impl;
         OPJIT_RETURN_IF_ERROR(ReadEnum(e, p, "target", &ParseTarget, "CPU or GPU", &impl.target));
         OPJIT_RETURN_IF_ERROR(ReadString(e, p, "language", &impl.language));
@@ -320,6 +333,14 @@ absl::StatusOr<OpDef> FromJson(std::string_view text) {
           OPJIT_RETURN_IF_ERROR(ReadStrings(l, lp, "args", &impl.launch.args));
           OPJIT_RETURN_IF_ERROR(ReadStrings(l, lp, "archs", &impl.launch.archs));
         }
+        OPJIT_RETURN_IF_ERROR(ReadArray(e, p, "files", [&](const Json& f, const std::string& fp) {
+          OPJIT_RETURN_IF_ERROR(CheckObject(f, fp, {"name", "content"}));
+          SourceFile file;
+          OPJIT_RETURN_IF_ERROR(ReadString(f, fp, "name", &file.name));
+          OPJIT_RETURN_IF_ERROR(ReadString(f, fp, "content", &file.content));
+          impl.files.push_back(std::move(file));
+          return absl::OkStatus();
+        }));
         def.implementations.push_back(std::move(impl));
         return absl::OkStatus();
       }));

@@ -93,6 +93,17 @@ struct GpuLaunch {
   bool operator==(const GpuLaunch&) const = default;
 };
 
+// One extra file of a kernel (opjit.v1.SourceFile): a header its source
+// includes ("helper.h", "detail/math.h"), or, for CPU C/C++, an extra
+// translation unit (.c .cc .cpp .cxx) compiled and linked with it. The
+// compiler sees it in memory under its relative `name`, for that compile
+// only; the server never opens a path (validate.h has the name rules).
+struct SourceFile {
+  std::string name;
+  std::string content;
+  bool operator==(const SourceFile&) const = default;
+};
+
 // The implementation of an op for one target.
 struct Implementation {
   Target target = Target::kCpu;
@@ -107,6 +118,9 @@ struct Implementation {
   // given, the set must equal the op's attr names (checked at registration).
   std::vector<std::string> attr_names;
   GpuLaunch launch;  // GPU only
+  // Extra files beside the source (headers; CPU: also translation units).
+  // Part of the content hash and of the compile's cache key.
+  std::vector<SourceFile> files;
   bool operator==(const Implementation&) const = default;
 };
 

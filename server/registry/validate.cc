@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "server/common/error_info.h"
 #include "server/common/status_macros.h"
@@ -238,6 +239,76 @@ std::string LanguageRefusal(const TargetRules& rules, Target target, const std::
                       absl::StrJoin(langs, " or "), ")");
 }
 
+// `s` with control characters and NUL shown as '?', for a message.
+std::string Printable(absl::string_view s) {
+  std::string out(s);
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  }
+  return out;
+}
+
+// Why `name` is not a usable extra-file name; "" when it is.
+std::string FileNameRefusal(absl::string_view name) {
+  if (name.empty()) return "must not be empty";
+  if (name.size() > kMaxFileNameBytes) {
+    return absl::StrCat("is ", name.size(), " bytes; the limit is ", kMaxFileNameBytes);
+  }
+  if (name[0] == '/') return "must be a relative path (it starts with '/')";
+  for (char c : name) {
+    if (c == '\\') return "must use '/' between directories, not a backslash";
+    if (c == '\0') return "must not contain NUL";
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      return "must not contain control characters";
+    }
+  }
+  for (absl::string_view part : absl::StrSplit(name, '/')) {
+    if (part.empty()) return "must not have an empty path part (\"//\" or a trailing '/')";
+    if (part == ".") return "must not have a \".\" path part";
+    if (part == "..") return "must not have a \"..\" path part (files stay below the source)";
+  }
+  if (!IsValidUtf8(name)) return "is not valid UTF-8";
+  return "";
+}
+
+absl::Status CheckSourceFiles(Target target, size_t source_bytes,
+                              const std::vector<SourceFile>& files, const std::string& path) {
+  if (files.empty()) return absl::OkStatus();
+  if (files.size() > kMaxFiles) {
+    return Invalid(absl::StrCat(path, ".files"),
+                   absl::StrCat("has ", files.size(), " files; the limit is ", kMaxFiles,
+                                " (put small headers together)"));
+  }
+  std::map<std::string, size_t> seen;
+  uint64_t total = source_bytes;
+  for (size_t k = 0; k < files.size(); ++k) {
+    const SourceFile& f = files[k];
+    const std::string fpath = absl::StrCat(path, ".files[", k, "]");
+    if (std::string why = FileNameRefusal(f.name); !why.empty()) {
+      return Invalid(absl::StrCat(fpath, ".name"),
+                     f.name.empty() ? why : absl::StrCat(Q(Printable(f.name)), " ", why));
+    }
+    if (auto [it, first] = seen.emplace(f.name, k); !first) {
+      return Invalid(absl::StrCat(fpath, ".name"),
+                     absl::StrCat(Q(f.name), " is also files[", it->second, "]; names are unique"));
+    }
+    if (target == Target::kGpu && IsTranslationUnit(f.name)) {
+      return Invalid(absl::StrCat(fpath, ".name"),
+                     absl::StrCat(Q(f.name),
+                                  " is a translation unit; a GPU implementation takes headers "
+                                  "only (include it from the source, or rename it, e.g. .cuh)"));
+    }
+    OPJIT_RETURN_IF_ERROR(CheckUtf8(absl::StrCat(fpath, ".content"), f.content));
+    total += f.content.size();
+  }
+  if (total > kMaxSourceBytes) {
+    return Invalid(absl::StrCat(path, ".files"),
+                   absl::StrCat("the source and its ", files.size(), " files are ", total,
+                                " bytes together; the limit is ", kMaxSourceBytes));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckImplementations(const OpDef& def, const TargetRules& rules) {
   if (def.implementations.empty()) {
     return Invalid("implementations", "at least one implementation is required");
@@ -275,6 +346,7 @@ absl::Status CheckImplementations(const OpDef& def, const TargetRules& rules) {
           absl::StrCat("is ", impl.source.size(), " bytes; the limit is ", kMaxSourceBytes));
     }
     OPJIT_RETURN_IF_ERROR(CheckUtf8(absl::StrCat(path, ".source"), impl.source));
+    OPJIT_RETURN_IF_ERROR(CheckSourceFiles(impl.target, impl.source.size(), impl.files, path));
     OPJIT_RETURN_IF_ERROR(ValidateLaunch(def, impl, path));
     for (size_t k = 0; k < impl.compile_options.size(); ++k) {
       const std::string& opt = impl.compile_options[k];
@@ -598,6 +670,19 @@ absl::Status ValidateOpDefFields(const OpDef& def, const TargetRules& rules) {
 }
 
 }  // namespace
+
+bool IsTranslationUnit(std::string_view name) {
+  const absl::string_view n(name.data(), name.size());
+  return absl::EndsWith(n, ".c") || absl::EndsWith(n, ".cc") || absl::EndsWith(n, ".cpp") ||
+         absl::EndsWith(n, ".cxx");
+}
+
+absl::Status ValidateSourceFiles(Target target, size_t source_bytes,
+                                 const std::vector<SourceFile>& files, const std::string& path) {
+  absl::Status s = CheckSourceFiles(target, source_bytes, files, path);
+  if (s.ok()) return s;
+  return WithReason(std::move(s), reason::kInvalidSpec);
+}
 
 absl::Status ValidateOpDef(const OpDef& def, const TargetRules& rules) {
   absl::Status s = ValidateOpDefFields(def, rules);

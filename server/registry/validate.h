@@ -50,6 +50,14 @@
 //     backend owns (the built-in ones: server/compiler/compile_options.h);
 //     anything else (-I, -L, -l, -o, -include, -fplugin, -Xclang, -Wl,...,
 //     -fopenmp, ...) is refused.
+//   - files (extra files of the kernel, see SourceFile): at most kMaxFiles;
+//     each name at most kMaxFileNameBytes, a relative path of '/'-separated
+//     parts ("helper.h", "detail/x.h") without "", "." or ".." parts, a
+//     leading '/', backslashes, control characters or NUL, unique; each
+//     content valid UTF-8; the source and every file's content together at
+//     most kMaxSourceBytes. A .c/.cc/.cpp/.cxx file is a translation unit:
+//     compiled and linked with the source for CPU, refused for GPU (headers
+//     only there).
 //   - Every entry of libraries is non-empty (the server's allow-list is checked
 //     later, by the compiler).
 //   - attr_names, when non-empty, has no duplicates and equals the set of the
@@ -108,6 +116,21 @@ const TargetRules& BuiltinTargetRules();
 // Limits, exposed for clients and tests.
 inline constexpr size_t kMaxSourceBytes = 1 << 20;  // 1 MiB
 inline constexpr size_t kMaxDocBytes = 64 << 10;    // 64 KiB
+// Extra files of one implementation: how many, and the bytes of one name.
+// Their contents count toward kMaxSourceBytes with the source.
+inline constexpr size_t kMaxFiles = 64;
+inline constexpr size_t kMaxFileNameBytes = 255;
+
+// Checks an implementation's extra files as ValidateOpDef does: the names,
+// the count, the contents' UTF-8 and total size (with `source_bytes`), and
+// translation units by target. `path` prefixes messages, e.g.
+// "implementations[0]" (then ".files[2].name: ...").
+absl::Status ValidateSourceFiles(Target target, size_t source_bytes,
+                                 const std::vector<SourceFile>& files, const std::string& path);
+
+// Whether an extra file named `name` is a C/C++ translation unit (.c .cc
+// .cpp .cxx), which the CPU compiler compiles and links with the source.
+bool IsTranslationUnit(std::string_view name);
 
 // OK when `def` satisfies every rule above, languages and compile options as
 // `rules` say; otherwise INVALID_ARGUMENT naming the first offending field,

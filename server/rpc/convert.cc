@@ -142,6 +142,16 @@ absl::StatusOr<registry::OpDef> ConvertOpDef(const v1::OpDef& proto) {
       impl.launch.args.assign(l.args().begin(), l.args().end());
       impl.launch.archs.assign(l.archs().begin(), l.archs().end());
     }
+    for (int k = 0; k < im.files_size(); ++k) {
+      const auto& f = im.files(k);
+      // `path` is the client's: the server never opens one.
+      if (f.content().empty() && !f.path().empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".files[", k, "].content is empty but path \"", Excerpt(f.path()),
+            "\" is set; clients read path and send its text as content"));
+      }
+      impl.files.push_back(registry::SourceFile{f.name(), f.content()});
+    }
     def.implementations.push_back(std::move(impl));
   }
   for (int i = 0; i < proto.output_rules_size(); ++i) {
@@ -223,6 +233,11 @@ void OpDefToProto(const registry::OpDef& def, v1::OpDef* proto) {
       for (const auto& e : im.launch.args) l->add_args(e);
       for (const auto& e : im.launch.archs) l->add_archs(e);
     }
+    for (const auto& f : im.files) {
+      auto* pf = out->add_files();
+      pf->set_name(f.name);
+      pf->set_content(f.content);
+    }
   }
   for (const auto& r : def.output_rules) {
     auto* out = proto->add_output_rules();
@@ -245,7 +260,10 @@ void OpDefToProto(const registry::OpDef& def, v1::OpDef* proto) {
 void OpRecordToProto(const registry::OpRecord& record, bool with_sources, v1::OpRecord* proto) {
   OpDefToProto(record.def, proto->mutable_op());
   if (!with_sources) {
-    for (auto& im : *proto->mutable_op()->mutable_implementations()) im.clear_source();
+    for (auto& im : *proto->mutable_op()->mutable_implementations()) {
+      im.clear_source();
+      for (auto& f : *im.mutable_files()) f.clear_content();  // names stay
+    }
   }
   proto->set_version(record.version);
   proto->set_content_hash(record.content_hash);

@@ -9,7 +9,10 @@
 //      clang's own TargetMachine setup) -> object bytes in memory.
 // Every file read goes through SandboxFileSystem, an allow-list in front of the
 // real file system; the preamble header and its PCH are served from memory
-// (ipc::kPchVirtualDir), the PCH from the one descriptor the daemon passed.
+// (ipc::kPchVirtualDir), the PCH from the one descriptor the daemon passed,
+// and so are the request's extra files (ipc::kFilesVirtualDir, searched
+// first): headers, and translation units that are compiled alike and linked
+// (llvm::Linker) into the main module before code generation.
 // Code generation runs on a thread locked out of every file
 // (sandbox::DenyFilesToThisThread): the integrated assembler opens `.incbin`
 // and `.include` files itself, past clang's file system.
@@ -62,6 +65,7 @@
 #include "llvm/IR/IRBuilder.h"
 #include "llvm/IR/LLVMContext.h"
 #include "llvm/IR/Module.h"
+#include "llvm/Linker/Linker.h"
 #include "llvm/Support/ErrorHandling.h"
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/Host.h"
@@ -285,6 +289,36 @@ const std::string& VirtualPch() {
   return *p;
 }
 
+// Where a compile sees the request's extra file `name`.
+std::string FilePath(const std::string& name) {
+  return std::string(ipc::kFilesVirtualDir) + "/" + name;
+}
+
+// Whether an extra file is a translation unit (registry::IsTranslationUnit's
+// rule: .c .cc .cpp .cxx), compiled and linked rather than only included.
+bool IsUnit(llvm::StringRef name) {
+  return name.endswith(".c") || name.endswith(".cc") || name.endswith(".cpp") ||
+         name.endswith(".cxx");
+}
+
+// Why `name` may not name an extra file ("" when it may): a relative path
+// of non-empty parts other than "." and "..", no backslash or control byte.
+std::string FileNameRefusal(llvm::StringRef name) {
+  if (name.empty() || name.size() > 255) return "must be 1 to 255 bytes";
+  if (name.front() == '/') return "must be relative";
+  for (char c : name) {
+    if (c == '\\' || static_cast<unsigned char>(c) < 0x20) {
+      return "must not hold a backslash or a control character";
+    }
+  }
+  llvm::SmallVector<llvm::StringRef, 8> parts;
+  name.split(parts, '/');
+  for (llvm::StringRef p : parts) {
+    if (p.empty() || p == "." || p == "..") return "must not have an empty, \".\" or \"..\" part";
+  }
+  return "";
+}
+
 // Builds a PCH into memory (`*out`) instead of a file: the worker never
 // writes the PCH directory; the daemon stores what it returns.
 class PchToMemoryAction : public clang::GeneratePCHAction {
@@ -416,9 +450,12 @@ struct ClangFrontend::Impl {
   // The driver command line. Compiles load the PCH (at its virtual path) when
   // `use_pch`; a PCH build (`for_pch`) makes it from the preamble header.
   // Both share every flag but the input and the action, as PCH use requires.
+  // `unit` (an extra translation unit's virtual path) replaces the main
+  // file as the input, compiled as C for a .c name and C++ otherwise.
   std::vector<std::string> DriverArgs(const ipc::WorkerRequest& req, bool for_pch,
-                                      bool use_pch) const {
+                                      bool use_pch, const std::string& unit = "") const {
     bool cxx = for_pch || req.language == ipc::Language::kCxx;
+    if (!unit.empty()) cxx = !llvm::StringRef(unit).endswith(".c");
     std::vector<std::string> a = {clang_path};
     if (for_pch) {
       // Templates the preamble itself instantiates are instantiated once,
@@ -431,6 +468,12 @@ struct ClangFrontend::Impl {
     a.insert(a.end(), {"-O3", "-march=native", "-fPIC", cxx ? "-std=c++17" : "-std=c17"});
     const std::vector<std::string>& opts = for_pch ? req.pch_options : req.options;
     a.insert(a.end(), opts.begin(), opts.end());
+    if (!req.files.empty()) {
+      // The kernel's own files first, as `-I.` beside a source would be;
+      // __FILE__ names them by their relative name.
+      a.insert(a.end(), {"-I", ipc::kFilesVirtualDir});
+      a.push_back(std::string("-fmacro-prefix-map=") + ipc::kFilesVirtualDir + "/=");
+    }
     for (const std::string& d : req.include_dirs) a.insert(a.end(), {"-I", d});
     // __FILE__ in a header names its include dir by place ("include0/..."),
     // not by host path: an object is the same bytes under any install prefix,
@@ -440,14 +483,14 @@ struct ClangFrontend::Impl {
     for (size_t i = 0; i < req.include_dirs.size(); ++i) {
       a.push_back("-fmacro-prefix-map=" + req.include_dirs[i] + "=include" + std::to_string(i));
     }
-    if (!for_pch && use_pch) {
+    if (!for_pch && use_pch && unit.empty()) {
       // A header touched but unchanged keeps the PCH valid.
       a.insert(a.end(), {"-include-pch", VirtualPch(), "-fpch-validate-input-files-content"});
     }
     if (for_pch) {
       a.insert(a.end(), {VirtualPreamble(), "-o", VirtualPch()});
     } else {
-      a.push_back(req.file_name);
+      a.push_back(unit.empty() ? req.file_name : unit);
     }
     return a;
   }
@@ -522,13 +565,21 @@ struct ClangFrontend::Impl {
         new SandboxFileSystem(llvm::vfs::getRealFileSystem(), dirs, {}, {"/"}));
     llvm::IntrusiveRefCntPtr<llvm::vfs::OverlayFileSystem> fs(
         new llvm::vfs::OverlayFileSystem(sandbox));
-    if (!req.preamble.empty()) {
+    if (!req.preamble.empty() || !req.files.empty()) {
       // The same time stamp whenever the PCH is built or loaded: the PCH
-      // records it, and the content is the key's.
+      // records it, and the content is the key's (the files' too: the
+      // daemon keys a PCH by them).
       llvm::IntrusiveRefCntPtr<llvm::vfs::InMemoryFileSystem> memory(
           new llvm::vfs::InMemoryFileSystem);
-      memory->addFile(VirtualPreamble(), /*ModificationTime=*/1,
-                      llvm::MemoryBuffer::getMemBufferCopy(req.preamble, VirtualPreamble()));
+      for (const ipc::File& f : req.files) {
+        const std::string path = FilePath(f.name);
+        memory->addFile(path, /*ModificationTime=*/1,
+                        llvm::MemoryBuffer::getMemBufferCopy(f.content, path));
+      }
+      if (!req.preamble.empty()) {
+        memory->addFile(VirtualPreamble(), /*ModificationTime=*/1,
+                        llvm::MemoryBuffer::getMemBufferCopy(req.preamble, VirtualPreamble()));
+      }
       if (pch != nullptr) {
         memory->addFile(VirtualPch(), /*ModificationTime=*/1,
                         llvm::MemoryBuffer::getMemBuffer(pch->getBuffer(), VirtualPch(),
@@ -549,6 +600,7 @@ struct ClangFrontend::Impl {
       if (d == req.file_name) continue;  // the in-memory main file
       std::string n = NormalizePath(d, "/");
       if (IsUnder(n, ipc::kPchVirtualDir)) continue;  // the preamble and its PCH
+      if (IsUnder(n, ipc::kFilesVirtualDir)) continue;  // the request's files (in its key)
       llvm::SmallString<256> real;
       if (!llvm::sys::fs::real_path(n, real)) n = std::string(real.str());
       out.insert(n);
@@ -587,6 +639,21 @@ struct ClangFrontend::Impl {
     action.EndSourceFile();
     std::unique_ptr<llvm::Module> module = action.takeModule();
     if (ci.getDiagnostics().hasErrorOccurred() || module == nullptr) return at;
+    std::vector<std::string> dependencies = deps->getDependencies();
+    // The extra translation units, each compiled alike (without the PCH)
+    // and linked into the main module: one object, as before.
+    int link_errors = 0;
+    for (const ipc::File& f : req.files) {
+      if (!IsUnit(f.name)) continue;
+      std::unique_ptr<llvm::Module> unit = CompileUnit(req, f.name, ctx, diag_os, &dependencies);
+      if (unit == nullptr) return at;
+      ctx.setDiagnosticHandler(std::make_unique<BackendDiagnostics>(diag_os, &link_errors));
+      if (llvm::Linker::linkModules(*module, std::move(unit)) || link_errors > 0) {
+        diag_os << f.name << ": error: cannot link it with " << req.file_name
+                << " (a symbol defined in both?)\n";
+        return at;
+      }
+    }
     if (AsmReadsFiles(*module)) {
       diag_os << req.file_name
               << ": error: inline assembly may not read files (.incbin, .include): a kernel "
@@ -620,8 +687,35 @@ struct ClangFrontend::Impl {
     if (backend_errors > 0 || ci.getDiagnostics().hasErrorOccurred()) return at;
     at.ok = true;
     at.object.assign(object.begin(), object.end());
-    at.dependencies = CleanDependencies(deps->getDependencies(), req);
+    at.dependencies = CleanDependencies(dependencies, req);
     return at;
+  }
+
+  // The extra translation unit `name` of `req` as a module of `ctx` (the -O
+  // pipeline run), its reads added to `*dependencies`; null after errors,
+  // which go to `diag_os`.
+  std::unique_ptr<llvm::Module> CompileUnit(const ipc::WorkerRequest& req, const std::string& name,
+                                            llvm::LLVMContext& ctx, llvm::raw_ostream& diag_os,
+                                            std::vector<std::string>* dependencies) {
+    std::shared_ptr<clang::CompilerInvocation> inv =
+        MakeInvocation(DriverArgs(req, /*for_pch=*/false, false, FilePath(name)), diag_os);
+    if (inv == nullptr) return nullptr;
+    clang::CompilerInstance ci;
+    std::shared_ptr<DependencyRecorder> deps = Prepare(ci, inv, diag_os, req, nullptr);
+    if (!ci.createTarget()) return nullptr;
+    clang::EmitLLVMOnlyAction action(&ctx);
+    if (!action.BeginSourceFile(ci, inv->getFrontendOpts().Inputs[0])) return nullptr;
+    if (llvm::Error e = action.Execute()) {
+      diag_os << "error: " << llvm::toString(std::move(e)) << "\n";
+      action.EndSourceFile();
+      return nullptr;
+    }
+    action.EndSourceFile();
+    std::unique_ptr<llvm::Module> module = action.takeModule();
+    if (ci.getDiagnostics().hasErrorOccurred()) return nullptr;
+    const std::vector<std::string>& read = deps->getDependencies();
+    dependencies->insert(dependencies->end(), read.begin(), read.end());
+    return module;
   }
 
   // Builds the PCH of req.preamble into memory. Returns null and sets
@@ -742,6 +836,18 @@ ipc::WorkerResponse ClangFrontend::Handle(const ipc::WorkerRequest& req, int pch
     resp.diagnostics = "file name must be a bare name";
     return resp;
   }
+  {
+    std::set<std::string> names;
+    for (const ipc::File& f : req.files) {
+      std::string why = FileNameRefusal(f.name);
+      if (why.empty() && !names.insert(f.name).second) why = "is given twice";
+      if (!why.empty()) {
+        resp.kind = ipc::ResponseKind::kBadRequest;
+        resp.diagnostics = "extra file name " + why;
+        return resp;
+      }
+    }
+  }
   const bool cxx = req.language == ipc::Language::kCxx;
   if (req.pch != ipc::PchUse::kNone && (pch_fd < 0 || !cxx || req.preamble.empty())) {
     resp.kind = ipc::ResponseKind::kBadRequest;
@@ -782,6 +888,12 @@ ipc::WorkerResponse ClangFrontend::Handle(const ipc::WorkerRequest& req, int pch
   }
   resp.pch_used = pch != nullptr;
   resp.diagnostics = std::move(at.diagnostics);
+  if (!req.files.empty()) {
+    // "helper.h:3:5: error", not the virtual directory's path.
+    const std::string prefix = std::string(ipc::kFilesVirtualDir) + "/";
+    std::string& d = resp.diagnostics;
+    for (size_t p = 0; (p = d.find(prefix, p)) != std::string::npos;) d.erase(p, prefix.size());
+  }
   if (!at.ok) {
     resp.kind = ipc::ResponseKind::kCompileError;
     return resp;

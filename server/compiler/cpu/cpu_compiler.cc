@@ -689,6 +689,7 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
     req.file_name = request.language == Language::kC ? "kernel.c" : "kernel.cc";
   }
   req.options = request.options;
+  for (const auto& [name, content] : request.files) req.files.push_back({name, content});
   if (!kernel_include_dir_.empty()) req.include_dirs.push_back(kernel_include_dir_);
   for (const std::string& d : request.extra_include_dirs) {
     std::string n = Normalize(d);
@@ -713,7 +714,18 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
     Preamble preamble = ComputePreamble(request.source);
     if (preamble.has_include) {
       req.pch_options = PchOptions(request.options);
-      pch_key = PchKeyFor(request.tenant, preamble.directives, req.pch_options, req.include_dirs);
+      // The extra files are on the PCH's search path (first), and the
+      // preamble may include them: their names and contents key it too.
+      std::string keyed = preamble.directives;
+      if (!req.files.empty()) {
+        Sha256 files;
+        for (const ipc::File& f : req.files) {
+          files.UpdateField(f.name);
+          files.UpdateField(f.content);
+        }
+        absl::StrAppend(&keyed, "\nfiles=", files.HexDigest());
+      }
+      pch_key = PchKeyFor(request.tenant, keyed, req.pch_options, req.include_dirs);
       pch_file = fs::path(pch_dir_) / (pch_key + ".pch");
       // The directives, beside their PCH, for whoever looks (the worker gets
       // them in the request).

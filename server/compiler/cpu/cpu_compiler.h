@@ -14,6 +14,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -41,6 +42,12 @@ struct CpuCompileRequest {
   // INVALID_ARGUMENT. Searched after kernel_include_dir, in this order.
   // Empty: every configured one, in the configuration's order.
   std::vector<std::string> extra_include_dirs;
+  // Extra files (name, content): headers the source includes and C/C++
+  // translation units linked with it (ipc::WorkerRequest::files), served
+  // from memory to that compile only. Names are relative, without "..",
+  // unique (registry::ValidateSourceFiles; the worker checks again). A PCH
+  // of a source with files is keyed by their contents too.
+  std::vector<std::pair<std::string, std::string>> files;
   // The namespace that asks. Its preamble PCHs are its own: keyed by it
   // (with the preamble, options, include dirs and toolchain), and no compile
   // of another namespace is given them. Not part of any object key.

@@ -77,6 +77,11 @@ std::string Encode(const WorkerRequest& m) {
   w.Str(m.preamble);
   w.Strs(m.pch_options);
   w.U32(m.preamble_bytes);
+  w.U32(static_cast<uint32_t>(m.files.size()));
+  for (const File& f : m.files) {
+    w.Str(f.name);
+    w.Str(f.content);
+  }
   return w.Take();
 }
 
@@ -121,6 +126,14 @@ absl::StatusOr<WorkerRequest> DecodeRequest(const std::string& payload) {
   m.preamble = r.Str();
   m.pch_options = r.Strs();
   m.preamble_bytes = r.U32();
+  // Each file takes at least 8 bytes (two lengths).
+  const uint32_t files = r.Count(8);
+  for (uint32_t i = 0; i < files; ++i) {
+    File f;
+    f.name = r.Str();
+    f.content = r.Str();
+    m.files.push_back(std::move(f));
+  }
   if (absl::Status s = r.Finish("request"); !s.ok()) return s;
   if (m.preamble_bytes > m.source.size()) {
     return absl::InvalidArgumentError("preamble_bytes past the end of the source");

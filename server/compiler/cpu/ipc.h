@@ -27,7 +27,7 @@
 namespace opjit::compiler::ipc {
 
 // Bumped whenever a message layout changes; both ends must agree.
-inline constexpr uint32_t kProtocolVersion = 4;  // 4: PCHs travel as descriptors
+inline constexpr uint32_t kProtocolVersion = 5;  // 5: extra files (headers, units)
 // The largest frame each way. A request carries a source (at most 1 MiB,
 // registry/validate.h) and its options; a response carries the object
 // (kernels compile to KiBs, a few MiB with big tables) and the
@@ -70,6 +70,17 @@ enum class PchUse : uint8_t {
 
 // Where a compile sees its preamble header and PCH: in memory, never on disk.
 inline constexpr char kPchVirtualDir[] = "/opjit-preamble";
+// Where a compile sees the request's extra files (WorkerRequest::files): in
+// memory, for that compile only, searched first (-I); diagnostics and
+// __FILE__ name them without this prefix.
+inline constexpr char kFilesVirtualDir[] = "/opjit-src";
+
+// One extra file of a request: a relative name (the registry's rules:
+// registry/validate.h) and its content.
+struct File {
+  std::string name;
+  std::string content;
+};
 
 enum class Language : uint8_t { kC = 1, kCxx = 2 };
 
@@ -89,6 +100,10 @@ struct WorkerRequest {
   // Bytes at the start of `source` the PCH stands for (its preamble, see
   // preamble.h): blanked when the PCH is used, compiled as they are when not.
   uint32_t preamble_bytes = 0;
+  // Extra files: headers the source includes, and C/C++ translation units
+  // (.c .cc .cpp .cxx) compiled with the same flags and linked into the one
+  // object. Served from memory under kFilesVirtualDir.
+  std::vector<File> files;
 };
 
 enum class ResponseKind : uint8_t {
