@@ -10,6 +10,7 @@
 #include <sstream>
 #include <thread>
 
+#include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -728,17 +729,84 @@ v1::AttrValue TextAttr(const std::string& text) {
   return v;
 }
 
+namespace {
+
+// `files: ["helper.h"]` is short for `files: [{"path": "helper.h"}]`: the
+// spec's JSON with each such string made an object, so that protobuf's
+// JSON mapping reads it. Anything it cannot make sense of is left for that
+// parser to report.
+std::string ExpandFileShorthand(std::string_view json) {
+  google::protobuf::Value root;
+  if (!google::protobuf::util::JsonStringToMessage(std::string(json), &root).ok() ||
+      !root.has_struct_value()) {
+    return std::string(json);
+  }
+  auto& fields = *root.mutable_struct_value()->mutable_fields();
+  auto impls = fields.find("implementations");
+  if (impls == fields.end() || !impls->second.has_list_value()) return std::string(json);
+  bool changed = false;
+  for (auto& impl : *impls->second.mutable_list_value()->mutable_values()) {
+    if (!impl.has_struct_value()) continue;
+    auto& f = *impl.mutable_struct_value()->mutable_fields();
+    auto files = f.find("files");
+    if (files == f.end() || !files->second.has_list_value()) continue;
+    for (auto& file : *files->second.mutable_list_value()->mutable_values()) {
+      if (file.kind_case() != google::protobuf::Value::kStringValue) continue;
+      google::protobuf::Value obj;
+      (*obj.mutable_struct_value()->mutable_fields())["path"].set_string_value(file.string_value());
+      file = std::move(obj);
+      changed = true;
+    }
+  }
+  if (!changed) return std::string(json);
+  std::string out;
+  if (!google::protobuf::util::MessageToJsonString(root, &out).ok()) return std::string(json);
+  return out;
+}
+
+// The name an extra file read from `path` (as the spec wrote it) goes by:
+// the path itself, made plain ("./a//b.h" -> "a/b.h"), or its base name
+// when it is absolute or climbs out of the spec's directory ("..").
+std::string DefaultFileName(const std::string& path) {
+  std::filesystem::path p = std::filesystem::path(path).lexically_normal();
+  std::string n = p.generic_string();
+  if (p.is_absolute() || n == ".." || n.rfind("../", 0) == 0) return p.filename().string();
+  return n;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::OpDef> ParseOpSpec(std::string_view json, const std::string& base_dir) {
   v1::OpDef op;
   google::protobuf::util::JsonParseOptions opts;
   opts.ignore_unknown_fields = false;
-  auto st = google::protobuf::util::JsonStringToMessage(std::string(json), &op, opts);
+  auto st = google::protobuf::util::JsonStringToMessage(ExpandFileShorthand(json), &op, opts);
   if (!st.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("spec is not a valid opjit.v1.OpDef: ",
                                                    std::string(st.message())));
   }
   for (int i = 0; i < op.implementations_size(); ++i) {
     auto* impl = op.mutable_implementations(i);
+    // Extra files: each `path` (relative to the spec) is read into content;
+    // the server never sees a path.
+    for (int k = 0; k < impl->files_size(); ++k) {
+      auto* f = impl->mutable_files(k);
+      if (f->path().empty()) continue;
+      if (f->name().empty()) f->set_name(DefaultFileName(f->path()));
+      if (f->content().empty()) {
+        std::filesystem::path p(f->path());
+        if (p.is_relative()) p = std::filesystem::path(base_dir) / p;
+        std::ifstream in(p, std::ios::binary);
+        if (!in) {
+          return absl::NotFoundError(absl::StrCat("implementations[", i, "].files[", k,
+                                                  "].path: cannot read ", p.string()));
+        }
+        std::stringstream ss;
+        ss << in.rdbuf();
+        f->set_content(ss.str());
+      }
+      f->clear_path();
+    }
     // With source given, source_file only names it (for diagnostics).
     if (impl->source_file().empty() || !impl->source().empty()) continue;
     std::filesystem::path p(impl->source_file());

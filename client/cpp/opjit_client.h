@@ -274,9 +274,13 @@ v1::AttrValue TextAttr(const std::string& text);
 
 // Reads an op spec: a JSON file in protobuf's JSON mapping of opjit.v1.OpDef
 // (snake_case or lowerCamelCase keys). Each implementation's `source_file` is
-// read relative to the spec's directory into `source`. INVALID_ARGUMENT with
-// the parser's message for bad JSON or unknown fields; NOT_FOUND for a
-// missing source file.
+// read relative to the spec's directory into `source`, and so is each of its
+// extra `files` given by `path` (`"files": ["helper.h"]` is short for
+// `[{"path": "helper.h"}]`) into `content`; such a file's name defaults to
+// the path as written, made plain ("detail/x.h"), or its base name when the
+// path is absolute or climbs out with "..". INVALID_ARGUMENT with the
+// parser's message for bad JSON or unknown fields; NOT_FOUND for a missing
+// source file or extra file.
 absl::StatusOr<v1::OpDef> LoadOpSpec(const std::string& path);
 absl::StatusOr<v1::OpDef> ParseOpSpec(std::string_view json, const std::string& base_dir);
 

@@ -294,12 +294,36 @@ function camelToSnake(obj) {
   return out;
 }
 
+// The name an extra file read from `p` (as the spec wrote it) goes by: the
+// path made plain ("./a//b.h" -> "a/b.h"), or its base name when it is
+// absolute or climbs out of the spec's directory with "..".
+function defaultFileName(p) {
+  const norm = path.posix.normalize(String(p).split(path.sep).join('/'));
+  if (path.posix.isAbsolute(norm) || norm === '..' || norm.startsWith('../')) {
+    return path.posix.basename(norm);
+  }
+  return norm;
+}
+
 // Reads a JSON spec (protobuf's JSON mapping of OpDef) and loads each
-// implementation's source_file (relative to the spec) into source.
+// implementation's source_file (relative to the spec) into source, and each
+// of its extra files given by path ("files": ["helper.h"] or
+// [{"path": "helper.h", "name": ...}]) into content.
 function loadSpecFile(specPath) {
   const spec = camelToSnake(JSON.parse(fs.readFileSync(specPath, 'utf8')));
   const base = path.dirname(path.resolve(specPath));
   for (const impl of spec.implementations || []) {
+    if (Array.isArray(impl.files)) {
+      impl.files = impl.files.map((f) => {
+        const file = typeof f === 'string' ? { path: f } : { ...f };
+        if (file.path) {
+          if (!file.name) file.name = defaultFileName(file.path);
+          if (!file.content) file.content = fs.readFileSync(path.resolve(base, file.path), 'utf8');
+          delete file.path;  // the server never opens a path
+        }
+        return file;
+      });
+    }
     // With source given, source_file only names it (for diagnostics).
     if (impl.source_file && !impl.source) {
       impl.source = fs.readFileSync(path.resolve(base, impl.source_file), 'utf8');
@@ -582,5 +606,5 @@ class Client {
 
 module.exports = {
   Client, OpjitError, defaultAddress, normalizeAddress, splitAddresses, rendezvousScore,
-  rendezvousOrder, loadSpecFile, toTensor, fromTensor, PROTO_DIR, DOWN_FOR_MS,
+  rendezvousOrder, loadSpecFile, defaultFileName, toTensor, fromTensor, PROTO_DIR, DOWN_FOR_MS,
 };

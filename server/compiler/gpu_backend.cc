@@ -172,6 +172,7 @@ class GpuBackend : public CompileBackend {
       req.source = job.source;
       req.file_name = job.file_name;
       req.options = job.options;
+      for (const registry::SourceFile& f : job.files) req.files.emplace_back(f.name, f.content);
       req.archs = archs;
       req.cuda_root = options_.cuda_root;
       req.kernel_include_dir = options_.kernel_include_dir;
@@ -193,6 +194,7 @@ class GpuBackend : public CompileBackend {
       req.options = job.options;
       req.name_expressions = job.name_expressions;
       req.archs = archs;
+      for (const registry::SourceFile& f : job.files) req.headers.emplace_back(f.name, f.content);
       auto compiled = c->Compile(req);
       if (!compiled.ok()) return WithNvccHint(compiled.status(), job);
       gpu::GpuCompileOutput r = *std::move(compiled);

@@ -191,6 +191,28 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
     f.write(request.source.data(), static_cast<std::streamsize>(request.source.size()));
     if (!f) return absl::InternalError(absl::StrCat("could not write ", src));
   }
+  // The extra files beside the source, in this compile's own directory.
+  std::vector<std::string> written;  // files and the directories made for them
+  for (const auto& [fname, content] : request.files) {
+    const std::filesystem::path rel(fname);
+    bool bad = fname.empty() || rel.is_absolute() || fname.find('\\') != std::string::npos ||
+               fname.find('\0') != std::string::npos;
+    for (const auto& part : rel) bad = bad || part == ".." || part == "." || part.empty();
+    if (bad || rel.lexically_normal().string() != fname) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("extra file name \"", fname, "\" is not a plain relative path"));
+    }
+    std::filesystem::path path = std::filesystem::path(dir) / rel;
+    std::error_code ec;
+    for (auto parent = rel.parent_path(); !parent.empty(); parent = parent.parent_path()) {
+      written.push_back((std::filesystem::path(dir) / parent).string());
+    }
+    std::filesystem::create_directories(path.parent_path(), ec);
+    std::ofstream f(path, std::ios::binary);
+    f.write(content.data(), static_cast<std::streamsize>(content.size()));
+    if (ec || !f) return absl::InternalError(absl::StrCat("could not write the extra file ", fname));
+    written.push_back(path.string());
+  }
 
   std::vector<std::string> argv;
   std::optional<subprocess::SpawnOptions::UserNamespace> as;  // a non-root daemon's compile ids
@@ -203,6 +225,11 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
       if (::chown(dir.c_str(), u, u) != 0 || ::chown(src.c_str(), u, u) != 0) {
         return absl::InternalError(absl::StrCat("chown of the temp dir: ", std::strerror(errno)));
       }
+      for (const std::string& w : written) {
+        if (::chown(w.c_str(), u, u) != 0) {
+          return absl::InternalError(absl::StrCat("chown of the temp dir: ", std::strerror(errno)));
+        }
+      }
       argv.insert(argv.end(), {"--uid", std::to_string(request.compile_uid)});
     } else if (request.compile_uid > 0) {
       // Not root: the temp dir's ACL lets the compile uid work in it (the
@@ -211,7 +238,12 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
       absl::Status granted = fd >= 0 ? GrantUserAll(fd, static_cast<uid_t>(request.compile_uid))
                                      : absl::InternalError(std::strerror(errno));
       if (fd >= 0) ::close(fd);
-      if (granted.ok() && ::chmod(src.c_str(), 0644) == 0) {
+      bool readable = ::chmod(src.c_str(), 0644) == 0;
+      for (const std::string& w : written) {
+        const bool is_dir = std::filesystem::is_directory(w);
+        readable = readable && ::chmod(w.c_str(), is_dir ? 0755 : 0644) == 0;
+      }
+      if (granted.ok() && readable) {
         as = subprocess::CompileIds(request.compile_uid, request.compile_gid);
       } else {
         Logger("gpu")->warn("nvcc runs as opjitd's own uid: the compile uid cannot be granted "
@@ -231,6 +263,9 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
   // Generic PTX of the lowest arch, so GPUs newer than every CUBIN still run it.
   argv.push_back(absl::StrCat("--generate-code=arch=compute_", archs.front().sm, ",code=compute_",
                               archs.front().sm));
+  // The kernel's own files first (quoted includes find them beside the
+  // source anyway; this serves <helper.h> and includes from other dirs).
+  if (!request.files.empty()) argv.push_back("-I" + dir);
   if (!request.kernel_include_dir.empty()) argv.push_back("-I" + request.kernel_include_dir);
   for (const std::string& d : request.extra_include_dirs) argv.push_back("-I" + d);
   argv.insert(argv.end(), request.options.begin(), request.options.end());

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -27,6 +28,11 @@ struct NvccRequest {
   // opjit's kernel headers (custom_aot_extra.h), then extra dirs; each -I.
   std::string kernel_include_dir;
   std::vector<std::string> extra_include_dirs;
+  // Extra files (name, content): headers the source includes, written
+  // beside it in the temporary directory (which is also an -I dir), under
+  // their relative names ("helper.h", "detail/x.h": no "..", no leading
+  // '/', as registry::ValidateSourceFiles requires; checked again here).
+  std::vector<std::pair<std::string, std::string>> files;
   // Where the temporary directory is made. Default: $TMPDIR or /tmp.
   std::string tmp_dir;
   // Wall clock for the nvcc run; then its process group gets SIGKILL.

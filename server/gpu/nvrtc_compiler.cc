@@ -261,8 +261,16 @@ absl::StatusOr<CompileResult> CompileOne(const NvrtcCompiler::Api& api,
                                          const std::vector<std::string>& options,
                                          const std::string& target, bool want_cubin) {
   nvrtcProgram prog = nullptr;
-  nvrtcResult r = api.CreateProgram(&prog, request.source.c_str(), request.file_name.c_str(), 0,
-                                    nullptr, nullptr);
+  std::vector<const char*> header_texts, header_names;
+  for (const auto& [name, content] : request.headers) {
+    header_names.push_back(name.c_str());
+    header_texts.push_back(content.c_str());
+  }
+  nvrtcResult r = api.CreateProgram(
+      &prog, request.source.c_str(), request.file_name.c_str(),
+      static_cast<int>(request.headers.size()),
+      header_texts.empty() ? nullptr : header_texts.data(),
+      header_names.empty() ? nullptr : header_names.data());
   if (r != NVRTC_SUCCESS) return NvrtcError(api, r, "nvrtcCreateProgram", "");
   ProgramGuard guard(&api, prog);
   for (const std::string& e : request.name_expressions) {
@@ -341,6 +349,11 @@ std::string EncodeGpuRequest(const GpuCompileRequest& r) {
   w.Strs(r.options);
   w.Strs(r.name_expressions);
   w.Strs(r.archs);
+  w.U32(static_cast<uint32_t>(r.headers.size()));
+  for (const auto& [name, content] : r.headers) {
+    w.Str(name);
+    w.Str(content);
+  }
   return w.Take();
 }
 
@@ -351,6 +364,12 @@ bool DecodeGpuRequest(std::string_view in, GpuCompileRequest* r) {
   r->options = rd.Strs();
   r->name_expressions = rd.Strs();
   r->archs = rd.Strs();
+  const uint32_t headers = rd.Count(8);
+  for (uint32_t i = 0; i < headers && rd.ok(); ++i) {
+    std::string name = rd.Str();
+    std::string content = rd.Str();
+    r->headers.emplace_back(std::move(name), std::move(content));
+  }
   return rd.done();
 }
 

@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -67,6 +68,10 @@ struct GpuCompileRequest {
   std::vector<std::string> name_expressions;
   // Real archs to compile for; empty: NvrtcOptions::archs.
   std::vector<std::string> archs;
+  // Headers the source includes by these names ("helper.h",
+  // "detail/x.h"), given to nvrtcCreateProgram: in memory, for this compile
+  // only. (name, content).
+  std::vector<std::pair<std::string, std::string>> headers;
 };
 
 struct GpuCompileOutput {

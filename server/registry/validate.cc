@@ -292,7 +292,7 @@ absl::Status CheckSourceFiles(Target target, size_t source_bytes,
       return Invalid(absl::StrCat(fpath, ".name"),
                      absl::StrCat(Q(f.name), " is also files[", it->second, "]; names are unique"));
     }
-    if (target == Target::kGpu && IsTranslationUnit(f.name)) {
+    if (target == Target::kGpu && (IsTranslationUnit(f.name) || absl::EndsWith(f.name, ".cu"))) {
       return Invalid(absl::StrCat(fpath, ".name"),
                      absl::StrCat(Q(f.name),
                                   " is a translation unit; a GPU implementation takes headers "

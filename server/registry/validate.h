@@ -56,8 +56,8 @@
 //     leading '/', backslashes, control characters or NUL, unique; each
 //     content valid UTF-8; the source and every file's content together at
 //     most kMaxSourceBytes. A .c/.cc/.cpp/.cxx file is a translation unit:
-//     compiled and linked with the source for CPU, refused for GPU (headers
-//     only there).
+//     compiled and linked with the source for CPU; refused for GPU, as is
+//     a .cu file (headers only there: .h, .cuh, ...).
 //   - Every entry of libraries is non-empty (the server's allow-list is checked
 //     later, by the compiler).
 //   - attr_names, when non-empty, has no duplicates and equals the set of the

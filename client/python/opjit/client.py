@@ -4,6 +4,7 @@ import atexit
 import ipaddress
 import json
 import os
+import posixpath
 import socket
 import time
 import uuid
@@ -216,6 +217,7 @@ def _load_one(spec, base_dir=None):
             raise InvalidArgument("spec is not a valid opjit.v1.OpDef: %s" % e) from None
     base = base_dir if base_dir is not None else os.getcwd()
     for i, impl in enumerate(op.implementations):
+        _read_extra_files(impl, base, "implementations[%d]" % i)
         # With source given, source_file only names it (for diagnostics).
         if not impl.source_file or impl.source:
             continue
@@ -230,6 +232,51 @@ def _load_one(spec, base_dir=None):
         # The base name stays: the server's diagnostics call the source by it.
         impl.source_file = os.path.basename(path)
     return op
+
+
+def _expand_file_shorthand(spec):
+    """The spec dict with ``"files": ["helper.h"]`` made ``[{"path": "helper.h"}]``."""
+    impls = spec.get("implementations")
+    if not isinstance(impls, list) or not any(
+            isinstance(i, dict) and isinstance(i.get("files"), list) and
+            any(isinstance(f, (str, os.PathLike)) for f in i["files"]) for i in impls):
+        return spec
+    spec = dict(spec)
+    spec["implementations"] = [
+        dict(i, files=[{"path": os.fspath(f)} if isinstance(f, (str, os.PathLike)) else f
+                       for f in i["files"]])
+        if isinstance(i, dict) and isinstance(i.get("files"), list) else i
+        for i in impls]
+    return spec
+
+
+def default_file_name(path):
+    """The name an extra file read from `path` goes by: the path as written, made
+    plain ("./a//b.h" -> "a/b.h"), or its base name when it is absolute or climbs
+    out of the spec's directory with "..". Kernels include it by that name."""
+    p = os.fspath(path).replace(os.sep, "/")
+    norm = posixpath.normpath(p)
+    if posixpath.isabs(norm) or norm == ".." or norm.startswith("../"):
+        return posixpath.basename(norm)
+    return norm
+
+
+def _read_extra_files(impl, base, field):
+    """Reads each extra file given by ``path`` (relative to `base`) into ``content``;
+    the server never opens a path."""
+    for k, f in enumerate(impl.files):
+        if not f.path:
+            continue
+        if not f.name:
+            f.name = default_file_name(f.path)
+        if not f.content:
+            path = f.path if os.path.isabs(f.path) else os.path.join(base, f.path)
+            try:
+                with open(path, "r", encoding="utf-8") as fh:
+                    f.content = fh.read()
+            except OSError:
+                raise NotFound("%s.files[%d].path: cannot read %s" % (field, k, path)) from None
+        f.ClearField("path")
 
 
 class Client:

@@ -162,6 +162,24 @@ def _one_kind(v):
     return len(kinds) <= 1 and "other" not in kinds
 
 
+def _files_json(files):
+    """impl(files=...) as the spec's JSON list of {"path"} / {"name", "content"}."""
+    if isinstance(files, dict):
+        return [{"name": str(n), "content": c} for n, c in files.items()]
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    out = []
+    for f in files:
+        if isinstance(f, (str, os.PathLike)):
+            out.append({"path": os.fspath(f)})
+        elif isinstance(f, dict) and set(f) <= {"name", "content", "path"} and f:
+            out.append({k: (os.fspath(v) if k == "path" else v) for k, v in f.items()})
+        else:
+            raise InvalidArgument("impl: each of files is a path or a dict with name and content "
+                                  "(or path); got %r" % (f,))
+    return out
+
+
 class CustomRegOp:
     """Builder of an op's registration info (MindSpore's CustomRegOp API, plus opjit's extras).
 
@@ -317,8 +335,15 @@ class CustomRegOp:
     # -- opjit extras
 
     def impl(self, source=None, entry=None, language=None, source_file=None, compile_options=(),
-             libraries=(), attr_names=(), target=None):
-        """The implementation for the current target (default CPU)."""
+             libraries=(), attr_names=(), target=None, files=()):
+        """The implementation for the current target (default CPU).
+
+        ``files``: the kernel's extra files (headers it includes; for CPU also
+        .c/.cc/.cpp/.cxx translation units linked with it). Each is a path (read
+        at register time, relative to the spec's base directory, and named by
+        that path: ``#include "detail/x.h"``), a dict ``{"name": ..., "content":
+        ...}`` or ``{"path": ..., "name": ...}``; or give a dict mapping names to
+        contents."""
         t = target or self._target or "CPU"
         if any(i["target"] == t for i in self._impls):
             raise InvalidArgument("one implementation per target: %s has one already" % t)
@@ -337,6 +362,8 @@ class CustomRegOp:
             i["libraries"] = list(libraries)
         if attr_names:
             i["attr_names"] = list(attr_names)
+        if files:
+            i["files"] = _files_json(files)
         self._impls.append(i)
         return self
 
