@@ -160,6 +160,20 @@ test('multi-output op', async () => {
   q.data.forEach((v, i) => assert.ok(Math.abs(v - a[i] / b[i]) < 1e-6));
 });
 
+test('multi-file kernel: files read by path beside the spec', async () => {
+  // kernels/examples/multi_file/poly.json: "files": ["poly_coeffs.h",
+  // {"path": "detail/eval.h"}, "poly_eval.cc"] (headers and a second unit).
+  const reg = await client.registerSpecFile(path.join(EXAMPLES, 'multi_file', 'poly.json'));
+  assert.deepEqual(reg.record.op.implementations[0].files.map((f) => f.name),
+    ['poly_coeffs.h', 'detail/eval.h', 'poly_eval.cc']);
+  const x = Float32Array.of(-2, 0, 0.5, 3);
+  const [y] = await client.forward('poly', [x]);
+  y.data.forEach((v, i) => assert.ok(Math.abs(v - (x[i] * x[i] + 2 * x[i] + 3)) < 1e-5));
+  const { defaultFileName } = require(path.join(NODE_DIR, 'opjit_client.js'));
+  assert.equal(defaultFileName('./detail//x.h'), 'detail/x.h');
+  assert.equal(defaultFileName('../common/x.h'), 'x.h');
+});
+
 test('errors carry the status code and the server message', async () => {
   await assert.rejects(client.describe('no_such_op'), (e) => {
     assert.equal(e.code, 'NOT_FOUND');
