@@ -257,6 +257,50 @@ TEST_F(CompileIT, OneKeyPerSourceAndDiagnosticsNameTheUsersFile) {
   EXPECT_EQ(d->Log().find("return 1\n"), std::string::npos);
 }
 
+TEST_F(CompileIT, MultiFileSpecsThroughTheCliAndTheClient) {
+  // kernels/examples/multi_file/poly.json: "files": ["poly_coeffs.h",
+  // {"path": "detail/eval.h"}, "poly_eval.cc"], read beside the spec.
+  const std::string dir = SourceDir() + "/kernels/examples/multi_file";
+  auto spec = client::LoadOpSpec(dir + "/poly.json");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const auto& impl = spec->implementations(0);
+  ASSERT_EQ(impl.files_size(), 3);
+  EXPECT_EQ(impl.files(0).name(), "poly_coeffs.h");
+  EXPECT_EQ(impl.files(1).name(), "detail/eval.h");
+  EXPECT_EQ(impl.files(2).name(), "poly_eval.cc");
+  for (const auto& f : impl.files()) {
+    EXPECT_FALSE(f.content().empty()) << f.name();
+    EXPECT_TRUE(f.path().empty()) << f.name();  // the server never sees a path
+  }
+  // Inline content, and a path out of the spec's directory (its base name).
+  auto inline_spec = client::ParseOpSpec(
+      R"({"name": "p", "implementations": [{"source": "x", "files": [
+          {"name": "a.h", "content": "//"}, "../multi_file/detail/eval.h",
+          {"path": "poly_coeffs.h", "name": "coeffs/c.h"}]}]})",
+      dir);
+  ASSERT_TRUE(inline_spec.ok()) << inline_spec.status();
+  EXPECT_EQ(inline_spec->implementations(0).files(0).content(), "//");
+  EXPECT_EQ(inline_spec->implementations(0).files(1).name(), "eval.h");
+  EXPECT_EQ(inline_spec->implementations(0).files(2).name(), "coeffs/c.h");
+  auto missing = client::ParseOpSpec(
+      R"({"name": "p", "implementations": [{"source": "x", "files": ["nothere.h"]}]})", dir);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("implementations[0].files[0].path"),
+            std::string::npos)
+      << missing.status();
+
+  // `opjit register spec.json` sends them; the registry keeps name and content.
+  auto d = StartDaemon();
+  auto reg = d->Cli({"register", dir + "/poly.json"});
+  ASSERT_EQ(reg.exit_code, 0) << reg.err << d->Log();
+  auto c = d->NewClient();
+  auto rec = c->Get("", "poly");
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  ASSERT_EQ(rec->op().implementations(0).files_size(), 3);
+  EXPECT_EQ(rec->op().implementations(0).files(1).name(), "detail/eval.h");
+  EXPECT_EQ(rec->op().implementations(0).files(1).content(), impl.files(1).content());
+}
+
 TEST_F(CompileIT, LibrariesMustBeOnTheAllowList) {
   auto d = StartDaemon();
   auto c = d->NewClient();
