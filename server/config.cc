@@ -466,6 +466,9 @@ void AddCompilerKeys(std::vector<KeyRow>& k) {
                   "A compile running longer moves to the long lane, ms."));
   k.push_back(Int("compiler.long_workers", &Cfg::compile_long_workers,
                   "Compiles in the long lane at once.", 0, 1024));
+  k.push_back(Int("compiler.long_timeout_ms", &Cfg::compile_long_timeout_ms,
+                  "In the long lane timeout_ms counts CPU time; this bounds wall time, ms "
+                  "(<= timeout_ms: wall-clock timeout_ms there too).", 1));
   k.push_back(Int("compiler.slow_log_ms", &Cfg::compile_slow_log_ms,
                   "A compile running longer is logged, ms; 0: never.", 0));
   k.push_back(Int("compiler.uid", &Cfg::compile_uid,

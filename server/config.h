@@ -106,6 +106,9 @@ struct DaemonConfig {
   int compile_long_after_ms = 1000;     // a compile running longer moves to the long lane
   int compile_slow_log_ms = 5000;       // a compile running longer is logged (0: never)
   int compile_long_workers = 2;         // compiles in the long lane at once
+  // In the long lane timeout_ms counts the worker's CPU time; this bounds
+  // the wall time (a busy machine slows a compile without stopping it).
+  int compile_long_timeout_ms = 120000;
   // compiler.uid: started as root, the compile workers (and the NVRTC
   // sandboxes) run as this uid and the gid of the same number, keeping only
   // CAP_DAC_READ_SEARCH (to read the include directories, often 0700

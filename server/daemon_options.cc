@@ -160,6 +160,7 @@ compiler::KernelCompilerOptions CompilerOptionsFromConfig(const DaemonConfig& cf
   }
   o.long_after_ms = cfg.compile_long_after_ms;
   o.long_workers = cfg.compile_long_workers;
+  o.long_timeout_ms = cfg.compile_long_timeout_ms;
   o.slow_compile_log_ms = cfg.compile_slow_log_ms;
   return o;
 }

@@ -145,6 +145,7 @@ absl::StatusOr<std::unique_ptr<CompileBackend>> MakeCpuBackend(const KernelCompi
   copts.recycle_memory_bytes = options.recycle_memory_bytes;
   copts.long_after_ms = options.long_after_ms;
   copts.long_workers = options.long_workers;
+  copts.long_timeout_ms = options.long_timeout_ms;
   copts.worker_uid = options.compile_uid;
   copts.worker_gid = options.compile_gid;
   OPJIT_ASSIGN_OR_RETURN(auto cpu, CpuCompiler::Create(copts));

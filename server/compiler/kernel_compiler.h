@@ -194,6 +194,9 @@ struct KernelCompilerOptions {
   // long_after_ms give their slot to others; at most long_workers at once.
   int long_after_ms = 1000;
   int long_workers = 2;
+  // In the long lane timeout_ms counts CPU time, bounded by this wall time
+  // (CpuCompilerOptions::long_timeout_ms).
+  int long_timeout_ms = 120000;
   // A root daemon's compile workers and NVRTC sandboxes run as this uid
   // (and gid), keeping only CAP_DAC_READ_SEARCH ([compiler] uid). <= 0, or
   // a daemon that is not root: the daemon's uid.

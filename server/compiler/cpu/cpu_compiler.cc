@@ -25,12 +25,14 @@
 
 #include "absl/memory/memory.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
+#include "server/common/paths.h"
 #include "server/common/sha256.h"
 #include "server/common/status_macros.h"
 #include "server/common/subprocess.h"
@@ -124,6 +126,29 @@ uint64_t AddressSpaceBytes(pid_t pid) {
   uint64_t pages = 0;
   if (!(in >> pages)) return 0;
   return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// The CPU time (user + system) a process has used, in ms; -1 when unknown.
+int64_t CpuTimeMs(pid_t pid) {
+  const std::string stat = ReadSmallFile(absl::StrCat("/proc/", pid, "/stat"));
+  // The command name (field 2) may hold spaces and parentheses: fields
+  // start after its last ')'. utime and stime are fields 14 and 15.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream in(stat.substr(close + 1));
+  std::string field;
+  uint64_t utime = 0, stime = 0;
+  for (int k = 3; k <= 15 && (in >> field); ++k) {
+    if (k == 14 || k == 15) {
+      uint64_t v = 0;
+      if (!absl::SimpleAtoi(field, &v)) return -1;
+      (k == 14 ? utime : stime) = v;
+    }
+  }
+  if (!in) return -1;
+  const long hz = ::sysconf(_SC_CLK_TCK);
+  if (hz <= 0) return -1;
+  return static_cast<int64_t>((utime + stime) * 1000 / static_cast<uint64_t>(hz));
 }
 
 // Waits until `fd` has something to read or `until` passes; true if readable
@@ -538,6 +563,13 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
       *long_lane = EnterLongLane(&w, file_name);
     }
   }
+  if (s.ok() && *long_lane && !WaitInLongLane(w, file_name, &deadline)) {
+    Reap(worker);
+    MutexLock lock(&mu_);
+    ++stats_.timeouts;
+    return absl::DeadlineExceededError(absl::StrCat(
+        "compile exceeded the ", options_.timeout_ms, " ms limit (CPU time, in the long lane)"));
+  }
   std::string frame;
   if (s.ok()) s = ipc::ReadFrame(w.fd, &frame, deadline);
 
@@ -546,8 +578,11 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
     Reap(worker);
     MutexLock lock(&mu_);
     ++stats_.timeouts;
-    return absl::DeadlineExceededError(
-        absl::StrCat("compile exceeded the ", options_.timeout_ms, " ms limit"));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "compile exceeded the ",
+        *long_lane && options_.long_timeout_ms > options_.timeout_ms ? options_.long_timeout_ms
+                                                                     : options_.timeout_ms,
+        " ms limit", *long_lane ? " (wall time, in the long lane)" : ""));
   }
   if (sent && (absl::IsDataLoss(s) || absl::IsResourceExhausted(s))) {
     // A frame over the channel's limits, cut short or stalled: the worker
@@ -576,6 +611,33 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
     *response_flags = (resp->pch_built ? kPchBuilt : 0) | (resp->pch_stale ? kPchStale : 0);
   }
   return Answer(worker, &*resp, file_name);
+}
+
+bool CpuCompiler::WaitInLongLane(const Worker& w, const std::string& file_name,
+                                 absl::Time* deadline) {
+  // In the long lane timeout_ms counts the worker's CPU time, not the wall
+  // clock: a compile slowed by a busy machine (or by its own nice 10) goes
+  // on while it makes progress, up to long_timeout_ms of wall time.
+  if (options_.long_timeout_ms <= options_.timeout_ms) return true;
+  const absl::Time wall_deadline =
+      *deadline + absl::Milliseconds(options_.long_timeout_ms - options_.timeout_ms);
+  for (;;) {
+    const absl::Time now = absl::Now();
+    if (WaitReadable(w.fd, std::min(wall_deadline, now + absl::Milliseconds(200)))) break;
+    if (absl::Now() >= wall_deadline) break;  // ReadFrame times out at once
+    const int64_t cpu_ms = CpuTimeMs(w.pid);
+    if (cpu_ms < 0) {
+      // Without the CPU clock the wall-clock limit holds, as outside the lane.
+      if (absl::Now() >= *deadline) break;
+      continue;
+    }
+    if (cpu_ms >= options_.timeout_ms) {
+      Logger("compiler")->debug("compile of {} used {} ms of CPU time: killed", file_name, cpu_ms);
+      return false;
+    }
+  }
+  *deadline = wall_deadline;
+  return true;
 }
 
 absl::Status CpuCompiler::WorkerDied(std::unique_ptr<Worker>* worker,

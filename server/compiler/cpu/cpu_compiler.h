@@ -100,6 +100,11 @@ struct CpuCompilerOptions {
   // long compile keeps its slot. long_after_ms = 0 turns the lane off.
   int long_after_ms = 1000;
   int long_workers = 2;
+  // In the long lane, timeout_ms counts the worker's CPU time rather than
+  // the wall clock, so a compile that makes progress on a busy machine is
+  // not killed for the machine's load; long_timeout_ms bounds its wall time.
+  // <= timeout_ms: the wall-clock timeout_ms holds in the lane too.
+  int long_timeout_ms = 120000;
   // A root daemon's workers run as this uid (and gid) once clang is loaded,
   // with CAP_DAC_READ_SEARCH alone (they read the include directories,
   // often 0700 root's, no further than Landlock lets them): the compile
@@ -183,6 +188,11 @@ class CpuCompiler {
   // reaped, counted, and its death explained), and the answer a worker's
   // response gives (a crash or running out of memory reaps it too).
   absl::Status WorkerDied(std::unique_ptr<Worker>* worker, const std::string& file_name);
+  // In the long lane: waits for the worker's answer while its CPU time is
+  // under timeout_ms and the wall clock under long_timeout_ms, then moves
+  // *deadline to the wall-clock bound for the read. False: the CPU time ran
+  // out (the caller kills the worker).
+  bool WaitInLongLane(const Worker& w, const std::string& file_name, absl::Time* deadline);
   absl::StatusOr<CpuCompileOutput> Answer(std::unique_ptr<Worker>* worker,
                                           ipc::WorkerResponse* resp, const std::string& file_name);
   // Kills the worker if it still runs, reaps it and drops it (`*worker`

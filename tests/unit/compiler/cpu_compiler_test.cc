@@ -662,6 +662,54 @@ TEST_F(CpuCompilerTest, LongCompilesMoveAsideForSmallOnes) {
   EXPECT_TRUE(c->Compile(Cxx("int g() { return 2; }\n")).ok());
 }
 
+// In the long lane timeout_ms counts the worker's CPU time: a compile held
+// off the CPU (here: stopped, as a busy machine would starve it) for longer
+// than timeout_ms of wall time still finishes, and long_timeout_ms bounds
+// the wall time of one that never gets the CPU back.
+TEST_F(CpuCompilerTest, TheLongLaneCountsCpuTimeAndBoundsWallTime) {
+  CpuCompilerOptions o = Options(/*pch=*/false);
+  o.num_workers = 1;
+  o.long_workers = 1;
+  o.long_after_ms = 100;
+  o.timeout_ms = 2500;
+  o.long_timeout_ms = 8000;
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Compile(Cxx("int warm() { return 0; }\n")).ok());
+  for (bool resume : {true, false}) {
+    SCOPED_TRACE(resume ? "stopped, then resumed" : "stopped for good");
+    const pid_t pid = OnlyWorkerPid();
+    ASSERT_GT(pid, 0);
+    const uint64_t lane_before = c->GetStats().long_compiles;
+    absl::Status status;
+    const auto t0 = std::chrono::steady_clock::now();
+    std::thread t([&] { status = c->Compile(Cxx(SlowSource(resume ? 4 : 5000))).status(); });
+    for (int i = 0; i < 500 && c->GetStats().long_compiles == lane_before; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_EQ(c->GetStats().long_compiles, lane_before + 1);
+    ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+    if (resume) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(o.timeout_ms + 1000));
+      ASSERT_EQ(::kill(pid, SIGCONT), 0);
+    }
+    t.join();
+    const auto wall_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::steady_clock::now() - t0).count();
+    if (resume) {
+      EXPECT_TRUE(status.ok()) << status;
+      EXPECT_GT(wall_ms, o.timeout_ms) << "the compile outlived timeout_ms of wall time";
+    } else {
+      EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+      EXPECT_TRUE(absl::StrContains(status.message(), "8000 ms limit (wall time, in the long lane)"))
+          << status;
+      EXPECT_GE(wall_ms, o.long_timeout_ms - 100);
+    }
+    // The pool has a worker again for the next round.
+    ASSERT_TRUE(c->Compile(Cxx("int after() { return 0; }\n")).ok());
+  }
+}
+
 TEST_F(CpuCompilerTest, WorkersAreRecycledAfterNCompiles) {
   CpuCompilerOptions o = Options(/*pch=*/false);
   o.num_workers = 1;

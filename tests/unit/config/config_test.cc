@@ -84,10 +84,11 @@ TEST(ConfigTest, CallsPerSecondIsBoundedOnlyOnASharedDaemonUnlessSet) {
 TEST(ConfigTest, CompilerLaneAndRecyclingKeys) {
   const std::string toml = TomlFile(
       "[compiler]\nlong_after_ms = 250\nlong_workers = 1\nrecycle_after = 10\nslow_log_ms = 7000\n"
-      "recycle_memory_mb = 900\nthreads = 0\n");
+      "recycle_memory_mb = 900\nthreads = 0\nlong_timeout_ms = 90000\n");
   auto cfg = Load({"--config", toml});
   ASSERT_TRUE(cfg.ok()) << cfg.status();
   EXPECT_EQ(cfg->compile_long_after_ms, 250);
+  EXPECT_EQ(cfg->compile_long_timeout_ms, 90000);
   EXPECT_EQ(cfg->compile_slow_log_ms, 7000);
   EXPECT_EQ(cfg->compile_long_workers, 1);
   EXPECT_EQ(cfg->compile_recycle_after, 10);
