@@ -52,3 +52,19 @@ extern "C" int SquareGradGrad(int nparam, void** params, int* ndims, int64_t** s
   }
   return 0;
 }
+
+// MindSpore's own square_grad(x, dout) (seed 001): a bprop that takes only
+// the forward input and the output grad, named in the forward's
+// backward.inputs as ["x", "dout"]. params = x, dout, dx (nparam 3).
+extern "C" int SquareGradXDout(int nparam, void** params, int* ndims, int64_t** shapes,
+                               const char** dtypes, void* stream, void* extra) {
+  (void)dtypes, (void)stream, (void)extra;
+  if (nparam != 3 || params[0] == nullptr || params[1] == nullptr) return 1;
+  int64_t n = 1;
+  for (int i = 0; i < ndims[0]; ++i) n *= shapes[0][i];
+  const float* x = static_cast<const float*>(params[0]);
+  const float* dout = static_cast<const float*>(params[1]);
+  float* dx = static_cast<float*>(params[2]);
+  for (int64_t i = 0; i < n; ++i) dx[i] = 2.0f * x[i] * dout[i];
+  return 0;
+}

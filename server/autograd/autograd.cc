@@ -18,6 +18,7 @@
 #include "server/common/status_macros.h"
 #include "server/common/text.h"
 #include "server/common/thread_pool.h"
+#include "server/registry/bprop_args.h"
 #include "server/registry/registry.h"
 #include "server/tensor/tensor_ref.h"
 
@@ -68,6 +69,26 @@ const std::string& BytesOf(const SavedTensor& t) {
 
 // A slot without data: the kernel gets params[i] == nullptr, ndims[i] == 0.
 TensorArg NullArg(const std::string& dtype) { return TensorArg::Null(dtype); }
+
+// Whether a grad the bprop wrote inline carries anything: a value other than
+// zero (for floating dtypes, -0.0 is zero too). A grad written to the
+// caller's shared memory is the caller's to read.
+bool HoldsNonzeroGrad(const exec::OutputResult& out) {
+  const exec::OwnedBytes* owned = out.inline_bytes();
+  if (owned == nullptr) return false;
+  const std::string& b = owned->bytes;
+  size_t width = 0;
+  if (out.desc.dtype == "float16") width = 2;
+  if (out.desc.dtype == "float32") width = 4;
+  if (out.desc.dtype == "float64") width = 8;
+  for (size_t k = 0; k < b.size(); ++k) {
+    // The sign bit is the top bit of the last byte of each little-endian element.
+    const bool sign_byte = width != 0 && k % width == width - 1;
+    const auto byte = static_cast<unsigned char>(b[k]);
+    if ((sign_byte ? (byte & 0x7f) : byte) != 0) return true;
+  }
+  return false;
+}
 
 // An output's inline bytes; none for one in shared memory (gradcheck's
 // calls place none there).
@@ -242,16 +263,20 @@ void Autograd::ForwardAsync(exec::ForwardCall call, std::vector<bool> requires_g
     call.save_inputs.clear();
     call.save_outputs.clear();
   } else {
-    // Save what the bprop reads: save_for_backward, or everything. The rest
+    // Save what the bprop reads: the tensors backward.inputs names (all of
+    // them by default), less those save_for_backward leaves out. The rest
     // come back as null placeholders, which keep the bprop's positions.
+    auto args = registry::ResolveBpropArgs(def);
+    if (!args.ok()) return done(args.status());
     const auto& save = def.backward.save_for_backward;
-    call.save_inputs.resize(def.inputs.size());
-    for (size_t i = 0; i < def.inputs.size(); ++i) {
-      call.save_inputs[i] = save.empty() || Contains(save, def.inputs[i].name);
-    }
-    call.save_outputs.resize(def.outputs.size());
-    for (size_t j = 0; j < def.outputs.size(); ++j) {
-      call.save_outputs[j] = save.empty() || Contains(save, def.outputs[j].name);
+    call.save_inputs.assign(def.inputs.size(), false);
+    call.save_outputs.assign(def.outputs.size(), false);
+    for (const registry::BpropArg& a : *args) {
+      if (a.kind == registry::BpropArg::Kind::kInput) {
+        call.save_inputs[a.index] = save.empty() || Contains(save, def.inputs[a.index].name);
+      } else if (a.kind == registry::BpropArg::Kind::kOutput) {
+        call.save_outputs[a.index] = save.empty() || Contains(save, def.outputs[a.index].name);
+      }
     }
   }
   auto ctx = std::make_shared<Context>();
@@ -313,16 +338,16 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   }
   const registry::OpDef& bdef = (*bprop)->def;
   const size_t n_in = fdef.inputs.size();
-  if (bdef.inputs.size() != n_in + 2 * n_out || bdef.outputs.size() != n_in) {
-    return done(absl::FailedPreconditionError(absl::StrCat(
-        "bprop ", bdef.name, " must take (forward inputs, forward outputs, output grads) = ",
-        n_in + 2 * n_out, " inputs and give one grad per forward input (", n_in,
-        "); it declares ", bdef.inputs.size(), " inputs and ", bdef.outputs.size(), " outputs")));
+  auto args = registry::ResolveBpropArgs(fdef);
+  if (!args.ok()) return done(args.status());
+  if (bdef.inputs.size() != args->size() || bdef.outputs.size() != n_in) {
+    // Registration checks this; a bprop stored before it did is told here.
+    return done(registry::CheckBpropSignature(fdef, bdef));
   }
 
   // Zero buffers for missing grads live as long as the call.
   auto zeros = std::make_shared<std::vector<std::string>>();
-  zeros->reserve(n_out);
+  zeros->reserve(args->size());
   exec::ForwardCall bcall;
   bcall.ns = ctx->ns;
   bcall.principal = call.principal;
@@ -331,45 +356,65 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   bcall.deadline = call.deadline;
   bcall.outputs = call.outputs;
   bcall.keep_output_bytes = call.keep_output_bytes;
-  // MindSpore's positions: every forward tensor keeps its slot; one not
-  // saved is a null placeholder (params[i] == nullptr, ndims[i] == 0, its
-  // dtype). Only an optional input absent in the forward stays absent.
-  for (size_t i = 0; i < n_in; ++i) {
-    std::vector<TensorArg> group;
-    if (i < ctx->inputs.size()) {
-      for (const auto& t : ctx->inputs[i]) group.push_back(ArgOf(t));
-    }
-    bcall.inputs.push_back(std::move(group));
-  }
-  for (size_t j = 0; j < n_out; ++j) {
-    std::vector<TensorArg> group;
-    if (j < ctx->outputs.size()) {
-      group.push_back(ArgOf(ctx->outputs[j]));
-    } else {
-      group.push_back(NullArg(ctx->output_descs[j].dtype));
-    }
-    bcall.inputs.push_back(std::move(group));
-  }
-  for (size_t j = 0; j < n_out; ++j) {
-    std::vector<TensorArg> group;
-    const bool nondiff = Contains(fdef.backward.non_differentiable, fdef.outputs[j].name);
-    const bool given = j < call.grad_outputs.size() && call.grad_outputs[j].has_value();
-    if (given && !nondiff) {
-      const TensorArg& g = *call.grad_outputs[j];
-      if (g.desc.shape != ctx->output_descs[j].shape || g.desc.dtype != ctx->output_descs[j].dtype) {
-        return done(absl::InvalidArgumentError(absl::StrCat(
-            "grad_outputs[", j, "] (", fdef.outputs[j].name, ") is ", exec::DescString(g.desc),
-            " but the output was ", exec::DescString(ctx->output_descs[j]))));
+  // A grad for an input that needs none is not the caller's: it comes back
+  // inline (the placement of one for all outputs is spread per output), so
+  // that it can be looked at and dropped without touching the caller's
+  // shared memory.
+  if (!bcall.outputs.empty() &&
+      std::find(ctx->requires_grad.begin(), ctx->requires_grad.end(), false) !=
+          ctx->requires_grad.end()) {
+    std::vector<exec::OutputPlacement> per(n_in);
+    for (size_t i = 0; i < n_in; ++i) {
+      if (!ctx->requires_grad[i]) continue;  // kInline
+      if (bcall.outputs.size() == 1) {
+        per[i] = bcall.outputs[0];
+      } else if (i < bcall.outputs.size()) {
+        per[i] = bcall.outputs[i];
       }
-      group.push_back(g);
-    } else if (fdef.backward.materialize_grads) {
-      const auto& desc = ctx->output_descs[j];
-      auto n = tensor::ByteSize(desc.dtype, desc.shape);
-      if (!n.ok()) return done(n.status());
-      zeros->emplace_back(*n, '\0');
-      group.push_back(TensorArg::Inline(desc, zeros->back()));
-    } else {
-      group.push_back(NullArg(ctx->output_descs[j].dtype));  // a missing grad, in its slot
+    }
+    bcall.outputs = std::move(per);
+  }
+  // The bprop's inputs in backward.inputs' order (by default MindSpore's
+  // (inputs, outputs, grads)). A forward tensor not saved is a null
+  // placeholder (params[i] == nullptr, ndims[i] == 0, its dtype); only an
+  // optional input absent in the forward stays absent.
+  for (const registry::BpropArg& a : *args) {
+    std::vector<TensorArg> group;
+    const size_t j = a.index;
+    switch (a.kind) {
+      case registry::BpropArg::Kind::kInput:
+        if (j < ctx->inputs.size()) {
+          for (const auto& t : ctx->inputs[j]) group.push_back(ArgOf(t));
+        }
+        break;
+      case registry::BpropArg::Kind::kOutput:
+        group.push_back(j < ctx->outputs.size() ? ArgOf(ctx->outputs[j])
+                                                : NullArg(ctx->output_descs[j].dtype));
+        break;
+      case registry::BpropArg::Kind::kGrad: {
+        const bool nondiff = Contains(fdef.backward.non_differentiable, fdef.outputs[j].name);
+        const bool given = j < call.grad_outputs.size() && call.grad_outputs[j].has_value();
+        if (given && !nondiff) {
+          const TensorArg& g = *call.grad_outputs[j];
+          if (g.desc.shape != ctx->output_descs[j].shape ||
+              g.desc.dtype != ctx->output_descs[j].dtype) {
+            return done(absl::InvalidArgumentError(absl::StrCat(
+                "grad_outputs[", j, "] (", fdef.outputs[j].name, ") is ",
+                exec::DescString(g.desc), " but the output was ",
+                exec::DescString(ctx->output_descs[j]))));
+          }
+          group.push_back(g);
+        } else if (fdef.backward.materialize_grads) {
+          const auto& desc = ctx->output_descs[j];
+          auto n = tensor::ByteSize(desc.dtype, desc.shape);
+          if (!n.ok()) return done(n.status());
+          zeros->emplace_back(*n, '\0');
+          group.push_back(TensorArg::Inline(desc, zeros->back()));
+        } else {
+          group.push_back(NullArg(ctx->output_descs[j].dtype));  // a missing grad, in its slot
+        }
+        break;
+      }
     }
     bcall.inputs.push_back(std::move(group));
   }
@@ -395,9 +440,28 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
     out.kernel_ms = r->forward.kernel_ms;
     out.context_id = r->context_id;
     out.grad_inputs.resize(ctx->requires_grad.size());
+    const registry::OpDef& fdef = ctx->record->def;
     for (size_t i = 0; i < ctx->requires_grad.size(); ++i) {
-      if (!ctx->requires_grad[i] || i >= r->forward.outputs.size()) continue;
+      if (i >= r->forward.outputs.size()) continue;
       if (ctx->input_counts[i] == 0) continue;  // an absent optional input has no grad
+      if (!ctx->requires_grad[i]) {
+        // Dropped, but never without a word when it carried something.
+        if (!HoldsNonzeroGrad(r->forward.outputs[i])) continue;
+        const std::string what = absl::StrCat(
+            "the bprop ", fdef.backward.op, " of ", ctx->ns, "/", fdef.name,
+            " returned a nonzero grad for input ", fdef.inputs[i].name,
+            ", which needs none (requires_grad false, Paddle's stop_gradient)");
+        if (fdef.backward.stop_gradient_grads ==
+            registry::Backward::StopGradientGrads::kError) {
+          return done(WithReason(
+              absl::FailedPreconditionError(absl::StrCat(
+                  what, "; backward.stop_gradient_grads is \"error\": return zeros for it, or "
+                  "set requires_grad on it")),
+              reason::kStopGradientGrad, {{"input", fdef.inputs[i].name}}));
+        }
+        out.warnings.push_back(absl::StrCat(what, "; it was dropped"));
+        continue;
+      }
       out.grad_inputs[i].push_back(std::move(r->forward.outputs[i]));
     }
     out.server_ms = MsSince(t0);

@@ -89,6 +89,9 @@ struct BackwardResult {
   double kernel_ms = 0;
   double server_ms = 0;
   std::string context_id;  // create_graph: a context on the bprop op
+  // One sentence each: e.g. a nonzero grad the bprop returned for an input
+  // that needs none, dropped (backward.stop_gradient_grads = "warn").
+  std::vector<std::string> warnings;
 };
 
 struct GradCheckCall {

@@ -41,6 +41,12 @@ inline constexpr char kWorkerUnavailable[] = "WORKER_UNAVAILABLE";
 // The registry database cannot be reached now; reads are served, writes are not.
 inline constexpr char kStoreUnavailable[] = "STORE_UNAVAILABLE";
 inline constexpr char kNotDifferentiable[] = "NOT_DIFFERENTIABLE";
+// A forward op and the bprop it names disagree on the bprop's inputs,
+// outputs or dtypes (see backward.inputs).
+inline constexpr char kBpropMismatch[] = "BPROP_MISMATCH";
+// A bprop returned a nonzero grad for an input that needs none, and the op
+// says backward.stop_gradient_grads = "error".
+inline constexpr char kStopGradientGrad[] = "STOP_GRADIENT_GRAD";
 }  // namespace reason
 
 // The type URL of opjit's reason payload on absl::Status.

@@ -1,5 +1,6 @@
 #include "server/core/op_service.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -40,6 +41,32 @@ struct Registration {
   }
 };
 
+// An op registered without output_rules whose CPU implementation exports
+// `<entry>InferShape` (MindSpore's aot infer entry) takes every output's
+// shape from it: the resolved rule (kInferShape per output, the dtype from
+// the dtype_formats row) is stored in the definition, so calls do not decide
+// again and the content hash says which rule runs. Without one the rules
+// stay empty (same as input 0, the definition and its hash unchanged) and
+// Registry::Warnings says so. Ops with rules are not touched.
+void ResolveOutputRules(registry::OpDef& def, const std::vector<compiler::CompileJob>& jobs,
+                        const RegisterOutcome& outcome) {
+  if (!def.output_rules.empty() || def.outputs.empty()) return;
+  for (size_t i = 0; i < outcome.compiled.size() && i < jobs.size(); ++i) {
+    const auto& kernel = outcome.compiled[i].second.kernel;
+    const compiler::CpuObject* cpu =
+        kernel != nullptr && kernel->target == registry::Target::kCpu ? kernel->cpu_object()
+                                                                      : nullptr;
+    if (cpu == nullptr || jobs[i].entry.empty()) continue;
+    const std::string infer = jobs[i].entry + "InferShape";
+    if (std::binary_search(cpu->entry_points.begin(), cpu->entry_points.end(), infer)) {
+      registry::OutputRule rule;
+      rule.kind = registry::OutputRule::Kind::kInferShape;
+      def.output_rules.assign(def.outputs.size(), rule);
+      return;
+    }
+  }
+}
+
 }  // namespace
 
 void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, RegisterCallback done,
@@ -53,6 +80,12 @@ void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, Register
       compiler_ != nullptr ? compiler_->Rules() : registry::BuiltinTargetRules();
   if (absl::Status s = registry::ValidateOpDef(def, rules); !s.ok()) {
     log->debug("req={} register {}/{}: {}", request_id, def.ns, def.name, s.ToString());
+    ticket->reset();
+    return done(s);
+  }
+  // A bprop that disagrees with its forward fails before anything compiles
+  // (Register checks again, against the registry as it is then).
+  if (absl::Status s = registry_->CheckBackwardLinks(def); !s.ok()) {
     ticket->reset();
     return done(s);
   }
@@ -72,6 +105,7 @@ void OpService::RegisterAsync(registry::OpDef def, uint64_t request_id, Register
   exec::Executor* executor = executor_;
   // Stores the op once every implementation compiled.
   auto store = [registry, executor, reg, log, rules = &rules]() {
+    ResolveOutputRules(reg->def, reg->jobs, reg->outcome);
     const registry::OpDef& d = reg->def;
     auto result = registry->Register(d, *rules);
     if (!result.ok()) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "server/registry/json_kind.h"
 #include "server/common/sha256.h"
+#include "server/common/text.h"
 #include "server/common/status_macros.h"
 
 namespace opjit::registry {
@@ -264,6 +265,11 @@ std::string ToJson(const OpDef& def) {
   bw["save_for_backward"] = StringsJson(def.backward.save_for_backward);
   bw["non_differentiable"] = StringsJson(def.backward.non_differentiable);
   bw["materialize_grads"] = def.backward.materialize_grads;
+  // Only when set, so the hashes of ops that predate them stay the same.
+  if (!def.backward.inputs.empty()) bw["inputs"] = StringsJson(def.backward.inputs);
+  if (def.backward.stop_gradient_grads == Backward::StopGradientGrads::kError) {
+    bw["stop_gradient_grads"] = "error";
+  }
   j["backward"] = std::move(bw);
   j["doc"] = def.doc;
   return j.dump(-1, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
@@ -377,7 +383,8 @@ absl::StatusOr<OpDef> FromJson(std::string_view text) {
   }));
   if (auto it = j.find("backward"); it != j.end()) {
     OPJIT_RETURN_IF_ERROR(CheckObject(
-        *it, "backward", {"op", "save_for_backward", "non_differentiable", "materialize_grads"}));
+        *it, "backward", {"op", "save_for_backward", "non_differentiable", "materialize_grads",
+                          "inputs", "stop_gradient_grads"}));
     OPJIT_RETURN_IF_ERROR(ReadString(*it, "backward", "op", &def.backward.op));
     OPJIT_RETURN_IF_ERROR(
         ReadStrings(*it, "backward", "save_for_backward", &def.backward.save_for_backward));
@@ -385,6 +392,15 @@ absl::StatusOr<OpDef> FromJson(std::string_view text) {
         ReadStrings(*it, "backward", "non_differentiable", &def.backward.non_differentiable));
     OPJIT_RETURN_IF_ERROR(
         ReadBool(*it, "backward", "materialize_grads", &def.backward.materialize_grads));
+    OPJIT_RETURN_IF_ERROR(ReadStrings(*it, "backward", "inputs", &def.backward.inputs));
+    std::string sgg;
+    OPJIT_RETURN_IF_ERROR(ReadString(*it, "backward", "stop_gradient_grads", &sgg));
+    if (sgg == "error") {
+      def.backward.stop_gradient_grads = Backward::StopGradientGrads::kError;
+    } else if (!sgg.empty() && sgg != "warn") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "backward.stop_gradient_grads: \"", Excerpt(sgg), "\" is not warn or error"));
+    }
   }
   OPJIT_RETURN_IF_ERROR(ReadString(j, "", "doc", &def.doc));
   return def;

@@ -156,6 +156,16 @@ struct Backward {
   // Fill missing output grads with zeros (default) or pass them as null
   // slots (params[i] == nullptr, ndims[i] == 0), keeping every position.
   bool materialize_grads = true;
+  // The bprop op's inputs, in order (MindSpore's bprop(x, out, dout) and its
+  // subsets): forward input names, output names, "grad:NAME", "in:NAME",
+  // "out:NAME", or "out"/"dout" alone (every output / output grad). Empty:
+  // (every input, every output, every output grad). Resolved by
+  // ResolveBpropArgs (bprop_args.h).
+  std::vector<std::string> inputs;
+  // What a nonzero grad returned for an input that needs none does: a
+  // warning in the backward's answer (default), or an error.
+  enum class StopGradientGrads { kWarn, kError };
+  StopGradientGrads stop_gradient_grads = StopGradientGrads::kWarn;
   bool operator==(const Backward&) const = default;
 };
 

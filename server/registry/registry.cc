@@ -10,6 +10,7 @@
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/common/text.h"
+#include "server/registry/bprop_args.h"
 #include "server/registry/canonical.h"
 #include "server/registry/postgres_store.h"
 #include "server/registry/sqlite_store.h"
@@ -134,6 +135,7 @@ absl::StatusOr<Registry::RegisterResult> Registry::Register(OpDef def, const Tar
   const Store::Limits limits{options_.max_ops_per_namespace, options_.max_versions_per_op};
 
   absl::MutexLock wlock(&write_mu_);
+  OPJIT_RETURN_IF_ERROR(CheckBackwardLinks(def));
   OPJIT_ASSIGN_OR_RETURN(Store::InsertResult inserted,
                          store_->RegisterVersion(def, hash, NowUnixMs(), limits));
   if (!inserted.created) {
@@ -354,6 +356,23 @@ void Registry::SyncLoop() {
   }
 }
 
+absl::Status Registry::CheckBackwardLinks(const OpDef& def) const {
+  absl::ReaderMutexLock lock(&mu_);
+  if (!def.backward.op.empty()) {
+    auto it = ops_.find({def.ns, def.backward.op});
+    if (it != ops_.end() && !it->second.versions.empty()) {
+      OPJIT_RETURN_IF_ERROR(CheckBpropSignature(def, it->second.versions.rbegin()->second->def));
+    }
+  }
+  for (auto it = ops_.lower_bound({def.ns, ""}); it != ops_.end() && it->first.first == def.ns;
+       ++it) {
+    if (it->first.second == def.name || it->second.versions.empty()) continue;
+    const OpDef& fwd = it->second.versions.rbegin()->second->def;
+    if (fwd.backward.op == def.name) OPJIT_RETURN_IF_ERROR(CheckBpropSignature(fwd, def));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<std::string> Registry::Warnings(const OpDef& def) const {
   std::vector<std::string> out;
   if (!def.backward.op.empty()) {
@@ -368,6 +387,22 @@ std::vector<std::string> Registry::Warnings(const OpDef& def) const {
                                  "\"; the op is registered, but its backward fails until \"",
                                  def.backward.op, "\" is registered"));
     }
+  }
+  // No rule and no InferShape (OpService stores infer_shape rules for a CPU
+  // kernel that exports one): say which rule is assumed, never a silent guess.
+  if (def.output_rules.empty() && !def.outputs.empty() && !def.inputs.empty()) {
+    std::string why = "no kernel exports <entry>InferShape";
+    for (const Implementation& impl : def.implementations) {
+      if (impl.target == Target::kCpu) {
+        why = absl::StrCat("the CPU kernel exports no \"", impl.entry, "InferShape\"");
+        break;
+      }
+      why = "GPU kernels have no InferShape";
+    }
+    out.push_back(absl::StrCat(
+        "output_rules: none given, and ", why, ", so every output takes the shape of input 0 (\"",
+        def.inputs[0].name, "\") and its dtype from dtype_formats; give output_rules to say so "
+        "(e.g. [{\"kind\": \"same_as\", \"input\": 0}])"));
   }
   return out;
 }

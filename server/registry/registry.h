@@ -96,8 +96,19 @@ class Registry {
   // RESOURCE_EXHAUSTED with reason QUOTA_EXCEEDED. A store error is returned
   // as is (UNAVAILABLE with reason STORE_UNAVAILABLE while the database
   // cannot be reached) and leaves the registry unchanged.
+  //
+  // Before it stores, Register checks the op's links with its bprops
+  // (CheckBackwardLinks).
   absl::StatusOr<RegisterResult> Register(OpDef def,
                                           const TargetRules& rules = BuiltinTargetRules());
+
+  // Checks `def` against the registry as it is now: when its backward.op is
+  // registered, that bprop's inputs, outputs and dtypes against
+  // def.backward.inputs; and for every latest op of def.ns whose backward.op
+  // is def.name, `def` as that op's bprop (CheckBpropSignature).
+  // FAILED_PRECONDITION with reason BPROP_MISMATCH naming both ops. A bprop
+  // that is not registered yet is checked when it is.
+  absl::Status CheckBackwardLinks(const OpDef& def) const;
 
   // Version `version` of (ns, name), or the latest when `version` is 0.
   // NOT_FOUND: `op "default/foo" not found` or
@@ -126,7 +137,10 @@ class Registry {
   // sentence each, computed from the registry as it is now (not stored):
   //   backward.op: "square_grad" is not a registered op in namespace "default"; ...
   // A backward op may be registered after its forward op, so a dangling
-  // backward.op is only a warning; it goes away once that op exists.
+  // backward.op is only a warning; it goes away once that op exists. An op
+  // with no output_rules (and so no InferShape: OpService stores infer_shape
+  // rules when its CPU kernel exports one) is warned that every output takes
+  // the shape of input 0.
   std::vector<std::string> Warnings(const OpDef& def) const;
 
   // Number of ops (not versions) in the registry.

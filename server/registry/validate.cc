@@ -16,6 +16,7 @@
 #include "server/compiler/compile_options.h"
 #include "server/gpu/launch_spec.h"
 #include "server/registry/attr_value.h"
+#include "server/registry/bprop_args.h"
 
 namespace opjit::registry {
 namespace {
@@ -534,6 +535,18 @@ absl::Status CheckBackward(const OpDef& def) {
     }
     if (!seen.insert(n).second) return Invalid(path, absl::StrCat(Q(n), " is listed twice"));
   }
+  if (!b.inputs.empty() && b.op.empty()) {
+    return Invalid("backward.inputs", "is set but backward.op names no bprop op");
+  }
+  // Every input, output and grad at most once each is the longest sensible list.
+  const size_t most = def.inputs.size() + 2 * def.outputs.size();
+  if (b.inputs.size() > most) {
+    return Invalid("backward.inputs", absl::StrCat("has ", b.inputs.size(), " entries; the op's ",
+                                                   def.inputs.size(), " input(s), ",
+                                                   def.outputs.size(), " output(s) and their ",
+                                                   "grads are ", most));
+  }
+  if (auto args = ResolveBpropArgs(def); !args.ok()) return args.status();
   return absl::OkStatus();
 }
 

@@ -185,6 +185,14 @@ absl::StatusOr<registry::OpDef> ConvertOpDef(const v1::OpDef& proto) {
   def.backward.non_differentiable.assign(b.non_differentiable().begin(),
                                          b.non_differentiable().end());
   def.backward.materialize_grads = b.has_materialize_grads() ? b.materialize_grads() : true;
+  def.backward.inputs.assign(b.inputs().begin(), b.inputs().end());
+  if (b.stop_gradient_grads().empty() || b.stop_gradient_grads() == "warn") {
+    def.backward.stop_gradient_grads = registry::Backward::StopGradientGrads::kWarn;
+  } else if (b.stop_gradient_grads() == "error") {
+    def.backward.stop_gradient_grads = registry::Backward::StopGradientGrads::kError;
+  } else {
+    return Unknown("backward.stop_gradient_grads", b.stop_gradient_grads(), "warn or error");
+  }
   return def;
 }
 
@@ -255,6 +263,10 @@ void OpDefToProto(const registry::OpDef& def, v1::OpDef* proto) {
   for (const auto& s : def.backward.save_for_backward) b->add_save_for_backward(s);
   for (const auto& s : def.backward.non_differentiable) b->add_non_differentiable(s);
   b->set_materialize_grads(def.backward.materialize_grads);
+  for (const auto& s : def.backward.inputs) b->add_inputs(s);
+  if (def.backward.stop_gradient_grads == registry::Backward::StopGradientGrads::kError) {
+    b->set_stop_gradient_grads("error");
+  }
 }
 
 void OpRecordToProto(const registry::OpRecord& record, bool with_sources, v1::OpRecord* proto) {

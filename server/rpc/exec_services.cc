@@ -398,6 +398,7 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
         resp->set_kernel_ms(r->kernel_ms);
         resp->set_server_ms(r->server_ms);
         resp->set_context_id(r->context_id);
+        for (const auto& w : r->warnings) resp->add_warnings(w);
         reactor->Finish(grpc::Status::OK);
       });
   return reactor;

@@ -258,7 +258,7 @@ void GrpcServer::StopAccepting() {
 
 void GrpcServer::SetServing(bool serving) {
   if (server_ == nullptr) return;
-  std::lock_guard<std::mutex> lock(health_mu_);
+  MutexLock lock(&health_mu_);
   serving_ = serving;
   // gRPC's SetServingStatus(bool) sets every service it knows, ours too:
   // put those back.
@@ -270,7 +270,7 @@ void GrpcServer::SetServing(bool serving) {
 
 void GrpcServer::SetServiceServing(const std::string& service, bool serving) {
   if (server_ == nullptr) return;
-  std::lock_guard<std::mutex> lock(health_mu_);
+  MutexLock lock(&health_mu_);
   service_serving_[service] = serving;
   server_->GetHealthCheckService()->SetServingStatus(service, serving_ && serving);
 }

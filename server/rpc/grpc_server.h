@@ -8,12 +8,12 @@
 #include <chrono>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/common/mutex.h"
 #include "server/rpc/services.h"
 
 namespace grpc {
@@ -90,9 +90,9 @@ class GrpcServer {
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
   // What SetServing and SetServiceServing were told last.
-  std::mutex health_mu_;
-  bool serving_ = true;
-  std::map<std::string, bool> service_serving_;
+  Mutex health_mu_;
+  bool serving_ ABSL_GUARDED_BY(health_mu_) = true;
+  std::map<std::string, bool> service_serving_ ABSL_GUARDED_BY(health_mu_);
 
   void AcceptLoop();
   void StopAccepting();

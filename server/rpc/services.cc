@@ -231,7 +231,7 @@ grpc::ServerUnaryReactor* CompilerService::ClearCache(grpc::CallbackServerContex
 }
 
 void ServerService::SetBound(std::vector<std::string> bound) {
-  std::lock_guard<std::mutex> lock(bound_mu_);
+  MutexLock lock(&bound_mu_);
   bound_ = std::move(bound);
 }
 
@@ -328,7 +328,7 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
   gpu->set_reason(facts_.gpu_reason);
   for (const auto& d : facts_.gpu_devices) gpu->add_devices(d);
   {
-    std::lock_guard<std::mutex> lock(bound_mu_);
+    MutexLock lock(&bound_mu_);
     for (const auto& l : bound_.empty() ? facts_.listen : bound_) resp->add_listen(l);
   }
   resp->set_daemon_uid(static_cast<uint32_t>(::geteuid()));  // for RegisterRegion's ACL

@@ -11,7 +11,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -20,6 +19,7 @@
 #include "opjit/v1/memory.grpc.pb.h"
 #include "opjit/v1/registry.grpc.pb.h"
 #include "opjit/v1/server.grpc.pb.h"
+#include "server/common/mutex.h"
 #include "server/core/call_service.h"
 #include "server/core/compile_service.h"
 #include "server/core/op_service.h"
@@ -192,8 +192,8 @@ class ServerService final : public v1::Server::CallbackService {
  private:
   CoreRefs core_;
   const ServerFacts facts_;
-  std::mutex bound_mu_;
-  std::vector<std::string> bound_;  // empty until SetBound: facts_.listen
+  Mutex bound_mu_;
+  std::vector<std::string> bound_ ABSL_GUARDED_BY(bound_mu_);  // empty until SetBound: facts_.listen
   const std::chrono::steady_clock::time_point started_;
 };
 

@@ -1,7 +1,10 @@
 #include "server/runner/aot_extra_impl.h"
 
+#include <string_view>
 #include <utility>
+#include <variant>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -21,6 +24,29 @@ std::vector<std::vector<To>> ConvertNested(const std::vector<std::vector<From>>&
   out.reserve(from.size());
   for (const auto& row : from) out.push_back(ConvertList<To>(row));
   return out;
+}
+
+// MindSpore's conversions (issue 29): a float that is a whole number in
+// int64_t's range reads as an integer (reduce.cc declares reduce_axis
+// "float" and reads it as int64_t); a bool reads as 0 or 1.
+bool WholeNumber(double d, int64_t* out) {
+  // [-2^63, 2^63): the doubles that convert to int64_t exactly when whole.
+  if (!(d >= -9223372036854775808.0 && d < 9223372036854775808.0)) return false;
+  const auto i = static_cast<int64_t>(d);
+  if (static_cast<double>(i) != d) return false;
+  *out = i;
+  return true;
+}
+
+bool WholeNumbers(const std::vector<double>& in, std::vector<int64_t>* out) {
+  out->clear();
+  out->reserve(in.size());
+  for (double d : in) {
+    int64_t i;
+    if (!WholeNumber(d, &i)) return false;
+    out->push_back(i);
+  }
+  return true;
 }
 
 }  // namespace
@@ -60,8 +86,13 @@ const AttrValue* AotExtraImpl::Lookup(const std::string& name, const char* as) c
 void AotExtraImpl::RecordMismatch(const std::string& name, const char* as,
                                   const AttrValue& v) const {
   MutexLock lock(&mu_);
-  errors_.push_back(
-      absl::StrCat("kernel read attr '", name, "' as ", as, " but it is ", AttrValueTypeName(v)));
+  const bool floats = std::holds_alternative<double>(v) ||
+                      std::holds_alternative<std::vector<double>>(v) ||
+                      std::holds_alternative<std::vector<std::vector<double>>>(v);
+  const bool as_int = absl::StrContains(as, "int64_t") || std::string_view(as) == "int";
+  errors_.push_back(absl::StrCat(
+      "kernel read attr '", name, "' as ", as, " but it is ", AttrValueTypeName(v),
+      floats && as_int ? " (a float reads as an integer only when it is a whole number)" : ""));
 }
 
 bool AotExtraImpl::HasAttrImpl(const std::string& name) const { return attrs_.count(name) != 0; }
@@ -71,6 +102,9 @@ bool AotExtraImpl::GetAttrBool(const std::string& name) const {
   const AttrValue* v = Lookup(name, as);
   if (v == nullptr) return false;
   if (const auto* b = std::get_if<bool>(v)) return *b;
+  if (const auto* i = std::get_if<int64_t>(v); i != nullptr && (*i == 0 || *i == 1)) {
+    return *i == 1;
+  }
   RecordMismatch(name, as, *v);
   return false;
 }
@@ -80,6 +114,11 @@ int64_t AotExtraImpl::GetAttrInt(const std::string& name) const {
   const AttrValue* v = Lookup(name, as);
   if (v == nullptr) return 0;
   if (const auto* i = std::get_if<int64_t>(v)) return *i;
+  if (const auto* b = std::get_if<bool>(v)) return *b ? 1 : 0;
+  if (const auto* d = std::get_if<double>(v)) {
+    int64_t whole;
+    if (WholeNumber(*d, &whole)) return whole;
+  }
   RecordMismatch(name, as, *v);
   return 0;
 }
@@ -118,6 +157,10 @@ std::vector<int64_t> AotExtraImpl::GetAttrListInt(const std::string& name) const
   const AttrValue* v = Lookup(name, as);
   if (v == nullptr) return {};
   if (const auto* l = std::get_if<std::vector<int64_t>>(v)) return *l;
+  if (const auto* l = std::get_if<std::vector<double>>(v)) {
+    std::vector<int64_t> whole;
+    if (WholeNumbers(*l, &whole)) return whole;
+  }
   RecordMismatch(name, as, *v);
   return {};
 }
@@ -155,6 +198,12 @@ std::vector<std::vector<int64_t>> AotExtraImpl::GetAttrListListInt(const std::st
   const AttrValue* v = Lookup(name, as);
   if (v == nullptr) return {};
   if (const auto* l = std::get_if<std::vector<std::vector<int64_t>>>(v)) return *l;
+  if (const auto* l = std::get_if<std::vector<std::vector<double>>>(v)) {
+    std::vector<std::vector<int64_t>> whole(l->size());
+    bool ok = true;
+    for (size_t r = 0; r < l->size() && ok; ++r) ok = WholeNumbers((*l)[r], &whole[r]);
+    if (ok) return whole;
+  }
   RecordMismatch(name, as, *v);
   return {};
 }

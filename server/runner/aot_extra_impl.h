@@ -18,11 +18,14 @@ namespace opjit::runner {
 // returns a zero value, records the error, and the caller turns the recorded
 // errors into INVALID_ARGUMENT after the kernel returns (TakeStatus).
 //
-// Conversions: int64 -> int64_t/int (and, widening, to float/double); double
-// -> float/double; listFloat -> std::vector<float>; listInt ->
-// std::vector<int64_t> (and to std::vector<float>); listListInt/listListFloat
-// -> the nested vectors; bool, str, listBool, listStr as themselves. A float
-// attribute is never read as an integer.
+// Conversions (MindSpore's, issue 29): int64 -> int64_t/int (and to
+// float/double); double -> float/double, and to int64_t/int when it is a
+// whole number in range (lossless; 0.5 is an error); bool -> bool, and to
+// int64_t/int as 0 or 1; int64 0 or 1 -> bool; listFloat ->
+// std::vector<float>, and to std::vector<int64_t> when every element is
+// whole; listInt -> std::vector<int64_t> (and to std::vector<float>);
+// listListInt/listListFloat -> the nested vectors, the same way; str,
+// listBool, listStr as themselves.
 //
 // Thread-safe: the getters may run on many threads; errors are collected under
 // a mutex, so with concurrent calls an error may be reported by a call other

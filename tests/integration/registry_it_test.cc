@@ -206,6 +206,8 @@ TEST_F(RegistryIT, DanglingBackwardOpIsAWarning) {
       "registered, but its backward fails until \"fwd_grad\" is registered";
   v1::OpDef fwd = SimpleOp("fwd");
   fwd.mutable_backward()->set_op("fwd_grad");
+  fwd.mutable_backward()->add_inputs("dout");  // fwd_grad(dy) -> dx: SimpleOp's shape
+  fwd.add_output_rules()->set_kind("same_as");  // a rule: no output_rules warning
   auto r = c->Register(fwd);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->created());
@@ -221,7 +223,9 @@ TEST_F(RegistryIT, DanglingBackwardOpIsAWarning) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].warnings_size(), 1);
 
-  auto g = c->Register(SimpleOp("fwd_grad"));
+  v1::OpDef grad = SimpleOp("fwd_grad");
+  grad.add_output_rules()->set_kind("same_as");
+  auto g = c->Register(grad);
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->warnings_size(), 0);
   EXPECT_EQ(c->Get("", "fwd")->warnings_size(), 0);

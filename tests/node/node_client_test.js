@@ -276,13 +276,15 @@ test('registration warnings are returned and passed to onWarning', async () => {
   const seen = [];
   const c = new Client(plain.unix, { onWarning: (text) => seen.push(text) });
   try {
-    const r = await c.registerOp(spec('dangling', '* 2.0f', '', { backward: { op: 'no_such_grad_op' } }));
+    const r = await c.registerOp(spec('dangling', '* 2.0f', '', {
+      backward: { op: 'no_such_grad_op' }, output_rules: [{ kind: 'same_as' }],
+    }));
     assert.equal(r.warnings.length, 1, JSON.stringify(r.warnings));
     assert.match(r.warnings[0], /backward\.op/);
     assert.deepEqual(seen, [`register default/dangling: ${r.warnings[0]}`]);
     const rec = await c.describe('dangling');
     assert.deepEqual(rec.warnings, r.warnings);
-    const clean = await c.registerOp(spec('clean', '* 2.0f'));
+    const clean = await c.registerOp(spec('clean', '* 2.0f', '', { output_rules: [{ kind: 'same_as' }] }));
     assert.deepEqual(clean.warnings, []);
     assert.equal(seen.length, 1);
   } finally {
@@ -652,7 +654,9 @@ test.describe('several addresses (two live daemons, dead addresses)', () => {
       };
       process.on('warning', on);
     });
-    const r = await c.registerOp(spec('dangling_list', '* 2.0f', '', { backward: { op: 'no_such_grad_op' } }));
+    const r = await c.registerOp(spec('dangling_list', '* 2.0f', '', {
+      backward: { op: 'no_such_grad_op' }, output_rules: [{ kind: 'same_as' }],
+    }));
     assert.equal(r.warnings.length, 1, JSON.stringify(r.warnings));
     assert.match(r.warnings[0], /backward\.op/);
     const w = await emitted;

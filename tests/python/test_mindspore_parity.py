@@ -310,7 +310,9 @@ def test_target_and_param_type_messages_are_the_servers(client):
 # --- a dangling backward.op ------------------------------------------------------------------
 
 def test_dangling_backward_op_is_a_warning_until_it_is_registered(client):
-    fwd = scale_bias("ms_fwd", value=2.0).dtype_format(F32, F32, F32).bprop("ms_fwd_grad")
+    # Output rules given: registering without one is a warning of its own (issue 29).
+    fwd = (scale_bias("ms_fwd", value=2.0).dtype_format(F32, F32, F32).output_rule()
+           .bprop("ms_fwd_grad"))
     want = ('backward.op: "ms_fwd_grad" is not a registered op in namespace "default"; the op '
             'is registered, but its backward fails until "ms_fwd_grad" is registered')
     with pytest.warns(OpjitWarning) as caught:
@@ -325,6 +327,7 @@ def test_dangling_backward_op_is_a_warning_until_it_is_registered(client):
     # Registering the backward op clears it (nothing stored: it is computed when served).
     grad = (CustomRegOp("ms_fwd_grad").input(0, "x").input(1, "b", "optional")
             .input(2, "y").input(3, "dy").output(0, "dx").output(1, "db")
+            .output_rule().output_rule(input=1)
             .dtype_format(F32, F32, F32, F32, F32, F32).target("CPU")
             .impl(source=NOP, entry="K"))
     with warnings.catch_warnings():

@@ -13,7 +13,7 @@ gradcheck/gradgradcheck), DLPack and errors.
 from opjit.errors import (OpjitError, InvalidArgument, NotFound, AlreadyExists, PermissionDenied,
                           FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded,
                           Unimplemented, Internal, Cancelled, Aborted, OutOfRange, DataLoss,
-                          Unauthenticated, Unknown)
+                          Unauthenticated, Unknown, OpjitWarning, StopGradientGradWarning)
 from opjit.client import Client, ShmUnavailableError, default_address, load_spec
 from opjit.regop import CustomRegOp, DataType
 from opjit.autograd import (Tensor, tensor, Function, FunctionCtx, no_grad, enable_grad,
@@ -36,5 +36,6 @@ __all__ = [
     "default_address", "DTYPES", "OpjitError", "InvalidArgument", "NotFound", "AlreadyExists",
     "PermissionDenied", "FailedPrecondition", "ResourceExhausted", "Unavailable",
     "DeadlineExceeded", "Unimplemented", "Internal", "Cancelled", "Aborted", "OutOfRange",
-    "DataLoss", "Unauthenticated", "Unknown", "ShmUnavailableError",
+    "DataLoss", "Unauthenticated", "Unknown", "ShmUnavailableError", "OpjitWarning",
+    "StopGradientGradWarning",
 ]

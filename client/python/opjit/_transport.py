@@ -682,6 +682,7 @@ class Transport:
                     out.append(flat[k:k + len(arg.tensors)])
                     k += len(arg.tensors)
                 out.context_id = resp.context_id
+                out.warnings = list(resp.warnings)
                 return out
             except ShmUnavailable as e:
                 if e.permanent:
@@ -737,6 +738,7 @@ class BackwardGrads(list):
     the context kept on the bprop op when create_graph was asked ("" otherwise)."""
 
     context_id = ""
+    warnings = ()  # BackwardResponse.warnings: issued by the caller as OpjitWarnings
 
 
 class _NoChannelType:

@@ -26,7 +26,7 @@ import threading
 import numpy as np
 
 from opjit import _tensors as T
-from opjit.errors import FailedPrecondition, InvalidArgument
+from opjit.errors import FailedPrecondition, InvalidArgument, StopGradientGradWarning
 
 __all__ = ["Tensor", "tensor", "no_grad", "enable_grad", "is_grad_enabled", "Function",
            "FunctionCtx", "PyLayer", "PyLayerContext", "grad"]
@@ -448,7 +448,9 @@ class FunctionNode(Node):
             raise InvalidArgument("%s.backward returned %d gradient(s); forward had %d tensor "
                                   "input(s)" % (self.cls.__name__, len(result), n_in))
         out = []
-        for t, g in zip(self.inputs, result):
+        for k, (t, g) in enumerate(zip(self.inputs, result)):
+            if g is not None and not t.requires_grad:
+                _stop_gradient_grad(self.cls, k, g)
             if g is None or not t.requires_grad:
                 out.append(None)
             else:
@@ -456,6 +458,26 @@ class FunctionNode(Node):
         if not retain_graph:
             self.ctx._saved = None
         return out
+
+
+def _stop_gradient_grad(cls, k, g):
+    """A gradient backward returned for input k, which needs none: dropped,
+    and said so unless it is all zeros (cls.stop_gradient_grads: "warn",
+    "error" or "ignore")."""
+    policy = getattr(cls, "stop_gradient_grads", "warn")
+    if policy == "ignore":
+        return
+    data = g.data if isinstance(g, Tensor) else np.asarray(g)
+    if not np.any(data):
+        return
+    what = ("%s.backward returned a nonzero gradient for input %d, which needs none "
+            "(requires_grad=False, Paddle's stop_gradient=True)" % (cls.__name__, k))
+    if policy == "error":
+        raise InvalidArgument(what + "; return None for it (stop_gradient_grads = 'error')",
+                              reason="STOP_GRADIENT_GRAD", metadata={"input": str(k)})
+    import warnings
+    warnings.warn(what + "; it was dropped (set stop_gradient_grads = 'ignore' or 'error' on "
+                  "the class to change that)", StopGradientGradWarning, stacklevel=4)
 
 
 class Function:
@@ -467,8 +489,12 @@ class Function:
     tensor output of forward and returns one per tensor input of forward
     (None allowed). Inputs that need no gradient get None whatever backward
     returns, and when no input needs one, no node is recorded and backward
-    never runs.
+    never runs. A nonzero gradient returned for an input that needs none is
+    dropped with a StopGradientGradWarning; set the class attribute
+    ``stop_gradient_grads`` to "error" to raise instead, or "ignore".
     """
+
+    stop_gradient_grads = "warn"
 
     @staticmethod
     def forward(ctx, *args, **kwargs):

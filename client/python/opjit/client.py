@@ -32,8 +32,7 @@ __all__ = ["Client", "ShmUnavailableError", "default_address", "normalize_addres
 _MAX_MESSAGE = 1 << 30
 
 
-class OpjitWarning(UserWarning):
-    """A problem the server reported without failing the call (RegisterOpResponse.warnings)."""
+from opjit.errors import OpjitWarning, StopGradientGradWarning  # noqa: E402,F401  (re-exported)
 
 
 def default_address():
@@ -210,6 +209,7 @@ def _load_one(spec, base_dir=None):
         if not isinstance(spec, dict):
             raise InvalidArgument("a spec is a dict, a JSON file path, a CustomRegOp or an OpDef; "
                                   "got %s" % type(spec).__name__)
+        spec = _expand_file_shorthand(spec)
         op = op_pb2.OpDef()
         try:
             json_format.ParseDict(spec, op, ignore_unknown_fields=False)

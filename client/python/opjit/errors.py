@@ -212,3 +212,13 @@ def error_from_rpc(err):
     reason, metadata, diagnostics, omitted = _rich_details(err)
     return error_from_status(code, message, reason=reason, metadata=metadata,
                              diagnostics=diagnostics, details=err, omitted_diagnostics=omitted)
+
+
+class OpjitWarning(UserWarning):
+    """A problem the server (or the client) reported without failing the call:
+    RegisterOpResponse.warnings, BackwardResponse.warnings."""
+
+
+class StopGradientGradWarning(OpjitWarning):
+    """A backward returned a nonzero gradient for an input that needs none
+    (``stop_gradient`` / ``requires_grad=False``); the gradient was dropped."""

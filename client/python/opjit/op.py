@@ -1,6 +1,7 @@
 """Calling registered ops: Op (forward), OpNode (server-side backward), gradcheck."""
 
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -8,7 +9,7 @@ import numpy as np
 from opjit import _tensors as T
 from opjit._proto import exec_pb2
 from opjit.autograd import Node, Tensor, is_grad_enabled
-from opjit.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from opjit.errors import FailedPrecondition, InvalidArgument, OpjitWarning, Unimplemented
 
 __all__ = ["Op", "OpArgumentError", "gradcheck", "GradCheckResult", "GradCheckInput", "split_name"]
 
@@ -25,6 +26,34 @@ def split_name(name, namespace):
 
 def _align(n):
     return (n + 63) & ~63
+
+
+def bprop_args(opdef):
+    """The bprop's inputs of an op definition (v1.OpDef), as the server
+    resolves backward.inputs: a list of ("in" | "out" | "grad", index).
+    Empty backward.inputs: (every input, every output, every output grad)."""
+    ins = [p.name for p in opdef.inputs]
+    outs = [p.name for p in opdef.outputs]
+    entries = list(opdef.backward.inputs)
+    if not entries:
+        return ([("in", i) for i in range(len(ins))] + [("out", j) for j in range(len(outs))] +
+                [("grad", j) for j in range(len(outs))])
+    args = []
+    for e in entries:
+        if e in ins:
+            args.append(("in", ins.index(e)))
+        elif e in outs:
+            args.append(("out", outs.index(e)))
+        elif e in ("out", "dout"):
+            args.extend((("out" if e == "out" else "grad"), j) for j in range(len(outs)))
+        elif e.startswith("in:") and e[3:] in ins:
+            args.append(("in", ins.index(e[3:])))
+        elif e.split(":", 1)[0] in ("out", "grad", "dout") and e.split(":", 1)[-1] in outs:
+            kind = "out" if e.startswith("out:") else "grad"
+            args.append((kind, outs.index(e.split(":", 1)[1])))
+        else:
+            raise InvalidArgument("backward.inputs: %r names no tensor of op %s" % (e, opdef.name))
+    return args
 
 
 class OpArgumentError(InvalidArgument, TypeError):
@@ -245,6 +274,7 @@ class OpNode(Node):
         self.namespace = namespace
         self.context_id = context_id
         self.bprop = opdef.backward.op if opdef is not None else ""
+        self.opdef = opdef
         self.version = version
         self.non_diff = set()  # indices of outputs without a gradient
         self._finalizer = None
@@ -284,6 +314,9 @@ class OpNode(Node):
                                               create_graph=bool(create_graph))
         if not retain_graph and self._finalizer is not None:
             self._finalizer.detach()  # the server dropped the context
+        for w in getattr(per_input, "warnings", ()):
+            warnings.warn("backward of %s: %s" % (self.op.qualified_name, w), OpjitWarning,
+                          stacklevel=3)
         bprop_ctx = getattr(per_input, "context_id", "") if create_graph else ""
         if bprop_ctx:
             per_input = self._bprop_node(bprop_ctx, per_input, grad_tensors)
@@ -303,10 +336,11 @@ class OpNode(Node):
         """create_graph: the grads as Tensors made by the bprop op's call,
         recorded as an OpNode on the context the server kept for it.
 
-        The bprop op took (forward inputs, forward outputs, output grads), so
-        those are its node's inputs: the forward inputs as they are, each
-        differentiable output as a stand-in Tensor routed to this node (its
-        data is not kept here), the output grads as they reached this node.
+        The bprop op took the forward inputs, outputs and output grads that
+        backward.inputs names (by default all of them, in that order), so those
+        are its node's inputs: a forward input as it is, a differentiable
+        output as a stand-in Tensor routed to this node (its data is not kept
+        here), an output grad as it reached this node.
         """
         n_out = len(self.out_meta)
         outputs = []
@@ -319,9 +353,13 @@ class OpNode(Node):
             outputs.append(y)
         gslots = [g if isinstance(g, Tensor) else None for g in grad_tensors[:n_out]]
         gslots += [None] * (n_out - len(gslots))
-        inputs = list(self.inputs) + outputs + gslots
-        if not self.bprop:  # a bprop's own node: ask for its backward (third order)
-            self.bprop = self.op.definition().op.backward.op
+        if self.opdef is None:  # a bprop's own node: ask for its backward (third order)
+            self.opdef = self.op.definition().op
+            self.bprop = self.opdef.backward.op
+        inputs = []
+        for kind, k in bprop_args(self.opdef):
+            inputs.append(self.inputs[k] if kind == "in" else outputs[k] if kind == "out"
+                          else gslots[k])
         cache = self.op.__dict__.setdefault("_bprop_ops", {})
         bprop_op = cache.get(self.bprop)
         if bprop_op is None:
@@ -332,9 +370,9 @@ class OpNode(Node):
         if declared != len(inputs):
             # Its grads would land on the wrong tensors: say so instead.
             raise Unimplemented(
-                "create_graph through op %s: its bprop %s declares %d inputs, but this client "
-                "maps a bprop's inputs as (forward inputs, forward outputs, output grads) = %d"
-                % (self.op.qualified_name, self.bprop, declared, len(inputs)))
+                "create_graph through op %s: its bprop %s declares %d inputs, but "
+                "backward.inputs maps %d" % (self.op.qualified_name, self.bprop, declared,
+                                             len(inputs)))
         metas = []
         for i, slot in enumerate(self.inputs):
             got = per_input[i] if i < len(per_input) else []

@@ -54,6 +54,7 @@ MindSpore parity (what MindSpore's CustomRegOp accepts, and what it means here):
 
 import copy
 import json
+import os
 import warnings
 
 from opjit import _tensors as T
@@ -389,11 +390,23 @@ class CustomRegOp:
         self._rules.append(r)
         return self
 
-    def bprop(self, op, save_for_backward=(), non_differentiable=(), materialize_grads=None):
-        """The backward: another registered op taking (inputs..., outputs..., output grads...)
-        and returning one gradient per input. It may be registered later: registering
-        before it exists succeeds with a warning."""
+    def bprop(self, op, save_for_backward=(), non_differentiable=(), materialize_grads=None,
+              inputs=None, stop_gradient_grads=None):
+        """The backward: another registered op returning one gradient per input.
+
+        By default it takes (inputs..., outputs..., output grads...), MindSpore's
+        ``bprop(x, out, dout)``; ``inputs`` names the ones it takes, in order, e.g.
+        ``["x", "dout"]`` for ``square_grad(x, dout)`` (an input or output name,
+        "grad:NAME" for an output's grad, "out"/"dout" for all outputs / grads).
+        ``stop_gradient_grads``: "warn" (default) or "error" when it returns a
+        nonzero grad for an input that needs none. It may be registered later:
+        registering before it exists succeeds with a warning, and the two are
+        checked against each other when both are registered."""
         b = {"op": op}
+        if inputs is not None:
+            b["inputs"] = list(inputs)
+        if stop_gradient_grads is not None:
+            b["stop_gradient_grads"] = str(stop_gradient_grads)
         if save_for_backward:
             b["save_for_backward"] = list(save_for_backward)
         if non_differentiable:

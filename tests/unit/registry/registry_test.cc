@@ -209,6 +209,8 @@ TEST_F(RegistryTest, PersistsAcrossReopen) {
 TEST_F(RegistryTest, DanglingBackwardOpIsAWarning) {
   OpDef fwd = ValidDef("square");
   fwd.backward.op = "square_grad";
+  fwd.backward.inputs = {"dout"};  // ValidDef's one input and output: square_grad(dout) -> dx
+  fwd.output_rules.push_back({});  // a rule: no output_rules warning
   auto r = reg_->Register(fwd);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->created);
@@ -227,8 +229,14 @@ TEST_F(RegistryTest, DanglingBackwardOpIsAWarning) {
   // Deleting the backward op brings the warning back.
   ASSERT_TRUE(reg_->Delete("default", "square_grad", 0).ok());
   EXPECT_EQ(reg_->Warnings(fwd).size(), 1u);
-  // No backward: nothing to warn about.
-  EXPECT_TRUE(reg_->Warnings(ValidDef("plain")).empty());
+  // No backward and a rule: nothing to warn about.
+  OpDef plain = ValidDef("plain");
+  plain.output_rules.push_back({});
+  EXPECT_TRUE(reg_->Warnings(plain).empty());
+  // No rule: the rule assumed is said (issue 29).
+  EXPECT_THAT(reg_->Warnings(ValidDef("plain")),
+              ::testing::ElementsAre(::testing::StartsWith(
+                  "output_rules: none given, and the CPU kernel exports no \"")));
 }
 
 TEST_F(RegistryTest, QuotasOnOpsAndVersions) {
