@@ -352,3 +352,75 @@ def test_none_output_takes_the_rule_dtype(client):
     out = client.op("msr_none_rule")(a, b)
     assert out.dtype == np.float64
     np.testing.assert_allclose(out, a + b)
+
+
+# --- reduce.cc: an attr declared "float" read as int64_t, InferShape without a rule ---------
+# MindSpore's reduce_cpu_info declares reduce_axis "float" and keep_dim "bool"; its
+# kernel reads reduce_axis as int64_t (a whole float converts, as in MindSpore) and
+# exports CustomReduceInferShape, which decides the shape since no output rule is given
+# (MindSpore's out_shape=None). The kernel is written for this test in the same ABI.
+CUSTOM_REDUCE = r"""
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include "custom_aot_extra.h"
+
+extern "C" std::vector<int64_t> CustomReduceInferShape(int* ndims, int64_t** shapes,
+                                                       AotExtra* extra) {
+  const int64_t axis = extra->Attr<int64_t>("reduce_axis");
+  const bool keep_dim = extra->Attr<bool>("keep_dim");
+  std::vector<int64_t> out;
+  for (int d = 0; d < ndims[0]; ++d) {
+    if (d != axis) out.push_back(shapes[0][d]);
+    else if (keep_dim) out.push_back(1);
+  }
+  return out;
+}
+
+extern "C" int CustomReduce(int nparam, void** params, int* ndims, int64_t** shapes,
+                            const char** dtypes, void* stream, void* extra_ptr) {
+  (void)stream;
+  AotExtra* extra = static_cast<AotExtra*>(extra_ptr);
+  const int64_t axis = extra->Attr<int64_t>("reduce_axis");
+  if (nparam != 2 || ndims[0] != 2 || axis < 0 || axis > 1) return 1;
+  if (std::strcmp(dtypes[0], "float32") != 0) return 2;
+  const int64_t rows = shapes[0][0], cols = shapes[0][1];
+  const float* x = static_cast<const float*>(params[0]);
+  float* y = static_cast<float*>(params[1]);
+  const int64_t n = axis == 0 ? cols : rows;
+  for (int64_t i = 0; i < n; ++i) y[i] = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) y[axis == 0 ? c : r] += x[r * cols + c];
+  }
+  return 0;
+}
+"""
+
+reduce_cpu_info = CustomRegOp("reduce_kernel_cpu") \
+    .input(0, "x1") \
+    .output(0, "y") \
+    .dtype_format(DataType.None_None, DataType.None_None) \
+    .attr("reduce_axis", "required", "float") \
+    .attr("keep_dim", "required", "bool") \
+    .target("CPU") \
+    .get_op_info()
+
+
+def test_reduce_as_written(client):
+    # MindSpore: ops.Custom("reduce.cc:CustomReduce", out_shape=None, ms.float32, "aot",
+    #                       reg_info=reduce_cpu_info); net(x) calls program(x, 1, False).
+    r = client.register([reduce_cpu_info, cpu_impl(CUSTOM_REDUCE, "CustomReduce")])
+    assert [rule.kind for rule in r.record.op.output_rules] == ["infer_shape"]
+    assert not r.warnings
+    program = client.op("reduce_kernel_cpu")
+    x = np.arange(20, dtype=np.float32).reshape(SHAPE)
+    out = program(x, 1, False)
+    assert out.shape == (4,)  # MindSpore's shape, not input 0's (4, 5)
+    np.testing.assert_allclose(out, np.sum(x, axis=1), rtol=1e-3, atol=1e-3)
+    out = program(x, 0.0, True)  # a float axis that is whole reads as 0
+    assert out.shape == (1, 5)
+    np.testing.assert_allclose(out.reshape(5), np.sum(x, axis=0), rtol=1e-3, atol=1e-3)
+    # A float axis that is not whole is the kernel's read error, named.
+    with pytest.raises(opjit.InvalidArgument) as e:
+        program(x, 0.5, False)
+    assert "reduce_axis" in e.value.message and "whole number" in e.value.message
