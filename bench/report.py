@@ -1,18 +1,38 @@
 """Turns the benchmark results of one bench/run.sh run into bench/results.md.
 
     /usr/bin/python3 bench/report.py --out bench/out [--seconds N] > bench/results.md
+    /usr/bin/python3 bench/report.py --list      # SECTIONS as JSON
 
-Reads from the --out directory: compile.json and exec.json (Google Benchmark),
-call.json (call_bench), py.json (py_bench.py), plots.md (plots.py's image
-links) and NAME.failed (a benchmark that exited non-zero). Every number comes
-from those files; a missing or failed result is printed as the failure it
-was, never as a number.
+SECTIONS below is the one list of what results.md holds, in order: each
+"## " section, the bench that writes its files into the --out directory (the
+NAME of `run NAME ...` in bench/run.sh), the files it needs and those it only
+reads. Every section is always printed:
+
+* its files present: the section, built from them (JSON) or copied (markdown);
+* skipped on purpose on this machine (a bench's markdown whose first line is
+  "skipped: <reason>", or a JSON file holding {"skipped": "<reason>"}): the
+  section says "Skipped on this machine: <reason>", and so does the end of
+  the report; the exit status stays 0;
+* a needed file missing, empty or unreadable: the section says what is
+  missing and which bench should have written it (with its NAME.failed text,
+  if it exited non-zero), and report.py exits 1 after printing everything,
+  naming each missing section on stderr.
+
+A .json or .md file in --out that no section reads also makes it exit 1 (a
+bench whose output would never reach results.md). A bench that ran but
+failed in part is listed under Failures with its error; no number is ever
+filled in for it.
 """
 import argparse
 import datetime
 import json
 import os
 import platform
+import sys
+
+# Files in --out that are not a section's: `make soak` writes soak.json there.
+NOT_SECTIONS = {"soak.json"}
+SKIPPED = "skipped:"
 
 
 def cpu_model():
@@ -32,26 +52,63 @@ class Results:
     def __init__(self, out):
         self.out = out
         self.failures = []  # (what, why)
+        self.skipped = []  # (section title, bench, reason)
+        self.missing = []  # (section title, message)
+        self._json = {}
+        self.failed_runs = {}  # run.sh NAME -> its NAME.failed text
         for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
             if name.endswith(".failed"):
                 with open(os.path.join(out, name)) as f:
-                    self.failures.append((name[:-len(".failed")], f.read().strip()))
+                    why = f.read().strip()
+                self.failed_runs[name[:-len(".failed")]] = why
+                self.failures.append((name[:-len(".failed")], why))
+
+    def path(self, name):
+        return os.path.join(self.out, name)
 
     def json(self, name):
-        path = os.path.join(self.out, name)
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError) as e:
-            self.failures.append((name, f"no readable results ({e})"))
-            return None
+        """The parsed file (read once), or None, recorded as a failure."""
+        if name not in self._json:
+            try:
+                with open(self.path(name)) as f:
+                    self._json[name] = json.load(f)
+            except (OSError, ValueError) as e:
+                self.failures.append((name, f"no readable results ({e})"))
+                self._json[name] = None
+        return self._json[name]
 
     def text(self, name):
         try:
-            with open(os.path.join(self.out, name)) as f:
+            with open(self.path(name)) as f:
                 return f.read()
         except OSError:
             return ""
+
+    def absent(self, name):
+        """Why a needed file cannot make its section, or None when it can."""
+        path = self.path(name)
+        if not os.path.isfile(path):
+            return "was not written"
+        if os.path.getsize(path) == 0 or not self.text(name).strip():
+            return "is empty"
+        if name.endswith(".json"):
+            try:
+                with open(path) as f:
+                    json.load(f)
+            except (OSError, ValueError) as e:
+                return f"is not readable JSON ({e})"
+        return None
+
+    def skip_reason(self, name):
+        """The reason a bench gave for skipping its section on purpose, or None."""
+        if name.endswith(".json"):
+            d = self.json(name)
+            return str(d["skipped"]) if isinstance(d, dict) and d.get("skipped") else None
+        first = next((line.strip() for line in self.text(name).splitlines() if line.strip()),
+                     "")
+        if first.lower().startswith(SKIPPED):
+            return first[len(SKIPPED):].strip() or "no reason given"
+        return None
 
     def fail(self, what, why):
         self.failures.append((what, why))
@@ -103,7 +160,9 @@ def t_ms(v):
 def t_us(v):
     if v is None:
         return "failed"
-    return f"{v / 1000:.1f} ms" if v >= 1000 else f"{v:.0f} µs"
+    if v >= 1000:
+        return f"{v / 1000:.1f} ms"
+    return f"{v:.0f} µs" if v >= 100 else f"{v:.1f} µs"
 
 
 def gbs(v):
@@ -122,7 +181,6 @@ def compile_section(med, py, res):
         ra, rb = med.get(a), med.get(b)
         return f"| {what} | {t_ms(ra)} | {t_ms(rb)} | {ratio(ra, rb)} | {goal} |"
 
-    print("## Compile\n")
     print("opjit's `KernelCompiler` in-process (the sandboxed clang worker, as the "
           "daemon runs it), against `g++` and `dlopen` as a subprocess, on a small kernel "
           "that includes `<cmath>`.\n")
@@ -176,29 +234,32 @@ def compile_section(med, py, res):
     print()
 
 
-def fairness_section(fair):
-    print("## A small compile during two template bombs\n")
-    if not fair:
-        print("fairness_bench produced no results (see Failures).\n")
+def fairness_section(fair, res):
+    if not isinstance(fair, dict) or error_of(fair):
+        why = error_of(fair) or "fairness_bench wrote no object"
+        res.fail("fairness", why)
+        print(f"Not run: {why}\n")
         return
+    limit = num(fair, "timeout_ms")
     print("Two compiles that would run for minutes (constant evaluation) hold both compile "
-          f"workers until the {fair['timeout_ms'] / 1000:.0f} s compile limit stops them; "
+          f"workers until the {'?' if limit is None else f'{limit / 1000:.0f}'} s compile "
+          "limit stops them; "
           "meanwhile small, distinct kernels compile one after another. Without the long lane "
           "a small compile waits for a bomb to be killed (at the default 30 s limit: ~30 s); "
           "with it, a compile still running after 1 s gives its worker slot back and goes on "
           "at a lower CPU priority.\n")
-    idle = fair["idle_median_ms"]
+    idle = num(fair, "idle_median_ms")
     print("| | small compiles | median | worst | median vs idle |")
     print("|---|---|---|---|---|")
     print(f"| idle (no bombs) | | {t_ms(idle)} | | 1.00× |")
-    for m in fair["modes"]:
-        print(f"| during 2 bombs, {m['name']} | {m['samples']} | {t_ms(m['median_ms'])} | "
-              f"{t_ms(m['worst_ms'])} | {ratio(m['median_ms'], idle)} |")
+    for m in fair.get("modes", []):
+        print(f"| during 2 bombs, {m.get('name')} | {m.get('samples', '')} "
+              f"| {t_ms(num(m, 'median_ms'))} | {t_ms(num(m, 'worst_ms'))} "
+              f"| {ratio(num(m, 'median_ms'), idle)} |")
     print()
 
 
 def nvrtc_section(med):
-    print("## NVRTC (compile only: no GPU here; sm_80 + sm_90 CUBIN and PTX)\n")
     print("| what | opjit | raw NVRTC | ratio | goal |")
     print("|---|---|---|---|---|")
     a, b = med.get("BM_OpjitNvrtcCold"), med.get("BM_NvrtcRaw")
@@ -207,7 +268,6 @@ def nvrtc_section(med):
 
 
 def quality_section(med):
-    print("## Kernel quality (JIT vs `g++ -O3 -march=native`, same source)\n")
     print("| kernel | size | JIT | g++ | ratio | goal |")
     print("|---|---|---|---|---|---|")
     rows = (("elementwise", "Elementwise", 16 << 10, "16K floats (in cache)"),
@@ -224,16 +284,12 @@ def quality_section(med):
 
 
 def call_section(call, exec_med, res):
-    if call is None:
-        print("## Call overhead and data path\n\ncall_bench produced no results (see Failures).\n")
-        return
     if "error" in call:
         res.fail("call_bench", call["error"])
     if "config_error" in call:
         res.fail("opjitd with max_message_mb", call["config_error"])
     cfg = call.get("config", {})
     in_process = exec_med.get("BM_ExecutorForwardTiny")
-    print("## Call overhead (cached tiny op)\n")
     print(f"`leaky_relu` on 16 float32, inline in and out ({cfg.get('request_bytes', '?')}-byte "
           "request), through the C++ client's synchronous `Forward`, against a bare "
           f"callback-API gRPC echo of a {cfg.get('echo_payload_bytes', '?')}-byte payload "
@@ -280,19 +336,27 @@ def call_section(call, exec_med, res):
         print(f"| {r.get('transport')} | {r.get('clients')} | {num(c, 'wall_s') or 0:.1f} s "
               f"| {num(c, 'process_daemon_s') or 0:.2f} s | {num(c, 'process_workers_s') or 0:.2f} s "
               f"| {num(c, 'in_daemon_s') or 0:.2f} s |")
-    cr = call.get("crash_recovery")
-    if cr is not None:
-        if error_of(cr):
-            res.fail("crash recovery", error_of(cr))
-        print("\n## A crashed executor, to the next good call\n")
-        print("A kernel segfaults its executor process (the caller gets ABORTED); then the "
-              "same op is called again: a new executor starts, locks itself in, loads the "
-              f"kernel and runs Init. Median of {int(num(cr, 'samples') or 0)} crashes: "
-              f"**{t_ms(num(cr, 'median_ms'))}**, worst {t_ms(num(cr, 'max_ms'))}.\n")
+    print()
 
+
+def crash_section(call, res):
+    cr = call.get("crash_recovery")
+    if cr is None:
+        res.fail("crash recovery", "call_bench recorded none")
+        print("Not run: call_bench recorded no crash recovery (see Failures).\n")
+        return
+    if error_of(cr):
+        res.fail("crash recovery", error_of(cr))
+    print("A kernel segfaults its executor process (the caller gets ABORTED); then the "
+          "same op is called again: a new executor starts, locks itself in, loads the "
+          f"kernel and runs Init. Median of {int(num(cr, 'samples') or 0)} crashes: "
+          f"**{t_ms(num(cr, 'median_ms'))}**, worst {t_ms(num(cr, 'max_ms'))}.\n")
+
+
+def data_path_section(call, res):
+    cfg = call.get("config", {})
     reps = next((int(num(r.get("shm"), "reps")) for r in call.get("data_path", [])
                  if num(r.get("shm"), "reps")), "?")
-    print("\n## Data path (`leaky_relu`, float32)\n")
     print("Shared memory: input and output in one daemon-created region, output placed at a "
           "fixed offset; the call against the kernel's own time (`kernel_ms`). Inline: the "
           "same bytes in the request and the response (daemon and client at "
@@ -332,7 +396,6 @@ def call_section(call, exec_med, res):
 
 
 def autograd_section(py, res):
-    print("## Autograd (tanh forward + backward, float32, per call)\n")
     ag = py.get("autograd") if isinstance(py, dict) else None
     if not isinstance(ag, dict) or "error" in ag:
         why = error_of(ag) or "py_bench produced no autograd section"
@@ -365,17 +428,200 @@ def autograd_section(py, res):
     print()
 
 
+
+def markdown_body(text):
+    """A bench's markdown without its own leading "## " heading (report.py titles it)."""
+    lines = text.strip("\n").splitlines()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    if lines and lines[0].startswith("## "):
+        lines.pop(0)
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    return "\n".join(lines)
+
+
+def fast_python_rows(py, res):
+    """py_bench.py's "fast_path": the Python client on the fast channel and over gRPC."""
+    fp = py.get("fast_path") if isinstance(py, dict) else None
+    print("### Fast path (Python client)\n")
+    if not isinstance(fp, dict) or error_of(fp):
+        why = error_of(fp) or "py_bench produced no fast_path section"
+        res.fail("fast_path (Python)", why)
+        print(f"Not run: {why}\n")
+        return
+    print("`bench/py_bench.py` (`/usr/bin/python3`, numpy): the same client with the fast "
+          "channel on and off, alternating in batches; the tiny call against a socketpair "
+          "ping-pong between two Python processes, shm calls against the kernel's own "
+          "`kernel_ms`.\n")
+    print("| Python client | fast p50 | fast p99 | gRPC p50 | reference | fast / reference |")
+    print("|---|---|---|---|---|---|")
+    tiny = fp.get("tiny", {})
+    f, g, sp = tiny.get("opjit_fast"), tiny.get("opjit_grpc"), tiny.get("socketpair_pingpong")
+    print(f"| tiny call (16 float32, `leaky_relu`) | {t_us(num(f, 'p50_us'))} "
+          f"| {t_us(num(f, 'p99_us'))} | {t_us(num(g, 'p50_us'))} "
+          f"| socketpair ping-pong {t_us(num(sp, 'p50_us'))} "
+          f"| {ratio(num(f, 'p50_us'), num(sp, 'p50_us'))} |")
+    for label in ("1MiB", "64MiB"):
+        e = fp.get("shm", {}).get(label)
+        if not isinstance(e, dict):
+            res.fail(f"fast_path (Python), shm {label}", "not in py.json")
+            continue
+        f, g = e.get("fast"), e.get("grpc")
+        print(f"| {label[:-3]} MiB shm call (`tanh`) | {t_us(num(f, 'p50_us'))} "
+              f"| {t_us(num(f, 'p99_us'))} | {t_us(num(g, 'p50_us'))} "
+              f"| its kernel_ms {t_us(num(f, 'kernel_p50_us'))} "
+              f"| {ratio(num(f, 'p50_us'), num(f, 'kernel_p50_us'))} |")
+    print()
+
+
+def fast_section(res):
+    print("`bench/fast_bench.cc` (C++ client) and `bench/py_bench.py` (Python client): "
+          "prepared calls on the same-host fast channel against gRPC and against floors of "
+          "our own (two processes ping-ponging a byte over a socketpair, and two handing a "
+          "slot back and forth in shared memory), the sides alternating in one run.\n")
+    print(markdown_body(res.text("fast.md")))
+    print()
+    fast_python_rows(res.json("py.json") if os.path.exists(res.path("py.json")) else None, res)
+
+
+class Section:
+    """One "## " section of results.md.
+
+    bench: the program that writes its files; run: its NAME in bench/run.sh
+    (`run NAME ...`, whose failure is NAME.failed); needs: files in --out
+    without which the section is missing; reads: files it uses when present.
+    render(res) prints the body (markdown sections: None, the file is copied).
+    """
+
+    def __init__(self, key, title, bench, run, needs, reads=(), render=None):
+        self.key, self.title, self.bench, self.run = key, title, bench, run
+        self.needs, self.reads, self.render = list(needs), list(reads), render
+
+    def as_dict(self):
+        return {"key": self.key, "title": self.title, "bench": self.bench, "run": self.run,
+                "needs": self.needs, "reads": self.reads}
+
+
+def _gbench(res, name, source):
+    return gbench_medians(res.json(name) if os.path.exists(res.path(name)) else None,
+                          res, source)
+
+
+def _py(res):
+    return (res.json("py.json") if os.path.exists(res.path("py.json")) else None) or {}
+
+
+def _exec_med(res):
+    if not os.path.exists(res.path("exec.json")):
+        res.fail("exec.json", "exec_bench wrote nothing: the in-process number is missing")
+        return {}
+    return _gbench(res, "exec.json", "exec_bench")
+
+
+# What bench/results.md holds, in this order. A bench added to bench/run.sh
+# gets its section here, or its output never reaches results.md (report.py
+# then exits 1 naming the stray file, and tests/python/check_bench_report.py
+# fails).
+SECTIONS = [
+    Section("compile", "Compile", "compile_bench", "compile", ["compile.json"], ["py.json"],
+            lambda r: compile_section(_gbench(r, "compile.json", "compile_bench"), _py(r), r)),
+    Section("fairness", "A small compile during two template bombs", "fairness_bench",
+            "fairness", ["fairness.json"],
+            render=lambda r: fairness_section(r.json("fairness.json"), r)),
+    Section("nvrtc", "NVRTC (compile only: no GPU here; sm_80 + sm_90 CUBIN and PTX)",
+            "compile_bench", "compile", ["compile.json"],
+            render=lambda r: nvrtc_section(_gbench(r, "compile.json", "compile_bench"))),
+    Section("quality", "Kernel quality (JIT vs `g++ -O3 -march=native`, same source)",
+            "compile_bench", "compile", ["compile.json"],
+            render=lambda r: quality_section(_gbench(r, "compile.json", "compile_bench"))),
+    Section("call", "Call overhead (cached tiny op)", "call_bench", "call", ["call.json"],
+            ["exec.json"], lambda r: call_section(r.json("call.json"), _exec_med(r), r)),
+    Section("crash", "A crashed executor, to the next good call", "call_bench", "call",
+            ["call.json"], render=lambda r: crash_section(r.json("call.json"), r)),
+    Section("data_path", "Data path (`leaky_relu`, float32)", "call_bench", "call",
+            ["call.json"], render=lambda r: data_path_section(r.json("call.json"), r)),
+    Section("fast", "Fast path (prepared calls on a shared-memory channel)", "fast_bench",
+            "fast", ["fast.md"], ["fast.json", "py.json"], fast_section),
+    Section("autograd", "Autograd (tanh forward + backward, float32, per call)",
+            "bench/py_bench.py", "py", ["py.json"],
+            render=lambda r: autograd_section(r.json("py.json"), r)),
+    Section("plots", "Plots", "bench/plots.py", "plots", ["plots.md"]),
+    Section("inline", "Inline tensors over TCP (remote clients)", "bench/inline_bench.py",
+            "inline", ["inline.md"], ["inline.json"]),
+    Section("auth", "Identity per call (tiny op, gRPC)", "auth_bench", "auth", ["auth.md"],
+            ["auth.json"]),
+    Section("zero", "Zero-filled outputs (shm, 1 MiB and 256 MiB)", "zero_bench", "zero",
+            ["zero.md"], ["zero.json"]),
+    Section("isolation", "Executor namespaces (executor start and tiny calls)",
+            "isolation_bench", "isolation", ["isolation.md"], ["isolation.json"]),
+    Section("userns", "A non-root daemon: user namespaces and subordinate ids",
+            "bench/userns_bench.py", "userns", ["userns.md"], ["userns.json"]),
+]
+
+
+def print_section(sec, res):
+    print(f"## {sec.title}\n")
+    absent = [(name, why) for name in sec.needs if (why := res.absent(name))]
+    if absent:
+        files = "; ".join(f"{os.path.join(res.out, n)} {why}" for n, why in absent)
+        msg = (f"{files}: {sec.bench} (`run {sec.run}` in bench/run.sh) should have "
+               "written it")
+        if sec.run in res.failed_runs:
+            msg += f" ({res.failed_runs[sec.run]})"
+        res.missing.append((sec.title, msg))
+        print(f"**Missing.** {msg}.\n")
+        return
+    reason = next((r for name in sec.needs if (r := res.skip_reason(name))), None)
+    if reason is not None:
+        res.skipped.append((sec.title, sec.bench, reason))
+        print(f"Skipped on this machine: {reason}\n")
+        return
+    if sec.render is None:
+        print(markdown_body(res.text(sec.needs[0])))
+        print()
+    else:
+        sec.render(res)
+
+
+def stray_files(res):
+    """Outputs in --out that no section reads: they would never reach results.md."""
+    known = {n for sec in SECTIONS for n in sec.needs + sec.reads} | NOT_SECTIONS
+    names = sorted(os.listdir(res.out)) if os.path.isdir(res.out) else []
+    return [n for n in names if n.endswith((".json", ".md")) and n not in known]
+
+
+def print_failures(res):
+    print("## Failures\n")
+    if res.failures:
+        for what, why in res.failures:
+            print(f"- **{what}**: {why}")
+    elif res.missing:
+        print("Every benchmark that wrote its results ran; see Missing below.")
+    elif res.skipped:
+        print("None: every benchmark that runs on this machine ran; see Skipped below.")
+    else:
+        print("None: every benchmark ran.")
+    if res.missing:
+        print("\nMissing, so report.py exited 1:\n")
+        for title, msg in res.missing:
+            print(f"- **{title}**: {msg}")
+    if res.skipped:
+        print("\nSkipped on this machine, on purpose:\n")
+        for title, bench, reason in res.skipped:
+            print(f"- **{title}** ({bench}): {reason}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--seconds", type=int, default=None)
+    ap.add_argument("--list", action="store_true", help="print SECTIONS as JSON and exit")
     args = ap.parse_args()
+    if args.list:
+        print(json.dumps([s.as_dict() for s in SECTIONS], indent=1))
+        return 0
     res = Results(args.out)
-    compile_med = gbench_medians(res.json("compile.json"), res, "compile_bench")
-    exec_med = gbench_medians(res.json("exec.json"), res, "exec_bench")
-    call = res.json("call.json")
-    py = res.json("py.json") or {}
-
     print("# opjit benchmark results\n")
     took = f" The run took {args.seconds / 60:.1f} minutes." if args.seconds else ""
     print(f"Machine: {os.cpu_count()} cores, {cpu_model()}. Date: "
@@ -383,24 +629,22 @@ def main():
           f"`bash bench/run.sh` on a build).{took} Medians; every ratio compares two "
           "sides measured in the same run. These cores are shared and noisy, so compare "
           "ratios rather than absolute times across runs.\n")
-    compile_section(compile_med, py, res)
-    fairness_section(res.json("fairness.json"))
-    nvrtc_section(compile_med)
-    quality_section(compile_med)
-    call_section(call, exec_med, res)
-    autograd_section(py, res)
-
-    print("## Plots\n")
-    plots = res.text("plots.md").strip()
-    print(plots if plots else "plots.py wrote nothing (see Failures).")
-    print()
-    print("## Failures\n")
-    if res.failures:
-        for what, why in res.failures:
-            print(f"- **{what}**: {why}")
-    else:
-        print("None: every benchmark ran.")
+    for sec in SECTIONS:
+        print_section(sec, res)
+    for name in stray_files(res):
+        res.missing.append((f"stray {name}", f"{os.path.join(res.out, name)} is read by no "
+                            "section, so it never reaches results.md: add it to SECTIONS "
+                            "in bench/report.py"))
+    print_failures(res)
+    sys.stdout.flush()
+    if res.missing:
+        print(f"report.py: the report is incomplete ({len(res.missing)} missing):",
+              file=sys.stderr)
+        for title, msg in res.missing:
+            print(f"  {title}: {msg}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,7 +8,16 @@
 #
 # A benchmark that fails does not stop the others: its failure (exit status,
 # error text) is what the report shows in its place. Raw results stay in
-# bench/out/ (JSON), so `python3 bench/report.py` can be re-run on them.
+# bench/out/ (JSON and markdown), so `python3 bench/report.py` can be re-run
+# on them.
+#
+# bench/report.py's SECTIONS lists every section of results.md, in order, and
+# the bench and files each comes from (`python3 bench/report.py --list`). A
+# bench that skips its section on purpose (root only, say) writes
+# "skipped: <reason>" as its markdown, and the report says so. When a
+# section's output is missing or empty, or a file here is no section's,
+# report.py still writes results.md but exits 1 naming the section and its
+# bench, and so does this script (and `make bench`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -40,7 +49,8 @@ run fairness "$BUILD/bin/fairness_bench" "$OUT/fairness.json" 2
 run exec "$BUILD/bin/exec_bench" --benchmark_out="$OUT/exec.json" --benchmark_out_format=json
 # Whole-system runs: each starts its own opjitd from $BUILD/bin.
 run call "$BUILD/bin/call_bench" "$OUT/call.json"
-# The fast path: JSON for the report, and its own markdown table.
+# The fast path: JSON, and the markdown table that is the report's Fast path
+# section (with py_bench's Python rows).
 run fast "$BUILD/bin/fast_bench" "$OUT/fast.json" >"$OUT/fast.md"
 run py "$PY" bench/py_bench.py "$OUT/py.json" --build "$BUILD"
 run plots "$PY" bench/plots.py "$PLOTS" "$OUT/py.json" "$OUT/call.json" >"$OUT/plots.md"
@@ -51,29 +61,19 @@ run auth "$BUILD/bin/auth_bench" "$OUT/auth.json" >"$OUT/auth.md"
 # What zero-filling outputs costs, against a daemon that leaves them as found.
 run zero "$BUILD/bin/zero_bench" "$OUT/zero.json" >"$OUT/zero.md"
 # What the executors' namespaces cost (executor start, tiny calls), against a
-# daemon without them (needs root; otherwise it says so and measures nothing).
+# daemon without them (needs root; otherwise it measures nothing and writes a
+# "skipped: needs root" section).
 run isolation "$BUILD/bin/isolation_bench" "$OUT/isolation.json" >"$OUT/isolation.md"
 # What a non-root daemon's user and PID namespaces (and subordinate ids) cost
-# against a root daemon's (needs root: it starts daemons as nobody).
+# against a root daemon's (needs root: it starts daemons as nobody; otherwise
+# a "skipped" section).
 run userns "$PY" bench/userns_bench.py "$OUT/userns.json" --build "$BUILD" --md "$OUT/userns.md"
 
 "$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
-# Its own table, after the report's sections.
-cat "$OUT/inline.md" >>bench/results.md 2>/dev/null
-if [ -s "$OUT/auth.md" ]; then
-  printf '\n## Identity per call (tiny op, gRPC)\n\n' >>bench/results.md
-  cat "$OUT/auth.md" >>bench/results.md
-fi
-if [ -s "$OUT/zero.md" ]; then
-  printf '\n## Zero-filled outputs (shm, 1 MiB and 256 MiB)\n\n' >>bench/results.md
-  cat "$OUT/zero.md" >>bench/results.md
-fi
-if [ -s "$OUT/isolation.md" ]; then
-  printf '\n## Executor namespaces (executor start and tiny calls)\n\n' >>bench/results.md
-  cat "$OUT/isolation.md" >>bench/results.md
-fi
-if [ -s "$OUT/userns.md" ]; then
-  printf '\n## A non-root daemon: user namespaces and subordinate ids\n\n' >>bench/results.md
-  cat "$OUT/userns.md" >>bench/results.md
-fi
+report_rc=$?
 cat bench/results.md
+if [ "$report_rc" -ne 0 ]; then
+  echo "bench/run.sh: bench/results.md is incomplete (report.py exited $report_rc):" \
+    "see the missing sections above" >&2
+  exit "$report_rc"
+fi
