@@ -119,12 +119,15 @@ def known_config_keys():
     """Sections and keys opjitd accepts, read from server/config.cc."""
     src = open(os.path.join(ROOT, "server", "config.cc")).read()
     known = {}
-    # CheckKeys(ck, table, "prefix.", {"key", ...})
-    for where, keys in re.findall(r'CheckKeys\(\w+,\s*\*?\w+,\s*"([^"]*)",\s*\{([^}]*)\}',
-                                  src, re.S):
-        known[where] = set(re.findall(r'"([^"]+)"', keys))
+    # The key table: k.push_back(Int("compiler.timeout_ms", ...)), KeyRow x = Str(...) and
+    # k.push_back({"principal", ...}); "a.b.c" is key c of section [a.b].
+    for full in re.findall(r'(?:k\.push_back\(|KeyRow \w+ = )\s*(?:[A-Za-z]+\(|\{)\s*"([a-z0-9_.]+)"', src):
+        parts = full.split(".")
+        for i, part in enumerate(parts):
+            known.setdefault("".join(p + "." for p in parts[:i]), set()).add(part)
     if "" not in known:
-        fail("server/config.cc: no CheckKeys call found (has its signature changed?)")
+        fail("server/config.cc: no key table rows (k.push_back(Int(\"...\"))) found "
+             "(has the table changed?)")
     # [[principal]] tables are checked with a computed prefix.
     m = re.search(r'CheckKeys\(\w+,\s*\*t,\s*where,\s*\{([^}]*)\}', src)
     if m:
