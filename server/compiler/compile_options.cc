@@ -99,7 +99,7 @@ std::string CpuOptionRefusal(std::string_view language, std::string_view opt) {
   std::string why = MacroRefusal(opt, &macro);
   if (macro) return why;
   if (opt == "-O0" || opt == "-O1" || opt == "-O2" || opt == "-O3" || opt == "-ffast-math" ||
-      opt == "-fno-fast-math") {
+      opt == "-fno-fast-math" || opt == "-fno-math-errno" || opt == "-fmath-errno") {
     return "";
   }
   if (StartsWith(opt, "-std=")) {

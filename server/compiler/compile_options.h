@@ -5,7 +5,7 @@
 //
 //   CPU (c++ and c):
 //     -D<macro>[=<value>]  -U<macro>   (<macro> a C identifier, at most 128)
-//     -O0 -O1 -O2 -O3  -ffast-math -fno-fast-math
+//     -O0 -O1 -O2 -O3  -ffast-math -fno-fast-math  -fno-math-errno -fmath-errno
 //     -std=c++17 -std=c++20 (c++)      -std=c11 -std=c17 (c)
 //     -w  -W<warning>                  (<warning> of [A-Za-z0-9_=+-]: no -Wl, -Wa, -Wp)
 //   GPU (cuda, NVRTC spellings):

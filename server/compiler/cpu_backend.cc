@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/common/status_macros.h"
+#include "server/common/vector_math.h"
 #include "server/compiler/backend.h"
 #include "server/compiler/compile_options.h"
 #include "server/compiler/cpu/cpu_compiler.h"
@@ -73,6 +74,7 @@ class CpuBackend : public CompileBackend {
       // offer (the same libraries this process links), or the first call
       // would fail to link. With extra libraries the runner decides.
       std::vector<std::string> missing;
+      LoadVectorMath();  // the runners resolve libmvec's _ZGV* calls from it too
       for (const auto& sym : symbols.undefined) {
         if (!ProvidedByLoader(sym) && ::dlsym(RTLD_DEFAULT, sym.c_str()) == nullptr) {
           missing.push_back(sym);

@@ -29,6 +29,7 @@
 #include "llvm/TargetParser/Host.h"
 #include "server/common/logging.h"
 #include "server/common/mutex.h"
+#include "server/common/vector_math.h"
 
 namespace opjit::loader {
 namespace {
@@ -386,6 +387,10 @@ JitLoader::~JitLoader() = default;
 
 absl::StatusOr<std::unique_ptr<JitLoader>> JitLoader::Create(const JitLoaderOptions& options) {
   InitLlvmOnce();
+  // Kernels call glibc's vector math (_ZGVdN8v_expf, ...) where their loops
+  // vectorized (the compiler's -fveclib=libmvec): resolved from the process
+  // like the rest of libm.
+  LoadVectorMath();
   auto state = std::make_shared<internal::LoaderState>();
   state->allowed_libraries = options.allowed_libraries;
 

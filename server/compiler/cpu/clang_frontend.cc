@@ -466,6 +466,13 @@ struct ClangFrontend::Impl {
       a.insert(a.end(), {"-c", "-x", cxx ? "c++" : "c"});
     }
     a.insert(a.end(), {"-O3", "-march=native", "-fPIC", cxx ? "-std=c++17" : "-std=c17"});
+#if defined(__x86_64__)
+    // Loops over math calls (expf, logf, ...) vectorize to glibc's libmvec,
+    // as g++ does under -ffast-math; clang does it where the call cannot set
+    // errno (-fno-math-errno or -ffast-math). Kernel hosts load libmvec.
+    // (clang 16 maps sin, cos, exp, log and pow; not tanh.)
+    a.push_back("-fveclib=libmvec");
+#endif
     const std::vector<std::string>& opts = for_pch ? req.pch_options : req.options;
     a.insert(a.end(), opts.begin(), opts.end());
     if (!req.files.empty()) {

@@ -48,7 +48,8 @@ namespace fs = std::filesystem;
 
 // Bumped when the worker changes the object it produces for the same
 // toolchain (flags, ctor lowering, ...). Part of ToolchainId.
-constexpr char kObjectAbi[] = "opjit-cpu-object-2";  // 2: exact preambles, no prelude
+// 2: exact preambles, no prelude; 3: math calls vectorize to glibc's libmvec.
+constexpr char kObjectAbi[] = "opjit-cpu-object-3";
 
 constexpr absl::Duration kStartupTimeout = absl::Seconds(20);
 
@@ -559,7 +560,9 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
   *long_lane = false;
   if (s.ok() && allow_long && options_.long_after_ms > 0 && options_.long_workers > 0) {
     absl::Time switch_at = std::min(deadline, absl::Now() + absl::Milliseconds(options_.long_after_ms));
-    if (!WaitReadable(w.fd, switch_at) && absl::Now() < deadline) {
+    // Only a compile that still has time left moves (timeout_ms <= long_after_ms:
+    // no lane), so the lane's CPU-time limit never replaces a plain deadline.
+    if (!WaitReadable(w.fd, switch_at) && switch_at < deadline) {
       *long_lane = EnterLongLane(&w, file_name);
     }
   }

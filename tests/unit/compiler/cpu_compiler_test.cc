@@ -26,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "server/common/error_info.h"
+#include "server/compiler/elf_symbols.h"
 
 namespace opjit::compiler {
 namespace {
@@ -708,6 +709,40 @@ TEST_F(CpuCompilerTest, TheLongLaneCountsCpuTimeAndBoundsWallTime) {
     // The pool has a worker again for the next round.
     ASSERT_TRUE(c->Compile(Cxx("int after() { return 0; }\n")).ok());
   }
+}
+
+// A loop over expf vectorizes to glibc's libmvec (_ZGV..._expf) where the
+// call cannot set errno (-fno-math-errno, or -ffast-math), as g++ does under
+// -ffast-math; with errno semantics (the default) it stays scalar.
+TEST_F(CpuCompilerTest, MathLoopsVectorizeToLibmvecWithoutErrno) {
+#if !defined(__x86_64__)
+  GTEST_SKIP() << "libmvec is glibc's x86-64 vector math";
+#endif
+  auto c = Make(Options(/*pch=*/false));
+  ASSERT_NE(c, nullptr);
+  const std::string src =
+      "#include <cmath>\n"
+      "extern \"C\" void Exp(float* y, const float* x, long n) {\n"
+      "  for (long i = 0; i < n; ++i) y[i] = std::exp(x[i]);\n"
+      "}\n";
+  auto vector_calls = [&](std::vector<std::string> options) {
+    CpuCompileRequest r = Cxx(src);
+    r.options = std::move(options);
+    absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+    EXPECT_TRUE(out.ok()) << out.status();
+    std::vector<std::string> found;
+    if (!out.ok()) return found;
+    absl::StatusOr<ElfSymbols> syms = ReadElfSymbols(out->object);
+    EXPECT_TRUE(syms.ok()) << syms.status();
+    if (!syms.ok()) return found;
+    for (const std::string& s : syms->undefined) {
+      if (absl::StartsWith(s, "_ZGV") && absl::EndsWith(s, "_expf")) found.push_back(s);
+    }
+    return found;
+  };
+  EXPECT_FALSE(vector_calls({"-fno-math-errno"}).empty());
+  EXPECT_FALSE(vector_calls({"-ffast-math"}).empty());
+  EXPECT_TRUE(vector_calls({}).empty());
 }
 
 TEST_F(CpuCompilerTest, WorkersAreRecycledAfterNCompiles) {

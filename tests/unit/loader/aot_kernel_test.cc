@@ -291,6 +291,45 @@ TEST_F(AotKernelTest, LibmFunctions) {
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(y[i], std::tanh(x[i]) + std::exp(x[i]), 1e-6);
 }
 
+// A kernel whose expf loop vectorized to libmvec (-fveclib=libmvec, as the
+// compile worker builds, with -fno-math-errno) loads: the loader resolves
+// glibc's vector math from the process; results stay within libmvec's few ULP.
+TEST(AotKernelVecMathTest, LibmvecCallsResolveAndAgreeWithLibm) {
+#if !defined(__x86_64__)
+  GTEST_SKIP() << "libmvec is glibc's x86-64 vector math";
+#endif
+  const std::string src = R"(
+#include <cmath>
+#include <cstdint>
+extern "C" int VecExp(int nparam, void** params, int* ndims, int64_t** shapes,
+                       const char** dtypes, void* stream, void* extra) {
+  int64_t n = 1;
+  for (int d = 0; d < ndims[0]; ++d) n *= shapes[0][d];
+  const float* x = static_cast<const float*>(params[0]);
+  float* y = static_cast<float*>(params[1]);
+  for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i]);
+  return 0;
+}
+)";
+  auto loader = loader::JitLoader::Create({});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  std::string object = CompileKernel(src, "c++", {"-O3", "-fveclib=libmvec", "-fno-math-errno"});
+  ASSERT_NE(object.find("_expf"), std::string::npos);
+  ASSERT_NE(object.find("_ZGV"), std::string::npos) << "the loop did not vectorize";
+  auto kernel = (*loader)->Load(object, "vec_exp", {});
+  ASSERT_TRUE(kernel.ok()) << kernel.status();
+  constexpr int kN = 4099;  // not a multiple of any vector width
+  auto inst = AotKernelInstance::Create(*kernel, "VecExp", {F32({kN})}, {F32({kN})}, {});
+  ASSERT_TRUE(inst.ok()) << inst.status();
+  std::vector<float> x(kN), y(kN);
+  for (int i = 0; i < kN; ++i) x[i] = -9.0f + 18.0f * static_cast<float>(i) / kN;
+  ASSERT_TRUE((*inst)->Run({{x.data(), F32({kN})}}, {{y.data(), F32({kN})}}).ok());
+  for (int i = 0; i < kN; ++i) {
+    const float want = std::exp(x[i]);
+    EXPECT_NEAR(y[i], want, 4 * std::abs(std::nextafter(want, HUGE_VALF) - want)) << x[i];
+  }
+}
+
 TEST_F(AotKernelTest, InferShapeThenDeferredInit) {
   auto inst = AotKernelInstance::Create(kernel_, "CustomReduceSum", {F32({2, 3})}, {},
                                         {{"axis", AttrValue(int64_t{1})}});
