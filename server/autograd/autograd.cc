@@ -161,6 +161,107 @@ bool IsFloat(const std::string& dtype) {
   return dtype == "float16" || dtype == "float32" || dtype == "float64";
 }
 
+
+// The bprop's inputs, in backward.inputs' order (by default MindSpore's
+// (inputs, outputs, grads)). A forward tensor not saved is a null
+// placeholder (params[i] == nullptr, ndims[i] == 0, its dtype); only an
+// optional input absent in the forward stays absent. Zero-filled grads live
+// in `zeros`, reserved by the caller for every argument (no reallocation).
+absl::StatusOr<std::vector<std::vector<TensorArg>>> BpropInputs(
+    const Context& ctx, const BackwardCall& call, const std::vector<registry::BpropArg>& args,
+    std::vector<std::string>* zeros) {
+  const registry::OpDef& fdef = ctx.record->def;
+  std::vector<std::vector<TensorArg>> inputs;
+  for (const registry::BpropArg& a : args) {
+    std::vector<TensorArg> group;
+    const size_t j = a.index;
+    switch (a.kind) {
+      case registry::BpropArg::Kind::kInput:
+        if (j < ctx.inputs.size()) {
+          for (const auto& t : ctx.inputs[j]) group.push_back(ArgOf(t));
+        }
+        break;
+      case registry::BpropArg::Kind::kOutput:
+        group.push_back(j < ctx.outputs.size() ? ArgOf(ctx.outputs[j])
+                                               : NullArg(ctx.output_descs[j].dtype));
+        break;
+      case registry::BpropArg::Kind::kGrad: {
+        const bool nondiff = Contains(fdef.backward.non_differentiable, fdef.outputs[j].name);
+        const bool given = j < call.grad_outputs.size() && call.grad_outputs[j].has_value();
+        const auto& desc = ctx.output_descs[j];
+        if (given && !nondiff) {
+          const TensorArg& g = *call.grad_outputs[j];
+          if (g.desc.shape != desc.shape || g.desc.dtype != desc.dtype) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "grad_outputs[", j, "] (", fdef.outputs[j].name, ") is ",
+                exec::DescString(g.desc), " but the output was ", exec::DescString(desc)));
+          }
+          group.push_back(g);
+        } else if (fdef.backward.materialize_grads) {
+          auto n = tensor::ByteSize(desc.dtype, desc.shape);
+          if (!n.ok()) return n.status();
+          zeros->emplace_back(*n, '\0');
+          group.push_back(TensorArg::Inline(desc, zeros->back()));
+        } else {
+          group.push_back(NullArg(desc.dtype));  // a missing grad, in its slot
+        }
+        break;
+      }
+    }
+    inputs.push_back(std::move(group));
+  }
+  return inputs;
+}
+
+// Where the bprop writes its grads. A grad for an input that needs none is
+// not the caller's: it comes back inline (a placement of one for all
+// outputs is spread per output), so that it can be looked at and dropped
+// without touching the caller's shared memory.
+std::vector<exec::OutputPlacement> GradPlacements(const Context& ctx,
+                                                  std::vector<exec::OutputPlacement> given) {
+  const auto& rg = ctx.requires_grad;
+  if (given.empty() || std::find(rg.begin(), rg.end(), false) == rg.end()) return given;
+  std::vector<exec::OutputPlacement> per(rg.size());
+  for (size_t i = 0; i < rg.size(); ++i) {
+    if (!rg[i]) continue;  // kInline
+    if (given.size() == 1) {
+      per[i] = given[0];
+    } else if (i < given.size()) {
+      per[i] = given[i];
+    }
+  }
+  return per;
+}
+
+// The bprop's outputs as the grads of the forward's inputs: one per input
+// that requires one. A nonzero grad for one that needs none is dropped and
+// reported (a warning, or an error when backward.stop_gradient_grads says).
+absl::Status CollectGrads(const Context& ctx, exec::ForwardResult* bprop, BackwardResult* out) {
+  const registry::OpDef& fdef = ctx.record->def;
+  out->grad_inputs.resize(ctx.requires_grad.size());
+  for (size_t i = 0; i < ctx.requires_grad.size(); ++i) {
+    if (i >= bprop->outputs.size()) continue;
+    if (ctx.input_counts[i] == 0) continue;  // an absent optional input has no grad
+    if (ctx.requires_grad[i]) {
+      out->grad_inputs[i].push_back(std::move(bprop->outputs[i]));
+      continue;
+    }
+    if (!HoldsNonzeroGrad(bprop->outputs[i])) continue;
+    const std::string what = absl::StrCat(
+        "the bprop ", fdef.backward.op, " of ", ctx.ns, "/", fdef.name,
+        " returned a nonzero grad for input ", fdef.inputs[i].name,
+        ", which needs none (requires_grad false, Paddle's stop_gradient)");
+    if (fdef.backward.stop_gradient_grads == registry::Backward::StopGradientGrads::kError) {
+      return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                            what, "; backward.stop_gradient_grads is \"error\": return zeros "
+                            "for it, or set requires_grad on it")),
+                        reason::kStopGradientGrad, {{"input", fdef.inputs[i].name}});
+    }
+    out->warnings.push_back(absl::StrCat(what, "; it was dropped"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct Autograd::Impl {
@@ -354,70 +455,11 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   bcall.op = bdef.name;
   bcall.version = (*bprop)->version;
   bcall.deadline = call.deadline;
-  bcall.outputs = call.outputs;
+  bcall.outputs = GradPlacements(*ctx, call.outputs);
   bcall.keep_output_bytes = call.keep_output_bytes;
-  // A grad for an input that needs none is not the caller's: it comes back
-  // inline (the placement of one for all outputs is spread per output), so
-  // that it can be looked at and dropped without touching the caller's
-  // shared memory.
-  if (!bcall.outputs.empty() &&
-      std::find(ctx->requires_grad.begin(), ctx->requires_grad.end(), false) !=
-          ctx->requires_grad.end()) {
-    std::vector<exec::OutputPlacement> per(n_in);
-    for (size_t i = 0; i < n_in; ++i) {
-      if (!ctx->requires_grad[i]) continue;  // kInline
-      if (bcall.outputs.size() == 1) {
-        per[i] = bcall.outputs[0];
-      } else if (i < bcall.outputs.size()) {
-        per[i] = bcall.outputs[i];
-      }
-    }
-    bcall.outputs = std::move(per);
-  }
-  // The bprop's inputs in backward.inputs' order (by default MindSpore's
-  // (inputs, outputs, grads)). A forward tensor not saved is a null
-  // placeholder (params[i] == nullptr, ndims[i] == 0, its dtype); only an
-  // optional input absent in the forward stays absent.
-  for (const registry::BpropArg& a : *args) {
-    std::vector<TensorArg> group;
-    const size_t j = a.index;
-    switch (a.kind) {
-      case registry::BpropArg::Kind::kInput:
-        if (j < ctx->inputs.size()) {
-          for (const auto& t : ctx->inputs[j]) group.push_back(ArgOf(t));
-        }
-        break;
-      case registry::BpropArg::Kind::kOutput:
-        group.push_back(j < ctx->outputs.size() ? ArgOf(ctx->outputs[j])
-                                                : NullArg(ctx->output_descs[j].dtype));
-        break;
-      case registry::BpropArg::Kind::kGrad: {
-        const bool nondiff = Contains(fdef.backward.non_differentiable, fdef.outputs[j].name);
-        const bool given = j < call.grad_outputs.size() && call.grad_outputs[j].has_value();
-        if (given && !nondiff) {
-          const TensorArg& g = *call.grad_outputs[j];
-          if (g.desc.shape != ctx->output_descs[j].shape ||
-              g.desc.dtype != ctx->output_descs[j].dtype) {
-            return done(absl::InvalidArgumentError(absl::StrCat(
-                "grad_outputs[", j, "] (", fdef.outputs[j].name, ") is ",
-                exec::DescString(g.desc), " but the output was ",
-                exec::DescString(ctx->output_descs[j]))));
-          }
-          group.push_back(g);
-        } else if (fdef.backward.materialize_grads) {
-          const auto& desc = ctx->output_descs[j];
-          auto n = tensor::ByteSize(desc.dtype, desc.shape);
-          if (!n.ok()) return done(n.status());
-          zeros->emplace_back(*n, '\0');
-          group.push_back(TensorArg::Inline(desc, zeros->back()));
-        } else {
-          group.push_back(NullArg(ctx->output_descs[j].dtype));  // a missing grad, in its slot
-        }
-        break;
-      }
-    }
-    bcall.inputs.push_back(std::move(group));
-  }
+  auto inputs = BpropInputs(*ctx, call, *args, zeros.get());
+  if (!inputs.ok()) return done(inputs.status());
+  bcall.inputs = *std::move(inputs);
   // The bprop sees the forward's attrs that it declares.
   for (const auto& [name, arg] : ctx->attrs) {
     for (const auto& a : bdef.attrs) {
@@ -439,31 +481,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
     BackwardResult out;
     out.kernel_ms = r->forward.kernel_ms;
     out.context_id = r->context_id;
-    out.grad_inputs.resize(ctx->requires_grad.size());
-    const registry::OpDef& fdef = ctx->record->def;
-    for (size_t i = 0; i < ctx->requires_grad.size(); ++i) {
-      if (i >= r->forward.outputs.size()) continue;
-      if (ctx->input_counts[i] == 0) continue;  // an absent optional input has no grad
-      if (!ctx->requires_grad[i]) {
-        // Dropped, but never without a word when it carried something.
-        if (!HoldsNonzeroGrad(r->forward.outputs[i])) continue;
-        const std::string what = absl::StrCat(
-            "the bprop ", fdef.backward.op, " of ", ctx->ns, "/", fdef.name,
-            " returned a nonzero grad for input ", fdef.inputs[i].name,
-            ", which needs none (requires_grad false, Paddle's stop_gradient)");
-        if (fdef.backward.stop_gradient_grads ==
-            registry::Backward::StopGradientGrads::kError) {
-          return done(WithReason(
-              absl::FailedPreconditionError(absl::StrCat(
-                  what, "; backward.stop_gradient_grads is \"error\": return zeros for it, or "
-                  "set requires_grad on it")),
-              reason::kStopGradientGrad, {{"input", fdef.inputs[i].name}}));
-        }
-        out.warnings.push_back(absl::StrCat(what, "; it was dropped"));
-        continue;
-      }
-      out.grad_inputs[i].push_back(std::move(r->forward.outputs[i]));
-    }
+    if (absl::Status s = CollectGrads(*ctx, &r->forward, &out); !s.ok()) return done(s);
     out.server_ms = MsSince(t0);
     done(std::move(out));
   };

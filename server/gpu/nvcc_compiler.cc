@@ -143,6 +143,35 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// Writes a kernel's extra files under `dir` (each name a plain relative
+// path); returns the files and the directories made for them.
+template <typename Files>
+absl::StatusOr<std::vector<std::string>> WriteExtraFiles(const std::string& dir,
+                                                         const Files& files) {
+  std::vector<std::string> written;
+  for (const auto& [fname, content] : files) {
+    const std::filesystem::path rel(fname);
+    bool bad = fname.empty() || rel.is_absolute() || fname.find('\\') != std::string::npos ||
+               fname.find('\0') != std::string::npos;
+    for (const auto& part : rel) bad = bad || part == ".." || part == "." || part.empty();
+    if (bad || rel.lexically_normal().string() != fname) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("extra file name \"", fname, "\" is not a plain relative path"));
+    }
+    std::filesystem::path path = std::filesystem::path(dir) / rel;
+    std::error_code ec;
+    for (auto parent = rel.parent_path(); !parent.empty(); parent = parent.parent_path()) {
+      written.push_back((std::filesystem::path(dir) / parent).string());
+    }
+    std::filesystem::create_directories(path.parent_path(), ec);
+    std::ofstream f(path, std::ios::binary);
+    f.write(content.data(), static_cast<std::streamsize>(content.size()));
+    if (ec || !f) return absl::InternalError(absl::StrCat("could not write the extra file ", fname));
+    written.push_back(path.string());
+  }
+  return written;
+}
+
 }  // namespace
 
 absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
@@ -192,27 +221,7 @@ absl::StatusOr<NvccOutput> CompileAotSharedObject(const NvccRequest& request) {
     if (!f) return absl::InternalError(absl::StrCat("could not write ", src));
   }
   // The extra files beside the source, in this compile's own directory.
-  std::vector<std::string> written;  // files and the directories made for them
-  for (const auto& [fname, content] : request.files) {
-    const std::filesystem::path rel(fname);
-    bool bad = fname.empty() || rel.is_absolute() || fname.find('\\') != std::string::npos ||
-               fname.find('\0') != std::string::npos;
-    for (const auto& part : rel) bad = bad || part == ".." || part == "." || part.empty();
-    if (bad || rel.lexically_normal().string() != fname) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("extra file name \"", fname, "\" is not a plain relative path"));
-    }
-    std::filesystem::path path = std::filesystem::path(dir) / rel;
-    std::error_code ec;
-    for (auto parent = rel.parent_path(); !parent.empty(); parent = parent.parent_path()) {
-      written.push_back((std::filesystem::path(dir) / parent).string());
-    }
-    std::filesystem::create_directories(path.parent_path(), ec);
-    std::ofstream f(path, std::ios::binary);
-    f.write(content.data(), static_cast<std::streamsize>(content.size()));
-    if (ec || !f) return absl::InternalError(absl::StrCat("could not write the extra file ", fname));
-    written.push_back(path.string());
-  }
+  OPJIT_ASSIGN_OR_RETURN(std::vector<std::string> written, WriteExtraFiles(dir, request.files));
 
   std::vector<std::string> argv;
   std::optional<subprocess::SpawnOptions::UserNamespace> as;  // a non-root daemon's compile ids
