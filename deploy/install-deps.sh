@@ -4,8 +4,7 @@
 # all when nothing is missing. Debian packages only.
 #
 #   deploy/install-deps.sh           build, run and test
-#   deploy/install-deps.sh --bench   also the peers and plots of bench/
-#                                    (PyTorch's Python package, matplotlib)
+#   deploy/install-deps.sh --bench   also the plots of bench/ (matplotlib)
 set -euo pipefail
 
 PKGS=(
@@ -40,11 +39,14 @@ PKGS=(
   # Issue 26: /metrics on libmicrohttpd (a thread pool, connection limits and
   # timeouts instead of a hand-written server).
   libmicrohttpd-dev
+  # Issue 32: opjit.torch, its tests and the training example
+  # (client/python/examples/torch_mlp.py), and bench/'s PyTorch peers.
+  python3-torch
 )
 if [ "${1:-}" = "--bench" ]; then
   # torch.utils.cpp_extension.load_inline needs libtorch's headers, pybind11
-  # and ninja; plots need matplotlib.
-  PKGS+=(python3-torch python3-matplotlib)
+  # and ninja (python3-torch, above); plots need matplotlib.
+  PKGS+=(python3-matplotlib)
 fi
 
 missing=()

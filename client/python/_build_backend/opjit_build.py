@@ -65,6 +65,11 @@ def _pyproject():
             project[key] = m.group(1)
     m = re.search(r"^dependencies\s*=\s*\[([^\]]*)\]", section, re.M)
     project["dependencies"] = re.findall(r'"([^"]+)"', m.group(1)) if m else []
+    if "[project.optional-dependencies]" in text:
+        extras = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+        project["optional-dependencies"] = {
+            k: re.findall(r'"([^"]+)"', v)
+            for k, v in re.findall(r"^([A-Za-z0-9_.-]+)\s*=\s*\[([^\]]*)\]", extras, re.M)}
     return project
 
 
@@ -97,6 +102,10 @@ def _metadata():
         lines.append("Requires-Python: %s" % p["requires-python"])
     for dep in p.get("dependencies", []):
         lines.append("Requires-Dist: %s" % dep)
+    for extra, deps in sorted(p.get("optional-dependencies", {}).items()):
+        lines.append("Provides-Extra: %s" % extra)
+        for dep in deps:
+            lines.append('Requires-Dist: %s; extra == "%s"' % (dep, extra))
     body = ""
     readme = p.get("readme")
     if isinstance(readme, str) and os.path.exists(os.path.join(HERE, readme)):

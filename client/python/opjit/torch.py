@@ -1,0 +1,674 @@
+"""opjit ops inside PyTorch programs (needs PyTorch; ``import opjit`` does not).
+
+    import torch, opjit.torch as ot
+    leaky = ot.op("leaky_relu")                  # a registered opjit op
+    y = leaky(torch.randn(4, 8), alpha=0.5)      # a torch.Tensor
+    y = torch.ops.opjit.leaky_relu(x, alpha=0.5)  # the same, as a torch op (torch.library)
+
+* **Calls.** ``ot.op(name, client=None)`` wraps ``client.op(name)``: inputs
+  are torch tensors (or anything opjit takes), attrs are keywords (or
+  positional after the inputs), outputs are torch tensors whose shapes and
+  dtypes come from the daemon's ``Prepare`` (the opjit call path, fast channel
+  included). The op is also defined as ``torch.ops.opjit.<name>`` (attrs
+  keyword-only; ``<ns>__<name>`` for an op of namespace ``ns``) where its
+  signature has a torch schema; ``TorchOp.torch_op`` is None and
+  ``TorchOp.torch_error`` says why otherwise.
+* **dtypes.** float16/32/64, int8/16/32/64, uint8 and bool map both ways
+  (``torch_dtype``, ``dtype_name``); bfloat16, complex and quantized tensors
+  (no opjit dtype), or an output of uint16/32/64 (no torch dtype in torch
+  1.13) raise ``opjit.InvalidArgument`` naming the dtype.
+* **Autograd.** When grad mode is on and an input requires grad, the call is
+  a ``torch.autograd.Function``: its backward runs the op's registered bprop
+  (``backward.op``) as another op call on the tensors ``backward.inputs``
+  names (forward inputs, outputs, output grads), which torch saved. So torch
+  owns what the backward needs (``retain_graph``, freeing, in-place checks);
+  the daemon keeps no backward context, and both passes take the fast path.
+  A bprop is itself called through ``opjit.torch``, so when it has a bprop
+  of its own, double backward works (``create_graph=True``); otherwise the
+  second backward raises ``FailedPrecondition`` (``NOT_DIFFERENTIABLE``), as
+  does a first backward through an op without a bprop. Outputs named in
+  ``backward.non_differentiable`` are marked so; inputs that need no grad get
+  none. ``ot.function(MyFunction)`` makes an ``opjit.Function`` (PyLayer)
+  differentiable in torch (first order). ``ot.module(name, **attrs)`` is an
+  op as an ``nn.Module`` (for ``nn.Sequential``).
+* **Memory.** CPU tensors are passed to opjit as numpy views (no copy). A
+  tensor that lives in this client's shared memory (an earlier output,
+  ``ot.empty``, ``ot.from_tensor``) travels by reference: zero copies. Any
+  other tensor is copied once into shared memory by the call (counted by
+  ``copy_stats()``), and a non-contiguous one is first made contiguous
+  (another copy; ``contiguous="error"`` refuses it instead). Outputs are
+  torch tensors over the shared memory (no copy). CUDA tensors raise
+  ``InvalidArgument`` for now.
+* **DLPack.** ``opjit.from_dlpack(torch_tensor)`` is an ndarray over the
+  tensor's memory; ``torch.from_dlpack(ndarray)`` (or ``ot.from_dlpack``)
+  is a tensor over an opjit output's.
+"""
+
+import threading
+import weakref
+
+import numpy as np
+
+try:
+    import torch  # absolute: the top-level PyTorch package, not this module
+except ImportError as e:
+    raise ImportError("opjit.torch needs PyTorch (%s): apt install python3-torch, or "
+                      "pip install 'opjit[torch]'; the rest of opjit works without it" % e) \
+        from e
+
+import opjit
+from opjit import _tensors as T
+from opjit.errors import FailedPrecondition, InvalidArgument
+from opjit.op import Op, bprop_args
+
+__all__ = ["op", "TorchOp", "module", "OpModule", "function", "empty", "empty_like", "zeros", "from_tensor",
+           "is_shared", "from_dlpack", "to_dlpack", "torch_dtype", "dtype_name",
+           "default_client", "set_default_client", "copy_stats", "reset_copy_stats",
+           "LIBRARY"]
+
+LIBRARY = "opjit"  # torch.ops.opjit.<name>
+
+# opjit dtype name <-> torch dtype. uint16/32/64 have no torch 1.13 dtype.
+_TO_TORCH = {
+    "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
+    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+
+
+def torch_dtype(name):
+    """The torch dtype of an opjit dtype name (or numpy dtype); InvalidArgument if none."""
+    if not isinstance(name, str):
+        name = T.dtype_name(name)
+    dt = _TO_TORCH.get(name)
+    if dt is None:
+        raise InvalidArgument("opjit dtype %s has no torch counterpart (torch %s has %s)"
+                              % (name, torch.__version__, " ".join(_TO_TORCH)))
+    return dt
+
+
+def dtype_name(dtype):
+    """The opjit dtype name of a torch dtype; InvalidArgument if opjit has none."""
+    name = _FROM_TORCH.get(dtype)
+    if name is None:
+        raise InvalidArgument("torch dtype %s has no opjit counterpart (opjit.torch takes %s)"
+                              % (dtype, ", ".join(str(d) for d in _FROM_TORCH)))
+    return name
+
+
+# ---- the default client and copy accounting ---------------------------------------------
+
+_lock = threading.Lock()
+_default = None
+_stats = {"calls": 0, "inputs": 0, "shared_inputs": 0, "copied_inputs": 0, "copied_bytes": 0,
+          "made_contiguous": 0}
+
+
+def default_client():
+    """The client opjit.torch uses when none is given: one opjit.Client()
+    ($OPJIT_SERVER, else the default socket), made on first use."""
+    global _default
+    with _lock:
+        if _default is None:
+            _default = opjit.Client()
+        return _default
+
+
+def set_default_client(client):
+    global _default
+    with _lock:
+        _default = client
+
+
+def copy_stats():
+    """Counts since the last reset: calls, inputs, shared_inputs (passed by
+    reference: already in this client's shared memory), copied_inputs and
+    copied_bytes (copied once into shared memory by the call), made_contiguous
+    (non-contiguous inputs copied to a contiguous tensor first)."""
+    with _lock:
+        return dict(_stats)
+
+
+def reset_copy_stats():
+    with _lock:
+        for k in _stats:
+            _stats[k] = 0
+
+
+def _pool(client, namespace):
+    tr = getattr(client, "_transport", None)
+    try:
+        return tr.pool(namespace) if tr is not None else None
+    except Exception:
+        return None
+
+
+# ---- tensors <-> arrays ----------------------------------------------------------------
+
+def _check_tensor(t, what):
+    if t.device.type != "cpu":
+        raise InvalidArgument(
+            "%s is a %s tensor (%s): opjit.torch takes CPU tensors for now (CUDA IPC between "
+            "torch and opjitd is not implemented); move it with .cpu()"
+            % (what, t.device.type.upper(), t.device))
+    if t.layout != torch.strided:
+        raise InvalidArgument("%s has layout %s: opjit.torch takes dense (strided) tensors; "
+                              "use .to_dense()" % (what, t.layout))
+    if t.dtype not in _FROM_TORCH:
+        dtype_name(t.dtype)  # raises, naming the dtype
+
+
+def _array(t, what, contiguous="copy"):
+    """A zero-copy ndarray over CPU tensor t (made contiguous first if need be)."""
+    if not isinstance(t, torch.Tensor):
+        return T.as_ndarray(t, what)
+    _check_tensor(t, what)
+    if not t.is_contiguous():
+        if contiguous == "error":
+            raise InvalidArgument(
+                "%s is not contiguous (shape %s, strides %s): opjit kernels take row-major "
+                "tensors; pass .contiguous() (a copy), or use contiguous=\"copy\""
+                % (what, tuple(t.shape), t.stride()))
+        t = t.contiguous()
+        with _lock:
+            _stats["made_contiguous"] += 1
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.numpy()
+
+
+def _tensor(arr):
+    """A torch tensor over ndarray arr (no copy)."""
+    if isinstance(arr, torch.Tensor):
+        return arr
+    name = T.dtype_name(arr.dtype)
+    if name not in _TO_TORCH:
+        torch_dtype(name)  # raises
+    if not arr.flags.writeable:
+        arr = arr.copy()  # torch.from_numpy warns on read-only arrays
+    return torch.from_numpy(arr)
+
+
+# ---- shared memory ---------------------------------------------------------------------
+
+def _client(client):
+    return client if client is not None else default_client()
+
+
+def empty(*size, dtype=torch.float32, client=None, requires_grad=False):
+    """An uninitialised CPU tensor in `client`'s shared memory: ops take it
+    without any copy (a plain torch.empty with the inline transport)."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    np_dtype = T.DTYPES[dtype_name(dtype)]
+    t = torch.from_numpy(_client(client).empty(tuple(int(s) for s in size), np_dtype))
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def empty_like(t, client=None):
+    return empty(tuple(t.shape), dtype=t.dtype, client=client)
+
+
+def zeros(*size, dtype=torch.float32, client=None, requires_grad=False):
+    t = empty(*size, dtype=dtype, client=client)
+    t.zero_()
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def is_shared(t, client=None, namespace=None):
+    """Whether tensor t lives in `client`'s shared memory (ops pass it by reference)."""
+    client = _client(client)
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    pool = _pool(client, client.namespace if namespace is None else namespace)
+    return pool is not None and t.numel() > 0 and pool.locate(t.detach().numpy()) is not None
+
+
+def from_tensor(t, client=None):
+    """t in shared memory: t itself when it is there already, else a copy
+    there (one copy; requires_grad is kept, the copy is a new leaf)."""
+    client = _client(client)
+    if is_shared(t, client):
+        return t
+    _check_tensor(t, "from_tensor's argument")
+    out = empty(tuple(t.shape), dtype=t.dtype, client=client)
+    with torch.no_grad():
+        out.copy_(t)
+    return out.requires_grad_(t.requires_grad) if t.requires_grad else out
+
+
+def from_dlpack(x):
+    """A torch tensor over the memory of any DLPack object (an opjit output ndarray...)."""
+    return torch.utils.dlpack.from_dlpack(x)
+
+
+def to_dlpack(t):
+    """An ndarray over a CPU tensor's memory (opjit.from_dlpack of it; no copy)."""
+    _check_tensor(t, "to_dlpack's argument")
+    return opjit.from_dlpack(t.detach())
+
+
+# ---- ops ------------------------------------------------------------------------------
+
+class _Call:
+    """One call's binding: which op, the declared inputs, each group's size, attrs."""
+
+    __slots__ = ("top", "inputs", "sizes", "attrs", "version", "target")
+
+    def __init__(self, top, inputs, sizes, attrs, version, target):
+        self.top, self.inputs, self.sizes = top, inputs, sizes
+        self.attrs, self.version, self.target = attrs, version, target
+
+
+class _OpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, *flat):
+        outs = call.top._run(call, flat)
+        top = call.top
+        ctx.call = call
+        nd = top._non_diff
+        if nd:
+            ctx.mark_non_differentiable(*[o for j, o in enumerate(outs) if j in nd])
+        ctx.save_for_backward(*flat, *outs)
+        ctx.n_in = len(flat)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        flat, outs = saved[:ctx.n_in], saved[ctx.n_in:]
+        dx = ctx.call.top._backward(ctx.call, flat, outs, grads, ctx.needs_input_grad[1:])
+        return (None,) + tuple(dx)
+
+
+class TorchOp:
+    """A registered opjit op called on torch tensors; see the module docstring.
+
+    ``TorchOp(op)`` or ``opjit.torch.op(name, client=...)``. ``contiguous``:
+    "copy" (default: a non-contiguous input is made contiguous, a copy) or
+    "error" (refused with InvalidArgument). ``register``: also define
+    ``torch.ops.opjit.<torch_name>`` (default True).
+    """
+
+    def __init__(self, op, contiguous="copy", register=True, torch_name=None):
+        if contiguous not in ("copy", "error"):
+            raise InvalidArgument('contiguous must be "copy" or "error", not %r' % (contiguous,))
+        self.op = op
+        self.contiguous = contiguous
+        self.torch_op = None
+        self.torch_error = None
+        self._bprop = None
+        self._refresh_def()
+        self.torch_name = torch_name or (
+            "%s__%s" % (op.namespace, op.name) if op.namespace else op.name)
+        if register:
+            self._register()
+
+    def __repr__(self):
+        return "opjit.torch.TorchOp(%r)" % (self.op.qualified_name,)
+
+    @property
+    def name(self):
+        return self.op.name
+
+    def _refresh_def(self):
+        self.record = self.op.definition()
+        opdef = self.record.op
+        outs = sorted(opdef.outputs, key=lambda p: p.index)
+        nd = set(opdef.backward.non_differentiable)
+        self._non_diff = frozenset(j for j, p in enumerate(outs) if p.name in nd)
+        self._pool = _pool(self.op.client, self.op.namespace)
+
+    # -- the call
+    def __call__(self, *args, **kwargs):
+        version = kwargs.pop("version", self.op.version)
+        target = kwargs.pop("target", self.op.target)
+        record = self.record if version in (0, self.record.version) else \
+            self.op.definition(version)
+        attrs_in = {k: v for k, v in kwargs.items() if v is not None}
+        n_in = len(record.op.inputs)
+        if len(args) > n_in and any(v is None for v in args[n_in:]):
+            # torch.ops passes every attr, None for an unset optional one.
+            for a, v in zip(record.op.attrs, args[n_in:]):
+                if v is not None and a.name not in attrs_in:
+                    attrs_in[a.name] = v
+            args = args[:n_in]
+        inputs, groups, pb_attrs = self.op._bind(record.op, args, attrs_in)
+        flat, sizes = [], []
+        for p, g in zip(inputs, groups):
+            sizes.append(len(g))
+            flat.extend(g)
+        call = _Call(self, inputs, sizes, pb_attrs, version, target)
+        if torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+            for p, g in zip(inputs, groups):
+                if p.param_type == "dynamic" and any(
+                        isinstance(t, torch.Tensor) and t.requires_grad for t in g):
+                    raise InvalidArgument(
+                        "op %s: dynamic input %s requires grad; opjit.torch differentiates "
+                        "required and optional inputs only" % (self.op.name, p.name))
+            flat = [t if isinstance(t, torch.Tensor) else _tensor(T.as_ndarray(t))
+                    for t in flat]
+            return _OpFunction.apply(call, *flat)
+        outs = self._run(call, flat)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _run(self, call, flat):
+        arrays = []
+        pool = self._pool
+        shared = copied = copied_bytes = 0
+        k = 0
+        for p, n in zip(call.inputs, call.sizes):
+            row = []
+            for _ in range(n):
+                a = _array(flat[k], "input %s of op %s" % (p.name, self.op.name),
+                           self.contiguous)
+                k += 1
+                if pool is not None and a.nbytes:
+                    if pool.locate(a) is not None:
+                        shared += 1
+                    else:
+                        copied += 1
+                        copied_bytes += a.nbytes
+                row.append(a)
+            arrays.append(row)
+        fwd = self.op._session.forward(self.op.name, arrays, call.attrs, version=call.version,
+                                       target=call.target)
+        with _lock:
+            _stats["calls"] += 1
+            _stats["inputs"] += k
+            _stats["shared_inputs"] += shared
+            _stats["copied_inputs"] += copied
+            _stats["copied_bytes"] += copied_bytes
+        if call.version == 0 and fwd.version and fwd.version != self.record.version:
+            self.op.refresh()
+            self._refresh_def()
+            self._bprop = None
+        return [_tensor(o) for o in fwd.outputs]
+
+    # -- backward: the registered bprop op, called through opjit.torch
+    def bprop(self):
+        """The TorchOp of this op's backward.op (FailedPrecondition if it has none)."""
+        if self._bprop is None:
+            name = self.record.op.backward.op
+            if not name:
+                raise FailedPrecondition(
+                    "op %s (version %d) is not differentiable: it has no backward op "
+                    "(backward.op is empty)" % (self.op.qualified_name, self.record.version),
+                    reason="NOT_DIFFERENTIABLE",
+                    metadata={"op": self.op.qualified_name, "version": str(self.record.version)})
+            qual = "%s/%s" % (self.op.namespace, name) if self.op.namespace else name
+            self._bprop = TorchOp(Op(self.op.client, qual, target=self.op.target),
+                                  contiguous="copy", register=False)
+        return self._bprop
+
+    def _backward(self, call, flat, outs, grads, needs):
+        bprop = self.bprop()
+        groups, k = [], 0
+        for n in call.sizes:
+            groups.append(list(flat[k:k + n]))
+            k += n
+        grads = list(grads)
+        for j in self._non_diff:
+            if j < len(grads):
+                grads[j] = torch.zeros_like(outs[j])
+        args = []
+        for kind, i in bprop_args(self.record.op):
+            if kind == "in":
+                g = groups[i] if i < len(groups) else []
+                dynamic = call.inputs[i].param_type == "dynamic"
+                args.append(g if dynamic else (g[0] if g else None))
+            elif kind == "out":
+                args.append(outs[i])
+            else:
+                g = grads[i] if i < len(grads) else None
+                args.append(torch.zeros_like(outs[i]) if g is None else g)
+        # Attrs of the forward the bprop also declares go along (MindSpore's
+        # bprops see the forward's attrs).
+        battrs = {a.name for a in bprop.record.op.attrs}
+        res = bprop.op._bind(bprop.record.op, args, {})
+        b_inputs, b_groups, _ = res
+        b_attrs = {k: v for k, v in call.attrs.items() if k in battrs}
+        bflat, bsizes = [], []
+        for g in b_groups:
+            bsizes.append(len(g))
+            bflat.extend(g)
+        bcall = _Call(bprop, b_inputs, bsizes, b_attrs, 0, call.target)
+        if torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in bflat):
+            dx = _OpFunction.apply(bcall, *bflat)
+        else:
+            dx = bprop._run(bcall, bflat)
+        dx = [dx] if isinstance(dx, torch.Tensor) else list(dx)
+        out, k = [], 0
+        for i, n in enumerate(call.sizes):
+            for _ in range(n):
+                g = dx[i] if i < len(dx) and n == 1 else None
+                out.append(g if needs[k] else None)
+                k += 1
+        return out
+
+    # -- torch.library
+    def _register(self):
+        try:
+            schema = _schema(self.torch_name, self.record.op)
+        except _NoSchema as e:
+            self.torch_error = str(e)
+            return
+        self.torch_op, self.torch_error = _define(self.torch_name, schema, self)
+
+
+class _NoSchema(Exception):
+    pass
+
+
+_SCHEMA_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str",
+                 "listInt": "int[]", "listFloat": "float[]", "listBool": "bool[]",
+                 "listStr": "str[]"}
+
+
+def _schema_default(value_type, text):
+    import json
+    if value_type == "bool":
+        return "True" if text.strip().lower() in ("true", "1") else "False"
+    if value_type == "int":
+        return str(int(text))
+    if value_type == "float":
+        return repr(float(text))
+    if value_type == "str":
+        return json.dumps(text)
+    v = json.loads(text)
+    if value_type == "listBool":
+        return "[%s]" % ",".join("True" if x else "False" for x in v)
+    if value_type == "listFloat":
+        return "[%s]" % ",".join(repr(float(x)) for x in v)
+    if value_type == "listInt":
+        return "[%s]" % ",".join(str(int(x)) for x in v)
+    return "[%s]" % ",".join(json.dumps(str(x)) for x in v)
+
+
+def _schema(name, opdef):
+    """The torch schema of an opjit op: its inputs as Tensor / Tensor? /
+    Tensor[] (in order), its attrs keyword-only, its outputs a Tensor tuple."""
+    if not name.isidentifier():
+        raise _NoSchema("%r is not a torch op name" % name)
+    inputs = sorted(opdef.inputs, key=lambda p: p.index)
+    parts = []
+    for k, p in enumerate(inputs):
+        pt = p.param_type or "required"
+        if pt == "dynamic":
+            parts.append("Tensor[] %s" % p.name)
+        elif pt == "optional":
+            trailing = all((q.param_type or "required") == "optional" for q in inputs[k:])
+            parts.append("Tensor? %s%s" % (p.name, "=None" if trailing else ""))
+        else:
+            parts.append("Tensor %s" % p.name)
+    if opdef.attrs:
+        parts.append("*")
+    for a in opdef.attrs:
+        t = _SCHEMA_TYPES.get(a.value_type)
+        if t is None:
+            raise _NoSchema("attr %s is %s, which torch schemas cannot express"
+                            % (a.name, a.value_type))
+        if a.default_value:
+            try:
+                parts.append("%s %s=%s" % (t, a.name, _schema_default(a.value_type,
+                                                                     a.default_value)))
+            except (ValueError, TypeError):
+                raise _NoSchema("attr %s: default %r is not a %s" % (a.name, a.default_value,
+                                                                       a.value_type)) from None
+        elif (a.param_type or "required") == "optional":
+            parts.append("%s? %s=None" % (t, a.name))
+        else:
+            parts.append("%s %s" % (t, a.name))
+    names = [p.name for p in inputs] + [a.name for a in opdef.attrs]
+    bad = [n for n in names if not n.isidentifier()]
+    if bad or len(set(names)) != len(names):
+        raise _NoSchema("argument names %s cannot be a torch schema's" % (bad or names))
+    n_out = len(opdef.outputs)
+    ret = "Tensor" if n_out == 1 else "(%s)" % ", ".join(["Tensor"] * n_out)
+    return "%s(%s) -> %s" % (name, ", ".join(parts), ret)
+
+
+_library = None
+_defined = {}  # torch name -> (schema, weakref to the TorchOp serving it)
+
+
+def _define(name, schema, top):
+    """Defines torch.ops.opjit.<name> (once per process; later TorchOps of the
+    same schema take it over). Returns (the torch op or None, why not)."""
+    global _library
+    with _lock:
+        prev = _defined.get(name)
+        if prev is not None:
+            if prev[0] != schema:
+                return None, ("torch.ops.%s.%s is already defined in this process as %r (torch "
+                              "cannot redefine an op); this op's schema is %r"
+                              % (LIBRARY, name, prev[0], schema))
+            _defined[name] = (schema, weakref.ref(top))
+            return getattr(getattr(torch.ops, LIBRARY), name), None
+        try:
+            if _library is None:
+                _library = torch.library.Library(LIBRARY, "DEF")
+            _library.define(schema)
+        except Exception as e:  # a schema torch refuses
+            return None, "torch.library refused %r: %s" % (schema, e)
+
+        def kernel(*args, **kwargs):
+            ref = _defined[name][1]()
+            if ref is None:
+                raise InvalidArgument("torch.ops.%s.%s: its opjit.torch op was garbage "
+                                      "collected; call opjit.torch.op(%r) again"
+                                      % (LIBRARY, name, name))
+            return ref(*args, **kwargs)
+
+        _library.impl(name, kernel, "CompositeImplicitAutograd")
+        _defined[name] = (schema, weakref.ref(top))
+        _keep.append(top)
+    return getattr(getattr(torch.ops, LIBRARY), name), None
+
+
+_keep = []  # the TorchOps torch.ops names first (the op stays callable through torch.ops)
+
+
+def op(name, client=None, version=0, target=None, contiguous="copy", register=True,
+       torch_name=None):
+    """A TorchOp for registered op `name` ("op" or "ns/op"), or for an opjit.Op."""
+    if isinstance(name, Op):
+        o = name
+    else:
+        o = _client(client).op(name, version=version, target=target)
+    return TorchOp(o, contiguous=contiguous, register=register, torch_name=torch_name)
+
+
+class OpModule(torch.nn.Module):
+    """An opjit op as a torch.nn.Module (for nn.Sequential and friends):
+    ``OpModule(top, **attrs)`` calls ``top(*inputs, **attrs)``."""
+
+    def __init__(self, top, **attrs):
+        super().__init__()
+        self.op = top
+        self.attrs = attrs
+
+    def forward(self, *inputs):
+        return self.op(*inputs, **self.attrs)
+
+    def extra_repr(self):
+        return ", ".join([repr(self.op.op.qualified_name)] +
+                         ["%s=%r" % kv for kv in self.attrs.items()])
+
+
+def module(name, client=None, version=0, target=None, contiguous="copy", **attrs):
+    """An OpModule for registered op `name` (or an opjit.Op / TorchOp) with
+    fixed `attrs`: ``nn.Sequential(nn.Linear(4, 8), opjit.torch.module("tanh"))``."""
+    top = name if isinstance(name, TorchOp) else op(name, client=client, version=version,
+                                                   target=target, contiguous=contiguous)
+    return OpModule(top, **attrs)
+
+
+# ---- opjit.Function (PyLayer) in torch ------------------------------------------------
+
+class _PyLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, kwargs, contiguous, *args):
+        from opjit.autograd import Tensor, enable_grad
+        leaves, pos = [], []
+        opargs = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                needs = ctx.needs_input_grad[3 + i] and a.is_floating_point()
+                t = Tensor(_array(a, "argument %d of %s" % (i, fn.__name__), contiguous),
+                           requires_grad=needs)
+                leaves.append(t)
+                pos.append(i)
+                opargs.append(t)
+            else:
+                opargs.append(a)
+        with enable_grad():
+            outs = fn.apply(*opargs, **kwargs)
+        single = not isinstance(outs, (tuple, list))
+        outs = [outs] if single else list(outs)
+        ctx.opjit = (leaves, pos, outs, len(args))
+        res = []
+        for o in outs:
+            res.append(_tensor(np.array(o.data, copy=False)) if isinstance(o, Tensor)
+                       else torch.as_tensor(o))
+        nondiff = [r for r, o in zip(res, outs)
+                   if not (isinstance(o, Tensor) and o.requires_grad)]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return res[0] if single else tuple(res)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        from opjit.autograd import grad as opjit_grad
+        leaves, pos, outs, n = ctx.opjit
+        roots, gs = [], []
+        for o, g in zip(outs, grads):
+            if getattr(o, "requires_grad", False) and g is not None:
+                roots.append(o)
+                gs.append(_array(g, "a grad").copy())
+        want = [t for t in leaves if t.requires_grad]
+        got = opjit_grad(roots, want, grad_outputs=gs, retain_graph=True) if roots and want \
+            else [None] * len(want)
+        by_leaf = dict(zip([id(t) for t in want], got))
+        out = [None] * n
+        for t, i in zip(leaves, pos):
+            g = by_leaf.get(id(t))
+            out[i] = None if g is None else _tensor(np.ascontiguousarray(g))
+        return (None, None, None) + tuple(out)
+
+
+def function(fn, contiguous="copy"):
+    """A callable running opjit.Function subclass `fn` on torch tensors,
+    differentiable in torch (first order: its backward runs on opjit's tape)."""
+    def call(*args, **kwargs):
+        return _PyLayer.apply(fn, kwargs, contiguous, *args)
+    call.__name__ = getattr(fn, "__name__", "function")
+    call.__doc__ = getattr(fn, "__doc__", None)
+    return call
