@@ -136,6 +136,15 @@ def reset_copy_stats():
             _stats[k] = 0
 
 
+def _in_pool(pool, addr, nbytes):
+    """Whether [addr, addr + nbytes) lies in a live region of `pool` (for
+    the copy counts only: the transport decides for itself, under its lock)."""
+    for r in pool._regions:
+        if r.live and r.addr <= addr and addr + nbytes <= r.addr + r.size:
+            return True
+    return False
+
+
 def _pool(client, namespace):
     tr = getattr(client, "_transport", None)
     try:
@@ -147,12 +156,12 @@ def _pool(client, namespace):
 # ---- tensors <-> arrays ----------------------------------------------------------------
 
 def _check_tensor(t, what):
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise InvalidArgument(
             "%s is a %s tensor (%s): opjit.torch takes CPU tensors for now (CUDA IPC between "
             "torch and opjitd is not implemented); move it with .cpu()"
             % (what, t.device.type.upper(), t.device))
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         raise InvalidArgument("%s has layout %s: opjit.torch takes dense (strided) tensors; "
                               "use .to_dense()" % (what, t.layout))
     if t.dtype not in _FROM_TORCH:
@@ -173,12 +182,7 @@ def _array(t, what, contiguous="copy"):
         t = t.contiguous()
         with _lock:
             _stats["made_contiguous"] += 1
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.numpy()
+    return t.detach().numpy()  # (conj/neg views exist for complex tensors only: refused)
 
 
 def _tensor(arr):
@@ -369,7 +373,7 @@ class TorchOp:
                            self.contiguous)
                 k += 1
                 if pool is not None and a.nbytes:
-                    if pool.locate(a) is not None:
+                    if _in_pool(pool, a.__array_interface__["data"][0], a.nbytes):
                         shared += 1
                     else:
                         copied += 1
