@@ -168,30 +168,38 @@ def _check_tensor(t, what):
         dtype_name(t.dtype)  # raises, naming the dtype
 
 
+def _text(what):
+    return what if isinstance(what, str) else "input %s of op %s" % what
+
+
 def _array(t, what, contiguous="copy"):
-    """A zero-copy ndarray over CPU tensor t (made contiguous first if need be)."""
+    """A zero-copy ndarray over CPU tensor t (made contiguous first if need
+    be). what: a text, or (input name, op name), for errors."""
     if not isinstance(t, torch.Tensor):
-        return T.as_ndarray(t, what)
-    _check_tensor(t, what)
+        return T.as_ndarray(t, _text(what))
+    if not t.is_cpu or t.layout is not torch.strided or t.dtype not in _FROM_TORCH:
+        _check_tensor(t, _text(what))
     if not t.is_contiguous():
         if contiguous == "error":
             raise InvalidArgument(
                 "%s is not contiguous (shape %s, strides %s): opjit kernels take row-major "
                 "tensors; pass .contiguous() (a copy), or use contiguous=\"copy\""
-                % (what, tuple(t.shape), t.stride()))
+                % (_text(what), tuple(t.shape), t.stride()))
         t = t.contiguous()
         with _lock:
             _stats["made_contiguous"] += 1
     return t.detach().numpy()  # (conj/neg views exist for complex tensors only: refused)
 
 
+_NP_TORCH = frozenset(T.DTYPES[n] for n in _TO_TORCH)
+
+
 def _tensor(arr):
     """A torch tensor over ndarray arr (no copy)."""
     if isinstance(arr, torch.Tensor):
         return arr
-    name = T.dtype_name(arr.dtype)
-    if name not in _TO_TORCH:
-        torch_dtype(name)  # raises
+    if arr.dtype not in _NP_TORCH:
+        torch_dtype(T.dtype_name(arr.dtype))  # raises, naming it
     if not arr.flags.writeable:
         arr = arr.copy()  # torch.from_numpy warns on read-only arrays
     return torch.from_numpy(arr)
@@ -369,11 +377,10 @@ class TorchOp:
         for p, n in zip(call.inputs, call.sizes):
             row = []
             for _ in range(n):
-                a = _array(flat[k], "input %s of op %s" % (p.name, self.op.name),
-                           self.contiguous)
+                a = _array(flat[k], (p.name, self.op.name), self.contiguous)
                 k += 1
                 if pool is not None and a.nbytes:
-                    if _in_pool(pool, a.__array_interface__["data"][0], a.nbytes):
+                    if _in_pool(pool, a.ctypes.data, a.nbytes):
                         shared += 1
                     else:
                         copied += 1
