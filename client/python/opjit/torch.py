@@ -45,7 +45,6 @@
 """
 
 import threading
-import weakref
 
 import numpy as np
 
@@ -546,7 +545,7 @@ def _schema(name, opdef):
 
 
 _library = None
-_defined = {}  # torch name -> (schema, weakref to the TorchOp serving it)
+_defined = {}  # torch name -> (schema, the TorchOp serving it: the latest ot.op of that name)
 
 
 def _define(name, schema, top):
@@ -560,7 +559,7 @@ def _define(name, schema, top):
                 return None, ("torch.ops.%s.%s is already defined in this process as %r (torch "
                               "cannot redefine an op); this op's schema is %r"
                               % (LIBRARY, name, prev[0], schema))
-            _defined[name] = (schema, weakref.ref(top))
+            _defined[name] = (schema, top)
             return getattr(getattr(torch.ops, LIBRARY), name), None
         try:
             if _library is None:
@@ -570,20 +569,11 @@ def _define(name, schema, top):
             return None, "torch.library refused %r: %s" % (schema, e)
 
         def kernel(*args, **kwargs):
-            ref = _defined[name][1]()
-            if ref is None:
-                raise InvalidArgument("torch.ops.%s.%s: its opjit.torch op was garbage "
-                                      "collected; call opjit.torch.op(%r) again"
-                                      % (LIBRARY, name, name))
-            return ref(*args, **kwargs)
+            return _defined[name][1](*args, **kwargs)
 
         _library.impl(name, kernel, "CompositeImplicitAutograd")
-        _defined[name] = (schema, weakref.ref(top))
-        _keep.append(top)
+        _defined[name] = (schema, top)
     return getattr(getattr(torch.ops, LIBRARY), name), None
-
-
-_keep = []  # the TorchOps torch.ops names first (the op stays callable through torch.ops)
 
 
 def op(name, client=None, version=0, target=None, contiguous="copy", register=True,
