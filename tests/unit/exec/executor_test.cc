@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <future>
 #include <mutex>
 #include <string>
@@ -130,12 +131,17 @@ extern "C" int K(int, void**, int*, int64_t**, const char**, void*, void*) { ret
     executor_ = *std::move(ex);
   }
 
-  ForwardCall Call(const std::string& bytes) {
+  // A call of `twice` on `bytes`. The TensorArg views its bytes, so they are
+  // kept here for the test's life: a call run later (ForwardAsync) or kept in
+  // a variable never reads a destroyed temporary.
+  ForwardCall Call(std::string bytes) {
+    const std::string& kept = owned_bytes_.emplace_back(std::move(bytes));
     ForwardCall c;
     c.op = "twice";
-    c.inputs = {{TensorArg::Inline({"float32", {static_cast<int64_t>(bytes.size() / 4)}}, bytes)}};
+    c.inputs = {{TensorArg::Inline({"float32", {static_cast<int64_t>(kept.size() / 4)}}, kept)}};
     return c;
   }
+  std::deque<std::string> owned_bytes_;  // deque: references stay valid as it grows
 
   FakeState state_;
   std::unique_ptr<opjit::testing::CoreStack> stack_;
