@@ -27,6 +27,7 @@
 #include "client/cpp/shm_region.h"
 #include "server/common/error_info.h"
 #include "tests/integration/daemon_harness.h"
+#include "tests/unit/testing/procfs.h"
 
 namespace opjit::testing {
 namespace {
@@ -51,25 +52,10 @@ std::vector<float> Floats(const std::string& bytes) {
 // "opjit-exec-worker --probe" children are not executors and are left out.
 std::map<pid_t, long> ExecWorkers(pid_t daemon) {
   std::map<pid_t, long> out;
-  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = e.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream f(e.path() / "stat");
-    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    const auto open = stat.find('('), close = stat.rfind(')');
-    if (open == std::string::npos || close == std::string::npos) continue;
-    if (stat.substr(open + 1, close - open - 1) != "opjit-exec-work") continue;
-    std::istringstream rest(stat.substr(close + 2));
-    std::string state;
-    long ppid = 0, skip = 0, utime = 0, stime = 0;
-    rest >> state >> ppid;
-    for (int i = 0; i < 9; ++i) rest >> skip;
-    rest >> utime >> stime;
-    if (ppid != daemon) continue;
-    std::ifstream cmd(e.path() / "cmdline");
-    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
-    if (argv.find("--probe") != std::string::npos) continue;
-    out[std::stoi(name)] = utime + stime;
+  for (const ProcInfo& p : ListProcesses()) {
+    if (p.comm != "opjit-exec-work" || p.ppid != daemon) continue;
+    if (p.cmdline.find("--probe") != std::string::npos) continue;
+    out[p.pid] = p.cpu_ticks;
   }
   return out;
 }
@@ -439,22 +425,9 @@ TEST_F(IsolationIT, WorkspacesAreZeroFilledAndNamespacesGetTheirOwnProcesses) {
 // monitor's short-lived "--probe" runs.
 std::map<pid_t, std::string> ChildrenOf(pid_t parent) {
   std::map<pid_t, std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = e.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream f(e.path() / "stat");
-    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    const auto open = stat.find('('), close = stat.rfind(')');
-    if (open == std::string::npos || close == std::string::npos) continue;
-    std::istringstream rest(stat.substr(close + 2));
-    std::string state;
-    long ppid = 0;
-    rest >> state >> ppid;
-    if (ppid != parent) continue;
-    std::ifstream cmd(e.path() / "cmdline");
-    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
-    if (argv.find("--probe") != std::string::npos) continue;
-    out[std::stoi(name)] = stat.substr(open + 1, close - open - 1);
+  for (const ProcInfo& p : ListProcesses()) {
+    if (p.ppid != parent || p.cmdline.find("--probe") != std::string::npos) continue;
+    out[p.pid] = p.comm;
   }
   return out;
 }

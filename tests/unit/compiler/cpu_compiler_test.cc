@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "server/common/error_info.h"
 #include "server/compiler/elf_symbols.h"
+#include "tests/unit/testing/procfs.h"
 
 namespace opjit::compiler {
 namespace {
@@ -620,17 +621,10 @@ long total = Sum(std::make_integer_sequence<int, )", n, ">{});\n");
 // The pid of this process's only compile worker, or -1.
 pid_t OnlyWorkerPid() {
   pid_t found = -1;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::string stat = ReadFile(e.path().string() + "/stat");
-    size_t close = stat.rfind(')');
-    if (close == std::string::npos) continue;
-    std::vector<std::string> f = absl::StrSplit(stat.substr(close + 2), ' ');
-    if (f.size() < 2 || std::stoi(f[1]) != ::getpid()) continue;
-    if (ReadFile(e.path().string() + "/comm").rfind("opjit-compile", 0) != 0) continue;
+  for (const opjit::testing::ProcInfo& p : opjit::testing::ListProcesses()) {
+    if (p.ppid != ::getpid() || p.comm.rfind("opjit-compile", 0) != 0) continue;
     if (found != -1) return -1;
-    found = std::stoi(name);
+    found = p.pid;
   }
   return found;
 }

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "tests/unit/gpu/test_util.h"
+#include "tests/unit/testing/procfs.h"
 
 namespace opjit::gpu {
 namespace {
@@ -146,23 +147,13 @@ TEST(NvccTest, ToolchainId) {
   EXPECT_EQ(NvccToolchainId("/nonexistent").status().code(), absl::StatusCode::kUnavailable);
 }
 
-// /proc/<pid>/status fields ("Uid", "NSpid", ...) of every process whose
-// command line mentions `needle`.
+// /proc/<pid>/status fields ("Uid", "NSpid") of every process whose command
+// line mentions `needle`.
 std::vector<std::map<std::string, std::string>> ProcessesMentioning(const std::string& needle) {
   std::vector<std::map<std::string, std::string>> out;
-  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream cmd(e.path() / "cmdline", std::ios::binary);
-    std::string argv((std::istreambuf_iterator<char>(cmd)), std::istreambuf_iterator<char>());
-    if (argv.find(needle) == std::string::npos) continue;
-    std::ifstream st(e.path() / "status");
-    std::map<std::string, std::string> fields;
-    for (std::string line; std::getline(st, line);) {
-      const size_t colon = line.find(":\t");
-      if (colon != std::string::npos) fields[line.substr(0, colon)] = line.substr(colon + 2);
-    }
-    if (!fields.empty()) out.push_back(std::move(fields));
+  for (const opjit::testing::ProcInfo& p : opjit::testing::ListProcesses()) {
+    if (p.cmdline.find(needle) == std::string::npos || p.status.empty()) continue;
+    out.push_back({{"Uid", p.StatusField("Uid")}, {"NSpid", p.StatusField("NSpid")}});
   }
   return out;
 }

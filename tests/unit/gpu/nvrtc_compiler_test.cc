@@ -15,6 +15,7 @@
 
 #include "server/gpu/cubin.h"
 #include "tests/unit/gpu/test_util.h"
+#include "tests/unit/testing/procfs.h"
 
 namespace opjit::gpu {
 namespace {
@@ -361,17 +362,9 @@ TEST(NvrtcSandboxTest, RunsAsTheCompileUidAndReadsAPrivateIncludeDir) {
   // past its sandbox: what it runs as.
   std::string status;
   for (int i = 0; i < 1000 && status.empty(); ++i) {
-    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-      const std::string pid = e.path().filename().string();
-      if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
-      const std::string stat = testing::ReadFile(e.path().string() + "/stat");
-      const size_t close = stat.rfind(')');
-      if (close == std::string::npos || stat.find("(opjit-gpu-sandb") == std::string::npos) {
-        continue;
-      }
-      if (std::atol(stat.c_str() + close + 4) != ::getpid()) continue;  // its parent
-      const std::string s = testing::ReadFile(e.path().string() + "/status");
-      if (s.find("Uid:\t0\t") == std::string::npos) status = s;
+    for (const opjit::testing::ProcInfo& p : opjit::testing::ListProcesses()) {
+      if (p.comm != "opjit-gpu-sandb" || p.ppid != ::getpid()) continue;  // its parent
+      if (p.status.find("Uid:\t0\t") == std::string::npos) status = p.status;
     }
     if (status.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
