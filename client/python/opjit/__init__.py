@@ -7,7 +7,8 @@
 
 See client/python/README.md for the tour: CustomRegOp, shared-memory tensors,
 autograd (Tensor, its client-side arithmetic, Function, grad with create_graph,
-gradcheck/gradgradcheck), DLPack and errors.
+gradcheck/gradgradcheck), verify/bench (kernels checked and timed in the
+daemon), DLPack and errors.
 """
 
 from opjit.errors import (OpjitError, InvalidArgument, NotFound, AlreadyExists, PermissionDenied,
@@ -20,6 +21,7 @@ from opjit.autograd import (Tensor, tensor, Function, FunctionCtx, no_grad, enab
                             is_grad_enabled, grad)
 from opjit.op import Op, gradcheck, GradCheckResult, GradCheckInput
 from opjit._check import gradgradcheck, FunctionCheckResult
+from opjit.evaluate import verify, bench, VerifyResult, VerifyCase, BenchResult, Timing
 from opjit._math import tanh, exp, log, sqrt, square, randn, seed
 from opjit._tensors import from_dlpack, DTYPES
 
@@ -32,6 +34,7 @@ __all__ = [
     "Client", "Op", "CustomRegOp", "DataType", "Tensor", "tensor", "Function", "FunctionCtx",
     "PyLayer", "PyLayerContext", "no_grad", "enable_grad", "is_grad_enabled", "grad",
     "gradcheck", "GradCheckResult", "GradCheckInput", "gradgradcheck", "FunctionCheckResult",
+    "verify", "bench", "VerifyResult", "VerifyCase", "BenchResult", "Timing",
     "tanh", "exp", "log", "sqrt", "square", "randn", "seed", "from_dlpack", "load_spec",
     "default_address", "DTYPES", "OpjitError", "InvalidArgument", "NotFound", "AlreadyExists",
     "PermissionDenied", "FailedPrecondition", "ResourceExhausted", "Unavailable",

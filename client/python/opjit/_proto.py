@@ -3,7 +3,7 @@
 try:
     from opjit.v1 import compile_pb2, exec_pb2, memory_pb2, op_pb2, registry_pb2, server_pb2
     from opjit.v1 import compile_pb2_grpc, exec_pb2_grpc, memory_pb2_grpc, registry_pb2_grpc
-    from opjit.v1 import server_pb2_grpc
+    from opjit.v1 import evaluate_pb2, evaluate_pb2_grpc, server_pb2_grpc
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         "opjit: the generated opjit.v1 protobuf modules are missing (%s). They are made at "
@@ -12,6 +12,6 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 __all__ = [
     "compile_pb2", "exec_pb2", "memory_pb2", "op_pb2", "registry_pb2", "server_pb2",
-    "compile_pb2_grpc", "exec_pb2_grpc", "memory_pb2_grpc", "registry_pb2_grpc",
-    "server_pb2_grpc",
+    "evaluate_pb2", "compile_pb2_grpc", "exec_pb2_grpc", "memory_pb2_grpc", "registry_pb2_grpc",
+    "evaluate_pb2_grpc", "server_pb2_grpc",
 ]

@@ -13,11 +13,11 @@ channels belong to the daemon that made them, so they never move).
   daemon's own UNAVAILABLE carries a reason and is never retried), the
   endpoint is marked down for a while and the call moves on to the next
   one, if it is safe to repeat: reads, compiles, forwards (a kernel's
-  outputs are a function of its inputs), gradchecks. Calls that change
+  outputs are a function of its inputs), gradchecks, verifies, benchmarks. Calls that change
   server state (register, delete, cache clear, backward on a context) are
   sent only to an endpoint that just passed a health check, and are not
   repeated elsewhere once sent.
-* ``routing="affinity"``: op calls (forward, gradcheck) go to the endpoint
+* ``routing="affinity"``: op calls (forward, gradcheck, verify, bench) go to the endpoint
   that ranks highest for their (namespace, op name) by rendezvous hashing,
   so each op keeps landing on the daemon whose kernel is warm, and adding
   a daemon moves only the ops it now ranks first for. When that endpoint
@@ -83,7 +83,7 @@ class Endpoint:
     """One address: its channel, stubs and transport, and whether it answers.
 
     `stubs` is a dict of the generated stubs ("server", "registry",
-    "compiler", "memory", "executor"); `transport` its Transport.
+    "compiler", "memory", "executor", "evaluator"); `transport` its Transport.
     """
 
     def __init__(self, address, raw_channel, channel, stubs, transport):
@@ -252,6 +252,14 @@ class RoutedSession:
     def gradcheck(self, request):
         return self._router.call(lambda ep: ep.transport.gradcheck(request), idempotent=True,
                                  key=self._key(request.op))
+
+    def verify(self, request):
+        return self._router.call(lambda ep: ep.transport.verify(request), idempotent=True,
+                                 key=self._key(request.candidate.op))
+
+    def benchmark(self, request):
+        return self._router.call(lambda ep: ep.transport.benchmark(request), idempotent=True,
+                                 key=self._key(request.op.op))
 
     def release_context_later(self, context_id):
         self._owner(context_id, pop=True).transport.forget_context(self.namespace, context_id)

@@ -13,7 +13,7 @@ A :class:`Transport` belongs to one ``Client``. It owns
 * backward contexts of dropped graphs, released in batches.
 
 :class:`Session` is the small surface ``opjit.Op``, ``OpNode`` and
-``gradcheck`` use (``Client.session(namespace)``).
+``gradcheck`` use, and ``verify``/``bench`` (``Client.session(namespace)``).
 
 Which path a forward takes:
 
@@ -52,8 +52,8 @@ from opjit import _fast
 from opjit import _tensors as T
 from opjit._proto import exec_pb2, memory_pb2
 from opjit._shm import ShmPool, ShmUnavailable
-from opjit.errors import (FailedPrecondition, InvalidArgument, OpjitError, error_from_rpc,
-                          error_from_status)
+from opjit.errors import (FailedPrecondition, InvalidArgument, OpjitError, Unimplemented,
+                          error_from_rpc, error_from_status)
 
 _log = logging.getLogger("opjit")
 
@@ -239,8 +239,9 @@ class Transport:
 
     def __init__(self, executor, memory, client_id, *, transport="auto", local=True, fast=None,
                  spin_us=None, lease_ms=60000, region_bytes=16 << 20, timeout=None,
-                 copy_outputs=False, raw_forward=None):
+                 copy_outputs=False, raw_forward=None, evaluator=None):
         self.executor = executor
+        self.evaluator = evaluator  # the Evaluator stub (Verify, Benchmark)
         # Executor.Forward with bytes in and out (the wire format written and
         # read by _tensors: one copy of the tensor bytes each way); None:
         # inline calls use the generated stub.
@@ -707,6 +708,20 @@ class Transport:
         """GradCheck (its tensors travel inline: the server perturbs them itself)."""
         return _rpc(self.executor.GradCheck, request, self.timeout)
 
+    # ---- verify, benchmark (the Evaluator service) ------------------------------------------
+
+    def verify(self, request):
+        """Verify (the server makes the inputs; given cases travel inline)."""
+        return _rpc(self._evaluator().Verify, request, self.timeout)
+
+    def benchmark(self, request):
+        return _rpc(self._evaluator().Benchmark, request, self.timeout)
+
+    def _evaluator(self):
+        if self.evaluator is None:
+            raise Unimplemented("this transport was made without an Evaluator stub")
+        return self.evaluator
+
     # ---- lifecycle -----------------------------------------------------------------------
 
     def close(self):
@@ -750,7 +765,8 @@ _NoChannel = _NoChannelType()
 
 
 class Session:
-    """A client's calls in one namespace: the surface Op, OpNode and gradcheck use.
+    """A client's calls in one namespace: the surface Op, OpNode, gradcheck, verify and
+    bench use.
 
     Get one with ``Client.session(namespace)``.
     """
@@ -780,6 +796,14 @@ class Session:
 
     def gradcheck(self, request):
         return self._t.gradcheck(request)
+
+    def verify(self, request):
+        """Evaluator.Verify: an opjit.v1.VerifyRequest -> VerifyResponse."""
+        return self._t.verify(request)
+
+    def benchmark(self, request):
+        """Evaluator.Benchmark: an opjit.v1.BenchmarkRequest -> BenchmarkResponse."""
+        return self._t.benchmark(request)
 
     def release_context_later(self, context_id):
         """Queues a context for release; safe to call from a finalizer."""

@@ -15,8 +15,9 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from opjit._proto import (compile_pb2, compile_pb2_grpc, exec_pb2_grpc, memory_pb2_grpc, op_pb2,
-                          registry_pb2, registry_pb2_grpc, server_pb2, server_pb2_grpc)
+from opjit._proto import (compile_pb2, compile_pb2_grpc, evaluate_pb2_grpc, exec_pb2_grpc,
+                          memory_pb2_grpc, op_pb2, registry_pb2, registry_pb2_grpc, server_pb2,
+                          server_pb2_grpc)
 from opjit import _routing
 from opjit._shm import ShmUnavailable
 from opjit._transport import Session, ShmUnavailableError, Transport
@@ -371,6 +372,7 @@ class Client:
                 "compiler": compile_pb2_grpc.CompilerStub(channel),
                 "memory": memory_pb2_grpc.MemoryStub(channel),
                 "executor": exec_pb2_grpc.ExecutorStub(channel),
+                "evaluator": evaluate_pb2_grpc.EvaluatorStub(channel),
             }
             # One address: shared memory wherever this host's /dev/shm is the
             # server's (loopback TCP too). Several: only on unix sockets, so
@@ -381,7 +383,8 @@ class Client:
                 stubs["executor"], stubs["memory"], self.client_id, transport=transport,
                 local=local, fast=fast, spin_us=spin_us, lease_ms=lease_ms,
                 region_bytes=region_bytes, timeout=timeout, copy_outputs=copy_outputs,
-                raw_forward=channel.unary_unary("/opjit.v1.Executor/Forward"))
+                raw_forward=channel.unary_unary("/opjit.v1.Executor/Forward"),
+                evaluator=stubs["evaluator"])
             endpoints.append(_routing.Endpoint(address, raw, channel, stubs, transport_))
         self._router = _routing.Router(endpoints, routing=routing, health_timeout=health_timeout)
         self._several = several
@@ -505,9 +508,10 @@ class Client:
 
     def session(self, namespace=None):
         """The call surface of `namespace` (default: the client's) that
-        opjit.Op uses: forward, backward, gradcheck and context release, over
-        whichever transport applies (see opjit._transport; with several
-        addresses, routed as opjit._routing says)."""
+        opjit.Op uses: forward, backward, gradcheck, verify, benchmark and
+        context release, over whichever transport applies (see
+        opjit._transport; with several addresses, routed as opjit._routing
+        says)."""
         ns = self.namespace if namespace is None else namespace
         if self._several:
             return _routing.RoutedSession(self._router, ns)
