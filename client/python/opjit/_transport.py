@@ -712,15 +712,22 @@ class Transport:
 
     def verify(self, request):
         """Verify (the server makes the inputs; given cases travel inline)."""
-        return _rpc(self._evaluator().Verify, request, self.timeout)
+        return self._evaluate("Verify", request)
 
     def benchmark(self, request):
-        return _rpc(self._evaluator().Benchmark, request, self.timeout)
+        return self._evaluate("Benchmark", request)
 
-    def _evaluator(self):
+    def _evaluate(self, method, request):
         if self.evaluator is None:
             raise Unimplemented("this transport was made without an Evaluator stub")
-        return self.evaluator
+        try:
+            return _rpc(getattr(self.evaluator, method), request, self.timeout)
+        except Unimplemented as e:
+            if e.reason or e.message:
+                raise
+            # gRPC's own answer for a service the server lacks says nothing.
+            raise Unimplemented("this opjitd has no opjit.v1.Evaluator/%s (a daemon older than "
+                                "verify and bench)" % method, details=e.details) from None
 
     # ---- lifecycle -----------------------------------------------------------------------
 

@@ -54,14 +54,14 @@ class _Target:
             self.client.close()
 
 
-def _op_ns(op, client_ns):
+def _op_ns(op):
     """(namespace or None, name, version, Op or None) of an Op or a name."""
     if isinstance(op, Op):
-        return op.namespace, op.name, op.version, op
+        return _norm_ns(op.namespace), op.name, op.version, op
     if isinstance(op, str) and op:
         if "/" in op:
             ns, name = split_name(op, None)
-            return ("" if ns == "default" else ns), name, 0, None
+            return _norm_ns(ns), name, 0, None
         return None, op, 0, None
     raise InvalidArgument("an op is an opjit.Op or its name (\"name\" or \"namespace/name\"); "
                           "got %r" % (op,))
@@ -72,10 +72,10 @@ def _target(ops, namespace, client):
     left out), and each op as (name, version, Op or None).
 
     The client: `client`, else the first Op's, else a new opjit.Client()
-    (closed after the call). The namespace: `namespace`, else the one the
-    ops name ("ns/name" or an Op's), else the client's; every op must be
-    of it (the server runs both in one namespace)."""
-    parsed = [_op_ns(op, None) for op in ops if op is not None]
+    (closed after the call). An op's namespace: an Op's own, the one a name
+    gives ("ns/name"), else `namespace`, else the client's (as client.op
+    names them). The server runs both ops in one namespace: they must agree."""
+    parsed = [_op_ns(op) for op in ops if op is not None]
     if client is None:
         client = next((p[3].client for p in parsed if p[3] is not None), None)
     owned = client is None
@@ -83,15 +83,14 @@ def _target(ops, namespace, client):
         from opjit.client import Client
         client = Client()
     try:
-        named = {_norm_ns(p[0]) for p in parsed if p[0] is not None}
-        if namespace is not None:
-            named.add(_norm_ns(namespace))
-        if len(named) > 1:
+        default = _norm_ns(client.namespace if namespace is None else namespace)
+        named = [default if p[0] is None else p[0] for p in parsed]
+        if len(set(named)) > 1:
             raise InvalidArgument(
                 "the ops are in different namespaces (%s): a reference must be an op of the "
-                "candidate's namespace" % ", ".join(sorted(n or "default" for n in named)))
-        ns = named.pop() if named else _norm_ns(client.namespace)
-        return _Target(client, owned, ns), [(p[1], p[2], p[3]) for p in parsed]
+                "candidate's namespace" % ", ".join(
+                    "%s/%s" % (ns or "default", p[1]) for ns, p in zip(named, parsed)))
+        return _Target(client, owned, named[0]), [(p[1], p[2], p[3]) for p in parsed]
     except BaseException:
         if owned:
             client.close()
@@ -436,8 +435,8 @@ def verify(candidate, against=None, *, given=None, shapes=None, dtypes=None, see
     """Verifies an op against a reference op, or against given outputs, in the daemon
     (the Verify RPC). Returns a VerifyResult (truthy when every case that ran passed).
 
-    candidate, against: opjit.Op objects or names ("name", "ns/name"), of one
-      namespace (`namespace`, else the one they name, else the client's).
+    candidate, against: opjit.Op objects or names ("ns/name"; a bare "name" is
+      of `namespace`, else the client's), both of one namespace.
     given: instead of `against`, cases as (inputs, outputs): inputs one array
       per declared input (a list for a dynamic input, None for an absent
       optional one), outputs an array or a list of them.
