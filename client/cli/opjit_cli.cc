@@ -59,15 +59,48 @@ using opjit::cli::ProgramDoc;
 constexpr int kExitOk = 0;
 constexpr int kExitFailed = 1;       // the server refused or failed the call; a local file failed
 constexpr int kExitUsage = 2;        // bad command line
-constexpr int kExitMismatch = 3;     // gradcheck: backward disagrees with finite differences
+constexpr int kExitMismatch = 3;     // gradcheck: backward disagrees with finite differences;
+                                     // verify: a case failed (or none ran)
 constexpr int kExitNotServing = 4;   // health: the server answered, not SERVING
 constexpr int kExitUnreachable = 5;  // health: no answer
 
 constexpr const char kExitStatusDoc[] =
     "Exit status: 0 success; 1 the server refused or failed the call, or a local\n"
     "file could not be read or written (the reason on stderr); 2 bad usage; 3 a\n"
-    "gradcheck mismatch; `health` only: 4 the server answered but is not SERVING,\n"
-    "5 no server answered.";
+    "gradcheck mismatch, or a verify case that failed; `health` only: 4 the\n"
+    "server answered but is not SERVING, 5 no server answered.";
+
+constexpr const char kVerifyDoc[] =
+    "Runs CAND and REF on the same inputs the server generates for each case\n"
+    "(every --shape, every dtype row, --seeds random cases each and a case of\n"
+    "special values) and compares the outputs within the tolerances. Without\n"
+    "--against, one given case: its inputs (--in) and the outputs it must give\n"
+    "(--expect).\n"
+    "\n"
+    "SHAPES: one case set, the shape of every input in order, separated by ':'\n"
+    "(or ';'), each a comma-separated list of dimensions; [] (or nothing) is a\n"
+    "scalar:\n"
+    "  --shape 4,5:5       input 0 is [4, 5], input 1 is [5]\n"
+    "  --shape 7           one shape: every input of the op is [7]\n"
+    "  --shape 3:[]        input 1 is a scalar\n"
+    "A SHAPES of one entry is used by the server for every input. Without\n"
+    "--shape: the server's edge cases (empty, 1, odd and prime sizes, a large\n"
+    "one), the same for every input.\n"
+    "\n"
+    "Prints one row per case (result, max abs/rel/ulp error, the worst element\n"
+    "as output[flat index] with the candidate's and the reference's values),\n"
+    "a summary with the seed, and a `reproduce:` command line.\n"
+    "Exit status: 0 every case that ran passed; 3 a case failed (or none ran);\n"
+    "1 an error (an unknown op: NOT_FOUND).";
+
+constexpr const char kBenchDoc[] =
+    "Times OP in the daemon on generated inputs (warm-up runs, then runs until\n"
+    "--min-reps and --min-time-ms are both reached, or --max-reps): the median,\n"
+    "p10 and p90 of the end-to-end and the kernel time, and the spread\n"
+    "(p90 - p10) / median, the machine's noise. With --against, REF runs in\n"
+    "alternation in the same run, and the ratio OP/REF (kernel time, the median\n"
+    "of the per-pair ratios) is printed with its p10 and p90. The whole run\n"
+    "counts against --timeout.";
 
 constexpr const char kEnvironmentDoc[] =
     "ADDR: unix:/path.sock, /path.sock or host:port, or several of them\n"
@@ -101,6 +134,8 @@ const ProgramDoc& Program() {
     const FlagDoc target{"--target", "cpu|gpu",
                          "which implementation runs; no GPU is a clear UNAVAILABLE, exit 1",
                          "cpu gpu"};
+    const FlagDoc against_version{"--against-version", "N",
+                                  "the reference's version (default: the latest)"};
     auto with_help = [](FlagDoc f, std::string help) {
       f.help = std::move(help);
       return f;
@@ -177,6 +212,46 @@ const ProgramDoc& Program() {
           {"--eps", "E", "the finite-difference step"},
           {"--atol", "A", "absolute tolerance"},
           {"--rtol", "R", "relative tolerance"}, version}},
+        {"verify", "CAND", "the candidate op: name or ns/name", "", false,
+         "check an op against a reference op on generated inputs, case by case",
+         kVerifyDoc,
+         {{"--against", "REF",
+           "the reference op: name or ns/name (the candidate's namespace)"},
+          against_version,
+          with_help(version, "the candidate's version (default: the latest)"),
+          {"--shape", "SHAPES", "the inputs' shapes of one case set: 4,5:5 (see below)", "",
+           false, true},
+          {"--dtype", "DTYPE", "only this dtype row (the first input's dtype)", "", false, true},
+          {"--seeds", "COUNT", "random cases per shape and dtype (default 2)"},
+          {"--seed", "SEED", "the base seed (default: a fresh one, printed)"},
+          {"--low", "LOW", "random values from LOW (with --high)"},
+          {"--high", "HIGH", "random values up to HIGH (with --low)"},
+          {"--no-special", "", "no case with NaN, Inf, -0.0, denormals, max and lowest"},
+          {"--atol", "A", "absolute tolerance (default: the dtype's)"},
+          {"--rtol", "R", "relative tolerance (default: the dtype's)"},
+          {"--ulps", "COUNT", "units in the last place allowed (default: the dtype's)"},
+          {"--fp64-reference", "", "run the reference in float64 where it accepts float64"},
+          {"--inplace", "NAME", "an input the candidate may change (in-place ops)", "", false,
+           true},
+          {"--settle-ms", "MS", "wait before outputs are read again (default 10)"},
+          attr,
+          with_help(in, "an input of a given case (instead of --against)"),
+          {"--expect", "Y.npy", "output j of the given case (with --in)", "", true, true}}},
+        {"bench", "OP", "the op: name or ns/name", "", false,
+         "time an op in the daemon (and a reference in alternation)", kBenchDoc,
+         {{"--against", "REF",
+           "a reference op to time in alternation: name or ns/name (the op's namespace)"},
+          against_version,
+          version,
+          {"--shape", "SHAPES", "the inputs' shapes, as verify's (default: every input [1048576])"},
+          {"--dtype", "DTYPE", "the dtype row (the first input's dtype; default: the first row)"},
+          {"--warmup", "COUNT", "untimed runs first (default 5)"},
+          {"--min-reps", "COUNT", "at least this many timed runs (default 10)"},
+          {"--max-reps", "COUNT", "at most this many timed runs (default 1000)"},
+          {"--min-time-ms", "MS", "time for at least this long (default 500)"},
+          {"--flush-cache", "", "sweep the last-level cache before every run (cold runs)"},
+          {"--seed", "SEED", "the inputs' seed"},
+          attr}},
         {"cache", "ACTION", "stats (counters) or clear (drop cached kernels)", "stats clear",
          false, "compile-cache counters, or drop cached kernels (admins)", "",
          {{"--memory-only", "", "with clear: keep the disk cache"}}},
@@ -212,7 +287,13 @@ bool IntegerValue(const std::string& value_name) {
 }
 bool NumberValue(const std::string& value_name) {
   return value_name == "E" || value_name == "A" || value_name == "R" ||
-         value_name == "SECONDS";
+         value_name == "SECONDS" || value_name == "LOW" || value_name == "HIGH";
+}
+// Whole numbers from 0: the largest a value name takes (0 for other names).
+uint64_t UnsignedMax(const std::string& value_name) {
+  if (value_name == "COUNT" || value_name == "MS") return UINT32_MAX;
+  if (value_name == "SEED") return UINT64_MAX;
+  return 0;
 }
 
 struct Globals {
@@ -682,6 +763,17 @@ absl::StatusOr<std::vector<std::vector<opjit::client::NpyArray>>> ReadInputs(con
   return groups;
 }
 
+// The --in groups (ReadInputs) as inline tensors, one InputArg per group.
+void AddInlineInputs(const std::vector<std::vector<opjit::client::NpyArray>>& groups,
+                     google::protobuf::RepeatedPtrField<opjit::v1::InputArg>* inputs) {
+  for (const auto& group : groups) {
+    auto* arg = inputs->Add();
+    for (const auto& arr : group) {
+      *arg->add_tensors() = opjit::client::InlineTensor(arr.dtype, arr.shape, arr.data);
+    }
+  }
+}
+
 absl::Status AddAttrs(const Args& a, google::protobuf::Map<std::string, opjit::v1::AttrValue>* attrs) {
   for (const auto& kv : a.All("--attr")) {
     auto eq = kv.find('=');
@@ -901,12 +993,7 @@ int CmdGradCheck(Client& c, const Globals& g, const Args& a) {
   req.set_op(name);
   req.set_version(ParseVersion(a));
   if (absl::Status s = AddAttrs(a, req.mutable_attrs()); !s.ok()) return UsageError(std::string(s.message()));
-  for (const auto& group : *groups) {
-    auto* arg = req.add_inputs();
-    for (const auto& arr : group) {
-      *arg->add_tensors() = opjit::client::InlineTensor(arr.dtype, arr.shape, arr.data);
-    }
-  }
+  AddInlineInputs(*groups, req.mutable_inputs());
   if (a.Has("--shape")) {
     for (const auto& d : SplitComma(a.Get("--shape"))) req.add_random_shape(std::stoll(d));
   }
@@ -935,6 +1022,267 @@ int CmdGradCheck(Client& c, const Globals& g, const Args& a) {
     std::printf("  %s\n", r->message().c_str());
   }
   return r->passed() ? kExitOk : kExitMismatch;
+}
+
+// SHAPES (see kVerifyDoc): "4,5:5" is [4, 5] then [5]; ';' separates too;
+// "[]" or nothing is a scalar; brackets around an input's dims are allowed.
+absl::StatusOr<opjit::v1::ShapeSet> ParseShapeSet(const std::string& text) {
+  opjit::v1::ShapeSet set;
+  const std::vector<std::string> inputs = absl::StrSplit(text, absl::ByAnyChar(":;"));
+  for (std::string input : inputs) {
+    if (input.size() >= 2 && input.front() == '[' && input.back() == ']') {
+      input = input.substr(1, input.size() - 2);
+    }
+    auto* dims = set.add_inputs();
+    if (input.empty()) continue;  // a scalar
+    for (const std::string& digits : SplitComma(input)) {
+      char* end = nullptr;
+      errno = 0;
+      const int64_t n = std::strtoll(digits.c_str(), &end, 10);
+      if (digits.empty() || !std::isdigit(static_cast<unsigned char>(digits[0])) ||
+          *end != '\0' || errno != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--shape takes dimensions like 4,5:5 (inputs separated by ':'), got \"", text, "\""));
+      }
+      dims->add_values(n);
+    }
+  }
+  return set;
+}
+
+// An op named on the command line ("name" or "ns/name") as an OpVersionRef
+// in namespace `ns` (a reference: the candidate's; "" and "default" are the
+// same). INVALID_ARGUMENT when it names another namespace.
+absl::StatusOr<opjit::v1::OpVersionRef> OpRef(const std::string& qualified, const std::string& ns,
+                                              const std::string& version) {
+  std::string op_ns, name;
+  SplitName(qualified, &op_ns, &name);
+  auto plain = [](const std::string& n) { return n.empty() ? std::string("default") : n; };
+  if (qualified.find('/') != std::string::npos && plain(op_ns) != plain(ns)) {
+    return absl::InvalidArgumentError(absl::StrCat("--against ", qualified, " is not in ",
+                                                   plain(ns), ": the reference must be in the "
+                                                   "candidate's namespace"));
+  }
+  opjit::v1::OpVersionRef ref;
+  ref.set_op(name);
+  ref.set_version(std::stoll(version));
+  return ref;
+}
+
+// Rows of cells, each column as wide as its widest cell, two spaces apart,
+// indented by two; the last column is not padded.
+void PrintTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& row : rows) {
+    for (size_t i = 0; i < row.size(); ++i) {
+      if (width.size() <= i) width.push_back(0);
+      width[i] = std::max(width[i], row[i].size());
+    }
+  }
+  for (const auto& row : rows) {
+    std::string line = " ";
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += " " + row[i];
+      if (i + 1 < row.size()) line += std::string(width[i] - row[i].size() + 1, ' ');
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+std::string Num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.4g", v);
+  return buf;
+}
+
+// An error from an evaluation: the deadline it ran past is --timeout's.
+int FailEval(const Globals& g, const absl::Status& s) {
+  if (s.code() != absl::StatusCode::kDeadlineExceeded || opjit::GetReason(s).has_value()) {
+    return Fail(s);
+  }
+  std::cerr << "opjit: DEADLINE_EXCEEDED: " << s.message() << " (the call ran past --timeout, "
+            << g.timeout_s << " s: give it more, or fewer cases or repetitions)\n";
+  return kExitFailed;
+}
+
+// The request of `opjit verify`, or a usage error's message.
+absl::StatusOr<opjit::v1::VerifyRequest> VerifyRequestOf(const Args& a) {
+  opjit::v1::VerifyRequest req;
+  std::string ns, name;
+  SplitName(a.positional[0], &ns, &name);
+  req.set_namespace_(ns);
+  req.mutable_candidate()->set_op(name);
+  req.mutable_candidate()->set_version(ParseVersion(a));
+  const bool given = a.Has("--in") || a.Has("--expect");
+  if (a.Has("--against") && given) {
+    return absl::InvalidArgumentError("--in and --expect give a case to check without a "
+                                      "reference: not with --against");
+  }
+  if (!a.Has("--against") && !given) {
+    return absl::InvalidArgumentError(
+        "verify needs --against REF (or a given case: --in X.npy ... --expect Y.npy ...)");
+  }
+  if (a.Has("--against")) {
+    auto ref = OpRef(a.Get("--against"), ns, a.Get("--against-version", "0"));
+    if (!ref.ok()) return ref.status();
+    *req.mutable_reference() = *ref;
+  }
+  if (a.Has("--low") != a.Has("--high")) {
+    return absl::InvalidArgumentError("--low and --high go together");
+  }
+  if (absl::Status s = AddAttrs(a, req.mutable_attrs()); !s.ok()) return s;
+  for (const auto& text : a.All("--shape")) {
+    auto set = ParseShapeSet(text);
+    if (!set.ok()) return set.status();
+    *req.add_shapes() = *std::move(set);
+  }
+  for (const auto& d : a.All("--dtype")) req.add_dtypes(d);
+  for (const auto& n : a.All("--inplace")) req.add_inplace_inputs(n);
+  req.set_seeds(std::stoul(a.Get("--seeds", "0")));
+  req.set_seed(std::stoull(a.Get("--seed", "0")));
+  req.set_low(std::stod(a.Get("--low", "0")));
+  req.set_high(std::stod(a.Get("--high", "0")));
+  if (a.Has("--no-special")) req.set_special_values(false);
+  if (a.Has("--atol")) req.mutable_tolerance()->set_atol(std::stod(a.Get("--atol")));
+  if (a.Has("--rtol")) req.mutable_tolerance()->set_rtol(std::stod(a.Get("--rtol")));
+  if (a.Has("--ulps")) req.mutable_tolerance()->set_ulps(std::stoll(a.Get("--ulps")));
+  req.set_fp64_reference(a.Has("--fp64-reference"));
+  req.set_settle_ms(std::stoul(a.Get("--settle-ms", "0")));
+  return req;
+}
+
+// Reads the given case (--in, --expect) into `req`.
+absl::Status AddGivenCase(const Args& a, opjit::v1::VerifyRequest* req) {
+  auto groups = ReadInputs(a);
+  if (!groups.ok()) return groups.status();
+  auto* given = req->add_given();
+  AddInlineInputs(*groups, given->mutable_inputs());
+  for (const auto& path : a.All("--expect")) {
+    auto arr = opjit::client::ReadNpy(path);
+    if (!arr.ok()) {
+      return absl::Status(arr.status().code(), absl::StrCat(path, ": ", arr.status().message()));
+    }
+    *given->add_outputs() = opjit::client::InlineTensor(arr->dtype, arr->shape, arr->data);
+  }
+  return absl::OkStatus();
+}
+
+void PrintVerify(const std::string& what, const opjit::v1::VerifyResponse& r) {
+  std::vector<std::vector<std::string>> rows = {{"#", "kind", "dtype", "shapes", "result",
+                                                 "max abs err", "max rel err", "max ulp",
+                                                 "worst", "candidate vs reference", "message"}};
+  for (const auto& k : r.cases()) {
+    const bool worst = k.worst_index() >= 0 && !k.skipped();
+    rows.push_back({absl::StrCat(k.index()), k.kind(), k.dtype(), k.shapes(),
+                    k.skipped() ? "skip" : k.passed() ? "pass" : "FAIL",
+                    k.skipped() ? "-" : Num(k.max_abs_error()),
+                    k.skipped() ? "-" : Num(k.max_rel_error()),
+                    k.skipped() ? "-" : Num(k.max_ulp_error()),
+                    worst ? absl::StrCat("out", k.worst_output(), "[", k.worst_index(), "]") : "-",
+                    worst ? absl::StrCat(Num(k.candidate_value()), " vs ", Num(k.reference_value()))
+                          : "-",
+                    k.message()});
+  }
+  PrintTable(rows);
+  std::printf("verify %s: %s: %d passed, %d failed, %d skipped; %s; seed %llu\n", what.c_str(),
+              r.passed() ? "PASS" : "FAIL", r.cases_passed(), r.cases_failed(),
+              r.cases_skipped(), r.deterministic() ? "deterministic" : "NOT deterministic",
+              static_cast<unsigned long long>(r.seed()));
+  if (r.tolerances_size() > 0) {
+    std::printf("tolerances: %s\n", absl::StrJoin(r.tolerances(), "; ").c_str());
+  }
+  if (!r.reproduce().empty()) std::printf("reproduce: %s\n", r.reproduce().c_str());
+}
+
+int CmdVerify(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("verify takes one CAND");
+  auto req = VerifyRequestOf(a);
+  if (!req.ok()) return UsageError(std::string(req.status().message()));
+  if (!req->has_reference()) {
+    if (absl::Status s = AddGivenCase(a, &*req); !s.ok()) return Fail(s);
+  }
+  absl::StatusOr<opjit::v1::VerifyResponse> r;
+  {
+    Progress progress("verifying (a first call compiles)");
+    r = c.Verify(*req);
+  }
+  if (!r.ok()) return FailEval(g, r.status());
+  if (g.json) {
+    std::cout << ToJson(*r);
+  } else {
+    PrintVerify(a.positional[0] + (a.Has("--against") ? " against " + a.Get("--against") : ""),
+                *r);
+  }
+  return r->passed() ? kExitOk : kExitMismatch;
+}
+
+void PrintBench(const std::string& op, const std::string& ref,
+                const opjit::v1::BenchmarkResponse& r) {
+  std::printf("bench %s (%s): %s\n", op.c_str(), r.shapes().c_str(),
+              r.flush_bytes() > 0
+                  ? absl::StrCat("cache flushed before every run (", Num(r.flush_bytes() / 1048576),
+                                 " MiB)")
+                        .c_str()
+                  : "warm cache");
+  std::vector<std::vector<std::string>> rows = {
+      {"", "time", "reps", "median ms", "p10 ms", "p90 ms", "spread"}};
+  auto add = [&rows](const std::string& who, const opjit::v1::TimingStats& t) {
+    rows.push_back({who, "end-to-end", absl::StrCat(t.reps()), Num(t.median_ms()), Num(t.p10_ms()),
+                    Num(t.p90_ms()), absl::StrCat(Num(100 * t.spread()), "%")});
+    rows.push_back({"", "kernel", "", Num(t.kernel_median_ms()), Num(t.kernel_p10_ms()),
+                    Num(t.kernel_p90_ms()), ""});
+  };
+  add(op, r.op());
+  if (r.has_reference()) add(ref, r.reference());
+  PrintTable(rows);
+  if (r.has_reference()) {
+    std::printf("ratio %s / %s (kernel time): %s (p10 %s, p90 %s)\n", op.c_str(), ref.c_str(),
+                Num(r.ratio()).c_str(), Num(r.ratio_p10()).c_str(), Num(r.ratio_p90()).c_str());
+  }
+  if (!r.reproduce().empty()) std::printf("reproduce: %s\n", r.reproduce().c_str());
+}
+
+int CmdBench(Client& c, const Globals& g, const Args& a) {
+  if (a.positional.size() != 1) return UsageError("bench takes one OP");
+  opjit::v1::BenchmarkRequest req;
+  std::string ns, name;
+  SplitName(a.positional[0], &ns, &name);
+  req.set_namespace_(ns);
+  req.mutable_op()->set_op(name);
+  req.mutable_op()->set_version(ParseVersion(a));
+  if (a.Has("--against")) {
+    auto ref = OpRef(a.Get("--against"), ns, a.Get("--against-version", "0"));
+    if (!ref.ok()) return UsageError(std::string(ref.status().message()));
+    *req.mutable_reference() = *ref;
+  }
+  if (absl::Status s = AddAttrs(a, req.mutable_attrs()); !s.ok()) {
+    return UsageError(std::string(s.message()));
+  }
+  if (a.Has("--shape")) {
+    auto set = ParseShapeSet(a.Get("--shape"));
+    if (!set.ok()) return UsageError(std::string(set.status().message()));
+    *req.mutable_shape() = *std::move(set);
+  }
+  req.set_dtype(a.Get("--dtype"));
+  req.set_seed(std::stoull(a.Get("--seed", "0")));
+  req.set_warmup(std::stoul(a.Get("--warmup", "0")));
+  req.set_min_reps(std::stoul(a.Get("--min-reps", "0")));
+  req.set_max_reps(std::stoul(a.Get("--max-reps", "0")));
+  req.set_min_time_ms(std::stoul(a.Get("--min-time-ms", "0")));
+  req.set_flush_cache(a.Has("--flush-cache"));
+  absl::StatusOr<opjit::v1::BenchmarkResponse> r;
+  {
+    Progress progress("benchmarking (a first call compiles)");
+    r = c.Benchmark(req);
+  }
+  if (!r.ok()) return FailEval(g, r.status());
+  if (g.json) {
+    std::cout << ToJson(*r);
+  } else {
+    PrintBench(a.positional[0], a.Get("--against"), *r);
+  }
+  return kExitOk;
 }
 
 int CmdCache(Client& c, const Globals& g, const Args& a) {
@@ -1243,6 +1591,15 @@ Parsed Parse(Parser& p, int argc, char** argv) {
           out.exit = UsageError(absl::StrCat(f.name, " takes an integer, got \"", v, "\""));
           return out;
         }
+      } else if (const uint64_t max = UnsignedMax(f.value); max != 0) {
+        errno = 0;
+        const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
+        if (v.empty() || !std::isdigit(static_cast<unsigned char>(v[0])) || *end != '\0' ||
+            errno != 0 || n > max) {
+          out.exit = UsageError(absl::StrCat(f.name, " takes a whole number from 0 to ", max,
+                                             ", got \"", v, "\""));
+          return out;
+        }
       } else if (NumberValue(f.value)) {
         (void)std::strtod(v.c_str(), &end);
         if (v.empty() || *end != '\0') {
@@ -1329,6 +1686,8 @@ int main(int argc, char** argv) {
     if (cmd == "run") return CmdRun(c, g, args);
     if (cmd == "grad") return CmdGrad(c, g, args);
     if (cmd == "gradcheck") return CmdGradCheck(c, g, args);
+    if (cmd == "verify") return CmdVerify(c, g, args);
+    if (cmd == "bench") return CmdBench(c, g, args);
   } catch (const std::exception& e) {  // a number out of range
     return UsageError(std::string("bad argument: ") + e.what());
   }

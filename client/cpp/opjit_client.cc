@@ -172,6 +172,7 @@ struct Client::Endpoint {
   std::unique_ptr<v1::Server::Stub> server;
   std::unique_ptr<v1::Memory::Stub> memory;
   std::unique_ptr<v1::Executor::Stub> executor;
+  std::unique_ptr<v1::Evaluator::Stub> evaluator;
   // Passed a health check or a call since it last failed.
   std::atomic<bool> healthy{false};
   std::atomic<int64_t> down_until_ns{0};
@@ -259,6 +260,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
     e->server = v1::Server::NewStub(e->channel);
     e->memory = v1::Memory::NewStub(e->channel);
     e->executor = v1::Executor::NewStub(e->channel);
+    e->evaluator = v1::Evaluator::NewStub(e->channel);
     c->endpoints_.push_back(std::move(e));
   }
   auto id = RandomHex128();
@@ -685,14 +687,40 @@ absl::StatusOr<v1::OpenChannelResponse> Client::OpenChannel(const std::string& n
   return out;
 }
 
-absl::StatusOr<v1::GradCheckResponse> Client::GradCheck(const v1::GradCheckRequest& request) {
-  v1::GradCheckResponse out;
+template <typename Response>
+absl::StatusOr<Response> Client::OpCall(
+    const std::string& ns, const std::string& op,
+    const std::function<grpc::Status(Endpoint&, grpc::ClientContext*, Response*)>& fn) {
+  Response out;
   absl::Status s = Invoke(
       CallKind::kIdempotent,
-      [&](Endpoint& e, grpc::ClientContext* ctx) { return e.executor->GradCheck(ctx, request, &out); },
-      request.namespace_(), request.op());
+      [&](Endpoint& e, grpc::ClientContext* ctx) { return fn(e, ctx, &out); }, ns, op);
   if (!s.ok()) return s;
   return out;
+}
+
+absl::StatusOr<v1::GradCheckResponse> Client::GradCheck(const v1::GradCheckRequest& request) {
+  return OpCall<v1::GradCheckResponse>(
+      request.namespace_(), request.op(),
+      [&](Endpoint& e, grpc::ClientContext* ctx, v1::GradCheckResponse* out) {
+        return e.executor->GradCheck(ctx, request, out);
+      });
+}
+
+absl::StatusOr<v1::VerifyResponse> Client::Verify(const v1::VerifyRequest& request) {
+  return OpCall<v1::VerifyResponse>(
+      request.namespace_(), request.candidate().op(),
+      [&](Endpoint& e, grpc::ClientContext* ctx, v1::VerifyResponse* out) {
+        return e.evaluator->Verify(ctx, request, out);
+      });
+}
+
+absl::StatusOr<v1::BenchmarkResponse> Client::Benchmark(const v1::BenchmarkRequest& request) {
+  return OpCall<v1::BenchmarkResponse>(
+      request.namespace_(), request.op().op(),
+      [&](Endpoint& e, grpc::ClientContext* ctx, v1::BenchmarkResponse* out) {
+        return e.evaluator->Benchmark(ctx, request, out);
+      });
 }
 
 v1::Tensor InlineTensor(const std::string& dtype, const std::vector<int64_t>& shape,

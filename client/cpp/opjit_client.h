@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "server/common/mutex.h"
 #include "opjit/v1/compile.grpc.pb.h"
+#include "opjit/v1/evaluate.grpc.pb.h"
 #include "opjit/v1/exec.grpc.pb.h"
 #include "opjit/v1/memory.grpc.pb.h"
 #include "opjit/v1/registry.grpc.pb.h"
@@ -94,7 +95,7 @@ struct FastState;  // fast_call.h: handle cache, region ids, open channels
 // Several servers. Given several addresses, a Client keeps a channel to
 // each and routes every call:
 //  - calls safe to repeat (Info, Get, List, Compile, CacheStats, GradCheck,
-//    and Forward with every tensor inline, no handle and no requires_grad)
+//    Verify, Benchmark, and Forward with every tensor inline, no handle and no requires_grad)
 //    go to the current daemon (kFailover: at first the first that answers a
 //    gRPC health check within health_timeout) or, under kAffinity, to the
 //    daemon that ranks first for the call's (namespace, op) by rendezvous
@@ -182,6 +183,16 @@ class Client {
   absl::Status ReleaseContext(const std::string& ns, const std::string& context_id);
   absl::StatusOr<v1::GradCheckResponse> GradCheck(const v1::GradCheckRequest& request);
 
+  // Evaluator. Verify runs the candidate and the reference (or the given
+  // cases) on inputs the server generates and compares them; a case that
+  // fails is reported in the response (passed() false), not as an error.
+  // Benchmark times an op (and a reference in alternation). Both run under
+  // the client's deadline (ClientOptions::timeout), which must cover every
+  // case or repetition; both are safe to repeat and routed as op calls of
+  // (namespace, candidate or op).
+  absl::StatusOr<v1::VerifyResponse> Verify(const v1::VerifyRequest& request);
+  absl::StatusOr<v1::BenchmarkResponse> Benchmark(const v1::BenchmarkRequest& request);
+
   // Prepared calls. `client_id` empty: this Client's own id.
   absl::StatusOr<v1::PrepareResponse> Prepare(const v1::PrepareRequest& request);
   // Releases `handles` (empty: every handle of this client in `ns`).
@@ -238,6 +249,12 @@ class Client {
   // `op` non-empty: an op call of (ns, op), routed by affinity when asked.
   absl::Status Invoke(CallKind kind, const EndpointCall& fn, const std::string& ns = "",
                       const std::string& op = "");
+  // An op call of (ns, op) safe to repeat (kIdempotent): `fn` fills the
+  // response from one endpoint.
+  template <typename Response>
+  absl::StatusOr<Response> OpCall(
+      const std::string& ns, const std::string& op,
+      const std::function<grpc::Status(Endpoint&, grpc::ClientContext*, Response*)>& fn);
   // The endpoints in the order a call tries them; down ones last.
   std::vector<Endpoint*> Order(const std::string& ns, const std::string& op) const;
   // A health check on `e` (marks it up or down).

@@ -34,7 +34,7 @@ SOURCE = os.environ.get("OPJIT_SOURCE_DIR") or os.path.dirname(os.path.dirname(
 
 # Every command, with arguments that make it reach the server.
 COMMANDS = ["info", "health", "register", "ops", "describe", "delete", "unquarantine", "compile",
-            "run", "grad", "gradcheck", "cache", "stats", "token", "help"]
+            "run", "grad", "gradcheck", "verify", "bench", "cache", "stats", "token", "help"]
 
 
 def server_args(cmd, tmp):
@@ -43,7 +43,8 @@ def server_args(cmd, tmp):
     return {"register": [spec], "describe": ["leaky_relu"], "delete": ["leaky_relu"],
             "unquarantine": ["leaky_relu"],
             "compile": [src], "run": ["leaky_relu"], "grad": ["leaky_relu"],
-            "gradcheck": ["leaky_relu"], "cache": ["stats"]}.get(cmd, [])
+            "gradcheck": ["leaky_relu"], "verify": ["leaky_relu", "--against", "leaky_relu"],
+            "bench": ["leaky_relu"], "cache": ["stats"]}.get(cmd, [])
 
 
 def run(*args, env=None, timeout=120, **kw):
@@ -150,6 +151,7 @@ def test_missing_file_is_one_line_and_exit_1(daemon, tmp_path):
         "run": ["leaky_relu", "--in", missing + ".npy"],
         "grad": ["leaky_relu", "--in", missing + ".npy"],
         "gradcheck": ["leaky_relu", "--in", missing + ".npy"],
+        "verify": ["leaky_relu", "--in", missing + ".npy", "--expect", missing + ".npy"],
     }
     for cmd, args in cases.items():
         r = run("--server", daemon.unix_address, cmd, *args)
@@ -423,3 +425,198 @@ def test_man_pages_are_generated():
         r = subprocess.run(["man", "-l", os.path.join(BUILD, "man", "opjit.1")],
                            capture_output=True, text=True, env=dict(os.environ, MANWIDTH="80"))
         assert r.returncode == 0 and "gradcheck" in r.stdout, r.stderr
+
+
+class FakeEvaluator(FakeServer):
+    """opjit.v1.Evaluator answering `verify` and `bench` (responses), keeping
+    the requests it got in `requests`."""
+
+    def __init__(self, verify=None, bench=None, delay=0.0):
+        from opjit.v1 import evaluate_pb2 as ev
+        self.requests = []
+
+        def answer(request_type, response):
+            def fn(req):
+                self.requests.append(request_type.FromString(req))
+                time.sleep(delay)
+                return response.SerializeToString()
+            return fn
+
+        super().__init__({
+            "/opjit.v1.Evaluator/Verify": answer(ev.VerifyRequest, verify or ev.VerifyResponse()),
+            "/opjit.v1.Evaluator/Benchmark": answer(ev.BenchmarkRequest,
+                                                    bench or ev.BenchmarkResponse())})
+
+
+def fake_verify_response(failed):
+    from opjit.v1 import evaluate_pb2 as ev
+    r = ev.VerifyResponse(passed=not failed, deterministic=True, seed=2**64 - 1,
+                          cases_passed=1, cases_failed=int(failed), cases_skipped=1,
+                          tolerances=["float32: atol=1e-05 rtol=1.3e-06 ulps=0"],
+                          reproduce="opjit verify cand --against ref --seed 18446744073709551615")
+    r.cases.add(index=0, kind="random", dtype="float32", shapes="float32[7], float32[7]",
+                passed=True, deterministic=True, worst_index=-1)
+    if failed:
+        r.cases.add(index=1, kind="special", dtype="float32", shapes="float32[7], float32[7]",
+                    max_abs_error=float("inf"), max_rel_error=0.5, max_ulp_error=1.5e7,
+                    worst_output=0, worst_index=3, candidate_value=float("nan"),
+                    reference_value=2.5, message="output 0 differs at [3]")
+    r.cases.add(index=2, kind="random", dtype="float64", shapes="float64[0]", skipped=True,
+                worst_index=-1, message="the reference refused float64")
+    return r
+
+
+def test_verify_sends_what_the_command_line_says():
+    fake = FakeEvaluator(verify=fake_verify_response(False))
+    try:
+        r = run("--server", fake.address, "verify", "team/cand", "--against", "ref",
+                "--shape", "4,5:5", "--shape", "[3];[]", "--shape", "7", "--dtype", "float32",
+                "--dtype", "float16", "--seeds", "3", "--seed", str(2**64 - 1), "--low", "-1",
+                "--high", "1.5", "--no-special", "--atol", "1e-3", "--ulps", "4",
+                "--fp64-reference", "--inplace", "x", "--settle-ms", "20", "--attr", "alpha=2",
+                "--version", "2", "--against-version", "1")
+        assert r.returncode == 0, r.stderr
+        plain = run("--server", fake.address, "verify", "cand", "--against", "default/ref")
+        assert plain.returncode == 0, plain.stderr
+    finally:
+        fake.close()
+    req, bare = fake.requests
+    assert req.namespace == "team"
+    assert (req.candidate.op, req.candidate.version) == ("cand", 2)
+    assert (req.reference.op, req.reference.version) == ("ref", 1)
+    assert [[list(i.values) for i in s.inputs] for s in req.shapes] == \
+        [[[4, 5], [5]], [[3], []], [[7]]]
+    assert list(req.dtypes) == ["float32", "float16"]
+    assert (req.seeds, req.seed, req.low, req.high) == (3, 2**64 - 1, -1.0, 1.5)
+    assert req.HasField("special_values") and not req.special_values
+    assert req.tolerance.HasField("atol") and req.tolerance.atol == 1e-3
+    assert not req.tolerance.HasField("rtol") and req.tolerance.ulps == 4
+    assert req.fp64_reference and list(req.inplace_inputs) == ["x"] and req.settle_ms == 20
+    assert req.attrs["alpha"].text == "2"
+    # Nothing given: the server's defaults (special values on, its shapes and tolerances).
+    assert (bare.namespace, bare.reference.op) == ("", "ref")
+    assert not bare.HasField("special_values") and not bare.HasField("tolerance")
+    assert len(bare.shapes) == 0 and bare.seed == 0 and not bare.given
+
+
+def test_verify_prints_a_row_per_case_and_exits_3_on_a_failure():
+    fake = FakeEvaluator(verify=fake_verify_response(True))
+    try:
+        r = run("--server", fake.address, "verify", "cand", "--against", "ref")
+        j = run("--server", fake.address, "verify", "cand", "--against", "ref", "--json")
+    finally:
+        fake.close()
+    assert r.returncode == 3, r.stderr
+    lines = r.stdout.splitlines()
+    assert re.match(r"  #\s+kind\s+dtype\s+shapes\s+result\s+max abs err\s+max rel err\s+max ulp"
+                    r"\s+worst\s+candidate vs reference\s+message$", lines[0]), lines[0]
+    assert re.match(r"  0\s+random\s+float32\s+float32\[7\], float32\[7\]\s+pass\s", lines[1])
+    assert re.match(r"  1\s+special\s+float32\s+float32\[7\], float32\[7\]\s+FAIL\s+inf\s+0\.5\s+"
+                    r"1\.5e\+07\s+out0\[3\]\s+nan vs 2\.5\s+output 0 differs at \[3\]$", lines[2]), \
+        lines[2]
+    assert re.match(r"  2\s+random\s+float64\s+float64\[0\]\s+skip\s+-\s+-\s+-\s+-\s+-\s+"
+                    r"the reference refused float64$", lines[3]), lines[3]
+    assert lines[4] == ("verify cand against ref: FAIL: 1 passed, 1 failed, 1 skipped; "
+                        "deterministic; seed 18446744073709551615")
+    assert lines[5] == "tolerances: float32: atol=1e-05 rtol=1.3e-06 ulps=0"
+    assert lines[6] == "reproduce: opjit verify cand --against ref --seed 18446744073709551615"
+    assert j.returncode == 3, j.stderr
+    out = json.loads(j.stdout)  # protobuf's JSON: field names as in the proto
+    assert [c["index"] for c in out["cases"]] == [0, 1, 2]
+    assert out["cases"][1]["worst_index"] == "3" and out["cases"][1]["candidate_value"] == "NaN"
+    assert out["seed"] == "18446744073709551615" and out["cases_failed"] == 1
+
+
+def test_verify_given_case_sends_the_npy_files(tmp_path):
+    import numpy as np
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", 2 * x)
+    fake = FakeEvaluator(verify=fake_verify_response(False))
+    try:
+        r = run("--server", fake.address, "verify", "cand", "--in", str(tmp_path / "x.npy"),
+                "--expect", str(tmp_path / "y.npy"))
+    finally:
+        fake.close()
+    assert r.returncode == 0, r.stderr
+    (req,) = fake.requests
+    assert not req.HasField("reference") and len(req.given) == 1
+    (case,) = req.given
+    assert [list(t.shape) for t in case.inputs[0].tensors] == [[2, 3]]
+    assert case.inputs[0].tensors[0].inline_data == x.tobytes()
+    assert case.outputs[0].dtype == "float32" and case.outputs[0].inline_data == (2 * x).tobytes()
+
+
+def test_bench_sends_and_prints_the_timings():
+    from opjit.v1 import evaluate_pb2 as ev
+    resp = ev.BenchmarkResponse(shapes="float32[7], float32[7]", ratio=0.98, ratio_p10=0.95,
+                                ratio_p90=1.02, flush_bytes=64 << 20,
+                                reproduce="opjit bench op --against ref --seed 9")
+    resp.op.CopyFrom(ev.TimingStats(reps=812, median_ms=0.4123, p10_ms=0.4011, p90_ms=0.455,
+                                    kernel_median_ms=0.3, kernel_p10_ms=0.29,
+                                    kernel_p90_ms=0.31, spread=0.131))
+    resp.reference.CopyFrom(ev.TimingStats(reps=812, median_ms=0.5, p10_ms=0.45, p90_ms=0.6,
+                                           kernel_median_ms=0.31, kernel_p10_ms=0.3,
+                                           kernel_p90_ms=0.33, spread=0.3))
+    fake = FakeEvaluator(bench=resp)
+    try:
+        r = run("--server", fake.address, "bench", "team/op", "--against", "ref", "--shape", "7",
+                "--dtype", "float32", "--warmup", "1", "--min-reps", "3", "--max-reps", "9",
+                "--min-time-ms", "40", "--flush-cache", "--seed", "9", "--attr", "k=v")
+        j = run("--server", fake.address, "bench", "op", "--json")
+    finally:
+        fake.close()
+    assert r.returncode == 0, r.stderr
+    req = fake.requests[0]
+    assert (req.namespace, req.op.op, req.reference.op) == ("team", "op", "ref")
+    assert [list(i.values) for i in req.shape.inputs] == [[7]]
+    assert (req.dtype, req.warmup, req.min_reps, req.max_reps, req.min_time_ms) == \
+        ("float32", 1, 3, 9, 40)
+    assert req.flush_cache and req.seed == 9 and req.attrs["k"].text == "v"
+    lines = r.stdout.splitlines()
+    assert lines[0] == ("bench team/op (float32[7], float32[7]): cache flushed before every run "
+                        "(64 MiB)")
+    assert re.match(r"\s+time\s+reps\s+median ms\s+p10 ms\s+p90 ms\s+spread$", lines[1]), lines[1]
+    assert re.match(r"  team/op\s+end-to-end\s+812\s+0\.4123\s+0\.4011\s+0\.455\s+13\.1%$",
+                    lines[2]), lines[2]
+    assert re.match(r"\s+kernel\s+0\.3\s+0\.29\s+0\.31$", lines[3]), lines[3]
+    assert re.match(r"  ref\s+end-to-end\s+812\s+0\.5\s+0\.45\s+0\.6\s+30%$", lines[4]), lines[4]
+    assert lines[6] == "ratio team/op / ref (kernel time): 0.98 (p10 0.95, p90 1.02)"
+    assert lines[7] == "reproduce: opjit bench op --against ref --seed 9"
+    assert j.returncode == 0, j.stderr
+    out = json.loads(j.stdout)
+    assert out["op"]["reps"] == 812 and out["ratio"] == 0.98
+    assert fake.requests[1].op.op == "op" and not fake.requests[1].HasField("reference")
+
+
+def test_verify_and_bench_usage_errors_are_one_line():
+    for args, want in (
+            (["verify", "cand"], "verify needs --against REF"),
+            (["verify", "cand", "--against", "r", "--in", "x.npy"], "not with --against"),
+            (["verify", "cand", "--against", "other/r"], "the reference must be in the "
+                                                           "candidate's namespace"),
+            (["verify", "cand", "--against", "r", "--shape", "4,x"], "--shape takes dimensions"),
+            (["verify", "cand", "--against", "r", "--shape", "-4"], "--shape takes dimensions"),
+            (["verify", "cand", "--against", "r", "--low", "1"], "--low and --high go together"),
+            (["verify", "cand", "--against", "r", "--seed", "-1"], "--seed takes a whole number"),
+            (["verify", "cand", "--against", "r", "--seeds", str(2**32)],
+             "--seeds takes a whole number from 0 to 4294967295"),
+            (["verify", "cand", "--against", "r", "--atol", "tiny"], "--atol takes a number"),
+            (["bench", "op", "--max-reps", "many"], "--max-reps takes a whole number"),
+            (["bench", "op", "--shape", "7", "--shape", "8"], "--shape"),
+            (["bench", "op", "--against", "x/r"], "the reference must be in")):
+        r = run("--server", "unix:/nonexistent.sock", *args)
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        line = one_line(r)
+        assert want in line and "opjit %s --help" % args[0] in line, (args, line)
+
+
+def test_verify_past_the_deadline_says_to_raise_timeout():
+    fake = FakeEvaluator(verify=fake_verify_response(False), delay=3)
+    try:
+        r = run("--server", fake.address, "--timeout", "1", "verify", "cand", "--against", "ref")
+    finally:
+        fake.close()
+    assert r.returncode == 1
+    line = one_line(r)
+    assert "DEADLINE_EXCEEDED" in line and "--timeout, 1 s" in line, line
