@@ -25,6 +25,7 @@
 #include "server/access/access.h"
 #include "server/access/quotas.h"
 #include "server/autograd/autograd.h"
+#include "server/evaluate/evaluator.h"
 #include "server/common/health_monitor.h"
 #include "server/common/logging.h"
 #include "server/common/sha256.h"
@@ -502,6 +503,9 @@ absl::Status Daemon::StartExecution() {
       p.autograd, Named(autograd::Autograd::Create(AutogradOptionsFromConfig(cfg_),
                                                    p.registry.get(), p.executor.get()),
                         "autograd"));
+  p.evaluator = std::make_unique<evaluate::Evaluator>(evaluate::EvaluatorOptions{},
+                                                      p.registry.get(), p.executor.get(),
+                                                      p.regions.get());
   p.handles = std::make_unique<exec::HandleTable>(HandleOptionsFromConfig(cfg_), p.registry.get());
   p.channels = std::make_unique<exec::ChannelManager>(
       ChannelOptionsFromConfig(cfg_), p.regions.get(), p.handles.get(), p.runner.get());
@@ -564,7 +568,8 @@ absl::Status Daemon::StartServer() {
                      .access = p.access.get(),
                      .quotas = p.quotas.get(),
                      .handles = p.handles.get(),
-                     .channels = p.channels.get()};
+                     .channels = p.channels.get(),
+                     .evaluator = p.evaluator.get()};
   rpc::GrpcServerOptions sopts = ServerOptionsFromConfig(cfg_);
   sopts.interceptors.push_back(rpc::MakeMetricsInterceptorFactory(p.metrics.get()));
   // Fast-channel calls never pass through gRPC: they draw credit from the

@@ -37,6 +37,9 @@ class QuotaManager;
 namespace autograd {
 class Autograd;
 }
+namespace evaluate {
+class Evaluator;
+}
 namespace compiler {
 class KernelCompiler;
 }
@@ -128,6 +131,7 @@ class Daemon {
     std::unique_ptr<runner::KernelRunner> runner;
     std::unique_ptr<exec::Executor> executor;
     std::unique_ptr<autograd::Autograd> autograd;
+    std::unique_ptr<evaluate::Evaluator> evaluator;  // Verify, Benchmark
     std::unique_ptr<exec::HandleTable> handles;
     std::unique_ptr<exec::ChannelManager> channels;  // its destructor closes every channel
     OnExit unhook_channels;  // the registry stops telling the channels of changes

@@ -186,6 +186,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions 
   self->services_.push_back(std::move(server_service));
   if (core.regions != nullptr) self->services_.push_back(std::make_unique<MemoryService>(core));
   if (core.executor != nullptr) self->services_.push_back(std::make_unique<ExecutorService>(core));
+  if (core.evaluator != nullptr) self->services_.push_back(std::make_unique<EvaluatorService>(core));
   for (auto& service : self->services_) builder.RegisterService(service.get());
 
   self->server_ = builder.BuildAndStart();

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "opjit/v1/compile.grpc.pb.h"
+#include "opjit/v1/evaluate.grpc.pb.h"
 #include "opjit/v1/exec.grpc.pb.h"
 #include "opjit/v1/memory.grpc.pb.h"
 #include "opjit/v1/registry.grpc.pb.h"
@@ -42,6 +43,9 @@ class RegionManager;
 namespace autograd {
 class Autograd;
 }
+namespace evaluate {
+class Evaluator;
+}
 namespace access {
 class AccessControl;
 class QuotaManager;
@@ -65,6 +69,8 @@ struct CoreRefs {
   // UNIMPLEMENTED.
   exec::HandleTable* handles = nullptr;
   exec::ChannelManager* channels = nullptr;
+  // Verify and Benchmark; null: the Evaluator service is not offered.
+  evaluate::Evaluator* evaluator = nullptr;
 };
 
 // Static facts reported by GetServerInfo.
@@ -172,6 +178,24 @@ class ExecutorService final : public v1::Executor::CallbackService {
   grpc::ServerUnaryReactor* OpenChannel(grpc::CallbackServerContext* ctx,
                                         const v1::OpenChannelRequest* req,
                                         v1::OpenChannelResponse* resp) override;
+
+ private:
+  CoreRefs core_;
+  const core::CallService calls_;
+};
+
+// Verify and Benchmark (evaluate.proto): admitted as calls of the
+// namespace, run by evaluate::Evaluator.
+class EvaluatorService final : public v1::Evaluator::CallbackService {
+ public:
+  explicit EvaluatorService(CoreRefs core)
+      : core_(core),
+        calls_(core.executor, core.autograd, core.handles, core.channels, core.quotas) {}
+  grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx, const v1::VerifyRequest* req,
+                                   v1::VerifyResponse* resp) override;
+  grpc::ServerUnaryReactor* Benchmark(grpc::CallbackServerContext* ctx,
+                                      const v1::BenchmarkRequest* req,
+                                      v1::BenchmarkResponse* resp) override;
 
  private:
   CoreRefs core_;
