@@ -1,0 +1,405 @@
+// Verify and Benchmark over a real registry, compiler and executor, with
+// kernels in this process (the sandboxed path is tests/python/test_verify.py):
+// a correct candidate passes every generated case; wrong ones and each cheat
+// fail with their worst case; every limit answers before anything runs.
+#include "server/evaluate/evaluator.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <future>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "absl/strings/str_cat.h"
+#include "server/common/error_info.h"
+#include "server/runner/in_process_runner.h"
+#include "tests/unit/testing/core_stack.h"
+
+namespace opjit::evaluate {
+namespace {
+
+// y = 2x + 1 and its variants, one entry each (float32 x -> y).
+constexpr char kKernels[] = R"(
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+static int64_t Count(int* nd, int64_t** s) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  return k;
+}
+#define KERNEL(name) extern "C" int name(int, void** p, int* nd, int64_t** s, const char**, void*, void*)
+#define XY const float* x = static_cast<const float*>(p[0]); float* y = static_cast<float*>(p[1]); const int64_t k = Count(nd, s)
+KERNEL(Ref) { XY; for (int64_t i = 0; i < k; ++i) y[i] = 2.0f * x[i] + 1.0f; return 0; }
+KERNEL(Good) { XY; for (int64_t i = 0; i < k; ++i) y[i] = (x[i] + x[i]) + 1.0f; return 0; }
+KERNEL(Off) { XY; for (int64_t i = 0; i < k; ++i) y[i] = 2.0f * x[i] + 1.001f; return 0; }
+KERNEL(Ulp3) {
+  XY;
+  for (int64_t i = 0; i < k; ++i) {
+    float v = 2.0f * x[i] + 1.0f;
+    if (std::isfinite(v) && v != 0.0f) for (int j = 0; j < 3; ++j) v = std::nextafter(v, INFINITY);
+    y[i] = v;
+  }
+  return 0;
+}
+KERNEL(NanToZero) { XY; for (int64_t i = 0; i < k; ++i) y[i] = x[i] == x[i] ? 2.0f * x[i] + 1.0f : 0.0f; return 0; }
+KERNEL(SkipLast) { XY; for (int64_t i = 0; i + 1 < k; ++i) y[i] = 2.0f * x[i] + 1.0f; return 0; }
+KERNEL(Nothing) { return 0; }
+KERNEL(Mutate) {
+  XY;
+  for (int64_t i = 0; i < k; ++i) y[i] = 2.0f * x[i] + 1.0f;
+  if (k > 0) const_cast<float*>(x)[0] = 42.0f;
+  return 0;
+}
+// Keeps the previous call's output and returns it (computes only the first).
+KERNEL(Stale) {
+  XY;
+  static float kept[1 << 17];
+  static int64_t kept_n = -1;
+  if (kept_n < 0) {
+    for (int64_t i = 0; i < k; ++i) y[i] = 2.0f * x[i] + 1.0f;
+  } else {
+    for (int64_t i = 0; i < k; ++i) y[i] = i < kept_n ? kept[i] : 0.0f;
+  }
+  kept_n = k < (1 << 17) ? k : (1 << 17);
+  std::memcpy(kept, y, kept_n * sizeof(float));
+  return 0;
+}
+// Computes once per size, then replays that result for the size.
+KERNEL(Cached) {
+  XY;
+  static float cache[8][1 << 17];
+  static int64_t sizes[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+  for (int c = 0; c < 8; ++c) {
+    if (sizes[c] == k && k <= (1 << 17)) { std::memcpy(y, cache[c], k * sizeof(float)); return 0; }
+  }
+  for (int64_t i = 0; i < k; ++i) y[i] = 2.0f * x[i] + 1.0f;
+  for (int c = 0; c < 8; ++c) {
+    if (sizes[c] < 0 && k <= (1 << 17)) { sizes[c] = k; std::memcpy(cache[c], y, k * sizeof(float)); break; }
+  }
+  return 0;
+}
+// Right only on the shape a test suite would use.
+KERNEL(OnlyTestShape) { XY; for (int64_t i = 0; i < k; ++i) y[i] = k == 1024 ? 2.0f * x[i] + 1.0f : 2.0f * x[i]; return 0; }
+KERNEL(Fails) { return 3; }
+)";
+
+// (x, w) -> y: a reference with another input count.
+constexpr char kTwoInputs[] = R"(
+#include <cstdint>
+extern "C" int Add(int, void** p, int* nd, int64_t** s, const char**, void*, void*) {
+  int64_t k = 1;
+  for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
+  for (int64_t i = 0; i < k; ++i) static_cast<float*>(p[2])[i] = static_cast<const float*>(p[0])[i] + static_cast<const float*>(p[1])[i];
+  return 0;
+}
+)";
+
+class EvaluatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto stack = opjit::testing::CoreStack::Create("evaluator-test");
+    ASSERT_TRUE(stack.ok()) << stack.status();
+    stack_ = *std::move(stack);
+    auto r = runner::InProcessRunner::Create({});
+    ASSERT_TRUE(r.ok()) << r.status();
+    runner_ = *std::move(r);
+    auto ex = exec::Executor::Create({}, stack_->registry.get(), stack_->compiler.get(),
+                                     stack_->regions.get(), runner_.get());
+    ASSERT_TRUE(ex.ok()) << ex.status();
+    executor_ = *std::move(ex);
+    evaluator_ = std::make_unique<Evaluator>(EvaluatorOptions{}, stack_->registry.get(),
+                                             executor_.get(), stack_->regions.get());
+    for (const char* entry : {"Ref", "Good", "Off", "Ulp3", "NanToZero", "SkipLast", "Nothing",
+                              "Mutate", "Stale", "Cached", "OnlyTestShape", "Fails"}) {
+      ASSERT_TRUE(stack_->registry
+                      ->Register(opjit::testing::FloatOp(entry, {"x"}, {"y"}, kKernels, entry))
+                      .ok());
+    }
+    ASSERT_TRUE(stack_->registry
+                    ->Register(opjit::testing::FloatOp("Add", {"x", "w"}, {"y"}, kTwoInputs, "Add"))
+                    .ok());
+  }
+  void TearDown() override {
+    evaluator_.reset();
+    executor_.reset();
+    runner_.reset();
+    stack_.reset();
+  }
+
+  VerifyCall Call(const std::string& candidate) {
+    VerifyCall c;
+    c.candidate = candidate;
+    c.reference = "Ref";
+    c.seed = 7;
+    c.settle_ms = 1;
+    return c;
+  }
+  absl::StatusOr<VerifyResult> Verify(VerifyCall c) {
+    std::promise<absl::StatusOr<VerifyResult>> p;
+    evaluator_->VerifyAsync(std::move(c),
+                            [&p](absl::StatusOr<VerifyResult> r) { p.set_value(std::move(r)); });
+    return p.get_future().get();
+  }
+  absl::StatusOr<BenchmarkResult> Bench(BenchmarkCall c) {
+    std::promise<absl::StatusOr<BenchmarkResult>> p;
+    evaluator_->BenchmarkAsync(
+        std::move(c), [&p](absl::StatusOr<BenchmarkResult> r) { p.set_value(std::move(r)); });
+    return p.get_future().get();
+  }
+  // The first failing case (the test fails when there is none).
+  CaseReport FirstFailure(const VerifyResult& r) {
+    for (const CaseReport& c : r.cases) {
+      if (!c.passed && !c.skipped) return c;
+    }
+    ADD_FAILURE() << "no case failed";
+    return {};
+  }
+  // No region of the verify is left behind.
+  void ExpectNoRegionsLeft() { EXPECT_TRUE(stack_->regions->List("default").empty()); }
+
+  std::unique_ptr<opjit::testing::CoreStack> stack_;
+  std::unique_ptr<runner::KernelRunner> runner_;
+  std::unique_ptr<exec::Executor> executor_;
+  std::unique_ptr<Evaluator> evaluator_;
+};
+
+TEST_F(EvaluatorTest, CorrectCandidatePassesEveryGeneratedCase) {
+  absl::StatusOr<VerifyResult> r = Verify(Call("Good"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->passed);
+  EXPECT_TRUE(r->deterministic);
+  // 7 edge shapes x (2 seeds + 1 special).
+  EXPECT_EQ(r->cases.size(), 21u);
+  EXPECT_EQ(r->passed_cases, 21);
+  bool empty = false, large = false, special = false;
+  for (const CaseReport& c : r->cases) {
+    EXPECT_TRUE(c.passed) << c.index << " " << c.shapes << ": " << c.message;
+    empty |= c.shapes == "float32[0]";
+    large |= c.shapes == "float32[65537]";
+    special |= c.kind == "special";
+  }
+  EXPECT_TRUE(empty && large && special);
+  EXPECT_NE(r->reproduce.find("opjit verify default/Good --against default/Ref --seed 7"),
+            std::string::npos)
+      << r->reproduce;
+  ASSERT_FALSE(r->tolerances.empty());
+  EXPECT_EQ(r->tolerances.back(), "float32: atol=1e-05 rtol=1.3e-06 ulps=0");
+  ExpectNoRegionsLeft();
+}
+
+TEST_F(EvaluatorTest, SameSeedSameCases) {
+  absl::StatusOr<VerifyResult> a = Verify(Call("Off")), b = Verify(Call("Off"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->cases.size(), b->cases.size());
+  for (size_t i = 0; i < a->cases.size(); ++i) {
+    EXPECT_EQ(a->cases[i].seed, b->cases[i].seed);
+    const double x = a->cases[i].candidate_value, y = b->cases[i].candidate_value;
+    EXPECT_TRUE(x == y || (std::isnan(x) && std::isnan(y))) << i << ": " << x << " " << y;
+  }
+  VerifyCall fresh = Call("Good");
+  fresh.seed = 0;
+  absl::StatusOr<VerifyResult> f = Verify(fresh);
+  ASSERT_TRUE(f.ok());
+  EXPECT_NE(f->seed, 0u);  // reported, to reproduce
+}
+
+TEST_F(EvaluatorTest, WrongValueFailsWithItsWorstElement) {
+  absl::StatusOr<VerifyResult> r = Verify(Call("Off"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->passed);
+  const CaseReport c = FirstFailure(*r);
+  EXPECT_GE(c.worst_index, 0);
+  EXPECT_NEAR(c.candidate_value - c.reference_value, 0.001, 1e-4);
+  EXPECT_NE(c.message.find("outside the tolerance"), std::string::npos) << c.message;
+}
+
+TEST_F(EvaluatorTest, UlpTolerance) {
+  VerifyCall c = Call("Ulp3");
+  c.tolerance = {0.0, 0.0, 2};
+  absl::StatusOr<VerifyResult> r = Verify(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->passed);
+  EXPECT_EQ(FirstFailure(*r).max_ulp_error, 3);
+  c.tolerance = {0.0, 0.0, 3};
+  r = Verify(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->passed);
+}
+
+TEST_F(EvaluatorTest, WrongOnNanFailsOnlyOnSpecialValues) {
+  absl::StatusOr<VerifyResult> r = Verify(Call("NanToZero"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->passed);
+  for (const CaseReport& c : r->cases) {
+    if (c.kind == "random") EXPECT_TRUE(c.passed) << c.message;
+    if (c.kind == "special" && c.shapes != "float32[0]") {
+      EXPECT_FALSE(c.passed);
+      EXPECT_TRUE(std::isnan(c.reference_value)) << c.message;
+      EXPECT_EQ(c.candidate_value, 0);
+    }
+  }
+}
+
+TEST_F(EvaluatorTest, OffByOneIsCaughtAtTheLastElement) {
+  absl::StatusOr<VerifyResult> r = Verify(Call("SkipLast"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->passed);
+  const CaseReport c = FirstFailure(*r);
+  EXPECT_NE(c.message.find("never wrote 1 of"), std::string::npos) << c.message;
+}
+
+TEST_F(EvaluatorTest, CheatsAreCaught) {
+  for (const char* cheat : {"Nothing", "Stale", "Cached", "OnlyTestShape"}) {
+    absl::StatusOr<VerifyResult> r = Verify(Call(cheat));
+    ASSERT_TRUE(r.ok()) << cheat << ": " << r.status();
+    EXPECT_FALSE(r->passed) << cheat;
+    EXPECT_GT(r->failed_cases, 0) << cheat;
+  }
+  absl::StatusOr<VerifyResult> r = Verify(Call("Nothing"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_NE(FirstFailure(*r).message.find("poison"), std::string::npos);
+  ExpectNoRegionsLeft();
+}
+
+TEST_F(EvaluatorTest, ChangedInputFailsUnlessDeclaredInPlace) {
+  absl::StatusOr<VerifyResult> r = Verify(Call("Mutate"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->passed);
+  EXPECT_NE(FirstFailure(*r).message.find("changed input 'x'"), std::string::npos);
+  VerifyCall c = Call("Mutate");
+  c.inplace_inputs = {"x"};
+  r = Verify(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->passed);
+}
+
+TEST_F(EvaluatorTest, FailingKernelIsAFailedCaseNotAnError) {
+  absl::StatusOr<VerifyResult> r = Verify(Call("Fails"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->passed);
+  EXPECT_NE(FirstFailure(*r).message.find("the call failed"), std::string::npos);
+}
+
+TEST_F(EvaluatorTest, GivenOutputs) {
+  const std::string x = opjit::testing::Bytes({1, 2, 3}), y = opjit::testing::Bytes({3, 5, 7});
+  const std::string wrong = opjit::testing::Bytes({3, 5, 8});
+  VerifyCall c;
+  c.candidate = "Good";
+  c.settle_ms = 1;
+  const runner::TensorDesc d{"float32", {3}};
+  c.given.push_back({{exec::TensorArg::Inline(d, x)}, {exec::TensorArg::Inline(d, y)}});
+  absl::StatusOr<VerifyResult> r = Verify(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->passed);
+  ASSERT_EQ(r->cases.size(), 1u);
+  EXPECT_EQ(r->cases[0].kind, "given");
+  c.given[0].outputs[0] = exec::TensorArg::Inline(d, wrong);
+  r = Verify(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->passed);
+  EXPECT_EQ(r->cases[0].worst_index, 2);
+  EXPECT_EQ(r->cases[0].reference_value, 8);
+}
+
+TEST_F(EvaluatorTest, RequestErrors) {
+  VerifyCall c = Call("NoSuchOp");
+  EXPECT_EQ(Verify(c).status().code(), absl::StatusCode::kNotFound);
+  c = Call("Good");
+  c.reference = "Add";
+  absl::Status s = Verify(c).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("takes 2 input(s)"), std::string::npos) << s;
+  c = Call("Good");
+  c.reference.clear();
+  EXPECT_EQ(Verify(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = Call("Good");
+  c.shapes = {{{3}, {3}}};  // two shapes for one input
+  EXPECT_EQ(Verify(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = Call("Good");
+  c.dtypes = {"float64"};
+  EXPECT_EQ(Verify(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = Call("Good");
+  c.inplace_inputs = {"nope"};
+  EXPECT_EQ(Verify(c).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(EvaluatorTest, Limits) {
+  VerifyCall c = Call("Good");
+  c.settle_ms = kMaxSettleMs + 1;
+  EXPECT_EQ(Verify(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c = Call("Good");
+  c.seeds = kMaxCases;  // x 7 shapes
+  absl::Status s = Verify(c).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(GetReason(s)->reason, reason::kQuotaExceeded);
+  c = Call("Good");
+  c.shapes = {{{kMaxElementsPerTensor + 1}}};
+  EXPECT_EQ(Verify(c).status().code(), absl::StatusCode::kResourceExhausted);
+  c = Call("Good");
+  c.deadline = std::chrono::steady_clock::now();
+  EXPECT_EQ(Verify(c).status().code(), absl::StatusCode::kDeadlineExceeded);
+  BenchmarkCall b;
+  b.op = "Good";
+  b.max_reps = kMaxReps + 1;
+  EXPECT_EQ(Bench(b).status().code(), absl::StatusCode::kResourceExhausted);
+  b.max_reps = 10;
+  b.min_time_ms = kMaxTimeMs + 1;
+  EXPECT_EQ(Bench(b).status().code(), absl::StatusCode::kResourceExhausted);
+  ExpectNoRegionsLeft();
+}
+
+TEST_F(EvaluatorTest, RegionQuotaApplies) {
+  // The case regions are the caller's namespace's: past its quota, the
+  // verify is RESOURCE_EXHAUSTED, and what it made is gone.
+  tensor::RegionManagerOptions ro;
+  ro.instance_tag = absl::StrCat("evaluator-quota", ::getpid());
+  ro.namespace_quota_bytes = 1 << 20;
+  auto regions = tensor::RegionManager::Create(ro);
+  ASSERT_TRUE(regions.ok()) << regions.status();
+  auto ex = exec::Executor::Create({}, stack_->registry.get(), stack_->compiler.get(),
+                                   regions->get(), runner_.get());
+  ASSERT_TRUE(ex.ok()) << ex.status();
+  Evaluator small({}, stack_->registry.get(), ex->get(), regions->get());
+  VerifyCall c = Call("Good");
+  c.shapes = {{{1 << 10}}, {{1 << 20}}};  // 4 KiB fits; 4 MiB does not
+  std::promise<absl::StatusOr<VerifyResult>> p;
+  small.VerifyAsync(c, [&p](absl::StatusOr<VerifyResult> r) { p.set_value(std::move(r)); });
+  absl::Status s = p.get_future().get().status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_TRUE((*regions)->List("default").empty());
+}
+
+TEST_F(EvaluatorTest, BenchmarkAgainstItselfIsWithinNoiseOfOne) {
+  BenchmarkCall b;
+  b.op = "Good";
+  b.reference = "Good";
+  b.shape = {{1 << 16}};
+  b.min_reps = 30;
+  b.min_time_ms = 100;
+  absl::StatusOr<BenchmarkResult> r = Bench(b);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->reference.has_value());
+  EXPECT_GE(r->op.reps, 30u);
+  EXPECT_EQ(r->op.reps, r->reference->reps);
+  EXPECT_LE(r->ratio_p10, 1.0);
+  EXPECT_GE(r->ratio_p90, 1.0);
+  EXPECT_GT(r->op.median_ms, 0);
+  EXPECT_LE(r->op.p10_ms, r->op.median_ms);
+  EXPECT_LE(r->op.median_ms, r->op.p90_ms);
+  EXPECT_EQ(r->shapes, "float32[65536]");
+  EXPECT_NE(r->reproduce.find("opjit bench default/Good --against default/Good --shape 65536"),
+            std::string::npos)
+      << r->reproduce;
+  b.flush_cache = true;
+  b.min_reps = 3;
+  b.min_time_ms = 1;
+  r = Bench(b);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(r->flush_bytes, 0u);
+  ExpectNoRegionsLeft();
+}
+
+}  // namespace
+}  // namespace opjit::evaluate
