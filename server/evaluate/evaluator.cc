@@ -10,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
@@ -278,7 +279,9 @@ Comparison Compare(const OutputBytes& cand, const OutputBytes& ref, const Tolera
       ok = std::isnan(a) && std::isnan(b);
       abs_err = rel_err = ulp = ok ? 0 : INFINITY;
     } else if (std::isinf(b) || std::isinf(a)) {
-      ok = a == b;
+      // A wider reference's finite value may overflow the candidate's dtype:
+      // compare what the candidate's dtype holds.
+      ok = a == RoundTo(cd, b);
       abs_err = rel_err = ulp = ok ? 0 : INFINITY;
     } else {
       abs_err = std::fabs(a - b);
@@ -303,7 +306,10 @@ Comparison Compare(const OutputBytes& cand, const OutputBytes& ref, const Tolera
   return c;
 }
 
-std::string FormatValue(double v) { return absl::StrCat(v); }
+// Enough digits to tell neighbouring values of the dtype apart.
+std::string FormatValue(const Dtype& d, double v) {
+  return absl::StrFormat(d.size == 8 ? "%.17g" : "%.9g", v);
+}
 
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -366,7 +372,7 @@ struct Evaluator::Impl {
                        const std::vector<std::string>& in_bytes,
                        const std::vector<TensorDesc>& out, const std::vector<uint8_t>& poisons,
                        std::vector<std::vector<OutputBytes>>* runs, std::string* failure,
-                       double* kernel_ms);
+                       double* kernel_ms, std::pair<int, int64_t>* worst = nullptr);
 };
 
 absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
@@ -375,7 +381,8 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
                                       const std::vector<TensorDesc>& out,
                                       const std::vector<uint8_t>& poisons,
                                       std::vector<std::vector<OutputBytes>>* runs,
-                                      std::string* failure, double* kernel_ms) {
+                                      std::string* failure, double* kernel_ms,
+                                      std::pair<int, int64_t>* worst) {
   const int n_runs = static_cast<int>(poisons.size());
   const Layout l = LayOut(in, out, n_runs);
   OPJIT_ASSIGN_OR_RETURN(auto region, CaseRegion::Create(regions, c.ns, c.principal, l.total,
@@ -420,8 +427,8 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
         ++at;
       }
       *failure = absl::StrCat("the kernel changed input '", name, "' (element ", at, ": ",
-                              FormatValue(ReadElement(d, in_bytes[i].data(), at)), " became ",
-                              FormatValue(ReadElement(d, now, at)),
+                              FormatValue(d, ReadElement(d, in_bytes[i].data(), at)), " became ",
+                              FormatValue(d, ReadElement(d, now, at)),
                               "); declare it in inplace_inputs if the op works in place");
       return absl::OkStatus();
     }
@@ -435,6 +442,8 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
       const Dtype d = DtypeOf(out[k].dtype);
       size_t at = 0;
       while (at < seen.size() / d.size && std::memcmp(now + at * d.size, seen.data() + at * d.size, d.size) == 0) ++at;
+      // The element is the case's worst: say where.
+      if (worst != nullptr) *worst = {static_cast<int>(k), static_cast<int64_t>(at)};
       *failure = absl::StrCat("output ", k, " changed after the kernel returned (element ", at,
                               ", within ", c.settle_ms,
                               " ms): work after return is not a result");
@@ -502,10 +511,13 @@ absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, con
 
   std::vector<std::vector<OutputBytes>> runs;
   std::string failure;
+  std::pair<int, int64_t> where{-1, -1};
   OPJIT_RETURN_IF_ERROR(RunSide(c, cand, in.cand_in, in.cand_bytes, cand_out,
                                 {kPoisonA, kPoisonB}, &runs, &failure,
-                                &report->candidate_kernel_ms));
+                                &report->candidate_kernel_ms, &where));
   if (!failure.empty()) {
+    report->worst_output = where.first;
+    report->worst_index = where.second;
     report->message = absl::StrCat("the candidate: ", failure);
     return absl::OkStatus();
   }
@@ -570,10 +582,11 @@ absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, con
     }
   }
   if (!report->passed) {
+    const Dtype d = DtypeOf(cand_out[report->worst_output].dtype);
     report->message = absl::StrCat("output ", report->worst_output, " element ",
                                    report->worst_index, ": candidate ",
-                                   FormatValue(report->candidate_value), ", reference ",
-                                   FormatValue(report->reference_value),
+                                   FormatValue(d, report->candidate_value), ", reference ",
+                                   FormatValue(d, report->reference_value),
                                    " (outside the tolerance)");
   }
   return absl::OkStatus();

@@ -142,8 +142,10 @@ double RoundTo(const Dtype& d, double v) {
 double UlpDistance(const Dtype& d, double a, double b) {
   if (!d.is_float()) return std::fabs(a - b);
   if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b) ? 0 : INFINITY;
-  const int64_t x = OrderedBits(d, a), y = OrderedBits(d, b);
-  return std::fabs(static_cast<double>(x) - static_cast<double>(y));
+  // As integers first: two doubles near 2^62 differ by less than their own
+  // precision.
+  const __int128 diff = static_cast<__int128>(OrderedBits(d, a)) - OrderedBits(d, b);
+  return static_cast<double>(diff < 0 ? -diff : diff);
 }
 
 std::vector<double> SpecialValues(const Dtype& d) {

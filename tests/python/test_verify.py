@@ -152,10 +152,6 @@ def test_fp64_reference(vclient):
     assert any("float64" in t for t in r.tolerances), r.tolerances
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server: a float64 reference's result is compared before it is rounded to the "
-    "candidate's float32: 2 * FLT_MAX + 1 is inf in float32 but 6.8e38 in float64, and "
-    "inf against a finite value fails (server/evaluate/evaluator.cc Compare)"))
 def test_fp64_reference_on_special_values(vclient):
     r = opjit.verify("vf_scale_add_f32", REF, fp64_reference=True, client=vclient)
     assert r, r.table()
@@ -194,15 +190,7 @@ def test_attrs(vclient, examples_registered):
 
 # ---- wrong kernels --------------------------------------------------------------------
 
-# The server's ULP distance of two float64 values subtracts their ordered bits
-# as doubles (server/evaluate/values.cc UlpDistance): near 2^62 a double holds
-# multiples of 512 or 1024 only, so 3 ULPs read as 0, 512 or 1024.
-FLOAT64_ULPS = pytest.mark.xfail(strict=True, reason=(
-    "server: float64 ULP distances are rounded to multiples of 512/1024 (the int64 "
-    "ordered bits are converted to double before subtracting)"))
-
-
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=FLOAT64_ULPS)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_ulps(vclient, dtype):
     """Every result 3 units in the last place off: ulps=2 fails, ulps=3 passes."""
     exact = dict(atol=0, rtol=0, shapes=[1031], dtypes=[dtype], client=vclient)

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <future>
 
@@ -29,7 +30,7 @@ static int64_t Count(int* nd, int64_t** s) {
   for (int i = 0; i < nd[0]; ++i) k *= s[0][i];
   return k;
 }
-#define KERNEL(name) extern "C" int name(int, void** p, int* nd, int64_t** s, const char**, void*, void*)
+#define KERNEL(name) extern "C" int name(int, void** p, int* nd, int64_t** s, const char** d, void*, void*)
 #define XY const float* x = static_cast<const float*>(p[0]); float* y = static_cast<float*>(p[1]); const int64_t k = Count(nd, s)
 KERNEL(Ref) { XY; for (int64_t i = 0; i < k; ++i) y[i] = 2.0f * x[i] + 1.0f; return 0; }
 KERNEL(Good) { XY; for (int64_t i = 0; i < k; ++i) y[i] = (x[i] + x[i]) + 1.0f; return 0; }
@@ -83,6 +84,27 @@ KERNEL(Cached) {
 // Right only on the shape a test suite would use.
 KERNEL(OnlyTestShape) { XY; for (int64_t i = 0; i < k; ++i) y[i] = k == 1024 ? 2.0f * x[i] + 1.0f : 2.0f * x[i]; return 0; }
 KERNEL(Fails) { return 3; }
+// One ULP up on every other call: within the float32 tolerance, not the same bits.
+KERNEL(Flaky) {
+  XY;
+  static int calls = 0;
+  const bool bump = calls++ % 2 == 1;
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = 2.0f * x[i] + 1.0f;
+    y[i] = bump && std::isfinite(v) && v != 0.0f ? std::nextafter(v, INFINITY) : v;
+  }
+  return 0;
+}
+// y = 2x + 1 in float32 or float64, whichever the call has.
+KERNEL(Ref2) {
+  const int64_t k = Count(nd, s);
+  if (std::strcmp(d[0], "float64") == 0) {
+    for (int64_t i = 0; i < k; ++i) static_cast<double*>(p[1])[i] = 2.0 * static_cast<const double*>(p[0])[i] + 1.0;
+  } else {
+    for (int64_t i = 0; i < k; ++i) static_cast<float*>(p[1])[i] = 2.0f * static_cast<const float*>(p[0])[i] + 1.0f;
+  }
+  return 0;
+}
 )";
 
 // (x, w) -> y: a reference with another input count.
@@ -112,11 +134,14 @@ class EvaluatorTest : public ::testing::Test {
     evaluator_ = std::make_unique<Evaluator>(EvaluatorOptions{}, stack_->registry.get(),
                                              executor_.get(), stack_->regions.get());
     for (const char* entry : {"Ref", "Good", "Off", "Ulp3", "NanToZero", "SkipLast", "Nothing",
-                              "Mutate", "Stale", "Cached", "OnlyTestShape", "Fails"}) {
+                              "Mutate", "Stale", "Cached", "OnlyTestShape", "Fails", "Flaky"}) {
       ASSERT_TRUE(stack_->registry
                       ->Register(opjit::testing::FloatOp(entry, {"x"}, {"y"}, kKernels, entry))
                       .ok());
     }
+    registry::OpDef both = opjit::testing::FloatOp("Ref2", {"x"}, {"y"}, kKernels, "Ref2");
+    both.dtype_formats.push_back({{{"float64", "DefaultFormat"}, {"float64", "DefaultFormat"}}});
+    ASSERT_TRUE(stack_->registry->Register(both).ok());
     ASSERT_TRUE(stack_->registry
                     ->Register(opjit::testing::FloatOp("Add", {"x", "w"}, {"y"}, kTwoInputs, "Add"))
                     .ok());
@@ -280,6 +305,33 @@ TEST_F(EvaluatorTest, FailingKernelIsAFailedCaseNotAnError) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->passed);
   EXPECT_NE(FirstFailure(*r).message.find("the call failed"), std::string::npos);
+}
+
+TEST_F(EvaluatorTest, NondeterminismIsReported) {
+  absl::StatusOr<VerifyResult> r = Verify(Call("Flaky"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->passed);  // one ULP is within float32's default tolerance
+  EXPECT_FALSE(r->deterministic);
+  r = Verify(Call("Good"));
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->deterministic);
+}
+
+TEST_F(EvaluatorTest, Float64Reference) {
+  VerifyCall c = Call("Good");
+  c.reference = "Ref2";
+  c.fp64_reference = true;
+  absl::StatusOr<VerifyResult> r = Verify(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->passed);
+  EXPECT_NE(std::find(r->tolerances.begin(), r->tolerances.end(), "float32: reference in float64"),
+            r->tolerances.end());
+  // A reference without a float64 row runs in the candidate's dtype.
+  c.reference = "Ref";
+  r = Verify(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(std::find(r->tolerances.begin(), r->tolerances.end(), "float32: reference in float64"),
+            r->tolerances.end());
 }
 
 TEST_F(EvaluatorTest, GivenOutputs) {

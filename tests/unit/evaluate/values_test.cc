@@ -48,6 +48,12 @@ TEST(ValuesTest, UlpDistance) {
   EXPECT_EQ(UlpDistance(f, std::nan(""), std::nan("")), 0);
   EXPECT_EQ(UlpDistance(DtypeOf("float16"), 1.0, 1 + std::ldexp(1.0, -10)), 1);
   EXPECT_EQ(UlpDistance(DtypeOf("int32"), 5, 9), 4);
+  // float64: exact counts, even where the bit patterns are near 2^62.
+  const Dtype g = DtypeOf("float64");
+  const double x = 1.2345;
+  EXPECT_EQ(UlpDistance(g, x, std::nextafter(x, 2.0)), 1);
+  EXPECT_EQ(UlpDistance(g, x, std::nextafter(std::nextafter(std::nextafter(x, 2.0), 2.0), 2.0)), 3);
+  EXPECT_EQ(UlpDistance(g, -1e300, -std::nextafter(1e300, 0.0)), 1);
 }
 
 TEST(ValuesTest, SpecialValuesPerDtype) {
