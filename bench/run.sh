@@ -68,6 +68,8 @@ run isolation "$BUILD/bin/isolation_bench" "$OUT/isolation.json" >"$OUT/isolatio
 # against a root daemon's (needs root: it starts daemons as nobody; otherwise
 # a "skipped" section).
 run userns "$PY" bench/userns_bench.py "$OUT/userns.json" --build "$BUILD" --md "$OUT/userns.md"
+# What Verify and Benchmark cost beyond the calls they make (issue 31).
+run evaluate "$PY" bench/evaluate_bench.py "$OUT/evaluate.json" --build "$BUILD" --md "$OUT/evaluate.md"
 
 "$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
 report_rc=$?

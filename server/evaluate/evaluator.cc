@@ -68,8 +68,10 @@ absl::Status DeadlineError(const char* what, size_t done, size_t total) {
                    " case(s): give it a longer deadline, or fewer shapes, dtypes or seeds"));
 }
 
-// One region of the caller's namespace for one side of one case, removed
-// with the object. Its bytes count against the namespace's quota.
+// One region of the caller's namespace for one side (candidate or
+// reference) of a verify, removed with the object; cases reuse it with new
+// values, and a bigger case replaces it. Its bytes count against the
+// namespace's quota.
 class CaseRegion {
  public:
   static absl::StatusOr<std::unique_ptr<CaseRegion>> Create(tensor::RegionManager* regions,
@@ -84,9 +86,11 @@ class CaseRegion {
         regions->CreateRegion(ns, owner, r->name_, std::max<uint64_t>(bytes, kAlign), lease_ms)
             .status());
     r->created_ = true;
+    r->bytes_ = bytes;
     OPJIT_ASSIGN_OR_RETURN(r->region_, regions->Acquire(ns, r->name_));
     return r;
   }
+  uint64_t bytes() const { return bytes_; }
   ~CaseRegion() {
     if (created_) regions_->Unregister(ns_, name_).IgnoreError();
   }
@@ -100,6 +104,7 @@ class CaseRegion {
   const std::string ns_;
   std::string name_;
   bool created_ = false;
+  uint64_t bytes_ = 0;
   std::shared_ptr<const tensor::Region> region_;
 };
 
@@ -362,13 +367,17 @@ struct Evaluator::Impl {
     std::vector<std::string> cand_bytes, ref_bytes;
     std::vector<OutputBytes> given_outputs;  // kind "given"
   };
+  // The two sides' regions of one verify (never shared between them).
+  struct Regions {
+    std::unique_ptr<CaseRegion> candidate, reference;
+  };
   absl::Status RunCase(const VerifyCall& c, const Side& cand, const Side* ref,
-                       const CaseInput& in, CaseReport* report);
+                       const CaseInput& in, Regions* regions, CaseReport* report);
   // Runs `side` once per entry of `poisons` (outputs placed apart per run),
   // writing what each run returned into `runs`; checks the inputs after each
   // and the outputs again after `settle`. A non-empty *failure is the case's.
-  absl::Status RunSide(const VerifyCall& c, const Side& side,
-                       const std::vector<TensorDesc>& in,
+  absl::Status RunSide(const VerifyCall& c, const Side& side, std::unique_ptr<CaseRegion>* slot,
+                       bool settle, const std::vector<TensorDesc>& in,
                        const std::vector<std::string>& in_bytes,
                        const std::vector<TensorDesc>& out, const std::vector<uint8_t>& poisons,
                        std::vector<std::vector<OutputBytes>>* runs, std::string* failure,
@@ -376,6 +385,7 @@ struct Evaluator::Impl {
 };
 
 absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
+                                      std::unique_ptr<CaseRegion>* slot, bool settle,
                                       const std::vector<TensorDesc>& in,
                                       const std::vector<std::string>& in_bytes,
                                       const std::vector<TensorDesc>& out,
@@ -385,8 +395,12 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
                                       std::pair<int, int64_t>* worst) {
   const int n_runs = static_cast<int>(poisons.size());
   const Layout l = LayOut(in, out, n_runs);
-  OPJIT_ASSIGN_OR_RETURN(auto region, CaseRegion::Create(regions, c.ns, c.principal, l.total,
-                                                         options.region_lease_ms));
+  if (*slot == nullptr || (*slot)->bytes() < l.total) {
+    slot->reset();  // the old one leaves the quota first
+    OPJIT_ASSIGN_OR_RETURN(*slot, CaseRegion::Create(regions, c.ns, c.principal, l.total,
+                                                     options.region_lease_ms));
+  }
+  const CaseRegion* region = slot->get();
   for (size_t i = 0; i < in.size(); ++i) {
     std::memcpy(region->at(l.inputs[i]), in_bytes[i].data(), in_bytes[i].size());
   }
@@ -433,6 +447,7 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
       return absl::OkStatus();
     }
   }
+  if (!settle) return absl::OkStatus();
   if (c.settle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.settle_ms));
   for (int r = 0; r < n_runs; ++r) {
     for (size_t k = 0; k < out.size(); ++k) {
@@ -454,7 +469,8 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
 }
 
 absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, const Side* ref,
-                                      const CaseInput& in, CaseReport* report) {
+                                      const CaseInput& in, Regions* regions,
+                                      CaseReport* report) {
   report->kind = in.kind;
   report->seed = in.seed;
   report->dtype = in.cand_in.empty() ? "" : in.cand_in[0].dtype;
@@ -477,8 +493,8 @@ absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, con
     ref_out = prepared->outputs;
     std::vector<std::vector<OutputBytes>> runs;
     std::string failure;
-    OPJIT_RETURN_IF_ERROR(RunSide(c, *ref, in.ref_in, in.ref_bytes, ref_out, {kPoisonA}, &runs,
-                                  &failure, nullptr));
+    OPJIT_RETURN_IF_ERROR(RunSide(c, *ref, &regions->reference, /*settle=*/false, in.ref_in,
+                                  in.ref_bytes, ref_out, {kPoisonA}, &runs, &failure, nullptr));
     if (!failure.empty()) {
       report->skipped = true;
       report->message = absl::StrCat("the reference: ", failure);
@@ -512,7 +528,8 @@ absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, con
   std::vector<std::vector<OutputBytes>> runs;
   std::string failure;
   std::pair<int, int64_t> where{-1, -1};
-  OPJIT_RETURN_IF_ERROR(RunSide(c, cand, in.cand_in, in.cand_bytes, cand_out,
+  OPJIT_RETURN_IF_ERROR(RunSide(c, cand, &regions->candidate, /*settle=*/true, in.cand_in,
+                                in.cand_bytes, cand_out,
                                 {kPoisonA, kPoisonB}, &runs, &failure,
                                 &report->candidate_kernel_ms, &where));
   if (!failure.empty()) {
@@ -834,11 +851,12 @@ absl::StatusOr<VerifyResult> Evaluator::Impl::Verify(const VerifyCall& c) {
   }
 
   std::vector<std::string> dtypes_seen;
+  Regions case_regions;
   for (size_t i = 0; i < cases.size(); ++i) {
     if (PastDeadline(c.deadline)) return DeadlineError("verify", i, cases.size());
     CaseReport report;
     report.index = static_cast<int>(i);
-    OPJIT_RETURN_IF_ERROR(RunCase(c, cand, ref ? &*ref : nullptr, cases[i], &report));
+    OPJIT_RETURN_IF_ERROR(RunCase(c, cand, ref ? &*ref : nullptr, cases[i], &case_regions, &report));
     for (const TensorDesc& d : cases[i].cand_in) {
       if (std::find(dtypes_seen.begin(), dtypes_seen.end(), d.dtype) == dtypes_seen.end()) {
         dtypes_seen.push_back(d.dtype);
