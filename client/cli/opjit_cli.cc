@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/cli_docs.h"
@@ -212,11 +214,11 @@ const ProgramDoc& Program() {
           {"--eps", "E", "the finite-difference step"},
           {"--atol", "A", "absolute tolerance"},
           {"--rtol", "R", "relative tolerance"}, version}},
-        {"verify", "CAND", "the candidate op: name or ns/name", "", false,
+        {"verify", "CAND", "the candidate op: name or ns/name, op@N for version N", "", false,
          "check an op against a reference op on generated inputs, case by case",
          kVerifyDoc,
          {{"--against", "REF",
-           "the reference op: name or ns/name (the candidate's namespace)"},
+           "the reference op: name, ns/name or op@N (in the candidate's namespace)"},
           against_version,
           with_help(version, "the candidate's version (default: the latest)"),
           {"--shape", "SHAPES", "the inputs' shapes of one case set: 4,5:5 (see below)", "",
@@ -237,10 +239,10 @@ const ProgramDoc& Program() {
           attr,
           with_help(in, "an input of a given case (instead of --against)"),
           {"--expect", "Y.npy", "output j of the given case (with --in)", "", true, true}}},
-        {"bench", "OP", "the op: name or ns/name", "", false,
+        {"bench", "OP", "the op: name or ns/name, op@N for version N", "", false,
          "time an op in the daemon (and a reference in alternation)", kBenchDoc,
          {{"--against", "REF",
-           "a reference op to time in alternation: name or ns/name (the op's namespace)"},
+           "a reference op to time in alternation: name, ns/name or op@N (the op's namespace)"},
           against_version,
           version,
           {"--shape", "SHAPES", "the inputs' shapes, as verify's (default: every input [1048576])"},
@@ -1050,22 +1052,52 @@ absl::StatusOr<opjit::v1::ShapeSet> ParseShapeSet(const std::string& text) {
   return set;
 }
 
-// An op named on the command line ("name" or "ns/name") as an OpVersionRef
-// in namespace `ns` (a reference: the candidate's; "" and "default" are the
-// same). INVALID_ARGUMENT when it names another namespace.
-absl::StatusOr<opjit::v1::OpVersionRef> OpRef(const std::string& qualified, const std::string& ns,
-                                              const std::string& version) {
-  std::string op_ns, name;
-  SplitName(qualified, &op_ns, &name);
+// An op of verify and bench as the command line names it: "name" or
+// "ns/name", either with "@N" for version N (as the reproduce lines write
+// it), else the version `version_flag` gives (default: the latest). Sets
+// `*ns` (the op's namespace; "" is "default").
+absl::StatusOr<opjit::v1::OpVersionRef> OpRef(const std::string& text, const Args& a,
+                                              const std::string& version_flag, std::string* ns) {
+  opjit::v1::OpVersionRef ref;
+  std::string name = text;
+  const size_t at = text.rfind('@');
+  if (at != std::string::npos) {
+    const std::string v = text.substr(at + 1);
+    char* end = nullptr;
+    errno = 0;
+    const long long n = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || !std::isdigit(static_cast<unsigned char>(v[0])) || *end != '\0' ||
+        errno != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("\"", text, "\": a version after '@' is a whole number, as in op@2"));
+    }
+    if (a.Has(version_flag)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("\"", text, "\" names its version: not with ", version_flag));
+    }
+    ref.set_version(n);
+    name = text.substr(0, at);
+  } else {
+    ref.set_version(std::stoll(a.Get(version_flag, "0")));
+  }
+  std::string op;
+  SplitName(name, ns, &op);
+  ref.set_op(op);
+  return ref;
+}
+
+// The reference of verify and bench (--against): in the namespace `ns` of
+// the candidate ("" and "default" are the same), INVALID_ARGUMENT otherwise.
+absl::StatusOr<opjit::v1::OpVersionRef> ReferenceRef(const Args& a, const std::string& ns) {
+  std::string ref_ns;
+  auto ref = OpRef(a.Get("--against"), a, "--against-version", &ref_ns);
+  if (!ref.ok()) return ref.status();
   auto plain = [](const std::string& n) { return n.empty() ? std::string("default") : n; };
-  if (qualified.find('/') != std::string::npos && plain(op_ns) != plain(ns)) {
-    return absl::InvalidArgumentError(absl::StrCat("--against ", qualified, " is not in ",
+  if (a.Get("--against").find('/') != std::string::npos && plain(ref_ns) != plain(ns)) {
+    return absl::InvalidArgumentError(absl::StrCat("--against ", a.Get("--against"), " is not in ",
                                                    plain(ns), ": the reference must be in the "
                                                    "candidate's namespace"));
   }
-  opjit::v1::OpVersionRef ref;
-  ref.set_op(name);
-  ref.set_version(std::stoll(version));
   return ref;
 }
 
@@ -1096,6 +1128,16 @@ std::string Num(double v) {
   return buf;
 }
 
+// An element of `dtype` as the shortest text that reads back as the same
+// value (float32 and narrower as floats, so 3 ULPs apart show).
+std::string Value(double v, const std::string& dtype) {
+  char buf[64];
+  const bool narrow = dtype == "float32" || dtype == "float16" || dtype == "bfloat16";
+  const auto r = narrow ? std::to_chars(buf, buf + sizeof(buf), static_cast<float>(v))
+                        : std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
+}
+
 // An error from an evaluation: the deadline it ran past is --timeout's.
 int FailEval(const Globals& g, const absl::Status& s) {
   if (s.code() != absl::StatusCode::kDeadlineExceeded || opjit::GetReason(s).has_value()) {
@@ -1109,11 +1151,11 @@ int FailEval(const Globals& g, const absl::Status& s) {
 // The request of `opjit verify`, or a usage error's message.
 absl::StatusOr<opjit::v1::VerifyRequest> VerifyRequestOf(const Args& a) {
   opjit::v1::VerifyRequest req;
-  std::string ns, name;
-  SplitName(a.positional[0], &ns, &name);
+  std::string ns;
+  auto candidate = OpRef(a.positional[0], a, "--version", &ns);
+  if (!candidate.ok()) return candidate.status();
   req.set_namespace_(ns);
-  req.mutable_candidate()->set_op(name);
-  req.mutable_candidate()->set_version(ParseVersion(a));
+  *req.mutable_candidate() = *candidate;
   const bool given = a.Has("--in") || a.Has("--expect");
   if (a.Has("--against") && given) {
     return absl::InvalidArgumentError("--in and --expect give a case to check without a "
@@ -1124,7 +1166,7 @@ absl::StatusOr<opjit::v1::VerifyRequest> VerifyRequestOf(const Args& a) {
         "verify needs --against REF (or a given case: --in X.npy ... --expect Y.npy ...)");
   }
   if (a.Has("--against")) {
-    auto ref = OpRef(a.Get("--against"), ns, a.Get("--against-version", "0"));
+    auto ref = ReferenceRef(a, ns);
     if (!ref.ok()) return ref.status();
     *req.mutable_reference() = *ref;
   }
@@ -1173,14 +1215,17 @@ void PrintVerify(const std::string& what, const opjit::v1::VerifyResponse& r) {
                                                  "max abs err", "max rel err", "max ulp",
                                                  "worst", "candidate vs reference", "message"}};
   for (const auto& k : r.cases()) {
-    const bool worst = k.worst_index() >= 0 && !k.skipped();
+    // The worst element says something where the case failed or differed.
+    const bool worst = k.worst_index() >= 0 && !k.skipped() &&
+                       (!k.passed() || k.max_abs_error() != 0 || k.max_ulp_error() != 0);
     rows.push_back({absl::StrCat(k.index()), k.kind(), k.dtype(), k.shapes(),
                     k.skipped() ? "skip" : k.passed() ? "pass" : "FAIL",
                     k.skipped() ? "-" : Num(k.max_abs_error()),
                     k.skipped() ? "-" : Num(k.max_rel_error()),
                     k.skipped() ? "-" : Num(k.max_ulp_error()),
                     worst ? absl::StrCat("out", k.worst_output(), "[", k.worst_index(), "]") : "-",
-                    worst ? absl::StrCat(Num(k.candidate_value()), " vs ", Num(k.reference_value()))
+                    worst ? absl::StrCat(Value(k.candidate_value(), k.dtype()), " vs ",
+                                         Value(k.reference_value(), k.dtype()))
                           : "-",
                     k.message()});
   }
@@ -1229,7 +1274,7 @@ void PrintBench(const std::string& op, const std::string& ref,
       {"", "time", "reps", "median ms", "p10 ms", "p90 ms", "spread"}};
   auto add = [&rows](const std::string& who, const opjit::v1::TimingStats& t) {
     rows.push_back({who, "end-to-end", absl::StrCat(t.reps()), Num(t.median_ms()), Num(t.p10_ms()),
-                    Num(t.p90_ms()), absl::StrCat(Num(100 * t.spread()), "%")});
+                    Num(t.p90_ms()), absl::StrFormat("%.1f%%", 100 * t.spread())});
     rows.push_back({"", "kernel", "", Num(t.kernel_median_ms()), Num(t.kernel_p10_ms()),
                     Num(t.kernel_p90_ms()), ""});
   };
@@ -1246,13 +1291,13 @@ void PrintBench(const std::string& op, const std::string& ref,
 int CmdBench(Client& c, const Globals& g, const Args& a) {
   if (a.positional.size() != 1) return UsageError("bench takes one OP");
   opjit::v1::BenchmarkRequest req;
-  std::string ns, name;
-  SplitName(a.positional[0], &ns, &name);
+  std::string ns;
+  auto op = OpRef(a.positional[0], a, "--version", &ns);
+  if (!op.ok()) return UsageError(std::string(op.status().message()));
   req.set_namespace_(ns);
-  req.mutable_op()->set_op(name);
-  req.mutable_op()->set_version(ParseVersion(a));
+  *req.mutable_op() = *op;
   if (a.Has("--against")) {
-    auto ref = OpRef(a.Get("--against"), ns, a.Get("--against-version", "0"));
+    auto ref = ReferenceRef(a, ns);
     if (!ref.ok()) return UsageError(std::string(ref.status().message()));
     *req.mutable_reference() = *ref;
   }

@@ -11,6 +11,8 @@ error otherwise.
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 
@@ -265,3 +267,164 @@ def test_register_and_describe_print_warnings(daemon, tmp_path):
     d = cli(daemon, "describe", "cli_square_warned")
     assert d.returncode == 0, d.stderr
     assert "warning: " in d.stderr and "cli_square_grad_not_registered" in d.stderr, d.stderr
+
+
+# opjit verify and opjit bench (issue 31) against the session's daemon, on
+# float32 kernels written here: y = 2x as the reference (x + x), a correct
+# candidate (x * 2) and a wrong one (2x, but 3x at flat index 3).
+VERIFY_OPS = {"cli_v_ref": "+ x[i]", "cli_v_good": "* 2.0f",
+              "cli_v_bad": "* (i == 3 ? 3.0f : 2.0f)"}
+
+
+def evaluator_answers(daemon):
+    """Skips (only) when the daemon has no Evaluator service (UNIMPLEMENTED)."""
+    r = cli(daemon, "verify", "cli_v_probe_missing", "--against", "cli_v_probe_missing")
+    if "UNIMPLEMENTED" in r.stderr:
+        pytest.skip("opjitd does not implement opjit.v1.Evaluator yet (UNIMPLEMENTED)")
+
+
+@pytest.fixture(scope="module")
+def verify_ops(daemon, tmp_path_factory):
+    from conftest import unary_kernel, unary_spec
+    evaluator_answers(daemon)
+    d = tmp_path_factory.mktemp("verify_ops")
+    for ns in ("", "cli_v_ns"):
+        for name, body in VERIFY_OPS.items():
+            spec = unary_spec(name, unary_kernel(body),
+                              output_rules=[{"kind": "same_as", "input": 0}])
+            args = ["register", write(d, name + ".json", json.dumps(spec))]
+            r = cli(daemon, *(args + (["--namespace", ns] if ns else [])))
+            assert r.returncode == 0, r.stderr
+    return True
+
+
+def verify_rows(stdout):
+    """The case rows of `opjit verify`'s table: {index: [cells]} (split on
+    two spaces or more)."""
+    rows = {}
+    for line in stdout.splitlines()[1:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if not cells[0].isdigit():
+            break
+        rows[int(cells[0])] = cells
+    return rows
+
+
+def test_verify_a_correct_candidate_exits_0_with_a_table(daemon, verify_ops):
+    r = cli(daemon, "verify", "cli_v_good", "--against", "cli_v_ref", "--seed", "7")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert re.match(r"  #\s+kind\s+dtype\s+shapes\s+result\s+max abs err", lines[0]), r.stdout
+    rows = verify_rows(r.stdout)
+    assert rows and all(c[4] == "pass" for c in rows.values()), r.stdout
+    kinds = {c[1] for c in rows.values()}
+    assert "random" in kinds and "special" in kinds, r.stdout
+    summary = [l for l in lines if l.startswith("verify cli_v_good against cli_v_ref: ")]
+    assert summary and re.search(r": PASS: %d passed, 0 failed, \d+ skipped; deterministic; "
+                                 r"seed 7$" % len(rows), summary[0]), summary
+    assert any(l.startswith("tolerances: float32: ") for l in lines), r.stdout
+    assert lines[-1].startswith("reproduce: opjit verify "), r.stdout
+
+
+def test_verify_a_wrong_candidate_exits_3_with_the_worst_index(daemon, verify_ops):
+    r = cli(daemon, "verify", "cli_v_bad", "--against", "cli_v_ref", "--shape", "8",
+            "--no-special", "--low", "1", "--high", "2")
+    assert r.returncode == 3, r.stdout + r.stderr
+    rows = verify_rows(r.stdout)
+    assert rows and all(c[4] == "FAIL" for c in rows.values()), r.stdout
+    for cells in rows.values():
+        assert cells[3] == "float32[8]" and cells[8] == "out0[3]", cells
+        cand, ref = (float(v) for v in cells[9].split(" vs "))
+        assert cand == pytest.approx(1.5 * ref, rel=1e-6), cells  # 3x against 2x
+    assert re.search(r"^verify cli_v_bad against cli_v_ref: FAIL: 0 passed, %d failed"
+                     % len(rows), r.stdout, re.M), r.stdout
+    # A shape with no element 3 passes.
+    r = cli(daemon, "verify", "cli_v_bad", "--against", "cli_v_ref", "--shape", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_verify_json_has_the_cases(daemon, verify_ops):
+    r = cli(daemon, "verify", "cli_v_bad", "--against", "cli_v_ref", "--shape", "4", "--shape",
+            "2", "--seeds", "1", "--no-special", "--low", "-2", "--high", "-1", "--json")
+    assert r.returncode == 3, r.stderr
+    out = json.loads(r.stdout)
+    assert out["passed"] is False and out["cases_failed"] == 1 and out["cases_passed"] == 1
+    assert len(out["cases"]) == 2, out
+    failed = [c for c in out["cases"] if not c["passed"]]
+    assert failed[0]["shapes"] == "float32[4]" and int(failed[0]["worst_index"]) == 3
+    assert out["reproduce"].startswith("opjit verify ")
+
+
+def test_verify_reproduce_line_runs_the_same_cases(daemon, verify_ops):
+    r = cli(daemon, "verify", "cli_v_ns/cli_v_bad", "--against", "cli_v_ref", "--shape", "5:",
+            "--shape", "[6]", "--seeds", "1", "--json")
+    # A one-input op with a two-input shape set is the server's to refuse.
+    assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr, r.stdout + r.stderr
+    # |x| >= 1: element 3 is at least 1 off, past atol 0.5, in every random case.
+    r = cli(daemon, "verify", "cli_v_ns/cli_v_bad", "--against", "cli_v_ref", "--shape", "5",
+            "--shape", "[6]", "--seeds", "1", "--atol", "0.5", "--low", "1", "--high", "2",
+            "--json")
+    assert r.returncode == 3, r.stdout + r.stderr
+    first = json.loads(r.stdout)
+    argv = shlex.split(first["reproduce"])
+    assert argv[0] == "opjit", argv
+    again = cli(daemon, *argv[1:], "--json")
+    assert again.returncode == 3, (r.stdout, again.stdout, again.stderr)
+    second = json.loads(again.stdout)
+    assert second["seed"] == first["seed"]
+    strip = lambda cases: [{k: v for k, v in c.items() if k != "candidate_kernel_ms"}
+                           for c in cases]
+    assert strip(second["cases"]) == strip(first["cases"])
+
+
+def test_verify_a_given_case(daemon, verify_ops, tmp_path):
+    x = np.array([1.0, -2.0, 0.5, 4.0], np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", 2 * x)
+    r = cli(daemon, "verify", "cli_v_good", "--in", str(tmp_path / "x.npy"),
+            "--expect", str(tmp_path / "y.npy"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^verify cli_v_good: PASS: 1 passed", r.stdout, re.M), r.stdout
+    r = cli(daemon, "verify", "cli_v_bad", "--in", str(tmp_path / "x.npy"),
+            "--expect", str(tmp_path / "y.npy"))
+    assert r.returncode == 3, r.stdout + r.stderr
+    (cells,) = verify_rows(r.stdout).values()
+    assert cells[1] == "given" and cells[4] == "FAIL" and cells[8] == "out0[3]", cells
+
+
+def test_verify_and_bench_an_unknown_op_is_not_found(daemon, verify_ops):
+    for args in (["verify", "cli_v_no_such_op", "--against", "cli_v_ref"],
+                 ["verify", "cli_v_good", "--against", "cli_v_no_such_op"],
+                 ["verify", "cli_v_good@99", "--against", "cli_v_ref"],
+                 ["bench", "cli_v_no_such_op"]):
+        r = cli(daemon, *args)
+        assert r.returncode == 1, (args, r.returncode, r.stdout, r.stderr)
+        line = r.stderr.strip()
+        assert "\n" not in line and line.startswith("opjit: NOT_FOUND: "), (args, line)
+        assert "cli_v_no_such_op" in line or "99" in line, (args, line)
+        assert r.stdout == ""
+
+
+def test_bench_against_itself_prints_a_ratio(daemon, verify_ops):
+    r = cli(daemon, "bench", "cli_v_good", "--against", "cli_v_good", "--shape", "4096",
+            "--min-time-ms", "50", "--max-reps", "200", "--seed", "5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("bench cli_v_good (float32[4096]): warm cache"), r.stdout
+    assert re.match(r"\s+time\s+reps\s+median ms\s+p10 ms\s+p90 ms\s+spread$", lines[1]), r.stdout
+    assert re.match(r"  cli_v_good\s+end-to-end\s+\d+\s+[0-9.e-]+\s", lines[2]), r.stdout
+    m = re.search(r"^ratio cli_v_good / cli_v_good \(kernel time\): ([0-9.e+-]+) "
+                  r"\(p10 ([0-9.e+-]+), p90 ([0-9.e+-]+)\)$", r.stdout, re.M)
+    assert m, r.stdout
+    ratio, p10, p90 = (float(v) for v in m.groups())
+    assert 0 < p10 <= ratio <= p90, m.groups()
+    assert lines[-1].startswith("reproduce: opjit bench "), r.stdout
+    j = cli(daemon, "bench", "cli_v_ns/cli_v_good", "--shape", "256", "--min-time-ms", "20",
+            "--json")
+    assert j.returncode == 0, j.stderr
+    out = json.loads(j.stdout)
+    assert out["op"]["reps"] >= 10 and out["op"]["median_ms"] > 0 and "reference" not in out
+    argv = shlex.split(out["reproduce"])
+    again = cli(daemon, *argv[1:], "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["shapes"] == out["shapes"]

@@ -580,7 +580,7 @@ def test_bench_sends_and_prints_the_timings():
     assert re.match(r"  team/op\s+end-to-end\s+812\s+0\.4123\s+0\.4011\s+0\.455\s+13\.1%$",
                     lines[2]), lines[2]
     assert re.match(r"\s+kernel\s+0\.3\s+0\.29\s+0\.31$", lines[3]), lines[3]
-    assert re.match(r"  ref\s+end-to-end\s+812\s+0\.5\s+0\.45\s+0\.6\s+30%$", lines[4]), lines[4]
+    assert re.match(r"  ref\s+end-to-end\s+812\s+0\.5\s+0\.45\s+0\.6\s+30\.0%$", lines[4]), lines[4]
     assert lines[6] == "ratio team/op / ref (kernel time): 0.98 (p10 0.95, p90 1.02)"
     assert lines[7] == "reproduce: opjit bench op --against ref --seed 9"
     assert j.returncode == 0, j.stderr
