@@ -1138,14 +1138,21 @@ std::string Value(double v, const std::string& dtype) {
   return std::string(buf, r.ptr);
 }
 
-// An error from an evaluation: the deadline it ran past is --timeout's.
+// An error from an evaluation: the deadline it ran past is --timeout's; a
+// daemon without the Evaluator service is older than these commands.
 int FailEval(const Globals& g, const absl::Status& s) {
-  if (s.code() != absl::StatusCode::kDeadlineExceeded || opjit::GetReason(s).has_value()) {
-    return Fail(s);
+  if (opjit::GetReason(s).has_value()) return Fail(s);
+  if (s.code() == absl::StatusCode::kDeadlineExceeded) {
+    std::cerr << "opjit: DEADLINE_EXCEEDED: " << s.message() << " (the call ran past --timeout, "
+              << g.timeout_s << " s: give it more, or fewer cases or repetitions)\n";
+    return kExitFailed;
   }
-  std::cerr << "opjit: DEADLINE_EXCEEDED: " << s.message() << " (the call ran past --timeout, "
-            << g.timeout_s << " s: give it more, or fewer cases or repetitions)\n";
-  return kExitFailed;
+  if (s.code() == absl::StatusCode::kUnimplemented) {
+    std::cerr << "opjit: UNIMPLEMENTED: " << s.message() << " (this opjitd has no "
+              << "opjit.v1.Evaluator service: it is older than `opjit " << g_command << "`)\n";
+    return kExitFailed;
+  }
+  return Fail(s);
 }
 
 // The request of `opjit verify`, or a usage error's message.

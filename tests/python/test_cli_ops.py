@@ -620,3 +620,16 @@ def test_verify_past_the_deadline_says_to_raise_timeout():
     assert r.returncode == 1
     line = one_line(r)
     assert "DEADLINE_EXCEEDED" in line and "--timeout, 1 s" in line, line
+
+
+def test_verify_and_bench_on_a_daemon_without_the_evaluator():
+    fake = FakeServer({})  # answers UNIMPLEMENTED to everything
+    try:
+        for cmd in (["verify", "cand", "--against", "ref"], ["bench", "op"]):
+            r = run("--server", fake.address, *cmd)
+            assert r.returncode == 1, (cmd, r.returncode, r.stderr)
+            line = one_line(r)
+            assert line.startswith("opjit: UNIMPLEMENTED: ") and \
+                "no opjit.v1.Evaluator service: it is older than `opjit %s`" % cmd[0] in line, line
+    finally:
+        fake.close()
