@@ -512,8 +512,8 @@ def test_verify_prints_a_row_per_case_and_exits_3_on_a_failure():
                     r"\s+worst\s+candidate vs reference\s+message$", lines[0]), lines[0]
     assert re.match(r"  0\s+random\s+float32\s+float32\[7\], float32\[7\]\s+pass\s", lines[1])
     assert re.match(r"  1\s+special\s+float32\s+float32\[7\], float32\[7\]\s+FAIL\s+inf\s+0\.5\s+"
-                    r"1\.5e\+07\s+out0\[3\]\s+nan vs 2\.5\s+output 0 differs at \[3\]$", lines[2]), \
-        lines[2]
+                    r"1\.5e\+07\s+out0\[3\]\s+nan vs 2\.5\s+output 0 differs at \[3\]$",
+                    lines[2]), lines[2]
     assert re.match(r"  2\s+random\s+float64\s+float64\[0\]\s+skip\s+-\s+-\s+-\s+-\s+-\s+"
                     r"the reference refused float64$", lines[3]), lines[3]
     assert lines[4] == ("verify cand against ref: FAIL: 1 passed, 1 failed, 1 skipped; "
