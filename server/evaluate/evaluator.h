@@ -4,16 +4,18 @@
 // caller gives) on inputs generated per case and compares the results:
 //
 //   cases: dtype rows x shapes x (seeds random + 1 special) ─▶ per case, in
-//   regions of the caller's namespace made for it (never shared between
-//   candidate and reference): inputs written, outputs poisoned ─▶ the
+//   one region per side of the caller's namespace (never shared between
+//   candidate and reference; reused across cases with new values): inputs
+//   written, outputs poisoned ─▶ the
 //   reference once, the candidate twice (poison A, then poison B) through
 //   the Executor ─▶ inputs unchanged? outputs written (not the poison in both
 //   runs)? unchanged after `settle_ms`? the same bits twice? within the
 //   tolerance of the reference? ─▶ a report per case.
 //
-// Why a kernel cannot cheat it (README "Verify"): every case has new random
-// inputs in a new region (nothing to cache, no stale output that fits); an
-// output element that holds the poison pattern in both runs was not written;
+// Why a kernel cannot cheat it (README "Verifying and benchmarking kernels"):
+// every case has new random input values (nothing to cache, no stale output
+// that fits); an output element that holds the poison pattern in both runs
+// was not written;
 // outputs are read when the call returns and compared again after the settle
 // time, so work a thread does after return either is missing or shows as a
 // change; shapes include sizes no test would single out.
