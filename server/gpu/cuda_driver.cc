@@ -50,6 +50,11 @@ struct CudaDriver::Api {
   OPJIT_CU_FN(cuStreamCreate);
   OPJIT_CU_FN(cuStreamSynchronize);
   OPJIT_CU_FN(cuStreamDestroy);
+  OPJIT_CU_FN(cuEventCreate);
+  OPJIT_CU_FN(cuEventRecord);
+  OPJIT_CU_FN(cuEventSynchronize);
+  OPJIT_CU_FN(cuEventElapsedTime);
+  OPJIT_CU_FN(cuEventDestroy);
 };
 
 absl::StatusCode CuResultToStatusCode(int cu_result) {
@@ -141,6 +146,11 @@ absl::StatusOr<std::unique_ptr<CudaDriver>> CudaDriver::Open(const std::string& 
   OPJIT_CU_RESOLVE(cuStreamCreate);
   OPJIT_CU_RESOLVE(cuStreamSynchronize);
   OPJIT_CU_RESOLVE(cuStreamDestroy);
+  OPJIT_CU_RESOLVE(cuEventCreate);
+  OPJIT_CU_RESOLVE(cuEventRecord);
+  OPJIT_CU_RESOLVE(cuEventSynchronize);
+  OPJIT_CU_RESOLVE(cuEventElapsedTime);
+  OPJIT_CU_RESOLVE(cuEventDestroy);
 #undef OPJIT_CU_RESOLVE
   if (!missing.empty()) {
     return absl::UnavailableError(absl::StrCat("the CUDA driver ", library, " lacks ",
@@ -220,6 +230,13 @@ absl::StatusOr<Device*> CudaDriver::GetDevice(int ordinal) {
       api_->cuDeviceGetAttribute(&dev->max_shared_mem_optin_,
                                  CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, handle),
       "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)"));
+  // Only cache flushes need the L2's size: a driver that does not tell it
+  // leaves it 0 (no flush), not the device unusable.
+  int l2 = 0;
+  if (api_->cuDeviceGetAttribute(&l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, handle) == CUDA_SUCCESS &&
+      l2 > 0) {
+    dev->l2_cache_bytes_ = static_cast<uint64_t>(l2);
+  }
   size_t total = 0;
   OPJIT_RETURN_IF_ERROR(ToStatus(api_->cuDeviceTotalMem(&total, handle), "cuDeviceTotalMem"));
   dev->total_memory_ = total;
@@ -369,11 +386,56 @@ absl::Status DeviceBuffer::CopyToHost(void* dst, size_t bytes, const Stream& str
                     "cuMemcpyDtoHAsync");
 }
 
-absl::Status DeviceBuffer::Zero(const Stream& stream) {
+absl::Status DeviceBuffer::Fill(uint8_t value, const Stream& stream) {
   if (size_ == 0) return absl::OkStatus();
   OPJIT_RETURN_IF_ERROR(device_->MakeCurrent());
   const CudaDriver& d = device_->driver();
-  return d.ToStatus(d.api().cuMemsetD8Async(ptr_, 0, size_, stream.get()), "cuMemsetD8Async");
+  return d.ToStatus(d.api().cuMemsetD8Async(ptr_, value, size_, stream.get()), "cuMemsetD8Async");
+}
+
+// ------------------------------------------------------------------- Event
+
+absl::StatusOr<Event> Event::Create(const Device& device) {
+  OPJIT_RETURN_IF_ERROR(device.MakeCurrent());
+  const CudaDriver& d = device.driver();
+  CUevent e = nullptr;
+  OPJIT_RETURN_IF_ERROR(d.ToStatus(d.api().cuEventCreate(&e, CU_EVENT_DEFAULT), "cuEventCreate"));
+  Event out;
+  out.event_ = std::unique_ptr<CUevent_st, Destroy>(e, Destroy{&device});
+  return out;
+}
+
+void Event::Destroy::operator()(CUevent_st* event) const {
+  const CudaDriver& d = device->driver();
+  absl::Status s = device->MakeCurrent();
+  if (s.ok()) s = d.ToStatus(d.api().cuEventDestroy(event), "cuEventDestroy");
+  if (!s.ok()) Logger("gpu")->warn("leaking a CUDA event: {}", s.ToString());
+}
+
+absl::Status Event::Record(const Stream& stream) {
+  if (event_ == nullptr) return absl::FailedPreconditionError("Record of an empty Event");
+  const Device* device = event_.get_deleter().device;
+  OPJIT_RETURN_IF_ERROR(device->MakeCurrent());
+  const CudaDriver& d = device->driver();
+  return d.ToStatus(d.api().cuEventRecord(event_.get(), stream.get()), "cuEventRecord");
+}
+
+absl::Status Event::Synchronize() const {
+  if (event_ == nullptr) return absl::FailedPreconditionError("Synchronize on an empty Event");
+  const Device* device = event_.get_deleter().device;
+  OPJIT_RETURN_IF_ERROR(device->MakeCurrent());
+  const CudaDriver& d = device->driver();
+  return d.ToStatus(d.api().cuEventSynchronize(event_.get()), "cuEventSynchronize");
+}
+
+absl::StatusOr<double> Event::ElapsedMs(const Event& start, const Event& end) {
+  if (start.event_ == nullptr) return absl::FailedPreconditionError("ElapsedMs of an empty Event");
+  OPJIT_RETURN_IF_ERROR(end.Synchronize());
+  const CudaDriver& d = end.event_.get_deleter().device->driver();
+  float ms = 0;
+  OPJIT_RETURN_IF_ERROR(d.ToStatus(
+      d.api().cuEventElapsedTime(&ms, start.event_.get(), end.event_.get()), "cuEventElapsedTime"));
+  return static_cast<double>(ms);
 }
 
 // ------------------------------------------------------------------ Module

@@ -36,6 +36,7 @@ struct CUctx_st;
 struct CUmod_st;
 struct CUfunc_st;
 struct CUstream_st;
+struct CUevent_st;
 
 namespace opjit::gpu {
 
@@ -58,6 +59,9 @@ class Device {
   uint64_t total_memory() const { return total_memory_; }
   // Largest dynamic shared memory per block with the opt-in attribute set.
   int max_shared_mem_optin() const { return max_shared_mem_optin_; }
+  // The L2 cache's size in bytes (CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE); 0 when
+  // the driver does not tell it.
+  uint64_t l2_cache_bytes() const { return l2_cache_bytes_; }
   CudaDriver& driver() const { return *driver_; }
 
   // Makes the primary context current on the calling thread (cheap when it
@@ -77,6 +81,7 @@ class Device {
   int cc_major_ = 0, cc_minor_ = 0;
   uint64_t total_memory_ = 0;
   int max_shared_mem_optin_ = 48 * 1024;
+  uint64_t l2_cache_bytes_ = 0;
 };
 
 // The loaded driver library. Thread-safe.
@@ -172,13 +177,48 @@ class DeviceBuffer {
   absl::Status CopyToHost(void* dst, size_t bytes, const Stream& stream, size_t offset = 0) const;
   // Queues a fill of the whole buffer with zero bytes on `stream` (a fresh
   // cuMemAlloc may hold an earlier allocation's bytes).
-  absl::Status Zero(const Stream& stream);
+  absl::Status Zero(const Stream& stream) { return Fill(0, stream); }
+  // Queues a fill of the whole buffer with `value` on `stream`
+  // (cuMemsetD8Async).
+  absl::Status Fill(uint8_t value, const Stream& stream);
 
  private:
   void Reset();
   const Device* device_ = nullptr;
   uint64_t ptr_ = 0;
   size_t size_ = 0;
+};
+
+// A CUDA event with timing (CU_EVENT_DEFAULT) on one device; destroyed with
+// the object. Movable. Use from one thread at a time.
+//
+// Timing work on a stream: Record a start event, queue the work, Record an
+// end event, then ElapsedMs(start, end), which waits for the end event. The
+// time is the device's, between the two points in the stream: none of the
+// host's launch overhead or waiting counts.
+class Event {
+ public:
+  static absl::StatusOr<Event> Create(const Device& device);
+  Event() = default;
+
+  // Queues the event on `stream`: it completes once the work queued there
+  // before it is done. Recording again moves it to the new point.
+  absl::Status Record(const Stream& stream);
+  // Blocks until the recorded event has completed.
+  absl::Status Synchronize() const;
+  // Milliseconds between two events recorded on one stream, once `end` has
+  // completed (this waits for it). Errors: the driver's, e.g.
+  // INVALID_ARGUMENT (CUDA_ERROR_INVALID_HANDLE) when one was never recorded.
+  static absl::StatusOr<double> ElapsedMs(const Event& start, const Event& end);
+
+  CUevent_st* get() const { return event_.get(); }
+
+ private:
+  struct Destroy {
+    const Device* device;  // value-initialized (null) in an empty Event
+    void operator()(CUevent_st* event) const;
+  };
+  std::unique_ptr<CUevent_st, Destroy> event_;
 };
 
 // A kernel in a loaded Module; valid while the Module lives.

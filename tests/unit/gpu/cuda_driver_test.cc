@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "server/gpu/nvrtc_compiler.h"
@@ -59,6 +60,9 @@ TEST(CudaDriverTest, StatusMapping) {
 using Configure = void (*)(int, int, size_t, int);
 using Live = void (*)(int*, int*, int*, int*);
 using LastLaunch = int (*)(unsigned*, unsigned*, unsigned*, long long*);
+using Timing = void (*)(int, int, int);
+using LiveEvents = int (*)();
+using TakeTrace = void (*)(char*, size_t);
 
 class FakeDriverTest : public ::testing::Test {
  protected:
@@ -68,7 +72,10 @@ class FakeDriverTest : public ::testing::Test {
     configure_ = reinterpret_cast<Configure>(dlsym(fake_, "FakeCudaConfigure"));
     live_ = reinterpret_cast<Live>(dlsym(fake_, "FakeCudaLive"));
     last_launch_ = reinterpret_cast<LastLaunch>(dlsym(fake_, "FakeCudaLastLaunch"));
-    ASSERT_TRUE(configure_ && live_ && last_launch_);
+    timing_ = reinterpret_cast<Timing>(dlsym(fake_, "FakeCudaTiming"));
+    live_events_ = reinterpret_cast<LiveEvents>(dlsym(fake_, "FakeCudaLiveEvents"));
+    take_trace_ = reinterpret_cast<TakeTrace>(dlsym(fake_, "FakeCudaTakeTrace"));
+    ASSERT_TRUE(configure_ && live_ && last_launch_ && timing_ && live_events_ && take_trace_);
     configure_(0, 2, 1 << 20, 0);
   }
   void TearDown() override {
@@ -84,11 +91,19 @@ class FakeDriverTest : public ::testing::Test {
     EXPECT_TRUE(d.ok()) << d.status();
     return d.ok() ? std::move(*d) : nullptr;
   }
+  std::string Trace() {
+    char buf[4096];
+    take_trace_(buf, sizeof(buf));
+    return buf;
+  }
 
   void* fake_ = nullptr;
   Configure configure_ = nullptr;
   Live live_ = nullptr;
   LastLaunch last_launch_ = nullptr;
+  Timing timing_ = nullptr;
+  LiveEvents live_events_ = nullptr;
+  TakeTrace take_trace_ = nullptr;
 };
 
 TEST_F(FakeDriverTest, OpensAndDescribesDevices) {
@@ -101,6 +116,7 @@ TEST_F(FakeDriverTest, OpensAndDescribesDevices) {
   EXPECT_EQ((*dev)->name(), "Fake GPU");
   EXPECT_EQ((*dev)->Arch(), "sm_90");
   EXPECT_EQ((*dev)->total_memory(), 1u << 20);
+  EXPECT_EQ((*dev)->l2_cache_bytes(), 4u << 20);  // CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
   EXPECT_EQ(*d->GetDevice(1), *dev);  // retained once
   EXPECT_EQ(LiveCounts()[3], 1);
   EXPECT_EQ(d->GetDevice(2).status().code(), absl::StatusCode::kInvalidArgument);
@@ -176,6 +192,78 @@ TEST_F(FakeDriverTest, AsyncFaultSurfacesAtSynchronize) {
   EXPECT_NE(std::string(s.message()).find("cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS"),
             std::string::npos)
       << s;
+}
+
+// Events time what runs between them on the stream: the fake's launch
+// "runs" for 30 ms, and a 40 ms stream sync afterwards does not count.
+TEST_F(FakeDriverTest, EventsTimeTheWorkBetweenThem) {
+  timing_(30, 40, 0);
+  auto d = OpenFake();
+  ASSERT_NE(d, nullptr);
+  Device* dev = *d->GetDevice(0);
+  {
+    absl::StatusOr<Stream> stream = Stream::Create(*dev);
+    ASSERT_TRUE(stream.ok());
+    absl::StatusOr<Event> start = Event::Create(*dev);
+    absl::StatusOr<Event> end = Event::Create(*dev);
+    ASSERT_TRUE(start.ok() && end.ok()) << start.status() << end.status();
+    EXPECT_EQ(live_events_(), 2);
+    // Not recorded yet: the driver's error, mapped.
+    EXPECT_EQ(Event::ElapsedMs(*start, *end).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(Event().Record(*stream).code(), absl::StatusCode::kFailedPrecondition);
+
+    static constexpr char kEmpty[] = ".entry spin(\n";
+    absl::StatusOr<std::unique_ptr<Module>> m = Module::Load(*dev, kEmpty);
+    ASSERT_TRUE(m.ok()) << m.status();
+    absl::StatusOr<Kernel> k = (*m)->GetKernel("spin");
+    ASSERT_TRUE(k.ok()) << k.status();
+    uint64_t arg = 0;
+    void* params[] = {&arg};
+    LaunchConfig cfg;
+    Trace();
+    ASSERT_TRUE(start->Record(*stream).ok());
+    ASSERT_TRUE(k->Launch(cfg, *stream, params).ok());
+    ASSERT_TRUE(end->Record(*stream).ok());
+    ASSERT_TRUE(stream->Synchronize().ok());
+    EXPECT_EQ(Trace(), "record launch record");
+    absl::StatusOr<double> ms = Event::ElapsedMs(*start, *end);
+    ASSERT_TRUE(ms.ok()) << ms.status();
+    EXPECT_GE(*ms, 29.0);
+    EXPECT_LT(*ms, 69.0);  // not the sync's time
+    // Moves hand the event over; it is destroyed once.
+    Event moved = std::move(*start);
+    EXPECT_EQ(start->get(), nullptr);
+    EXPECT_EQ(live_events_(), 2);
+  }
+  EXPECT_EQ(live_events_(), 0);
+}
+
+TEST_F(FakeDriverTest, EventCreationErrorsAreStatuses) {
+  timing_(0, 0, 2 /* CUDA_ERROR_OUT_OF_MEMORY */);
+  auto d = OpenFake();
+  ASSERT_NE(d, nullptr);
+  absl::StatusOr<Event> e = Event::Create(**d->GetDevice(0));
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(std::string(e.status().message()).find("cuEventCreate failed"), std::string::npos)
+      << e.status();
+}
+
+// Fill is cuMemsetD8Async of the whole buffer on the stream.
+TEST_F(FakeDriverTest, FillSetsEveryByte) {
+  auto d = OpenFake();
+  ASSERT_NE(d, nullptr);
+  Device* dev = *d->GetDevice(0);
+  absl::StatusOr<Stream> stream = Stream::Create(*dev);
+  absl::StatusOr<DeviceBuffer> buf = DeviceBuffer::Allocate(*dev, 100);
+  ASSERT_TRUE(stream.ok() && buf.ok());
+  Trace();
+  ASSERT_TRUE(buf->Fill(0x3c, *stream).ok());
+  std::string out(100, '\0');
+  ASSERT_TRUE(buf->CopyToHost(out.data(), out.size(), *stream).ok());
+  ASSERT_TRUE(stream->Synchronize().ok());
+  EXPECT_EQ(out, std::string(100, '\x3c'));
+  EXPECT_EQ(Trace(), "memset:100");
 }
 
 // NVRTC output through Module and Kernel: the loader path the daemon takes.

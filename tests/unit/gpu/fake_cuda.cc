@@ -2,19 +2,27 @@
 // on machines without a GPU. It exports the versioned entry points that
 // <cuda.h> names (cuMemAlloc_v2 ...), keeps "device memory" in host memory,
 // accepts CUBIN (ELF with EM_CUDA) and PTX images, finds a kernel when its
-// name occurs in the image, and records launches. Tests steer it through the
-// FakeCuda* functions at the end.
+// name occurs in the image, and records launches. Work queued on a stream
+// runs at once, so an event holds the host's steady clock when it was
+// recorded, and the time between two events is the time between their
+// records (a launch can be made to take a while: FakeCudaTiming). The L2
+// cache is 4 MiB. Tests steer it through the FakeCuda* functions at the end.
 #include <cuda.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 namespace {
+
+using SteadyClock = std::chrono::steady_clock;
 
 struct FakeFunction {
   std::string name;
@@ -23,6 +31,11 @@ struct FakeFunction {
 struct FakeModule {
   std::string image;
   std::deque<std::unique_ptr<FakeFunction>> functions;
+};
+
+struct FakeEvent {
+  SteadyClock::time_point at;
+  bool recorded = false;
 };
 
 std::mutex mu;
@@ -35,6 +48,18 @@ int launches = 0;
 unsigned last_grid[3], last_block[3], last_shared = 0;
 long long last_first_param = 0;
 int ctx_dummy, stream_dummy;
+constexpr int kL2CacheBytes = 4 << 20;
+int live_events = 0;
+CUresult event_create_result = CUDA_SUCCESS;
+int launch_ms = 0, sync_ms = 0;  // how long a launch, a stream sync take
+// What was queued on streams, in order: "memset:BYTES", "record", "launch".
+std::string trace;
+
+void Trace(const std::string& op) {
+  if (trace.size() > (64 << 10)) trace.clear();  // bounded; tests take it often
+  if (!trace.empty()) trace += ' ';
+  trace += op;
+}
 
 struct ErrorName {
   CUresult code;
@@ -105,6 +130,9 @@ CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) {
       break;
     case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
       *v = 232448;
+      break;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE:
+      *v = kL2CacheBytes;
       break;
     default:
       return CUDA_ERROR_INVALID_VALUE;
@@ -187,7 +215,15 @@ CUresult cuLaunchKernel(CUfunction, unsigned gx, unsigned gy, unsigned gz, unsig
                         unsigned bz, unsigned shm, CUstream, void** params, void**) {
   if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0)
     return CUDA_ERROR_INVALID_VALUE;
+  int sleep_ms;
+  {
+    std::lock_guard<std::mutex> l(mu);
+    sleep_ms = launch_ms;
+  }
+  // The kernel "runs" now, for launch_ms.
+  if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
   std::lock_guard<std::mutex> l(mu);
+  Trace("launch");
   ++launches;
   last_grid[0] = gx, last_grid[1] = gy, last_grid[2] = gz;
   last_block[0] = bx, last_block[1] = by, last_block[2] = bz;
@@ -222,6 +258,8 @@ CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t n, CUstream) {
 }
 CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char value, size_t n, CUstream) {
   std::memset(reinterpret_cast<void*>(p), value, n);
+  std::lock_guard<std::mutex> l(mu);
+  Trace("memset:" + std::to_string(n));
   return CUDA_SUCCESS;
 }
 CUresult cuStreamCreate(CUstream* s, unsigned int) {
@@ -230,25 +268,90 @@ CUresult cuStreamCreate(CUstream* s, unsigned int) {
   *s = reinterpret_cast<CUstream>(&stream_dummy);
   return CUDA_SUCCESS;
 }
-CUresult cuStreamSynchronize(CUstream) { return sync_result; }
+CUresult cuStreamSynchronize(CUstream) {
+  int sleep_ms;
+  {
+    std::lock_guard<std::mutex> l(mu);
+    sleep_ms = sync_ms;
+  }
+  if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+  return sync_result;
+}
 CUresult cuStreamDestroy(CUstream) {
   std::lock_guard<std::mutex> l(mu);
   --live_streams;
   return CUDA_SUCCESS;
 }
+CUresult cuEventCreate(CUevent* e, unsigned int) {
+  std::lock_guard<std::mutex> l(mu);
+  if (event_create_result != CUDA_SUCCESS) return event_create_result;
+  ++live_events;
+  *e = reinterpret_cast<CUevent>(new FakeEvent);
+  return CUDA_SUCCESS;
+}
+CUresult cuEventRecord(CUevent e, CUstream) {
+  auto* event = reinterpret_cast<FakeEvent*>(e);
+  std::lock_guard<std::mutex> l(mu);
+  Trace("record");
+  event->at = SteadyClock::now();
+  event->recorded = true;
+  return CUDA_SUCCESS;
+}
+CUresult cuEventSynchronize(CUevent e) {
+  return reinterpret_cast<FakeEvent*>(e)->recorded ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+  const auto* a = reinterpret_cast<FakeEvent*>(start);
+  const auto* b = reinterpret_cast<FakeEvent*>(end);
+  if (!a->recorded || !b->recorded) return CUDA_ERROR_INVALID_HANDLE;
+  *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
+  return CUDA_SUCCESS;
+}
+CUresult cuEventDestroy(CUevent e) {
+  std::lock_guard<std::mutex> l(mu);
+  --live_events;
+  delete reinterpret_cast<FakeEvent*>(e);
+  return CUDA_SUCCESS;
+}
 
 // ---- test controls ----
+// Also puts timing (FakeCudaTiming) back to instant and forgets the trace.
 void FakeCudaConfigure(int init, int devices, size_t memory, int sync) {
   std::lock_guard<std::mutex> l(mu);
   init_result = static_cast<CUresult>(init);
   device_count = devices;
   memory_limit = memory;
   sync_result = static_cast<CUresult>(sync);
+  launch_ms = sync_ms = 0;
+  event_create_result = CUDA_SUCCESS;
+  trace.clear();
 }
 void FakeCudaLive(int* buffers, int* streams, int* modules, int* contexts) {
   std::lock_guard<std::mutex> l(mu);
   *buffers = live_buffers, *streams = live_streams, *modules = live_modules,
   *contexts = live_contexts;
+}
+// A launch takes `launch` ms, a stream sync `sync` ms; cuEventCreate answers
+// `event_create` (a CUresult).
+void FakeCudaTiming(int launch, int sync, int event_create) {
+  std::lock_guard<std::mutex> l(mu);
+  launch_ms = launch;
+  sync_ms = sync;
+  event_create_result = static_cast<CUresult>(event_create);
+}
+int FakeCudaLiveEvents() {
+  std::lock_guard<std::mutex> l(mu);
+  return live_events;
+}
+// Copies what was queued on streams since the last call (see `trace`) into
+// `out` (NUL-terminated, cut at `len`) and forgets it.
+void FakeCudaTakeTrace(char* out, size_t len) {
+  std::lock_guard<std::mutex> l(mu);
+  if (len == 0) return;
+  const size_t n = std::min(trace.size(), len - 1);
+  std::memcpy(out, trace.data(), n);
+  out[n] = '\0';
+  trace.clear();
 }
 int FakeCudaLastLaunch(unsigned* grid, unsigned* block, unsigned* shared, long long* first_param) {
   std::lock_guard<std::mutex> l(mu);
