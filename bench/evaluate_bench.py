@@ -30,6 +30,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchlib import emit_table  # noqa: E402
 SHAPES = [0, 1, 7, 13, 127, 1031, 65537]
 
 
@@ -114,11 +116,7 @@ def main():
         "| the same call from Python (`Op(x)`, inline numpy) | %.0f µs | %.2f× the kernel |" % (
             med["client_call_us"], med["client_call_us"] / med["bench_kernel_us"]),
     ]
-    table = "\n".join(lines)
-    print(table)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table + "\n")
+    emit_table(lines, args.md)
 
 
 if __name__ == "__main__":

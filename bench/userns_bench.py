@@ -35,6 +35,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchlib import emit_table  # noqa: E402
 
 
 def main():
@@ -113,11 +115,7 @@ def main():
         lines.append("| %s | %.1f (%.2f×) | %.0f (%.2f×) | %.1f (%.2f×) |" % (
             k, s["first_call_ms"], ratio["first_call_ms"], s["grpc_us"], ratio["grpc_us"],
             s["fast_us"], ratio["fast_us"]))
-    table = "\n".join(lines)
-    print(table)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table + "\n")
+    emit_table(lines, args.md)
 
 
 if __name__ == "__main__":

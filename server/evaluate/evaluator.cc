@@ -8,6 +8,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -18,6 +19,7 @@
 #include "server/common/status_macros.h"
 #include "server/common/thread_pool.h"
 #include "server/evaluate/values.h"
+#include "server/registry/attr_value.h"
 #include "server/registry/registry.h"
 #include "server/tensor/region_manager.h"
 
@@ -58,7 +60,31 @@ std::string Describe(const std::vector<TensorDesc>& descs) {
   return absl::StrJoin(parts, ", ");
 }
 
-std::string ShapeText(const std::vector<int64_t>& shape) { return absl::StrJoin(shape, ","); }
+// A shape as the CLI's --shape reads it: "4,5", "[]" for a scalar.
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return shape.empty() ? "[]" : absl::StrJoin(shape, ",");
+}
+
+// `arg` as one word of a POSIX shell command line.
+std::string ShellWord(const std::string& arg) {
+  const bool plain = !arg.empty() && std::all_of(arg.begin(), arg.end(), [](char ch) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(ch)) || std::strchr("_./@:=,+-", ch);
+  });
+  if (plain) return arg;
+  std::string out = "'";
+  for (char ch : arg) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
+// " --attr k=v" for each attr, as the caller gave it.
+std::string AttrFlags(const std::map<std::string, exec::AttrArg>& attrs) {
+  std::string out;
+  for (const auto& [name, a] : attrs) {
+    const std::string value = a.is_text ? a.text : registry::FormatAttrValue(a.value);
+    absl::StrAppend(&out, " --attr ", ShellWord(name + "=" + value));
+  }
+  return out;
+}
 
 bool PastDeadline(Clock::time_point deadline) { return Clock::now() >= deadline; }
 
@@ -311,6 +337,15 @@ Comparison Compare(const OutputBytes& cand, const OutputBytes& ref, const Tolera
   return c;
 }
 
+// The caller's tolerance for `dtype`, defaults where it gave none.
+ToleranceValues ToleranceFor(const VerifyCall& c, const std::string& dtype) {
+  ToleranceValues tol = DefaultTolerance(dtype);
+  if (c.tolerance.atol) tol.atol = *c.tolerance.atol;
+  if (c.tolerance.rtol) tol.rtol = *c.tolerance.rtol;
+  if (c.tolerance.ulps) tol.ulps = *c.tolerance.ulps;
+  return tol;
+}
+
 // Enough digits to tell neighbouring values of the dtype apart.
 std::string FormatValue(const Dtype& d, double v) {
   return absl::StrFormat(d.size == 8 ? "%.17g" : "%.9g", v);
@@ -342,6 +377,15 @@ uint64_t FlushBytes() {
   return std::min<uint64_t>(2 * llc, 256ull << 20);
 }
 
+// The inputs of one case of a verify (and, for a given case, its outputs).
+struct CaseInput {
+  std::string kind;
+  uint64_t seed = 0;
+  std::vector<TensorDesc> cand_in, ref_in;
+  std::vector<std::string> cand_bytes, ref_bytes;
+  std::vector<OutputBytes> given_outputs;  // kind "given"
+};
+
 }  // namespace
 
 struct Evaluator::Impl {
@@ -357,16 +401,15 @@ struct Evaluator::Impl {
         pool(std::max(1, o.threads), o.max_queue, "evaluate") {}
 
   absl::StatusOr<VerifyResult> Verify(const VerifyCall& c);
+  // The generated cases of a verify against `ref` (dtype rows the reference
+  // accepts x shapes x seeds and a special case); notes on rows in `notes`.
+  absl::StatusOr<std::vector<CaseInput>> GeneratedCases(const VerifyCall& c,
+                                                        const registry::OpDef& cdef,
+                                                        const Side& ref, uint64_t seed,
+                                                        std::vector<std::string>* notes);
   absl::StatusOr<BenchmarkResult> Benchmark(const BenchmarkCall& c);
 
   // One case of a verify; an error only for what stops the whole run.
-  struct CaseInput {
-    std::string kind;
-    uint64_t seed = 0;
-    std::vector<TensorDesc> cand_in, ref_in;
-    std::vector<std::string> cand_bytes, ref_bytes;
-    std::vector<OutputBytes> given_outputs;  // kind "given"
-  };
   // The two sides' regions of one verify (never shared between them).
   struct Regions {
     std::unique_ptr<CaseRegion> candidate, reference;
@@ -580,11 +623,7 @@ absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, con
   double worst_score = -1;
   for (const auto& run : runs) {
     for (size_t k = 0; k < run.size(); ++k) {
-      ToleranceValues tol = DefaultTolerance(run[k].desc.dtype);
-      if (c.tolerance.atol) tol.atol = *c.tolerance.atol;
-      if (c.tolerance.rtol) tol.rtol = *c.tolerance.rtol;
-      if (c.tolerance.ulps) tol.ulps = *c.tolerance.ulps;
-      const Comparison cmp = Compare(run[k], expected[k], tol);
+      const Comparison cmp = Compare(run[k], expected[k], ToleranceFor(c, run[k].desc.dtype));
       report->max_abs_error = std::max(report->max_abs_error, cmp.max_abs);
       report->max_rel_error = std::max(report->max_rel_error, cmp.max_rel);
       report->max_ulp_error = std::max(report->max_ulp_error, cmp.max_ulp);
@@ -652,31 +691,20 @@ std::string ToleranceText(const std::string& dtype, const ToleranceValues& t) {
 
 }  // namespace
 
-absl::StatusOr<VerifyResult> Evaluator::Impl::Verify(const VerifyCall& c) {
-  Side cand;
-  OPJIT_ASSIGN_OR_RETURN(cand.record,
-                         registry->GetShared(c.ns, c.candidate, c.candidate_version));
-  cand.target = TargetOf(cand.record->def);
-  const registry::OpDef& cdef = cand.record->def;
-  std::optional<Side> ref;
-  if (!c.reference.empty()) {
-    if (!c.given.empty()) {
-      return absl::InvalidArgumentError("give a reference op or given cases, not both");
-    }
-    ref.emplace();
-    OPJIT_ASSIGN_OR_RETURN(ref->record,
-                           registry->GetShared(c.ns, c.reference, c.reference_version));
-    ref->target = TargetOf(ref->record->def);
-    const registry::OpDef& rdef = ref->record->def;
-    if (rdef.inputs.size() != cdef.inputs.size() || rdef.outputs.size() != cdef.outputs.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the reference '", c.reference, "' takes ", rdef.inputs.size(), " input(s) and gives ",
-          rdef.outputs.size(), " output(s); the candidate '", c.candidate, "' takes ",
-          cdef.inputs.size(), " and gives ", cdef.outputs.size()));
-    }
-  } else if (c.given.empty()) {
+namespace {
+
+absl::Status TooMany(const std::string& what, const char* limit) {
+  return WithReason(absl::ResourceExhaustedError(what), reason::kQuotaExceeded,
+                    {{"limit", limit}});
+}
+
+// The request's own checks, before anything runs.
+absl::Status CheckVerifyCall(const VerifyCall& c, const registry::OpDef& cdef) {
+  if (c.reference.empty() == c.given.empty()) {
     return absl::InvalidArgumentError(
-        "nothing to compare with: give a reference op or given cases (inputs and outputs)");
+        c.given.empty()
+            ? "nothing to compare with: give a reference op or given cases (inputs and outputs)"
+            : "give a reference op or given cases, not both");
   }
   if (c.settle_ms > kMaxSettleMs) {
     return absl::InvalidArgumentError(
@@ -689,216 +717,259 @@ absl::StatusOr<VerifyResult> Evaluator::Impl::Verify(const VerifyCall& c) {
   for (const std::string& name : c.inplace_inputs) {
     if (std::none_of(cdef.inputs.begin(), cdef.inputs.end(),
                      [&](const registry::TensorParam& p) { return p.name == name; })) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inplace_inputs names '", name, "', which is not an input of '",
-                       c.candidate, "'"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inplace_inputs names '", name, "', which is not an input of '", c.candidate, "'"));
     }
   }
+  return absl::OkStatus();
+}
 
-  VerifyResult result;
-  result.seed = c.seed;
-  if (result.seed == 0) {
-    OPJIT_ASSIGN_OR_RETURN(std::string hex, RandomHex128());
-    result.seed = std::strtoull(hex.substr(0, 15).c_str(), nullptr, 16) | 1;
+// A given tensor's bytes, checked against its dtype and shape.
+absl::StatusOr<std::string_view> GivenBytes(const exec::TensorArg& t, size_t g, const char* what) {
+  const exec::InlineBytes* b = t.inline_bytes();
+  if (b == nullptr || b->bytes.size() != Bytes(t.desc) ||
+      DtypeOf(t.desc.dtype).kind == Dtype::Kind::kUnknown) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "given case ", g, ": every ", what, " needs a known dtype and inline bytes of its size"));
   }
+  return b->bytes;
+}
 
-  // The cases, all built before any runs, so the count limit holds first.
+absl::StatusOr<std::vector<CaseInput>> GivenCases(const VerifyCall& c,
+                                                  const registry::OpDef& cdef) {
+  if (c.given.size() > kMaxCases) {
+    return TooMany(absl::StrCat(c.given.size(), " given cases; at most ", kMaxCases,
+                                " per verify"),
+                   "verify cases");
+  }
   std::vector<CaseInput> cases;
-  if (!ref.has_value()) {
-    if (c.given.size() > kMaxCases) {
-      return WithReason(absl::ResourceExhaustedError(absl::StrCat(
-                            c.given.size(), " given cases; at most ", kMaxCases, " per verify")),
-                        reason::kQuotaExceeded, {{"limit", "verify cases"}});
+  for (size_t g = 0; g < c.given.size(); ++g) {
+    const GivenCase& gc = c.given[g];
+    if (gc.inputs.size() != cdef.inputs.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("given case ", g, " has ", gc.inputs.size(),
+                                                     " input(s); '", c.candidate, "' takes ",
+                                                     cdef.inputs.size()));
     }
-    for (size_t g = 0; g < c.given.size(); ++g) {
-      const GivenCase& gc = c.given[g];
-      if (gc.inputs.size() != cdef.inputs.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("given case ", g, " has ", gc.inputs.size(),
-                                                       " input(s); '", c.candidate, "' takes ",
-                                                       cdef.inputs.size()));
-      }
-      CaseInput ci;
-      ci.kind = "given";
-      for (const exec::TensorArg& t : gc.inputs) {
-        const exec::InlineBytes* b = t.inline_bytes();
-        if (b == nullptr || b->bytes.size() != Bytes(t.desc) ||
-            DtypeOf(t.desc.dtype).kind == Dtype::Kind::kUnknown) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "given case ", g, ": every input needs a known dtype and inline bytes of its size"));
-        }
-        ci.cand_in.push_back(t.desc);
-        ci.cand_bytes.emplace_back(b->bytes);
-      }
-      for (const exec::TensorArg& t : gc.outputs) {
-        const exec::InlineBytes* b = t.inline_bytes();
-        if (b == nullptr || b->bytes.size() != Bytes(t.desc) ||
-            DtypeOf(t.desc.dtype).kind == Dtype::Kind::kUnknown) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "given case ", g, ": every output needs a known dtype and inline bytes of its size"));
-        }
-        ci.given_outputs.push_back({t.desc, std::string(b->bytes)});
-      }
-      cases.push_back(std::move(ci));
+    CaseInput ci;
+    ci.kind = "given";
+    for (const exec::TensorArg& t : gc.inputs) {
+      OPJIT_ASSIGN_OR_RETURN(std::string_view bytes, GivenBytes(t, g, "input"));
+      ci.cand_in.push_back(t.desc);
+      ci.cand_bytes.emplace_back(bytes);
     }
-  } else {
-    std::vector<ShapeSet> shapes = c.shapes;
-    if (shapes.empty()) {
-      for (int64_t n : {0, 1, 7, 13, 127, 1031, 65537}) shapes.push_back({{n}});
+    for (const exec::TensorArg& t : gc.outputs) {
+      OPJIT_ASSIGN_OR_RETURN(std::string_view bytes, GivenBytes(t, g, "output"));
+      ci.given_outputs.push_back({t.desc, std::string(bytes)});
     }
-    for (size_t s = 0; s < shapes.size(); ++s) {
-      if (shapes[s].size() != 1 && shapes[s].size() != cdef.inputs.size()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "shape set ", s, " has ", shapes[s].size(), " shape(s); give one per input (",
-            cdef.inputs.size(), ") or one for all"));
-      }
-      for (const auto& shape : shapes[s]) {
-        int64_t n = 1;
-        for (int64_t d : shape) {
-          if (d < 0) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("shape [", ShapeText(shape), "] has a negative dim"));
-          }
-          n = d == 0 ? 0 : (n > kMaxElementsPerTensor / d ? kMaxElementsPerTensor + 1 : n * d);
-        }
-        if (n > kMaxElementsPerTensor) {
-          return WithReason(absl::ResourceExhaustedError(absl::StrCat(
-                                "shape [", ShapeText(shape), "] has more than ",
-                                kMaxElementsPerTensor, " elements, the most a verify tensor may hold")),
-                            reason::kQuotaExceeded, {{"limit", "verify elements"}});
-        }
-      }
-    }
-    std::vector<std::vector<std::string>> rows = InputRows(cdef);
-    if (!c.dtypes.empty()) {
-      std::vector<std::vector<std::string>> kept;
-      for (const std::string& d : c.dtypes) {
-        auto it = std::find_if(rows.begin(), rows.end(), [&](const auto& r) {
-          return !r.empty() && r[0] == d;
-        });
-        if (it == rows.end()) {
-          return absl::InvalidArgumentError(absl::StrCat("'", c.candidate,
-                                                         "' has no dtype row whose first input is ",
-                                                         d));
-        }
-        kept.push_back(*it);
-      }
-      rows = std::move(kept);
-    }
-    // A row the reference refuses (probed on a shape set with no empty
-    // tensor) is left out, and said so.
-    const exec::ForwardCall ref_base = BaseCall(c.ns, c.principal, *ref, c.attrs, c.deadline);
-    const ShapeSet& probe_set = *std::find_if(shapes.begin(), shapes.end() - 1, [](const ShapeSet& s) {
-      return std::all_of(s.begin(), s.end(), [](const auto& d) { return Elements(d) > 0; });
-    });
-    std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> runs;
-    for (const auto& row : rows) {
-      std::vector<std::string> ref_row = row;
-      if (c.fp64_reference && Widened(row) != row &&
-          Prepare(executor, ref_base, Descs(Widened(row), probe_set)).ok()) {
-        ref_row = Widened(row);
-      }
-      absl::Status probe = Prepare(executor, ref_base, Descs(ref_row, probe_set)).status();
-      if (IsRequestError(probe)) return probe;
-      if (!probe.ok()) {
-        result.tolerances.push_back(absl::StrCat(row.empty() ? "" : row[0],
-                                                 ": skipped, the reference refuses it: ",
-                                                 probe.message()));
-        continue;
-      }
-      runs.emplace_back(row, ref_row);
-    }
-    if (runs.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("the reference '", c.reference,
-                                                     "' accepts none of the dtype rows of '",
-                                                     c.candidate, "'"));
-    }
-    const uint32_t seeds = c.seeds == 0 ? 2 : c.seeds;
-    size_t total = 0;
-    for (const auto& [row, ref_row] : runs) {
-      const bool floating = std::any_of(row.begin(), row.end(),
-                                        [](const std::string& d) { return DtypeOf(d).is_float(); });
-      total += shapes.size() * (seeds + (floating && c.special_values ? 1 : 0));
-    }
-    if (total > kMaxCases) {
-      return WithReason(absl::ResourceExhaustedError(absl::StrCat(
-                            "this verify would run ", total, " cases; at most ", kMaxCases,
-                            ": give fewer shapes, dtypes or seeds")),
-                        reason::kQuotaExceeded, {{"limit", "verify cases"}});
-    }
-    uint64_t stream = result.seed;
-    for (const auto& [row, ref_row] : runs) {
-      const bool floating = std::any_of(row.begin(), row.end(),
-                                        [](const std::string& d) { return DtypeOf(d).is_float(); });
-      for (const ShapeSet& set : shapes) {
-        for (uint32_t k = 0; k < seeds + (floating && c.special_values ? 1 : 0); ++k) {
-          CaseInput ci;
-          ci.kind = k < seeds ? "random" : "special";
-          ci.seed = Mix(stream);
-          ci.cand_in = Descs(row, set);
-          ci.ref_in = Descs(ref_row, set);
-          ci.cand_bytes = Generate(ci.cand_in, ci.seed, c.low, c.high, k >= seeds);
-          for (size_t i = 0; i < ci.cand_bytes.size(); ++i) {
-            ci.ref_bytes.push_back(
-                Convert(ci.cand_bytes[i], ci.cand_in[i].dtype, ci.ref_in[i].dtype));
-          }
-          cases.push_back(std::move(ci));
-        }
-      }
-      if (ref_row != row) {
-        result.tolerances.push_back(absl::StrCat(row[0], ": reference in float64"));
-      }
-    }
+    cases.push_back(std::move(ci));
   }
+  return cases;
+}
 
-  std::vector<std::string> dtypes_seen;
-  Regions case_regions;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    if (PastDeadline(c.deadline)) return DeadlineError("verify", i, cases.size());
-    CaseReport report;
-    report.index = static_cast<int>(i);
-    OPJIT_RETURN_IF_ERROR(RunCase(c, cand, ref ? &*ref : nullptr, cases[i], &case_regions, &report));
-    for (const TensorDesc& d : cases[i].cand_in) {
-      if (std::find(dtypes_seen.begin(), dtypes_seen.end(), d.dtype) == dtypes_seen.end()) {
-        dtypes_seen.push_back(d.dtype);
+// The caller's shape sets (else the edge cases), checked.
+absl::StatusOr<std::vector<ShapeSet>> CheckedShapes(const VerifyCall& c,
+                                                    const registry::OpDef& cdef) {
+  std::vector<ShapeSet> shapes = c.shapes;
+  if (shapes.empty()) {
+    for (int64_t n : {0, 1, 7, 13, 127, 1031, 65537}) shapes.push_back({{n}});
+  }
+  for (size_t s = 0; s < shapes.size(); ++s) {
+    if (shapes[s].size() != 1 && shapes[s].size() != cdef.inputs.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shape set ", s, " has ", shapes[s].size(), " shape(s); give one per input (",
+          cdef.inputs.size(), ") or one for all"));
+    }
+    for (const auto& shape : shapes[s]) {
+      int64_t n = 1;
+      for (int64_t d : shape) {
+        if (d < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("shape [", ShapeText(shape), "] has a negative dim"));
+        }
+        n = d == 0 ? 0 : (n > kMaxElementsPerTensor / d ? kMaxElementsPerTensor + 1 : n * d);
+      }
+      if (n > kMaxElementsPerTensor) {
+        return TooMany(absl::StrCat("shape [", ShapeText(shape), "] has more than ",
+                                    kMaxElementsPerTensor,
+                                    " elements, the most a verify tensor may hold"),
+                       "verify elements");
       }
     }
-    if (report.skipped) {
-      ++result.skipped_cases;
-    } else if (report.passed) {
-      ++result.passed_cases;
-    } else {
-      ++result.failed_cases;
-    }
-    if (!report.skipped && !report.deterministic) result.deterministic = false;
-    result.cases.push_back(std::move(report));
   }
-  for (const std::string& d : dtypes_seen) {
-    ToleranceValues tol = DefaultTolerance(d);
-    if (c.tolerance.atol) tol.atol = *c.tolerance.atol;
-    if (c.tolerance.rtol) tol.rtol = *c.tolerance.rtol;
-    if (c.tolerance.ulps) tol.ulps = *c.tolerance.ulps;
-    result.tolerances.push_back(ToleranceText(d, tol));
-  }
-  result.passed = result.failed_cases == 0 && result.passed_cases > 0;
+  return shapes;
+}
 
+// The candidate's dtype rows, or those the caller named.
+absl::StatusOr<std::vector<std::vector<std::string>>> SelectedRows(const VerifyCall& c,
+                                                                   const registry::OpDef& cdef) {
+  std::vector<std::vector<std::string>> rows = InputRows(cdef);
+  if (c.dtypes.empty()) return rows;
+  std::vector<std::vector<std::string>> kept;
+  for (const std::string& d : c.dtypes) {
+    auto it = std::find_if(rows.begin(), rows.end(),
+                           [&](const auto& r) { return !r.empty() && r[0] == d; });
+    if (it == rows.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", c.candidate, "' has no dtype row whose first input is ", d));
+    }
+    kept.push_back(*it);
+  }
+  return kept;
+}
+
+bool AnyFloat(const std::vector<std::string>& row) {
+  return std::any_of(row.begin(), row.end(),
+                     [](const std::string& d) { return DtypeOf(d).is_float(); });
+}
+
+// The `opjit verify` command line that runs the same cases again.
+std::string VerifyReproduce(const VerifyCall& c, uint64_t seed) {
   std::string cmd = absl::StrCat("opjit verify ", OpName(c.ns, c.candidate, c.candidate_version));
-  if (ref) absl::StrAppend(&cmd, " --against ", OpName(c.ns, c.reference, c.reference_version));
-  absl::StrAppend(&cmd, " --seed ", result.seed);
+  if (!c.reference.empty()) {
+    absl::StrAppend(&cmd, " --against ", OpName(c.ns, c.reference, c.reference_version));
+  }
+  absl::StrAppend(&cmd, " --seed ", seed);
   if (c.seeds != 0) absl::StrAppend(&cmd, " --seeds ", c.seeds);
   for (const ShapeSet& set : c.shapes) {
     std::vector<std::string> parts;
     for (const auto& s : set) parts.push_back(ShapeText(s));
     absl::StrAppend(&cmd, " --shape ", absl::StrJoin(parts, ":"));
   }
-  for (const std::string& d : c.dtypes) absl::StrAppend(&cmd, " --dtype ", d);
+  for (const std::string& d : c.dtypes) absl::StrAppend(&cmd, " --dtype ", ShellWord(d));
   if (c.low != 0 || c.high != 0) absl::StrAppend(&cmd, " --low ", c.low, " --high ", c.high);
   if (!c.special_values) absl::StrAppend(&cmd, " --no-special");
   if (c.tolerance.atol) absl::StrAppend(&cmd, " --atol ", *c.tolerance.atol);
   if (c.tolerance.rtol) absl::StrAppend(&cmd, " --rtol ", *c.tolerance.rtol);
   if (c.tolerance.ulps) absl::StrAppend(&cmd, " --ulps ", *c.tolerance.ulps);
   if (c.fp64_reference) absl::StrAppend(&cmd, " --fp64-reference");
-  for (const std::string& n : c.inplace_inputs) absl::StrAppend(&cmd, " --inplace ", n);
-  result.reproduce = std::move(cmd);
+  for (const std::string& n : c.inplace_inputs) absl::StrAppend(&cmd, " --inplace ", ShellWord(n));
+  absl::StrAppend(&cmd, AttrFlags(c.attrs));
+  if (c.settle_ms != 10) absl::StrAppend(&cmd, " --settle-ms ", c.settle_ms);
+  return cmd;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<CaseInput>> Evaluator::Impl::GeneratedCases(
+    const VerifyCall& c, const registry::OpDef& cdef, const Side& ref, uint64_t seed,
+    std::vector<std::string>* notes) {
+  OPJIT_ASSIGN_OR_RETURN(std::vector<ShapeSet> shapes, CheckedShapes(c, cdef));
+  OPJIT_ASSIGN_OR_RETURN(auto rows, SelectedRows(c, cdef));
+  // A row the reference refuses (probed on a shape set with no empty
+  // tensor) is left out, and said so.
+  const exec::ForwardCall ref_base = BaseCall(c.ns, c.principal, ref, c.attrs, c.deadline);
+  const ShapeSet& probe_set = *std::find_if(shapes.begin(), shapes.end() - 1, [](const ShapeSet& s) {
+    return std::all_of(s.begin(), s.end(), [](const auto& d) { return Elements(d) > 0; });
+  });
+  std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> runs;
+  for (const auto& row : rows) {
+    std::vector<std::string> ref_row = row;
+    if (c.fp64_reference && Widened(row) != row &&
+        Prepare(executor, ref_base, Descs(Widened(row), probe_set)).ok()) {
+      ref_row = Widened(row);
+      notes->push_back(absl::StrCat(row[0], ": reference in float64"));
+    }
+    absl::Status probe = Prepare(executor, ref_base, Descs(ref_row, probe_set)).status();
+    if (IsRequestError(probe)) return probe;
+    if (!probe.ok()) {
+      notes->push_back(absl::StrCat(row.empty() ? "" : row[0],
+                                    ": skipped, the reference refuses it: ", probe.message()));
+      continue;
+    }
+    runs.emplace_back(row, ref_row);
+  }
+  if (runs.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("the reference '", c.reference,
+                                                   "' accepts none of the dtype rows of '",
+                                                   c.candidate, "'"));
+  }
+  const uint32_t seeds = c.seeds == 0 ? 2 : c.seeds;
+  auto per_set = [&](const std::vector<std::string>& row) {
+    return seeds + (AnyFloat(row) && c.special_values ? 1u : 0u);
+  };
+  size_t total = 0;
+  for (const auto& run : runs) total += shapes.size() * per_set(run.first);
+  if (total > kMaxCases) {
+    return TooMany(absl::StrCat("this verify would run ", total, " cases; at most ", kMaxCases,
+                                ": give fewer shapes, dtypes or seeds"),
+                   "verify cases");
+  }
+  std::vector<CaseInput> cases;
+  uint64_t stream = seed;
+  for (const auto& [row, ref_row] : runs) {
+    for (const ShapeSet& set : shapes) {
+      for (uint32_t k = 0; k < per_set(row); ++k) {
+        CaseInput ci;
+        ci.kind = k < seeds ? "random" : "special";
+        ci.seed = Mix(stream);
+        ci.cand_in = Descs(row, set);
+        ci.ref_in = Descs(ref_row, set);
+        ci.cand_bytes = Generate(ci.cand_in, ci.seed, c.low, c.high, k >= seeds);
+        for (size_t i = 0; i < ci.cand_bytes.size(); ++i) {
+          ci.ref_bytes.push_back(
+              Convert(ci.cand_bytes[i], ci.cand_in[i].dtype, ci.ref_in[i].dtype));
+        }
+        cases.push_back(std::move(ci));
+      }
+    }
+  }
+  return cases;
+}
+
+absl::StatusOr<VerifyResult> Evaluator::Impl::Verify(const VerifyCall& c) {
+  Side cand;
+  OPJIT_ASSIGN_OR_RETURN(cand.record,
+                         registry->GetShared(c.ns, c.candidate, c.candidate_version));
+  cand.target = TargetOf(cand.record->def);
+  const registry::OpDef& cdef = cand.record->def;
+  OPJIT_RETURN_IF_ERROR(CheckVerifyCall(c, cdef));
+  std::optional<Side> ref;
+  if (!c.reference.empty()) {
+    ref.emplace();
+    OPJIT_ASSIGN_OR_RETURN(ref->record,
+                           registry->GetShared(c.ns, c.reference, c.reference_version));
+    ref->target = TargetOf(ref->record->def);
+    const registry::OpDef& rdef = ref->record->def;
+    if (rdef.inputs.size() != cdef.inputs.size() || rdef.outputs.size() != cdef.outputs.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the reference '", c.reference, "' takes ", rdef.inputs.size(), " input(s) and gives ",
+          rdef.outputs.size(), " output(s); the candidate '", c.candidate, "' takes ",
+          cdef.inputs.size(), " and gives ", cdef.outputs.size()));
+    }
+  }
+  VerifyResult result;
+  result.seed = c.seed;
+  if (result.seed == 0) {
+    OPJIT_ASSIGN_OR_RETURN(std::string hex, RandomHex128());
+    result.seed = std::strtoull(hex.substr(0, 15).c_str(), nullptr, 16) | 1;
+  }
+  // The cases, all built before any runs, so the count limit holds first.
+  absl::StatusOr<std::vector<CaseInput>> cases =
+      ref ? GeneratedCases(c, cdef, *ref, result.seed, &result.tolerances) : GivenCases(c, cdef);
+  if (!cases.ok()) return cases.status();
+  std::vector<std::string> dtypes_seen;
+  Regions case_regions;
+  for (size_t i = 0; i < cases->size(); ++i) {
+    if (PastDeadline(c.deadline)) return DeadlineError("verify", i, cases->size());
+    CaseReport report;
+    report.index = static_cast<int>(i);
+    OPJIT_RETURN_IF_ERROR(
+        RunCase(c, cand, ref ? &*ref : nullptr, (*cases)[i], &case_regions, &report));
+    for (const TensorDesc& d : (*cases)[i].cand_in) {
+      if (std::find(dtypes_seen.begin(), dtypes_seen.end(), d.dtype) == dtypes_seen.end()) {
+        dtypes_seen.push_back(d.dtype);
+      }
+    }
+    (report.skipped ? result.skipped_cases
+                    : report.passed ? result.passed_cases : result.failed_cases)++;
+    if (!report.skipped && !report.deterministic) result.deterministic = false;
+    result.cases.push_back(std::move(report));
+  }
+  for (const std::string& d : dtypes_seen) {
+    result.tolerances.push_back(ToleranceText(d, ToleranceFor(c, d)));
+  }
+  result.passed = result.failed_cases == 0 && result.passed_cases > 0;
+  result.reproduce = VerifyReproduce(c, result.seed);
   return result;
 }
 
@@ -1046,6 +1117,7 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
                   c.seed == 0 ? 1 : c.seed, " --warmup ", warmup, " --min-reps ", min_reps,
                   " --max-reps ", max_reps, " --min-time-ms ", c.min_time_ms);
   if (c.flush_cache) absl::StrAppend(&cmd, " --flush-cache");
+  absl::StrAppend(&cmd, AttrFlags(c.attrs));
   result.reproduce = std::move(cmd);
   return result;
 }

@@ -430,8 +430,6 @@ def test_bench_against_itself_prints_a_ratio(daemon, verify_ops):
     assert json.loads(again.stdout)["shapes"] == out["shapes"]
 
 
-@pytest.mark.xfail(strict=True, reason="server: VerifyResponse.reproduce leaves out the attrs "
-                   "(--attr) and --settle-ms the request had, so it runs other cases")
 def test_verify_reproduce_line_keeps_the_attrs(daemon, verify_ops):
     assert cli(daemon, "register", os.path.join(EXAMPLES, "leaky_relu.json")).returncode == 0
     r = cli(daemon, "verify", "leaky_relu", "--against", "leaky_relu", "--shape", "3",
@@ -441,8 +439,6 @@ def test_verify_reproduce_line_keeps_the_attrs(daemon, verify_ops):
     assert "alpha=0.5" in argv and "20" in argv, argv
 
 
-@pytest.mark.xfail(strict=True, reason="server: a scalar input's shape is written as nothing in "
-                   "VerifyResponse.reproduce ('--shape ' at the end), which no shell passes on")
 def test_verify_reproduce_line_of_a_scalar_shape_runs(daemon, verify_ops):
     assert cli(daemon, "register", os.path.join(EXAMPLES, "leaky_relu.json")).returncode == 0
     r = cli(daemon, "verify", "leaky_relu", "--against", "leaky_relu", "--shape", "[]",
