@@ -557,6 +557,8 @@ SECTIONS = [
             "isolation_bench", "isolation", ["isolation.md"], ["isolation.json"]),
     Section("userns", "A non-root daemon: user namespaces and subordinate ids",
             "bench/userns_bench.py", "userns", ["userns.md"], ["userns.json"]),
+    Section("tenants", "Many tenants on one daemon", "bench/tenants_bench.py", "tenants",
+            ["tenants.md"], ["tenants.json"]),
     Section("evaluate", "The evaluator's own cost (Verify, Benchmark)",
             "bench/evaluate_bench.py", "evaluate", ["evaluate.md"], ["evaluate.json"]),
 ]

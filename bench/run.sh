@@ -69,6 +69,9 @@ run isolation "$BUILD/bin/isolation_bench" "$OUT/isolation.json" >"$OUT/isolatio
 # a "skipped" section).
 run userns "$PY" bench/userns_bench.py "$OUT/userns.json" --build "$BUILD" --md "$OUT/userns.md"
 # What Verify and Benchmark cost beyond the calls they make (issue 31).
+# Many tenants on one daemon (issue 30 goal 9): 10,000 ops in 1,000
+# namespaces, memory, restart, and 64 clients' p99 against one client's.
+run tenants "$PY" bench/tenants_bench.py "$OUT/tenants.json" --build "$BUILD" --md "$OUT/tenants.md"
 run evaluate "$PY" bench/evaluate_bench.py "$OUT/evaluate.json" --build "$BUILD" --md "$OUT/evaluate.md"
 
 "$PY" bench/report.py --out "$OUT" --seconds $(($(date +%s) - start)) >bench/results.md
