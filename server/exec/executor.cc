@@ -230,7 +230,8 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, c
   ForwardResult& result = placed.result;
   const auto k0 = Clock::now();
   double kernel_ms = -1;
-  absl::Status run = inst->Run({placed.inputs, placed.outputs, call.deadline, &kernel_ms});
+  absl::Status run = inst->Run({placed.inputs, placed.outputs, call.deadline, &kernel_ms,
+                                call.flush_caches, &result.flushed_bytes});
   // The runner's measure when it has one (an executor process reports the
   // kernel alone, not its own start or the hop); else the whole Run.
   result.kernel_ms = kernel_ms >= 0 ? kernel_ms : MsSince(k0);

@@ -130,6 +130,10 @@ struct ForwardCall {
   // (ForwardRequest.keep_output_bytes). Inline outputs and workspaces are
   // zeroed regardless.
   bool keep_output_bytes = false;
+  // Flush the caches right before the kernel (runner::RunArgs::flush_caches:
+  // the host's CPU caches, or the GPU's L2), so it runs cold. A benchmark's
+  // hint (the Evaluator's flush_cache); it costs time and changes no result.
+  bool flush_caches = false;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   uint64_t request_id = 0;  // for logs
   // For autograd: copy these declared inputs / outputs into the result after
@@ -178,6 +182,9 @@ struct ForwardResult {
   int64_t version = 0;
   double kernel_ms = 0;
   double server_ms = 0;
+  // The bytes flushed before the kernel (ForwardCall::flush_caches); 0 when
+  // nothing was (not asked, or the executor could not).
+  uint64_t flushed_bytes = 0;
   bool ran_inline = false;
   // When save_inputs or save_outputs is set: per declared input (one entry
   // per tensor; none for an absent optional input) and per output, a copy

@@ -59,6 +59,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/container/inlined_vector.h"
+#include "server/common/cache_flush.h"
 #include "server/common/worker_sanitizer.h"
 #include "server/common/sandbox.h"
 #include "server/common/subprocess.h"
@@ -183,7 +184,8 @@ class Worker {
   void HandleControl(wire::Msg type, const std::string& payload, int fd);
   void HandleCall();
   // The call's reply, in the slot.
-  void Answer(int32_t code, uint64_t need, std::string_view message, double kernel_ms);
+  void Answer(int32_t code, uint64_t need, std::string_view message, double kernel_ms,
+              uint64_t flushed_bytes = 0);
   // RESOURCE_EXHAUSTED when the process has more threads than
   // --max-threads (the kernel left them running), else OK.
   absl::Status CheckThreads();
@@ -333,13 +335,15 @@ void Worker::HandleControl(wire::Msg type, const std::string& payload, int fd) {
   }
 }
 
-void Worker::Answer(int32_t code, uint64_t need, std::string_view message, double kernel_ms) {
+void Worker::Answer(int32_t code, uint64_t need, std::string_view message, double kernel_ms,
+                    uint64_t flushed_bytes) {
   slot_->code = code;
   slot_->need = need;
   const size_t n = std::min(message.size(), wire::kMessageBytes);
   if (n > 0) std::memcpy(slot_->message, message.data(), n);  // data() may be null when empty
   slot_->message_len = static_cast<uint32_t>(n);
   slot_->kernel_ms = kernel_ms;
+  slot_->flushed_bytes = flushed_bytes;
   const uint32_t prev = slot_->state.exchange(wire::kDone, std::memory_order_acq_rel);
   if (prev & wire::kDaemonSleeping) {
     if (!wire::SendFrame(kSock, wire::Msg::kDoorbell, {}).ok()) _exit(0);
@@ -384,7 +388,7 @@ void Worker::HandleCall() {
                   "the call does not match its instance", 0);
   }
   absl::InlinedVector<HostTensor, 8> in, out;
-  const uint32_t keep_flags = slot_->flags;
+  const uint32_t call_flags = slot_->flags;
   const wire::TensorRec* recs = wire::Records(slot_);
   for (uint32_t i = 0; i < n_in + n_out; ++i) {
     const wire::TensorRec rec = recs[i];
@@ -419,14 +423,15 @@ void Worker::HandleCall() {
     t.data = base + rec.offset;
     t.desc = i < n_in ? e->spec.inputs[i] : e->spec.outputs[i - n_in];
     // The caller's own region, kept as it asked; never the arena.
-    t.keep_bytes = i >= n_in && rec.serial != 0 && (keep_flags & wire::kKeepRegionOutputs) != 0;
+    t.keep_bytes = i >= n_in && rec.serial != 0 && (call_flags & wire::kKeepRegionOutputs) != 0;
     (i < n_in ? in : out).push_back(std::move(t));
   }
-  const auto t0 = Clock::now();
-  absl::Status st = e->inst->Run(in, out);
-  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  HostCall call;
+  call.flush_caches = (call_flags & wire::kFlushCaches) != 0;
+  absl::Status st = RunTimed(*e->inst, in, out, &call);
   if (st.ok()) st = CheckThreads();
-  Answer(static_cast<int32_t>(st.code()), 0, wire::MessageWithReason(st), ms);
+  Answer(static_cast<int32_t>(st.code()), 0, wire::MessageWithReason(st), call.kernel_ms,
+         call.flushed_bytes);
 }
 
 absl::Status Worker::Want(wire::Msg type, uint64_t id) {
@@ -621,9 +626,9 @@ absl::Status Worker::RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_m
     t.keep_bytes = !input && keep_bytes;
     (input ? in : out).push_back(std::move(t));
   }
-  const auto t0 = Clock::now();
-  absl::Status st = e->inst->Run(in, out);
-  *kernel_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  HostCall call;
+  absl::Status st = RunTimed(*e->inst, in, out, &call);
+  *kernel_ms = call.kernel_ms;
   return st;
 }
 
@@ -857,6 +862,9 @@ int Main(int argc, char** argv) {
       return 4;
     }
   }
+  // The cache sweep's size (HostCall::flush_caches) comes from sysfs: read
+  // now, before the sandbox, and remembered.
+  (void)CacheFlushBytes();
   KernelHostOptions hopts;
   hopts.allowed_libraries = flags.libraries;
   hopts.scratch_dir = flags.scratch_dir;

@@ -21,7 +21,12 @@ class InProcessInstance : public KernelInstance {
     for (const TensorLoc& t : args.inputs) in.push_back(ToHost(t));
     for (const TensorLoc& t : args.outputs) out.push_back(ToHost(t));
     // A started kernel cannot be stopped in this process: it runs to the end.
-    return inst_->Run(in, out);
+    HostCall call;
+    call.flush_caches = args.flush_caches;
+    absl::Status s = RunTimed(*inst_, in, out, &call);
+    if (args.kernel_ms != nullptr) *args.kernel_ms = call.kernel_ms;
+    if (args.flushed_bytes != nullptr) *args.flushed_bytes = call.flushed_bytes;
+    return s;
   }
 
  private:

@@ -1,11 +1,13 @@
 #include "server/runner/kernel_host.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "server/cache/lru_cache.h"
+#include "server/common/cache_flush.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/compiler/kernel_compiler.h"
@@ -16,13 +18,24 @@
 namespace opjit::runner {
 namespace {
 
+using SteadyClock = std::chrono::steady_clock;
+
+double MsSince(SteadyClock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(SteadyClock::now() - t0).count();
+}
+
 class CpuInstance : public HostInstance {
  public:
   explicit CpuInstance(std::unique_ptr<AotKernelInstance> inst) : inst_(std::move(inst)) {}
   absl::StatusOr<std::vector<int64_t>> InferShape() override { return inst_->InferShape(); }
-  absl::Status Run(absl::Span<const HostTensor> inputs,
-                   absl::Span<const HostTensor> outputs) override {
-    return inst_->Run(inputs, outputs);
+  absl::Status Run(absl::Span<const HostTensor> inputs, absl::Span<const HostTensor> outputs,
+                   HostCall* call) override {
+    // The sweep runs on this thread, the kernel's, right before it.
+    if (call->flush_caches) call->flushed_bytes = SweepCpuCaches();
+    const auto t0 = SteadyClock::now();
+    absl::Status s = inst_->Run(inputs, outputs);
+    call->kernel_ms = MsSince(t0);
+    return s;
   }
 
  private:
@@ -36,11 +49,11 @@ class GpuInstance : public HostInstance {
     return absl::FailedPreconditionError(
         "GPU implementations have no InferShape; give the output a declarative rule");
   }
-  absl::Status Run(absl::Span<const HostTensor> inputs,
-                   absl::Span<const HostTensor> outputs) override {
+  absl::Status Run(absl::Span<const HostTensor> inputs, absl::Span<const HostTensor> outputs,
+                   HostCall* call) override {
     const auto& impl = spec_.def->implementations.at(spec_.impl_index);
     return gpu_->Run(*spec_.def, impl, *spec_.kernel, spec_.attrs, inputs, spec_.input_names,
-                     outputs);
+                     outputs, call);
   }
 
  private:
@@ -49,6 +62,15 @@ class GpuInstance : public HostInstance {
 };
 
 }  // namespace
+
+absl::Status RunTimed(HostInstance& inst, absl::Span<const HostTensor> inputs,
+                      absl::Span<const HostTensor> outputs, HostCall* call) {
+  call->kernel_ms = -1;
+  const auto t0 = SteadyClock::now();
+  absl::Status s = inst.Run(inputs, outputs, call);
+  if (call->kernel_ms < 0) call->kernel_ms = MsSince(t0);
+  return s;
+}
 
 struct KernelHost::Impl {
   KernelHostOptions options;

@@ -39,9 +39,16 @@ class HostInstance {
  public:
   virtual ~HostInstance() = default;
   virtual absl::StatusOr<std::vector<int64_t>> InferShape() = 0;
+  // Runs the kernel once, flushing first when `call` asks, and fills in
+  // what `call` measures (see HostCall).
   virtual absl::Status Run(absl::Span<const HostTensor> inputs,
-                           absl::Span<const HostTensor> outputs) = 0;
+                           absl::Span<const HostTensor> outputs, HostCall* call) = 0;
 };
+
+// inst.Run, with call->kernel_ms the host clock around it when the instance
+// did not measure the kernel itself. For every caller of HostInstance::Run.
+absl::Status RunTimed(HostInstance& inst, absl::Span<const HostTensor> inputs,
+                      absl::Span<const HostTensor> outputs, HostCall* call);
 
 class KernelHost {
  public:

@@ -63,6 +63,23 @@ struct HostTensor {
   bool keep_bytes = false;
 };
 
+// One call of a kernel loaded in this process (HostInstance::Run), beyond
+// its tensors: what it asks and what the instance measured.
+struct HostCall {
+  // Flush the caches the kernel's data may sit in before it starts (a
+  // benchmark's cold run; RunArgs::flush_caches). CPU: a sweep of the host's
+  // caches (server/common/cache_flush.h). GPU: a fill of a device scratch
+  // buffer of the L2's size on the kernel's stream. Costs time, changes no
+  // result.
+  bool flush_caches = false;
+  // Out: the kernel's own time in ms: CUDA events around the launch on its
+  // stream (GPU), the host clock around the entry after any flush (CPU); -1
+  // when the instance could not tell (its caller then times the whole Run).
+  double kernel_ms = -1;
+  // Out: the bytes flushed before the kernel; 0 when none were.
+  uint64_t flushed_bytes = 0;
+};
+
 // Where one tensor of a call lives, already checked by the executor: exactly
 // one of these (TensorLoc::where).
 //
@@ -134,6 +151,12 @@ struct RunArgs {
   // an executor, loading the kernel or Init), in ms; left alone when the
   // runner cannot tell it apart from the rest of Run.
   double* kernel_ms = nullptr;
+  // Flush caches right before the kernel (HostCall::flush_caches): a
+  // benchmark's hint, which costs time. Honoured by both runners.
+  bool flush_caches = false;
+  // When set, receives HostCall::flushed_bytes: what was flushed before the
+  // kernel (0 when nothing could be).
+  uint64_t* flushed_bytes = nullptr;
 };
 
 // One kernel instance. Thread-safe: Run may be called from many threads

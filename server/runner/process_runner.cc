@@ -146,9 +146,13 @@ struct Reply {
   int32_t code = 0;
   uint64_t need = 0;
   double kernel_ms = -1;  // calls only: the worker's measure
+  uint64_t flushed_bytes = 0;  // calls only: what the worker flushed first
   std::string message;
   std::string payload;
 };
+
+// The most flushed bytes a worker's reply may claim (RunArgs::flushed_bytes).
+constexpr uint64_t kMaxFlushReport = 1ull << 30;
 
 absl::Status StatusOf(const Reply& r) {
   if (r.code == 0) return absl::OkStatus();
@@ -652,6 +656,7 @@ absl::StatusOr<Reply> ProcessRunner::Impl::Call(Worker& w, Clock::time_point dea
   reply.code = slot->code;
   reply.need = slot->need;
   reply.kernel_ms = slot->kernel_ms;
+  reply.flushed_bytes = slot->flushed_bytes;
   const uint32_t len = std::min<uint32_t>(slot->message_len, wire::kMessageBytes);
   reply.message.assign(slot->message, len);
   // Idle again; keep the worker's sleeping bit, which only it clears.
@@ -1006,7 +1011,8 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
         for (const TensorLoc& t : args.outputs) {
           if (const InRegion* in = t.in_region()) (in->keep_bytes ? keep : zero) = true;
         }
-        slot->flags = keep && !zero ? wire::kKeepRegionOutputs : 0;
+        slot->flags = (keep && !zero ? wire::kKeepRegionOutputs : 0) |
+                      (args.flush_caches ? wire::kFlushCaches : 0);
         uint64_t cursor = 0;
         size_t i = 0;
         // Where each inline output lands, kept here: the slot is writable
@@ -1059,6 +1065,11 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
   const double total_ms = us / 1000.0;
   if (args.kernel_ms != nullptr && reply.kernel_ms >= 0 && reply.kernel_ms <= total_ms) {
     *args.kernel_ms = reply.kernel_ms;
+  }
+  // Likewise what it flushed, bounded: a sweep is at most 64 MiB, a GPU's
+  // L2 far below kMaxFlushReport.
+  if (args.flushed_bytes != nullptr) {
+    *args.flushed_bytes = reply.flushed_bytes <= kMaxFlushReport ? reply.flushed_bytes : 0;
   }
   return absl::OkStatus();
 }

@@ -42,7 +42,8 @@
 
 namespace opjit::runner::wire {
 
-inline constexpr uint32_t kProtocolVersion = 5;  // 5: SlotHeader::flags
+// 5: SlotHeader::flags; 6: kFlushCaches and SlotHeader::flushed_bytes.
+inline constexpr uint32_t kProtocolVersion = 6;
 
 // Frame types.
 enum class Msg : uint8_t {
@@ -98,7 +99,7 @@ struct alignas(64) SlotHeader {
   std::atomic<uint32_t> state;
   uint32_t n_inputs;
   uint32_t n_outputs;
-  uint32_t flags;  // kKeepRegionOutputs; written by the daemon with each call
+  uint32_t flags;  // kKeepRegionOutputs, kFlushCaches; written by the daemon with each call
   uint64_t instance_id;
   uint64_t seq;
   // Reply.
@@ -106,6 +107,7 @@ struct alignas(64) SlotHeader {
   uint32_t message_len;
   uint64_t need;
   double kernel_ms;
+  uint64_t flushed_bytes;  // HostCall::flushed_bytes
   char message[kMessageBytes];
   // Fast channels: bumped by the daemon when handles may have gone stale
   // (the registry changed) or regions were released; the executor then
@@ -128,6 +130,10 @@ struct alignas(64) SlotHeader {
 // it only when each of them is in memory the caller asked to keep
 // (InRegion::keep_bytes). Outputs in the arena are zeroed regardless.
 inline constexpr uint32_t kKeepRegionOutputs = 1;
+// kFlushCaches: flush caches right before the kernel (RunArgs::flush_caches;
+// the worker sweeps the CPU's, or fills a GPU scratch buffer of the L2's
+// size) and report the bytes in flushed_bytes.
+inline constexpr uint32_t kFlushCaches = 2;
 
 // The slot: header then TensorRecs, kSlotBytes in all; the data area follows.
 inline constexpr size_t kSlotBytes = 64 << 10;

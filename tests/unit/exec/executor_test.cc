@@ -38,6 +38,7 @@ struct FakeState {
   std::atomic<int> runs{0};
   absl::Status answer;         // what Run returns
   double kernel_ms = 1.5;      // what Run reports through RunArgs::kernel_ms
+  std::vector<bool> flush_caches;  // RunArgs::flush_caches, per Run
   std::promise<void>* running = nullptr;  // set when a Run starts, if given
   std::shared_future<void> release;      // a Run waits on it, if valid
 };
@@ -55,6 +56,7 @@ class FakeInstance : public KernelInstance {
     {
       std::lock_guard<std::mutex> lock(s_->mu);
       s_->deadlines.push_back(a.deadline);
+      s_->flush_caches.push_back(a.flush_caches);
       const runner::TensorLoc& in = a.inputs[0];
       if (in.in_memory() == nullptr || a.outputs[0].in_memory() == nullptr) {
         return absl::InternalError("the fake runner takes inline tensors only");
@@ -70,6 +72,8 @@ class FakeInstance : public KernelInstance {
     auto* y = reinterpret_cast<float*>(a.outputs[0].in_memory()->data);
     for (uint64_t i = 0; i < a.outputs[0].nbytes / 4; ++i) y[i] = 2 * x[i];
     if (a.kernel_ms != nullptr) *a.kernel_ms = s_->kernel_ms;
+    // What a runner that flushed would say (a sweep of 3 KiB).
+    if (a.flushed_bytes != nullptr && a.flush_caches) *a.flushed_bytes = 3072;
     return absl::OkStatus();
   }
 
@@ -177,6 +181,20 @@ TEST_F(ExecutorTest, TheRunnerGetsTheCheckedCallAndItsOutputsComeBack) {
   EXPECT_EQ(r->version, 1);
   EXPECT_TRUE(r->ran_inline);
   EXPECT_EQ(executor_->Stats().calls, 1u);
+}
+
+// ForwardCall::flush_caches reaches the runner, and what it flushed comes back.
+TEST_F(ExecutorTest, ACacheFlushIsAskedOfTheRunner) {
+  Start();
+  auto plain = executor_->Forward(Call(Bytes({1})));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->flushed_bytes, 0u);
+  ForwardCall c = Call(Bytes({1}));
+  c.flush_caches = true;
+  auto flushed = executor_->Forward(std::move(c));
+  ASSERT_TRUE(flushed.ok()) << flushed.status();
+  EXPECT_EQ(flushed->flushed_bytes, 3072u);
+  EXPECT_EQ(state_.flush_caches, (std::vector<bool>{false, true}));
 }
 
 TEST_F(ExecutorTest, AnInstanceIsCreatedOncePerShape) {
