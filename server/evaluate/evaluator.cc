@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <future>
 #include <thread>
 #include <utility>
@@ -358,23 +357,6 @@ double Percentile(std::vector<double> v, double q) {
   const size_t lo = static_cast<size_t>(std::floor(pos));
   const size_t hi = std::min(lo + 1, v.size() - 1);
   return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
-}
-
-// Bytes swept between benchmark runs: twice the last-level cache, as sysfs
-// tells it (32 MiB when it does not), at most 256 MiB.
-uint64_t FlushBytes() {
-  uint64_t llc = 0;
-  for (int index = 0; index < 8; ++index) {
-    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size");
-    std::string s;
-    if (!(f >> s) || s.empty()) continue;
-    uint64_t v = std::strtoull(s.c_str(), nullptr, 10);
-    if (s.back() == 'K') v <<= 10;
-    if (s.back() == 'M') v <<= 20;
-    llc = std::max(llc, v);
-  }
-  if (llc == 0) llc = 16ull << 20;
-  return std::min<uint64_t>(2 * llc, 256ull << 20);
 }
 
 // The inputs of one case of a verify (and, for a given case, its outputs).
@@ -1039,8 +1021,12 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
       std::memcpy(r.region->at(l.inputs[i]), bytes[i].data(), bytes[i].size());
     }
     r.call = PlacedCall(std::move(base), in, l, *r.region, 0);
+    // The executor flushes right before each kernel, warm-ups too (its sweep
+    // buffer is set up before the first measured run).
+    r.call.flush_caches = c.flush_cache;
     runs.push_back(std::move(r));
   }
+  uint64_t flushed = ~uint64_t{0};  // the least any measured run flushed
   auto run_once = [&](Prepared& r, bool record) -> absl::Status {
     const Clock::time_point t0 = Clock::now();
     absl::StatusOr<exec::ForwardResult> res = executor->Forward(r.call);
@@ -1049,6 +1035,7 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
     if (record) {
       r.e2e.push_back(ms);
       r.kernel.push_back(res->kernel_ms);
+      flushed = std::min(flushed, res->flushed_bytes);
     }
     return absl::OkStatus();
   };
@@ -1057,8 +1044,6 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
   for (uint32_t w = 0; w < warmup; ++w) {
     for (Prepared& r : runs) OPJIT_RETURN_IF_ERROR(run_once(r, false));
   }
-  std::vector<uint8_t> flush;
-  if (c.flush_cache) flush.assign(FlushBytes(), 0);
   const Clock::time_point start = Clock::now();
   const auto min_time = std::chrono::milliseconds(c.min_time_ms);
   for (uint32_t rep = 0; rep < max_reps; ++rep) {
@@ -1070,12 +1055,7 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
     }
     // Alternate which side goes first, so neither always runs warmer.
     for (size_t k = 0; k < runs.size(); ++k) {
-      Prepared& r = runs[(rep + k) % runs.size()];
-      if (!flush.empty()) {
-        volatile uint8_t* p = flush.data();
-        for (size_t i = 0; i < flush.size(); i += 64) p[i] = static_cast<uint8_t>(p[i] + 1);
-      }
-      OPJIT_RETURN_IF_ERROR(run_once(r, true));
+      OPJIT_RETURN_IF_ERROR(run_once(runs[(rep + k) % runs.size()], true));
     }
   }
   auto stats = [](const Prepared& r) {
@@ -1092,7 +1072,7 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
   };
   BenchmarkResult result;
   result.op = stats(runs[0]);
-  result.flush_bytes = flush.size();
+  result.flush_bytes = c.flush_cache && flushed != ~uint64_t{0} ? flushed : 0;
   result.shapes = Describe(in);
   if (runs.size() == 2) {
     result.reference = stats(runs[1]);

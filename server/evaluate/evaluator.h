@@ -22,8 +22,11 @@
 //
 // Benchmark times an op (and a reference in alternation) on one input set:
 // warm-up, then repetitions until `min_time_ms` and `min_reps`; per run the
-// kernel time the executor measures and the time of the whole call in the
-// daemon.
+// kernel time the executor measures (GPU: CUDA events around the launch)
+// and the time of the whole call in the daemon. With `flush_cache` every run
+// asks the executor to flush caches right before the kernel
+// (exec::ForwardCall::flush_caches: a sweep of the host's caches, or a fill
+// of the GPU's L2); the flush counts in the call's time, not the kernel's.
 //
 // Both run on the evaluator's own pool (one thread by default; a full queue
 // is RESOURCE_EXHAUSTED), under the caller's namespace: its executors, its
@@ -132,7 +135,7 @@ struct BenchmarkCall {
   std::string dtype;  // empty: the first row
   uint64_t seed = 0;
   uint32_t warmup = 5, min_reps = 10, max_reps = 1000, min_time_ms = 500;
-  bool flush_cache = false;
+  bool flush_cache = false;  // see above
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 };
 
@@ -147,6 +150,11 @@ struct BenchmarkResult {
   TimingStats op;
   std::optional<TimingStats> reference;
   double ratio = 0, ratio_p10 = 0, ratio_p90 = 0;
+  // With flush_cache: the bytes the executor flushed before each measured
+  // run (the least of them: twice the host's last-level cache, at most
+  // 64 MiB, for a CPU op; the L2's size for a GPU op). 0 without
+  // flush_cache, or when some run could not be flushed (the executor's
+  // memory limit, a driver that does not tell its L2).
   uint64_t flush_bytes = 0;
   std::string shapes;
   std::string reproduce;
