@@ -55,6 +55,15 @@ int launch_ms = 0, sync_ms = 0;  // how long a launch, a stream sync take
 // What was queued on streams, in order: "memset:BYTES", "record", "launch".
 std::string trace;
 
+// Frees an object the fake handed out as `handle`, counting it gone.
+template <typename T, typename Handle>
+CUresult Release(int* live, Handle handle) {
+  std::lock_guard<std::mutex> l(mu);
+  --*live;
+  delete reinterpret_cast<T*>(handle);
+  return CUDA_SUCCESS;
+}
+
 void Trace(const std::string& op) {
   if (trace.size() > (64 << 10)) trace.clear();  // bounded; tests take it often
   if (!trace.empty()) trace += ' ';
@@ -188,12 +197,7 @@ CUresult cuModuleLoadDataEx(CUmodule* m, const void* image, unsigned int n, CUji
   *m = reinterpret_cast<CUmodule>(new FakeModule{std::move(bytes)});
   return CUDA_SUCCESS;
 }
-CUresult cuModuleUnload(CUmodule m) {
-  std::lock_guard<std::mutex> l(mu);
-  --live_modules;
-  delete reinterpret_cast<FakeModule*>(m);
-  return CUDA_SUCCESS;
-}
+CUresult cuModuleUnload(CUmodule m) { return Release<FakeModule>(&live_modules, m); }
 CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
   auto* mod = reinterpret_cast<FakeModule*>(m);
   // A whole-word match: the name followed by a NUL (ELF strtab) or '(' (PTX).
@@ -307,12 +311,7 @@ CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
   *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
   return CUDA_SUCCESS;
 }
-CUresult cuEventDestroy(CUevent e) {
-  std::lock_guard<std::mutex> l(mu);
-  --live_events;
-  delete reinterpret_cast<FakeEvent*>(e);
-  return CUDA_SUCCESS;
-}
+CUresult cuEventDestroy(CUevent e) { return Release<FakeEvent>(&live_events, e); }
 
 // ---- test controls ----
 // Also puts timing (FakeCudaTiming) back to instant and forgets the trace.
