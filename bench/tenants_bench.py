@@ -14,13 +14,17 @@ NAMESPACES + 1; executors in sandboxed processes):
    executor started.
 2. Restarts the daemon on the same state dir: the time until it answers, and
    the registry load the log reports.
-3. A cached tiny call (16 float32, the client's default transport) from one
-   client process at RATE calls/s for SECONDS: its p50 and p99. Then CLIENTS
-   client processes at once, each in a namespace of its own at RATE calls/s
-   (open loop: each call is scheduled at start + i / RATE), every op of its
-   namespace warmed first: their p50 and p99 over all samples, the ratio to
-   the single client's, and the daemon's and the executors' memory under
-   that load (executors: the sum of their PSS, so shared pages count once).
+3. A cached tiny call (16 float32, a prepared handle on the fast channel,
+   tensors in the client's region) from one client at RATE calls/s for
+   SECONDS: its p50 and p99. Then CLIENTS clients at once, each in a
+   namespace of its own at RATE calls/s (open loop: each call is scheduled
+   at start + i / RATE), every op of its namespace warmed first: their p50
+   and p99 over all samples, the ratio to the single client's, the daemon's
+   and the executors' memory under that load (executors: the sum of their
+   PSS, so shared pages count once) and the cores each side used. The
+   clients are threads of bench/tenants_load.cc (BUILD/bin/tenants_load),
+   each a Client of its own: a C++ load costs a few µs a call, where 64
+   Python processes took a whole core of the two.
 
 Goals (issue 30): daemon memory at most 1 GiB; at CLIENTS clients on 2 cores
 the p99 at most 2x the single-client p99. Idle namespaces cost no process:
@@ -95,42 +99,14 @@ def percentile(v, q):
     return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
 
 
-def client_main(address, ns, ops, rate, seconds, start_at):
-    """One client process: warms its namespace's ops, waits for start_at,
-    then calls at `rate` for `seconds`; prints its latencies (µs) as JSON."""
-    import numpy as np
-    import opjit
-    x = np.arange(16, dtype=np.float32)
-    with opjit.Client(address, timeout=120) as c:
-        handles = [c.op("%s/op%d" % (ns, k)) for k in range(ops)]
-        for h in handles:
-            for _ in range(3):
-                h(x)
-        while time.time() < start_at:
-            time.sleep(0.001)
-        samples = []
-        t0 = time.perf_counter()
-        n = int(rate * seconds)
-        for i in range(n):
-            due = t0 + i / rate
-            now = time.perf_counter()
-            if due > now:
-                time.sleep(due - now)
-            t = time.perf_counter()
-            y = handles[i % ops](x)
-            samples.append((time.perf_counter() - t) * 1e6)
-            assert y[1] == 2.0
-    print(json.dumps(samples))
-
-
 def run_clients(build, address, namespaces, ops, rate, seconds, daemon_pid):
-    """Starts one client per namespace; returns (all samples, memory under load)."""
-    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
-    start_at = time.time() + 5 + 0.5 * len(namespaces)
-    procs = [subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--client", address, ns, str(ops), str(rate),
-         str(seconds), repr(start_at)], stdout=subprocess.PIPE, env=env)
-        for ns in namespaces]
+    """One client per namespace (threads of bench/tenants_load.cc); returns
+    (all samples, memory and CPU under load)."""
+    start_at = time.time() + 5 + 0.05 * len(namespaces)
+    load = subprocess.Popen(
+        [os.path.join(build, "bin", "tenants_load"), address, str(ops), str(rate), str(seconds),
+         repr(start_at)] + list(namespaces), stdout=subprocess.PIPE)
+    procs = [load]
     # Memory under load: sampled in the middle of the timed window; the
     # machine's CPU use over its second quarter.
     time.sleep(max(0.0, start_at - time.time()) + seconds / 4)
@@ -146,19 +122,14 @@ def run_clients(build, address, namespaces, ops, rate, seconds, daemon_pid):
     mem = {"daemon_rss_kb": proc_kb(daemon_pid, "VmRSS"), "executors": len(execs),
            "executors_pss_kb": sum(pss_kb(p) for p in execs),
            "cpu_busy": (b1 - b0) / max(1, t1 - t0), "cores_used": share}
-    samples = []
-    for p in procs:
-        out, _ = p.communicate(timeout=seconds + 600)
-        if p.returncode != 0:
-            raise RuntimeError("a client failed (exit %d)" % p.returncode)
-        samples += json.loads(out)
-    return samples, mem
+    out, _ = load.communicate(timeout=seconds + 600)
+    result = json.loads(out)
+    if load.returncode != 0:
+        raise RuntimeError("the load failed: %s" % "; ".join(result["errors"]))
+    return result["samples_us"], mem
 
 
 def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        a = sys.argv[2:]
-        return client_main(a[0], a[1], int(a[2]), float(a[3]), float(a[4]), float(a[5]))
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--build", default=os.path.join(HERE, "..", "build"))
@@ -208,8 +179,9 @@ def main():
                       d.read_log())
         res["registry_log"] = m.group(0) if m else None
         res["restart_rss_kb"] = proc_kb(d.proc.pid, "VmRSS")
+        # At least 1,000 samples for the single client's p99.
         single, _ = run_clients(build, d.unix_address, ["t0"], args.ops_per_namespace,
-                                args.rate, args.seconds, d.proc.pid)
+                                args.rate, max(args.seconds, 1000 / args.rate), d.proc.pid)
         many, loaded = run_clients(build, d.unix_address,
                                    ["t%d" % (i % args.namespaces) for i in range(1, args.clients + 1)],
                                    args.ops_per_namespace, args.rate, args.seconds, d.proc.pid)
