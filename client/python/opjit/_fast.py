@@ -2,10 +2,17 @@
 
 This mirrors ``proto/opjit/wire/fast_channel.h`` (the byte offsets are fixed
 there and checked by static_asserts; they are repeated here with ``struct``).
-No compiled extension: the ring is an ``mmap`` of ``/dev/shm/<key>``, its
-32-bit state words are ``ctypes.c_uint32`` objects over the mapping, and the
-doorbell is a futex (``syscall(SYS_futex)`` through ctypes, without
-FUTEX_PRIVATE_FLAG: the words live in a mapping shared with another process).
+The ring is an ``mmap`` of ``/dev/shm/<key>``. A call runs in one of two
+ways, with the same protocol, waits, deadlines and answers:
+
+* the compiled extension ``opjit._fastcall`` (``_fastcall.cc``, built by the
+  CMake build next to this file), which includes the wire header and runs
+  the whole call in C++ with the GIL released while it waits: used whenever
+  it imports, unless ``OPJIT_PURE_PYTHON=1`` (:data:`EXTENSION`);
+* pure Python (the fallback, and where there is no compiler): the 32-bit
+  state words are ``ctypes.c_uint32`` objects over the mapping, and the
+  doorbell is a futex (``syscall(SYS_futex)`` through ctypes, without
+  FUTEX_PRIVATE_FLAG: the words live in a mapping shared with another process).
 
 A call (:meth:`FastChannel.call`):
 
@@ -13,15 +20,22 @@ A call (:meth:`FastChannel.call`):
 2. write the handle, a sequence number, the deadline, the tensor count and
    one (region id, offset) pair per input then per output;
 3. publish ``state = SUBMITTED`` (the state word is written last), bump the
-   header's doorbell and always FUTEX_WAKE it. Python cannot issue a memory
-   fence; the wake-up syscall orders the stores before it, and x86-64 keeps
-   plain stores in program order, which is why the channel is only used there;
+   header's doorbell and wake the executor. Python cannot issue a memory
+   fence, so the pure path always issues FUTEX_WAKE: the syscall orders the
+   stores before it, and x86-64 keeps plain stores in program order, which is
+   why the channel is only used there (the extension uses seq_cst atomics and
+   wakes only a sleeping executor, as the C++ client does);
 4. spin on the slot's state for up to ``spin_us``, then announce
    ``client_waiting = 1`` and FUTEX_WAIT on the state word in 50 ms steps,
    watching the header's ``closed`` flag and whether the executor process
    is still alive;
 5. read the reply (a gRPC status code, an ErrorInfo reason, a message, the
    kernel's time), then hand the slot back (``state = FREE``).
+
+:data:`Call` is a prepared call bound to a channel (the handle and the
+tensor refs written once): calling it runs the call and returns its
+``result`` attribute, or hands anything else to its ``_slow`` method
+(``opjit._transport.PreparedCall`` says what that does).
 """
 
 import ctypes
@@ -107,8 +121,24 @@ class Reply:
         self.kernel_ms = kernel_ms
 
 
-class FastChannel:
-    """One mapped channel (an OpenChannel answer). Thread-safe.
+def _load_extension():
+    """opjit._fastcall, or None: not built here, not importable, a platform
+    without the channel, or OPJIT_PURE_PYTHON set (to anything but 0)."""
+    if os.environ.get("OPJIT_PURE_PYTHON", "") not in ("", "0") or not supported():
+        return None
+    try:
+        from opjit import _fastcall
+    except ImportError:
+        return None
+    return _fastcall
+
+
+EXTENSION = _load_extension()  # the compiled call loop, or None: pure Python
+
+
+class _Mapped:
+    """What both channels share: the mapping of an OpenChannel answer and its
+    checked header.
 
     Args:
       info: the opjit.v1.OpenChannelResponse.
@@ -142,6 +172,37 @@ class FastChannel:
                                (SLOT_BYTES - S_TENSORS) // 16)
         server_spin = info.spin_us if info.spin_us > 0 else 0
         self.spin_ns = int((server_spin if spin_us is None else spin_us) * 1000)
+
+    def worker_alive(self):
+        if not self.worker_pid:
+            return True
+        try:
+            os.kill(self.worker_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another uid (a sandbox): it exists
+            pass
+        try:  # a zombie (exited, not yet reaped by the daemon) is dead too
+            with open("/proc/%d/stat" % self.worker_pid, "rb") as f:
+                stat = f.read()
+            return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+        except OSError:
+            return True
+
+    def _unmap(self):
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):  # still exported somewhere: left to the GC
+            pass
+
+
+class PyFastChannel(_Mapped):
+    """One mapped channel, calls in pure Python. Thread-safe. Args as _Mapped."""
+
+    def __init__(self, info, spin_us=None):
+        super().__init__(info, spin_us)
+        mm = self._mm
+        n_slots = self.n_slots
         # Adaptive spin: the budget halves each time a spin ends without the
         # reply (on a busy machine the spinning core is what the executor
         # waits for) and returns to spin_ns when a spin catches it; at 0,
@@ -166,6 +227,12 @@ class FastChannel:
         self._seq = 0
         self._refs = {}
         self._is_closed = False
+        self.bound_calls = 0  # calls PyCall objects completed (status OK)
+
+    @property
+    def native(self):
+        """What Call.bind takes."""
+        return self
 
     # ---- state --------------------------------------------------------------
 
@@ -173,22 +240,6 @@ class FastChannel:
     def closed(self):
         """True once the daemon closed the channel, or close() was called."""
         return self._is_closed or self._closed.value != 0
-
-    def worker_alive(self):
-        if not self.worker_pid:
-            return True
-        try:
-            os.kill(self.worker_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # another uid (a sandbox): it exists
-            pass
-        try:  # a zombie (exited, not yet reaped by the daemon) is dead too
-            with open("/proc/%d/stat" % self.worker_pid, "rb") as f:
-                stat = f.read()
-            return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
-        except OSError:
-            return True
 
     def close(self):
         """Stops using the channel (the daemon closes it with the client's regions).
@@ -205,10 +256,7 @@ class FastChannel:
         """Drops the views over the mapping and unmaps it (no call may be using it)."""
         self._doorbell = self._closed = None
         self._state = self._waiting = []
-        try:
-            self._mm.close()
-        except (BufferError, ValueError):  # still exported somewhere: left to the GC
-            pass
+        self._unmap()
 
     # ---- a call -------------------------------------------------------------
 
@@ -229,6 +277,9 @@ class FastChannel:
 
         Raises ChannelClosed when the channel is gone and the call did not run.
         """
+        return self._call(handle, refs, deadline_ns, F_KEEP_OUTPUT_BYTES if keep_output_bytes else 0)
+
+    def _call(self, handle, refs, deadline_ns, flags):
         n = len(refs) // 2
         if n > self.max_tensors:
             raise ChannelError("%d tensors; the channel takes at most %d" % (n, self.max_tensors))
@@ -245,9 +296,7 @@ class FastChannel:
         state = self._state[i]
         reusable = True
         try:
-            _REQUEST.pack_into(mm, base + S_N_TENSORS, n,
-                               F_KEEP_OUTPUT_BYTES if keep_output_bytes else 0, handle, seq,
-                               deadline_ns)
+            _REQUEST.pack_into(mm, base + S_N_TENSORS, n, flags, handle, seq, deadline_ns)
             self._refs_struct(n).pack_into(mm, base + S_TENSORS, *refs)
             state.value = SUBMITTED  # last: publishes the slot
             with self._lock:
@@ -333,3 +382,93 @@ class FastChannel:
                     return seen, True
             if deadline_ns and now > deadline_ns + _DEADLINE_GRACE_NS:
                 return seen, False
+
+
+class ExtFastChannel(_Mapped):
+    """One mapped channel, calls in C++ (opjit._fastcall). Thread-safe. Args
+    as _Mapped."""
+
+    def __init__(self, info, spin_us=None):
+        super().__init__(info, spin_us)
+        self._ext = EXTENSION.Channel(self._mm, self.n_slots, self.max_tensors, self.spin_ns,
+                                      self.worker_pid, ChannelClosed, ChannelError,
+                                      _DEAD_GRACE_NS, _DEADLINE_GRACE_NS)
+
+    @property
+    def native(self):
+        """What Call.bind takes."""
+        return self._ext
+
+    @property
+    def closed(self):
+        """True once the daemon closed the channel, or close() was called."""
+        return self._ext.closed
+
+    @property
+    def bound_calls(self):
+        """Calls Call objects completed on this channel (status OK)."""
+        return self._ext.bound_calls
+
+    def close(self):
+        """Stops using the channel; the mapping is released once no call uses it."""
+        self._ext.close()
+        if self._ext.released:
+            self._unmap()
+
+    def call(self, handle, refs, deadline_ns=0, keep_output_bytes=False):
+        """As PyFastChannel.call."""
+        return Reply(*self._ext.call(handle, refs, deadline_ns,
+                                     F_KEEP_OUTPUT_BYTES if keep_output_bytes else 0))
+
+
+class PyCall:
+    """A prepared call bound to a PyFastChannel: the pure-Python twin of
+    opjit._fastcall.Call (see the module docstring).
+
+    ``bind(channel.native, handle, refs, flags=0, timeout_ns=0)``; calling it
+    returns ``self.result`` when the call answered OK (``kernel_ms`` holds
+    the kernel's time), else ``self._slow(code, reason, message)``: code
+    None when unbound, -1 when the channel closed before the call ran, else
+    the reply's gRPC status code.
+    """
+
+    result = None
+    kernel_ms = 0.0
+    _ch = None
+
+    def bind(self, channel, handle, refs, flags=0, timeout_ns=0):
+        refs = list(refs)
+        if len(refs) % 2:
+            raise ValueError("refs holds (region id, offset) pairs")
+        if len(refs) // 2 > channel.max_tensors:
+            raise ChannelError("%d tensors; the channel takes at most %d"
+                               % (len(refs) // 2, channel.max_tensors))
+        self._ch, self._handle, self._refs = channel, handle, refs
+        self._flags, self._timeout_ns = flags, timeout_ns
+
+    def unbind(self):
+        self._ch = None
+
+    @property
+    def channel(self):
+        return self._ch
+
+    def __call__(self):
+        ch = self._ch
+        if ch is None:
+            return self._slow(None, "", "")
+        t = self._timeout_ns
+        try:
+            r = ch._call(self._handle, self._refs, time.monotonic_ns() + t if t > 0 else 0,
+                         self._flags)
+        except ChannelClosed as e:
+            return self._slow(-1, "", str(e))
+        if r.code:
+            return self._slow(r.code, r.reason, r.message)
+        ch.bound_calls += 1
+        self.kernel_ms = r.kernel_ms
+        return self.result
+
+
+FastChannel = ExtFastChannel if EXTENSION is not None else PyFastChannel
+Call = EXTENSION.Call if EXTENSION is not None else PyCall
