@@ -24,6 +24,7 @@ from opjit._check import gradgradcheck, FunctionCheckResult
 from opjit.evaluate import verify, bench, VerifyResult, VerifyCase, BenchResult, Timing
 from opjit._math import tanh, exp, log, sqrt, square, randn, seed
 from opjit._tensors import from_dlpack, DTYPES
+from opjit._transport import PreparedCall
 
 PyLayer = Function  # Paddle's name
 PyLayerContext = FunctionCtx
@@ -40,5 +41,5 @@ __all__ = [
     "PermissionDenied", "FailedPrecondition", "ResourceExhausted", "Unavailable",
     "DeadlineExceeded", "Unimplemented", "Internal", "Cancelled", "Aborted", "OutOfRange",
     "DataLoss", "Unauthenticated", "Unknown", "ShmUnavailableError", "OpjitWarning",
-    "StopGradientGradWarning",
+    "StopGradientGradWarning", "PreparedCall",
 ]

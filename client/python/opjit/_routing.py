@@ -234,6 +234,14 @@ class RoutedSession:
                 self._contexts[fwd.context_id] = box[-1]
         return fwd
 
+    def prepare_call(self, op, groups, attrs=None, version=0, target=None,
+                     keep_output_bytes=False):
+        """A PreparedCall on the endpoint the router picks now (it stays there)."""
+        return self._router.call(
+            lambda ep: ep.transport.prepare_call(self.namespace, op, version, target, groups,
+                                                 attrs or {}, keep_output_bytes),
+            idempotent=True, key=self._key(op))
+
     def _owner(self, context_id, pop=False):
         with self._lock:
             ep = self._contexts.pop(context_id, None) if pop else self._contexts.get(context_id)

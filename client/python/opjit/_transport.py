@@ -132,6 +132,178 @@ class Prepared:
             self.fast = False  # cannot map our inputs onto its list: gRPC with the handle
 
 
+class _PreparedLogic:
+    """PreparedCall's Python side, over either Call (see PreparedCall)."""
+
+    def __init__(self, transport, ns, name, version, target, groups, attrs, keep):
+        self._t = transport
+        self._ns, self._name, self._version, self._target = ns, name, version, target
+        self._attrs, self._keep = attrs, keep
+        self._fch = self._prep = None  # the FastChannel and Prepared bound to
+        self._blocks = []              # 1-byte blocks standing for empty tensors
+        self._recovering = False       # in _slow's one retry
+        self._retry_at = 0.0           # unbound: when _setup may try the channel again
+        self.kernel_ms = 0.0
+        self.path = "forward"
+        self.outputs = None
+        self.result = None
+        pool = transport.pool(ns)
+        if pool is not None:
+            groups = [[self._in_pool(pool, a) for a in g] for g in groups]
+        self.inputs = groups
+        self._setup()
+
+    @staticmethod
+    def _in_pool(pool, a):
+        if not a.nbytes or pool.locate(a) is not None:
+            return a
+        try:
+            b = pool.empty(a.shape, a.dtype)
+        except ShmUnavailable:
+            return a
+        np.copyto(b, a)
+        return b
+
+    def _ref(self, pool, a):
+        """(region id, offset) of `a` (a 1-byte block for an empty one), or None."""
+        if not a.nbytes:
+            region, off = pool.alloc(1)
+            self._blocks.append(pool.view(region, off, np.uint8, (1,), track=True))
+        else:
+            loc = pool.locate(a)
+            if loc is None:
+                return None
+            region, off = loc
+        return (region.id, off) if region.id else None
+
+    def _setup(self):
+        """Binds the call to the namespace's fast channel when it can run
+        there (else leaves it unbound: an ordinary forward per call)."""
+        self.unbind()
+        self.path = "forward"
+        self._retry_at = time.monotonic() + _CHANNEL_RETRY_S
+        t, ns = self._t, self._ns
+        pool = t.pool(ns)
+        if pool is None or not t._prepare_ok:
+            return
+        try:
+            prep = t._prepare(ns, self._name, self._version, self._target, self.inputs,
+                              self._attrs)
+            ch = t.channel(ns) if prep is not None and prep.fast else None
+            if ch is None or prep.n_tensors > ch.max_tensors:
+                return
+            specs = [(dtype, shape) for dtype, shape, _ in prep.outputs]
+            if self.outputs is None or [(o.dtype, o.shape) for o in self.outputs] != specs:
+                self.outputs = tuple(pool.empty(shape, dtype) for dtype, shape in specs)
+                self.result = self.outputs[0] if len(self.outputs) == 1 else self.outputs
+            self._blocks = []
+            refs = []
+            for g in self.inputs:
+                if not g and prep.null_inputs:
+                    refs += (0, 0)
+                for a in g:
+                    r = self._ref(pool, a)
+                    if r is None:
+                        return
+                    refs += r
+            for o in self.outputs:
+                r = self._ref(pool, o)
+                if r is None:
+                    return
+                refs += r
+        except ShmUnavailable as e:
+            if e.permanent:
+                t.shm_failed(str(e))
+            return
+        timeout = t.timeout
+        self.bind(ch.native, prep.handle, refs,
+                  _fast.F_KEEP_OUTPUT_BYTES if self._keep else 0,
+                  int(timeout * 1e9) if timeout else 0)
+        self._fch, self._prep = ch, prep
+        self.path = "fast"
+
+    def _slow(self, code, reason, message):
+        """Whatever the bound call could not answer (see opjit._fast.Call)."""
+        t, ns = self._t, self._ns
+        if code is None:  # unbound: try the channel again now and then
+            if time.monotonic() >= self._retry_at and not self._recovering:
+                self._setup()
+                if self.path == "fast":
+                    return self()
+            return self._forward()
+        if not self._recovering and (code == -1 or reason == "STALE_HANDLE"):
+            # The channel closed before the call ran (reopen it), or the op
+            # changed (prepare again): once, as Op calls do.
+            self._recovering = True
+            try:
+                if code == -1:
+                    t._drop_channel(ns, self._fch)
+                else:
+                    t._forget_prepared(self._prep)
+                self._setup()
+                return self()
+            finally:
+                self._recovering = False
+        if code == -1:  # closed twice in a row: gRPC for a while
+            t._channel_refused[ns] = time.monotonic() + _CHANNEL_RETRY_S
+            self.unbind()
+            self.path = "forward"
+            return self._forward()
+        if reason == "REGION_NOT_REGISTERED":
+            # The server forgot this client's regions (a lapsed lease): the
+            # next Op call places its tensors anew; this call cannot.
+            pool = t.pool(ns)
+            if pool is not None:
+                pool.forget_regions()
+            message += " (this prepared call's shared memory is gone: prepare it again)"
+        raise error_from_status(code, message, reason=reason)
+
+    def _forward(self):
+        fwd = self._t.forward(self._ns, self._name, self._version, self._target, self.inputs,
+                              self._attrs, None, self._keep)
+        outs = fwd.outputs
+        if self.outputs is not None and [(o.dtype, o.shape) for o in self.outputs] == \
+                [(o.dtype, o.shape) for o in outs]:
+            for dst, src in zip(self.outputs, outs):
+                np.copyto(dst, src)
+        else:
+            self.outputs = tuple(outs)
+            self.result = self.outputs[0] if len(outs) == 1 else self.outputs
+        self.kernel_ms = fwd.kernel_ms
+        return self.result
+
+
+class PreparedCall(_PreparedLogic, _fast.Call):
+    """One op call with its tensors fixed, run again and again (``Op.prepare``).
+
+    Calling it (no arguments) runs the op on the current contents of
+    ``inputs`` and returns its outputs: one array, or a tuple for several.
+    The outputs are the same arrays every call, overwritten by each (copy
+    what you keep). ``inputs`` holds the arrays given to ``Op.prepare``, or
+    a copy in this client's shared memory of those that were not there:
+    write new values into them in place. ``kernel_ms`` is the last call's
+    kernel time and ``path`` how the calls travel: "fast" (the handle and
+    tensor refs written once, then one slot write per call on the fast
+    channel; with the compiled extension ``opjit._fastcall`` the whole call
+    runs in C++ and returns without allocating), else "forward" (an ordinary
+    forward per call, outputs copied into the same arrays from the second
+    call on).
+
+    The same failures as ``Op`` calls, mapped to the same exceptions: a
+    kernel error, a crash, a deadline (the client's timeout). A channel
+    closed before the call ran is reopened once; a handle gone stale (the
+    op changed) is prepared again once, with new output arrays if their
+    shapes changed.
+    """
+
+
+if _fast.Call is _fast.PyCall:
+    _PyPreparedCall = PreparedCall
+else:
+    class _PyPreparedCall(_PreparedLogic, _fast.PyCall):
+        """PreparedCall on the pure-Python channel (Transport.pure_python)."""
+
+
 class _Staging:
     """One call's tensors in shared memory (or inline), and its outputs."""
 
@@ -266,6 +438,10 @@ class Transport:
         elif not _fast.supported():
             self._fast_failure = "the fast channel needs x86-64 Linux"
         self._prepare_ok = self.fast_mode != "off"
+        # Channels and PreparedCalls in pure Python even where opjit._fastcall
+        # is in use (benchmarks set it, before the first call, to compare both
+        # in one process).
+        self.pure_python = _fast.EXTENSION is None
         self._lock = threading.Lock()
         self._pools = {}
         self._prepared = collections.OrderedDict()
@@ -275,7 +451,8 @@ class Transport:
         self._channel_refused = {}    # namespace -> monotonic time to try again (inf: never)
         self._channel_lock = threading.Lock()
         self._dead_contexts = []
-        self.calls = {"fast": 0, "handle": 0, "grpc": 0}  # forwards per path
+        self.calls = {"fast": 0, "handle": 0, "grpc": 0}  # forwards per path (not PreparedCalls)
+        self._retired_bound = 0       # PreparedCall calls on channels since dropped
         self._closed = False
         self._stop = threading.Event()
         self._renewer = None
@@ -468,7 +645,8 @@ class Transport:
             _log.debug("opjit: no fast channel for namespace %r (%s); using gRPC", ns, err)
             return None
         try:
-            ch = _fast.FastChannel(resp, spin_us=self.spin_us)
+            kind = _fast.PyFastChannel if self.pure_python else _fast.FastChannel
+            ch = kind(resp, spin_us=self.spin_us)
         except (OSError, _fast.ChannelError) as e:
             try:
                 self.memory.UnregisterRegion(memory_pb2.UnregisterRegionRequest(
@@ -496,7 +674,21 @@ class Transport:
         with self._channel_lock:
             if self._channels.get(ns) is ch:
                 del self._channels[ns]
+                self._retired_bound += ch.bound_calls
         ch.close()
+
+    def call_counts(self):
+        """Forwards by path, PreparedCall calls on a channel counted as "fast"."""
+        out = dict(self.calls)
+        with self._channel_lock:
+            out["fast"] += self._retired_bound + sum(ch.bound_calls
+                                                     for ch in self._channels.values())
+        return out
+
+    def prepare_call(self, ns, name, version, target, groups, attrs, keep_output_bytes=False):
+        """A PreparedCall of op `name` on `groups` (see PreparedCall)."""
+        kind = _PyPreparedCall if self.pure_python else PreparedCall
+        return kind(self, ns, name, version, target or "", groups, attrs, bool(keep_output_bytes))
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -752,7 +944,9 @@ class Transport:
                 _log.debug("opjit: ReleaseHandles failed: %s", e.details())
         for ns, pool in list(self._pools.items()):
             pool.close(force=ns in self._channels or ns in handle_ns)
-        self._channels.clear()
+        with self._channel_lock:
+            self._retired_bound += sum(ch.bound_calls for ch in self._channels.values())
+            self._channels.clear()
 
 
 class BackwardGrads(list):
@@ -811,6 +1005,13 @@ class Session:
     def benchmark(self, request):
         """Evaluator.Benchmark: an opjit.v1.BenchmarkRequest -> BenchmarkResponse."""
         return self._t.benchmark(request)
+
+    def prepare_call(self, op, groups, attrs=None, version=0, target=None,
+                     keep_output_bytes=False):
+        """A PreparedCall of op's forward on `groups` (per declared input, a
+        list of ndarrays), run again by calling it."""
+        return self._t.prepare_call(self.namespace, op, version, target, groups, attrs or {},
+                                    keep_output_bytes)
 
     def release_context_later(self, context_id):
         """Queues a context for release; safe to call from a finalizer."""

@@ -498,11 +498,12 @@ class Client:
             return False
 
     def call_counts(self):
-        """Forwards so far by path: {"fast": channel calls, "handle": prepared
-        calls over gRPC, "grpc": plain gRPC calls} (summed over the addresses)."""
+        """Forwards so far by path: {"fast": channel calls (Op.prepare's calls
+        too), "handle": prepared calls over gRPC, "grpc": plain gRPC calls}
+        (summed over the addresses)."""
         out = {}
         for ep in self._router.endpoints:
-            for k, v in ep.transport.calls.items():
+            for k, v in ep.transport.call_counts().items():
                 out[k] = out.get(k, 0) + v
         return out
 
