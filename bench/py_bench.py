@@ -21,6 +21,13 @@ listening on a unix socket there), stops it at exit, and writes OUT.json:
     a socket-based transport cannot beat);
   - "shm": tanh on 1 MiB and 64 MiB already in shared memory, per call
     end to end against the kernel's own kernel_ms (fast and gRPC);
+  - "prepared": the Python tiny call at its leanest, an Op.prepare'd call
+    (opjit.PreparedCall) of leaky_relu on 16 float32 in shared memory,
+    through the compiled extension opjit._fastcall and through the
+    pure-Python channel (a second client with Transport.pure_python), next
+    to plain Op calls on the same array both ways, and to torch's own
+    in-process calls of the same op: a torch.library "DEF" op with a
+    Python impl, and a torch.autograd.Function's apply;
   the autograd section also runs opjit.Function over gRPC (fast="off")
   next to the fast path.
 * "machine": cores, CPU, date, versions, load average.
@@ -619,9 +626,13 @@ def stats_us(s):
             "samples_us": [round(v, 2) for v in s[:MAX_SAMPLES]]}
 
 
-def bench_fast_path(opjit, daemon, res):
+def bench_fast_path(opjit, daemon, res, torch=None):
     fast = opjit.Client(daemon.address, timeout=120, fast="on")
     grpc_client = opjit.Client(daemon.address, timeout=120, fast="off")
+    # The same client on the pure-Python channel (its calls never touch
+    # opjit._fastcall), to compare both paths in one process.
+    pure = opjit.Client(daemon.address, timeout=120, fast="on")
+    pure._transport.pure_python = True
     a, b = socket.socketpair()
     echo = subprocess.Popen([sys.executable, "-c", ECHO_CHILD, str(b.fileno())],
                             pass_fds=[b.fileno()])
@@ -635,7 +646,9 @@ def bench_fast_path(opjit, daemon, res):
         # 1. A tiny call.
         x16 = np.linspace(-1, 1, 16, dtype=np.float32)
         lr_fast, lr_grpc = fast.op("leaky_relu"), grpc_client.op("leaky_relu")
+        lr_pure = pure.op("leaky_relu")
         np.testing.assert_allclose(lr_fast(x16), lr_grpc(x16))
+        np.testing.assert_allclose(lr_pure(x16), lr_grpc(x16))
         msg = b"x" * 94
 
         def ping():
@@ -644,21 +657,33 @@ def bench_fast_path(opjit, daemon, res):
             while got < len(msg):
                 got += len(a.recv(65536))
 
-        before = fast.call_counts()["fast"]
+        before = fast.call_counts()["fast"], pure.call_counts()["fast"]
         tiny = alternate([("opjit_fast", lambda: lr_fast(x16)),
+                          ("opjit_fast_pure", lambda: lr_pure(x16)),
                           ("opjit_grpc", lambda: lr_grpc(x16)),
                           ("socketpair_pingpong", ping)], batch=200, rounds=20, warmup=200)
-        if fast.call_counts()["fast"] - before < 4000:
+        if fast.call_counts()["fast"] - before[0] < 4000 or \
+                pure.call_counts()["fast"] - before[1] < 4000:
             raise RuntimeError("the fast client did not use the fast channel")
         res["tiny"] = {k: stats_us(v) for k, v in tiny.items()}
         res["tiny"]["what"] = ("leaky_relu on 16 float32 (a fresh ndarray each call: copied into "
                                "shared memory, output a view), vs a 94-byte socketpair echo "
-                               "between two Python processes")
+                               "between two Python processes; opjit_fast_pure: the same client "
+                               "on the pure-Python channel")
+        res["tiny"]["extension"] = fast._transport.channel(fast.namespace).__class__.__name__
         p50 = {k: v["p50_us"] for k, v in res["tiny"].items() if isinstance(v, dict)}
         res["tiny"]["ratios_p50"] = {
             "fast / socketpair": p50["opjit_fast"] / p50["socketpair_pingpong"],
             "grpc / socketpair": p50["opjit_grpc"] / p50["socketpair_pingpong"],
-            "grpc / fast": p50["opjit_grpc"] / p50["opjit_fast"]}
+            "grpc / fast": p50["opjit_grpc"] / p50["opjit_fast"],
+            "fast pure / fast": p50["opjit_fast_pure"] / p50["opjit_fast"]}
+
+        # 1b. The same op as a prepared call, against torch's in-process calls.
+        try:
+            bench_prepared(opjit, fast, pure, torch, res)
+        except Exception as e:
+            traceback.print_exc()
+            res["prepared"] = err(e)
 
         # 2. Big tensors already in shared memory: the call against the kernel's time.
         out = {}
@@ -695,6 +720,82 @@ def bench_fast_path(opjit, daemon, res):
         echo.wait(10)
         fast.close()
         grpc_client.close()
+        pure.close()
+
+
+def bench_prepared(opjit, fast, pure, torch, res):
+    """res["prepared"]: the tiny call as an Op.prepare'd call (the compiled
+    extension, and pure Python) and as plain Op calls on the same shm array,
+    against torch.library and torch.autograd.Function calls of leaky_relu."""
+    from opjit import _fast
+    x = np.linspace(-1, 1, 16, dtype=np.float32)
+    want = np.where(x > 0, x, np.float32(0.01) * x)
+    variants, extra = [], {}
+    if _fast.EXTENSION is not None:
+        xs = fast.asarray(x)
+        call = fast.op("leaky_relu").prepare(xs)
+        np.testing.assert_allclose(call(), want, rtol=1e-6)
+        if call.path != "fast" or not isinstance(call, _fast.EXTENSION.Call):
+            raise RuntimeError("the prepared call is not on the extension's fast channel")
+        op = fast.op("leaky_relu")
+        variants += [("opjit_prepared", call), ("opjit_op_shm", lambda: op(xs))]
+    else:
+        extra["opjit_prepared"] = {"error": "opjit._fastcall is not built (or not importable)"}
+    xp = pure.asarray(x)
+    pcall = pure.op("leaky_relu").prepare(xp)
+    np.testing.assert_allclose(pcall(), want, rtol=1e-6)
+    if pcall.path != "fast" or isinstance(pcall, getattr(_fast.EXTENSION, "Call", ())):
+        raise RuntimeError("the pure-Python prepared call is not on a pure-Python channel")
+    pop = pure.op("leaky_relu")
+    variants += [("opjit_prepared_pure", pcall), ("opjit_op_shm_pure", lambda: pop(xp))]
+    if torch is not None:
+        F = torch.nn.functional
+        lib = torch.library.Library("opjit_py_bench", "DEF")
+        lib.define("leaky_relu(Tensor x) -> Tensor")
+        lib.impl("leaky_relu", lambda t: F.leaky_relu(t, 0.01), "CPU")
+        torch_op = torch.ops.opjit_py_bench.leaky_relu
+
+        class LeakyRelu(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return F.leaky_relu(t, 0.01)
+
+            @staticmethod
+            def backward(ctx, g):  # never called: no input requires grad
+                return g
+
+        xt = torch.from_numpy(x.copy())
+        np.testing.assert_allclose(torch_op(xt).numpy(), want, rtol=1e-6)
+        np.testing.assert_allclose(LeakyRelu.apply(xt).numpy(), want, rtol=1e-6)
+        variants += [("torch_library_op", lambda: torch_op(xt)),
+                     ("torch_autograd_function", lambda: LeakyRelu.apply(xt))]
+    else:
+        extra["torch_library_op"] = {"error": "torch is not importable"}
+    before = pure.call_counts()["fast"]
+    samples = alternate(variants, batch=200, rounds=30, warmup=500)
+    if pure.call_counts()["fast"] - before < 2 * 30 * 200:
+        raise RuntimeError("the pure-Python client did not use the fast channel")
+    out = {k: stats_us(v) for k, v in samples.items()}
+    out.update({k: v for k, v in extra.items() if isinstance(v, dict)})
+    out["what"] = ("leaky_relu on 16 float32 in shared memory: opjit_prepared is "
+                   "client.op('leaky_relu').prepare(x) called again and again (opjit._fastcall), "
+                   "opjit_prepared_pure the same on the pure-Python channel, opjit_op_shm(_pure) "
+                   "plain Op calls on the same array; torch_library_op a torch.library 'DEF' op "
+                   "whose Python impl calls F.leaky_relu, torch_autograd_function a "
+                   "torch.autograd.Function's apply of F.leaky_relu (no grad), on a 16-float "
+                   "tensor, in process")
+    p50 = {k: v["p50_us"] for k, v in out.items() if isinstance(v, dict) and "p50_us" in v}
+    ratios = {}
+    for a, b in (("opjit_prepared", "torch_library_op"),
+                 ("opjit_prepared", "torch_autograd_function"),
+                 ("opjit_prepared_pure", "torch_library_op"),
+                 ("opjit_prepared_pure", "opjit_prepared"),
+                 ("opjit_op_shm_pure", "opjit_op_shm"),
+                 ("opjit_op_shm", "opjit_prepared")):
+        if a in p50 and b in p50:
+            ratios["%s / %s" % (a, b)] = p50[a] / p50[b]
+    out["ratios_p50"] = ratios
+    res["prepared"] = out
 
 
 # ---- main ------------------------------------------------------------------------------
@@ -767,11 +868,25 @@ def summary(result):
         lines.append("fast path: failed: %s" % fp["error"][:200])
     elif fp:
         lines.append("tiny call, leaky_relu on 16 float32 (p50 / p99):")
-        for name in ("opjit_fast", "opjit_grpc", "socketpair_pingpong"):
+        for name in ("opjit_fast", "opjit_fast_pure", "opjit_grpc", "socketpair_pingpong"):
+            if name not in fp["tiny"]:
+                continue
             v = fp["tiny"][name]
             lines.append("  %-20s %8.1f us / %8.1f us" % (name, v["p50_us"], v["p99_us"]))
         for k, v in fp["tiny"]["ratios_p50"].items():
             lines.append("  %-20s %8.2fx" % (k, v))
+        pr = fp.get("prepared", {})
+        if "error" in pr:
+            lines.append("prepared tiny call: failed: %s" % pr["error"][:200])
+        elif pr:
+            lines.append("prepared tiny call, leaky_relu on 16 float32 in shm (p50 / p99):")
+            for name, v in pr.items():
+                if isinstance(v, dict) and "p50_us" in v:
+                    lines.append("  %-24s %8.2f us / %8.2f us" % (name, v["p50_us"], v["p99_us"]))
+                elif isinstance(v, dict) and "error" in v:
+                    lines.append("  %-24s not run: %s" % (name, v["error"][:120]))
+            for k, v in pr.get("ratios_p50", {}).items():
+                lines.append("  %-44s %6.2fx" % (k, v))
         for label in ("1MiB", "64MiB"):
             e = fp["shm"][label]
             for path in ("fast", "grpc"):
@@ -867,7 +982,7 @@ def main():
         else:
             fp = {}
             try:
-                bench_fast_path(opjit, daemon, fp)
+                bench_fast_path(opjit, daemon, fp, torch)
                 result["fast_path"] = fp
             except Exception as e:
                 traceback.print_exc()

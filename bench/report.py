@@ -473,6 +473,42 @@ def fast_python_rows(py, res):
               f"| its kernel_ms {t_us(num(f, 'kernel_p50_us'))} "
               f"| {ratio(num(f, 'p50_us'), num(f, 'kernel_p50_us'))} |")
     print()
+    prepared_python_rows(fp, res)
+
+
+def prepared_python_rows(fp, res):
+    """py_bench.py's "prepared" (absent from runs before it): the tiny call
+    through opjit._fastcall and in pure Python, against torch's own calls."""
+    pr = fp.get("prepared")
+    if pr is None:
+        return
+    if error_of(pr):
+        res.fail("fast_path (Python), prepared", error_of(pr))
+        print(f"Prepared calls: not run: {error_of(pr)}\n")
+        return
+    tiny = fp.get("tiny", {})
+    lib, fn = pr.get("torch_library_op"), pr.get("torch_autograd_function")
+    print("The same `leaky_relu` on 16 float32 through the compiled extension "
+          "(`opjit._fastcall`) and through the pure-Python channel, side by side with torch's "
+          "in-process calls of the same op: a `torch.library` \"DEF\" op whose Python impl "
+          "calls `F.leaky_relu`, and a `torch.autograd.Function`'s `apply`.\n")
+    print("| Python tiny call | extension p50 | pure Python p50 | torch.library op p50 "
+          "| autograd.Function p50 | extension / torch.library | goal |")
+    print("|---|---|---|---|---|---|---|")
+    for label, ext, pure, goal in (
+            ("`Op.prepare`'d call, input in shm", pr.get("opjit_prepared"),
+             pr.get("opjit_prepared_pure"), "≤ 1×"),
+            ("`opjit.Op` call, input in shm", pr.get("opjit_op_shm"),
+             pr.get("opjit_op_shm_pure"), ""),
+            ("`opjit.Op` call, fresh ndarray", tiny.get("opjit_fast"),
+             tiny.get("opjit_fast_pure"), "")):
+        for d, what in ((ext, "extension"), (pure, "pure Python")):
+            if error_of(d):
+                res.fail(f"fast_path (Python), {label}, {what}", error_of(d))
+        print(f"| {label} | {t_us(num(ext, 'p50_us'))} | {t_us(num(pure, 'p50_us'))} "
+              f"| {t_us(num(lib, 'p50_us'))} | {t_us(num(fn, 'p50_us'))} "
+              f"| {ratio(num(ext, 'p50_us'), num(lib, 'p50_us'))} | {goal} |")
+    print()
 
 
 def fast_section(res):

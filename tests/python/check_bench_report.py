@@ -124,6 +124,26 @@ class ReportTest(unittest.TestCase):
         self.assertIn("### Fast path (Python client)", text)
         self.assertIn("socketpair ping-pong 25.0 µs", text)
 
+    def test_prepared_python_rows_when_py_bench_has_them(self):
+        py = json.loads(json.dumps(FIXTURES["py.json"]))
+        py["fast_path"]["tiny"]["opjit_fast_pure"] = TIMES
+        py["fast_path"]["prepared"] = {
+            "opjit_prepared": {"p50_us": 1.6, "p99_us": 9.0},
+            "opjit_prepared_pure": {"p50_us": 9.5, "p99_us": 30.0},
+            "opjit_op_shm": TIMES, "opjit_op_shm_pure": TIMES,
+            "torch_library_op": {"p50_us": 2.0, "p99_us": 4.0},
+            "torch_autograd_function": {"p50_us": 3.0, "p99_us": 5.0}}
+        self.write("py.json", json.dumps(py))
+        rc, out, err = self.report()
+        self.assertEqual(rc, 0, err)
+        self.assertIn("| `Op.prepare`'d call, input in shm | 1.6 µs | 9.5 µs | 2.0 µs | 3.0 µs "
+                      "| 0.80× | ≤ 1× |", out)
+        py["fast_path"]["prepared"] = {"error": "boom"}
+        self.write("py.json", json.dumps(py))
+        rc, out, err = self.report()
+        self.assertEqual(rc, 0, err)  # a failed measurement is listed, not missing
+        self.assertIn("- **fast_path (Python), prepared**: boom", section_text(out, "Failures"))
+
     def check_missing(self, key, name, why):
         sec = next(s for s in self.sections if s["key"] == key)
         rc, out, err = self.report()
