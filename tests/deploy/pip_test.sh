@@ -7,7 +7,8 @@
 #      downloaded; this runs in a network namespace without network where
 #      `unshare -n` is allowed, so a download attempt would fail the test;
 #   2. the installed package has the generated opjit.v1 stubs and is the one
-#      imported; the build tree's PYTHONPATH=build/python is not involved;
+#      imported; the build tree's PYTHONPATH=build/python is not involved (it
+#      says whether pip built opjit._fastcall, which is optional);
 #   3. client/python/examples/leaky_relu.py runs and asserts its numbers.
 # usage: pip_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
@@ -50,6 +51,10 @@ assert opjit.__file__.startswith(sys.argv[1]), opjit.__file__
 from importlib import metadata
 print("opjit", metadata.version("opjit"), "from", opjit.__file__)
 assert set(metadata.requires("opjit")) >= {"numpy"}, metadata.requires("opjit")
+# The compiled fast-channel call is optional: built where pip found a C++
+# compiler and Python's headers, else the pure-Python channel.
+from opjit import _fast
+print("fast channel calls:", "opjit._fastcall" if _fast.EXTENSION else "pure Python")
 PYEOF
 
 STATE="$WORK/state"

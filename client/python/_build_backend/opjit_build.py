@@ -4,7 +4,10 @@ pip (or `python -m build`) loads it through pyproject.toml's backend-path, so
 building needs nothing from PyPI: an offline machine builds the wheel.
 
     build_wheel   opjit-<v>-py3-none-any.whl: opjit/*.py from this directory and
-                  opjit/v1/*_pb2.py, *_pb2_grpc.py generated from the protos
+                  opjit/v1/*_pb2.py, *_pb2_grpc.py generated from the protos; where
+                  a C++ compiler and Python's headers are found, also
+                  opjit/_fastcall*.so (the compiled fast-channel call), and the
+                  wheel is then opjit-<v>-cpXY-cpXY-<platform>.whl
     build_sdist   opjit-<v>.tar.gz: the sources, the protos (proto/) and PKG-INFO
     (build_editable is not offered: the stubs are generated; use the build
     tree's build/python with PYTHONPATH, or a regular install.)
@@ -12,6 +15,11 @@ building needs nothing from PyPI: an offline machine builds the wheel.
 Protos: ./proto (in an sdist), else ../../proto (in the repository).
 Version: PKG-INFO (in an sdist), else the top-level CMakeLists.txt's
 project(opjit VERSION x.y.z).
+Extension: opjit/_fastcall.cc with proto/opjit/wire/fast_channel.h, built by
+$CXX (else c++, g++ or clang++) for the running interpreter. It is optional:
+without a compiler, with a failed compile or with OPJIT_PURE_PYTHON=1 (or
+config setting pure=1) the wheel is pure Python, and opjit falls back to its
+pure-Python channel.
 Stubs: `protoc` with `grpc_python_plugin` (Debian's protobuf-compiler and
 protobuf-compiler-grpc; the same generator the CMake build uses), else
 `<python> -m grpc_tools.protoc` (pip's grpcio-tools) for this interpreter or
@@ -30,6 +38,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import time
@@ -168,6 +177,50 @@ def _generate_stubs(out_dir):
         "grpcio-tools that supports proto3 optional.\n  " + "\n  ".join(errors))
 
 
+# ---- Extension ---------------------------------------------------------------------
+
+def _wire_root():
+    """The directory holding proto/opjit/wire/fast_channel.h: this one (an
+    sdist) or the repository's root."""
+    for root in (HERE, os.path.join(HERE, "..", "..")):
+        if os.path.isfile(os.path.join(root, "proto", "opjit", "wire", "fast_channel.h")):
+            return os.path.normpath(root)
+    return None
+
+
+def _build_extension(out_dir, config_settings):
+    """Compiles opjit/_fastcall.cc into out_dir: its file name, or None when
+    it is not wanted or cannot be built here (the wheel is then pure Python)."""
+    pure = (config_settings or {}).get("pure") or os.environ.get("OPJIT_PURE_PYTHON")
+    src = os.path.join(HERE, NAME, "_fastcall.cc")
+    root = _wire_root()
+    include = sysconfig.get_paths().get("include") or ""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    cxx = os.environ.get("CXX") or next(
+        (c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if pure not in (None, "", "0") or not os.path.isfile(src) or root is None or not cxx or \
+            not suffix or not os.path.isfile(os.path.join(include, "Python.h")):
+        return None
+    name = "_fastcall" + suffix
+    cmd = [cxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
+           "-I" + include, "-I" + root, src, "-o", os.path.join(out_dir, name)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        why = None if r.returncode == 0 else (r.stderr or r.stdout).strip()[-400:]
+    except OSError as e:
+        why = str(e)
+    if why is not None:
+        print("opjit_build: opjit._fastcall not built (the wheel is pure Python): %s" % why,
+              file=sys.stderr)
+        return None
+    return name
+
+
+def _platform_tag():
+    v = "cp%d%d" % sys.version_info[:2]
+    return "%s-%s-%s" % (v, v, re.sub(r"[-.]", "_", sysconfig.get_platform()))
+
+
 # ---- Wheel -------------------------------------------------------------------------
 
 def _package_files():
@@ -197,7 +250,6 @@ def _zip_info(name):
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     dist_info = "%s.dist-info" % _dist_name()
-    wheel_name = "%s-%s.whl" % (_dist_name(), _WHEEL_TAG)
     files = {}
     for arcname, path in _package_files():
         with open(path, "rb") as f:
@@ -209,9 +261,16 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
             if f.endswith(".py"):
                 with open(os.path.join(gen_dir, f), "rb") as fh:
                     files["opjit/v1/" + f] = fh.read()
+        ext = _build_extension(tmp, config_settings)
+        if ext is not None:
+            with open(os.path.join(tmp, ext), "rb") as fh:
+                files["opjit/" + ext] = fh.read()
+    tag = _WHEEL_TAG if ext is None else _platform_tag()
+    wheel_name = "%s-%s.whl" % (_dist_name(), tag)
     files[dist_info + "/METADATA"] = _metadata().encode()
     files[dist_info + "/WHEEL"] = ("Wheel-Version: 1.0\nGenerator: opjit_build\n"
-                                   "Root-Is-Purelib: true\nTag: %s\n" % _WHEEL_TAG).encode()
+                                   "Root-Is-Purelib: %s\nTag: %s\n"
+                                   % ("true" if ext is None else "false", tag)).encode()
     files[dist_info + "/top_level.txt"] = b"opjit\n"
     record = io.StringIO()
     writer = csv.writer(record, lineterminator="\n")
@@ -258,6 +317,11 @@ def build_sdist(sdist_directory, config_settings=None):
     root = _proto_root()
     for rel in _protos(root):
         members.append(("proto/" + rel, os.path.join(root, rel)))
+    members.append((NAME + "/_fastcall.cc", os.path.join(HERE, NAME, "_fastcall.cc")))
+    wire = _wire_root()
+    if wire is not None:
+        members.append(("proto/opjit/wire/fast_channel.h",
+                        os.path.join(wire, "proto", "opjit", "wire", "fast_channel.h")))
 
     epoch = int(os.environ.get("SOURCE_DATE_EPOCH", "315532800"))
     os.makedirs(sdist_directory, exist_ok=True)
