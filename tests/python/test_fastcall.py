@@ -436,6 +436,15 @@ def test_bad_refs_and_a_closed_channel(kind, stub_ring):
             ch.call(7, [1, 0, 1])
         with pytest.raises(TypeError):
             ch.call(7, [1, "x"])
+        # A buffer that cannot be a ring: refused before any call.
+        Channel = _fast.EXTENSION.Channel
+        exc = (_fast.ChannelClosed, _fast.ChannelError)
+        with pytest.raises(ValueError):
+            Channel(bytearray(4096), 8, 64, 0, 0, *exc)   # too small for 8 slots
+        with pytest.raises(ValueError):
+            Channel(bytearray(1 << 16), 0, 64, 0, 0, *exc)  # no slot
+        with pytest.raises(BufferError):
+            Channel(b"\0" * (1 << 16), 8, 64, 0, 0, *exc)  # read-only
     ch.close()
     assert ch.closed
     with pytest.raises(_fast.ChannelClosed):
