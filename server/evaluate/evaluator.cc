@@ -347,7 +347,7 @@ ToleranceValues ToleranceFor(const VerifyCall& c, const std::string& dtype) {
 
 // Enough digits to tell neighbouring values of the dtype apart.
 std::string FormatValue(const Dtype& d, double v) {
-  return absl::StrFormat(d.size == 8 ? "%.17g" : "%.9g", v);
+  return d.size == 8 ? absl::StrFormat("%.17g", v) : absl::StrFormat("%.9g", v);
 }
 
 double Percentile(std::vector<double> v, double q) {
