@@ -451,7 +451,9 @@ void AddTlsMetricsQuotaKeys(std::vector<KeyRow>& k) {
 void AddCompilerKeys(std::vector<KeyRow>& k) {
   // [compiler]
   k.push_back(Int("compiler.workers", &Cfg::compile_workers,
-                  "Compile worker processes (opjit-compile-worker).", 1, 1024));
+                  "Compile worker processes (opjit-compile-worker); as many NVRTC workers "
+                  "(opjit-gpu-sandbox) at most.",
+                  1, 1024));
   k.push_back(Int("compiler.timeout_ms", &Cfg::compile_timeout_ms,
                   "A compile running longer is killed, ms.", 1));
   k.push_back(Int("compiler.memory_limit_mb", &Cfg::compile_memory_limit_mb,
@@ -459,7 +461,7 @@ void AddCompilerKeys(std::vector<KeyRow>& k) {
   k.push_back(Int("compiler.threads", &Cfg::compile_threads,
                   "Compile pool threads; 0: workers + long_workers.", 0, 1024));
   k.push_back(Int("compiler.recycle_after", &Cfg::compile_recycle_after,
-                  "Compiles, then a worker is replaced."));
+                  "Compiles, then a worker (clang or NVRTC) is replaced."));
   k.push_back(Int("compiler.recycle_memory_mb", &Cfg::compile_recycle_memory_mb,
                   "Address space that retires a worker, MiB; 0: half of memory_limit_mb."));
   k.push_back(Int("compiler.long_after_ms", &Cfg::compile_long_after_ms,

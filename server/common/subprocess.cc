@@ -9,6 +9,7 @@
 #include <sched.h>
 #include <linux/close_range.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -591,6 +592,12 @@ absl::StatusOr<Exit> Reap(pid_t pid, absl::Duration grace, bool kill_group) {
   return e;
 }
 
+uint64_t AddressSpaceBytes(pid_t pid) {
+  const std::string statm = ReadSmallFile(absl::StrCat("/proc/", pid, "/statm"));
+  const uint64_t pages = std::strtoull(statm.c_str(), nullptr, 10);  // the first field
+  return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
 bool DieWithParent(pid_t expected_parent) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The parent may have died before the line above: then no signal comes,
@@ -654,6 +661,36 @@ void IsolateHelper(SpawnOptions* spawn, std::optional<SpawnOptions::UserNamespac
   } else {
     spawn->new_pid_namespace = PidNamespaces();
   }
+}
+
+void IsolateCompileHelper(SpawnOptions* spawn, int64_t uid, int64_t gid) {
+  IsolateHelper(spawn, CompileIds(uid, gid));
+  if (uid > 0 && ::geteuid() == 0) {
+    spawn->args.insert(spawn->args.end(), {"--uid", std::to_string(uid)});
+  }
+}
+
+absl::StatusOr<HelperChannel> SpawnCompileHelper(SpawnOptions spawn,
+                                                 const std::vector<int>& socket_fds, int64_t uid,
+                                                 int64_t gid) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    return absl::UnavailableError(absl::StrCat("socketpair: ", ErrnoText(errno)));
+  }
+  for (int fd : socket_fds) spawn.fds.push_back({fd, sv[1]});
+  // Nothing else of the daemon's (descriptors, environment) leaks into it;
+  // tagged with this daemon's state dir; from the spawn thread (its
+  // PDEATHSIG means the daemon died).
+  spawn.env = HelperEnvironment();
+  spawn.tag_instance = true;
+  IsolateCompileHelper(&spawn, uid, gid);
+  absl::StatusOr<pid_t> pid = Spawn(spawn);
+  ::close(sv[1]);
+  if (!pid.ok()) {
+    ::close(sv[0]);
+    return pid.status();
+  }
+  return HelperChannel{*pid, sv[0]};
 }
 
 bool UserNamespaces() {

@@ -127,6 +127,27 @@ void IsolateHelper(SpawnOptions* spawn,
 // `gid` (-1: uid's number) when uid > 0, else none (the daemon's own).
 std::optional<SpawnOptions::UserNamespace> CompileIds(int64_t uid, int64_t gid);
 
+// For a compile helper that takes "--uid N" (CPU compile workers, NVRTC
+// workers): IsolateHelper as CompileIds(uid, gid), and, when the daemon is
+// root and uid > 0, "--uid <uid>": the helper drops to the compile uid,
+// never runs as root's.
+void IsolateCompileHelper(SpawnOptions* spawn, int64_t uid, int64_t gid);
+
+// A compile helper started on a new socketpair: the daemon's end and the
+// helper's pid.
+struct HelperChannel {
+  pid_t pid = -1;
+  int fd = -1;  // CLOEXEC; the caller closes it
+};
+
+// Starts `spawn` (its path, args and fds; the environment, the instance
+// tag and IsolateCompileHelper(uid, gid) are set here) with the other end of
+// a new socketpair as each of its descriptors `socket_fds`. UNAVAILABLE when
+// the socketpair or the spawn fails (Spawn's message).
+absl::StatusOr<HelperChannel> SpawnCompileHelper(SpawnOptions spawn,
+                                                 const std::vector<int>& socket_fds, int64_t uid,
+                                                 int64_t gid);
+
 // Starts a child; returns its pid. The caller reaps it (Wait, Reap).
 // INVALID_ARGUMENT for a bad fd map or an empty path, UNAVAILABLE when the
 // program cannot be started (its errno in the message, never the path).
@@ -176,6 +197,10 @@ absl::StatusOr<std::optional<Exit>> WaitFor(pid_t pid, absl::Duration timeout);
 // our child.
 absl::StatusOr<Exit> Reap(pid_t pid, absl::Duration grace = absl::ZeroDuration(),
                           bool kill_group = false);
+
+// The address space of `pid` (what RLIMIT_AS bounds), from /proc; 0 when
+// unknown.
+uint64_t AddressSpaceBytes(pid_t pid);
 
 // --- parent death, in a helper --------------------------------------------
 

@@ -195,6 +195,7 @@ class GpuBackend : public CompileBackend {
       req.name_expressions = job.name_expressions;
       req.archs = archs;
       for (const registry::SourceFile& f : job.files) req.headers.emplace_back(f.name, f.content);
+      req.tenant = job.ns;
       auto compiled = c->Compile(req);
       if (!compiled.ok()) return WithNvccHint(compiled.status(), job);
       gpu::GpuCompileOutput r = *std::move(compiled);
@@ -312,6 +313,10 @@ class GpuBackend : public CompileBackend {
     o.worker_path = SandboxPath();
     o.timeout_ms = options_.timeout_ms;
     o.memory_limit_bytes = options_.memory_limit_bytes;
+    // The CPU compile workers' bounds: [compiler] workers, recycle_after.
+    o.workers = options_.workers;
+    o.recycle_after_compiles = options_.recycle_after_compiles;
+    o.recycle_memory_bytes = options_.recycle_memory_bytes;
     o.sandbox_uid = options_.compile_uid;
     o.sandbox_gid = options_.compile_gid;
     if (o.worker_path.empty()) {

@@ -1,10 +1,6 @@
 #include "server/gpu/nvrtc_compiler.h"
 
 #include <dlfcn.h>
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 #include <nvrtc.h>
 
@@ -14,14 +10,17 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "server/common/codec.h"
 #include "server/common/error_info.h"
 #include "server/common/frame_io.h"
 #include "server/common/logging.h"
 #include "server/common/status_macros.h"
 #include "server/common/subprocess.h"
+#include "server/gpu/nvrtc_pool.h"
 
 namespace opjit::gpu {
 
@@ -112,7 +111,51 @@ struct CompileResult {
   std::string ptx;
   std::string log;
   std::map<std::string, std::string> lowered_names;
+  bool pch_used = false, pch_created = false;
 };
+
+// The options that make NVRTC keep automatic PCHs in `dir`. Its messages
+// say when a PCH was made or used (TakePchMessages removes them from the
+// log); why one could not be used, and that the PCH heap was too small
+// (warning 639), it keeps to itself: a compile's diagnostics stay the same.
+std::vector<std::string> PchOptions(const std::string& dir) {
+  return {"-pch", "--pch-dir=" + dir, "--pch-verbose=false", "--pch-messages=true",
+          "--diag-suppress=639"};
+}
+
+// Removes NVRTC's PCH messages ("\"kernel.cu\": using precompiled header
+// file \"...\"") from `log`, noting which it saw.
+void TakePchMessages(const std::string& file_name, CompileResult* r) {
+  const std::string prefix = absl::StrCat("\"", file_name, "\": ");
+  std::string kept;
+  for (absl::string_view line : absl::StrSplit(r->log, '\n')) {
+    if (absl::StartsWith(line, prefix)) {
+      const absl::string_view rest = line.substr(prefix.size());
+      const bool used = absl::StartsWith(rest, "using precompiled header file \"");
+      const bool created = absl::StartsWith(rest, "creating precompiled header file \"");
+      r->pch_used |= used;
+      r->pch_created |= created;
+      if (used || created) continue;
+    }
+    if (!kept.empty()) kept += '\n';
+    kept.append(line.data(), line.size());
+  }
+  r->log = Trim(std::move(kept));
+}
+
+// Whether a failed compile's log may blame the PCH rather than the source:
+// an error of the whole compile, with no place in a file ("Catastrophic
+// error: error while writing PCH file: No space left on device",
+// "Command-line error: invalid PCH directory"), as a source's errors have.
+bool PchFailure(absl::string_view message) {
+  for (absl::string_view line : absl::StrSplit(message, '\n')) {
+    if (absl::StartsWith(line, "Catastrophic error:") ||
+        absl::StartsWith(line, "Command-line error:")) {
+      return true;
+    }
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -199,14 +242,27 @@ absl::StatusOr<std::unique_ptr<NvrtcCompiler>> NvrtcCompiler::Create(const Nvrtc
   log->info("NVRTC {}.{} loaded from {}; default archs {}", c->major_, c->minor_, c->library_path_,
             absl::StrJoin(options.archs, ","));
   if (!options.worker_path.empty()) {
-    // The first compile's sandbox starts now.
-    if (auto spare = c->StartSandbox(); spare.ok()) {
-      MutexLock lock(&c->spare_mu_);
-      c->spare_ = *spare;
-    }
+    NvrtcPoolOptions p;
+    p.worker_path = options.worker_path;
+    p.args = c->WorkerArgs();
+    p.workers = std::max(1, options.workers);
+    p.timeout_ms = options.timeout_ms;
+    p.memory_limit_bytes = options.memory_limit_bytes;
+    p.recycle_after_compiles = options.recycle_after_compiles;
+    p.recycle_memory_bytes = options.recycle_memory_bytes;
+    p.uid = options.sandbox_uid;
+    p.gid = options.sandbox_gid;
+    c->pool_ = std::make_unique<NvrtcPool>(std::move(p));
+    c->pool_->StartSpare();  // the first compile's worker starts now
   }
   return c;
 }
+
+NvrtcCompiler::~NvrtcCompiler() = default;
+
+bool NvrtcCompiler::HasPch() const { return major_ > 12 || (major_ == 12 && minor_ >= 8); }
+
+NvrtcStats NvrtcCompiler::GetStats() const { return pool_ ? pool_->GetStats() : NvrtcStats{}; }
 
 std::string NvrtcCompiler::Version() const { return absl::StrCat("nvrtc ", major_, ".", minor_); }
 
@@ -289,6 +345,7 @@ absl::StatusOr<CompileResult> CompileOne(const NvrtcCompiler::Api& api,
     std::string log(log_size, '\0');
     if (api.GetProgramLog(prog, log.data()) == NVRTC_SUCCESS) out.log = Trim(std::move(log));
   }
+  TakePchMessages(request.file_name, &out);
   if (compiled != NVRTC_SUCCESS) return NvrtcError(api, compiled, "nvrtcCompileProgram", out.log);
 
   size_t size = 0;
@@ -317,26 +374,6 @@ absl::StatusOr<CompileResult> CompileOne(const NvrtcCompiler::Api& api,
     out.lowered_names[e] = lowered;
   }
   return out;
-}
-
-}  // namespace
-
-namespace {
-
-// The sandbox's answer: cubins for each arch, PTX and the log. Anything
-// longer is refused (the sandbox broke its protocol or NVRTC went wild).
-constexpr size_t kMaxAnswerBytes = 256u << 20;
-constexpr char kSandboxChannel[] = "GPU compiler sandbox's answer";
-
-// Reads all of `fd` until EOF or `deadline`, keeping at most kMaxAnswerBytes
-// and counting the rest in *dropped. False on timeout.
-bool ReadAll(int fd, std::string* out, std::chrono::steady_clock::time_point deadline,
-             uint64_t* dropped) {
-  const absl::Time until =
-      absl::Now() + absl::FromChrono(deadline - std::chrono::steady_clock::now());
-  // An I/O error ends the answer like EOF: the decoder then says it is short.
-  return !absl::IsDeadlineExceeded(
-      frame_io::ReadStream(fd, kMaxAnswerBytes, until, out, dropped));
 }
 
 }  // namespace
@@ -392,11 +429,13 @@ std::string EncodeGpuResult(const absl::StatusOr<GpuCompileOutput>& r) {
   }
   w.Str(r->diagnostics);
   w.F64(r->compile_ms);
+  w.I32(r->pch_used);
+  w.I32(r->pch_created);
   return w.Take();
 }
 
 absl::StatusOr<GpuCompileOutput> DecodeGpuResult(std::string_view in) {
-  codec::Reader rd(in, kSandboxChannel);
+  codec::Reader rd(in, "GPU compiler sandbox's answer");
   const int32_t c = rd.I32();
   std::string message = rd.Str();
   if (!rd.ok() || c < 0 || c > 16) {
@@ -420,13 +459,16 @@ absl::StatusOr<GpuCompileOutput> DecodeGpuResult(std::string_view in) {
   }
   out.diagnostics = rd.Str();
   out.compile_ms = rd.F64();
+  out.pch_used = rd.I32();
+  out.pch_created = rd.I32();
   if (!rd.done()) return absl::InternalError("the NVRTC sandbox sent a malformed answer");
   return out;
 }
-absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
+
+std::vector<std::string> NvrtcCompiler::WorkerArgs() const {
   std::vector<std::string> args = {subprocess::kParentPidFlag,
                                    std::to_string(::getpid()),
-                                   "--nvrtc",
+                                   "--nvrtc-worker",
                                    "--cuda-root",
                                    options_.cuda_root,
                                    "--nvrtc-path",
@@ -436,122 +478,23 @@ absl::StatusOr<NvrtcCompiler::Sandbox> NvrtcCompiler::StartSandbox() const {
                                    "--cpu-seconds",
                                    std::to_string(options_.timeout_ms / 1000 + 2),
                                    "--archs",
-                                   absl::StrJoin(options_.archs, ",")};
+                                   absl::StrJoin(options_.archs, ","),
+                                   "--pch-bytes",
+                                   std::to_string(HasPch() ? options_.pch_bytes : 0)};
   for (const auto& d : options_.extra_include_dirs) args.insert(args.end(), {"--include", d});
-  int in_pipe[2], out_pipe[2];
-  if (::pipe2(in_pipe, O_CLOEXEC) != 0) return absl::UnavailableError("pipe failed");
-  if (::pipe2(out_pipe, O_CLOEXEC) != 0) {
-    ::close(in_pipe[0]);
-    ::close(in_pipe[1]);
-    return absl::UnavailableError("pipe failed");
-  }
-  // The request on stdin, the answer on stdout, stderr to /dev/null; its
-  // own group, a clean environment, tagged with this daemon's state dir,
-  // from the spawn thread (so a spare's PDEATHSIG means the daemon died).
-  subprocess::SpawnOptions spawn;
-  spawn.path = options_.worker_path;
-  spawn.args = std::move(args);
-  spawn.env = subprocess::HelperEnvironment();
-  spawn.fds = {{0, in_pipe[0]}, {1, out_pipe[1]}};
-  spawn.tag_instance = true;
-  // Namespaces of its own where the daemon can make them, like the CPU
-  // compile workers'.
-  subprocess::IsolateHelper(&spawn,
-                            subprocess::CompileIds(options_.sandbox_uid, options_.sandbox_gid));
-  // Root: the compile uid, never root's (the sandbox drops to it).
-  if (options_.sandbox_uid > 0 && ::geteuid() == 0) {
-    spawn.args.insert(spawn.args.end(), {"--uid", std::to_string(options_.sandbox_uid)});
-  }
-  absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
-  ::close(in_pipe[0]);
-  ::close(out_pipe[1]);
-  if (!pid.ok()) {
-    ::close(in_pipe[1]);
-    ::close(out_pipe[0]);
-    return absl::UnavailableError(
-        absl::StrCat("cannot start the NVRTC sandbox: ", pid.status().message()));
-  }
-  return Sandbox{*pid, in_pipe[1], out_pipe[0]};
-}
-
-void NvrtcCompiler::Discard(Sandbox& s) {
-  if (s.pid <= 0) return;
-  if (s.in >= 0) ::close(s.in);
-  if (s.out >= 0) ::close(s.out);
-  (void)subprocess::Reap(s.pid, absl::ZeroDuration(), /*kill_group=*/true);
-  s = Sandbox{};
-}
-
-NvrtcCompiler::~NvrtcCompiler() {
-  MutexLock lock(&spare_mu_);
-  Discard(spare_);
+  return args;
 }
 
 absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest& request) const {
-  if (options_.worker_path.empty()) return CompileHere(request);
-  // Arch errors are answered here, without a process.
+  if (!pool_) return CompileHere(request);
+  // Arch errors are answered here, without a worker.
   for (const std::string& a : request.archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
-  // Every compile gets a fresh process; the spare one was started ahead of
-  // time (NVRTC loaded, sandbox closed), and a new spare starts now.
-  Sandbox sb;
-  {
-    MutexLock lock(&spare_mu_);
-    std::swap(sb, spare_);
-    if (auto next = StartSandbox(); next.ok()) spare_ = *next;
-  }
-  if (sb.pid <= 0) {
-    OPJIT_ASSIGN_OR_RETURN(sb, StartSandbox());
-  }
-  const std::string payload = EncodeGpuRequest(request);
-  // A sandbox that died early gives EPIPE, which the result below reports.
-  ::signal(SIGPIPE, SIG_IGN);
-  for (size_t off = 0; off < payload.size();) {
-    ssize_t n = ::write(sb.in, payload.data() + off, payload.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    off += static_cast<size_t>(n);
-  }
-  ::close(sb.in);
-  sb.in = -1;
-  std::string answer;
-  uint64_t dropped = 0;
-  const bool finished = ReadAll(sb.out, &answer,
-                                std::chrono::steady_clock::now() +
-                                    std::chrono::milliseconds(options_.timeout_ms),
-                                &dropped);
-  ::close(sb.out);
-  sb.out = -1;
-  // Stopped at the deadline; one that answered gets a few seconds to exit.
-  absl::StatusOr<subprocess::Exit> ended = subprocess::Reap(
-      sb.pid, finished ? absl::Seconds(5) : absl::ZeroDuration(), /*kill_group=*/true);
-  const int status = ended.ok() ? ended->wait_status : 0;
-  if (!finished) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the GPU compile ran past ", options_.timeout_ms, " ms and was stopped"));
-  }
-  if (WIFSIGNALED(status) || answer.empty()) {
-    const int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-    if (sig == SIGKILL || sig == SIGSEGV || sig == SIGABRT) {
-      // NVRTC under RLIMIT_AS dies in many ways when memory runs out.
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the GPU compiler died (signal ", sig, "), most likely out of memory (limit ",
-          options_.memory_limit_bytes >> 20, " MiB)"));
-    }
-    return absl::InternalError(absl::StrCat("the GPU compiler's sandbox ended without an answer (",
-                                            WIFEXITED(status) ? "exit " : "signal ",
-                                            WIFEXITED(status) ? WEXITSTATUS(status) : sig, ")"));
-  }
-  if (dropped > 0) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the GPU compiler's answer was over ", kMaxAnswerBytes >> 20, " MiB (", dropped,
-        " bytes more); refused"));
-  }
-  return DecodeGpuResult(answer);
+  return pool_->Compile(request);
 }
 
-absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileHere(const GpuCompileRequest& request) const {
-  const auto start = std::chrono::steady_clock::now();
-  auto log = Logger("gpu");
+absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileHere(const GpuCompileRequest& request,
+                                                            bool* pch_broke) const {
+  if (pch_broke != nullptr) *pch_broke = false;
   std::vector<std::string> archs = request.archs.empty() ? options_.archs : request.archs;
   for (const std::string& a : archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
   // Lowest first; the lowest one also gives the PTX.
@@ -559,11 +502,31 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileHere(const GpuCompileRequ
     return *ArchNumber(a) < *ArchNumber(b);
   });
   archs.erase(std::unique(archs.begin(), archs.end()), archs.end());
+  // In-memory headers never meet a PCH: NVRTC would take a PCH made from
+  // another content of the same name for theirs.
+  const bool pch = !options_.pch_dir.empty() && request.headers.empty() && HasPch();
+  absl::StatusOr<GpuCompileOutput> out = CompileArchs(request, archs, pch);
+  if (pch && !out.ok() && PchFailure(out.status().message())) {
+    if (pch_broke != nullptr) *pch_broke = true;
+    Logger("gpu")->debug("nvrtc: a PCH failed ({}); compiling without", out.status().ToString());
+    out = CompileArchs(request, archs, false);
+  }
+  return out;
+}
 
+absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileArchs(const GpuCompileRequest& request,
+                                                             const std::vector<std::string>& archs,
+                                                             bool pch) const {
+  const auto start = std::chrono::steady_clock::now();
+  auto log = Logger("gpu");
   std::vector<std::string> options;
   options.push_back("-I" + options_.cuda_root + "/include");
   for (const std::string& d : options_.extra_include_dirs) options.push_back("-I" + d);
   if (!HasStdOption(request.options)) options.push_back("--std=c++17");
+  if (pch) {
+    std::vector<std::string> p = PchOptions(options_.pch_dir);
+    options.insert(options.end(), p.begin(), p.end());
+  }
   options.insert(options.end(), request.options.begin(), request.options.end());
 
   GpuCompileOutput out;
@@ -581,6 +544,8 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileHere(const GpuCompileRequ
         out.ptx_arch = "compute_" + std::to_string(*ArchNumber(archs[i]));
       }
     }
+    out.pch_used += r.pch_used;
+    out.pch_created += r.pch_created;
     if (!r.log.empty()) logs.emplace_back(archs[i], std::move(r.log));
   }
   if (out.ptx.empty()) {
@@ -588,6 +553,8 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileHere(const GpuCompileRequ
     OPJIT_ASSIGN_OR_RETURN(CompileResult r, CompileOne(*api_, request, options, target, false));
     out.ptx = std::move(r.ptx);
     out.ptx_arch = target;
+    out.pch_used += r.pch_used;
+    out.pch_created += r.pch_created;
     if (!r.log.empty()) logs.emplace_back(target, std::move(r.log));
   }
   // Warnings come once per arch and are usually the same: keep each distinct

@@ -5,15 +5,17 @@
 // daemon starts on hosts without a CUDA toolkit; no CUDA header is included
 // here.
 //
-// Isolation: with `worker_path` set (the daemon always sets it), every
-// Compile() runs in a fresh `opjit-gpu-sandbox --nvrtc` process: Landlock
-// (the toolkit's and opjit's headers only, so `#include "/etc/shadow"` or
-// "/proc/self/environ" read nothing), seccomp, RLIMIT_AS, and a wall-clock
-// deadline after which it is killed. A crash, a macro bomb or a hang fails
-// that request only. One process per compile: NVRTC compiles take 80-160 ms
-// here, and a new process costs a few ms more, with nothing to recycle.
-// Without `worker_path` (the sandbox binary itself, tests) NVRTC runs in
-// the calling process.
+// Isolation: with `worker_path` set (the daemon always sets it), compiles
+// run in a pool of `opjit-gpu-sandbox --nvrtc-worker` processes
+// (nvrtc_pool.h): Landlock (the toolkit's and opjit's headers only, so
+// `#include "/etc/shadow"` or "/proc/self/environ" read nothing), seccomp,
+// RLIMIT_AS, namespaces, the compile uid, and a wall-clock deadline per
+// compile after which the worker is killed (and replaced). A crash, a macro
+// bomb or a hang fails that request only. A worker serves many compiles of
+// one namespace, with NVRTC loaded and initialised, and keeps NVRTC's
+// automatic precompiled headers (PCHs) of that namespace's include blocks in
+// a private tmpfs. Without `worker_path` (tests, benchmarks) NVRTC runs in
+// the calling process, without PCHs.
 #pragma once
 
 #include <map>
@@ -24,7 +26,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/common/mutex.h"
 
 namespace opjit::gpu {
 
@@ -40,13 +41,27 @@ struct NvrtcOptions {
   // libnvrtc to dlopen. Default (empty): libnvrtc.so.13, libnvrtc.so, then
   // <cuda_root>/lib64/libnvrtc.so.
   std::string nvrtc_path;
-  // The opjit-gpu-sandbox binary that runs each compile; empty: compile in
-  // this process (unsafe for untrusted sources).
+  // The opjit-gpu-sandbox binary whose workers run the compiles; empty:
+  // compile in this process (unsafe for untrusted sources).
   std::string worker_path;
-  // Wall clock of one compile in the sandbox, then SIGKILL. Default: 30 s.
+  // Wall clock of one compile in a worker, then SIGKILL. Default: 30 s.
   int timeout_ms = 30000;
-  // RLIMIT_AS of the sandbox process. Default: 2 GiB.
+  // RLIMIT_AS of each worker. Default: 2 GiB.
   uint64_t memory_limit_bytes = 2ull << 30;
+  // Workers alive at most (idle or busy). Default: 2.
+  int workers = 2;
+  // A worker is retired after this many compiles, or once its address space
+  // passes recycle_memory_bytes (0: neither bound). Defaults: 256 compiles;
+  // half of the memory limit.
+  int recycle_after_compiles = 256;
+  uint64_t recycle_memory_bytes = 1ull << 30;
+  // The size of a worker's private tmpfs for its PCHs (a few MiB each: one
+  // per include block, options and arch). 0: no PCHs. They need private
+  // namespaces (a root daemon, or user namespaces); without them, none.
+  uint64_t pch_bytes = 256ull << 20;
+  // Where CompileHere() keeps automatic PCHs; empty: none. The worker sets
+  // it to its private tmpfs.
+  std::string pch_dir;
   // A root daemon's sandbox runs as this uid (and gid) once NVRTC is
   // loaded, with CAP_DAC_READ_SEARCH alone (the compile uid, as the CPU
   // compile workers'). <= 0, or a daemon that is not root: the daemon's uid.
@@ -72,6 +87,10 @@ struct GpuCompileRequest {
   // "detail/x.h"), given to nvrtcCreateProgram: in memory, for this compile
   // only. (name, content).
   std::vector<std::pair<std::string, std::string>> headers;
+  // The namespace that asks: a worker compiles for one namespace only, so
+  // nothing one source does to NVRTC's process (or its PCHs) reaches
+  // another's compile. Not sent to the worker.
+  std::string tenant;
 };
 
 struct GpuCompileOutput {
@@ -83,7 +102,26 @@ struct GpuCompileOutput {
   std::map<std::string, std::string> lowered_names;  // name expression -> mangled name
   std::string diagnostics;  // NVRTC's log of a successful compile (warnings), may be empty
   double compile_ms = 0;    // wall time of all the NVRTC compiles of this request
+  // NVRTC compiles (one per target) that loaded a PCH, and that wrote one.
+  int pch_used = 0, pch_created = 0;
+  // The worker that compiled it (its pid as the daemon sees it); 0: this
+  // process. Not part of the artifact.
+  int worker_pid = 0;
 };
+
+// What the pool did (NvrtcCompiler::GetStats); all 0 without worker_path.
+struct NvrtcStats {
+  uint64_t compiles = 0;         // requests a worker answered or failed
+  uint64_t spawns = 0;           // workers started
+  uint64_t timeouts = 0;         // workers killed at the deadline
+  uint64_t crashes = 0;          // workers that died or broke the protocol on a request
+  uint64_t recycled = 0;         // workers retired (compile count, size, an error)
+  uint64_t tenant_switches = 0;  // idle workers ended to serve another namespace
+  uint64_t pch_used = 0;         // NVRTC compiles that loaded a PCH
+  uint64_t pch_created = 0;      // PCHs written
+};
+
+class NvrtcPool;
 
 // Thread-safe: Compile() may run on many threads at once (each call uses its
 // own nvrtcProgram objects, which NVRTC allows). Compile() blocks for the
@@ -114,7 +152,16 @@ class NvrtcCompiler {
   absl::StatusOr<GpuCompileOutput> Compile(const GpuCompileRequest& request) const;
 
   // Compile() in this process, whatever worker_path says. For the sandbox.
-  absl::StatusOr<GpuCompileOutput> CompileHere(const GpuCompileRequest& request) const;
+  // With options().pch_dir and a request without in-memory headers, NVRTC's
+  // automatic PCHs in that directory (its output is the same bytes); a
+  // compile that fails on the PCH itself (a full directory) runs again
+  // without, and sets *pch_broke.
+  absl::StatusOr<GpuCompileOutput> CompileHere(const GpuCompileRequest& request,
+                                               bool* pch_broke = nullptr) const;
+
+  // Whether this NVRTC has precompiled headers (12.8+).
+  bool HasPch() const;
+  NvrtcStats GetStats() const;
 
   // "nvrtc 13.0".
   std::string Version() const;
@@ -141,16 +188,13 @@ class NvrtcCompiler {
   std::string library_path_;
   std::string toolchain_id_;
 
-  // A sandbox process, started ahead of need: NVRTC loaded, locked in,
-  // waiting for its request on `in`.
-  struct Sandbox {
-    int pid = -1;
-    int in = -1, out = -1;
-  };
-  absl::StatusOr<Sandbox> StartSandbox() const;
-  static void Discard(Sandbox& s);
-  mutable Mutex spare_mu_;
-  mutable Sandbox spare_ ABSL_GUARDED_BY(spare_mu_);  // pid -1: none
+  // The list of arguments a worker starts with.
+  std::vector<std::string> WorkerArgs() const;
+  // Compiles `archs` (sorted, unique) of `request`, with the PCH or not.
+  absl::StatusOr<GpuCompileOutput> CompileArchs(const GpuCompileRequest& request,
+                                                const std::vector<std::string>& archs,
+                                                bool pch) const;
+  std::unique_ptr<NvrtcPool> pool_;  // with worker_path
 };
 
 // How a request and its result cross the sandbox's pipes.

@@ -121,14 +121,6 @@ constexpr bool kRecycleBySize = false;
 constexpr bool kRecycleBySize = true;
 #endif
 
-// A worker's address space (what RLIMIT_AS bounds), 0 when unknown.
-uint64_t AddressSpaceBytes(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/statm"));
-  uint64_t pages = 0;
-  if (!(in >> pages)) return 0;
-  return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-}
-
 // The CPU time (user + system) a process has used, in ms; -1 when unknown.
 int64_t CpuTimeMs(pid_t pid) {
   const std::string stat = ReadSmallFile(absl::StrCat("/proc/", pid, "/stat"));
@@ -354,40 +346,24 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   // Nothing to write: a PCH comes and goes as a descriptor.
   args.insert(args.end(), {"--read-only", kernel_include_dir_});
   for (const auto& d : allowed_extra_dirs_) args.insert(args.end(), {"--read-only", d});
-  int sv[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot start a compile worker: socketpair: ",
-                                               std::strerror(errno)));
-  }
-  // The socket as fd 3, its stderr the daemon's; nothing else of the
-  // daemon's (descriptors, environment) leaks into it. Tagged with this
-  // daemon's state dir, from the spawn thread (its PDEATHSIG means the
-  // daemon died).
+  // The socket as fd 3, its stderr the daemon's. Namespaces of its own
+  // where the daemon can make them: it sees no other process, has no
+  // network, and its mounts are its own. Root: the compile uid, never
+  // root's (the worker drops to it).
   subprocess::SpawnOptions spawn;
   spawn.path = worker_path_;
   spawn.args = std::move(args);
-  spawn.env = subprocess::HelperEnvironment();
-  spawn.fds = {{2, 2}, {3, sv[1]}};
-  spawn.tag_instance = true;
-  // Namespaces of its own where the daemon can make them: it sees no
-  // other process, has no network, and its mounts are its own.
-  subprocess::IsolateHelper(&spawn,
-                            subprocess::CompileIds(options_.worker_uid, options_.worker_gid));
-  // Root: the compile uid, never root's (the worker drops to it).
-  if (options_.worker_uid > 0 && ::geteuid() == 0) {
-    spawn.args.insert(spawn.args.end(), {"--uid", std::to_string(options_.worker_uid)});
-  }
-  absl::StatusOr<pid_t> pid = subprocess::Spawn(spawn);
-  ::close(sv[1]);
-  if (!pid.ok()) {
-    ::close(sv[0]);
-    Logger("compiler")->error("cannot start {}: {}", worker_path_, pid.status().ToString());
+  spawn.fds = {{2, 2}};
+  absl::StatusOr<subprocess::HelperChannel> started = subprocess::SpawnCompileHelper(
+      std::move(spawn), {3}, options_.worker_uid, options_.worker_gid);
+  if (!started.ok()) {
+    Logger("compiler")->error("cannot start {}: {}", worker_path_, started.status().ToString());
     return absl::UnavailableError(
-        absl::StrCat("cannot start a compile worker: ", pid.status().message()));
+        absl::StrCat("cannot start a compile worker: ", started.status().message()));
   }
   auto w = std::make_unique<Worker>();
-  w->pid = *pid;
-  w->fd = sv[0];
+  w->pid = started->pid;
+  w->fd = started->fd;
   std::string frame;
   absl::Status s = ipc::ReadFrame(w->fd, &frame, absl::Now() + kStartupTimeout);
   absl::StatusOr<ipc::Hello> hello =
@@ -506,7 +482,7 @@ void CpuCompiler::FinishWith(std::unique_ptr<Worker> worker, bool long_lane, boo
         worker->compiles >= options_.recycle_after_compiles) {
       why = "compiles";
     } else if (kRecycleBySize && options_.recycle_memory_bytes > 0 &&
-               (size = AddressSpaceBytes(worker->pid)) >= options_.recycle_memory_bytes) {
+               (size = subprocess::AddressSpaceBytes(worker->pid)) >= options_.recycle_memory_bytes) {
       why = "size";
     }
     if (why == nullptr) {

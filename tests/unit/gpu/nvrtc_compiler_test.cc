@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <thread>
 
 #include "server/gpu/cubin.h"
@@ -358,8 +360,8 @@ TEST(NvrtcSandboxTest, RunsAsTheCompileUidAndReadsAPrivateIncludeDir) {
   req.archs = {"sm_90"};
   absl::StatusOr<GpuCompileOutput> out = (*c)->Compile(req);
   EXPECT_TRUE(out.ok()) << out.status();
-  // The spare sandbox, started for the next compile, waits for its request
-  // past its sandbox: what it runs as.
+  // The workers (the one that compiled, the spare started for the next
+  // compile) wait for requests past their sandbox: what they run as.
   std::string status;
   for (int i = 0; i < 1000 && status.empty(); ++i) {
     for (const opjit::testing::ProcInfo& p : opjit::testing::ListProcesses()) {
@@ -379,6 +381,242 @@ TEST(NvrtcSandboxTest, RunsAsTheCompileUidAndReadsAPrivateIncludeDir) {
   }
   c->reset();
   std::filesystem::remove_all(dir);
+}
+
+// --- The worker pool ------------------------------------------------------
+
+// A compiler whose pool has `workers` workers, recycled after `recycle`.
+std::unique_ptr<NvrtcCompiler> Pool(int workers, int recycle = 256, int timeout_ms = 30000) {
+  NvrtcOptions o = Options();
+  o.workers = workers;
+  o.recycle_after_compiles = recycle;
+  o.timeout_ms = timeout_ms;
+  auto c = NvrtcCompiler::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// kAdd with a distinct tail: every compile is a new source.
+GpuCompileRequest AddRequest(int n, const std::string& tenant = "", const std::string& head = "") {
+  GpuCompileRequest req;
+  req.source = head + kAdd + "// " + std::to_string(n) + "\n";
+  req.archs = {"sm_90"};
+  req.tenant = tenant;
+  return req;
+}
+
+int CompiledBy(const NvrtcCompiler& c, const GpuCompileRequest& req) {
+  absl::StatusOr<GpuCompileOutput> out = c.Compile(req);
+  EXPECT_TRUE(out.ok()) << out.status();
+  return out.ok() ? out->worker_pid : -1;
+}
+
+TEST(NvrtcPoolTest, ManyCompilesReuseOneWorker) {
+  auto c = Pool(1);
+  ASSERT_NE(c, nullptr);
+  const int first = CompiledBy(*c, AddRequest(0));
+  EXPECT_GT(first, 0);
+  for (int i = 1; i < 6; ++i) EXPECT_EQ(CompiledBy(*c, AddRequest(i)), first) << i;
+  const NvrtcStats s = c->GetStats();
+  EXPECT_EQ(s.spawns, 1u);
+  EXPECT_EQ(s.compiles, 6u);
+  EXPECT_EQ(s.recycled + s.crashes + s.timeouts, 0u);
+}
+
+TEST(NvrtcPoolTest, AWorkerServesOneNamespace) {
+  // One slot: each switch of namespace ends the idle worker and starts one.
+  auto one = Pool(1);
+  ASSERT_NE(one, nullptr);
+  const int a = CompiledBy(*one, AddRequest(0, "a"));
+  const int b = CompiledBy(*one, AddRequest(1, "b"));
+  const int a2 = CompiledBy(*one, AddRequest(2, "a"));
+  EXPECT_NE(a, b);
+  EXPECT_NE(a2, b);
+  EXPECT_NE(a2, a);  // the first one was ended for "b"
+  EXPECT_EQ(one->GetStats().tenant_switches, 2u);
+  // Two slots: each namespace keeps its own.
+  auto two = Pool(2);
+  ASSERT_NE(two, nullptr);
+  const int x = CompiledBy(*two, AddRequest(0, "x"));
+  const int y = CompiledBy(*two, AddRequest(1, "y"));
+  EXPECT_NE(x, y);
+  EXPECT_EQ(CompiledBy(*two, AddRequest(2, "x")), x);
+  EXPECT_EQ(CompiledBy(*two, AddRequest(3, "y")), y);
+  EXPECT_EQ(two->GetStats().tenant_switches, 0u);
+}
+
+TEST(NvrtcPoolTest, RecyclesAfterNCompiles) {
+  auto c = Pool(1, /*recycle=*/2);
+  ASSERT_NE(c, nullptr);
+  const int first = CompiledBy(*c, AddRequest(0));
+  EXPECT_EQ(CompiledBy(*c, AddRequest(1)), first);
+  const int next = CompiledBy(*c, AddRequest(2));
+  EXPECT_NE(next, first);
+  EXPECT_EQ(::kill(first, 0), -1);  // ended
+  EXPECT_EQ(c->GetStats().recycled, 1u);
+  EXPECT_EQ(c->GetStats().spawns, 2u);
+}
+
+// In-memory headers h1..hN, each including the one below twice: 2^N
+// includes, seconds of NVRTC's time at N = 24 (and memory that grows with
+// them: the limit may come first on a fast machine).
+GpuCompileRequest IncludeTree(int levels) {
+  GpuCompileRequest req;
+  req.headers.emplace_back("h0.h", "\n");
+  for (int k = 1; k <= levels; ++k) {
+    const std::string below = "#include \"h" + std::to_string(k - 1) + ".h\"\n";
+    req.headers.emplace_back("h" + std::to_string(k) + ".h", below + below);
+  }
+  req.source = "#include \"h" + std::to_string(levels) + ".h\"\n" + kAdd;
+  req.archs = {"sm_90"};
+  return req;
+}
+
+TEST(NvrtcPoolTest, ACompilePastTheLimitKillsItsWorker) {
+  auto c = Pool(1, 256, /*timeout_ms=*/1000);
+  ASSERT_NE(c, nullptr);
+  const int before = CompiledBy(*c, AddRequest(0));
+  absl::StatusOr<GpuCompileOutput> out = c->Compile(IncludeTree(24));
+  ASSERT_FALSE(out.ok());
+  EXPECT_TRUE(out.status().code() == absl::StatusCode::kDeadlineExceeded ||
+              out.status().code() == absl::StatusCode::kResourceExhausted)
+      << out.status();
+  if (absl::IsDeadlineExceeded(out.status())) {
+    EXPECT_NE(std::string(out.status().message()).find("ran past 1000 ms"), std::string::npos);
+    EXPECT_EQ(c->GetStats().timeouts, 1u);
+  }
+  // That worker is gone: the next compile gets a new one, and works.
+  EXPECT_EQ(::kill(before, 0), -1);
+  const int after = CompiledBy(*c, AddRequest(1));
+  EXPECT_GT(after, 0);
+  EXPECT_NE(after, before);
+}
+
+TEST(NvrtcPoolTest, ConcurrentCompilesOfTwoNamespaces) {
+  auto c = Pool(2);
+  ASSERT_NE(c, nullptr);
+  std::vector<std::thread> threads;
+  std::vector<absl::StatusOr<GpuCompileOutput>> results(6, absl::UnknownError("not run"));
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] { results[t] = c->Compile(AddRequest(t, t % 2 ? "odd" : "even")); });
+  }
+  for (auto& th : threads) th.join();
+  std::set<int> pids[2];
+  for (int t = 0; t < 6; ++t) {
+    ASSERT_TRUE(results[t].ok()) << results[t].status();
+    pids[t % 2].insert(results[t]->worker_pid);
+  }
+  // No worker compiled for both.
+  for (int pid : pids[0]) EXPECT_EQ(pids[1].count(pid), 0u) << pid;
+}
+
+constexpr char kPrelude[] = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n";
+
+// NVRTC in this process: no worker, no PCH.
+const NvrtcCompiler& InProcess() {
+  static const std::unique_ptr<NvrtcCompiler> c = [] {
+    NvrtcOptions o = Options();
+    o.worker_path.clear();
+    return *NvrtcCompiler::Create(o);
+  }();
+  return *c;
+}
+
+TEST(NvrtcPoolTest, ALeadingIncludeBlockIsPrecompiled) {
+  auto c = Pool(1);
+  ASSERT_NE(c, nullptr);
+  GpuCompileRequest req = AddRequest(0, "", kPrelude);
+  req.archs = {"sm_80", "sm_90"};
+  absl::StatusOr<GpuCompileOutput> first = c->Compile(req);
+  ASSERT_TRUE(first.ok()) << first.status();
+  if (first->pch_created == 0 && first->pch_used == 0) {
+    GTEST_SKIP() << "no PCHs here (no private namespaces, or NVRTC before 12.8)";
+  }
+  EXPECT_EQ(first->pch_created, 2);  // one per arch
+  req.source = std::string(kPrelude) + kAdd + "// another body\n";
+  absl::StatusOr<GpuCompileOutput> second = c->Compile(req);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->pch_used, 2);
+  EXPECT_EQ(second->pch_created, 0);
+  // The same bytes as a compile without PCH, and no word of it in the log.
+  absl::StatusOr<GpuCompileOutput> ref = InProcess().Compile(req);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(second->cubins, ref->cubins);
+  EXPECT_EQ(second->ptx, ref->ptx);
+  EXPECT_EQ(second->diagnostics, ref->diagnostics);
+  EXPECT_EQ(c->GetStats().pch_used, static_cast<uint64_t>(first->pch_used + second->pch_used));
+  EXPECT_EQ(c->GetStats().pch_created, 2u);
+  std::printf("[          ] prelude compile, sm_80+sm_90: %.1f ms creating its PCHs, %.1f ms "
+              "with them, %.1f ms in process without\n",
+              first->compile_ms, second->compile_ms, ref->compile_ms);
+}
+
+// An error in a source after a PCH'd block reads as it does without PCHs.
+TEST(NvrtcPoolTest, DiagnosticsAreTheSameWithAPch) {
+  auto c = Pool(1);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Compile(AddRequest(0, "", kPrelude)).ok());
+  GpuCompileRequest bad = AddRequest(1, "", kPrelude);
+  bad.source += "__global__ void k(float* a) { a[0] = undeclared; }\n";
+  absl::StatusOr<GpuCompileOutput> out = c->Compile(bad);
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string msg(out.status().message());
+  EXPECT_NE(msg.find("kernel.cu(9): error: identifier \"undeclared\" is undefined"),
+            std::string::npos)
+      << msg;
+  absl::StatusOr<GpuCompileOutput> ref = InProcess().Compile(bad);
+  EXPECT_EQ(out.status().code(), ref.status().code());
+  EXPECT_EQ(out.status().message(), ref.status().message());
+  for (const char* word : {"precompiled", "PCH", "/dev/shm"}) {
+    EXPECT_EQ(msg.find(word), std::string::npos) << word << " in " << msg;
+  }
+}
+
+// NVRTC does not check a PCH's headers: the worker drops its PCHs when a
+// header of the include dirs changes, so an edit is compiled.
+TEST(NvrtcPoolTest, AnEditedHeaderIsNotServedFromAnOldPch) {
+  testing::TempDir dir;
+  ::chmod(dir.path().c_str(), 0755);
+  testing::WriteFile(dir.path() + "/scale.cuh", "#define SCALE 11111\n");
+  NvrtcOptions o = Options();
+  o.workers = 1;
+  o.extra_include_dirs = {dir.path()};
+  auto c = NvrtcCompiler::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  GpuCompileRequest req;
+  req.source = "#include <scale.cuh>\nextern \"C\" __global__ void k(int* a) { a[0] = SCALE; }\n";
+  req.archs = {"sm_90"};
+  for (int value : {11111, 22222, 33333}) {
+    testing::WriteFile(dir.path() + "/scale.cuh", "#define SCALE " + std::to_string(value) + "\n");
+    req.source += "//\n";
+    absl::StatusOr<GpuCompileOutput> out = (*c)->Compile(req);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_NE(out->ptx.find(std::to_string(value)), std::string::npos) << value;
+    // Unchanged: the PCH is used.
+    req.source += "//\n";
+    out = (*c)->Compile(req);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_NE(out->ptx.find(std::to_string(value)), std::string::npos) << value;
+  }
+}
+
+// In-memory headers never meet a PCH (NVRTC would take one of another
+// content of the same name for theirs).
+TEST(NvrtcPoolTest, InMemoryHeadersAreCompiledEveryTime) {
+  auto c = Pool(1);
+  ASSERT_NE(c, nullptr);
+  GpuCompileRequest req;
+  req.source = "#include \"helper.h\"\nextern \"C\" __global__ void k(int* a) { a[0] = V; }\n";
+  req.archs = {"sm_90"};
+  for (const char* value : {"11111", "22222", "11111"}) {
+    req.headers = {{"helper.h", std::string("#define V ") + value + "\n"}};
+    req.source += "//\n";
+    absl::StatusOr<GpuCompileOutput> out = c->Compile(req);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_NE(out->ptx.find(value), std::string::npos) << value;
+    EXPECT_EQ(out->pch_used + out->pch_created, 0);
+  }
 }
 
 TEST(NvrtcCreateTest, MissingLibraryIsUnavailable) {
@@ -402,8 +640,9 @@ TEST(NvrtcCreateTest, LibraryWithoutNvrtcIsUnavailable) {
       << c.status();
 }
 
-// Each ctest case runs in a fresh process, so this is a cold NVRTC: the first
-// compile pays for loading libnvrtc-builtins and initialising the front end.
+// Each ctest case runs in a fresh process with a fresh pool: the first
+// compile goes to a worker that NVRTC's initialisation (and the loading of
+// libnvrtc-builtins) warmed up before it said hello.
 TEST(NvrtcTimingTest, ColdCompileToSm90) {
   const auto t0 = std::chrono::steady_clock::now();
   auto c = NvrtcCompiler::Create(Options());
@@ -424,8 +663,8 @@ TEST(NvrtcTimingTest, ColdCompileToSm90) {
   auto both = (*c)->Compile(req);
   ASSERT_TRUE(both.ok()) << both.status();
   std::printf(
-      "[          ] NVRTC: dlopen+Create %.1f ms; small kernel -> sm_90 CUBIN: cold %.1f ms, warm "
-      "%.1f ms; "
+      "[          ] NVRTC: dlopen+Create %.1f ms; small kernel -> sm_90 CUBIN: first %.1f ms, "
+      "second %.1f ms; "
       "with cuda_fp16.h %.1f ms; sm_80+sm_90+PTX %.1f ms\n",
       std::chrono::duration<double, std::milli>(t1 - t0).count(), cold->compile_ms,
       warm->compile_ms, fp16->compile_ms, both->compile_ms);
