@@ -260,9 +260,10 @@ def fairness_section(fair, res):
 
 
 def nvrtc_section(med):
-    print("opjit: a cache miss through the pool of sandboxed NVRTC workers (a warm worker; "
-          "its PCH of the prelude). Raw NVRTC: in the bench's process, no sandbox, no PCH, "
-          "initialised by a first compile.\n")
+    print("opjit: a cache miss through the pool of sandboxed NVRTC workers (warm; sm_80 and "
+          "sm_90 on two of them at once; their PCHs of the prelude). Raw NVRTC: in the bench's "
+          "process, no sandbox, no PCH, initialised by a first compile, one arch after the "
+          "other.\n")
     print("| what | opjit | raw NVRTC | ratio | goal |")
     print("|---|---|---|---|---|")
     for what, a, b, goal in (

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -485,23 +486,78 @@ std::vector<std::string> NvrtcCompiler::WorkerArgs() const {
   return args;
 }
 
-absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest& request) const {
-  if (!pool_) return CompileHere(request);
-  // Arch errors are answered here, without a worker.
-  for (const std::string& a : request.archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
-  return pool_->Compile(request);
+namespace {
+
+// The diagnostics of a compile from the logs of its targets, in order:
+// warnings come once per arch and are usually the same, so each distinct log
+// is kept once, labelled by target only when they differ.
+std::string MergeLogs(const std::vector<std::pair<std::string, std::string>>& logs) {
+  bool all_same = true;
+  for (const auto& [target, text] : logs) all_same = all_same && text == logs.front().second;
+  if (all_same) return logs.empty() ? std::string() : logs.front().second;
+  std::string out;
+  for (const auto& [target, text] : logs) absl::StrAppend(&out, "[", target, "]\n", text, "\n");
+  return out;
 }
 
-absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileHere(const GpuCompileRequest& request,
-                                                            bool* pch_broke) const {
-  if (pch_broke != nullptr) *pch_broke = false;
+// Compile() of two archs, one per worker, at once: what CompileArchs would
+// have made of both (the first arch's PTX and lowered names; its error
+// first).
+absl::StatusOr<GpuCompileOutput> CompileSplit(const GpuCompileRequest& request,
+                                              const std::vector<std::string>& archs,
+                                              NvrtcPool::Lease& first, NvrtcPool::Lease& second) {
+  GpuCompileRequest low = request, high = request;
+  low.archs = {archs[0]};
+  high.archs = {archs[1]};
+  absl::StatusOr<GpuCompileOutput> b;
+  std::thread other([&] { b = second.Compile(high); });
+  absl::StatusOr<GpuCompileOutput> a = first.Compile(low);
+  other.join();
+  if (!a.ok()) return a;
+  if (!b.ok()) return b.status();
+  std::vector<std::pair<std::string, std::string>> logs;
+  if (!a->diagnostics.empty()) logs.emplace_back(archs[0], a->diagnostics);
+  if (!b->diagnostics.empty()) logs.emplace_back(archs[1], b->diagnostics);
+  a->diagnostics = MergeLogs(logs);
+  a->cubins.merge(b->cubins);
+  a->compile_ms = std::max(a->compile_ms, b->compile_ms);
+  a->pch_used += b->pch_used;
+  a->pch_created += b->pch_created;
+  return a;
+}
+
+}  // namespace
+
+std::vector<std::string> NvrtcCompiler::Targets(const GpuCompileRequest& request) const {
   std::vector<std::string> archs = request.archs.empty() ? options_.archs : request.archs;
-  for (const std::string& a : archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
   // Lowest first; the lowest one also gives the PTX.
   std::stable_sort(archs.begin(), archs.end(), [](const std::string& a, const std::string& b) {
     return *ArchNumber(a) < *ArchNumber(b);
   });
   archs.erase(std::unique(archs.begin(), archs.end()), archs.end());
+  return archs;
+}
+
+absl::StatusOr<GpuCompileOutput> NvrtcCompiler::Compile(const GpuCompileRequest& request) const {
+  if (!pool_) return CompileHere(request);
+  // Arch errors are answered here, without a worker.
+  for (const std::string& a : request.archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
+  OPJIT_ASSIGN_OR_RETURN(NvrtcPool::Lease lease, pool_->Acquire(request.tenant));
+  const std::vector<std::string> archs = Targets(request);
+  if (archs.size() == 2 && ParseArch(archs[0])->suffix.empty()) {
+    if (NvrtcPool::Lease second = pool_->TryAcquire(request.tenant)) {
+      pool_->CountSplit();
+      return CompileSplit(request, archs, lease, second);
+    }
+  }
+  return lease.Compile(request);
+}
+
+absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileHere(const GpuCompileRequest& request,
+                                                            bool* pch_broke) const {
+  if (pch_broke != nullptr) *pch_broke = false;
+  for (const std::string& a : request.archs) OPJIT_RETURN_IF_ERROR(CheckArch(a));
+  const std::vector<std::string> archs = Targets(request);
   // In-memory headers never meet a PCH: NVRTC would take a PCH made from
   // another content of the same name for theirs.
   const bool pch = !options_.pch_dir.empty() && request.headers.empty() && HasPch();
@@ -557,16 +613,7 @@ absl::StatusOr<GpuCompileOutput> NvrtcCompiler::CompileArchs(const GpuCompileReq
     out.pch_created += r.pch_created;
     if (!r.log.empty()) logs.emplace_back(target, std::move(r.log));
   }
-  // Warnings come once per arch and are usually the same: keep each distinct
-  // log once, labelled by arch only when they differ.
-  bool all_same = true;
-  for (const auto& [target, text] : logs) all_same = all_same && text == logs.front().second;
-  if (all_same && !logs.empty()) {
-    out.diagnostics = logs.front().second;
-  } else {
-    for (const auto& [target, text] : logs)
-      absl::StrAppend(&out.diagnostics, "[", target, "]\n", text, "\n");
-  }
+  out.diagnostics = MergeLogs(logs);
   out.compile_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   log->debug("nvrtc compiled {} for {} in {:.1f} ms", request.file_name, absl::StrJoin(archs, ","),

@@ -117,6 +117,7 @@ struct NvrtcStats {
   uint64_t crashes = 0;          // workers that died or broke the protocol on a request
   uint64_t recycled = 0;         // workers retired (compile count, size, an error)
   uint64_t tenant_switches = 0;  // idle workers ended to serve another namespace
+  uint64_t split_compiles = 0;   // compiles whose two archs ran on two workers at once
   uint64_t pch_used = 0;         // NVRTC compiles that loaded a PCH
   uint64_t pch_created = 0;      // PCHs written
 };
@@ -149,6 +150,9 @@ class NvrtcCompiler {
   //   INTERNAL         any other NVRTC failure.
   //   DEADLINE_EXCEEDED the compile ran past timeout_ms (sandboxed);
   //   UNAVAILABLE      the sandbox could not be started.
+  // In the pool, two archs (the lower one plain, as the defaults) run on two
+  // workers of the namespace at once when a second one is idle and ready:
+  // the same output, in about half the time.
   absl::StatusOr<GpuCompileOutput> Compile(const GpuCompileRequest& request) const;
 
   // Compile() in this process, whatever worker_path says. For the sandbox.
@@ -190,6 +194,9 @@ class NvrtcCompiler {
 
   // The list of arguments a worker starts with.
   std::vector<std::string> WorkerArgs() const;
+  // The real archs `request` compiles for: its own or the default ones,
+  // lowest first, each once.
+  std::vector<std::string> Targets(const GpuCompileRequest& request) const;
   // Compiles `archs` (sorted, unique) of `request`, with the PCH or not.
   absl::StatusOr<GpuCompileOutput> CompileArchs(const GpuCompileRequest& request,
                                                 const std::vector<std::string>& archs,

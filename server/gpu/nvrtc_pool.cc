@@ -127,45 +127,60 @@ absl::StatusOr<std::unique_ptr<NvrtcPool::Worker>> NvrtcPool::Start() {
   return w;
 }
 
-absl::Status NvrtcPool::AwaitHello(Worker* w) {
-  if (w->ready) return absl::OkStatus();
-  frame_io::Frame f;
-  absl::Status s =
-      frame_io::ReadFrame(w->fd, nvrtc_wire::kFromWorker, absl::Now() + kStartupTimeout, &f);
-  if (s.ok() && (f.type != nvrtc_wire::kHello || !nvrtc_wire::DecodeHello(f.body, &w->pch))) {
-    s = absl::DataLossError("a malformed hello");
+absl::Status NvrtcPool::CheckReady(Worker* w) {
+  absl::Status s;
+  if (!w->ready) {
+    frame_io::Frame f;
+    s = frame_io::ReadFrame(w->fd, nvrtc_wire::kFromWorker, absl::Now() + kStartupTimeout, &f);
+    if (s.ok() && (f.type != nvrtc_wire::kHello || !nvrtc_wire::DecodeHello(f.body, &w->pch))) {
+      s = absl::DataLossError("a malformed hello");
+    }
+    w->ready = s.ok();
+  } else if (pollfd p{w->fd, POLLIN, 0}; ::poll(&p, 1, 0) != 0) {
+    s = absl::UnavailableError("it died while idle");
   }
-  if (s.ok()) {
-    w->ready = true;
-    return s;
-  }
+  if (s.ok()) return s;
   absl::StatusOr<subprocess::Exit> e = subprocess::Reap(w->pid, absl::ZeroDuration(), true);
+  Logger("gpu")->warn("NVRTC worker {}: {} ({})", w->pid, s.ToString(),
+                      e.ok() ? e->Describe() : "not reaped");
   w->pid = -1;
-  Logger("gpu")->warn("the NVRTC sandbox did not start: {}", s.ToString());
   return absl::UnavailableError(absl::StrCat(
       "the NVRTC sandbox did not start (it ", e.ok() ? e->Describe() : "could not be reaped", ")"));
 }
 
-absl::StatusOr<std::unique_ptr<NvrtcPool::Worker>> NvrtcPool::Acquire(const std::string& tenant) {
+void NvrtcPool::FreeSlot() {
+  {
+    MutexLock lock(&mu_);
+    --live_;
+  }
+  idle_cv_.Signal();
+}
+
+std::unique_ptr<NvrtcPool::Worker> NvrtcPool::TakeIdleLocked(const std::string& tenant) {
+  // A worker of this namespace first, then a fresh one.
+  auto mine = std::find_if(idle_.begin(), idle_.end(),
+                           [&](const auto& i) { return i->assigned && i->tenant == tenant; });
+  if (mine == idle_.end()) {
+    mine = std::find_if(idle_.begin(), idle_.end(), [](const auto& i) { return !i->assigned; });
+  }
+  if (mine == idle_.end()) return nullptr;
+  std::unique_ptr<Worker> w = std::move(*mine);
+  idle_.erase(mine);
+  return w;
+}
+
+absl::StatusOr<NvrtcPool::Lease> NvrtcPool::Acquire(const std::string& tenant) {
   for (;;) {
     std::unique_ptr<Worker> w, other;  // other: another namespace's idle one, to end
     bool start = false;
     {
       MutexLock lock(&mu_);
       while (idle_.empty() && live_ >= options_.workers) idle_cv_.Wait(&mu_);
-      // A worker of this namespace first, then a fresh one.
-      auto mine = std::find_if(idle_.begin(), idle_.end(),
-                               [&](const auto& i) { return i->assigned && i->tenant == tenant; });
-      if (mine == idle_.end()) {
-        mine = std::find_if(idle_.begin(), idle_.end(), [](const auto& i) { return !i->assigned; });
-      }
-      if (mine != idle_.end()) {
-        w = std::move(*mine);
-        idle_.erase(mine);
-      } else if (live_ < options_.workers) {
+      w = TakeIdleLocked(tenant);
+      if (w == nullptr && live_ < options_.workers) {
         ++live_;
         start = true;
-      } else {
+      } else if (w == nullptr) {
         other = std::move(idle_.front());  // its slot, for a fresh worker
         idle_.pop_front();
         ++stats_.tenant_switches;
@@ -179,24 +194,39 @@ absl::StatusOr<std::unique_ptr<NvrtcPool::Worker>> NvrtcPool::Acquire(const std:
       if (started.ok()) w = *std::move(started);
       ready = started.status();
     }
-    if (ready.ok()) ready = AwaitHello(w.get());
-    if (ready.ok() && !start) {
-      // An idle worker that has something to say, or hung up, is dead.
-      pollfd p{w->fd, POLLIN, 0};
-      if (::poll(&p, 1, 0) != 0) {
-        Logger("gpu")->warn("NVRTC worker {} died while idle", w->pid);
-        ready = absl::UnavailableError("died while idle");
-        End(std::move(w));
-      }
+    if (ready.ok()) ready = CheckReady(w.get());
+    if (ready.ok()) {
+      w->assigned = true;
+      w->tenant = tenant;
+      return Lease(this, std::move(w));
     }
-    if (ready.ok()) return w;
-    {
-      MutexLock lock(&mu_);
-      --live_;
-    }
-    idle_cv_.Signal();
+    FreeSlot();
     if (start) return ready;  // a fresh worker failed: say so
   }
+}
+
+NvrtcPool::Lease NvrtcPool::TryAcquire(const std::string& tenant) {
+  std::unique_ptr<Worker> w;
+  {
+    MutexLock lock(&mu_);
+    w = TakeIdleLocked(tenant);
+  }
+  if (w == nullptr) return Lease();
+  if (pollfd p{w->fd, POLLIN, 0}; !w->ready && ::poll(&p, 1, 0) == 0) {
+    {
+      MutexLock lock(&mu_);  // still starting: not waited for
+      idle_.push_back(std::move(w));
+    }
+    idle_cv_.Signal();
+    return Lease();
+  }
+  if (!CheckReady(w.get()).ok()) {
+    FreeSlot();
+    return Lease();
+  }
+  w->assigned = true;
+  w->tenant = tenant;
+  return Lease(this, std::move(w));
 }
 
 void NvrtcPool::StartSpare() {
@@ -220,21 +250,46 @@ void NvrtcPool::StartSpare() {
   idle_cv_.Signal();
 }
 
-absl::StatusOr<GpuCompileOutput> NvrtcPool::Compile(const GpuCompileRequest& request) {
+void NvrtcPool::CountSplit() {
+  MutexLock lock(&mu_);
+  ++stats_.split_compiles;
+}
+
+NvrtcPool::Lease::Lease(NvrtcPool* pool, std::unique_ptr<Worker> w)
+    : pool_(pool), w_(std::move(w)) {}
+
+NvrtcPool::Lease::Lease(Lease&& other) noexcept { *this = std::move(other); }
+
+NvrtcPool::Lease& NvrtcPool::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    pool_ = std::exchange(other.pool_, nullptr);
+    w_ = std::move(other.w_);
+    last_ = std::move(other.last_);
+  }
+  return *this;
+}
+
+NvrtcPool::Lease::~Lease() { Release(); }
+
+void NvrtcPool::Lease::Release() {
+  if (pool_ == nullptr) return;
+  NvrtcPool* pool = std::exchange(pool_, nullptr);
+  pool->Finish(std::move(w_), last_);
+  pool->StartSpare();
+}
+
+absl::StatusOr<GpuCompileOutput> NvrtcPool::Lease::Compile(const GpuCompileRequest& request) {
+  if (w_ == nullptr) return absl::UnavailableError("the NVRTC worker is gone");
   const std::string payload = EncodeGpuRequest(request);
   if (payload.size() >= nvrtc_wire::kMaxRequestBytes) {
     return absl::InvalidArgumentError(absl::StrCat("the GPU compile request is over ",
                                                    nvrtc_wire::kMaxRequestBytes >> 20, " MiB"));
   }
-  absl::StatusOr<std::unique_ptr<Worker>> acquired = Acquire(request.tenant);
-  if (!acquired.ok()) return acquired.status();
-  std::unique_ptr<Worker> w = *std::move(acquired);
-  w->assigned = true;
-  w->tenant = request.tenant;
-  const pid_t pid = w->pid;
-  absl::StatusOr<GpuCompileOutput> out = Run(&w, payload);
-  Finish(std::move(w), out.status());
-  StartSpare();
+  const pid_t pid = w_->pid;
+  absl::StatusOr<GpuCompileOutput> out = pool_->Run(&w_, payload);
+  last_ = out.status();
+  if (w_ != nullptr) ++w_->compiles;
   if (out.ok()) out->worker_pid = pid;
   return out;
 }
@@ -299,7 +354,6 @@ void NvrtcPool::Finish(std::unique_ptr<Worker> w, const absl::Status& status) {
   const char* why = nullptr;
   uint64_t size = 0;
   if (w != nullptr) {
-    ++w->compiles;
     if (!status.ok() && status.code() != absl::StatusCode::kInvalidArgument) {
       why = "an error";  // out of memory, or NVRTC's own failure: not kept
     } else if (options_.recycle_after_compiles > 0 &&

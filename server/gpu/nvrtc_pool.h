@@ -11,7 +11,10 @@
 // slot is taken); a compile past the deadline kills its worker; a worker is
 // retired after `recycle_after` compiles, past `recycle_memory_bytes` of
 // address space, or after an answer other than a compile error. One
-// unassigned worker is kept started ahead while a slot is free.
+// unassigned worker is kept started ahead while a slot is free. A compile
+// holds a worker through a Lease; NvrtcCompiler::Compile takes a second one
+// when the namespace has one idle and ready (TryAcquire, which may take the
+// one started ahead), and compiles one arch on each at once.
 //
 // PCHs. With a private tmpfs (namespaces) a worker passes NVRTC `-pch`:
 // NVRTC precompiles the leading #include block of a source (and its own
@@ -72,7 +75,7 @@ struct NvrtcPoolOptions {
   int64_t uid = -1, gid = -1;  // NvrtcOptions::sandbox_uid, sandbox_gid
 };
 
-// Thread-safe. Destroy only after every Compile() has returned.
+// Thread-safe. Destroy only after every lease has been released.
 class NvrtcPool {
  public:
   explicit NvrtcPool(NvrtcPoolOptions options);
@@ -80,26 +83,63 @@ class NvrtcPool {
   NvrtcPool(const NvrtcPool&) = delete;
   NvrtcPool& operator=(const NvrtcPool&) = delete;
 
+  struct Worker;
+
+  // A worker held for compiles of one namespace, given back (or retired,
+  // see above) when the lease ends; then an unassigned worker is started
+  // ahead if a slot is free. Empty when default-constructed or moved from.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& other) noexcept;
+    Lease& operator=(Lease&& other) noexcept;
+    ~Lease();
+    explicit operator bool() const { return pool_ != nullptr; }
+    // One request on this worker: NvrtcCompiler::Compile's errors. After
+    // a deadline or the worker's death the lease holds no worker, and a
+    // later Compile is UNAVAILABLE.
+    absl::StatusOr<GpuCompileOutput> Compile(const GpuCompileRequest& request);
+
+   private:
+    friend class NvrtcPool;
+    Lease(NvrtcPool* pool, std::unique_ptr<Worker> w);
+    void Release();
+    NvrtcPool* pool_ = nullptr;
+    std::unique_ptr<Worker> w_;
+    absl::Status last_;  // the last compile's status
+  };
+
   // Starts the unassigned worker ahead of need (without waiting for it).
   void StartSpare();
-  // NvrtcCompiler::Compile's errors; UNAVAILABLE when no worker starts.
-  absl::StatusOr<GpuCompileOutput> Compile(const GpuCompileRequest& request);
+  // A worker for `tenant`: an idle one of it, a fresh one, or a new one
+  // (waiting for a slot; ending another namespace's idle worker when every
+  // slot holds one). UNAVAILABLE when no worker starts.
+  absl::StatusOr<Lease> Acquire(const std::string& tenant);
+  // A second worker for `tenant` now, or an empty lease: an idle one of it,
+  // or a fresh one that has said hello; it neither waits nor starts one.
+  Lease TryAcquire(const std::string& tenant);
   NvrtcStats GetStats() const;
+  // Counts a compile that ran on two workers at once.
+  void CountSplit();
 
  private:
-  struct Worker;
-  // An idle worker fresh or of `tenant`, or a new one (see above), ready.
-  absl::StatusOr<std::unique_ptr<Worker>> Acquire(const std::string& tenant);
+  // An idle worker of `tenant`, else a fresh one; null when neither.
+  std::unique_ptr<Worker> TakeIdleLocked(const std::string& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Spawns one (its hello is read at its first use).
   absl::StatusOr<std::unique_ptr<Worker>> Start();
-  // Reads the hello of a worker that has not said it yet.
-  absl::Status AwaitHello(Worker* w);
+  // Reads the hello of a worker that has not said it yet; for one that
+  // has, whether it is still alive (an idle worker that has something to
+  // say, or hung up, is dead). Errors: UNAVAILABLE (it is then reaped).
+  absl::Status CheckReady(Worker* w);
+  // Gives up a slot (a worker that failed to start, or died).
+  void FreeSlot();
   // One request on `*w`; `*w` is null afterwards when the worker died or
   // was killed (then reaped and counted).
   absl::StatusOr<GpuCompileOutput> Run(std::unique_ptr<Worker>* w, const std::string& payload);
   // The error for a worker that ended (or broke the protocol) mid-request.
   absl::Status Died(std::unique_ptr<Worker>* w, const absl::Status& why);
-  // Returns a worker (or null: it died) after a compile that ended with
+  // Returns a worker (or null: it died) after compiles whose last ended with
   // `status`: back to the idle pool, or retired.
   void Finish(std::unique_ptr<Worker> w, const absl::Status& status);
   // Kills and reaps a worker that holds no slot any more.

@@ -573,6 +573,53 @@ TEST(NvrtcPoolTest, DiagnosticsAreTheSameWithAPch) {
   }
 }
 
+// Two archs of one compile run on two workers of its namespace at once when
+// a second one is idle (here: the one started ahead): the same output as
+// one NVRTC compiling both, warnings and lowered names included. Another
+// namespace's worker is never the second.
+TEST(NvrtcPoolTest, TwoArchsRunOnTwoWorkersAtOnce) {
+  auto c = Pool(2);
+  ASSERT_NE(c, nullptr);
+  GpuCompileRequest req;
+  req.source = std::string("#warning opjit split test\n") + kAdd +
+               "template <typename T> __global__ void twice(T* a) { a[0] *= 2; }\n";
+  req.name_expressions = {"twice<float>"};
+  req.tenant = "a";
+  absl::StatusOr<GpuCompileOutput> out;
+  for (int i = 0; i < 100 && c->GetStats().split_compiles == 0; ++i) {
+    req.source += "//\n";
+    out = c->Compile(req);
+    ASSERT_TRUE(out.ok()) << out.status();
+    if (c->GetStats().split_compiles == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the spare starts
+    }
+  }
+  ASSERT_EQ(c->GetStats().split_compiles, 1u);
+  absl::StatusOr<GpuCompileOutput> ref = InProcess().Compile(req);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(out->cubins, ref->cubins);
+  EXPECT_EQ(out->ptx, ref->ptx);
+  EXPECT_EQ(out->ptx_arch, ref->ptx_arch);
+  EXPECT_EQ(out->lowered_names, ref->lowered_names);
+  EXPECT_EQ(out->diagnostics, ref->diagnostics);
+  EXPECT_NE(out->diagnostics.find("opjit split test"), std::string::npos) << out->diagnostics;
+  // An error in the source: the same error.
+  GpuCompileRequest bad = req;
+  bad.source += "__global__ void k(float* a) { a[0] = undeclared; }\n";
+  absl::StatusOr<GpuCompileOutput> failed = c->Compile(bad);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().message(), InProcess().Compile(bad).status().message());
+  // Namespace "a" holds both workers now: "b" gets a fresh one (ending one
+  // of them), and no second one.
+  const uint64_t splits = c->GetStats().split_compiles;
+  req.tenant = "b";
+  absl::StatusOr<GpuCompileOutput> b = c->Compile(req);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_NE(b->worker_pid, out->worker_pid);
+  EXPECT_EQ(c->GetStats().split_compiles, splits);
+  EXPECT_EQ(c->GetStats().tenant_switches, 1u);
+}
+
 // NVRTC does not check a PCH's headers: the worker drops its PCHs when a
 // header of the include dirs changes, so an edit is compiled.
 TEST(NvrtcPoolTest, AnEditedHeaderIsNotServedFromAnOldPch) {
