@@ -434,8 +434,7 @@ std::map<pid_t, std::string> ChildrenOf(pid_t parent) {
 
 // Gone, or a zombie (its new parent has not reaped it yet): it runs no more.
 bool Ended(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const std::string stat = ReadProcFile("/proc/" + std::to_string(pid) + "/stat");
   const auto close = stat.rfind(')');
   if (close == std::string::npos || close + 2 >= stat.size()) return true;
   const char state = stat[close + 2];

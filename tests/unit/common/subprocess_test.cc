@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/paths.h"
+#include "tests/unit/testing/procfs.h"
 #include "server/common/subordinate_ids.h"
 
 namespace opjit::subprocess {
@@ -68,8 +69,7 @@ std::string RunSh(const std::string& script, std::vector<FdMapping> fds = {},
 
 // Field `index` (1-based, as in proc(5)) of /proc/<pid>/stat.
 std::string StatField(pid_t pid, int index) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const std::string stat = opjit::testing::ReadProcFile("/proc/" + std::to_string(pid) + "/stat");
   const size_t close = stat.rfind(')');
   if (close == std::string::npos) return "";
   std::istringstream rest(stat.substr(close + 2));
@@ -450,8 +450,7 @@ TEST(SubprocessTest, EndLeftoversKillsOnlyOrphansOfThisInstance) {
   // Wait until all three run as the fake program (after their exec).
   const auto until = Clock::now() + std::chrono::seconds(10);
   auto execed = [&](pid_t p) {
-    std::ifstream f("/proc/" + std::to_string(p) + "/cmdline");
-    std::string c((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const std::string c = opjit::testing::ReadProcFile("/proc/" + std::to_string(p) + "/cmdline");
     return c.rfind(program + '\0', 0) == 0;
   };
   while (!(execed(orphan_mine) && execed(orphan_other) && execed(child_mine)) &&

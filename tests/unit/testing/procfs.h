@@ -1,14 +1,17 @@
 // A snapshot of /proc for tests that look for their own children (executors,
 // compile workers, sandboxes). Processes come and go while it is read, so
-// nothing here throws: a process that vanished mid-read is left out.
+// nothing here throws: a process that vanished mid-read is left out (or its
+// unreadable files are empty).
 #pragma once
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/types.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdlib>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -34,9 +37,25 @@ struct ProcInfo {
   }
 };
 
+// The whole of a /proc file, or "" when it cannot be read. POSIX reads, not
+// iostreams: libstdc++'s filebuf throws from underflow when read() fails
+// (ESRCH from a process that exited after the open), and istreambuf_iterator
+// passes that exception on whatever the stream's exception mask says.
 inline std::string ReadProcFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::string out;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n > 0) {
+      out.append(buf, static_cast<size_t>(n));
+    } else if (n == 0 || errno != EINTR) {
+      break;
+    }
+  }
+  ::close(fd);
+  return out;
 }
 
 // Every process whose stat could be read right now.
