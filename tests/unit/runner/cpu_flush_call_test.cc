@@ -71,9 +71,11 @@ class CpuFlushRunnerTest : public ::testing::TestWithParam<const char*> {
 
   // The kernel's answer (peak RSS in bytes) and the call's result.
   absl::StatusOr<exec::ForwardResult> Call(bool flush, uint64_t* peak_rss) {
+    // The input's bytes live as long as the call: TensorArg views them.
+    const std::string x(4, '\0');
     exec::ForwardCall c;
     c.op = "PeakRss";
-    c.inputs = {{exec::TensorArg::Inline({"float32", {1}}, std::string(4, '\0'))}};
+    c.inputs = {{exec::TensorArg::Inline({"float32", {1}}, x)}};
     c.flush_caches = flush;
     absl::StatusOr<exec::ForwardResult> r = executor_->Forward(std::move(c));
     if (r.ok()) {
