@@ -1,8 +1,14 @@
 // tanh forward and its bprop, which uses the saved forward output:
 // dx = dy * (1 - y^2).
-#include <cmath>
+//
+// The forward goes through opjit/vmath.h: clang vectorizes a loop over
+// std::exp by itself (-fveclib=libmvec) but not one over std::tanh, which
+// stays a scalar call per element (about 18 ns each here, ~30x libmvec's
+// vector tanhf). The bprop is plain arithmetic and vectorizes as written.
 #include <cstdint>
 #include <cstring>
+
+#include "opjit/vmath.h"
 
 namespace {
 int64_t Numel(int* ndims, int64_t** shapes, int i) {
@@ -17,13 +23,9 @@ extern "C" int Tanh(int nparam, void** params, int* ndims, int64_t** shapes, con
   (void)nparam, (void)stream, (void)extra;
   const int64_t n = Numel(ndims, shapes, 0);
   if (std::strcmp(dtypes[0], "float64") == 0) {
-    const double* x = static_cast<const double*>(params[0]);
-    double* y = static_cast<double*>(params[1]);
-    for (int64_t i = 0; i < n; ++i) y[i] = std::tanh(x[i]);
+    opjit::vmath::Tanh(static_cast<const double*>(params[0]), static_cast<double*>(params[1]), n);
   } else {
-    const float* x = static_cast<const float*>(params[0]);
-    float* y = static_cast<float*>(params[1]);
-    for (int64_t i = 0; i < n; ++i) y[i] = std::tanh(x[i]);
+    opjit::vmath::Tanh(static_cast<const float*>(params[0]), static_cast<float*>(params[1]), n);
   }
   return 0;
 }
