@@ -44,7 +44,9 @@
   is a tensor over an opjit output's.
 """
 
+import ctypes
 import threading
+import time
 
 import numpy as np
 
@@ -56,8 +58,10 @@ except ImportError as e:
         from e
 
 import opjit
+from opjit import _fast
 from opjit import _tensors as T
-from opjit.errors import FailedPrecondition, InvalidArgument
+from opjit._shm import ShmUnavailable
+from opjit.errors import FailedPrecondition, InvalidArgument, error_from_status
 from opjit.op import Op, bprop_args
 
 __all__ = ["op", "TorchOp", "module", "OpModule", "function", "empty", "empty_like", "zeros", "from_tensor",
@@ -266,20 +270,66 @@ def to_dlpack(t):
 # ---- ops ------------------------------------------------------------------------------
 
 class _Call:
-    """One call's binding: which op, the declared inputs, each group's size, attrs."""
+    """One call's binding: which op, the declared inputs, each group's size,
+    attrs; for a cached binding also the keyword attrs it was made from
+    (``kw``: None when the call named a version or target) and its fast
+    channel plan (``fast``: a _Fast, or None)."""
 
-    __slots__ = ("top", "inputs", "sizes", "attrs", "version", "target")
+    __slots__ = ("top", "inputs", "sizes", "attrs", "version", "target", "kw", "fast")
 
-    def __init__(self, top, inputs, sizes, attrs, version, target):
+    def __init__(self, top, inputs, sizes, attrs, version, target, kw=None):
         self.top, self.inputs, self.sizes = top, inputs, sizes
         self.attrs, self.version, self.target = attrs, version, target
+        self.kw = kw
+        self.fast = None
+
+
+class _Block(np.ndarray):
+    """The bytes of one output block; frees the block when the last tensor
+    over it goes (torch.frombuffer keeps this array alive as long as the
+    storage lives)."""
+
+    def __del__(self):
+        blk = self.__dict__.get("_blk")
+        if blk is not None:
+            blk[0]._defer_free(blk[1], blk[2])  # a deque append: safe anywhere
+
+
+class _Fast:
+    """A call shape bound to the namespace's fast channel: the prepared
+    handle, the output specs, and the channel's call function. Each call
+    writes its own tensor refs (inputs where they live, fresh output
+    blocks) and runs as one slot write and wait in opjit._fastcall."""
+
+    __slots__ = ("prep", "handle", "fch", "native", "pool", "transport", "in_bytes", "outs",
+                 "timeout_ns", "flags")
+
+    def __init__(self, transport, pool, prep, fch, in_bytes, timeout):
+        self.transport, self.pool, self.prep, self.fch = transport, pool, prep, fch
+        self.handle = prep.handle
+        self.in_bytes = in_bytes
+        self.outs = [(_TO_TORCH[T.dtype_name(dt)], tuple(shape), nb)
+                     for dt, shape, nb in prep.outputs]
+        self.timeout_ns = int(timeout * 1e9) if timeout else 0
+        self.flags = 0
+        ext = getattr(fch, "_ext", None)
+        if ext is not None:
+            self.native = ext.call  # -> (code, reason, message, kernel_ms)
+        else:
+            def native(handle, refs, deadline_ns, flags, _call=fch._call):
+                r = _call(handle, refs, deadline_ns, flags)
+                return r.code, r.reason, r.message, r.kernel_ms
+            self.native = native
+
+
+_CALL_CACHE = 64  # bindings kept per TorchOp (dropped all at once beyond)
 
 
 class _OpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, *flat):
-        outs = call.top._run(call, flat)
         top = call.top
+        outs = top._run_call(call, flat)
         ctx.call = call
         nd = top._non_diff
         if nd:
@@ -313,6 +363,8 @@ class TorchOp:
         self.torch_op = None
         self.torch_error = None
         self._bprop = None
+        self._bprop_args = None
+        self._calls = {}  # (kwargs, (dtype, shape) per input) -> _Call
         self._refresh_def()
         self.torch_name = torch_name or (
             "%s__%s" % (op.namespace, op.name) if op.namespace else op.name)
@@ -333,40 +385,199 @@ class TorchOp:
         nd = set(opdef.backward.non_differentiable)
         self._non_diff = frozenset(j for j, p in enumerate(outs) if p.name in nd)
         self._pool = _pool(self.op.client, self.op.namespace)
+        self._calls = {}
+        self._bprop_args = None
 
     # -- the call
     def __call__(self, *args, **kwargs):
+        # The binding of a call shape (attrs, each input's dtype and shape)
+        # is cached, with its fast channel plan: a repeated call skips the
+        # binding, Prepare and the numpy views.
+        try:
+            key = (tuple(kwargs.items()),) + tuple([(a.dtype, a.shape) for a in args])
+            call = self._calls.get(key)
+        except (AttributeError, TypeError):  # not all tensors, or an unhashable attr
+            key = call = None
+        if call is None:
+            call, flat = self._bind_call(args, kwargs)
+            if key is not None and len(flat) == len(args) and all(
+                    f is a and isinstance(a, torch.Tensor) for f, a in zip(flat, args)):
+                call.fast = self._make_fast(call, flat)
+                if len(self._calls) >= _CALL_CACHE:
+                    self._calls.clear()
+                self._calls[key] = call
+        else:
+            flat = args
+        if torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+            k = 0
+            for p, n in zip(call.inputs, call.sizes):
+                if p.param_type == "dynamic" and any(
+                        isinstance(t, torch.Tensor) and t.requires_grad for t in flat[k:k + n]):
+                    raise InvalidArgument(
+                        "op %s: dynamic input %s requires grad; opjit.torch differentiates "
+                        "required and optional inputs only" % (self.op.name, p.name))
+                k += n
+            if not all(isinstance(t, torch.Tensor) for t in flat):
+                flat = [t if isinstance(t, torch.Tensor) else _tensor(T.as_ndarray(t))
+                        for t in flat]
+            return _OpFunction.apply(call, *flat)
+        outs = self._run_call(call, flat)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _bind_call(self, args, kwargs):
+        """(_Call, flat inputs) of a call's arguments, as opjit.Op binds them."""
+        kwargs = dict(kwargs)
+        named = "version" in kwargs or "target" in kwargs
         version = kwargs.pop("version", self.op.version)
         target = kwargs.pop("target", self.op.target)
         record = self.record if version in (0, self.record.version) else \
             self.op.definition(version)
         attrs_in = {k: v for k, v in kwargs.items() if v is not None}
         n_in = len(record.op.inputs)
-        if len(args) > n_in and any(v is None for v in args[n_in:]):
+        positional_attrs = len(args) > n_in
+        if positional_attrs and any(v is None for v in args[n_in:]):
             # torch.ops passes every attr, None for an unset optional one.
             for a, v in zip(record.op.attrs, args[n_in:]):
                 if v is not None and a.name not in attrs_in:
                     attrs_in[a.name] = v
             args = args[:n_in]
-        inputs, groups, pb_attrs = self.op._bind(record.op, args, attrs_in)
+            positional_attrs = False
+        inputs, groups, pb_attrs = self.op._bind(record.op, args, dict(attrs_in))
         flat, sizes = [], []
-        for p, g in zip(inputs, groups):
+        for g in groups:
             sizes.append(len(g))
             flat.extend(g)
-        call = _Call(self, inputs, sizes, pb_attrs, version, target)
-        if torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
-            for p, g in zip(inputs, groups):
-                if p.param_type == "dynamic" and any(
-                        isinstance(t, torch.Tensor) and t.requires_grad for t in g):
-                    raise InvalidArgument(
-                        "op %s: dynamic input %s requires grad; opjit.torch differentiates "
-                        "required and optional inputs only" % (self.op.name, p.name))
-            flat = [t if isinstance(t, torch.Tensor) else _tensor(T.as_ndarray(t))
-                    for t in flat]
-            return _OpFunction.apply(call, *flat)
-        outs = self._run(call, flat)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        kw = None if named or positional_attrs else attrs_in
+        return _Call(self, inputs, sizes, pb_attrs, version, target, kw), flat
+
+    def _make_fast(self, call, flat):
+        """The _Fast plan of this call shape, or None when it cannot take the
+        fast channel this way (no channel, no Prepare, an empty tensor, an
+        input that is not a dense CPU tensor...)."""
+        if call.version != 0 and call.version != self.record.version:
+            return None
+        try:
+            tr = self.op._session._t
+            ns = self.op.namespace
+            if not isinstance(tr.calls, dict) or tr.copy_outputs or not tr._prepare_ok:
+                return None
+            pool = tr.pool(ns)
+            if pool is None:
+                return None
+            arrays = []
+            for t in flat:
+                if not t.is_cpu or t.layout is not torch.strided or t.dtype not in _FROM_TORCH \
+                        or t.numel() == 0:
+                    return None
+                arrays.append(np.empty(tuple(t.shape), T.DTYPES[_FROM_TORCH[t.dtype]]))
+            groups, k = [], 0
+            for n in call.sizes:
+                groups.append(arrays[k:k + n])
+                k += n
+            prep = tr._prepare(ns, self.op.name, call.version, call.target or "", groups,
+                               call.attrs)
+            if prep is None or not prep.fast or prep.null_inputs:
+                return None
+            if any(nb == 0 for _, _, nb in prep.outputs) or \
+                    any(dt not in _NP_TORCH for dt, _, _ in prep.outputs):
+                return None
+            fch = tr.channel(ns)
+            if fch is None or prep.n_tensors > fch.max_tensors:
+                return None
+            if call.version == 0 and prep.version and prep.version != self.record.version:
+                return None  # the op changed: the slow path refreshes the definition
+            return _Fast(tr, pool, prep, fch, [a.nbytes for a in arrays], tr.timeout)
+        except (ShmUnavailable, opjit.OpjitError):
+            return None  # the ordinary path reports it, or copes
+
+    def _run_call(self, call, flat):
+        f = call.fast
+        if f is not None:
+            outs = self._run_fast(call, f, flat)
+            if outs is not None:
+                return outs
+        return self._run(call, flat)
+
+    def _run_fast(self, call, f, flat):
+        """The call on the fast channel; None to take the ordinary path
+        instead (which then reopens a channel or prepares again)."""
+        pool = f.pool
+        regions = pool._regions
+        refs = []
+        temps = []
+        blocks = []
+        shared = made = 0
+        copied_bytes = 0
+        try:
+            for t, nb in zip(flat, f.in_bytes):
+                if not t.is_contiguous():
+                    if self.contiguous == "error" or not t.is_cpu:
+                        return None  # the ordinary path refuses it
+                    t = t.contiguous()
+                    made += 1
+                addr = t.data_ptr()
+                for r in regions:
+                    if r.live and r.addr <= addr and addr + nb <= r.addr + r.size:
+                        refs += (r.id, addr - r.addr)
+                        shared += 1
+                        break
+                else:
+                    if not t.is_cpu:
+                        return None
+                    region, off = pool.alloc(nb)
+                    temps.append((region, off))
+                    ctypes.memmove(region.addr + off, addr, nb)
+                    refs += (region.id, off)
+                    copied_bytes += nb
+            for _, _, nb in f.outs:
+                region, off = pool.alloc(nb)
+                blocks.append((region, off))
+                refs += (region.id, off)
+            if 0 in refs[::2]:
+                return None  # a server without region ids
+            t_ns = f.timeout_ns
+            code, reason, message, _ = f.native(
+                f.handle, refs, time.monotonic_ns() + t_ns if t_ns else 0, f.flags)
+            if code:
+                if reason == "STALE_HANDLE" or reason == "REGION_NOT_REGISTERED":
+                    self._drop_fast(call, f)
+                    return None
+                raise error_from_status(code, message, reason=reason)
+            outs = []
+            for (region, off), (dtype, shape, nb) in zip(blocks, f.outs):
+                b = np.frombuffer(region.mm, np.uint8, nb, off).view(_Block)
+                b._blk = (pool, region, off)
+                o = torch.frombuffer(b, dtype=dtype)
+                outs.append(o if len(shape) == 1 else o.view(shape))
+            blocks = ()
+        except _fast.ChannelClosed:
+            self._drop_fast(call, f)
+            return None
+        except ShmUnavailable:
+            return None
+        finally:
+            for region, off in blocks:
+                pool.free(region, off)
+            for region, off in temps:
+                pool.free(region, off)
+        f.transport.calls["fast"] += 1
+        n = len(flat)
+        with _lock:
+            _stats["calls"] += 1
+            _stats["inputs"] += n
+            _stats["shared_inputs"] += shared
+            _stats["copied_inputs"] += n - shared
+            _stats["copied_bytes"] += copied_bytes
+            _stats["made_contiguous"] += made
+        return outs
+
+    def _drop_fast(self, call, f):
+        """Forgets a plan that stopped working (closed channel, stale handle):
+        the ordinary path recovers, and the next call binds anew."""
+        call.fast = None
+        self._calls = {}
+        f.transport._forget_prepared(f.prep)
 
     def _run(self, call, flat):
         arrays = []
