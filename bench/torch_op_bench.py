@@ -14,7 +14,8 @@ the batches, per call):
   on an ndarray in shared memory (client.empty); opjit.torch on a tensor in
   shared memory (opjit.torch.empty) and on a plain torch tensor (one copy
   into shared memory per call); torch.ops.opjit.leaky_relu (the dispatcher
-  on top).
+  on top); and the prepared calls of both (opjit.Op.prepare, opjit.torch's
+  TorchOp.prepare: the same outputs every call, driven by opjit._fastcall).
 * tiny forward+backward: tanh on 16 float32 with requires_grad, then
   backward: opjit.torch (both passes on the fast channel) against opjit.Op
   on the client's tape (the Forward and Backward RPCs) and torch.tanh.
@@ -115,12 +116,18 @@ def main():
         x_np[:] = np.linspace(-1, 1, 16)
         x_sh = ot.from_tensor(torch.linspace(-1, 1, 16))
         x_pl = torch.linspace(-1, 1, 16)
+        op_prep = op.prepare(x_np, alpha=0.5)
+        top_prep = top.prepare(x_sh, alpha=0.5)
+        out["prepared_paths"] = {"opjit.Op.prepare": op_prep.path,
+                                 "opjit.torch prepare": top_prep.prepared.path}
         out["tiny_us"] = per_call_us({
             "torch": lambda: torch.nn.functional.leaky_relu(x_pl, 0.5),
             "opjit.Op (shm)": lambda: op(x_np, alpha=0.5),
+            "opjit.Op.prepare (shm)": op_prep,
             "opjit.torch (shm)": lambda: top(x_sh, alpha=0.5),
             "opjit.torch (plain tensor)": lambda: top(x_pl, alpha=0.5),
             "torch.ops.opjit": lambda: tops(x_sh, alpha=0.5),
+            "opjit.torch prepare (shm)": top_prep,
         }, args.seconds, 200)
 
         tanh_op, tanh_top = client.op("tanh"), ot.op("tanh")
@@ -160,6 +167,12 @@ def main():
 
     t = out["tiny_us"]
     out["ratio_torch_vs_op"] = round(t["opjit.torch (shm)"] / t["opjit.Op (shm)"], 2)
+    out["ratio_plain_tensor_vs_op"] = round(t["opjit.torch (plain tensor)"] / t["opjit.Op (shm)"],
+                                            2)
+    out["ratio_prepared_torch_vs_op"] = round(
+        t["opjit.torch prepare (shm)"] / t["opjit.Op.prepare (shm)"], 2)
+    out["ratio_torch_vs_op_prepared"] = round(t["opjit.torch (shm)"] / t["opjit.Op.prepare (shm)"],
+                                              2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
@@ -168,7 +181,11 @@ def main():
         print("%s:" % sec)
         for k, v in out[sec].items():
             print("  %-42s %9.1f us" % (k, v))
-    print("opjit.torch / opjit.Op (tiny, shm): %.2fx" % out["ratio_torch_vs_op"])
+    print("prepared paths: %s" % out["prepared_paths"])
+    print("opjit.torch / opjit.Op (tiny, shm): %.2fx; plain tensor / opjit.Op: %.2fx"
+          % (out["ratio_torch_vs_op"], out["ratio_plain_tensor_vs_op"]))
+    print("opjit.torch prepare / opjit.Op.prepare: %.2fx; opjit.torch / opjit.Op.prepare: %.2fx"
+          % (out["ratio_prepared_torch_vs_op"], out["ratio_torch_vs_op_prepared"]))
 
 
 if __name__ == "__main__":

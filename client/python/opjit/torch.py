@@ -64,7 +64,7 @@ from opjit._shm import ShmUnavailable
 from opjit.errors import FailedPrecondition, InvalidArgument, error_from_status
 from opjit.op import Op, bprop_args
 
-__all__ = ["op", "TorchOp", "module", "OpModule", "function", "empty", "empty_like", "zeros", "from_tensor",
+__all__ = ["op", "TorchOp", "PreparedTorchCall", "module", "OpModule", "function", "empty", "empty_like", "zeros", "from_tensor",
            "is_shared", "from_dlpack", "to_dlpack", "torch_dtype", "dtype_name",
            "default_client", "set_default_client", "copy_stats", "reset_copy_stats",
            "LIBRARY"]
@@ -292,7 +292,11 @@ class _Block(np.ndarray):
     def __del__(self):
         blk = self.__dict__.get("_blk")
         if blk is not None:
-            blk[0]._defer_free(blk[1], blk[2])  # a deque append: safe anywhere
+            spare = blk[3]
+            if spare is not None and len(spare) < _SPARE_BLOCKS:
+                spare.append((blk[1], blk[2]))  # the next call of its shape reuses it
+            else:
+                blk[0]._defer_free(blk[1], blk[2])  # a deque append: safe anywhere
 
 
 class _Fast:
@@ -302,13 +306,17 @@ class _Fast:
     blocks) and runs as one slot write and wait in opjit._fastcall."""
 
     __slots__ = ("prep", "handle", "fch", "native", "pool", "transport", "in_bytes", "outs",
-                 "timeout_ns", "flags")
+                 "timeout_ns", "flags", "spare")
 
     def __init__(self, transport, pool, prep, fch, in_bytes, timeout):
         self.transport, self.pool, self.prep, self.fch = transport, pool, prep, fch
         self.handle = prep.handle
         self.in_bytes = in_bytes
-        self.outs = [(_TO_TORCH[T.dtype_name(dt)], tuple(shape), nb)
+        # Per output: torch dtype, shape, bytes, and the blocks of outputs
+        # already freed, kept for the next calls (small outputs only; a
+        # list's append and pop are atomic).
+        self.outs = [(_TO_TORCH[T.dtype_name(dt)], tuple(shape), nb,
+                      [] if nb <= _SPARE_MAX_BYTES else None)
                      for dt, shape, nb in prep.outputs]
         self.timeout_ns = int(timeout * 1e9) if timeout else 0
         self.flags = 0
@@ -322,7 +330,10 @@ class _Fast:
             self.native = native
 
 
+_grad_enabled = torch.is_grad_enabled
 _CALL_CACHE = 64  # bindings kept per TorchOp (dropped all at once beyond)
+_SPARE_BLOCKS = 4  # freed output blocks kept per output of a call shape...
+_SPARE_MAX_BYTES = 1 << 16  # ...when it is at most this big
 
 
 class _OpFunction(torch.autograd.Function):
@@ -398,32 +409,43 @@ class TorchOp:
             call = self._calls.get(key)
         except (AttributeError, TypeError):  # not all tensors, or an unhashable attr
             key = call = None
-        if call is None:
-            call, flat = self._bind_call(args, kwargs)
-            if key is not None and len(flat) == len(args) and all(
-                    f is a and isinstance(a, torch.Tensor) for f, a in zip(flat, args)):
-                call.fast = self._make_fast(call, flat)
-                if len(self._calls) >= _CALL_CACHE:
-                    self._calls.clear()
-                self._calls[key] = call
-        else:
-            flat = args
-        if torch.is_grad_enabled() and any(
+        if call is not None:  # a cached binding: args are its flat tensors
+            if _grad_enabled():
+                for a in args:
+                    if a.requires_grad:
+                        return self._apply(call, args)
+            f = call.fast
+            outs = self._run_fast(call, f, args) if f is not None else None
+            if outs is None:
+                outs = self._run(call, args)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        call, flat = self._bind_call(args, kwargs)
+        if key is not None and len(flat) == len(args) and all(
+                f is a and isinstance(a, torch.Tensor) for f, a in zip(flat, args)):
+            call.fast = self._make_fast(call, flat)
+            if len(self._calls) >= _CALL_CACHE:
+                self._calls.clear()
+            self._calls[key] = call
+        if _grad_enabled() and any(
                 isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
-            k = 0
-            for p, n in zip(call.inputs, call.sizes):
-                if p.param_type == "dynamic" and any(
-                        isinstance(t, torch.Tensor) and t.requires_grad for t in flat[k:k + n]):
-                    raise InvalidArgument(
-                        "op %s: dynamic input %s requires grad; opjit.torch differentiates "
-                        "required and optional inputs only" % (self.op.name, p.name))
-                k += n
-            if not all(isinstance(t, torch.Tensor) for t in flat):
-                flat = [t if isinstance(t, torch.Tensor) else _tensor(T.as_ndarray(t))
-                        for t in flat]
-            return _OpFunction.apply(call, *flat)
+            return self._apply(call, flat)
         outs = self._run_call(call, flat)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _apply(self, call, flat):
+        """The call as a torch.autograd.Function (an input requires grad)."""
+        k = 0
+        for p, n in zip(call.inputs, call.sizes):
+            if p.param_type == "dynamic" and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad for t in flat[k:k + n]):
+                raise InvalidArgument(
+                    "op %s: dynamic input %s requires grad; opjit.torch differentiates "
+                    "required and optional inputs only" % (self.op.name, p.name))
+            k += n
+        if not all(isinstance(t, torch.Tensor) for t in flat):
+            flat = [t if isinstance(t, torch.Tensor) else _tensor(T.as_ndarray(t))
+                    for t in flat]
+        return _OpFunction.apply(call, *flat)
 
     def _bind_call(self, args, kwargs):
         """(_Call, flat inputs) of a call's arguments, as opjit.Op binds them."""
@@ -485,6 +507,10 @@ class TorchOp:
             fch = tr.channel(ns)
             if fch is None or prep.n_tensors > fch.max_tensors:
                 return None
+            probe = pool.alloc(1)  # a server without region ids: the ordinary path
+            pool.free(*probe)
+            if not probe[0].id:
+                return None
             if call.version == 0 and prep.version and prep.version != self.record.version:
                 return None  # the op changed: the slow path refreshes the definition
             return _Fast(tr, pool, prep, fch, [a.nbytes for a in arrays], tr.timeout)
@@ -505,10 +531,8 @@ class TorchOp:
         pool = f.pool
         regions = pool._regions
         refs = []
-        temps = []
-        blocks = []
-        shared = made = 0
-        copied_bytes = 0
+        temps = blocks = ()
+        shared = made = copied_bytes = 0
         try:
             for t, nb in zip(flat, f.in_bytes):
                 if not t.is_contiguous():
@@ -518,7 +542,7 @@ class TorchOp:
                     made += 1
                 addr = t.data_ptr()
                 for r in regions:
-                    if r.live and r.addr <= addr and addr + nb <= r.addr + r.size:
+                    if r.addr <= addr and addr + nb <= r.addr + r.size and r.live:
                         refs += (r.id, addr - r.addr)
                         shared += 1
                         break
@@ -526,16 +550,24 @@ class TorchOp:
                     if not t.is_cpu:
                         return None
                     region, off = pool.alloc(nb)
+                    if not temps:
+                        temps = []
                     temps.append((region, off))
                     ctypes.memmove(region.addr + off, addr, nb)
                     refs += (region.id, off)
                     copied_bytes += nb
-            for _, _, nb in f.outs:
-                region, off = pool.alloc(nb)
+            blocks = []
+            for _, _, nb, spare in f.outs:
+                region = None
+                if spare:
+                    try:
+                        region, off = spare.pop()
+                    except IndexError:  # another thread took it
+                        pass
+                if region is None or not region.live:  # (a forgotten region: left be)
+                    region, off = pool.alloc(nb)
                 blocks.append((region, off))
                 refs += (region.id, off)
-            if 0 in refs[::2]:
-                return None  # a server without region ids
             t_ns = f.timeout_ns
             code, reason, message, _ = f.native(
                 f.handle, refs, time.monotonic_ns() + t_ns if t_ns else 0, f.flags)
@@ -545,9 +577,9 @@ class TorchOp:
                     return None
                 raise error_from_status(code, message, reason=reason)
             outs = []
-            for (region, off), (dtype, shape, nb) in zip(blocks, f.outs):
+            for (region, off), (dtype, shape, nb, spare) in zip(blocks, f.outs):
                 b = np.frombuffer(region.mm, np.uint8, nb, off).view(_Block)
-                b._blk = (pool, region, off)
+                b._blk = (pool, region, off, spare)
                 o = torch.frombuffer(b, dtype=dtype)
                 outs.append(o if len(shape) == 1 else o.view(shape))
             blocks = ()
@@ -566,10 +598,13 @@ class TorchOp:
         with _lock:
             _stats["calls"] += 1
             _stats["inputs"] += n
-            _stats["shared_inputs"] += shared
-            _stats["copied_inputs"] += n - shared
-            _stats["copied_bytes"] += copied_bytes
-            _stats["made_contiguous"] += made
+            if shared:
+                _stats["shared_inputs"] += shared
+            if shared != n:
+                _stats["copied_inputs"] += n - shared
+                _stats["copied_bytes"] += copied_bytes
+            if made:
+                _stats["made_contiguous"] += made
         return outs
 
     def _drop_fast(self, call, f):
@@ -611,6 +646,22 @@ class TorchOp:
             self._bprop = None
         return [_tensor(o) for o in fwd.outputs]
 
+    # -- a prepared call
+    def prepare(self, *args, **kwargs):
+        """This call on these tensors, ready to run again and again: a
+        PreparedTorchCall over ``opjit.Op.prepare`` (no gradient). Inputs in
+        this client's shared memory are used in place; others are copied
+        there once (write new values into ``inputs``). Each call returns the
+        same output tensors, overwritten by the next (clone what you keep)."""
+        if torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise InvalidArgument("op %s: a prepared call records no gradient; call it under "
+                                  "torch.no_grad() or on tensors without requires_grad"
+                                  % self.op.name)
+        arrays = [_array(a, (str(i), self.op.name), self.contiguous)
+                  if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        return PreparedTorchCall(self.op.prepare(*arrays, **kwargs))
+
     # -- backward: the registered bprop op, called through opjit.torch
     def bprop(self):
         """The TorchOp of this op's backward.op (FailedPrecondition if it has none)."""
@@ -637,8 +688,19 @@ class TorchOp:
         for j in self._non_diff:
             if j < len(grads):
                 grads[j] = torch.zeros_like(outs[j])
+        plan = self._bprop_args
+        if plan is None:
+            # Which forward tensors the bprop takes, and whether the
+            # forward's keyword attrs bind to it as they are (the same
+            # names with the same types).
+            fwd_types = {a.name: a.value_type for a in self.record.op.attrs}
+            b_types = {a.name: a.value_type for a in bprop.record.op.attrs}
+            plan = self._bprop_args = (
+                bprop_args(self.record.op), frozenset(b_types),
+                all(fwd_types.get(n, t) == t for n, t in b_types.items()))
+        kinds, battrs, kw_ok = plan
         args = []
-        for kind, i in bprop_args(self.record.op):
+        for kind, i in kinds:
             if kind == "in":
                 g = groups[i] if i < len(groups) else []
                 dynamic = call.inputs[i].param_type == "dynamic"
@@ -650,20 +712,24 @@ class TorchOp:
                 args.append(torch.zeros_like(outs[i]) if g is None else g)
         # Attrs of the forward the bprop also declares go along (MindSpore's
         # bprops see the forward's attrs).
-        battrs = {a.name for a in bprop.record.op.attrs}
-        res = bprop.op._bind(bprop.record.op, args, {})
-        b_inputs, b_groups, _ = res
-        b_attrs = {k: v for k, v in call.attrs.items() if k in battrs}
-        bflat, bsizes = [], []
-        for g in b_groups:
-            bsizes.append(len(g))
-            bflat.extend(g)
-        bcall = _Call(bprop, b_inputs, bsizes, b_attrs, 0, call.target)
-        if torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in bflat):
-            dx = _OpFunction.apply(bcall, *bflat)
+        if kw_ok and call.kw is not None and all(isinstance(a, torch.Tensor) for a in args):
+            # The bprop's own call path: its cached binding, the fast channel,
+            # and autograd when create_graph asks for it.
+            dx = bprop(*args, **{k: v for k, v in call.kw.items() if k in battrs})
         else:
-            dx = bprop._run(bcall, bflat)
+            res = bprop.op._bind(bprop.record.op, args, {})
+            b_inputs, b_groups, _ = res
+            b_attrs = {k: v for k, v in call.attrs.items() if k in battrs}
+            bflat, bsizes = [], []
+            for g in b_groups:
+                bsizes.append(len(g))
+                bflat.extend(g)
+            bcall = _Call(bprop, b_inputs, bsizes, b_attrs, 0, call.target)
+            if torch.is_grad_enabled() and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad for t in bflat):
+                dx = _OpFunction.apply(bcall, *bflat)
+            else:
+                dx = bprop._run(bcall, bflat)
         dx = [dx] if isinstance(dx, torch.Tensor) else list(dx)
         out, k = [], 0
         for i, n in enumerate(call.sizes):
@@ -681,6 +747,42 @@ class TorchOp:
             self.torch_error = str(e)
             return
         self.torch_op, self.torch_error = _define(self.torch_name, schema, self)
+
+
+class PreparedTorchCall:
+    """``TorchOp.prepare``'s result: calling it (no arguments) runs the op on
+    the current contents of ``inputs`` and returns ``outputs`` (one tensor,
+    or a tuple), the same tensors every call. ``prepared`` is the underlying
+    opjit.PreparedCall (``path``: "fast" or "forward", ``kernel_ms``)."""
+
+    __slots__ = ("prepared", "_np", "_res", "inputs", "outputs")
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+        self.inputs = [[_tensor(a) for a in g] for g in prepared.inputs]
+        self._np = None
+        self._wrap(prepared.result)
+
+    def _wrap(self, r):
+        if r is None:
+            self.outputs, self._res = None, None
+        elif isinstance(r, tuple):
+            self.outputs = tuple(_tensor(a) for a in r)
+            self._res = self.outputs
+        else:
+            self.outputs = (_tensor(r),)
+            self._res = self.outputs[0]
+        self._np = r
+
+    def __call__(self):
+        r = self.prepared()
+        if r is not self._np:  # new output arrays (the op's output shapes changed)
+            self._wrap(r)
+        return self._res
+
+    def __repr__(self):
+        return "opjit.torch.PreparedTorchCall(%r, path=%r)" % (self.prepared._name,
+                                                               self.prepared.path)
 
 
 class _NoSchema(Exception):
