@@ -20,6 +20,7 @@
 #include "server/common/thread_pool.h"
 #include "server/registry/bprop_args.h"
 #include "server/registry/registry.h"
+#include "server/tensor/elements.h"
 #include "server/tensor/tensor_ref.h"
 
 namespace opjit::autograd {
@@ -77,10 +78,8 @@ bool HoldsNonzeroGrad(const exec::OutputResult& out) {
   const exec::OwnedBytes* owned = out.inline_bytes();
   if (owned == nullptr) return false;
   const std::string& b = owned->bytes;
-  size_t width = 0;
-  if (out.desc.dtype == "float16") width = 2;
-  if (out.desc.dtype == "float32") width = 4;
-  if (out.desc.dtype == "float64") width = 8;
+  const tensor::Dtype dtype = tensor::DtypeOf(out.desc.dtype);
+  const size_t width = dtype.is_float() ? dtype.size : 0;
   for (size_t k = 0; k < b.size(); ++k) {
     // The sign bit is the top bit of the last byte of each little-endian element.
     const bool sign_byte = width != 0 && k % width == width - 1;
@@ -98,69 +97,17 @@ const std::string& InlineOf(const exec::OutputResult& o) {
   return b != nullptr ? b->bytes : kNone;
 }
 
-// Element access in double for the floating dtypes gradcheck supports.
-double HalfToDouble(uint16_t h) {
-  const int exp = (h >> 10) & 0x1f;
-  const int mant = h & 0x3ff;
-  double v;
-  if (exp == 0) {
-    v = std::ldexp(mant, -24);
-  } else if (exp == 31) {
-    v = mant ? NAN : INFINITY;
-  } else {
-    v = std::ldexp(mant + 1024, exp - 25);
-  }
-  return (h & 0x8000) ? -v : v;
-}
-
-uint16_t DoubleToHalf(double d) {
-  float f = static_cast<float>(d);
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint16_t sign = (x >> 16) & 0x8000;
-  const int32_t exp = static_cast<int32_t>((x >> 23) & 0xff) - 127 + 15;
-  uint32_t mant = x & 0x7fffff;
-  if (exp >= 31) return sign | 0x7c00;
-  if (exp <= 0) {
-    if (exp < -10) return sign;
-    mant |= 0x800000;
-    return sign | static_cast<uint16_t>(mant >> (14 - exp));
-  }
-  return sign | static_cast<uint16_t>(exp << 10) | static_cast<uint16_t>(mant >> 13);
-}
-
+// Element access in double for the floating dtypes gradcheck supports
+// (tensor/elements.h: float16 rounds to nearest, NaN stays NaN).
 double Get(const std::string& dtype, const std::string& bytes, size_t i) {
-  if (dtype == "float64") {
-    double v;
-    std::memcpy(&v, bytes.data() + 8 * i, 8);
-    return v;
-  }
-  if (dtype == "float32") {
-    float v;
-    std::memcpy(&v, bytes.data() + 4 * i, 4);
-    return v;
-  }
-  uint16_t h;
-  std::memcpy(&h, bytes.data() + 2 * i, 2);
-  return HalfToDouble(h);
+  return tensor::ReadElement(tensor::DtypeOf(dtype), bytes.data(), i);
 }
 
 void Set(const std::string& dtype, std::string* bytes, size_t i, double v) {
-  if (dtype == "float64") {
-    std::memcpy(bytes->data() + 8 * i, &v, 8);
-  } else if (dtype == "float32") {
-    float f = static_cast<float>(v);
-    std::memcpy(bytes->data() + 4 * i, &f, 4);
-  } else {
-    uint16_t h = DoubleToHalf(v);
-    std::memcpy(bytes->data() + 2 * i, &h, 2);
-  }
+  tensor::WriteElement(tensor::DtypeOf(dtype), bytes->data(), i, v);
 }
 
-bool IsFloat(const std::string& dtype) {
-  return dtype == "float16" || dtype == "float32" || dtype == "float64";
-}
-
+bool IsFloat(const std::string& dtype) { return tensor::DtypeOf(dtype).is_float(); }
 
 // The bprop's inputs, in backward.inputs' order (by default MindSpore's
 // (inputs, outputs, grads)). A forward tensor not saved is a null

@@ -17,7 +17,7 @@
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
 #include "server/common/thread_pool.h"
-#include "server/evaluate/values.h"
+#include "server/tensor/elements.h"
 #include "server/registry/attr_value.h"
 #include "server/registry/registry.h"
 #include "server/tensor/region_manager.h"
@@ -27,6 +27,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using runner::TensorDesc;
+using tensor::DefaultTolerance;
+using tensor::Dtype;
+using tensor::DtypeOf;
+using tensor::ReadElement;
+using tensor::RoundTo;
+using tensor::SpecialValues;
+using tensor::ToleranceValues;
+using tensor::UlpDistance;
+using tensor::WriteElement;
 
 constexpr uint8_t kPoisonA = 0xFF;  // NaN in every float width, -1 in integers
 constexpr uint8_t kPoisonB = 0xA5;

@@ -1,10 +1,10 @@
-#include "server/evaluate/values.h"
+#include "server/tensor/elements.h"
 
 #include <cmath>
 #include <cstring>
 #include <limits>
 
-namespace opjit::evaluate {
+namespace opjit::tensor {
 namespace {
 
 // float16 through the compiler's _Float16 (round to nearest even, NaN kept).
@@ -165,4 +165,4 @@ ToleranceValues DefaultTolerance(const std::string& dtype) {
   return {0, 0, 0};
 }
 
-}  // namespace opjit::evaluate
+}  // namespace opjit::tensor

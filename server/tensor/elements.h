@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace opjit::evaluate {
+namespace opjit::tensor {
 
 // A dtype's element layout, or kind kUnknown.
 struct Dtype {
@@ -51,4 +51,4 @@ struct ToleranceValues {
 };
 ToleranceValues DefaultTolerance(const std::string& dtype);
 
-}  // namespace opjit::evaluate
+}  // namespace opjit::tensor

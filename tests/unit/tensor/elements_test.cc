@@ -1,4 +1,4 @@
-#include "server/evaluate/values.h"
+#include "server/tensor/elements.h"
 
 #include <cmath>
 #include <cstring>
@@ -6,10 +6,10 @@
 
 #include "gtest/gtest.h"
 
-namespace opjit::evaluate {
+namespace opjit::tensor {
 namespace {
 
-TEST(ValuesTest, RoundTripsEveryDtype) {
+TEST(ElementsTest, RoundTripsEveryDtype) {
   for (const char* name : {"float16", "float32", "float64", "int8", "int16", "int32", "int64",
                            "uint8", "uint16", "uint32", "uint64", "bool"}) {
     const Dtype d = DtypeOf(name);
@@ -22,7 +22,7 @@ TEST(ValuesTest, RoundTripsEveryDtype) {
   EXPECT_EQ(DtypeOf("complex64").kind, Dtype::Kind::kUnknown);
 }
 
-TEST(ValuesTest, IntegersClampAndHalfRoundsToNearest) {
+TEST(ElementsTest, IntegersClampAndHalfRoundsToNearest) {
   EXPECT_EQ(RoundTo(DtypeOf("int8"), 300), 127);
   EXPECT_EQ(RoundTo(DtypeOf("uint8"), -5), 0);
   EXPECT_EQ(RoundTo(DtypeOf("int32"), std::nan("")), 0);
@@ -35,7 +35,7 @@ TEST(ValuesTest, IntegersClampAndHalfRoundsToNearest) {
   EXPECT_TRUE(std::isinf(RoundTo(DtypeOf("float16"), 1e6)));
 }
 
-TEST(ValuesTest, UlpDistance) {
+TEST(ElementsTest, UlpDistance) {
   const Dtype f = DtypeOf("float32");
   const float one = 1.0f;
   const float up3 = std::nextafter(std::nextafter(std::nextafter(one, 2.0f), 2.0f), 2.0f);
@@ -56,7 +56,7 @@ TEST(ValuesTest, UlpDistance) {
   EXPECT_EQ(UlpDistance(g, -1e300, -std::nextafter(1e300, 0.0)), 1);
 }
 
-TEST(ValuesTest, SpecialValuesPerDtype) {
+TEST(ElementsTest, SpecialValuesPerDtype) {
   for (const char* name : {"float16", "float32", "float64"}) {
     const Dtype d = DtypeOf(name);
     const std::vector<double> v = SpecialValues(d);
@@ -73,7 +73,7 @@ TEST(ValuesTest, SpecialValuesPerDtype) {
   EXPECT_TRUE(SpecialValues(DtypeOf("int32")).empty());
 }
 
-TEST(ValuesTest, DefaultTolerances) {
+TEST(ElementsTest, DefaultTolerances) {
   EXPECT_EQ(DefaultTolerance("float32").rtol, 1.3e-6);
   EXPECT_EQ(DefaultTolerance("float16").rtol, 1e-3);
   EXPECT_EQ(DefaultTolerance("float64").atol, 1e-7);
@@ -82,4 +82,4 @@ TEST(ValuesTest, DefaultTolerances) {
 }
 
 }  // namespace
-}  // namespace opjit::evaluate
+}  // namespace opjit::tensor
