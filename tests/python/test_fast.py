@@ -297,14 +297,20 @@ def test_concurrent_fast_calls(fast):
     assert fast.call_counts()["fast"] >= 600
 
 
-def test_requires_grad_goes_through_the_handle_and_backward_works(fast, backward_supported):
+def test_requires_grad_runs_on_the_channel_and_backward_too(fast, backward_supported):
     x = opjit.tensor(np.array([1.0, 4.0, 9.0], np.float32), requires_grad=True)
     before = fast.call_counts()
     y = fast.op("square")(x)
-    assert fast.call_counts()["handle"] == before["handle"] + 1  # a server context, over gRPC
+    # The forward is a plain channel call: the client keeps what the bprop reads.
+    after = fast.call_counts()
+    assert after["fast"] == before["fast"] + 1 and after["handle"] == before["handle"], after
     y.backward(np.ones(3, np.float32))
     np.testing.assert_allclose(x.grad, [2, 8, 18])
-    # Without a gradient the same op goes over the channel.
+    # The backward is the bprop's call on the channel, no Backward RPC.
+    after = fast.call_counts()
+    assert after["fast"] == before["fast"] + 2, after
+    assert after["backward"] == before["backward"], after
+    assert after["client_backward"] == before["client_backward"] + 1, after
     np.testing.assert_allclose(fast.op("square")(np.array([3.0], np.float32)), [9.0])
     assert used_fast(fast, before)
 

@@ -451,7 +451,10 @@ class Transport:
         self._channel_refused = {}    # namespace -> monotonic time to try again (inf: never)
         self._channel_lock = threading.Lock()
         self._dead_contexts = []
-        self.calls = {"fast": 0, "handle": 0, "grpc": 0}  # forwards per path (not PreparedCalls)
+        # Forwards per path (not PreparedCalls); "backward": Backward RPCs (the
+        # daemon's contexts), "client_backward": backwards run from tensors the
+        # client kept (opjit.op.ClientOpNode: a bprop op call, no Backward RPC).
+        self.calls = {"fast": 0, "handle": 0, "grpc": 0, "backward": 0, "client_backward": 0}
         self._retired_bound = 0       # PreparedCall calls on channels since dropped
         self._closed = False
         self._stop = threading.Event()
@@ -869,6 +872,7 @@ class Transport:
                     req.grad_outputs.append(exec_pb2.Tensor() if g is None else st.tensor(g))
                 req.outputs.extend(st.placements(grad_bytes))
                 resp = _rpc(self.executor.Backward, req, self.timeout)
+                self.calls["backward"] += 1
                 flat = st.results([t for arg in resp.grad_inputs for t in arg.tensors])
                 out, k = BackwardGrads(), 0
                 for arg in resp.grad_inputs:
@@ -1012,6 +1016,18 @@ class Session:
         list of ndarrays), run again by calling it."""
         return self._t.prepare_call(self.namespace, op, version, target, groups, attrs or {},
                                     keep_output_bytes)
+
+    def fast_channel_open(self):
+        """Whether calls of this namespace can take the same-host fast channel
+        (opened on first use): shared memory, a local server that offers one."""
+        t = self._t
+        return t._prepare_ok and t.pool(self.namespace) is not None and \
+            t.channel(self.namespace) is not None
+
+    def count(self, what):
+        """Adds one to call_counts()[what]."""
+        calls = self._t.calls
+        calls[what] = calls.get(what, 0) + 1
 
     def release_context_later(self, context_id):
         """Queues a context for release; safe to call from a finalizer."""

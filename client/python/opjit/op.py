@@ -1,5 +1,7 @@
-"""Calling registered ops: Op (forward), OpNode (server-side backward), gradcheck."""
+"""Calling registered ops: Op (forward), its backward (ClientOpNode: from tensors the
+client keeps; OpNode: a context the daemon keeps), gradcheck."""
 
+import collections
 import threading
 import warnings
 import weakref
@@ -7,9 +9,11 @@ import weakref
 import numpy as np
 
 from opjit import _tensors as T
+from opjit._bprop import BpropPlan, bprop_args, bprop_groups, check_grad, check_stop_gradient
 from opjit._proto import exec_pb2
 from opjit.autograd import Node, Tensor, is_grad_enabled
-from opjit.errors import FailedPrecondition, InvalidArgument, OpjitWarning, Unimplemented
+from opjit.errors import (FailedPrecondition, InvalidArgument, NotFound, OpjitWarning,
+                          Unimplemented)
 
 __all__ = ["Op", "OpArgumentError", "gradcheck", "GradCheckResult", "GradCheckInput", "split_name"]
 
@@ -28,32 +32,23 @@ def _align(n):
     return (n + 63) & ~63
 
 
-def bprop_args(opdef):
-    """The bprop's inputs of an op definition (v1.OpDef), as the server
-    resolves backward.inputs: a list of ("in" | "out" | "grad", index).
-    Empty backward.inputs: (every input, every output, every output grad)."""
-    ins = [p.name for p in opdef.inputs]
-    outs = [p.name for p in opdef.outputs]
-    entries = list(opdef.backward.inputs)
-    if not entries:
-        return ([("in", i) for i in range(len(ins))] + [("out", j) for j in range(len(outs))] +
-                [("grad", j) for j in range(len(outs))])
-    args = []
-    for e in entries:
-        if e in ins:
-            args.append(("in", ins.index(e)))
-        elif e in outs:
-            args.append(("out", outs.index(e)))
-        elif e in ("out", "dout"):
-            args.extend((("out" if e == "out" else "grad"), j) for j in range(len(outs)))
-        elif e.startswith("in:") and e[3:] in ins:
-            args.append(("in", ins.index(e[3:])))
-        elif e.split(":", 1)[0] in ("out", "grad", "dout") and e.split(":", 1)[-1] in outs:
-            kind = "out" if e.startswith("out:") else "grad"
-            args.append((kind, outs.index(e.split(":", 1)[1])))
-        else:
-            raise InvalidArgument("backward.inputs: %r names no tensor of op %s" % (e, opdef.name))
-    return args
+# Calls whose inputs total at most this many bytes run, on a fast channel,
+# through a PreparedCall cached per (version, target, dtypes and shapes,
+# attrs): the inputs are copied into its fixed arrays and the outputs copied
+# out (two small copies instead of a block allocation, a tracked view and a
+# handle lookup per call). Bigger calls place their tensors as usual.
+_SMALL_CALL_BYTES = 64 * 1024
+_SMALL_CALLS = 16  # cached PreparedCalls per Op (least recently used dropped)
+
+
+class _SmallCall:
+    __slots__ = ("call", "lock", "inputs", "attrs")
+
+    def __init__(self, call, attrs):
+        self.call = call
+        self.lock = threading.Lock()
+        self.inputs = [a for g in call.inputs for a in g]
+        self.attrs = attrs  # keeps the AttrValues whose ids are in the key alive
 
 
 class OpArgumentError(InvalidArgument, TypeError):
@@ -91,6 +86,9 @@ class Op:
         self._defs = {}
         self._plans = {}   # id(OpDef) -> (OpDef, inputs by index, input names, attr defs)
         self._attr_pb = {}  # (name, type, value) -> AttrValue, for hashable attr values
+        self._small = collections.OrderedDict()  # key -> _SmallCall, or None: not on a channel
+        self._bplans = {}  # id(OpDef) -> (OpDef, BpropPlan or None)
+        self._bprop_ops = {}  # bprop name -> Op
         self._lock = threading.Lock()
 
     def __repr__(self):
@@ -118,6 +116,8 @@ class Op:
             self._defs.clear()
             self._plans.clear()
             self._attr_pb.clear()
+            self._small.clear()
+            self._bplans.clear()
 
     def _plan(self, opdef):
         plan = self._plans.get(id(opdef))
@@ -206,9 +206,15 @@ class Op:
         requires_grad = kwargs.pop("requires_grad", None)
         keep_output_bytes = bool(kwargs.pop("keep_output_bytes", False))
         record = self.definition(version)
-        opdef = record.op
-        inputs, groups, pb_attrs = self._bind(opdef, args, dict(kwargs))
+        inputs, groups, pb_attrs = self._bind(record.op, args, dict(kwargs))
+        return self._call_bound(record, inputs, groups, pb_attrs, version, target,
+                                requires_grad, keep_output_bytes)
 
+    def _call_bound(self, record, inputs, groups, pb_attrs, version, target, requires_grad,
+                    keep_output_bytes):
+        """A call after _bind: groups holds Tensors or ndarrays per declared
+        input, pb_attrs the AttrValues."""
+        opdef = record.op
         # Autograd: which inputs need a gradient, and which become leaves.
         record_grad = is_grad_enabled() and requires_grad is not False
         wrap = any(isinstance(v, Tensor) for g in groups for v in g) or bool(requires_grad)
@@ -235,35 +241,160 @@ class Op:
             flags.append(record_grad and any(isinstance(v, Tensor) and v.requires_grad
                                              for v in row))
         arrays = [[v.data if isinstance(v, Tensor) else v for v in row] for row in tensors]
-        ns = self.namespace
-        fwd = self._session.forward(self.name, arrays, pb_attrs, version=version, target=target,
-                                    requires_grad=flags if any(flags) else None,
-                                    keep_output_bytes=keep_output_bytes)
-        outs = fwd.outputs
-        if version == 0 and fwd.version and fwd.version != record.version:
-            self.refresh()  # a newer version ran; map arguments with it next time
-
-        if not wrap and not any(flags):
+        grad = any(flags)
+        plan = None
+        if grad:
+            # The client keeps what the bprop reads when a fast channel is
+            # open (see ClientOpNode); else the daemon keeps a context.
+            plan = self._client_plan(opdef)
+        if not wrap and not grad:
+            outs, _ = self._forward_arrays(arrays, pb_attrs, version, target, keep_output_bytes,
+                                           small=False, record=record)
             return outs[0] if len(outs) == 1 else tuple(outs)
+        context_id = ""
+        if plan is not None or not grad:
+            outs, ran = self._forward_arrays(arrays, pb_attrs, version, target, keep_output_bytes,
+                                             small=True, record=record)
+            if grad and ran and ran != record.version:
+                # A newer version ran: its backward is the one to follow.
+                record = self.definition(ran)
+                opdef = record.op
+                plan = self._client_plan(opdef)
+                if plan is None:
+                    raise FailedPrecondition(
+                        "op %s changed while it ran (version %d ran, %d was described) and its "
+                        "new backward cannot run from the client: call it again"
+                        % (self.qualified_name, ran, record.version))
+        else:
+            fwd = self._session.forward(self.name, arrays, pb_attrs, version=version,
+                                        target=target, requires_grad=flags,
+                                        keep_output_bytes=keep_output_bytes)
+            outs, context_id = fwd.outputs, fwd.context_id
+            if version == 0 and fwd.version and fwd.version != record.version:
+                self.refresh()  # a newer version ran; map arguments with it next time
         results = [Tensor(o) for o in outs]
-        if any(flags):
+        if grad:
             graph_inputs = []
             for p, row in zip(inputs, tensors):
                 ts = [v if isinstance(v, Tensor) else None for v in row]
                 graph_inputs.append(ts if (p.param_type == "dynamic") else (ts[0] if ts else None))
-            non_diff = set(opdef.backward.non_differentiable)
-            node = OpNode(self, ns, fwd.context_id, graph_inputs,
-                          [(o.shape, o.dtype) for o in outs], opdef, record.version)
-            out_names = [q.name for q in sorted(opdef.outputs, key=lambda q: q.index)]
-            node.non_diff = {j for j, n in enumerate(out_names) if n in non_diff}
-            for j, (t, p) in enumerate(zip(results, sorted(opdef.outputs, key=lambda q: q.index))):
-                if p.name in non_diff:
+            metas = [(o.shape, o.dtype) for o in outs]
+            if plan is not None and plan is not _NO_BPROP:
+                saved_in = [[a.copy() for a in g] if i in plan.save_in else ([] if not g else None)
+                            for i, g in enumerate(arrays)]
+                saved_out = [outs[j].copy() if j in plan.save_out else None
+                             for j in range(len(outs))]
+                node = ClientOpNode(self, plan, graph_inputs, metas, saved_in, saved_out, flags,
+                                    [len(g) for g in arrays], pb_attrs, target, record.version)
+                non_diff = plan.non_diff
+            else:
+                node = OpNode(self, self.namespace, context_id, graph_inputs, metas, opdef,
+                              record.version)
+                nd = set(opdef.backward.non_differentiable)
+                out_names = [q.name for q in sorted(opdef.outputs, key=lambda q: q.index)]
+                non_diff = node.non_diff = {j for j, n in enumerate(out_names) if n in nd}
+            for j, t in enumerate(results):
+                if j in non_diff:
                     continue
                 t.grad_fn = node
                 t._output_index = j
                 t.requires_grad = True
         return results[0] if len(results) == 1 else tuple(results)
 
+    # -- the forward's paths
+    def _forward_arrays(self, arrays, pb_attrs, version, target, keep, small, record):
+        """Runs the forward without a server context: (outputs, version that ran)."""
+        if small and not keep:
+            r = self._small_forward(arrays, pb_attrs, version, target)
+            if r is not None:
+                outs, ran = r
+                if version == 0 and ran and ran != record.version:
+                    self.refresh()
+                return outs, ran
+        fwd = self._session.forward(self.name, arrays, pb_attrs, version=version, target=target,
+                                    keep_output_bytes=keep)
+        if version == 0 and fwd.version and fwd.version != record.version:
+            self.refresh()  # a newer version ran; map arguments with it next time
+        return fwd.outputs, fwd.version
+
+    def _small_forward(self, arrays, pb_attrs, version, target):
+        """A small call through a cached PreparedCall bound to the fast channel:
+        (fresh output arrays, version that ran), or None (too big, no channel,
+        the cached call busy in another thread)."""
+        total = 0
+        sig = []
+        for g in arrays:
+            row = []
+            for a in g:
+                total += a.nbytes
+                row.append((a.dtype, a.shape))
+            sig.append(tuple(row))
+        if total > _SMALL_CALL_BYTES:
+            return None
+        key = (version, target, tuple(sig), tuple((k, id(v)) for k, v in pb_attrs.items()))
+        small = self._small
+        ent = small.get(key, False)
+        if ent is False:
+            if not self._session.fast_channel_open():
+                return None
+            call = self._session.prepare_call(
+                self.name, [[np.empty(a.shape, a.dtype) for a in g] for g in arrays], pb_attrs,
+                version=version, target=target)
+            ent = _SmallCall(call, dict(pb_attrs)) if call.path == "fast" else None
+            with self._lock:
+                small[key] = ent
+                while len(small) > _SMALL_CALLS:
+                    small.popitem(last=False)
+        if ent is None or not ent.lock.acquire(False):
+            return None
+        try:
+            k = 0
+            for g in arrays:
+                for a in g:
+                    np.copyto(ent.inputs[k], a)
+                    k += 1
+            call = ent.call
+            call()
+            outs = [o.copy() for o in call.outputs]
+            prep = call._prep
+            return outs, (prep.version if prep is not None else 0)
+        finally:
+            ent.lock.release()
+
+    # -- backward from client-held tensors
+    def _bprop_op(self, name):
+        op = self._bprop_ops.get(name)
+        if op is None:
+            op = self._bprop_ops[name] = Op(
+                self.client, "%s/%s" % (self.namespace, name) if self.namespace else name,
+                target=self.target)
+        return op
+
+    def _client_plan(self, opdef):
+        """The BpropPlan of a forward whose backward the client can run, or
+        None: the daemon keeps a context (no fast channel open; the bprop not
+        registered yet, so that its error comes at backward, as the daemon
+        says it; a bprop call an op call cannot express: BpropPlan.why).
+        _NO_BPROP for an op without a bprop (its backward fails as the
+        daemon's would: NOT_DIFFERENTIABLE)."""
+        if not self._session.fast_channel_open():
+            return None
+        got = self._bplans.get(id(opdef))
+        if got is not None and got[0] is opdef:
+            return got[1]
+        if not opdef.backward.op:
+            plan = _NO_BPROP
+        else:
+            try:
+                bdef = self._bprop_op(opdef.backward.op).definition(0).op
+            except NotFound:
+                return None  # not registered (yet): not cached
+            plan = BpropPlan(opdef, bdef)
+            if not plan.ok:
+                plan = None
+        with self._lock:
+            self._bplans[id(opdef)] = (opdef, plan)
+        return plan
 
     def prepare(self, *args, **kwargs):
         """This call, ready to run again and again: an opjit.PreparedCall.
@@ -426,6 +557,126 @@ class OpNode(Node):
                 row.append(t)
             out.append(row)
         return out
+
+
+_NO_BPROP = object()  # Op._client_plan: the op has no bprop
+
+
+class ClientOpNode(Node):
+    """A forward whose backward runs from tensors the client keeps.
+
+    The forward was a plain call (the fast channel when one is open); the
+    node holds copies of the inputs and outputs the bprop reads (those
+    ``backward.inputs`` names, less what ``save_for_backward`` leaves out:
+    what the daemon's context would hold), and its backward is one more op
+    call, of the bprop, with the forward's attrs it declares: no Backward
+    RPC and no context on the daemon. The daemon's rules hold: grads of
+    non-differentiable outputs and missing grads are zeros (or null slots
+    without ``materialize_grads``), a nonzero grad for an input that needs
+    none is dropped with a StopGradientGradWarning or fails with
+    STOP_GRADIENT_GRAD, an absent optional input gets none. With
+    create_graph the bprop call is itself recorded (the bprop's own backward:
+    double backward), its inputs routed back to the forward's tensors and to
+    this node's outputs.
+    """
+
+    def __init__(self, op, plan, inputs, out_meta, saved_in, saved_out, flags, counts, attrs,
+                 target, version):
+        super().__init__(inputs, out_meta)
+        self.op = op
+        self.plan = plan
+        self.saved_in = saved_in    # per input: list of arrays ([]: absent), or None: not saved
+        self.saved_out = saved_out  # per output: an array, or None: not saved
+        self.flags = flags          # per input: requires_grad
+        self.counts = counts        # per input: tensors given
+        self.attrs = attrs
+        self.target = target
+        self.version = version
+        self.non_diff = plan.non_diff
+
+    def name(self):
+        return "%sBackward" % self.op.name
+
+    def apply(self, grads, retain_graph, create_graph=False):
+        plan, op = self.plan, self.op
+        if self.saved_in is None:
+            raise FailedPrecondition(
+                "trying to backward through %s a second time: its saved tensors were freed "
+                "(pass retain_graph=True to the first backward)" % self.name())
+        bprop = op._bprop_op(plan.bprop)
+        brecord = bprop.definition(0)
+        qual = op.qualified_name
+        given = []
+        for j, g in enumerate(grads):
+            if g is None or j in plan.non_diff:
+                given.append(None)
+                continue
+            check_grad(plan, j, g.data if isinstance(g, Tensor) else g, self.out_meta[j], qual)
+            given.append(g)
+        battrs = {k: v for k, v in self.attrs.items() if k in plan.bprop_attrs}
+        if create_graph:
+            res = self._recorded_bprop(bprop, brecord, given, battrs)
+        else:
+            data = [None if g is None else np.ascontiguousarray(
+                g.data if isinstance(g, Tensor) else g) for g in given]
+            values = bprop_groups(plan, self.saved_in, self.saved_out, data, self.out_meta)
+            groups = [[] if v is None else (v if isinstance(v, list) else [v]) for v in values]
+            res, _ = bprop._forward_arrays(groups, battrs, 0, self.target, False, small=True,
+                                           record=brecord)
+        op._session.count("client_backward")
+        if not retain_graph:
+            self.saved_in = self.saved_out = None
+        out = []
+        for i, slot in enumerate(self.inputs):
+            if i >= len(res) or not self.counts[i]:
+                out.append(None)  # an absent optional input has no grad
+                continue
+            g = res[i]
+            if not self.flags[i]:
+                check_stop_gradient(plan, qual, i, g.data if isinstance(g, Tensor) else g)
+                out.append(None)
+                continue
+            out.append([g] if isinstance(slot, list) else g)
+        return out
+
+    def _recorded_bprop(self, bprop, brecord, given, battrs):
+        """create_graph: the bprop called on Tensors, so that the call is recorded."""
+        plan = self.plan
+        from opjit import _math
+        values = []
+        for (kind, i), dyn in zip(plan.args, plan.dynamic):
+            if kind == "in":
+                saved = self.saved_in[i]
+                if not saved:
+                    values.append(None)
+                    continue
+                slot = self.inputs[i]
+                slots = slot if isinstance(slot, list) else [slot]
+                row = []
+                for t, a in zip(slots, saved):
+                    if isinstance(t, Tensor) and t.requires_grad:
+                        # The saved copy, its grads routed to the forward's tensor.
+                        row.append(_math._record("saved", a, [t], lambda node, g: [g]))
+                    else:
+                        row.append(a)
+                values.append(row if dyn else row[0])
+            elif kind == "out":
+                a = self.saved_out[i]
+                if a is not None and i not in plan.non_diff:
+                    y = Tensor(a)
+                    y.grad_fn, y._output_index, y.requires_grad = self, i, True
+                    a = y
+                values.append(a)
+            else:
+                g = given[i]
+                if g is None and plan.materialize:
+                    shape, dtype = self.out_meta[i]
+                    g = np.zeros(shape, dtype)
+                values.append(g)
+        _, binputs, _, _ = bprop._plan(brecord.op)
+        groups = [[] if v is None else (v if isinstance(v, list) else [v]) for v in values]
+        res = bprop._call_bound(brecord, binputs, groups, battrs, 0, self.target, None, False)
+        return [res] if isinstance(res, Tensor) else list(res)
 
 
 # ---- gradcheck -------------------------------------------------------------------
