@@ -391,3 +391,157 @@ def test_daemon_gone_mid_training():
                                     or "Aborted" in out), out
     finally:
         d.close()
+
+
+# ---- the fast path (issue 32 goal 5) ----------------------------------------------------
+
+def _fast_plan(top, x, **attrs):
+    """The _Fast plan opjit.torch cached for this call shape (None: none)."""
+    top(x, **attrs)
+    key = (tuple(attrs.items()), (x.dtype, x.shape))
+    call = top._calls.get(key)
+    return call.fast if call is not None else None
+
+
+def test_fast_path_passes_tensors_by_reference(tc, stats):
+    """On the fast channel, the tensor refs the call writes point at the
+    input tensor's own bytes (shared memory) and at the output tensor's."""
+    leaky = ot.op("leaky_relu", register=False)
+    x = ot.from_tensor(rand(32))
+    f = _fast_plan(leaky, x, alpha=0.5)
+    if not tc.fast_path_active():
+        assert f is None
+        pytest.skip("no fast channel (OPJIT_FAST=off): calls take the ordinary path")
+    assert f is not None
+    sent = []
+    native = f.native
+
+    def spy(handle, refs, deadline_ns, flags):
+        sent.append(list(refs))
+        return native(handle, refs, deadline_ns, flags)
+
+    f.native = spy
+    try:
+        before = tc.call_counts()
+        y = leaky(x, alpha=0.5)
+        plain = rand(32, seed=3)
+        z = leaky(plain, alpha=0.5)
+    finally:
+        f.native = native
+    after = tc.call_counts()
+    assert after["fast"] - before["fast"] == 2 and after["grpc"] == before["grpc"]
+    regions = {r.id: r for r in leaky._pool._regions}
+    (xid, xoff, yid, yoff), (pid, poff, zid, zoff) = sent
+    assert regions[xid].addr + xoff == x.data_ptr()  # the input by reference
+    assert regions[yid].addr + yoff == y.data_ptr()  # the output written in place
+    assert regions[zid].addr + zoff == z.data_ptr()
+    assert regions[pid].addr + poff != plain.data_ptr()  # a plain tensor: a copy
+    torch.testing.assert_close(y, torch.nn.functional.leaky_relu(x, 0.5))
+    torch.testing.assert_close(z, torch.nn.functional.leaky_relu(plain, 0.5))
+    s = stats()
+    assert (s["shared_inputs"], s["copied_inputs"], s["copied_bytes"]) >= (2, 1, 32 * 4)
+
+
+def test_outputs_are_fresh_tensors(tc):
+    """Every call returns new output memory; a freed output's block is
+    reused only once no tensor (or view) over it is alive."""
+    leaky = ot.op("leaky_relu", register=False)
+    x = ot.from_tensor(rand(16))
+    want = torch.nn.functional.leaky_relu(x, 0.5)
+    ys = [leaky(x * (i + 1), alpha=0.5) for i in range(8)]
+    assert len({y.data_ptr() for y in ys}) == 8
+    for i, y in enumerate(ys):
+        torch.testing.assert_close(y, want * (i + 1))
+    view = ys[0][4:8]
+    arr = ys[1].numpy()
+    keep = [v.clone() for v in (view, ys[1])]
+    del ys
+    for i in range(20):  # the freed blocks go round again
+        torch.testing.assert_close(leaky(x * 7, alpha=0.5), want * 7)
+    torch.testing.assert_close(view, keep[0])  # still their own bytes
+    torch.testing.assert_close(torch.from_numpy(arr), keep[1])
+    before = leaky._pool.stats()["blocks"]
+    for _ in range(50):
+        leaky(x, alpha=0.5)
+    assert leaky._pool.stats()["blocks"] <= before + 5  # blocks come back, none leak
+
+
+def test_fast_path_survives_reregistration_and_closed_channel(tc):
+    """A new version of the op (its handle goes stale) and a channel closed
+    under the client: the call takes the ordinary path once, then the fast
+    one again, with the new op's results."""
+    leaky = ot.op("leaky_relu", register=False)
+    x = ot.from_tensor(rand(16))
+    torch.testing.assert_close(leaky(x, alpha=0.5), torch.nn.functional.leaky_relu(x, 0.5))
+    version = leaky.record.version
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", opjit.OpjitWarning)
+        tc.register(_spec("leaky_relu", doc="leaky_relu, registered again"), base_dir=EXAMPLES)
+    for _ in range(3):
+        torch.testing.assert_close(leaky(x, alpha=0.5), torch.nn.functional.leaky_relu(x, 0.5))
+    assert leaky.record.version > version  # the new version ran, and was noticed
+    if tc.fast_path_active():
+        tr = tc.session(NS)._t
+        ch = tr._channels.get(NS)
+        tr._drop_channel(NS, ch)  # as when the daemon closes it
+        for _ in range(3):
+            torch.testing.assert_close(leaky(x, alpha=0.5),
+                                       torch.nn.functional.leaky_relu(x, 0.5))
+        before = tc.call_counts()["fast"]
+        leaky(x, alpha=0.5)
+        assert tc.call_counts()["fast"] == before + 1
+
+
+def test_prepared_torch_call(tc):
+    leaky = ot.op("leaky_relu", register=False)
+    x = ot.from_tensor(rand(16))
+    p = leaky.prepare(x, alpha=0.5)
+    y = p()
+    assert isinstance(y, torch.Tensor) and p() is y and ot.is_shared(y)
+    torch.testing.assert_close(y, torch.nn.functional.leaky_relu(x, 0.5))
+    x.mul_(-2)  # new values in place: the same tensor is the prepared input
+    assert p() is y
+    torch.testing.assert_close(y, torch.nn.functional.leaky_relu(x, 0.5))
+    plain = rand(16, seed=2)
+    q = leaky.prepare(plain, alpha=0.5)  # copied into shared memory once: q.inputs
+    q.inputs[0][0].copy_(plain * 3)
+    torch.testing.assert_close(q(), torch.nn.functional.leaky_relu(plain * 3, 0.5))
+    assert p.prepared.path == ("fast" if tc.fast_path_active() else "forward")
+    with pytest.raises(opjit.InvalidArgument, match="no gradient"):
+        leaky.prepare(rand(4, requires_grad=True))
+
+
+def test_torch_call_cost_against_opjit_op(tc):
+    """Goal 5: a tiny op through opjit.torch costs at most 1.5x the same op
+    through opjit.Op, on the same path (the fast channel), in the same run;
+    and a forward+backward takes two fast-channel calls, no RPC."""
+    if not tc.fast_path_active():
+        pytest.skip("no fast channel (OPJIT_FAST=off)")
+    import statistics
+    op, top = tc.op("leaky_relu"), ot.op("leaky_relu", register=False)
+    x_np = tc.empty(16, np.float32)
+    x_np[:] = np.linspace(-1, 1, 16)
+    x_t = ot.from_tensor(torch.linspace(-1, 1, 16))
+    variants = {"op": lambda: op(x_np, alpha=0.5), "torch": lambda: top(x_t, alpha=0.5)}
+    samples = {k: [] for k in variants}
+    for _ in range(15):
+        for k, fn in variants.items():
+            t0 = time.perf_counter_ns()
+            for _ in range(100):
+                fn()
+            samples[k].append((time.perf_counter_ns() - t0) / 100)
+    med = {k: statistics.median(v[3:]) for k, v in samples.items()}
+    print("per call: opjit.Op %.1f us, opjit.torch %.1f us"
+          % (med["op"] / 1e3, med["torch"] / 1e3))
+    assert med["torch"] <= 1.5 * med["op"], med
+    tanh = ot.op("tanh", register=False)
+    t = ot.from_tensor(rand(16)).requires_grad_()
+    tanh(t).sum().backward()
+    before = tc.call_counts()
+    for _ in range(5):
+        t.grad = None
+        tanh(t).sum().backward()
+    after = tc.call_counts()
+    assert after["fast"] - before["fast"] == 10
+    assert (after["grpc"], after["handle"]) == (before["grpc"], before["handle"])
+    torch.testing.assert_close(t.grad, 1 - torch.tanh(t.detach()) ** 2)
