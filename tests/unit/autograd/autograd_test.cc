@@ -116,30 +116,23 @@ class AutogradTest : public ::testing::TestWithParam<const char*> {
     ASSERT_TRUE(stack.ok()) << stack.status();
     stack_ = *std::move(stack);
     registry_ = stack_->registry.get();
+    std::unique_ptr<runner::KernelRunner> runner;  // null: in this process
     if (std::string(GetParam()) == "process") {
       runner::ProcessRunnerOptions po;
       po.worker_path = OPJIT_BINARY_DIR "/bin/opjit-exec-worker";
       po.workers_per_namespace = 1;
       auto r = runner::ProcessRunner::Create(po);
       ASSERT_TRUE(r.ok()) << r.status();
-      runner_ = *std::move(r);
-    } else {
-      auto r = runner::InProcessRunner::Create({});
-      ASSERT_TRUE(r.ok()) << r.status();
-      runner_ = *std::move(r);
+      runner = *std::move(r);
     }
-    auto ex = exec::Executor::Create({}, registry_, stack_->compiler.get(),
-                                     stack_->regions.get(), runner_.get());
-    ASSERT_TRUE(ex.ok()) << ex.status();
-    executor_ = *std::move(ex);
-    auto ag = Autograd::Create({}, registry_, executor_.get());
+    ASSERT_TRUE(stack_->AddExecutor(std::move(runner)).ok());
+    executor_ = stack_->executor.get();
+    auto ag = Autograd::Create({}, registry_, executor_);
     ASSERT_TRUE(ag.ok()) << ag.status();
     autograd_ = *std::move(ag);
   }
   void TearDown() override {
     autograd_.reset();
-    executor_.reset();
-    runner_.reset();
     stack_.reset();
   }
 
@@ -174,8 +167,7 @@ class AutogradTest : public ::testing::TestWithParam<const char*> {
 
   std::unique_ptr<opjit::testing::CoreStack> stack_;
   registry::Registry* registry_ = nullptr;  // the stack's
-  std::unique_ptr<runner::KernelRunner> runner_;
-  std::unique_ptr<exec::Executor> executor_;
+  exec::Executor* executor_ = nullptr;  // stack_'s
   std::unique_ptr<Autograd> autograd_;
 };
 

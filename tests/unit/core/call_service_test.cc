@@ -54,18 +54,13 @@ class CallServiceTest : public ::testing::Test {
     ASSERT_TRUE(stack.ok()) << stack.status();
     stack_ = *std::move(stack);
     registry_ = stack_->registry.get();
-    auto r = runner::InProcessRunner::Create({});
-    ASSERT_TRUE(r.ok()) << r.status();
-    runner_ = *std::move(r);
-    auto ex = exec::Executor::Create({}, registry_, stack_->compiler.get(),
-                                     stack_->regions.get(), runner_.get());
-    ASSERT_TRUE(ex.ok()) << ex.status();
-    executor_ = *std::move(ex);
-    auto ag = autograd::Autograd::Create({}, registry_, executor_.get());
+    ASSERT_TRUE(stack_->AddExecutor().ok());
+    executor_ = stack_->executor.get();
+    auto ag = autograd::Autograd::Create({}, registry_, executor_);
     ASSERT_TRUE(ag.ok()) << ag.status();
     autograd_ = *std::move(ag);
     handles_ = std::make_unique<exec::HandleTable>(exec::HandleTableOptions{}, registry_);
-    calls_ = std::make_unique<CallService>(executor_.get(), autograd_.get(), handles_.get(),
+    calls_ = std::make_unique<CallService>(executor_, autograd_.get(), handles_.get(),
                                            nullptr, nullptr);
 
     ASSERT_TRUE(registry_->Register(Def("square_grad", {"x", "y", "dy"}, "dx", "SquareGrad")).ok());
@@ -78,8 +73,6 @@ class CallServiceTest : public ::testing::Test {
     calls_.reset();
     handles_.reset();
     autograd_.reset();
-    executor_.reset();
-    runner_.reset();
     stack_.reset();
   }
 
@@ -124,8 +117,7 @@ class CallServiceTest : public ::testing::Test {
 
   std::unique_ptr<opjit::testing::CoreStack> stack_;
   registry::Registry* registry_ = nullptr;  // the stack's
-  std::unique_ptr<runner::KernelRunner> runner_;
-  std::unique_ptr<exec::Executor> executor_;
+  exec::Executor* executor_ = nullptr;  // stack_'s
   std::unique_ptr<autograd::Autograd> autograd_;
   std::unique_ptr<exec::HandleTable> handles_;
   std::unique_ptr<CallService> calls_;
@@ -180,7 +172,7 @@ TEST_F(CallServiceTest, AdmissionRefusedIsResourceExhausted) {
   EXPECT_TRUE(calls_->Admit("default").ok());  // no quotas: every call
   // A bucket of one call that refills in 1000 s: the second call is refused.
   access::QuotaManager quotas({.calls_per_second = 0.001});
-  CallService calls(executor_.get(), autograd_.get(), handles_.get(), nullptr, &quotas);
+  CallService calls(executor_, autograd_.get(), handles_.get(), nullptr, &quotas);
   EXPECT_TRUE(calls.Admit("a").ok());
   absl::Status s = calls.Admit("a");
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
@@ -233,7 +225,7 @@ TEST_F(CallServiceTest, PreparedHandlesRunTheirShapesForTheirOwnerOnly) {
 }
 
 TEST_F(CallServiceTest, WhatTheServerLacksIsUnimplemented) {
-  CallService bare(executor_.get(), nullptr, nullptr, nullptr, nullptr);
+  CallService bare(executor_, nullptr, nullptr, nullptr, nullptr);
   EXPECT_EQ(bare.FindHandle("default", "alice/1", 1).status().code(),
             absl::StatusCode::kUnimplemented);
   EXPECT_EQ(bare.HandlesAvailable().code(), absl::StatusCode::kUnimplemented);

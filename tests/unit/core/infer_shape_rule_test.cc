@@ -75,19 +75,11 @@ class InferShapeRuleTest : public ::testing::Test {
     auto stack = opjit::testing::CoreStack::Create("infer-shape-rule-test");
     ASSERT_TRUE(stack.ok()) << stack.status();
     stack_ = *std::move(stack);
-    auto r = runner::InProcessRunner::Create({});
-    ASSERT_TRUE(r.ok()) << r.status();
-    runner_ = *std::move(r);
-    auto ex = exec::Executor::Create({}, stack_->registry.get(), stack_->compiler.get(),
-                                     stack_->regions.get(), runner_.get());
-    ASSERT_TRUE(ex.ok()) << ex.status();
-    executor_ = *std::move(ex);
+    ASSERT_TRUE(stack_->AddExecutor().ok());
     service_ = std::make_unique<OpService>(stack_->registry.get(), stack_->compiler.get());
   }
   void TearDown() override {
     service_.reset();
-    executor_.reset();
-    runner_.reset();
     stack_.reset();
   }
   absl::StatusOr<RegisterOutcome> Register(registry::OpDef def) {
@@ -104,7 +96,7 @@ class InferShapeRuleTest : public ::testing::Test {
     exec::ForwardCall call;
     call.op = op;
     call.inputs = {{exec::TensorArg::Inline({"float32", {4, 5}}, bytes)}};
-    return executor_->Forward(std::move(call));
+    return stack_->executor->Forward(std::move(call));
   }
   std::vector<std::string> Warnings(const std::string& op) {
     auto rec = stack_->registry->Get("default", op, 0);
@@ -113,8 +105,6 @@ class InferShapeRuleTest : public ::testing::Test {
   }
 
   std::unique_ptr<opjit::testing::CoreStack> stack_;
-  std::unique_ptr<runner::KernelRunner> runner_;
-  std::unique_ptr<exec::Executor> executor_;
   std::unique_ptr<OpService> service_;
 };
 

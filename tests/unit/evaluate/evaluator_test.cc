@@ -125,15 +125,10 @@ class EvaluatorTest : public ::testing::Test {
     auto stack = opjit::testing::CoreStack::Create("evaluator-test");
     ASSERT_TRUE(stack.ok()) << stack.status();
     stack_ = *std::move(stack);
-    auto r = runner::InProcessRunner::Create({});
-    ASSERT_TRUE(r.ok()) << r.status();
-    runner_ = *std::move(r);
-    auto ex = exec::Executor::Create({}, stack_->registry.get(), stack_->compiler.get(),
-                                     stack_->regions.get(), runner_.get());
-    ASSERT_TRUE(ex.ok()) << ex.status();
-    executor_ = *std::move(ex);
+    ASSERT_TRUE(stack_->AddExecutor().ok());
+    executor_ = stack_->executor.get();
     evaluator_ = std::make_unique<Evaluator>(EvaluatorOptions{}, stack_->registry.get(),
-                                             executor_.get(), stack_->regions.get());
+                                             executor_, stack_->regions.get());
     for (const char* entry : {"Ref", "Good", "Off", "Ulp3", "NanToZero", "SkipLast", "Nothing",
                               "Mutate", "Stale", "Cached", "OnlyTestShape", "Fails", "Flaky"}) {
       ASSERT_TRUE(stack_->registry
@@ -149,8 +144,6 @@ class EvaluatorTest : public ::testing::Test {
   }
   void TearDown() override {
     evaluator_.reset();
-    executor_.reset();
-    runner_.reset();
     stack_.reset();
   }
 
@@ -186,8 +179,7 @@ class EvaluatorTest : public ::testing::Test {
   void ExpectNoRegionsLeft() { EXPECT_TRUE(stack_->regions->List("default").empty()); }
 
   std::unique_ptr<opjit::testing::CoreStack> stack_;
-  std::unique_ptr<runner::KernelRunner> runner_;
-  std::unique_ptr<exec::Executor> executor_;
+  exec::Executor* executor_ = nullptr;  // stack_'s
   std::unique_ptr<Evaluator> evaluator_;
 };
 
@@ -412,7 +404,7 @@ TEST_F(EvaluatorTest, RegionQuotaApplies) {
   auto regions = tensor::RegionManager::Create(ro);
   ASSERT_TRUE(regions.ok()) << regions.status();
   auto ex = exec::Executor::Create({}, stack_->registry.get(), stack_->compiler.get(),
-                                   regions->get(), runner_.get());
+                                   regions->get(), stack_->runner.get());
   ASSERT_TRUE(ex.ok()) << ex.status();
   Evaluator small({}, stack_->registry.get(), ex->get(), regions->get());
   VerifyCall c = Call("Good");

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/status_macros.h"
+#include "server/runner/in_process_runner.h"
 
 namespace opjit::testing {
 
@@ -34,7 +35,21 @@ absl::StatusOr<std::unique_ptr<CoreStack>> CoreStack::Create(const std::string& 
   return s;
 }
 
+absl::Status CoreStack::AddExecutor(std::unique_ptr<runner::KernelRunner> with) {
+  if (with == nullptr) {
+    OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<runner::InProcessRunner> in_process,
+                           runner::InProcessRunner::Create({}));
+    with = std::move(in_process);
+  }
+  runner = std::move(with);
+  OPJIT_ASSIGN_OR_RETURN(executor, exec::Executor::Create({}, registry.get(), compiler.get(),
+                                                          regions.get(), runner.get()));
+  return absl::OkStatus();
+}
+
 CoreStack::~CoreStack() {
+  executor.reset();
+  runner.reset();
   regions.reset();
   compiler.reset();
   registry.reset();

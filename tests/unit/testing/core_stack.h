@@ -1,6 +1,7 @@
 // What unit tests above the compiler share: a registry, a compiler and a
-// region manager in a temp directory of their own, float32 op definitions,
-// the example kernels' text, and float32 byte helpers.
+// region manager in a temp directory of their own, optionally an executor
+// over them, float32 op definitions, the example kernels' text, and float32
+// byte helpers.
 #pragma once
 
 #include <memory>
@@ -9,7 +10,9 @@
 
 #include "absl/status/statusor.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/exec/executor.h"
 #include "server/registry/registry.h"
+#include "server/runner/kernel_runner.h"
 #include "server/tensor/region_manager.h"
 
 namespace opjit::testing {
@@ -22,10 +25,16 @@ struct CoreStack {
                                                            int compile_workers = 2);
   ~CoreStack();
 
+  // Creates `executor` over this stack with `runner` (kernels in this
+  // process, an InProcessRunner, when null). Both go before the rest.
+  absl::Status AddExecutor(std::unique_ptr<runner::KernelRunner> runner = nullptr);
+
   std::string dir;
   std::unique_ptr<registry::Registry> registry;
   std::unique_ptr<compiler::KernelCompiler> compiler;
   std::unique_ptr<tensor::RegionManager> regions;
+  std::unique_ptr<runner::KernelRunner> runner;  // set by AddExecutor
+  std::unique_ptr<exec::Executor> executor;      // set by AddExecutor
 };
 
 // An op of float32 tensors: required inputs and outputs by name, one CPU
