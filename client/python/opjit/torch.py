@@ -42,6 +42,17 @@
 * **DLPack.** ``opjit.from_dlpack(torch_tensor)`` is an ndarray over the
   tensor's memory; ``torch.from_dlpack(ndarray)`` (or ``ot.from_dlpack``)
   is a tensor over an opjit output's.
+* **The fast path.** A TorchOp caches each call shape's binding (attrs as
+  given, each input's dtype and shape) with, when the namespace has a fast
+  channel, the op's prepared handle and output specs: a repeated call writes
+  its tensor refs (each input where it lives, or a copy; a fresh output
+  block) and runs as one ``opjit._fastcall`` channel call, with no protobuf
+  and no numpy views, and returns tensors over the output blocks
+  (``torch.frombuffer``; a block goes back to the pool when its last tensor
+  does). A closed channel or a stale handle sends that call down the
+  ordinary path, which recovers, and the next call binds anew. Backward runs
+  the bprop the same way. ``TorchOp.prepare(*tensors, **attrs)`` is
+  ``Op.prepare`` on torch tensors: the same output tensors every call.
 """
 
 import ctypes
