@@ -195,6 +195,21 @@ def health(address, service=""):
     return {b"\x08\x01": "SERVING", b"\x08\x02": "NOT_SERVING"}.get(resp, repr(resp))
 
 
+# Entry K: busy-waits x[0] seconds (no syscall), then y[0] = x[0].
+SPIN_KERNEL = r"""#include <chrono>
+#include <cstdint>
+extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  const float* x = static_cast<const float*>(p[0]);
+  float* y = static_cast<float*>(p[1]);
+  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(x[0]);
+  while (std::chrono::steady_clock::now() < end) {
+  }
+  y[0] = x[0];
+  return 0;
+}
+"""
+
+
 def unary_kernel(body="* 2.0f", pre=""):
     """C++ of a float32 kernel K: y[i] = x[i] `body`, after the statement `pre`
     (which sees the element count k and x)."""

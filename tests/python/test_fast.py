@@ -23,7 +23,7 @@ import opjit
 from opjit._proto import exec_pb2, memory_pb2
 from opjit.errors import error_from_status
 
-from conftest import Daemon, TempDaemon, opjitd_binary
+from conftest import SPIN_KERNEL, Daemon, TempDaemon, opjitd_binary
 
 F32 = opjit.DataType.F32_Default
 
@@ -55,22 +55,6 @@ extern "C" int FastCrash(int nparam, void** params, int* ndims, int64_t** shapes
 }
 '''
 
-# Busy-waits x[0] seconds (no syscall), then y = x.
-SPIN_SRC = r'''
-#include <chrono>
-#include <cstdint>
-extern "C" int FastSpin(int nparam, void** params, int* ndims, int64_t** shapes,
-                        const char** dtypes, void* stream, void* extra) {
-  const float* x = static_cast<const float*>(params[0]);
-  float* y = static_cast<float*>(params[1]);
-  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(x[0]);
-  while (std::chrono::steady_clock::now() < end) {
-  }
-  y[0] = x[0];
-  return 0;
-}
-'''
-
 
 def unary(name, src, entry):
     return (opjit.CustomRegOp(name).input(0, "x").output(0, "y").dtype_format(F32, F32)
@@ -86,7 +70,7 @@ def fast_ops(daemon, examples_registered):
     with opjit.Client(daemon.unix_address, timeout=120) as c:
         c.register(add_op(1.0))
         c.register(unary("fast_crash", CRASH_SRC, "FastCrash"))
-        c.register(unary("fast_spin", SPIN_SRC, "FastSpin"))
+        c.register(unary("fast_spin", SPIN_KERNEL, "K"))
     return True
 
 
@@ -466,7 +450,7 @@ def test_sigkill_mid_call_leaks_nothing():
     d.start()
     try:
         with opjit.Client(d.unix_address, timeout=120) as admin:
-            admin.register(unary("fast_spin", SPIN_SRC, "FastSpin"))
+            admin.register(unary("fast_spin", SPIN_KERNEL, "K"))
         env = dict(os.environ, OPJIT_FAST="on")
         child = subprocess.Popen(["/usr/bin/python3", "-c", CHILD, d.unix_address, "1000"],
                                  stdout=subprocess.PIPE, env=env)

@@ -28,25 +28,14 @@ import opjit
 from opjit import _fast
 from opjit._proto import exec_pb2
 
-from conftest import EXAMPLES, TempDaemon, unary_kernel, unary_spec
+from conftest import EXAMPLES, SPIN_KERNEL, TempDaemon, unary_kernel, unary_spec
 
 PURE = os.environ.get("OPJIT_PURE_PYTHON", "") not in ("", "0")
 BUILT = bool(glob.glob(os.path.join(os.path.dirname(_fast.__file__), "_fastcall*.so")))
 needs_channel = pytest.mark.skipif(not _fast.supported(),
                                    reason="the fast channel is x86-64 Linux only")
 
-SPIN_SRC = r"""#include <chrono>
-#include <cstdint>
-extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
-  const float* x = static_cast<const float*>(p[0]);
-  float* y = static_cast<float*>(p[1]);
-  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(x[0]);
-  while (std::chrono::steady_clock::now() < end) {
-  }
-  y[0] = x[0];
-  return 0;
-}
-"""
+
 
 # fc_fail returns 3 from the kernel; fc_crash traps on x[0] < 0; fc_spin
 # busy-waits x[0] seconds.
@@ -56,7 +45,7 @@ OPS = [
     unary_spec("fc_fail", unary_kernel("* 1.0f", "if (k > 0) return 3;"), **SAME),
     unary_spec("fc_crash", unary_kernel("* 2.0f", "if (k > 0 && x[0] < 0) __builtin_trap();"),
                **SAME),
-    unary_spec("fc_spin", SPIN_SRC, **SAME),
+    unary_spec("fc_spin", SPIN_KERNEL, **SAME),
 ]
 
 

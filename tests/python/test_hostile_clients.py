@@ -20,25 +20,12 @@ import pytest
 import opjit
 from opjit import _fast
 
-from conftest import TempDaemon, health, unary_kernel, unary_spec, wait_for, vm_hwm_kb
+from conftest import SPIN_KERNEL, TempDaemon, health, unary_kernel, unary_spec, wait_for, vm_hwm_kb
 
 pytestmark = pytest.mark.skipif(not _fast.supported(), reason="the fast channel is x86-64 Linux only")
 
 KERNEL_TIMEOUT_MS = 3000
 
-# Busy-waits x[0] seconds (no syscall), then y = x.
-SPIN = r"""#include <chrono>
-#include <cstdint>
-extern "C" int K(int n, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
-  const float* x = static_cast<const float*>(p[0]);
-  float* y = static_cast<float*>(p[1]);
-  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(x[0]);
-  while (std::chrono::steady_clock::now() < end) {
-  }
-  y[0] = x[0];
-  return 0;
-}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +34,7 @@ def daemon():
     d.spawn("[exec]\nkernel_timeout_ms = %d\n" % KERNEL_TIMEOUT_MS, prefix="opjit-hc-",
             serving=True)
     with opjit.Client(d.unix_address, timeout=120) as c:
-        c.register(unary_spec("hc_spin", SPIN))
+        c.register(unary_spec("hc_spin", SPIN_KERNEL))
         c.register(unary_spec("hc_twice", unary_kernel()))
     yield d
     d.close()
