@@ -18,7 +18,8 @@ the batches, per call):
   TorchOp.prepare: the same outputs every call, driven by opjit._fastcall).
 * tiny forward+backward: tanh on 16 float32 with requires_grad, then
   backward: opjit.torch (both passes on the fast channel) against opjit.Op
-  on the client's tape (the Forward and Backward RPCs) and torch.tanh.
+  on the client's tape (also on the fast channel since issue 30: the bprop
+  runs as a channel call; over gRPC before) and torch.tanh.
 * copy: leaky_relu on 1 Mi float32 (4 MiB): a tensor in shared memory
   against a plain tensor, i.e. what the copy into shared memory costs.
 
@@ -147,7 +148,7 @@ def main():
             torch.tanh(t_t).sum().backward()
 
         out["tiny_fwd_bwd_us"] = per_call_us({
-            "torch": torch_own, "opjit.Op (tape, Forward+Backward RPCs)": opjit_tape,
+            "torch": torch_own, "opjit.Op (client tape)": opjit_tape,
             "opjit.torch": opjit_torch}, args.seconds, 50)
 
         big_sh = ot.from_tensor(torch.randn(1 << 20))
@@ -157,6 +158,10 @@ def main():
             "opjit.torch (plain tensor)": lambda: top(big_pl, alpha=0.5),
             "torch": lambda: torch.nn.functional.leaky_relu(big_pl, 0.5),
         }, args.seconds, 10)
+        c0 = client.call_counts()
+        opjit_tape()
+        c1 = client.call_counts()
+        out["tape_fwd_bwd_calls"] = {k: c1[k] - c0.get(k, 0) for k in c1 if c1[k] != c0.get(k, 0)}
         out["call_counts"] = client.call_counts()
         client.close()
     finally:
@@ -181,7 +186,8 @@ def main():
         print("%s:" % sec)
         for k, v in out[sec].items():
             print("  %-42s %9.1f us" % (k, v))
-    print("prepared paths: %s" % out["prepared_paths"])
+    print("prepared paths: %s; one opjit.Op tape fwd+bwd: %s"
+          % (out["prepared_paths"], out["tape_fwd_bwd_calls"]))
     print("opjit.torch / opjit.Op (tiny, shm): %.2fx; plain tensor / opjit.Op: %.2fx"
           % (out["ratio_torch_vs_op"], out["ratio_plain_tensor_vs_op"]))
     print("opjit.torch prepare / opjit.Op.prepare: %.2fx; opjit.torch / opjit.Op.prepare: %.2fx"

@@ -407,6 +407,7 @@ class TorchOp:
         nd = set(opdef.backward.non_differentiable)
         self._non_diff = frozenset(j for j, p in enumerate(outs) if p.name in nd)
         self._pool = _pool(self.op.client, self.op.namespace)
+        self._dynamic = any(p.param_type == "dynamic" for p in opdef.inputs)
         self._calls = {}
         self._bprop_args = None
 
@@ -424,7 +425,9 @@ class TorchOp:
             if _grad_enabled():
                 for a in args:
                     if a.requires_grad:
-                        return self._apply(call, args)
+                        if self._dynamic:
+                            return self._apply(call, args)
+                        return _OpFunction.apply(call, *args)
             f = call.fast
             outs = self._run_fast(call, f, args) if f is not None else None
             if outs is None:
@@ -691,6 +694,25 @@ class TorchOp:
 
     def _backward(self, call, flat, outs, grads, needs):
         bprop = self.bprop()
+        plan = self._bprop_args
+        if plan is not None and plan[2] and call.kw is not None and not self._dynamic \
+                and len(flat) == len(call.sizes):
+            # One tensor per input and keyword attrs: the bprop's own cached call.
+            nd = self._non_diff
+            args = []
+            for kind, i in plan[0]:
+                if kind == "in":
+                    args.append(flat[i])
+                elif kind == "out":
+                    args.append(outs[i])
+                else:
+                    g = grads[i] if i < len(grads) else None
+                    args.append(torch.zeros_like(outs[i]) if g is None or i in nd else g)
+            battrs = plan[1]
+            dx = bprop(*args, **{k: v for k, v in call.kw.items() if k in battrs})
+            if isinstance(dx, torch.Tensor):
+                dx = (dx,)
+            return [dx[i] if needs[i] and i < len(dx) else None for i in range(len(flat))]
         groups, k = [], 0
         for n in call.sizes:
             groups.append(list(flat[k:k + n]))
