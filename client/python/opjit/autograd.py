@@ -1,10 +1,14 @@
 """Client-side autograd: Tensor, the backward engine, Function (PyLayer), no_grad.
 
-Two kinds of graph node exist:
+The graph's nodes:
 
-* ``OpNode``: a call to a daemon op that has a registered bprop. The forward
-  left a context on the server (``ForwardResponse.context_id``); its backward
-  is the ``Backward`` RPC.
+* ``ClientOpNode`` (opjit.op): a call to a daemon op with a registered bprop,
+  made while the namespace's fast channel is open. The forward was a plain
+  call; the node keeps copies of the tensors the bprop reads, and its
+  backward is the bprop's own op call (see opjit._bprop).
+* ``OpNode`` (opjit.op): the same without a fast channel (or for a bprop an
+  op call cannot express). The forward left a context on the server
+  (``ForwardResponse.context_id``); its backward is the ``Backward`` RPC.
 * ``FunctionNode``: a ``Function`` subclass; its ``backward`` runs here, in
   Python, and calls daemon ops itself (Paddle PyLayer / torch.autograd.Function).
 
