@@ -408,7 +408,7 @@ class TorchOp:
         self._non_diff = frozenset(j for j, p in enumerate(outs) if p.name in nd)
         self._pool = _pool(self.op.client, self.op.namespace)
         self._dynamic = any(p.param_type == "dynamic" for p in opdef.inputs)
-        self._calls = {}
+        self._retire_calls()
         self._bprop_args = None
 
     # -- the call
@@ -438,7 +438,7 @@ class TorchOp:
                 f is a and isinstance(a, torch.Tensor) for f, a in zip(flat, args)):
             call.fast = self._make_fast(call, flat)
             if len(self._calls) >= _CALL_CACHE:
-                self._calls.clear()
+                self._retire_calls()
             self._calls[key] = call
         if _grad_enabled() and any(
                 isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
@@ -575,9 +575,11 @@ class TorchOp:
                 region = None
                 if spare:
                     try:
-                        region, off = spare.pop()
+                        blk = spare.pop()
                     except IndexError:  # another thread took it
-                        pass
+                        blk = None
+                    if blk is not None:
+                        region, off = blk
                 if region is None or not region.live:  # (a forgotten region: left be)
                     region, off = pool.alloc(nb)
                 blocks.append((region, off))
@@ -625,8 +627,25 @@ class TorchOp:
         """Forgets a plan that stopped working (closed channel, stale handle):
         the ordinary path recovers, and the next call binds anew."""
         call.fast = None
-        self._calls = {}
+        self._retire_calls()
         f.transport._forget_prepared(f.prep)
+
+    def _retire_calls(self):
+        """Drops the cached bindings; their spare output blocks go back to
+        the pool, and so do blocks of their outputs freed later."""
+        calls, self._calls = getattr(self, "_calls", {}), {}
+        for call in calls.values():
+            f = call.fast
+            if f is None:
+                continue
+            for _, _, _, spare in f.outs:
+                if spare is None:
+                    continue
+                blocks = list(spare)
+                spare[:] = [None] * _SPARE_BLOCKS  # full: later frees go to the pool
+                for blk in blocks:
+                    if blk is not None:
+                        f.pool.free(*blk)
 
     def _run(self, call, flat):
         arrays = []
