@@ -23,6 +23,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 VARIANT_LABELS = {
     "opjit_bprop": "opjit, registered bprop",
     "opjit_function": "opjit.Function",
+    "opjit_bprop_grpc": "opjit, registered bprop, gRPC",
+    "opjit_function_grpc": "opjit.Function, gRPC",
     "torch_function": "torch.autograd.Function",
     "numpy": "numpy (floor)",
 }

@@ -13,6 +13,10 @@ listening on a unix socket there), stops it at exit, and writes OUT.json:
 * "autograd": forward+backward of tanh per call at 1k and 1M float32
   elements: opjit with a registered bprop, an opjit.Function, a
   torch.autograd.Function, and plain numpy. The variants alternate in batches.
+  With the fast channel the registered bprop runs from tensors the client
+  keeps (forward and bprop are two channel calls, no Backward RPC);
+  "opjit_bprop_grpc" is the same over gRPC (fast="off": the daemon keeps a
+  context, one Forward and one Backward RPC).
 * "fast_path": the same-host fast channel (issue 15) against gRPC, each
   measured side by side in one run, alternating in batches:
   - "tiny": leaky_relu on 16 float32 through the fast channel, through
@@ -493,7 +497,14 @@ def bench_autograd(opjit, client, res, torch, grpc_client=None):
             z.backward(g)
             return x.grad
 
+        def opjit_bprop_grpc(arr, g, _):
+            x = opjit.tensor(arr, requires_grad=True)
+            y = tanh_g(x)
+            y.backward(g)
+            return x.grad
+
         variants.append(("opjit_function_grpc", opjit_function_grpc))
+        variants.append(("opjit_bprop_grpc", opjit_bprop_grpc))
     if torch is not None:
         class TorchTanh(torch.autograd.Function):
             @staticmethod
@@ -859,7 +870,8 @@ def summary(result):
                                  % (name, v["p50_us"], v["p99_us"], v["n_calls"]))
             row = ag.get("n_%d" % n, {})
             t = row.get("torch_function", {}).get("p50_us")
-            for name in ("opjit_function", "opjit_function_grpc", "opjit_bprop"):
+            for name in ("opjit_function", "opjit_function_grpc", "opjit_bprop",
+                         "opjit_bprop_grpc"):
                 v = row.get(name, {}).get("p50_us")
                 if t and v:
                     lines.append("  %s / torch_function p50: %.2fx" % (name, v / t))

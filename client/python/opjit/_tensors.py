@@ -59,6 +59,8 @@ def from_dlpack(x):
 
 def as_ndarray(x, what="input"):
     """Turns an input value into an ndarray (never copies an ndarray)."""
+    if type(x) is np.ndarray and x.dtype in _NAMES:
+        return x  # the common case: a supported dtype in native byte order
     if isinstance(x, np.ndarray):
         arr = x
     elif hasattr(x, "__opjit_array__"):

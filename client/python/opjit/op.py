@@ -377,11 +377,13 @@ class Op:
         says it; a bprop call an op call cannot express: BpropPlan.why).
         _NO_BPROP for an op without a bprop (its backward fails as the
         daemon's would: NOT_DIFFERENTIABLE)."""
-        if not self._session.fast_channel_open():
-            return None
         got = self._bplans.get(id(opdef))
         if got is not None and got[0] is opdef:
+            # Made while a channel was open: should it close for good, the
+            # calls go over gRPC, still without a context (as correct, if slower).
             return got[1]
+        if not self._session.fast_channel_open():
+            return None
         if not opdef.backward.op:
             plan = _NO_BPROP
         else:
