@@ -545,3 +545,29 @@ def test_torch_call_cost_against_opjit_op(tc):
     assert after["fast"] - before["fast"] == 10
     assert (after["grpc"], after["handle"]) == (before["grpc"], before["handle"])
     torch.testing.assert_close(t.grad, 1 - torch.tanh(t.detach()) ** 2)
+
+
+def test_threads_share_a_call_shape(tc):
+    """Threads calling one TorchOp on the same call shape (its cached plan,
+    kept blocks and spare outputs shared) each get their own results."""
+    import threading
+    leaky = ot.op("leaky_relu", register=False)
+    errors = []
+
+    def work(seed):
+        try:
+            shared = ot.from_tensor(rand(64, seed=seed))
+            for i in range(200):
+                plain = rand(64, seed=seed * 1000 + i)
+                for x in (plain, shared):
+                    torch.testing.assert_close(leaky(x, alpha=0.5),
+                                               torch.nn.functional.leaky_relu(x, 0.5))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]

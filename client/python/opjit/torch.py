@@ -300,8 +300,10 @@ class _Block(np.ndarray):
     over it goes (torch.frombuffer keeps this array alive as long as the
     storage lives)."""
 
+    __slots__ = ("_blk",)  # (pool, region, offset, spare list); unset on numpy's views
+
     def __del__(self):
-        blk = self.__dict__.get("_blk")
+        blk = getattr(self, "_blk", None)
         if blk is not None:
             spare = blk[3]
             if spare is not None and len(spare) < _SPARE_BLOCKS:
@@ -317,7 +319,7 @@ class _Fast:
     blocks) and runs as one slot write and wait in opjit._fastcall."""
 
     __slots__ = ("prep", "handle", "fch", "native", "pool", "transport", "in_bytes", "outs",
-                 "timeout_ns", "flags", "spare")
+                 "timeout_ns", "flags", "temps", "retired")
 
     def __init__(self, transport, pool, prep, fch, in_bytes, timeout):
         self.transport, self.pool, self.prep, self.fch = transport, pool, prep, fch
@@ -331,6 +333,11 @@ class _Fast:
                      for dt, shape, nb in prep.outputs]
         self.timeout_ns = int(timeout * 1e9) if timeout else 0
         self.flags = 0
+        # Per input, the block kept for copies of a tensor outside shared
+        # memory (small ones; a list, whose pop and append are atomic: empty
+        # while a call uses it).
+        self.temps = [[] for _ in in_bytes]
+        self.retired = False
         ext = getattr(fch, "_ext", None)
         if ext is not None:
             self.native = ext.call  # -> (code, reason, message, kernel_ms)
@@ -342,6 +349,7 @@ class _Fast:
 
 
 _grad_enabled = torch.is_grad_enabled
+_U8 = np.dtype(np.uint8)
 _CALL_CACHE = 64  # bindings kept per TorchOp (dropped all at once beyond)
 _SPARE_BLOCKS = 4  # freed output blocks kept per output of a call shape...
 _SPARE_MAX_BYTES = 1 << 16  # ...when it is at most this big
@@ -563,10 +571,17 @@ class TorchOp:
                 else:
                     if not t.is_cpu:
                         return None
-                    region, off = pool.alloc(nb)
+                    j = len(refs) >> 1
+                    try:
+                        blk = f.temps[j].pop()
+                        if not blk[0].live:
+                            blk = pool.alloc(nb)
+                    except IndexError:
+                        blk = pool.alloc(nb)
                     if not temps:
                         temps = []
-                    temps.append((region, off))
+                    temps.append((j, blk))
+                    region, off = blk
                     ctypes.memmove(region.addr + off, addr, nb)
                     refs += (region.id, off)
                     copied_bytes += nb
@@ -594,7 +609,7 @@ class TorchOp:
                 raise error_from_status(code, message, reason=reason)
             outs = []
             for (region, off), (dtype, shape, nb, spare) in zip(blocks, f.outs):
-                b = np.frombuffer(region.mm, np.uint8, nb, off).view(_Block)
+                b = _Block((nb,), _U8, region.mm, off)
                 b._blk = (pool, region, off, spare)
                 o = torch.frombuffer(b, dtype=dtype)
                 outs.append(o if len(shape) == 1 else o.view(shape))
@@ -607,8 +622,12 @@ class TorchOp:
         finally:
             for region, off in blocks:
                 pool.free(region, off)
-            for region, off in temps:
-                pool.free(region, off)
+            for j, blk in temps:
+                kept = f.temps[j]
+                if not kept and not f.retired and f.in_bytes[j] <= _SPARE_MAX_BYTES:
+                    kept.append(blk)  # the next call's copy goes there
+                else:
+                    pool.free(*blk)
         f.transport.calls["fast"] += 1
         n = len(flat)
         with _lock:
@@ -638,6 +657,14 @@ class TorchOp:
             f = call.fast
             if f is None:
                 continue
+            f.retired = True
+            for kept in f.temps:
+                while True:
+                    try:
+                        blk = kept.pop()
+                    except IndexError:
+                        break
+                    f.pool.free(*blk)
             for _, _, _, spare in f.outs:
                 if spare is None:
                     continue
