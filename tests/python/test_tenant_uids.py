@@ -250,9 +250,15 @@ def test_the_namespace_cap_stops_pthread_create():
     executor of the namespace asks."""
     if os.geteuid() != 0:
         pytest.skip("a uid per namespace needs a root daemon; run as root")
+    # RLIMIT_NPROC counts every process and thread of the uid on the host,
+    # and a daemon gives its first namespace the first uid of its range: a
+    # uid range of this test's own (outside the default one, keyed by pid),
+    # so another test's or daemon's executors under the default range's
+    # first uid do not count against this cap.
+    first = 1900000000 + (os.getpid() % 1000000) * 4
     d = TempDaemon()
-    d.spawn("[exec]\nthreads_per_executor = 4096\nthreads_per_namespace = 100\n",
-            prefix="opjit-tu-", serving=True)
+    d.spawn('[exec]\nthreads_per_executor = 4096\nthreads_per_namespace = 100\n'
+            'uid_range = "%d-%d"\n' % (first, first + 3), prefix="opjit-tu-", serving=True)
     try:
         c = opjit.Client(d.unix_address, timeout=120, fast="off")
         c.register(unary_spec("bomb", BOMB, namespace="bob"))
