@@ -14,20 +14,18 @@ daemon), DLPack and errors.
 from opjit.errors import (OpjitError, InvalidArgument, NotFound, AlreadyExists, PermissionDenied,
                           FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded,
                           Unimplemented, Internal, Cancelled, Aborted, OutOfRange, DataLoss,
-                          Unauthenticated, Unknown, OpjitWarning, StopGradientGradWarning)
+                          Unauthenticated, Unknown, OpjitWarning, StopGradientGradWarning,
+                          GradRuleError, SavedTensorModifiedError, LeafInplaceError, PyLayerError)
 from opjit.client import Client, ShmUnavailableError, default_address, load_spec
 from opjit.regop import CustomRegOp, DataType
-from opjit.autograd import (Tensor, tensor, Function, FunctionCtx, no_grad, enable_grad,
-                            is_grad_enabled, grad)
+from opjit.autograd import (Tensor, tensor, Function, FunctionCtx, PyLayer, PyLayerContext,
+                            no_grad, enable_grad, is_grad_enabled, grad, once_differentiable)
 from opjit.op import Op, gradcheck, GradCheckResult, GradCheckInput
 from opjit._check import gradgradcheck, FunctionCheckResult
 from opjit.evaluate import verify, bench, VerifyResult, VerifyCase, BenchResult, Timing
 from opjit._math import tanh, exp, log, sqrt, square, randn, seed
 from opjit._tensors import from_dlpack, DTYPES
 from opjit._transport import PreparedCall
-
-PyLayer = Function  # Paddle's name
-PyLayerContext = FunctionCtx
 
 __version__ = "0.1.0"
 
@@ -41,5 +39,6 @@ __all__ = [
     "PermissionDenied", "FailedPrecondition", "ResourceExhausted", "Unavailable",
     "DeadlineExceeded", "Unimplemented", "Internal", "Cancelled", "Aborted", "OutOfRange",
     "DataLoss", "Unauthenticated", "Unknown", "ShmUnavailableError", "OpjitWarning",
-    "StopGradientGradWarning", "PreparedCall",
+    "StopGradientGradWarning", "PreparedCall", "once_differentiable", "GradRuleError",
+    "SavedTensorModifiedError", "LeafInplaceError", "PyLayerError",
 ]

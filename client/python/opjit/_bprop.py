@@ -23,6 +23,7 @@ import warnings
 
 import numpy as np
 
+from opjit._grad_rules import fit_grad
 from opjit.errors import FailedPrecondition, InvalidArgument, StopGradientGradWarning
 
 __all__ = ["bprop_args", "BpropPlan", "bprop_groups", "check_stop_gradient", "nonzero"]
@@ -150,14 +151,16 @@ def bprop_groups(plan, saved_in, saved_out, grads, out_meta):
 
 
 def check_grad(plan, j, g, meta, qualified_name):
-    """A grad given for output j must have the output's shape and dtype (the
-    daemon's check, InvalidArgument otherwise)."""
+    """The grad given for output j, in the output's shape and dtype: summed
+    where it broadcasts, cast (opjit._grad_rules, the rule every autograd
+    path shares); GradShapeError (an InvalidArgument) naming the output and
+    both shapes where it cannot be. g: an ndarray or a Tensor (returned as
+    such)."""
     shape, dtype = meta
-    if tuple(g.shape) != tuple(shape) or g.dtype != dtype:
-        raise InvalidArgument(
-            "grad_outputs[%d] (%s) is %s%s but the output was %s%s (op %s)"
-            % (j, plan.out_names[j], g.dtype, list(g.shape), np.dtype(dtype), list(shape),
-               qualified_name))
+    if tuple(g.shape) == tuple(shape) and g.dtype == dtype:
+        return g
+    return fit_grad(g, shape, dtype, "grad_outputs[%d] (%s)" % (j, plan.out_names[j]),
+                    where="op %s" % qualified_name)
 
 
 def check_stop_gradient(plan, qualified_name, i, g, stacklevel=4):

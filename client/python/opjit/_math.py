@@ -11,12 +11,23 @@ grad. A node's backward is written with these same Tensor ops, so under
 gradients are themselves recorded and can be differentiated again. Gradients
 of broadcast operands are summed back to the operand's shape and cast to its
 dtype.
+
+A node remembers the versions of the tensors its backward reads (torch's
+saved tensors: both operands of ``*`` and ``/``, the output of ``tanh``,
+``exp`` and ``sqrt``...); one modified in place since raises
+SavedTensorModifiedError at backward. The in-place ops (``+=``,
+``t[i] = v``, ``add_``...) are recorded as their out-of-place forms whose
+result is written back into the tensor, which takes the new node (torch's
+rebase of history).
 """
+
+import weakref
 
 import numpy as np
 
 from opjit import _tensors as T
-from opjit.autograd import Node, Tensor, is_grad_enabled
+from opjit.autograd import (Node, Tensor, _GradMode, _check_saved, _describe, is_grad_enabled)
+from opjit.errors import LeafInplaceError
 
 __all__ = ["tanh", "exp", "log", "sqrt", "square", "randn", "seed"]
 
@@ -24,16 +35,23 @@ __all__ = ["tanh", "exp", "log", "sqrt", "square", "randn", "seed"]
 class MathNode(Node):
     """A numpy op recorded on the tape: `backward(node, g)` returns one grad per input."""
 
-    def __init__(self, name, inputs, out_meta, backward, saved):
+    def __init__(self, name, inputs, out_meta, backward, saved, checks=()):
         super().__init__(inputs, out_meta)
         self._name = name
         self._backward = backward
         self.saved = saved
+        self.checks = list(checks)  # (what, version counter, version) of what backward reads
+        self._output = None         # a weak reference to the output (saved outputs)
 
     def name(self):
         return self._name + "Backward"
 
+    def output(self):
+        """The output Tensor when it is still alive (else None)."""
+        return self._output() if self._output is not None else None
+
     def apply(self, grads, retain_graph, create_graph=False):
+        _check_saved(self.checks, self.name())
         g = grads[0]
         if g is None:
             shape, dtype = self.out_meta[0]
@@ -58,16 +76,25 @@ def _arr(v):
     return v if isinstance(v, np.ndarray) else np.asarray(v)
 
 
-def _record(name, value, inputs, backward, **saved):
-    """A Tensor of `value`, with a MathNode when an input Tensor requires grad."""
+def _record(name, value, inputs, backward, reads=(), reads_output=False, **saved):
+    """A Tensor of `value`, with a MathNode when an input Tensor requires grad.
+
+    reads: the input Tensors the backward reads (their versions are
+    checked at backward); reads_output: the backward reads the output."""
     out = Tensor(_arr(value))
     if is_grad_enabled() and _is_diff(out.dtype) and any(
             isinstance(t, Tensor) and t.requires_grad for t in inputs):
         slots = [t if isinstance(t, Tensor) else None for t in inputs]
-        node = MathNode(name, slots, [(out.shape, out.dtype)], backward, saved)
+        checks = [("input %d (%s)" % (i, _describe(t)), t._vc, t._vc[0])
+                  for i, t in enumerate(inputs)
+                  if isinstance(t, Tensor) and any(t is r for r in reads)]
+        node = MathNode(name, slots, [(out.shape, out.dtype)], backward, saved, checks)
         out.grad_fn = node
         out._output_index = 0
         out.requires_grad = True
+        if reads_output:
+            node.checks.append(("output 0 (%s%s)" % (out.dtype, list(out.shape)), out._vc, 0))
+            node._output = weakref.ref(out)
     return out
 
 
@@ -123,7 +150,7 @@ def mul(a, b):
 
     def bw(node, g):
         return [_fit(g * b, a) if _needs(a) else None, _fit(g * a, b) if _needs(b) else None]
-    return _record("Mul", np.multiply(_data(a), _data(b)), [a, b], bw)
+    return _record("Mul", np.multiply(_data(a), _data(b)), [a, b], bw, reads=(a, b))
 
 
 def div(a, b):
@@ -133,7 +160,7 @@ def div(a, b):
         ga = _fit(g / b, a) if _needs(a) else None
         gb = _fit(-g * a / (b * b), b) if _needs(b) else None
         return [ga, gb]
-    return _record("Div", np.true_divide(_data(a), _data(b)), [a, b], bw)
+    return _record("Div", np.true_divide(_data(a), _data(b)), [a, b], bw, reads=(a, b))
 
 
 def pow_(a, b):
@@ -152,7 +179,7 @@ def pow_(a, b):
         if _needs(b):
             gb = _fit(g * pow_(a, b) * log(a), b)
         return [ga, gb]
-    return _record("Pow", np.power(_data(a), _data(b)), [a, b], bw)
+    return _record("Pow", np.power(_data(a), _data(b)), [a, b], bw, reads=(a, b))
 
 
 def neg(a):
@@ -171,11 +198,19 @@ def tanh(x):
     y = np.tanh(x.data)
 
     def bw(node, g):
-        if is_grad_enabled():  # create_graph: recompute from x, so it is recorded
-            t = tanh(x)
+        if is_grad_enabled():  # create_graph: through the output, so it is recorded
+            t = _saved_output(node, tanh, x)
             return [g * (1 - t * t)]
         return [g * (1 - node.saved["y"] * node.saved["y"])]
-    return _record("Tanh", y, [x], bw, y=y)
+    return _record("Tanh", y, [x], bw, reads_output=True, y=y)
+
+
+def _saved_output(node, fn, x):
+    """A node's output as its backward reads it under create_graph: the output
+    Tensor itself, with its graph (torch's saved result), or fn(x) again
+    when that Tensor is gone."""
+    y = node.output()
+    return y if y is not None else fn(x)
 
 
 def exp(x):
@@ -184,14 +219,14 @@ def exp(x):
     y = np.exp(x.data)
 
     def bw(node, g):
-        return [g * (exp(x) if is_grad_enabled() else node.saved["y"])]
-    return _record("Exp", y, [x], bw, y=y)
+        return [g * (_saved_output(node, exp, x) if is_grad_enabled() else node.saved["y"])]
+    return _record("Exp", y, [x], bw, reads_output=True, y=y)
 
 
 def log(x):
     """Elementwise natural log (client-side numpy, recorded on the tape)."""
     x = _unary_input(x)
-    return _record("Log", np.log(x.data), [x], lambda node, g: [g / x])
+    return _record("Log", np.log(x.data), [x], lambda node, g: [g / x], reads=(x,))
 
 
 def sqrt(x):
@@ -200,24 +235,28 @@ def sqrt(x):
     y = np.sqrt(x.data)
 
     def bw(node, g):
-        return [g * 0.5 / (sqrt(x) if is_grad_enabled() else node.saved["y"])]
-    return _record("Sqrt", y, [x], bw, y=y)
+        return [g * 0.5 / (_saved_output(node, sqrt, x) if is_grad_enabled()
+                           else node.saved["y"])]
+    return _record("Sqrt", y, [x], bw, reads_output=True, y=y)
 
 
 def square(x):
     """x * x (client-side numpy, recorded on the tape)."""
     x = _unary_input(x)
-    return _record("Square", np.multiply(x.data, x.data), [x], lambda node, g: [g * 2 * x])
+    return _record("Square", np.multiply(x.data, x.data), [x], lambda node, g: [g * 2 * x],
+                   reads=(x,))
 
 
 def astype(x, dtype):
     """x converted to dtype; the gradient is converted back."""
     dt = np.dtype(dtype)
     if x.dtype == dt:
-        return x if not is_grad_enabled() or not x.requires_grad else clone(x)
+        return clone(x)  # a new Tensor, as Paddle's cast and numpy's astype give
 
     def bw(node, g):
-        return [astype(g, x.dtype) if _is_diff(x.dtype) else None]
+        # Back to x's dtype, whatever it is: an integer x requires grad only
+        # as a PyLayer's output (Paddle's rule), and Paddle's cast does so.
+        return [astype(g, x.dtype)]
     return _record("Cast", x.data.astype(dt), [x], bw)
 
 
@@ -320,6 +359,103 @@ def _index_add(g, idx, shape, dtype):
     return _record("IndexAdd", out, [g], lambda node, gg: [getitem(gg, idx)])
 
 
+# ---- in place ------------------------------------------------------------------------
+
+def _check_inplace(t):
+    """torch and Paddle: a leaf that requires grad is not modified in place while
+    grad is recorded (under no_grad it may be: an optimizer step)."""
+    if is_grad_enabled() and t.requires_grad and t.grad_fn is None:
+        raise LeafInplaceError(
+            "a leaf Variable that requires grad is being used in an in-place operation "
+            "(Paddle: a leaf Tensor that doesn't stop gradient can't use inplace strategy); "
+            "modify it under opjit.no_grad(), or modify a copy (clone())",
+            reason="LEAF_INPLACE")
+
+
+def _stand_in(t, copy):
+    """The value t had before an in-place op, for the op's record: t's graph
+    position, a copy of its data where the backward reads it."""
+    old = Tensor(np.array(t.data, copy=True) if copy else t.data)
+    old.grad_fn, old._output_index, old.requires_grad = t.grad_fn, t._output_index, t.requires_grad
+    return old
+
+
+def _write_back(t, res):
+    """t takes res's value and graph position (torch's rebase of history)."""
+    if res.dtype != t.dtype:
+        if not np.can_cast(res.dtype, t.dtype, "same_kind"):
+            raise TypeError("in-place op: the result type %s can't be cast to the tensor's "
+                            "dtype %s" % (res.dtype, t.dtype))
+        res = astype(res, t.dtype)
+    if tuple(res.shape) != tuple(t.shape):
+        raise ValueError("in-place op: the result's shape %s doesn't match the tensor's shape %s"
+                         % (list(res.shape), list(t.shape)))
+    np.copyto(t.data, res.data)
+    t.grad_fn, t._output_index, t.requires_grad = res.grad_fn, res._output_index, res.requires_grad
+
+
+_UFUNCS = {"Add": (add, np.add, False), "Sub": (sub, np.subtract, False),
+           "Mul": (mul, np.multiply, True), "Div": (div, np.true_divide, True)}
+
+
+def _inplace(name):
+    fn, ufunc, reads = _UFUNCS[name]
+
+    def op(self, other):
+        _check_inplace(self)
+        other = _operand(other)
+        if is_grad_enabled() and (self.requires_grad or _needs(other)):
+            # y *= y reads y, whose version this op moves on: its backward raises (torch)
+            _write_back(self, fn(_stand_in(self, reads), other))
+        else:
+            ufunc(self.data, _data(other), out=self.data, casting="same_kind")
+        self._bump_version()
+        return self
+    op.__name__ = name.lower() + "_"
+    op.__doc__ = "In place: self %s= other (recorded; the version moves on)." % (
+        {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/"}[name])
+    return op
+
+
+def setitem(x, idx, value):
+    """x[idx] = value, in place: recorded when x or value requires grad (x's
+    gradient is zero at idx, value's is the gradient there, summed to its shape)."""
+    _check_inplace(x)
+    idx = _index(idx)
+    value = _operand(value)
+    if is_grad_enabled() and (x.requires_grad or _needs(value)):
+        old = _stand_in(x, False)
+        new = np.array(x.data, copy=True)
+        new[idx] = _data(value)
+        keep = np.ones(x.shape, np.bool_)
+        keep[idx] = False
+
+        def bw(node, g):
+            return [g * keep if _needs(old) else None,
+                    _fit(getitem(g, idx), value) if _needs(value) else None]
+        _write_back(x, _record("IndexPut", new, [old, value], bw))
+    else:
+        x.data[idx] = _data(value)
+    x._bump_version()
+
+
+def fill_(x, value):
+    """Every element of x set to value, in place."""
+    setitem(x, Ellipsis, value)
+    return x
+
+
+def zero_(x):
+    """x set to zeros, in place."""
+    return fill_(x, 0)
+
+
+def copy_(x, src):
+    """src (broadcast) written into x, in place; src's gradient is x's, summed."""
+    setitem(x, Ellipsis, src)
+    return x
+
+
 # ---- random --------------------------------------------------------------------------
 
 _rng = np.random.default_rng()
@@ -373,6 +509,18 @@ def _install():
     Tensor.sqrt = sqrt
     Tensor.square = square
     Tensor.pow = pow_
+    Tensor.__setitem__ = setitem
+    for name in ("Add", "Sub", "Mul", "Div"):
+        op = _inplace(name)
+        setattr(Tensor, op.__name__, op)
+        setattr(Tensor, "__i%s__" % {"Add": "add", "Sub": "sub", "Mul": "mul",
+                                       "Div": "truediv"}[name], op)
+    Tensor.subtract_ = Tensor.sub_   # Paddle's names
+    Tensor.multiply_ = Tensor.mul_
+    Tensor.divide_ = Tensor.div_
+    Tensor.fill_ = fill_
+    Tensor.zero_ = zero_
+    Tensor.copy_ = copy_
 
 
 _install()

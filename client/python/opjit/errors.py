@@ -20,6 +20,7 @@ __all__ = [
     "FailedPrecondition", "ResourceExhausted", "Unavailable", "DeadlineExceeded",
     "Unimplemented", "Internal", "Cancelled", "Aborted", "OutOfRange", "DataLoss",
     "Unauthenticated", "Unknown", "error_from_rpc", "error_from_status", "Diagnostic",
+    "GradRuleError", "SavedTensorModifiedError", "LeafInplaceError", "PyLayerError",
 ]
 
 _ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
@@ -212,6 +213,35 @@ def error_from_rpc(err):
     reason, metadata, diagnostics, omitted = _rich_details(err)
     return error_from_status(code, message, reason=reason, metadata=metadata,
                              diagnostics=diagnostics, details=err, omitted_diagnostics=omitted)
+
+
+# ---- autograd rule errors (client side): each framework's exception type, as opjit errors
+
+class GradRuleError(OpjitError, RuntimeError):
+    """An autograd rule broken where torch raises RuntimeError: a Function's
+    backward returned the wrong number of gradients, a gradient for an argument
+    that is not a Tensor, something that is not a gradient; a tensor marked
+    dirty that forward did not return; a second derivative through a backward
+    marked @once_differentiable."""
+    default_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class SavedTensorModifiedError(GradRuleError):
+    """A tensor saved for backward was modified in place after it was saved
+    (its version moved on). torch and Paddle both raise RuntimeError."""
+
+
+class LeafInplaceError(GradRuleError, ValueError):
+    """A leaf tensor that requires grad modified in place while grad is
+    recorded, or returned as modified by a Function/PyLayer. torch raises
+    RuntimeError, Paddle ValueError ("Leaf Var ... can't use inplace
+    strategy"): this is both."""
+
+
+class PyLayerError(InvalidArgument):
+    """A PyLayer rule broken where Paddle raises ValueError: forward returned
+    no Tensor, backward returned the wrong number of gradients, a gradient
+    that is not a Tensor, or one for an input with stop_gradient."""
 
 
 class OpjitWarning(UserWarning):

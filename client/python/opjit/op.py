@@ -294,8 +294,8 @@ class Op:
                 out_names = [q.name for q in sorted(opdef.outputs, key=lambda q: q.index)]
                 non_diff = node.non_diff = {j for j, n in enumerate(out_names) if n in nd}
             for j, t in enumerate(results):
-                if j in non_diff:
-                    continue
+                if j in non_diff or t.dtype.kind not in "fc":
+                    continue  # integer and bool outputs carry no gradient
                 t.grad_fn = node
                 t._output_index = j
                 t.requires_grad = True
@@ -452,6 +452,13 @@ class OpNode(Node):
     def name(self):
         return "%sBackward" % self.op.name
 
+    def input_name(self, i):
+        if self.opdef is not None:
+            names = [p.name for p in sorted(self.opdef.inputs, key=lambda p: p.index)]
+            if i < len(names):
+                return "input %s of op %s" % (names[i], self.op.qualified_name)
+        return "input %d of op %s" % (i, self.op.qualified_name)
+
     def apply(self, grads, retain_graph, create_graph=False):
         if not self.context_id:
             if not self.bprop:
@@ -599,6 +606,10 @@ class ClientOpNode(Node):
     def name(self):
         return "%sBackward" % self.op.name
 
+    def input_name(self, i):
+        names = self.plan.in_names
+        return "input %s of op %s" % (names[i] if i < len(names) else i, self.op.qualified_name)
+
     def apply(self, grads, retain_graph, create_graph=False):
         plan, op = self.plan, self.op
         if self.saved_in is None:
@@ -613,8 +624,7 @@ class ClientOpNode(Node):
             if g is None or j in plan.non_diff:
                 given.append(None)
                 continue
-            check_grad(plan, j, g.data if isinstance(g, Tensor) else g, self.out_meta[j], qual)
-            given.append(g)
+            given.append(check_grad(plan, j, g, self.out_meta[j], qual))
         battrs = {k: v for k, v in self.attrs.items() if k in plan.bprop_attrs}
         if create_graph:
             res = self._recorded_bprop(bprop, brecord, given, battrs)
