@@ -204,6 +204,28 @@ def test_function_one_grad_per_argument_and_needs_input_grad_like_torch():
     np.testing.assert_allclose(x.grad, tx.grad.numpy())
 
 
+def test_function_keyword_arguments_come_last_and_their_grads_are_optional():
+    # torch's apply takes no keywords; opjit's does: they follow the positional arguments.
+    class Mul(opjit.Function):
+        @staticmethod
+        def forward(ctx, x, y=None, scale=1.0):
+            Mul.needs = ctx.needs_input_grad
+            ctx.save_for_backward(x, y)
+            return x * y * scale
+
+        @staticmethod
+        def backward(ctx, g):
+            x, y = ctx.saved_tensors
+            return (g * y,) if Mul.short else (g * y, g * x, None)
+    for short in (True, False):
+        Mul.short = short
+        x = opjit.tensor(np.array([2.0]), requires_grad=True)
+        y = opjit.tensor(np.array([3.0]), requires_grad=True)
+        Mul.apply(x, y=y, scale=1.0).sum().backward()
+        assert Mul.needs == (True, True, False)
+        assert x.grad == 3.0 and (y.grad is None if short else y.grad == 2.0)
+
+
 def _outputs_fn(base, materialize, m):
     seen = []
 

@@ -58,10 +58,11 @@ Rule                                       Function (torch)                     
 backward's inputs                          one grad per output of forward, None for    one grad per Tensor output (non-Tensor
                                            a non-Tensor output                         outputs are skipped; a list/tuple of
                                                                                        Tensors gets a list of grads)
-backward's outputs                         one per argument of forward (None for a     one per Tensor argument (a list/tuple of
-                                           non-Tensor); extra trailing Nones are       Tensors counts once, its grads as a
-                                           allowed                                     list); fewer are allowed where the
-                                                                                       missing inputs have stop_gradient
+backward's outputs                         one per positional argument of forward      one per Tensor argument, keywords
+                                           (None for a non-Tensor), then optionally    included (a list/tuple of Tensors
+                                           one per keyword argument; extra trailing    counts once, its grads as a list);
+                                           Nones are allowed                           fewer are allowed where the missing
+                                                                                       inputs have stop_gradient
 wrong count of grads                       GradRuleError (RuntimeError) "incorrect     PyLayerError (ValueError)
                                            number of gradients (expected N, got M)"
 a grad for a non-Tensor argument           GradRuleError (RuntimeError)                (not an input: counts as too many)
@@ -728,9 +729,10 @@ class Function:
     recording off, and may call daemon ops. backward receives one gradient
     per output of forward (None for a non-Tensor output; zeros, or None
     after ``ctx.set_materialize_grads(False)``, for an output that got none)
-    and returns one per argument of forward (None for non-Tensors; extra
-    trailing Nones are allowed). ``ctx.needs_input_grad`` has one bool per
-    argument. Returned gradients are summed to their input's shape where
+    and returns one per positional argument of forward (None for
+    non-Tensors; extra trailing Nones are allowed), then optionally one per
+    keyword argument (opjit's extension: torch's apply takes none).
+    ``ctx.needs_input_grad`` has one bool per argument, keywords last. Returned gradients are summed to their input's shape where
     they broadcast and cast to its dtype. Integer and bool outputs are not
     differentiable. Inputs that need no gradient get None whatever backward
     returns, and when no input needs one, no node is recorded and backward
@@ -810,10 +812,10 @@ class Function:
             else (isinstance(v, Tensor) and v.requires_grad) for v in values)
         with no_grad():
             result = cls.forward(ctx, *args, **kwargs)
-        return cls._wrap(ctx, slots, inputs, record, result)
+        return cls._wrap(ctx, slots, inputs, record, result, len(args))
 
     @classmethod
-    def _wrap(cls, ctx, slots, inputs, record, result):
+    def _wrap(cls, ctx, slots, inputs, record, result, n_positional):
         items, rebuild = cls._outputs(result)
         # Pass 1: which objects are the outputs, and the checks that come first.
         seen = []      # output Tensors so far (an object returned twice gets an alias)
@@ -866,6 +868,8 @@ class Function:
             elif p is not None or not cls._track_lists:
                 layout.append(p)  # torch: a non-Tensor output gets None
         node = FunctionNode(cls, ctx, slots, metas, layout) if record else None
+        if node is not None:
+            node.n_positional = n_positional
         for k, (o, t, dirty, fresh) in enumerate(outs):
             diff = (node is not None and not _contains(ctx._non_diff, o)
                     and (cls._int_outputs_differentiable or differentiable(t.dtype)))
@@ -892,13 +896,18 @@ class Function:
         if not isinstance(result, (tuple, list)):
             result = (result,)
         n = len(node.inputs)
+        # Keyword arguments (opjit's extension: torch's apply takes none) come after the
+        # positional ones; their gradients may be left out.
+        req = getattr(node, "n_positional", n)
         if len(result) > n and all(g is None for g in result[n:]):
             result = result[:n]
-        if len(result) != n:
+        if not req <= len(result) <= n:
+            expected = "%d" % req if req == n else "%d to %d" % (req, n)
             raise GradRuleError("function %s returned an incorrect number of gradients "
-                                "(expected %d, got %d)" % (name, n, len(result)),
+                                "(expected %s, got %d)" % (name, expected, len(result)),
                                 reason="GRAD_COUNT",
-                                metadata={"expected": str(n), "got": str(len(result))})
+                                metadata={"expected": expected, "got": str(len(result))})
+        result = tuple(result) + (None,) * (n - len(result))
         out = []
         for i, (t, g) in enumerate(zip(node.inputs, result)):
             if g is None:
