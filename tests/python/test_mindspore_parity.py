@@ -245,20 +245,27 @@ def test_none_none_elsewhere_means_any_dtype(client):
 
 
 def test_dtype_format_arity_and_index_messages_are_the_servers(client):
-    # MindSpore's own aot example declares .input(0, "x1").input(0, "x2").
+    # MindSpore's own aot example declares .input(0, "x1").input(0, "x2"): MindSpore takes
+    # inputs in declaration order (the k-th declared input reads column k of each
+    # dtype_format row), and so does the builder (issue 40): x1 and x2, indexed 0 and 1.
     dup = (CustomRegOp("ms_dup_index").input(0, "x1").input(0, "x2").output(0, "y")
            .dtype_format(F32, F32, F32).target("CPU").impl(source=NOP, entry="K"))
+    info = dup.get_op_info()
+    assert [(p["index"], p["name"]) for p in info["inputs"]] == [(0, "x1"), (1, "x2")]
+    assert client.register(dup).record.op.inputs[1].name == "x2"
+    # The server stays strict: a hand-written spec indexes them 0..n-1 in order.
+    info["inputs"][1]["index"] = 0
+    info["name"] = "ms_dup_index_raw"
     short = (CustomRegOp("ms_short_row").input(0, "x").output(0, "y").dtype_format(F32)
              .target("CPU").impl(source=NOP, entry="K"))
     with unchecked():
-        msgs = [server_message(client, b.get_op_info()) for b in (dup, short)]
+        msgs = [server_message(client, i) for i in (info, short.get_op_info())]
     assert msgs[0] == "inputs[1].index: is 0, expected 1 (inputs are indexed 0..n-1 in order)"
     assert msgs[1] == ("dtype_formats[0] has 1 (dtype, format) pairs, but the op has 1 inputs + "
                        "1 outputs = 2")
-    for b, msg in zip((dup, short), msgs):
-        with pytest.raises(opjit.InvalidArgument) as local:
-            b.get_op_info()
-        assert local.value.message == msg
+    with pytest.raises(opjit.InvalidArgument) as local:
+        short.get_op_info()
+    assert local.value.message == msgs[1]
 
 
 # --- names, targets, params -----------------------------------------------------------------

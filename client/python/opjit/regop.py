@@ -31,7 +31,14 @@ MindSpore parity (what MindSpore's CustomRegOp accepts, and what it means here):
   attr-only info (MindSpore's ``add_cpu_info_attr_only``) adds its attrs to
   the inputs and outputs another info declares (see merge_op_defs).
 - ``input(index, name, param_type)`` / ``output(...)``: param_type None means
-  "required". Outputs cannot be optional.
+  "required". Outputs cannot be optional. Inputs (and outputs) are positional
+  in the order they are declared, as in MindSpore, whose op library takes the
+  k-th declared input's dtypes from column k of each dtype_format row and
+  keeps ``index`` only as a label: get_op_info() numbers them 0..n-1 in
+  declaration order, so upstream's fused kernel registration
+  ``.input(0, "x1").input(0, "x2")`` (a repeated index) declares inputs x1
+  and x2, in that order. (The server itself stays strict: a hand-written
+  spec must index them 0..n-1 in order.)
 - ``attr(name, param_type, value_type, default_value=None, value=V)``:
   ``value=`` (MindSpore's attr value for the op, passed through **kwargs) is
   stored as the attr's ``default_value``: the value a call gets when it does
@@ -179,6 +186,16 @@ def _files_json(files):
             raise InvalidArgument("impl: each of files is a path or a dict with name and content "
                                   "(or path); got %r" % (f,))
     return out
+
+
+class OpInfo(dict):
+    """What get_op_info() returns: the OpDef dict, plus ``target``, the target the
+    info names (``CustomRegOp.target(...)``; None when it names none), which the
+    dict cannot carry when the info has no implementation. opjit.mindspore's
+    Custom uses it to pick the infos of the target it runs on, as MindSpore does
+    with a list of CPU and GPU infos."""
+
+    target = None
 
 
 class CustomRegOp:
@@ -465,17 +482,20 @@ class CustomRegOp:
                         % (path, _q(fmt), ", ".join(_KNOWN_FORMATS)))
 
     def get_op_info(self):
-        """The op as a dict in protobuf's JSON mapping of opjit.v1.OpDef.
+        """The op as a dict in protobuf's JSON mapping of opjit.v1.OpDef (an OpInfo,
+        whose ``.target`` is the target named by the last ``target(...)``, or None).
 
         Refuses (InvalidArgument, with the server's message) what the server
         would refuse in the MindSpore-facing parts. An op left unnamed (MindSpore's
         placeholder "Custom") has no "name" key: Client.register names it (see
         resolve_name).
         """
-        inputs = sorted(self._inputs, key=lambda r: r["index"])
-        outputs = sorted(self._outputs, key=lambda r: r["index"])
+        # MindSpore's positional order: declaration order, whatever the indexes say.
+        inputs = [dict(p, index=i) for i, p in enumerate(self._inputs)]
+        outputs = [dict(p, index=i) for i, p in enumerate(self._outputs)]
         self._check(inputs, outputs)
-        info = copy.deepcopy(self._info)
+        info = OpInfo(copy.deepcopy(self._info))
+        info.target = self._target
         if info.get("name") == _PLACEHOLDER_NAME:
             del info["name"]  # unnamed: named when registered (see resolve_name)
         for key, rows in (("inputs", inputs), ("outputs", outputs),
