@@ -595,3 +595,20 @@ def test_refusals_name_the_reason(tmp_path):
         ms.set_context(mode=7)
     context.set_context(mode=context.PYNATIVE_MODE, device_target="CPU", save_graphs=False)
     assert ms.get_context("device_target") == "CPU"
+
+
+def test_outputs_counted_from_reg_info_or_the_pyfunc():
+    # No out_shape, no out_dtype: the reg_info's three outputs (each input 0's shape
+    # and the row's dtype; add_mul_div.cc defines no InferShape).
+    program = ops.Custom(AOT_DIR + "/add_mul_div.cc:CustomAddMulDiv", None, None, "aot",
+                         reg_info=multioutput_cpu_info)
+    x, y = np.array([1.0, 4.0], np.float32), np.array([2.0, 8.0], np.float32)
+    s, p, q = program(Tensor(x), Tensor(y))
+    np.testing.assert_allclose(s.asnumpy(), x + y)
+    np.testing.assert_allclose(p.asnumpy(), x * y)
+    np.testing.assert_allclose(q.asnumpy(), x / y)
+    # A pyfunc's tuple says how many, when neither does.
+    pair = ops.Custom(lambda a: (a + 1, a * 2), None, None, "pyfunc")
+    a, b = pair(Tensor(x))
+    np.testing.assert_allclose(a.asnumpy(), x + 1)
+    np.testing.assert_allclose(b.asnumpy(), x * 2)

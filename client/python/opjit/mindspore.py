@@ -66,13 +66,13 @@ registered twice; the compile is cached by content, so each further variant cost
 registration, not a compile). See Custom for the rules.
 """
 
+import hashlib
 import json
 import os
 import re
 import sys
 import threading
 import types
-import hashlib
 
 import numpy as np
 
@@ -624,9 +624,9 @@ class Custom:
         shapes, dtypes, multi = self._out_spec([list(a.shape) for a in arrays],
                                                [a.dtype for a in arrays])
         if self.func_type == "pyfunc":
-            outs = self._run_pyfunc(arrays, extra, kwargs, shapes, dtypes, multi)
+            outs, multi = self._run_pyfunc(arrays, extra, kwargs, shapes, dtypes, multi)
         else:
-            op = self._variant(arrays, shapes, dtypes, len(extra))
+            op = self._variant(arrays, shapes, dtypes)
             outs = op(*arrays, *extra, **kwargs)
             outs = list(outs) if isinstance(outs, tuple) else [outs]
         results = [Tensor(o) if isinstance(o, np.ndarray) else o for o in outs]
@@ -643,6 +643,9 @@ class Custom:
                                   % what)
         s_multi = (isinstance(s, (list, tuple)) and len(s) > 0
                    and all(isinstance(e, (list, tuple)) for e in s))
+        declared = (self._base or {}).get("outputs") or []
+        if s is None and d is None and len(declared) > 1:
+            d = [None] * len(declared)  # the reg_info's outputs (out_shape None: the rules)
         if isinstance(d, (list, tuple)):
             multi, n, dtypes = True, len(d), list(d)
             if n == 0:
@@ -684,13 +687,12 @@ class Custom:
                                       "kernel's InferShape)" % (what, j, list(sh)))
             norm_s.append(sh)
         norm_d = [None if dt is None else _dtype(dt, "%s out_dtype" % what) for dt in dtypes]
-        declared = (self._base or {}).get("outputs") or []
         if declared and len(declared) != len(norm_s):
             raise InvalidArgument("%s: reg_info declares %d output(s), out_shape/out_dtype give %d"
                                   % (what, len(declared), len(norm_s)))
         return norm_s, norm_d, multi
 
-    def _variant(self, arrays, shapes, dtypes, n_extra):
+    def _variant(self, arrays, shapes, dtypes):
         """The registered op for this call's output rules (and dtypes, without rows)."""
         what = "Custom(%s)" % self.name
         rules = []
@@ -760,6 +762,9 @@ class Custom:
     def _run_pyfunc(self, arrays, extra, kwargs, shapes, dtypes, multi):
         what = "Custom(%s)" % self.name
         res = self.func(*arrays, *extra, **kwargs)
+        if self.out_shape is None and self.out_dtype is None and isinstance(res, tuple):
+            # Neither says how many outputs: the function's tuple does.
+            multi, shapes, dtypes = True, [None] * len(res), [None] * len(res)
         items = list(res) if multi and isinstance(res, (tuple, list)) else [res]
         if len(items) != len(shapes):
             raise InvalidArgument("%s: the pyfunc returned %d output(s); out_shape/out_dtype say %d"
@@ -779,7 +784,7 @@ class Custom:
                 outs.append(a)
             else:
                 outs.append(o)  # a non-Tensor output: passed through, no gradient
-        return outs
+        return outs, multi
 
     # -- autograd
 
