@@ -124,6 +124,11 @@ absl::Status Place(const ForwardCall& call, const Checked& c,
                                        {place.region, offset, out_descs[j].dtype, out_descs[j].shape},
                                        what()));
         for (const auto& in : in_views) {
+          // An output that is exactly an input (the same bytes: an in-place
+          // or `out=` op writing its input) is accepted when the call keeps
+          // its output bytes, which zero-filling would otherwise wipe. Any
+          // other overlap is refused.
+          if (call.keep_output_bytes && view.data == in.data && view.nbytes == in.nbytes) continue;
           if (tensor::Overlaps(view, in)) {
             return absl::InvalidArgumentError(
                 absl::StrCat(what(), " overlaps an input in region \"", place.region, "\""));

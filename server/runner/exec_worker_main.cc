@@ -578,6 +578,7 @@ absl::Status Worker::RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_m
   }
   struct Span {
     uint64_t region, begin, end;
+    bool input;
   };
   absl::InlinedVector<HostTensor, 8> in, out;
   absl::InlinedVector<Span, 8> spans;
@@ -611,9 +612,15 @@ absl::Status Worker::RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_m
                             refs[i].region, " (", size, " bytes)")),
                         reason::kRegionTooSmall, {{"tensor", what()}});
     }
-    // Outputs must not overlap an input or each other (as on the gRPC path).
+    // Outputs must not overlap an input or each other (as on the gRPC path),
+    // except an output that is exactly an input when outputs keep their
+    // bytes (an in-place or `out=` op; placement.cc says the same).
     if (!input && nbytes > 0) {
       for (const Span& sp : spans) {
+        if (keep_bytes && sp.input && sp.region == refs[i].region && sp.begin == off &&
+            sp.end == off + nbytes) {
+          continue;
+        }
         if (sp.region == refs[i].region && off < sp.end && sp.begin < off + nbytes) {
           return absl::InvalidArgumentError(
               absl::StrCat(what(), " overlaps another tensor of the call in region id ",
@@ -621,7 +628,7 @@ absl::Status Worker::RunSlot(fast::Slot* slot, uint64_t handle, double* kernel_m
         }
       }
     }
-    spans.push_back({refs[i].region, off, off + nbytes});
+    spans.push_back({refs[i].region, off, off + nbytes, input});
     t.data = (*m)->data + off;
     t.keep_bytes = !input && keep_bytes;
     (input ? in : out).push_back(std::move(t));

@@ -3,16 +3,41 @@
     import torch, opjit.torch as ot
     leaky = ot.op("leaky_relu")                  # a registered opjit op
     y = leaky(torch.randn(4, 8), alpha=0.5)      # a torch.Tensor
-    y = torch.ops.opjit.leaky_relu(x, alpha=0.5)  # the same, as a torch op (torch.library)
+    y = torch.ops.opjit.leaky_relu(x, 0.5)       # the same, as a torch op (torch.library)
 
 * **Calls.** ``ot.op(name, client=None)`` wraps ``client.op(name)``: inputs
   are torch tensors (or anything opjit takes), attrs are keywords (or
   positional after the inputs), outputs are torch tensors whose shapes and
   dtypes come from the daemon's ``Prepare`` (the opjit call path, fast channel
-  included). The op is also defined as ``torch.ops.opjit.<name>`` (attrs
-  keyword-only; ``<ns>__<name>`` for an op of namespace ``ns``) where its
-  signature has a torch schema; ``TorchOp.torch_op`` is None and
-  ``TorchOp.torch_error`` says why otherwise.
+  included). The op is also defined as ``torch.ops.opjit.<name>``
+  (``<ns>__<name>`` for an op of namespace ``ns``) where its signature has a
+  torch schema: inputs, then attrs by position or keyword with their
+  defaults (keyword-only from a required attr that follows a defaulted one,
+  which torch's schemas cannot have by position); ``TorchOp.torch_op`` is
+  None and ``TorchOp.torch_error`` says why otherwise. Its kernels are
+  Autograd (the autograd.Function below), CPU and Meta, as a torch custom
+  op's: a torch dispatch mode (FakeTensorMode, SchemaCheckMode, make_fx)
+  sees the op itself.
+* **Meta and fake tensors.** A call on ``device="meta"`` tensors, or on
+  FakeTensors (``torch._subclasses.FakeTensorMode``), runs no kernel: the
+  outputs are empty tensors of the same kind whose shapes and dtypes come
+  from the daemon's ``Prepare`` (the op's output rules or its InferShape;
+  the output rules evaluated here for a server without Prepare). The torch
+  op's Meta kernel does the same, so shape-only tracing and torch's
+  CrossRefFakeMode work; autograd on meta tensors runs the bprops shape-only.
+* **In place.** ``ot.op(name, aliases={0: 1})``: output 0 is written into
+  input 1's memory (an in-place or ``out=`` variant; indices or names). The
+  call places that output over the input's bytes (a prepared handle, on the
+  fast channel or over gRPC, with ``keep_output_bytes`` so the daemon does
+  not zero it first: the daemon accepts an output that is exactly an input
+  only then), and returns the input tensor itself: no copy when the input
+  lives in this client's shared memory (``copy_stats()["written_in_place"]``),
+  else one copy in and one back (``copied_back``). The input's version moves
+  on, as for torch's in-place ops; under autograd the input is marked dirty
+  (``mark_dirty``), a bprop that reads it gets its value from before the
+  write (a clone, torch's ``original_self``), and a leaf that requires grad
+  is refused (``InPlaceError``, a RuntimeError). The torch op is
+  ``<name>_`` with ``Tensor(a!)`` on the input and the output.
 * **dtypes.** float16/32/64, int8/16/32/64, uint8 and bool map both ways
   (``torch_dtype``, ``dtype_name``); bfloat16, complex and quantized tensors
   (no opjit dtype), or an output of uint16/32/64 (no torch dtype in torch
@@ -27,10 +52,19 @@
   of its own, double backward works (``create_graph=True``); otherwise the
   second backward raises ``FailedPrecondition`` (``NOT_DIFFERENTIABLE``), as
   does a first backward through an op without a bprop. Outputs named in
-  ``backward.non_differentiable`` are marked so; inputs that need no grad get
-  none. ``ot.function(MyFunction)`` makes an ``opjit.Function`` (PyLayer)
-  differentiable in torch (first order). ``ot.module(name, **attrs)`` is an
-  op as an ``nn.Module`` (for ``nn.Sequential``).
+  ``backward.non_differentiable`` and integer or bool outputs are marked
+  non-differentiable; inputs that need no grad get none. A grad the bprop
+  returns at a broadcast shape is summed to its input's (torch's
+  ``sum_to``, through opjit._grad_rules: ``GradShapeError`` where it cannot
+  be) and cast to the input's dtype. ``ot.function(MyFunction)`` makes an
+  ``opjit.Function`` (PyLayer) differentiable in torch at every order: torch
+  asks opjit's tape for the grads, under ``create_graph`` as another node.
+  Forward-mode AD (dual tensors) and functorch's grad/vjp/jvp raise
+  ``UnsupportedTransform`` (a NotImplementedError and RuntimeError, as
+  torch raises for an autograd.Function without jvp); under vmap a call
+  goes through the torch op, whose per-slice fallback runs it.
+  ``ot.module(name, **attrs)`` is an op as an ``nn.Module`` (for
+  ``nn.Sequential``).
 * **Memory.** CPU tensors are passed to opjit as numpy views (no copy). A
   tensor that lives in this client's shared memory (an earlier output,
   ``ot.empty``, ``ot.from_tensor``) travels by reference: zero copies. Any
@@ -68,17 +102,29 @@ except ImportError as e:
                       "pip install 'opjit[torch]'; the rest of opjit works without it" % e) \
         from e
 
+import torch.autograd.forward_ad as _fwd_ad
+
 import opjit
 from opjit import _fast
 from opjit import _tensors as T
+from opjit._grad_rules import differentiable, fit_grad
 from opjit._shm import ShmUnavailable
-from opjit.errors import FailedPrecondition, InvalidArgument, error_from_status
+from opjit.errors import (FailedPrecondition, InvalidArgument, OpjitError, Unimplemented,
+                          error_from_status)
 from opjit.op import Op, bprop_args
+
+try:  # torch 1.13's fake tensors (shape-only tracing)
+    from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+except ImportError:  # pragma: no cover - an older torch
+    _FakeTensor = None
+_functorch = getattr(torch._C, "_functorch", None)  # functorch's C helpers (torch 1.13)
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 __all__ = ["op", "TorchOp", "PreparedTorchCall", "module", "OpModule", "function", "empty", "empty_like", "zeros", "from_tensor",
            "is_shared", "from_dlpack", "to_dlpack", "torch_dtype", "dtype_name",
            "default_client", "set_default_client", "copy_stats", "reset_copy_stats",
-           "LIBRARY"]
+           "UnsupportedTransform", "InPlaceError", "LIBRARY"]
 
 LIBRARY = "opjit"  # torch.ops.opjit.<name>
 
@@ -89,6 +135,19 @@ _TO_TORCH = {
     "uint8": torch.uint8, "bool": torch.bool,
 }
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+
+
+class UnsupportedTransform(Unimplemented):
+    """A torch transform an opjit op cannot follow: forward-mode AD (dual
+    tensors: an op has no jvp), functorch's grad/vjp/jvp, or vmap of an op
+    that is not a torch op. A NotImplementedError, so also a RuntimeError,
+    as torch raises for an autograd.Function without jvp (reason
+    FORWARD_AD_UNSUPPORTED or FUNCTORCH_UNSUPPORTED)."""
+
+
+class InPlaceError(FailedPrecondition, RuntimeError):
+    """An in-place call torch refuses too (a RuntimeError there): a leaf that
+    requires grad written in place under grad mode (reason INPLACE_LEAF)."""
 
 
 def torch_dtype(name):
@@ -116,7 +175,7 @@ def dtype_name(dtype):
 _lock = threading.Lock()
 _default = None
 _stats = {"calls": 0, "inputs": 0, "shared_inputs": 0, "copied_inputs": 0, "copied_bytes": 0,
-          "made_contiguous": 0}
+          "made_contiguous": 0, "written_in_place": 0, "copied_back": 0, "copied_back_bytes": 0}
 
 
 def default_client():
@@ -139,7 +198,11 @@ def copy_stats():
     """Counts since the last reset: calls, inputs, shared_inputs (passed by
     reference: already in this client's shared memory), copied_inputs and
     copied_bytes (copied once into shared memory by the call), made_contiguous
-    (non-contiguous inputs copied to a contiguous tensor first)."""
+    (non-contiguous inputs copied to a contiguous tensor first); for ops
+    whose outputs alias inputs (``aliases``): written_in_place (outputs the
+    kernel wrote straight into their input's memory) and copied_back /
+    copied_back_bytes (outputs written elsewhere, then copied into an input
+    that does not live in this client's shared memory)."""
     with _lock:
         return dict(_stats)
 
@@ -349,22 +412,85 @@ class _Fast:
 
 
 _grad_enabled = torch.is_grad_enabled
+_NOT_ROUTED = object()
+
+
+def _tensors_in(args, kwargs=None):
+    """The torch tensors among args (and in their lists) and kwargs' values."""
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+def _can_prepare(tr):
+    """Whether transport tr may be asked for Prepare: it uses it, or it was
+    told to take no fast path (fast="off": the handle then goes over gRPC)."""
+    return tr is not None and hasattr(tr, "_prepare") and (
+        getattr(tr, "_prepare_ok", False) or getattr(tr, "fast_mode", "") == "off")
+
+
+def _is_meta_like(t):
+    """A tensor with no data to run a kernel on: meta, or a FakeTensor."""
+    return isinstance(t, torch.Tensor) and (
+        t.is_meta or (_FakeTensor is not None and isinstance(t, _FakeTensor)))
+
+
+def _own(o):
+    """A tensor over o's memory that is not a view (o's storage, offset and strides)."""
+    return o.new_empty((0,)).set_(o.storage(), o.storage_offset(), o.size(), o.stride())
+
+
+def _bump_version(t):
+    """Moves t's version counter on, as an in-place torch op does (an
+    in-place op on an empty view: no element is touched)."""
+    t.detach().as_strided((0,), (1,)).zero_()
+
 _U8 = np.dtype(np.uint8)
 _CALL_CACHE = 64  # bindings kept per TorchOp (dropped all at once beyond)
 _SPARE_BLOCKS = 4  # freed output blocks kept per output of a call shape...
 _SPARE_MAX_BYTES = 1 << 16  # ...when it is at most this big
 
 
+def _is_float(t):
+    return t.is_floating_point() or t.is_complex()
+
+
 class _OpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, *flat):
         top = call.top
+        saved = flat
+        written = ()
+        if top._aliases:
+            # The kernel writes these inputs (mark_dirty). One the bprop
+            # reads is saved as it was before (a clone, as torch's own
+            # in-place ops keep original_self).
+            written = top._written(call)
+            reads = top._bprop_reads(call)
+            if reads:
+                saved = list(flat)
+                for k in reads:
+                    saved[k] = flat[k].clone()
         outs = top._run_call(call, flat)
+        # Outputs over a shared-memory block are views of it (frombuffer):
+        # returned as such, torch would refuse in-place ops on them later
+        # ("output of a function that returns views"). The same memory, as
+        # tensors of their own.
+        mine = {id(flat[k]) for k in written}  # aliased outputs: the inputs themselves
+        outs = [o if id(o) in mine or not o._is_view() else _own(o) for o in outs]
         ctx.call = call
+        if written:
+            ctx.mark_dirty(*[flat[k] for k in written])
         nd = top._non_diff
-        if nd:
-            ctx.mark_non_differentiable(*[o for j, o in enumerate(outs) if j in nd])
-        ctx.save_for_backward(*flat, *outs)
+        # Integer and bool outputs carry no gradient (torch's rule).
+        nondiff = [o for j, o in enumerate(outs) if j in nd or not _is_float(o)]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        ctx.save_for_backward(*saved, *outs)
         ctx.n_in = len(flat)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -382,10 +508,12 @@ class TorchOp:
     ``TorchOp(op)`` or ``opjit.torch.op(name, client=...)``. ``contiguous``:
     "copy" (default: a non-contiguous input is made contiguous, a copy) or
     "error" (refused with InvalidArgument). ``register``: also define
-    ``torch.ops.opjit.<torch_name>`` (default True).
+    ``torch.ops.opjit.<torch_name>`` (default True). ``aliases``: {output
+    index: input index}, outputs the kernel writes into that input's memory
+    (an in-place or ``out=`` op; see the module docstring).
     """
 
-    def __init__(self, op, contiguous="copy", register=True, torch_name=None):
+    def __init__(self, op, contiguous="copy", register=True, torch_name=None, aliases=None):
         if contiguous not in ("copy", "error"):
             raise InvalidArgument('contiguous must be "copy" or "error", not %r' % (contiguous,))
         self.op = op
@@ -394,10 +522,14 @@ class TorchOp:
         self.torch_error = None
         self._bprop = None
         self._bprop_args = None
+        self._aliases = {}
         self._calls = {}  # (kwargs, (dtype, shape) per input) -> _Call
         self._refresh_def()
-        self.torch_name = torch_name or (
-            "%s__%s" % (op.namespace, op.name) if op.namespace else op.name)
+        self._aliases = self._check_aliases(aliases)
+        base = "%s__%s" % (op.namespace, op.name) if op.namespace else op.name
+        # An in-place variant is named as torch names them (mul_), so the
+        # op and its in-place form can both be torch ops.
+        self.torch_name = torch_name or (base + "_" if self._aliases else base)
         if register:
             self._register()
 
@@ -407,6 +539,58 @@ class TorchOp:
     @property
     def name(self):
         return self.op.name
+
+    @property
+    def aliases(self):
+        """{output index: input index}: outputs written into their input's memory."""
+        return dict(self._aliases)
+
+    def _check_aliases(self, aliases):
+        """{output: input} checked against the op's definition: each output
+        aliases one required (or optional) input, at most one output per input."""
+        if not aliases:
+            return {}
+        opdef = self.record.op
+        outs = sorted(opdef.outputs, key=lambda p: p.index)
+        ins = sorted(opdef.inputs, key=lambda p: p.index)
+        names_out = {p.name: j for j, p in enumerate(outs)}
+        names_in = {p.name: i for i, p in enumerate(ins)}
+        checked = {}
+        for j, i in dict(aliases).items():
+            j = names_out.get(j, j) if isinstance(j, str) else j
+            i = names_in.get(i, i) if isinstance(i, str) else i
+            if not isinstance(j, int) or not 0 <= j < len(outs):
+                raise InvalidArgument("op %s: aliases names output %r; it has %d output(s) (%s)"
+                                      % (self.op.name, j, len(outs),
+                                         ", ".join(p.name for p in outs)))
+            if not isinstance(i, int) or not 0 <= i < len(ins):
+                raise InvalidArgument("op %s: aliases names input %r; it has %d input(s) (%s)"
+                                      % (self.op.name, i, len(ins),
+                                         ", ".join(p.name for p in ins)))
+            if (ins[i].param_type or "required") == "dynamic":
+                raise InvalidArgument("op %s: output %s cannot alias dynamic input %s (a list "
+                                      "of tensors)" % (self.op.name, outs[j].name, ins[i].name))
+            if i in checked.values():
+                raise InvalidArgument("op %s: two outputs alias input %s" % (self.op.name,
+                                                                            ins[i].name))
+            checked[j] = i
+        return checked
+
+    def _flat_index(self, call, i):
+        return sum(call.sizes[:i])
+
+    def _written(self, call):
+        """Flat indices of the inputs the kernel writes."""
+        return tuple(self._flat_index(call, i) for i in self._aliases.values()
+                     if call.sizes[i] == 1)
+
+    def _bprop_reads(self, call):
+        """Flat indices of written inputs the bprop reads (saved before the kernel runs)."""
+        if not self.record.op.backward.op:
+            return ()
+        wanted = {i for kind, i in bprop_args(self.record.op) if kind == "in"}
+        return tuple(self._flat_index(call, i) for i in self._aliases.values()
+                     if i in wanted and call.sizes[i] == 1)
 
     def _refresh_def(self):
         self.record = self.op.definition()
@@ -421,6 +605,12 @@ class TorchOp:
 
     # -- the call
     def __call__(self, *args, **kwargs):
+        if _fwd_ad._current_level >= 0 or _transforms_active():
+            routed = self._transformed(args, kwargs)
+            if routed is not _NOT_ROUTED:
+                return routed
+        if self._aliases:
+            return self._call_in_place(args, kwargs)
         # The binding of a call shape (attrs, each input's dtype and shape)
         # is cached, with its fast channel plan: a repeated call skips the
         # binding, Prepare and the numpy views.
@@ -452,6 +642,67 @@ class TorchOp:
                 isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
             return self._apply(call, flat)
         outs = self._run_call(call, flat)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _transformed(self, args, kwargs):
+        """A call under forward-mode AD or a functorch transform: refused
+        where it cannot work (UnsupportedTransform), routed through the torch
+        op under vmap (torch's per-slice fallback), else _NOT_ROUTED."""
+        tensors = [t for t in _tensors_in(args, kwargs)]
+        if _fwd_ad._current_level >= 0:
+            for t in tensors:
+                if _fwd_ad.unpack_dual(t).tangent is not None:
+                    raise UnsupportedTransform(
+                        "op %s: forward-mode AD (torch.autograd.forward_ad) is not supported: "
+                        "opjit ops have no jvp (torch raises the same for an autograd.Function "
+                        "without one); use reverse mode (backward, torch.autograd.grad)"
+                        % self.op.name, reason="FORWARD_AD_UNSUPPORTED",
+                        metadata={"op": self.op.qualified_name})
+        if _functorch is not None and _transforms_active():
+            for t in tensors:
+                if _functorch.is_batchedtensor(t):
+                    if self.torch_op is not None:
+                        # torch's vmap fallback: the op once per slice.
+                        return self.torch_op(*args, **kwargs)
+                    raise UnsupportedTransform(
+                        "op %s: vmap needs the torch op (torch.ops.%s.<name>), which this "
+                        "TorchOp does not define (%s)" % (self.op.name, LIBRARY,
+                                                          self.torch_error or "register=False"),
+                        reason="FUNCTORCH_UNSUPPORTED", metadata={"op": self.op.qualified_name})
+                if _functorch.is_functorch_wrapped_tensor(t):
+                    raise UnsupportedTransform(
+                        "op %s: functorch transforms (grad, vjp, jvp) do not support opjit ops, "
+                        "as they do not support autograd.Function in torch %s; use "
+                        "torch.autograd.grad" % (self.op.name, torch.__version__),
+                        reason="FUNCTORCH_UNSUPPORTED", metadata={"op": self.op.qualified_name})
+        return _NOT_ROUTED
+
+    def _call_in_place(self, args, kwargs):
+        """A call of an op whose outputs alias inputs: the kernel writes the
+        inputs' memory, the outputs are those input tensors, their versions
+        move on (torch's in-place rules, mark_dirty under autograd)."""
+        call, flat = self._bind_call(args, kwargs)
+        for k in self._written(call):
+            if not isinstance(flat[k], torch.Tensor):
+                raise InvalidArgument("op %s: input %d is written in place, so it must be a "
+                                      "torch.Tensor, not %s" % (self.op.name, k,
+                                                                type(flat[k]).__name__))
+        grad = _grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+        if grad:
+            for k in self._written(call):
+                t = flat[k]
+                if t.requires_grad and t.is_leaf:
+                    raise InPlaceError(
+                        "op %s writes its input %d in place, which is a leaf tensor that "
+                        "requires grad (torch refuses: a leaf Variable that requires grad is "
+                        "being used in an in-place operation); clone it, or call under "
+                        "torch.no_grad()" % (self.op.name, k), reason="INPLACE_LEAF",
+                        metadata={"op": self.op.qualified_name, "input": str(k)})
+            return self._apply(call, flat)
+        outs = self._run_call(call, flat)
+        for k in self._written(call):
+            _bump_version(flat[k])
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _apply(self, call, flat):
@@ -499,7 +750,7 @@ class TorchOp:
         """The _Fast plan of this call shape, or None when it cannot take the
         fast channel this way (no channel, no Prepare, an empty tensor, an
         input that is not a dense CPU tensor...)."""
-        if call.version != 0 and call.version != self.record.version:
+        if call.version != 0 and call.version != self.record.version or self._aliases:
             return None
         try:
             tr = self.op._session._t
@@ -563,6 +814,8 @@ class TorchOp:
                     t = t.contiguous()
                     made += 1
                 addr = t.data_ptr()
+                if not addr:  # no data (a FakeTensor): the ordinary path copes
+                    return None
                 for r in regions:
                     if r.addr <= addr and addr + nb <= r.addr + r.size and r.live:
                         refs += (r.id, addr - r.addr)
@@ -675,6 +928,235 @@ class TorchOp:
                         f.pool.free(*blk)
 
     def _run(self, call, flat):
+        for t in flat:
+            if _is_meta_like(t):
+                return self._shape_only(call, flat)
+        if self._aliases:
+            return self._run_aliased(call, flat)
+        return self._run_plain(call, flat)
+
+    # -- shapes only: meta and fake tensors
+    def _shape_only(self, call, flat):
+        """Outputs of a call on meta (or fake) tensors, from the op's rules,
+        without running the kernel: empty tensors of the same kind (meta, or
+        fake under the inputs' FakeTensorMode); an aliased output is its input."""
+        ref = next(t for t in flat if _is_meta_like(t))
+        specs = self._output_specs(call, flat)
+        alias_at = self._alias_flat(call)
+        self._check_alias_specs(specs, flat, alias_at)
+        outs = []
+        for j, (dt, shape) in enumerate(specs):
+            k = alias_at.get(j)
+            outs.append(flat[k] if k is not None else
+                        ref.new_empty(shape, dtype=torch_dtype(T.dtype_name(dt))))
+        return outs
+
+    def _output_specs(self, call, flat):
+        """[(numpy dtype, shape)] of the outputs for inputs of these dtypes
+        and shapes: the daemon's Prepare (the op's output rules, or its
+        InferShape), else the output rules evaluated here."""
+        groups, k = [], 0
+        for n in call.sizes:
+            row = []
+            for t in flat[k:k + n]:
+                if isinstance(t, torch.Tensor):
+                    dt = T.DTYPES[dtype_name(t.dtype)]
+                    row.append(np.broadcast_to(np.empty((), dt), tuple(t.shape)))
+                else:
+                    row.append(T.as_ndarray(t, "input"))
+            groups.append(row)
+            k += n
+        tr = getattr(self.op._session, "_t", None)
+        if _can_prepare(tr):
+            try:
+                prep = tr._prepare(self.op.namespace, self.op.name, call.version,
+                                   call.target or "", groups, call.attrs)
+            except Unimplemented:  # a server without Prepare
+                prep = None
+            if prep is not None:
+                return [(np.dtype(dt), tuple(shape)) for dt, shape, _ in prep.outputs]
+        return _rule_specs(self.record.op, groups, call.attrs, self.op.name)
+
+    # -- in place: outputs written into their inputs
+    def _alias_flat(self, call):
+        """{output index: flat index of the input it is written into}."""
+        return {j: self._flat_index(call, i) for j, i in self._aliases.items()
+                if call.sizes[i] == 1}
+
+    def _check_alias_specs(self, specs, flat, alias_at):
+        for j, k in alias_at.items():
+            dt, shape = specs[j][0], tuple(specs[j][1])
+            t = flat[k]
+            if tuple(t.shape) != shape or T.DTYPES[dtype_name(t.dtype)] != np.dtype(dt):
+                raise InvalidArgument(
+                    "op %s: output %d (%s %s) is written into input %d, which is %s %s: an "
+                    "aliased output must have its input's dtype and shape"
+                    % (self.op.name, j, np.dtype(dt).name, list(shape), k,
+                       dtype_name(t.dtype), list(t.shape)),
+                    reason="ALIAS_MISMATCH", metadata={"op": self.op.qualified_name})
+
+    def _run_aliased(self, call, flat):
+        """The call with each aliased output placed over its input's bytes
+        (a prepared handle, on the fast channel or over gRPC), so the kernel
+        writes the input in place: no copy when the input lives in this
+        client's shared memory, else one copy in and one back. Without
+        shared memory or Prepare: the plain call, then a copy back."""
+        tr = getattr(self.op._session, "_t", None)
+        pool = None
+        if _can_prepare(tr) and not tr.copy_outputs:
+            try:
+                pool = tr.pool(self.op.namespace)
+            except ShmUnavailable:
+                pool = None
+        if pool is None:
+            return self._copy_back(call, flat, self._run_plain(call, flat))
+        for attempt in range(3):
+            try:
+                return self._aliased_once(tr, pool, call, flat)
+            except _fast.ChannelClosed:
+                from opjit._transport import _NoChannel
+                tr._drop_channel(self.op.namespace,
+                                 tr._channels.get(self.op.namespace) or _NoChannel)
+            except OpjitError as err:
+                if attempt == 2:
+                    raise
+                if err.reason == "STALE_HANDLE":
+                    continue  # (_aliased_once forgot the handle)
+                if err.reason == "REGION_NOT_REGISTERED":
+                    pool.forget_regions()
+                    continue
+                raise
+        raise OpjitError("op %s: the in-place call could not be placed" % self.op.name)
+
+    def _aliased_once(self, tr, pool, call, flat):
+        from opjit._proto import exec_pb2
+        from opjit._transport import _rpc, _Staging
+        ns = self.op.namespace
+        groups, arrays, k = [], [], 0
+        for p, n in zip(call.inputs, call.sizes):
+            row = [_array(flat[k + m], (p.name, self.op.name), self.contiguous) for m in range(n)]
+            groups.append(row)
+            arrays.extend(row)
+            k += n
+        try:
+            prep = tr._prepare(ns, self.op.name, call.version, call.target or "", groups,
+                               call.attrs)
+        except Unimplemented:
+            prep = None
+        if prep is None:
+            return self._copy_back(call, flat, self._run_plain(call, flat))
+        alias_at = self._alias_flat(call)
+        self._check_alias_specs([(dt, shape) for dt, shape, _ in prep.outputs], flat, alias_at)
+        st = _Staging(tr, pool)
+        try:
+            locs, in_place, refs = [], [], []
+            for a in arrays:
+                here = pool.locate(a) if a.nbytes else None
+                locs.append(here if here is not None else st.place(a))
+                in_place.append(here is not None)
+            kk = 0
+            for g in groups:
+                if not g:
+                    if prep.null_inputs:
+                        refs += (0, 0)
+                    continue
+                for _ in g:
+                    refs += (locs[kk][0].id, locs[kk][1])
+                    kk += 1
+            out_locs = []
+            for j, (_, _, nb) in enumerate(prep.outputs):
+                k = alias_at.get(j)
+                if k is not None:
+                    loc = locs[k]
+                else:
+                    loc = st.reserve(nb)
+                    if nb:  # outputs start zeroed, as in any call (keep_output_bytes is on)
+                        ctypes.memset(loc[0].addr + loc[1], 0, nb)
+                out_locs.append(loc)
+                refs += (loc[0].id, loc[1])
+            ch = tr.channel(ns) if prep.fast and tr.fast_mode != "off" else None
+            if ch is not None and (prep.n_tensors > ch.max_tensors or
+                                   not all(r.id for r, _ in locs + out_locs)):
+                ch = None  # too many tensors, or a server without region ids: gRPC
+            timeout = tr.timeout
+            try:
+                if ch is not None:
+                    reply = ch.call(prep.handle, refs,
+                                    time.monotonic_ns() + int(timeout * 1e9) if timeout else 0,
+                                    keep_output_bytes=True)
+                    if reply.code:
+                        raise error_from_status(reply.code, reply.message, reason=reply.reason)
+                    tr.calls["fast"] += 1
+                else:
+                    req = exec_pb2.ForwardRequest(namespace=ns, handle=prep.handle,
+                                                  client_id=tr.client_id, keep_output_bytes=True)
+                    kk = 0
+                    for g in groups:
+                        arg = req.inputs.add()
+                        for a in g:
+                            r, off = locs[kk]
+                            kk += 1
+                            arg.tensors.add(dtype=T.dtype_name(a.dtype), shape=list(a.shape),
+                                            shm=exec_pb2.ShmRef(region=r.name, offset=off))
+                    for r, off in out_locs:
+                        req.outputs.add().shm.CopyFrom(exec_pb2.ShmRef(region=r.name, offset=off))
+                    _rpc(tr.executor.Forward, req, timeout)
+                    tr.calls["handle"] += 1
+            except OpjitError as err:
+                if err.reason == "STALE_HANDLE":
+                    tr._forget_prepared(prep)
+                raise
+            fresh = st.output_views([spec for j, spec in enumerate(prep.outputs)
+                                     if j not in alias_at])
+            outs, back, back_bytes = [], 0, 0
+            fresh = iter(fresh)
+            for j, (dt, shape, nb) in enumerate(prep.outputs):
+                k = alias_at.get(j)
+                if k is None:
+                    outs.append(_tensor(next(fresh)))
+                    continue
+                t = flat[k]
+                if not in_place[k] or arrays[k].ctypes.data != t.data_ptr():
+                    # Written into a copy: back into the tensor itself.
+                    r, off = locs[k]
+                    src = pool.view(r, off, dt, shape, track=False)
+                    with torch.no_grad():
+                        t.detach().copy_(torch.from_numpy(src))
+                    back += 1
+                    back_bytes += nb
+                outs.append(t)
+        finally:
+            st.done()
+        n_shared = sum(in_place)
+        with _lock:
+            _stats["calls"] += 1
+            _stats["inputs"] += len(arrays)
+            _stats["shared_inputs"] += n_shared
+            _stats["copied_inputs"] += len(arrays) - n_shared
+            _stats["copied_bytes"] += sum(a.nbytes for a, s in zip(arrays, in_place) if not s)
+            _stats["written_in_place"] += len(alias_at) - back
+            _stats["copied_back"] += back
+            _stats["copied_back_bytes"] += back_bytes
+        return outs
+
+    def _copy_back(self, call, flat, outs):
+        """Outputs computed elsewhere, copied into the inputs they alias."""
+        alias_at = self._alias_flat(call)
+        self._check_alias_specs([(T.DTYPES[dtype_name(o.dtype)], tuple(o.shape)) for o in outs],
+                                flat, alias_at)
+        outs = list(outs)
+        back_bytes = 0
+        for j, k in alias_at.items():
+            with torch.no_grad():
+                flat[k].detach().copy_(outs[j])
+            back_bytes += outs[j].numel() * outs[j].element_size()
+            outs[j] = flat[k]
+        with _lock:
+            _stats["copied_back"] += len(alias_at)
+            _stats["copied_back_bytes"] += back_bytes
+        return outs
+
+    def _run_plain(self, call, flat):
         arrays = []
         pool = self._pool
         shared = copied = copied_bytes = 0
@@ -758,7 +1240,8 @@ class TorchOp:
             dx = bprop(*args, **{k: v for k, v in call.kw.items() if k in battrs})
             if isinstance(dx, torch.Tensor):
                 dx = (dx,)
-            return [dx[i] if needs[i] and i < len(dx) else None for i in range(len(flat))]
+            return self._fit_grads(call, flat, [dx[i] if needs[i] and i < len(dx) else None
+                                                for i in range(len(flat))])
         groups, k = [], 0
         for n in call.sizes:
             groups.append(list(flat[k:k + n]))
@@ -816,16 +1299,53 @@ class TorchOp:
                 g = dx[i] if i < len(dx) and n == 1 else None
                 out.append(g if needs[k] else None)
                 k += 1
+        return self._fit_grads(call, flat, out)
+
+    def _fit_grads(self, call, flat, grads):
+        """Each input's grad as torch delivers it: summed to the input's
+        shape where the bprop returned a broadcast one (opjit._grad_rules:
+        GradShapeError where it cannot be), cast to the input's dtype. The
+        sum is a torch op, so it is part of the graph under create_graph."""
+        out, k = [], 0
+        for p, n in zip(call.inputs, call.sizes):
+            for _ in range(n):
+                g, t = grads[k], flat[k]
+                if g is not None and isinstance(t, torch.Tensor):
+                    if tuple(g.shape) != tuple(t.shape):
+                        g = fit_grad(g, tuple(t.shape), T.DTYPES[dtype_name(t.dtype)], p.name,
+                                     where="op %s's bprop %s" % (self.op.name,
+                                                                 self.record.op.backward.op),
+                                     cast=False)
+                    if g.dtype != t.dtype and _is_float(t):
+                        g = g.to(t.dtype)
+                out.append(g)
+                k += 1
         return out
 
     # -- torch.library
     def _register(self):
+        opdef = self.record.op
+        n_in = len(opdef.inputs)
+        self._schema_args = (n_in, [a.name for a in opdef.attrs])
         try:
-            schema = _schema(self.torch_name, self.record.op)
+            schema = _schema(self.torch_name, opdef, self._aliases)
         except _NoSchema as e:
             self.torch_error = str(e)
             return
         self.torch_op, self.torch_error = _define(self.torch_name, schema, self)
+
+    def _from_schema(self, args, kwargs):
+        """A torch.ops call's arguments as this TorchOp takes them: attrs
+        torch passed by position become keywords (so the call's binding is
+        cached as a direct call's), unset optional ones (None) are left out."""
+        n_in, attr_names = self._schema_args
+        kw = {k: v for k, v in kwargs.items() if v is not None}
+        if len(args) > n_in:
+            for a, v in zip(attr_names, args[n_in:]):
+                if v is not None:
+                    kw[a] = v
+            args = args[:n_in]
+        return args, kw
 
 
 class PreparedTorchCall:
@@ -864,6 +1384,37 @@ class PreparedTorchCall:
                                                                self.prepared.path)
 
 
+def _rule_specs(opdef, groups, attrs, name):
+    """[(numpy dtype, shape)] per output from the op's output rules, for a
+    client whose server has no Prepare: same_as, broadcast and explicit
+    (the kernel's InferShape and reductions need the daemon)."""
+    outs = sorted(opdef.outputs, key=lambda p: p.index)
+    rules = list(opdef.output_rules) or [None] * len(outs)
+    first = [g[0] if g else None for g in groups]
+    specs = []
+    for j, rule in enumerate(rules):
+        kind = (rule.kind if rule is not None else "") or "same_as"
+        if kind == "same_as":
+            src = first[rule.input if rule is not None else 0]
+            dt, shape = src.dtype, tuple(src.shape)
+        elif kind == "broadcast":
+            picked = [first[i] for i in rule.inputs] if rule.inputs else \
+                [a for a in first if a is not None]
+            shape = tuple(np.broadcast_shapes(*[tuple(a.shape) for a in picked]))
+            dt = picked[0].dtype
+        elif kind == "explicit":
+            dt, shape = (np.dtype(T.DTYPES[rule.dtype]) if rule.dtype else first[0].dtype,
+                         tuple(rule.shape))
+        else:
+            raise Unimplemented("op %s: output %s has a %r rule, which needs the daemon's "
+                                "Prepare to give shapes of meta tensors" % (name, outs[j].name,
+                                                                           kind))
+        if rule is not None and rule.dtype and kind != "explicit":
+            dt = T.DTYPES[rule.dtype]
+        specs.append((np.dtype(dt), shape))
+    return specs
+
+
 class _NoSchema(Exception):
     pass
 
@@ -893,24 +1444,33 @@ def _schema_default(value_type, text):
     return "[%s]" % ",".join(json.dumps(str(x)) for x in v)
 
 
-def _schema(name, opdef):
+def _schema(name, opdef, aliases=None):
     """The torch schema of an opjit op: its inputs as Tensor / Tensor? /
-    Tensor[] (in order), its attrs keyword-only, its outputs a Tensor tuple."""
+    Tensor[] (in order), then its attrs, positional or keyword (with their
+    defaults); its outputs a Tensor tuple. aliases ({output: input}): that
+    input is ``Tensor(a!)`` (written in place) and that output ``Tensor(a!)``.
+
+    torch wants no parameter without a default after one with a default
+    among the positional ones (torch 1.13 aborts the process on such a
+    schema): from the first such attr on, attrs are keyword-only."""
     if not name.isidentifier():
         raise _NoSchema("%r is not a torch op name" % name)
+    aliases = aliases or {}
+    letters = {}  # input index -> alias set letter
+    for j, i in sorted(aliases.items()):
+        letters[i] = "abcdefghijklmnopqrstuvwxyz"[len(letters)]
     inputs = sorted(opdef.inputs, key=lambda p: p.index)
-    parts = []
+    parts = []  # (text, has a default)
     for k, p in enumerate(inputs):
         pt = p.param_type or "required"
+        ann = "(%s!)" % letters[k] if k in letters else ""
         if pt == "dynamic":
-            parts.append("Tensor[] %s" % p.name)
+            parts.append(("Tensor[] %s" % p.name, False))
         elif pt == "optional":
             trailing = all((q.param_type or "required") == "optional" for q in inputs[k:])
-            parts.append("Tensor? %s%s" % (p.name, "=None" if trailing else ""))
+            parts.append(("Tensor%s? %s%s" % (ann, p.name, "=None" if trailing else ""), trailing))
         else:
-            parts.append("Tensor %s" % p.name)
-    if opdef.attrs:
-        parts.append("*")
+            parts.append(("Tensor%s %s" % (ann, p.name), False))
     for a in opdef.attrs:
         t = _SCHEMA_TYPES.get(a.value_type)
         if t is None:
@@ -918,32 +1478,50 @@ def _schema(name, opdef):
                             % (a.name, a.value_type))
         if a.default_value:
             try:
-                parts.append("%s %s=%s" % (t, a.name, _schema_default(a.value_type,
-                                                                     a.default_value)))
+                parts.append(("%s %s=%s" % (t, a.name, _schema_default(a.value_type,
+                                                                       a.default_value)), True))
             except (ValueError, TypeError):
                 raise _NoSchema("attr %s: default %r is not a %s" % (a.name, a.default_value,
                                                                        a.value_type)) from None
         elif (a.param_type or "required") == "optional":
-            parts.append("%s? %s=None" % (t, a.name))
+            parts.append(("%s? %s=None" % (t, a.name), True))
         else:
-            parts.append("%s %s" % (t, a.name))
+            parts.append(("%s %s" % (t, a.name), False))
     names = [p.name for p in inputs] + [a.name for a in opdef.attrs]
     bad = [n for n in names if not n.isidentifier()]
     if bad or len(set(names)) != len(names):
         raise _NoSchema("argument names %s cannot be a torch schema's" % (bad or names))
-    n_out = len(opdef.outputs)
-    ret = "Tensor" if n_out == 1 else "(%s)" % ", ".join(["Tensor"] * n_out)
-    return "%s(%s) -> %s" % (name, ", ".join(parts), ret)
+    texts, defaulted, star = [], False, False
+    for k, (text, has_default) in enumerate(parts):
+        if defaulted and not has_default and not star:
+            texts.append("*")
+            star = True
+        defaulted = defaulted or has_default
+        texts.append(text)
+    outs = sorted(opdef.outputs, key=lambda p: p.index)
+    rets = []
+    for j in range(len(outs)):
+        i = aliases.get(j)
+        rets.append("Tensor(%s!)" % letters[i] if i is not None else "Tensor")
+    ret = rets[0] if len(rets) == 1 else "(%s)" % ", ".join(rets)
+    return "%s(%s) -> %s" % (name, ", ".join(texts), ret)
 
 
 _library = None
+_meta_library = None
 _defined = {}  # torch name -> (schema, the TorchOp serving it: the latest ot.op of that name)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _define(name, schema, top):
     """Defines torch.ops.opjit.<name> (once per process; later TorchOps of the
-    same schema take it over). Returns (the torch op or None, why not)."""
-    global _library
+    same schema take it over). Returns (the torch op or None, why not).
+
+    Its kernels, as a torch custom op has them: Autograd (the call as a
+    torch.autograd.Function when an input requires grad; otherwise it
+    dispatches on below autograd), CPU (runs the op) and Meta (output shapes
+    from the op's rules, no kernel run: meta tensors, FakeTensorMode)."""
+    global _library, _meta_library
     with _lock:
         prev = _defined.get(name)
         if prev is not None:
@@ -956,26 +1534,61 @@ def _define(name, schema, top):
         try:
             if _library is None:
                 _library = torch.library.Library(LIBRARY, "DEF")
+                _meta_library = torch.library.Library(LIBRARY, "IMPL", "Meta")
             _library.define(schema)
         except Exception as e:  # a schema torch refuses
             return None, "torch.library refused %r: %s" % (schema, e)
 
-        def kernel(*args, **kwargs):
-            return _defined[name][1](*args, **kwargs)
+        def autograd_kernel(*args, **kwargs):
+            t = _defined[name][1]
+            a, kw = t._from_schema(args, kwargs)
+            tensors = list(_tensors_in(a, kw))
+            if (_grad_enabled() and any(x.requires_grad for x in tensors)) or \
+                    _fwd_ad._current_level >= 0:
+                return t(*a, **kw)  # autograd.Function (or forward AD's refusal)
+            if _dispatch_modes() or any(type(x) not in _PLAIN or x.is_meta for x in tensors):
+                # A torch dispatch mode (FakeTensorMode, make_fx, schema
+                # checks) or a tensor subclass: on to the backend kernels
+                # through the dispatcher, as torch's own ops go.
+                guard = torch._C._AutoDispatchBelowAutograd()  # noqa: F841 (held)
+                try:
+                    return getattr(getattr(torch.ops, LIBRARY), name).default(*args, **kwargs)
+                finally:
+                    del guard
+            return t(*a, **kw)
 
-        _library.impl(name, kernel, "CompositeImplicitAutograd")
+        def cpu_kernel(*args, **kwargs):
+            t = _defined[name][1]
+            a, kw = t._from_schema(args, kwargs)
+            return t(*a, **kw)
+
+        def meta_kernel(*args, **kwargs):
+            t = _defined[name][1]
+            a, kw = t._from_schema(args, kwargs)
+            call, flat = t._bind_call(a, kw)
+            outs = t._shape_only(call, flat)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+
+        _library.impl(name, autograd_kernel, "Autograd")
+        _library.impl(name, cpu_kernel, "CPU")
+        _meta_library.impl(name, meta_kernel)
         _defined[name] = (schema, top)
     return getattr(getattr(torch.ops, LIBRARY), name), None
 
 
 def op(name, client=None, version=0, target=None, contiguous="copy", register=True,
-       torch_name=None):
-    """A TorchOp for registered op `name` ("op" or "ns/op"), or for an opjit.Op."""
+       torch_name=None, aliases=None):
+    """A TorchOp for registered op `name` ("op" or "ns/op"), or for an opjit.Op.
+
+    aliases: {output: input} (indices or names): the kernel writes that
+    output into that input's memory, in place (``out=`` and ``op_``
+    variants); the torch op is then ``<name>_`` with ``Tensor(a!)``."""
     if isinstance(name, Op):
         o = name
     else:
         o = _client(client).op(name, version=version, target=target)
-    return TorchOp(o, contiguous=contiguous, register=register, torch_name=torch_name)
+    return TorchOp(o, contiguous=contiguous, register=register, torch_name=torch_name,
+                   aliases=aliases)
 
 
 class OpModule(torch.nn.Module):
@@ -1005,63 +1618,121 @@ def module(name, client=None, version=0, target=None, contiguous="copy", **attrs
 
 # ---- opjit.Function (PyLayer) in torch ------------------------------------------------
 
-class _PyLayer(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fn, kwargs, contiguous, *args):
-        from opjit.autograd import Tensor, enable_grad
-        leaves, pos = [], []
-        opargs = []
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                needs = ctx.needs_input_grad[3 + i] and a.is_floating_point()
-                t = Tensor(_array(a, "argument %d of %s" % (i, fn.__name__), contiguous),
-                           requires_grad=needs)
-                leaves.append(t)
-                pos.append(i)
-                opargs.append(t)
-            else:
-                opargs.append(a)
-        with enable_grad():
-            outs = fn.apply(*opargs, **kwargs)
-        single = not isinstance(outs, (tuple, list))
-        outs = [outs] if single else list(outs)
-        ctx.opjit = (leaves, pos, outs, len(args))
-        res = []
-        for o in outs:
-            res.append(_tensor(np.array(o.data, copy=False)) if isinstance(o, Tensor)
-                       else torch.as_tensor(o))
-        nondiff = [r for r, o in zip(res, outs)
-                   if not (isinstance(o, Tensor) and o.requires_grad)]
-        if nondiff:
-            ctx.mark_non_differentiable(*nondiff)
-        return res[0] if single else tuple(res)
+class _TapeNode(torch.autograd.Function):
+    """Values on opjit's tape as one torch node. ``state`` holds ``roots``
+    (what the node returns: opjit Tensors, or other values) and ``leaves``
+    (opjit Tensors standing for ``tensors``, the torch tensors the roots were
+    computed from, in order). backward runs opjit.grad of the roots w.r.t.
+    the leaves; under create_graph the grads stay on the tape, with leaves
+    for the incoming grads too, and come back as another _TapeNode, so every
+    order of derivative is torch's and opjit's graph at once."""
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def forward(ctx, state, *tensors):
+        from opjit.autograd import Tensor
+        roots, leaves = state
+        ctx.state = state
+        ctx.save_for_backward(*tensors)
+        res, nondiff = [], []
+        for o in roots:
+            if isinstance(o, Tensor):
+                r = _tensor(np.asarray(o.data))
+                if not (o.requires_grad and differentiable(o.dtype)):
+                    nondiff.append(r)
+            else:
+                r = torch.as_tensor(o)
+                nondiff.append(r)
+            res.append(r)
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return tuple(res)
+
+    @staticmethod
     def backward(ctx, *grads):
-        from opjit.autograd import grad as opjit_grad
-        leaves, pos, outs, n = ctx.opjit
-        roots, gs = [], []
-        for o, g in zip(outs, grads):
-            if getattr(o, "requires_grad", False) and g is not None:
-                roots.append(o)
-                gs.append(_array(g, "a grad").copy())
-        want = [t for t in leaves if t.requires_grad]
-        got = opjit_grad(roots, want, grad_outputs=gs, retain_graph=True) if roots and want \
-            else [None] * len(want)
-        by_leaf = dict(zip([id(t) for t in want], got))
-        out = [None] * n
-        for t, i in zip(leaves, pos):
-            g = by_leaf.get(id(t))
-            out[i] = None if g is None else _tensor(np.ascontiguousarray(g))
-        return (None, None, None) + tuple(out)
+        from opjit.autograd import Tensor, grad as opjit_grad
+        roots, leaves = ctx.state
+        tensors = ctx.saved_tensors
+        create = torch.is_grad_enabled()  # create_graph=True
+        want = [k for k, t in enumerate(leaves) if t.requires_grad and ctx.needs_input_grad[1 + k]]
+        rs, gs, g_torch = [], [], []
+        for o, g in zip(roots, grads):
+            if g is None or not isinstance(o, Tensor) or not o.requires_grad or \
+                    not differentiable(o.dtype):
+                continue
+            rs.append(o)
+            gs.append(Tensor(np.ascontiguousarray(_array(g, "a grad")).copy(),
+                             requires_grad=create))
+            g_torch.append(g)
+        out = [None] * len(leaves)
+        if rs and want:
+            got = opjit_grad(rs, [leaves[k] for k in want], grad_outputs=gs,
+                             retain_graph=True, create_graph=create)
+            if create:
+                pairs = [(k, g) for k, g in zip(want, got) if g is not None]
+                if pairs:
+                    res = _TapeNode.apply(([g for _, g in pairs], list(leaves) + gs),
+                                          *tensors, *g_torch)
+                    for (k, _), r in zip(pairs, res):
+                        out[k] = r
+            else:
+                for k, g in zip(want, got):
+                    if g is not None:
+                        out[k] = _tensor(np.ascontiguousarray(g))
+        for k, g in enumerate(out):
+            if g is not None:
+                t = tensors[k]
+                if tuple(g.shape) != tuple(t.shape):
+                    g = fit_grad(g, tuple(t.shape), T.DTYPES[dtype_name(t.dtype)],
+                                 "argument %d" % k, where="a backward on opjit's tape",
+                                 cast=False)
+                out[k] = g.to(t.dtype) if g.dtype != t.dtype else g
+        return (None,) + tuple(out)
 
 
 def function(fn, contiguous="copy"):
     """A callable running opjit.Function subclass `fn` on torch tensors,
-    differentiable in torch (first order: its backward runs on opjit's tape)."""
+    differentiable in torch at every order: forward runs on opjit's tape
+    (each torch tensor argument a leaf over the same memory), and torch's
+    backward asks the tape (create_graph included: double backward). The
+    tensor arguments are saved, so torch's in-place checks hold."""
     def call(*args, **kwargs):
-        return _PyLayer.apply(fn, kwargs, contiguous, *args)
+        from opjit.autograd import Tensor, enable_grad, no_grad
+        tensors = list(_tensors_in(args, kwargs))
+        if _fwd_ad._current_level >= 0 and any(
+                _fwd_ad.unpack_dual(t).tangent is not None for t in tensors):
+            raise UnsupportedTransform(
+                "%s: forward-mode AD is not supported through ot.function (an opjit "
+                "Function has no jvp)" % call.__name__, reason="FORWARD_AD_UNSUPPORTED")
+        if _transforms_active() and _functorch is not None and any(
+                _functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+            raise UnsupportedTransform(
+                "%s: functorch transforms (vmap, grad, vjp) do not support ot.function, as "
+                "they do not support autograd.Function in torch %s" % (call.__name__,
+                                                                       torch.__version__),
+                reason="FUNCTORCH_UNSUPPORTED")
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        leaves, torch_in = [], []
+
+        def leaf(a, i):
+            needs = grad and a.requires_grad and _is_float(a)
+            t = Tensor(_array(a, "argument %s of %s" % (i, call.__name__), contiguous),
+                       requires_grad=needs)
+            leaves.append(t)
+            torch_in.append(a)
+            return t
+
+        opargs = [leaf(a, i) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        opkw = {k: leaf(v, k) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        with (enable_grad() if grad else no_grad()):
+            outs = fn.apply(*opargs, **opkw)
+        single = not isinstance(outs, (tuple, list))
+        roots = [outs] if single else list(outs)
+        if not grad:
+            res = [_tensor(np.asarray(o.data)) if isinstance(o, Tensor) else o for o in roots]
+            return res[0] if single else tuple(res)
+        res = _TapeNode.apply((roots, leaves), *torch_in)
+        res = [r if isinstance(o, Tensor) else o for r, o in zip(res, roots)]
+        return res[0] if single else tuple(res)
     call.__name__ = getattr(fn, "__name__", "function")
     call.__doc__ = getattr(fn, "__doc__", None)
     return call
