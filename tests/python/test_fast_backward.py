@@ -175,10 +175,17 @@ def test_both_inputs_and_a_grad_of_the_wrong_dtype(fast):
     (y * 3).sum().backward()
     np.testing.assert_allclose(x.grad, 3 * G)
     np.testing.assert_allclose(w.grad, 3 * X)
+    # A float64 grad for the float32 output is cast to float32, as torch does with
+    # y.backward(gradient) (issue 40); one of another shape is refused.
+    y = fast.op("fb_mul")(x, w)
+    x.grad = w.grad = None
+    y.backward(np.ones(4, np.float64))
+    assert x.grad.dtype == np.float32 and w.grad.dtype == np.float32
+    np.testing.assert_allclose(x.grad, G)
     y = fast.op("fb_mul")(x, w)
     with pytest.raises(opjit.InvalidArgument) as e:
-        y.backward(np.ones(4, np.float64))
-    assert "float64" in str(e.value) and "float32" in str(e.value)
+        y.backward(np.ones(2, np.float32))
+    assert "[2]" in str(e.value) and "[4]" in str(e.value)
 
 
 def test_retain_graph(fast):

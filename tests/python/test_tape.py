@@ -155,6 +155,60 @@ def test_gradcheck_finds_a_wrong_bprop(client, gradcheck_supported):
     assert r.inputs[0].max_abs_error > 0.5
 
 
+BIAS_SRC = r'''
+    #include <cstdint>
+    static int64_t Numel(const int* nd, int64_t** s, int i) {
+      int64_t n = 1;
+      for (int d = 0; d < nd[i]; ++d) n *= s[i][d];
+      return n;
+    }
+    // y = x + b, b broadcast along x's leading axes.
+    extern "C" int TapeBiasAdd(int nparam, void** params, int* ndims, int64_t** shapes,
+                               const char** dtypes, void* stream, void* extra) {
+      if (nparam != 3) return 1;
+      const int64_t n = Numel(ndims, shapes, 0), m = Numel(ndims, shapes, 1);
+      const float* x = static_cast<const float*>(params[0]);
+      const float* b = static_cast<const float*>(params[1]);
+      float* y = static_cast<float*>(params[2]);
+      for (int64_t i = 0; i < n; ++i) y[i] = x[i] + b[i % m];
+      return 0;
+    }
+    // (dy) -> (dx, db) = (dy, dy): db at x's shape, for the caller to sum to b's.
+    extern "C" int TapeBiasAddGrad(int nparam, void** params, int* ndims, int64_t** shapes,
+                                   const char** dtypes, void* stream, void* extra) {
+      if (nparam != 3) return 1;
+      const int64_t n = Numel(ndims, shapes, 0);
+      const float* dy = static_cast<const float*>(params[0]);
+      for (int64_t i = 0; i < n; ++i) {
+        static_cast<float*>(params[1])[i] = dy[i];
+        static_cast<float*>(params[2])[i] = dy[i];
+      }
+      return 0;
+    }'''
+
+
+def test_a_bprop_grad_for_a_broadcast_input_is_summed(client, backward_supported):
+    # The bprop gives the bias's grad at x's shape (4, 8); the tape sums it to (8,), as
+    # torch's engine (sum_to) and opjit.torch do (issue 40).
+    client.register(opjit.CustomRegOp("tape_bias_add_grad").input(0, "dy").output(0, "dx")
+                    .output(1, "db").dtype_format(F32, F32, F32).target("CPU")
+                    .impl(source=BIAS_SRC, entry="TapeBiasAddGrad")
+                    .output_rule("same_as", input=0).output_rule("same_as", input=0))
+    client.register(opjit.CustomRegOp("tape_bias_add").input(0, "x").input(1, "b")
+                    .output(0, "y").dtype_format(F32, F32, F32).target("CPU")
+                    .impl(source=BIAS_SRC, entry="TapeBiasAdd").output_rule("same_as", input=0)
+                    .bprop("tape_bias_add_grad", inputs=["grad:y"]))
+    rng = np.random.default_rng(40)
+    x = opjit.tensor(rng.standard_normal((4, 8)).astype(np.float32), requires_grad=True)
+    b = opjit.tensor(rng.standard_normal(8).astype(np.float32), requires_grad=True)
+    y = client.op("tape_bias_add")(x, b)
+    np.testing.assert_allclose(y.numpy(), x.numpy() + b.numpy(), rtol=1e-6)
+    (y * y).sum().backward()
+    assert b.grad.shape == (8,) and b.grad.dtype == np.float32
+    np.testing.assert_allclose(b.grad, (2 * y.numpy()).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(x.grad, 2 * y.numpy(), rtol=1e-6)
+
+
 # ---- against a fake Executor (protocol of the client side) ---------------------------
 
 class FakeExecutor(exec_pb2_grpc.ExecutorServicer):
