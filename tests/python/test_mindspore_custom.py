@@ -612,3 +612,24 @@ def test_outputs_counted_from_reg_info_or_the_pyfunc():
     a, b = pair(Tensor(x))
     np.testing.assert_allclose(a.asnumpy(), x + 1)
     np.testing.assert_allclose(b.asnumpy(), x * 2)
+
+
+def test_bprop_gets_the_attrs_passed_positionally():
+    # MindSpore hands bprop every argument of the call, attrs too, and takes one
+    # gradient per argument (the attr's is dropped) or one per input.
+    def bprop(x, y, scale, out, dout):
+        assert scale == 0.5
+        return dout, dout * scale * 2.0, 0.0
+
+    program = ops.Custom(AOT_DIR + "/add_with_attr.cc:CustomAdd", lambda x, y: x,
+                         lambda x, y: x, "aot", bprop, add_with_attr_cpu_info)
+    x = np.random.normal(0, 1, (2, 3)).astype(np.float32)
+    y = np.random.normal(0, 1, (2, 3)).astype(np.float32)
+    f = lambda a, b: program(a, b, 0.5)  # noqa: E731
+    np.testing.assert_allclose(f(Tensor(x), Tensor(y)).asnumpy(), x + y + 4, rtol=1e-5)
+    gx, gy = ms.grad(f, grad_position=(0, 1))(Tensor(x), Tensor(y))
+    np.testing.assert_allclose(gx.asnumpy(), np.ones((2, 3)))
+    np.testing.assert_allclose(gy.asnumpy(), np.ones((2, 3)))
+    value, gx = ms.value_and_grad(f)(Tensor(x), Tensor(y))
+    np.testing.assert_allclose(value.asnumpy(), x + y + 4, rtol=1e-5)
+    np.testing.assert_allclose(gx.asnumpy(), np.ones((2, 3)))
