@@ -190,7 +190,8 @@ class Tensor(_ag.Tensor):
             input_data = arr.astype(np.float32) if arr.dtype == np.float64 else arr
         if dtype is not None:
             dtype = _dtype(dtype, "Tensor")
-        super().__init__(input_data, dtype=dtype)
+        super().__init__(input_data, requires_grad=bool(kwargs.pop("requires_grad", False)),
+                         dtype=dtype)
 
     def asnumpy(self):
         """The values as an ndarray."""
