@@ -185,8 +185,15 @@ def test_fake_tensor_mode(tc):
         y, d = ot.op("sem_cube")(torch.empty(5, dtype=torch.float64))
     assert isinstance(z, FakeTensor) and z.shape == (4, 8) and z.dtype == torch.float32
     assert isinstance(y, FakeTensor) and y.shape == d.shape == (5,) and y.dtype == torch.float64
+    # Shape-only tracing: the graph holds the op itself, and no kernel ran.
+    from torch.fx.experimental.proxy_tensor import make_fx
+    g = make_fx(lambda a, b: torch.ops.opjit.torch_sem__sem_bmul(a, b).sum(0),
+                tracing_mode="fake")(rand(4, 8), rand(8))
+    assert "opjit.torch_sem__sem_bmul.default" in [str(n.target) for n in g.graph.nodes]
     after = tc.call_counts()
     assert all(after[k] == before[k] for k in ("fast", "grpc", "handle"))
+    a, b = rand(4, 8), rand(8, seed=1)
+    close(g(a, b), (a * b).sum(0))
 
 
 class SchemaCheck:
@@ -500,6 +507,30 @@ def test_double_backward_through_function(tc, name):
     for a, b in zip(gg, gg_ref):
         assert a.shape == b.shape and a.dtype == b.dtype
         close(a, b)
+
+
+def test_function_of_registered_ops(tc):
+    """An ot.function whose forward and backward call registered ops (on the
+    tape, their bprops recorded under create_graph): double backward too."""
+    tanh, tanh_grad = tc.op("sem_tanh"), tc.op("sem_tanh_grad")
+
+    class OpTanh(opjit.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = tanh(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            y, = ctx.saved_tensor()
+            return tanh_grad(y, dy)
+
+    x = rand(3, 4, requires_grad=True)
+    g, gg = _double(ot.function(OpTanh), [x])
+    g_ref, gg_ref = _double(torch.tanh, [x])
+    close(g[0], g_ref[0])
+    close(gg[0], gg_ref[0])
 
 
 def test_function_outputs_and_grad_dtypes(tc):
