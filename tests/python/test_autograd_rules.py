@@ -793,6 +793,40 @@ def test_function_does_not_track_tensors_in_a_list_like_torch():
     assert L.needs == TL.needs == (False,)
 
 
+def test_list_outputs_function_like_torch_and_pylayer_as_paddle():
+    # torch: a list returned by forward is one non-Tensor output (no graph); Paddle
+    # (eager_py_layer.cc): Tensors inside a list/tuple output are outputs, and backward
+    # gets their grads as a list.
+    class TL(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return [x * 2, x * 3]
+
+    class L(opjit.Function):
+        forward = TL.forward
+
+    class P(opjit.PyLayer):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2, [x * 3, "tag", x * 4]
+
+        @staticmethod
+        def backward(ctx, g, gs):
+            P.seen = gs
+            return g * 2 + gs[0] * 3 + gs[1] * 4
+    want = TL.apply(torch.ones(2, requires_grad=True))
+    got = L.apply(opjit.tensor(np.ones(2), requires_grad=True))
+    assert isinstance(got, list) and isinstance(want, list)
+    assert [t.grad_fn is None for t in got] == [t.grad_fn is None for t in want] == [True, True]
+    x = opjit.tensor(np.ones(2), requires_grad=True)
+    a, (b, tag, c) = P.apply(x)
+    assert tag == "tag" and b.grad_fn is a.grad_fn is c.grad_fn is not None
+    b.sum().backward()
+    assert isinstance(P.seen, list) and len(P.seen) == 2
+    np.testing.assert_array_equal(P.seen[1].numpy(), [0, 0])  # materialized
+    np.testing.assert_array_equal(x.grad, [3, 3])
+
+
 # ---- 8. nested PyLayers: a saved tensor keeps its graph -----------------------------------
 
 def test_nested_pylayer_backward_runs_on_a_saved_output():

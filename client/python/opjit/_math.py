@@ -26,7 +26,7 @@ import weakref
 import numpy as np
 
 from opjit import _tensors as T
-from opjit.autograd import (Node, Tensor, _GradMode, _check_saved, _describe, is_grad_enabled)
+from opjit.autograd import Node, Tensor, _check_saved, is_grad_enabled
 from opjit.errors import LeafInplaceError
 
 __all__ = ["tanh", "exp", "log", "sqrt", "square", "randn", "seed"]
@@ -35,12 +35,12 @@ __all__ = ["tanh", "exp", "log", "sqrt", "square", "randn", "seed"]
 class MathNode(Node):
     """A numpy op recorded on the tape: `backward(node, g)` returns one grad per input."""
 
-    def __init__(self, name, inputs, out_meta, backward, saved, checks=()):
+    def __init__(self, name, inputs, out_meta, backward, saved, checks=None):
         super().__init__(inputs, out_meta)
         self._name = name
         self._backward = backward
         self.saved = saved
-        self.checks = list(checks)  # (what, version counter, version) of what backward reads
+        self.checks = [] if checks is None else checks  # _saved_entry records
         self._output = None         # a weak reference to the output (saved outputs)
 
     def name(self):
@@ -76,25 +76,27 @@ def _arr(v):
     return v if isinstance(v, np.ndarray) else np.asarray(v)
 
 
-def _record(name, value, inputs, backward, reads=(), reads_output=False, **saved):
+_INPUT_LABELS = ("input 0", "input 1")
+
+
+def _record(name, value, inputs, backward, reads_inputs=False, reads_output=False, **saved):
     """A Tensor of `value`, with a MathNode when an input Tensor requires grad.
 
-    reads: the input Tensors the backward reads (their versions are
-    checked at backward); reads_output: the backward reads the output."""
+    reads_inputs: the backward reads the input Tensors (their versions are
+    checked at backward); reads_output: it reads the output."""
     out = Tensor(_arr(value))
     if is_grad_enabled() and _is_diff(out.dtype) and any(
             isinstance(t, Tensor) and t.requires_grad for t in inputs):
         slots = [t if isinstance(t, Tensor) else None for t in inputs]
-        checks = [("input %d (%s)" % (i, _describe(t)), t._vc, t._vc[0])
-                  for i, t in enumerate(inputs)
-                  if isinstance(t, Tensor) and any(t is r for r in reads)]
+        checks = [(_INPUT_LABELS[i], t, t._vc, t._vc[0]) for i, t in enumerate(slots)
+                  if t is not None] if reads_inputs else []
         node = MathNode(name, slots, [(out.shape, out.dtype)], backward, saved, checks)
+        if reads_output:  # the output itself is not held: no cycle through the node
+            checks.append(("its output 0", None, out._vc, 0))
+            node._output = weakref.ref(out)
         out.grad_fn = node
         out._output_index = 0
         out.requires_grad = True
-        if reads_output:
-            node.checks.append(("output 0 (%s%s)" % (out.dtype, list(out.shape)), out._vc, 0))
-            node._output = weakref.ref(out)
     return out
 
 
@@ -150,7 +152,7 @@ def mul(a, b):
 
     def bw(node, g):
         return [_fit(g * b, a) if _needs(a) else None, _fit(g * a, b) if _needs(b) else None]
-    return _record("Mul", np.multiply(_data(a), _data(b)), [a, b], bw, reads=(a, b))
+    return _record("Mul", np.multiply(_data(a), _data(b)), [a, b], bw, reads_inputs=True)
 
 
 def div(a, b):
@@ -160,7 +162,7 @@ def div(a, b):
         ga = _fit(g / b, a) if _needs(a) else None
         gb = _fit(-g * a / (b * b), b) if _needs(b) else None
         return [ga, gb]
-    return _record("Div", np.true_divide(_data(a), _data(b)), [a, b], bw, reads=(a, b))
+    return _record("Div", np.true_divide(_data(a), _data(b)), [a, b], bw, reads_inputs=True)
 
 
 def pow_(a, b):
@@ -179,7 +181,7 @@ def pow_(a, b):
         if _needs(b):
             gb = _fit(g * pow_(a, b) * log(a), b)
         return [ga, gb]
-    return _record("Pow", np.power(_data(a), _data(b)), [a, b], bw, reads=(a, b))
+    return _record("Pow", np.power(_data(a), _data(b)), [a, b], bw, reads_inputs=True)
 
 
 def neg(a):
@@ -226,7 +228,7 @@ def exp(x):
 def log(x):
     """Elementwise natural log (client-side numpy, recorded on the tape)."""
     x = _unary_input(x)
-    return _record("Log", np.log(x.data), [x], lambda node, g: [g / x], reads=(x,))
+    return _record("Log", np.log(x.data), [x], lambda node, g: [g / x], reads_inputs=True)
 
 
 def sqrt(x):
@@ -244,7 +246,7 @@ def square(x):
     """x * x (client-side numpy, recorded on the tape)."""
     x = _unary_input(x)
     return _record("Square", np.multiply(x.data, x.data), [x], lambda node, g: [g * 2 * x],
-                   reads=(x,))
+                   reads_inputs=True)
 
 
 def astype(x, dtype):

@@ -354,8 +354,15 @@ class Node:
         self.inputs = inputs
         self.out_meta = out_meta  # (shape, dtype) per output
         self.released = False
-        self._edge_list = [(i, k, t, t.grad_fn, t._output_index)
-                           for i, k, t in _input_tensors(inputs)]
+        edges = []
+        for i, v in enumerate(inputs):
+            if v.__class__ is Tensor or isinstance(v, Tensor):
+                edges.append((i, None, v, v.grad_fn, v._output_index))
+            elif isinstance(v, (list, tuple)):
+                for k, t in enumerate(v):
+                    if isinstance(t, Tensor):
+                        edges.append((i, k, t, t.grad_fn, t._output_index))
+        self._edge_list = edges
 
     def name(self):
         return type(self).__name__
@@ -394,7 +401,10 @@ def _fit(g, t, where="", name="the input", cast=True):
     summed where it broadcasts, cast, refused (GradShapeError) otherwise."""
     if g is None:
         return None
-    if not isinstance(g, Tensor):
+    if isinstance(g, Tensor):
+        if g.data.shape == t.data.shape and g.data.dtype == t.data.dtype:
+            return g  # the usual case
+    else:
         g = T.as_ndarray(g)
     if not getattr(t.grad_fn, "grad_in_dtype_consistent", True):
         cast = False  # Paddle's set_grad_in_dtype_consistent(False) on t's PyLayer
@@ -409,11 +419,24 @@ def _as_grad_tensor(g, like):
         None if g is None else g if isinstance(g, Tensor) else Tensor(T.as_ndarray(g)))
 
 
+def _saved_entry(label, t):
+    """A saved tensor's version record: (label, the tensor, its version
+    counter, its version now); described only when the check fails."""
+    return (label, t, t._vc, t._vc[0])
+
+
 def _check_saved(entries, node_name):
-    """entries: (what, version counter, version when saved): raises
-    SavedTensorModifiedError for the first one whose version moved on."""
-    for what, vc, version in entries:
+    """entries: _saved_entry records: raises SavedTensorModifiedError for the
+    first one whose version moved on, naming it (dtype, shape, and which node
+    made it, as torch does)."""
+    for label, t, vc, version in entries:
         if vc[0] != version:
+            what = label
+            if t is not None:
+                what += " (%s%s" % (t.dtype, list(t.shape))
+                if t.grad_fn is not None:
+                    what += ", output %d of %s" % (t._output_index, t.grad_fn.name())
+                what += ")"
             raise SavedTensorModifiedError(
                 "one of the variables needed for gradient computation has been modified by an "
                 "inplace operation: %s, needed by %s, is at version %d; expected version %d "
@@ -421,16 +444,6 @@ def _check_saved(entries, node_name):
                 reason="SAVED_TENSOR_MODIFIED",
                 metadata={"tensor": what, "node": node_name, "version": str(vc[0]),
                           "expected_version": str(version)})
-
-
-def _describe(t):
-    """A saved tensor's name for errors: dtype, shape and where it came from."""
-    d = "%s%s" % (t.dtype, list(t.shape))
-    if t.grad_fn is not None:
-        d += ", output %d of %s" % (t._output_index, t.grad_fn.name())
-    elif t.requires_grad:
-        d += ", a leaf"
-    return d
 
 
 def _run_backward(roots, retain_graph=False, capture=None, create_graph=False):
@@ -611,9 +624,8 @@ class FunctionCtx:
         for k, v in enumerate(saved):
             for j, t in enumerate(v if isinstance(v, (list, tuple)) else [v]):
                 if isinstance(t, Tensor):
-                    what = "saved tensor %d%s (%s)" % (
-                        k, "[%d]" % j if isinstance(v, (list, tuple)) else "", _describe(t))
-                    versions.append((what, t._vc, t._vc[0]))
+                    versions.append(_saved_entry("saved tensor %d%s" % (
+                        k, "[%d]" % j if isinstance(v, (list, tuple)) else ""), t))
         self._saved = saved
         self._versions = tuple(versions)
 
