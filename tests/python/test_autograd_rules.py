@@ -528,6 +528,30 @@ def test_a_leaf_that_requires_grad_cannot_be_modified_in_place_like_torch():
     assert w._version == 1 and w.is_leaf and w.requires_grad
 
 
+def test_views_share_the_version_and_are_not_modified_in_place_in_a_graph():
+    # torch: a slice shares its base's version counter; an in-place op on a view of a
+    # leaf that requires grad raises. On a view of a non-leaf torch rewrites the base's
+    # history; the tape refuses instead of giving the base a wrong gradient.
+    raises_like_torch(lambda: torch.ones(4, requires_grad=True)[1:].add_(1),
+                      lambda: opjit.tensor(np.ones(4), requires_grad=True)[1:].add_(1),
+                      match="view of a leaf Variable")
+    a = opjit.tensor(np.ones(4))
+    v = a[1:]
+    v += 1
+    assert a._version == v._version == 1
+    np.testing.assert_array_equal(a.numpy(), [1, 2, 2, 2])
+    x = opjit.tensor(np.ones(4), requires_grad=True)
+    t = x * 1
+    with pytest.raises(opjit.GradRuleError, match="view"):
+        t.reshape(2, 2)[0] = opjit.tensor(np.ones(2), requires_grad=True)
+    tx = torch.ones(4, requires_grad=True)
+    with opjit.no_grad(), torch.no_grad():
+        x[1:] -= 0.5  # an optimizer step through a view: -= on the slice, then setitem
+        tx[1:] -= 0.5
+    np.testing.assert_array_equal(x.numpy(), tx.detach().numpy())
+    assert x._version == tx._version == 2
+
+
 def test_a_saved_tensor_modified_in_place_raises_naming_it_like_torch():
     def make(base):
         class Square(base):

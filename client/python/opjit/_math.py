@@ -27,7 +27,7 @@ import numpy as np
 
 from opjit import _tensors as T
 from opjit.autograd import Node, Tensor, _check_saved, is_grad_enabled
-from opjit.errors import LeafInplaceError
+from opjit.errors import GradRuleError, LeafInplaceError
 
 __all__ = ["tanh", "exp", "log", "sqrt", "square", "randn", "seed"]
 
@@ -278,8 +278,8 @@ def _shape_arg(shape):
 def reshape(x, *shape):
     """x in a new shape (-1 allowed); the gradient is reshaped back."""
     shape = _shape_arg(shape)
-    return _record("Reshape", x.data.reshape(shape), [x],
-                   lambda node, g: [reshape(g, x.shape)])
+    return _view(_record("Reshape", x.data.reshape(shape), [x],
+                         lambda node, g: [reshape(g, x.shape)]), x)
 
 
 def broadcast_to(x, shape):
@@ -350,8 +350,18 @@ def _index(idx):
 def getitem(x, idx):
     """x[idx] (numpy indexing); the gradient is scattered (added) back."""
     idx = _index(idx)
-    return _record("Slice", _arr(x.data[idx]), [x],
-                   lambda node, g: [_index_add(g, idx, x.shape, x.dtype)])
+    return _view(_record("Slice", _arr(x.data[idx]), [x],
+                         lambda node, g: [_index_add(g, idx, x.shape, x.dtype)]), x)
+
+
+def _view(out, x):
+    """out, marked a view of x where numpy made it one: they share x's version
+    counter (as torch's views do), so an in-place change through either is seen
+    by the tensors saved for backward."""
+    if out.data is not x.data and np.may_share_memory(out.data, x.data):
+        out._vc = x._vc
+        out._view_of = x
+    return out
 
 
 def _index_add(g, idx, shape, dtype):
@@ -363,15 +373,31 @@ def _index_add(g, idx, shape, dtype):
 
 # ---- in place ------------------------------------------------------------------------
 
-def _check_inplace(t):
+def _check_inplace(t, other=None):
     """torch and Paddle: a leaf that requires grad is not modified in place while
-    grad is recorded (under no_grad it may be: an optimizer step)."""
-    if is_grad_enabled() and t.requires_grad and t.grad_fn is None:
+    grad is recorded (under no_grad it may be: an optimizer step). Nor, here,
+    a view (a slice, a reshape) of a tensor in a graph: torch rewrites the
+    base's history then, which the tape does not, so it refuses rather than
+    give the base a wrong gradient."""
+    if not is_grad_enabled():
+        return
+    if t.requires_grad and t.grad_fn is None:
         raise LeafInplaceError(
             "a leaf Variable that requires grad is being used in an in-place operation "
             "(Paddle: a leaf Tensor that doesn't stop gradient can't use inplace strategy); "
             "modify it under opjit.no_grad(), or modify a copy (clone())",
             reason="LEAF_INPLACE")
+    base = t._view_of
+    if base is not None and (base.requires_grad or t.requires_grad or _needs(other)):
+        if base.requires_grad and base.grad_fn is None:
+            raise LeafInplaceError(
+                "a view of a leaf Variable that requires grad is being used in an in-place "
+                "operation", reason="LEAF_INPLACE")
+        raise GradRuleError(
+            "an in-place operation on a view (a slice or reshape) of a tensor that is part of "
+            "a graph: opjit's tape does not rewrite the base tensor's history, so it refuses "
+            "rather than give it a wrong gradient; modify the base with t[index] = value, or "
+            "a clone()", reason="INPLACE_ON_VIEW")
 
 
 def _stand_in(t, copy):
@@ -404,8 +430,8 @@ def _inplace(name):
     fn, ufunc, reads = _UFUNCS[name]
 
     def op(self, other):
-        _check_inplace(self)
         other = _operand(other)
+        _check_inplace(self, other)
         if is_grad_enabled() and (self.requires_grad or _needs(other)):
             # y *= y reads y, whose version this op moves on: its backward raises (torch)
             _write_back(self, fn(_stand_in(self, reads), other))
@@ -422,9 +448,9 @@ def _inplace(name):
 def setitem(x, idx, value):
     """x[idx] = value, in place: recorded when x or value requires grad (x's
     gradient is zero at idx, value's is the gradient there, summed to its shape)."""
-    _check_inplace(x)
     idx = _index(idx)
     value = _operand(value)
+    _check_inplace(x, value)
     if is_grad_enabled() and (x.requires_grad or _needs(value)):
         old = _stand_in(x, False)
         new = np.array(x.data, copy=True)

@@ -173,11 +173,15 @@ class Tensor:
     bump the tensor's version (``_version``); with grad recording on they
     are recorded too (the tensor gets the new grad_fn, as in torch). A leaf
     that requires grad cannot be modified in place while grad is recorded
-    (LeafInplaceError); under ``no_grad`` it can (an optimizer step).
-    Writing ``t.data`` directly is invisible to the version counter.
+    (LeafInplaceError); under ``no_grad`` it can (an optimizer step). A
+    slice or reshape that numpy makes a view shares its base's version
+    counter; modifying such a view in place while its base is in a graph is
+    refused (GradRuleError: torch rewrites the base's history, the tape does
+    not). Writing ``t.data`` directly is invisible to the version counter.
     """
 
     __array_priority__ = 100
+    _view_of = None  # the tensor this one is a view of (a slice, a reshape), if any
 
     def __init__(self, data, requires_grad=False, dtype=None):
         if isinstance(data, Tensor):
