@@ -446,8 +446,10 @@ def _own(o):
 
 def _bump_version(t):
     """Moves t's version counter on, as an in-place torch op does (an
-    in-place op on an empty view: no element is touched)."""
-    t.detach().as_strided((0,), (1,)).zero_()
+    in-place op on an empty view: no element is touched). Inference tensors
+    have no version counter."""
+    if not t.is_inference():
+        t.detach().as_strided((0,), (1,)).zero_()
 
 _U8 = np.dtype(np.uint8)
 _CALL_CACHE = 64  # bindings kept per TorchOp (dropped all at once beyond)
@@ -457,6 +459,10 @@ _SPARE_MAX_BYTES = 1 << 16  # ...when it is at most this big
 
 def _is_float(t):
     return t.is_floating_point() or t.is_complex()
+
+
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                     torch.complex64, torch.complex128))
 
 
 class _OpFunction(torch.autograd.Function):
@@ -480,14 +486,16 @@ class _OpFunction(torch.autograd.Function):
         # returned as such, torch would refuse in-place ops on them later
         # ("output of a function that returns views"). The same memory, as
         # tensors of their own.
-        mine = {id(flat[k]) for k in written}  # aliased outputs: the inputs themselves
-        outs = [o if id(o) in mine or not o._is_view() else _own(o) for o in outs]
-        ctx.call = call
         if written:
+            mine = {id(flat[k]) for k in written}  # aliased outputs: the inputs themselves
+            outs = [o if id(o) in mine or not o._is_view() else _own(o) for o in outs]
             ctx.mark_dirty(*[flat[k] for k in written])
+        else:
+            outs = [_own(o) if o._is_view() else o for o in outs]
+        ctx.call = call
         nd = top._non_diff
         # Integer and bool outputs carry no gradient (torch's rule).
-        nondiff = [o for j, o in enumerate(outs) if j in nd or not _is_float(o)]
+        nondiff = [o for j, o in enumerate(outs) if j in nd or o.dtype not in _FLOATS]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
         ctx.save_for_backward(*saved, *outs)
@@ -1195,6 +1203,9 @@ class TorchOp:
         this client's shared memory are used in place; others are copied
         there once (write new values into ``inputs``). Each call returns the
         same output tensors, overwritten by the next (clone what you keep)."""
+        if self._aliases:
+            raise InvalidArgument("op %s: a prepared call cannot write its inputs in place "
+                                  "(aliases); call the TorchOp" % self.op.name)
         if torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             raise InvalidArgument("op %s: a prepared call records no gradient; call it under "
