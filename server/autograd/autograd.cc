@@ -51,6 +51,7 @@ struct Context {
   std::vector<SavedTensor> outputs;                // per output (empty: not differentiable)
   std::vector<exec::TensorDesc> output_descs;      // per output, always
   std::vector<size_t> input_counts;                // tensors per declared input
+  std::vector<exec::TensorDesc> input_descs;       // per declared input: its first tensor's
   std::map<std::string, exec::AttrArg> attrs;      // the forward's attrs
   uint64_t bytes = 0;
   Clock::time_point last_used;
@@ -180,16 +181,85 @@ std::vector<exec::OutputPlacement> GradPlacements(const Context& ctx,
   return per;
 }
 
+// Whether a tensor of `shape` broadcasts to `to` (numpy's and torch's rule).
+bool Expandable(const std::vector<int64_t>& shape, const std::vector<int64_t>& to) {
+  if (shape.size() > to.size()) return false;
+  for (size_t k = 1; k <= shape.size(); ++k) {
+    const int64_t a = shape[shape.size() - k];
+    if (a != 1 && a != to[to.size() - k]) return false;
+  }
+  return true;
+}
+
+// A grad `g` of the bprop for forward input `i`, in that input's shape: a
+// grad that broadcasts to the input's shape is summed back to it (torch's
+// engine sum_to, MindSpore's auto_reduce), as every client's tape does; any
+// other shape is refused, naming the input and both shapes. Only grads the
+// daemon holds inline are reduced here; one written to the caller's shared
+// memory, or one with a context of its own (create_graph, whose graph a sum
+// here would cut), is left for the client's tape to reduce.
+absl::Status FitGrad(const Context& ctx, size_t i, exec::OutputResult* g, bool reduce) {
+  const exec::TensorDesc& want = ctx.input_descs[i];
+  if (want.dtype.empty() || g->desc.shape == want.shape) return absl::OkStatus();
+  const registry::OpDef& fdef = ctx.record->def;
+  const std::string who = absl::StrCat("the bprop ", fdef.backward.op, " of ", ctx.ns, "/",
+                                       fdef.name, " returned a grad for input ",
+                                       fdef.inputs[i].name, " of shape ", exec::DescString(g->desc),
+                                       " but the input is ", exec::DescString(want));
+  if (!Expandable(want.shape, g->desc.shape)) {
+    return WithReason(absl::InvalidArgumentError(absl::StrCat(
+                          who, ", and the grad cannot be summed to it (it does not broadcast)")),
+                      reason::kGradShape, {{"input", fdef.inputs[i].name}});
+  }
+  exec::OwnedBytes* owned = g->mutable_inline_bytes();
+  if (!reduce || owned == nullptr) return absl::OkStatus();
+  const tensor::Dtype dtype = tensor::DtypeOf(g->desc.dtype);
+  auto n_out = tensor::ByteSize(g->desc.dtype, want.shape);
+  if (!n_out.ok()) return n_out.status();
+  std::vector<int64_t> in_shape = g->desc.shape;  // the grad's
+  const size_t lead = in_shape.size() - want.shape.size();
+  size_t n_in = 1, n_want = 1;
+  for (int64_t d : in_shape) n_in *= static_cast<size_t>(d);
+  for (int64_t d : want.shape) n_want *= static_cast<size_t>(d);
+  if (owned->bytes.size() < n_in * dtype.size) {
+    return absl::InternalError(absl::StrCat(who, ": the grad holds fewer bytes than its shape"));
+  }
+  std::vector<double> sum(n_want, 0.0);
+  std::vector<int64_t> idx(in_shape.size(), 0);
+  for (size_t e = 0; e < n_in; ++e) {
+    size_t target = 0;
+    for (size_t k = lead; k < in_shape.size(); ++k) {
+      const int64_t w = want.shape[k - lead];
+      target = target * static_cast<size_t>(w) + static_cast<size_t>(w == 1 ? 0 : idx[k]);
+    }
+    sum[target] += tensor::ReadElement(dtype, owned->bytes.data(), e);
+    for (size_t k = in_shape.size(); k-- > 0;) {  // next index, row-major
+      if (++idx[k] < in_shape[k]) break;
+      idx[k] = 0;
+    }
+  }
+  std::string out(*n_out, '\0');
+  for (size_t e = 0; e < n_want; ++e) tensor::WriteElement(dtype, out.data(), e, sum[e]);
+  owned->bytes = std::move(out);
+  g->desc.shape = want.shape;
+  return absl::OkStatus();
+}
+
 // The bprop's outputs as the grads of the forward's inputs: one per input
-// that requires one. A nonzero grad for one that needs none is dropped and
+// that requires one, reduced to the input's shape (FitGrad). A nonzero grad for one that needs none is dropped and
 // reported (a warning, or an error when backward.stop_gradient_grads says).
-absl::Status CollectGrads(const Context& ctx, exec::ForwardResult* bprop, BackwardResult* out) {
+absl::Status CollectGrads(const Context& ctx, exec::ForwardResult* bprop, BackwardResult* out,
+                          bool reduce) {
   const registry::OpDef& fdef = ctx.record->def;
   out->grad_inputs.resize(ctx.requires_grad.size());
   for (size_t i = 0; i < ctx.requires_grad.size(); ++i) {
     if (i >= bprop->outputs.size()) continue;
     if (ctx.input_counts[i] == 0) continue;  // an absent optional input has no grad
     if (ctx.requires_grad[i]) {
+      // A dynamic input's tensors may differ in shape; the bprop gives one grad.
+      if (ctx.input_counts[i] == 1 && i < ctx.input_descs.size()) {
+        OPJIT_RETURN_IF_ERROR(FitGrad(ctx, i, &bprop->outputs[i], reduce));
+      }
       out->grad_inputs[i].push_back(std::move(bprop->outputs[i]));
       continue;
     }
@@ -335,7 +405,10 @@ void Autograd::ForwardAsync(exec::ForwardCall call, std::vector<bool> requires_g
   ctx->record = *record;
   ctx->requires_grad = std::move(requires_grad);
   ctx->attrs = call.attrs;
-  for (const auto& group : call.inputs) ctx->input_counts.push_back(group.size());
+  for (const auto& group : call.inputs) {
+    ctx->input_counts.push_back(group.size());
+    ctx->input_descs.push_back(group.empty() ? exec::TensorDesc{} : group[0].desc);
+  }
   Impl* impl = impl_.get();
   impl->executor->ForwardAsync(
       std::move(call), [impl, ctx, done](absl::StatusOr<exec::ForwardResult> r) {
@@ -420,7 +493,8 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
     for (const auto& group : bcall.inputs) bprop_grad.push_back(!group.empty() && !group[0].is_null());
   }
 
-  auto finish = [ctx, zeros, done, t0](absl::StatusOr<GradForwardResult> r) {
+  const bool reduce = !call.create_graph;
+  auto finish = [ctx, zeros, done, t0, reduce](absl::StatusOr<GradForwardResult> r) {
     if (!r.ok()) {
       return done(Annotate(r.status(), absl::StrCat("backward of ", ctx->ns, "/",
                                                     ctx->record->def.name, ": ")));
@@ -428,7 +502,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
     BackwardResult out;
     out.kernel_ms = r->forward.kernel_ms;
     out.context_id = r->context_id;
-    if (absl::Status s = CollectGrads(*ctx, &r->forward, &out); !s.ok()) return done(s);
+    if (absl::Status s = CollectGrads(*ctx, &r->forward, &out, reduce); !s.ok()) return done(s);
     out.server_ms = MsSince(t0);
     done(std::move(out));
   };

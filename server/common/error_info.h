@@ -47,6 +47,9 @@ inline constexpr char kBpropMismatch[] = "BPROP_MISMATCH";
 // A bprop returned a nonzero grad for an input that needs none, and the op
 // says backward.stop_gradient_grads = "error".
 inline constexpr char kStopGradientGrad[] = "STOP_GRADIENT_GRAD";
+// A grad whose shape neither is its input's nor broadcasts to it (a grad that
+// broadcasts is summed to the input's shape, as the frameworks do).
+inline constexpr char kGradShape[] = "GRAD_SHAPE";
 }  // namespace reason
 
 // The type URL of opjit's reason payload on absl::Status.

@@ -325,6 +325,104 @@ TEST_P(AutogradTest, ExecutorNullTensors) {
   EXPECT_NE(r.status().message().find("no data"), std::string::npos) << r.status();
 }
 
+// y = x * b with b broadcast along x's rows, x (rows, n) and b (n); its bprop
+// BMulGrad (x, b, dy) -> (dx, db) writes db in dy's full shape, as a bprop
+// that leaves the reduction to the framework does (torch's engine sums it,
+// MindSpore's auto_reduce).
+const std::string kBroadcastMul = R"(
+#include <cstdint>
+static int64_t Numel(int nd, const int64_t* s) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; ++i) n *= s[i];
+  return n;
+}
+extern "C" int BMul(int nparam, void** params, int* ndims, int64_t** shapes, const char**, void*,
+                    void*) {
+  if (nparam != 3) return 1;
+  const int64_t n = Numel(ndims[1], shapes[1]), total = Numel(ndims[0], shapes[0]);
+  const float* x = static_cast<const float*>(params[0]);
+  const float* b = static_cast<const float*>(params[1]);
+  float* y = static_cast<float*>(params[2]);
+  for (int64_t i = 0; i < total; ++i) y[i] = x[i] * b[i % n];
+  return 0;
+}
+extern "C" int BMulGrad(int nparam, void** params, int* ndims, int64_t** shapes, const char**,
+                        void*, void*) {
+  if (nparam != 5) return 1;
+  const int64_t n = Numel(ndims[1], shapes[1]), total = Numel(ndims[0], shapes[0]);
+  const float* x = static_cast<const float*>(params[0]);
+  const float* b = static_cast<const float*>(params[1]);
+  const float* dy = static_cast<const float*>(params[2]);
+  float* dx = static_cast<float*>(params[3]);
+  float* db = static_cast<float*>(params[4]);  // dy's shape: summed by the daemon
+  for (int64_t i = 0; i < total; ++i) {
+    dx[i] = dy[i] * b[i % n];
+    db[i] = dy[i] * x[i];
+  }
+  return 0;
+}
+// Writes nothing: the shapes are what a test looks at.
+extern "C" int Nothing(int, void**, int*, int64_t**, const char**, void*, void*) { return 0; }
+)";
+
+TEST_P(AutogradTest, AGradThatBroadcastsIsSummedToItsInputsShape) {
+  auto g = Def("bmul_grad", {"x", "b", "dy"}, {"dx", "db"}, kBroadcastMul, "BMulGrad");
+  g.output_rules = {SameAs(2), SameAs(2)};
+  Register(g);
+  auto f = Def("bmul", {"x", "b"}, {"y"}, kBroadcastMul, "BMul");
+  f.output_rules = {SameAs(0)};
+  f.backward.op = "bmul_grad";
+  f.backward.inputs = {"x", "b", "dout"};
+  Register(f);
+  // Inline tensors are views: their bytes outlive the calls.
+  const std::string x = Bytes({1, 2, 3, 4, 5, 6}), bias = Bytes({10, 20, 30});
+  const std::string dy = Bytes({1, 1, 1, 2, 2, 2});
+  exec::ForwardCall call;
+  call.op = "bmul";
+  call.inputs = {{TensorArg::Inline({"float32", {2, 3}}, x)},
+                 {TensorArg::Inline({"float32", {3}}, bias)}};
+  auto fwd = Forward(call, {true, true});
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  BackwardCall b;
+  b.context_id = fwd->context_id;
+  b.grad_outputs = {TensorArg::Inline({"float32", {2, 3}}, dy)};
+  auto bwd = Backward(b);
+  ASSERT_TRUE(bwd.ok()) << bwd.status();
+  EXPECT_EQ(Floats(bwd->grad_inputs[0][0]), (std::vector<float>{10, 20, 30, 20, 40, 60}));
+  EXPECT_EQ(bwd->grad_inputs[0][0].desc.shape, (std::vector<int64_t>{2, 3}));
+  // db = sum over rows of dy * x: [1 + 8, 2 + 10, 3 + 12].
+  EXPECT_EQ(bwd->grad_inputs[1][0].desc.shape, (std::vector<int64_t>{3}));
+  EXPECT_EQ(Floats(bwd->grad_inputs[1][0]), (std::vector<float>{9, 12, 15}));
+}
+
+TEST_P(AutogradTest, AGradThatCannotBeSummedToItsInputIsRefusedNamingIt) {
+  auto g = Def("odd_grad", {"x", "b", "dy"}, {"dx", "db"}, kBroadcastMul, "Nothing");
+  g.output_rules = {SameAs(1), SameAs(1)};  // dx in b's shape (3): not x's (2)
+  Register(g);
+  auto f = Def("odd", {"x", "b"}, {"y"}, kBroadcastMul, "Nothing");
+  f.output_rules = {SameAs(1)};
+  f.backward.op = "odd_grad";
+  f.backward.inputs = {"x", "b", "dout"};
+  Register(f);
+  exec::ForwardCall call;
+  const std::string x = Bytes({1, 2}), bias = Bytes({1, 2, 3}), dy = Bytes({1, 1, 1});
+  call.op = "odd";
+  call.inputs = {{Arg(x)}, {Arg(bias)}};
+  auto fwd = Forward(call, {true, true});
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  BackwardCall b;
+  b.context_id = fwd->context_id;
+  b.grad_outputs = {Arg(dy)};
+  auto bwd = Backward(b);
+  EXPECT_EQ(bwd.status().code(), absl::StatusCode::kInvalidArgument) << bwd.status();
+  auto why = GetReason(bwd.status());
+  ASSERT_TRUE(why.has_value());
+  EXPECT_EQ(why->reason, reason::kGradShape);
+  EXPECT_NE(bwd.status().message().find("input x"), std::string::npos) << bwd.status();
+  EXPECT_NE(bwd.status().message().find("float32[3]"), std::string::npos) << bwd.status();
+  EXPECT_NE(bwd.status().message().find("float32[2]"), std::string::npos) << bwd.status();
+}
+
 INSTANTIATE_TEST_SUITE_P(Runners, AutogradTest, ::testing::Values("in_daemon", "process"),
                          [](const auto& info) { return std::string(info.param); });
 
