@@ -146,6 +146,11 @@ def test_meta_tensors_take_shapes_from_rules(tc, stats):
     after = tc.call_counts()
     assert all(after[k] == before[k] for k in ("fast", "grpc", "handle")), (before, after)
     assert stats()["calls"] == 0
+    # A meta call leaves no binding behind: real calls of its shape keep their fast plan.
+    ra, rb = rand(4, 8, dtype=torch.float32), rand(8, seed=1, dtype=torch.float32)
+    close(bmul(ra, rb), ra * rb)
+    if tc.fast_path_active():
+        assert all(c.fast is not None for c in bmul._calls.values()), bmul._calls
     # The op's rules still check the call (a shape the broadcast rule refuses).
     with pytest.raises(opjit.InvalidArgument):
         bmul(torch.empty(4, 8, device="meta"), torch.empty(3, device="meta"))

@@ -640,8 +640,11 @@ class TorchOp:
                 outs = self._run(call, args)
             return outs[0] if len(outs) == 1 else tuple(outs)
         call, flat = self._bind_call(args, kwargs)
+        # (A meta or fake call is not cached: a real call of its shape
+        # would find no fast plan there.)
         if key is not None and len(flat) == len(args) and all(
-                f is a and isinstance(a, torch.Tensor) for f, a in zip(flat, args)):
+                f is a and isinstance(a, torch.Tensor) and not _is_meta_like(a)
+                for f, a in zip(flat, args)):
             call.fast = self._make_fast(call, flat)
             if len(self._calls) >= _CALL_CACHE:
                 self._retire_calls()
