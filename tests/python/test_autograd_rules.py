@@ -322,6 +322,34 @@ def test_function_grad_count_rules_like_torch():
         lambda: NotAGrad.apply(opjit.tensor(np.ones(2), requires_grad=True)).sum().backward())
 
 
+def test_an_output_returned_twice_is_one_tensor_like_torch():
+    def make(base):
+        class Twice(base):
+            @staticmethod
+            def forward(ctx, x, y):
+                o = x * 2
+                return o, o, y
+
+            @staticmethod
+            def backward(ctx, g1, g2, gy):
+                return g1 * 2 + g2 * 2, gy if ctx.needs_input_grad[1] else None
+        return Twice
+    tx = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    ta, tb, tc = make(torch.autograd.Function).apply(tx, torch.ones(2, dtype=torch.float64))
+    (ta + tb + tc).sum().backward()
+    for base in (opjit.Function, opjit.PyLayer):
+        x = opjit.tensor(np.ones(2), requires_grad=True)
+        y = opjit.tensor(np.ones(2))
+        a, b, c = make(base).apply(x, y)
+        assert (a is b) == (ta is tb) is True
+        # An input returned unchanged: in torch a new tensor (a view), in Paddle (in place)
+        # y itself; either way it carries the node.
+        assert (c is y) == (base is opjit.PyLayer) and c.grad_fn is a.grad_fn
+        assert c.requires_grad == tc.requires_grad is True
+        (a + b + c).sum().backward()
+        np.testing.assert_array_equal(x.grad, tx.grad.numpy())
+
+
 def test_function_forward_without_a_tensor_output_like_torch():
     class NoTensor(opjit.Function):
         @staticmethod

@@ -834,7 +834,6 @@ class Function:
     def _wrap(cls, ctx, slots, inputs, record, result, n_positional):
         items, rebuild = cls._outputs(result)
         # Pass 1: which objects are the outputs, and the checks that come first.
-        seen = []      # output Tensors so far (an object returned twice gets an alias)
         plan = []      # per item: None (not a Tensor output), an output index or a list
         outs = []      # per output index: [returned object, the Tensor to return, dirty]
         returned = []
@@ -843,7 +842,12 @@ class Function:
             returned.append(o)
             t = Tensor(o) if isinstance(o, np.ndarray) else o
             dirty = fresh = False
-            if _contains(inputs, o) and not _contains(seen, o):
+            prev = next((x for x in outs if x[0] is o), None)
+            if prev is not None and not _contains(inputs, o):
+                # The same output twice: one object, the last index wins (as in both).
+                outs.append(prev)
+                return len(outs) - 1
+            if _contains(inputs, o) and prev is None:
                 how = cls._returned_input(ctx, o, record)
                 if how == "dirty" and record and o.is_leaf and o.requires_grad:
                     raise cls._leaf_dirty_error(
@@ -851,11 +855,10 @@ class Function:
                 dirty = how == "dirty"
                 if how == "alias":
                     t, fresh = o._alias(), True
-            elif _contains(seen, o) or (t is o and o.is_leaf and o.requires_grad):
+            elif prev is not None or (t is o and o.is_leaf and o.requires_grad):
                 t, fresh = t._alias(), True  # an alias: the object itself is left alone
             else:
                 fresh = True
-            seen.append(o)
             outs.append((o, t, dirty, fresh))
             return len(outs) - 1
 
