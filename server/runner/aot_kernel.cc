@@ -115,9 +115,14 @@ absl::Status CheckTensors(const char* kind, absl::Span<const HostTensor> got,
   return absl::OkStatus();
 }
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
+// Bytes of guarded workspaces the process keeps between calls, over all
+// instances; beyond it a call's workspaces are unmapped after it.
+constexpr uint64_t kKeptWorkspaceBytes = 64ull << 20;
+std::atomic<uint64_t> g_kept_workspace_bytes{0};
+
+uint64_t MappedBytes(const guard::GuardedMapping& m) {
+  return m.usable() + 2 * guard::PageSize();
+}
 
 }  // namespace
 
@@ -137,6 +142,10 @@ AotKernelInstance::AotKernelInstance(std::shared_ptr<const loader::LoadedKernel>
       extra_(std::move(attrs)) {}
 
 AotKernelInstance::~AotKernelInstance() {
+  {
+    MutexLock lock(&ws_mu_);
+    g_kept_workspace_bytes.fetch_sub(ws_kept_bytes_, std::memory_order_relaxed);
+  }
   // The kernel data's destructor is kernel code: run it while kernel_ still
   // holds the code.
   extra_.DestructKernelData();
@@ -174,8 +183,10 @@ absl::Status AotKernelInstance::RunInitLocked(const std::vector<TensorDesc>& out
     args.AddAll(inputs_);
     args.AddAll(outputs);
     int rc = 0;
+    guard::SetRunning(entry_.c_str());
     status = CatchKernelExceptions(
         entry_ + " Init", [&] { rc = init_(args.ndims(), args.shapes(), args.dtypes(), &extra_); });
+    guard::SetRunning(nullptr);
     if (status.ok()) status = extra_.TakeStatus(entry_ + " Init");
     if (status.ok() && rc != 0) {
       status = absl::InvalidArgumentError(absl::StrCat(entry_, " Init returned ", rc));
@@ -202,6 +213,63 @@ std::vector<size_t> AotKernelInstance::workspace_sizes() const {
   return workspace_;
 }
 
+absl::StatusOr<AotKernelInstance::Workspaces> AotKernelInstance::TakeWorkspaces() const {
+  Workspaces ws;
+  {
+    MutexLock lock(&ws_mu_);
+    if (!ws_kept_.empty()) {
+      ws = std::move(ws_kept_.back());
+      ws_kept_.pop_back();
+      uint64_t bytes = 0;
+      for (const auto& m : ws) bytes += MappedBytes(*m);
+      ws_kept_bytes_ -= bytes;
+      g_kept_workspace_bytes.fetch_sub(bytes, std::memory_order_relaxed);
+    }
+  }
+  // Zero-filled: a workspace never hands the kernel (or, through a buggy
+  // kernel, its caller) bytes left over from earlier calls. A new mapping
+  // is zero already.
+  for (const auto& m : ws) m->Zero();
+  for (size_t i = ws.size(); i < workspace_.size(); ++i) {
+    auto m = guard::GuardedMapping::Anonymous(workspace_[i], kWorkspaceAlignment);
+    if (!m.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat("kernel ", entry_,
+                                                       ": cannot allocate a workspace of ",
+                                                       workspace_[i], " bytes"));
+    }
+    (*m)->Describe(guard::Kind::kWorkspace, static_cast<uint32_t>(i), 0, entry_.c_str());
+    ws.push_back(*std::move(m));
+  }
+  return ws;
+}
+
+void AotKernelInstance::KeepWorkspaces(Workspaces ws) const {
+  if (ws.empty()) return;
+  uint64_t bytes = 0;
+  for (const auto& m : ws) bytes += MappedBytes(*m);
+  MutexLock lock(&ws_mu_);
+  if (ws_kept_.size() >= 2) return;
+  if (g_kept_workspace_bytes.fetch_add(bytes, std::memory_order_relaxed) + bytes >
+      kKeptWorkspaceBytes) {
+    g_kept_workspace_bytes.fetch_sub(bytes, std::memory_order_relaxed);
+    return;
+  }
+  ws_kept_bytes_ += bytes;
+  ws_kept_.push_back(std::move(ws));
+}
+
+absl::Status AotKernelInstance::CheckWorkspaces(const Workspaces& ws) const {
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (ws[i]->SlackIntact()) continue;
+    return WithReason(
+        absl::AbortedError(absl::StrCat(
+            what_, " wrote past the end (or before the start) of its workspace ", i, " (",
+            workspace_[i], " bytes, as its Init asked with SetWorkSpace); the call failed")),
+        reason::kKernelFailed, {{"cause", "workspace_overflow"}});
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<int64_t>> AotKernelInstance::InferShape() const {
   if (infer_shape_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -211,8 +279,11 @@ absl::StatusOr<std::vector<int64_t>> AotKernelInstance::InferShape() const {
   CallArgs args(CallArgs::Dims(inputs_));
   args.AddAll(inputs_);
   std::vector<int64_t> shape;
-  OPJIT_RETURN_IF_ERROR(CatchKernelExceptions(
-      entry_ + " InferShape", [&] { shape = infer_shape_(args.ndims(), args.shapes(), &extra_); }));
+  guard::SetRunning(entry_.c_str());
+  absl::Status ran = CatchKernelExceptions(
+      entry_ + " InferShape", [&] { shape = infer_shape_(args.ndims(), args.shapes(), &extra_); });
+  guard::SetRunning(nullptr);
+  OPJIT_RETURN_IF_ERROR(ran);
   OPJIT_RETURN_IF_ERROR(extra_.TakeStatus(entry_ + " InferShape"));
   bool unknown_rank = shape.size() == 1 && shape[0] == -2;
   for (int64_t d : shape) {
@@ -259,7 +330,7 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
     }
   }
 
-  absl::InlinedVector<std::unique_ptr<void, FreeDeleter>, 2> workspaces;
+  OPJIT_ASSIGN_OR_RETURN(Workspaces workspaces, TakeWorkspaces());
   size_t dims = workspace_.size();
   for (const HostTensor& t : inputs) dims += t.null ? 1 : t.desc.shape.size();
   for (const HostTensor& t : outputs) dims += t.desc.shape.size();
@@ -277,20 +348,9 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
     args.Add(t.data, t.desc.dtype.c_str(), t.desc.shape);
   }
   for (const HostTensor& t : outputs) args.Add(t.data, t.desc.dtype.c_str(), t.desc.shape);
-  for (size_t size : workspace_) {
-    size_t rounded = (std::max<size_t>(size, 1) + kWorkspaceAlignment - 1) / kWorkspaceAlignment *
-                     kWorkspaceAlignment;
-    void* p = std::aligned_alloc(kWorkspaceAlignment, rounded);
-    if (p == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("kernel ", entry_, ": cannot allocate a workspace of ", size, " bytes"));
-    }
-    // Zero-filled: a workspace never hands the kernel (or, through a buggy
-    // kernel, its caller) bytes left over from earlier calls.
-    std::memset(p, 0, rounded);
-    workspaces.emplace_back(p);
-    const int64_t dim = static_cast<int64_t>(size);
-    args.Add(p, "uint8", &dim, 1);
+  for (size_t i = 0; i < workspace_.size(); ++i) {
+    const int64_t dim = static_cast<int64_t>(workspace_[i]);  // copied by Add
+    args.Add(workspaces[i]->data(), "uint8", &dim, 1);
   }
 
   // Held for the call only when serialize_runs; the analysis does not follow
@@ -299,10 +359,16 @@ absl::Status AotKernelInstance::Run(absl::Span<const HostTensor> inputs,
   if (options_.serialize_runs) call_lock.emplace(&call_mu_);
   int rc = 0;
   void* extra = static_cast<AotExtra*>(&extra_);
-  OPJIT_RETURN_IF_ERROR(CatchKernelExceptions(what_, [&] {
+  guard::SetRunning(entry_.c_str());  // for an executor's fault handler
+  absl::Status ran = CatchKernelExceptions(what_, [&] {
     rc = fn_(args.nparam(), args.params(), args.ndims(), args.shapes(), args.dtypes(),
              /*stream=*/nullptr, extra);
-  }));
+  });
+  guard::SetRunning(nullptr);
+  absl::Status slack = CheckWorkspaces(workspaces);
+  KeepWorkspaces(std::move(workspaces));
+  OPJIT_RETURN_IF_ERROR(slack);
+  OPJIT_RETURN_IF_ERROR(ran);
   OPJIT_RETURN_IF_ERROR(extra_.TakeStatus(what_));
   if (rc != 0) {
     return WithReason(absl::AbortedError(absl::StrCat(what_, " returned ", rc)),

@@ -9,11 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "absl/status/statusor.h"
 #include "server/common/mutex.h"
 #include "server/runner/aot_extra_impl.h"
+#include "server/runner/guard_pages.h"
 #include "server/loader/loader.h"
 #include "server/registry/op_def.h"
 #include "server/runner/kernel_runner.h"
@@ -77,8 +79,13 @@ class AotKernelInstance {
 
   // Calls the kernel: params = inputs, outputs (zero-filled first, unless
   // options.zero_outputs is off or the output's HostTensor::keep_bytes is
-  // set), then one fresh, zero-filled 64-byte-aligned
-  // buffer per workspace size the kernel set in Init. Descriptors must match
+  // set), then one zero-filled 64-byte-aligned
+  // buffer per workspace size the kernel set in Init. Each workspace ends at
+  // a guard page (guard_pages.h; another guards its start): a kernel that
+  // writes past it faults in this call, and one that writes into the few
+  // bytes of slack before the guard gets INVALID_ARGUMENT, KERNEL_FAILED
+  // ("wrote past the end of its workspace 0 (16 bytes)"). Workspaces are
+  // kept between calls (zeroed at the start of each). Descriptors must match
   // the instance's inputs (and outputs, once known). A null input
   // (HostTensor::null: a rank-0 descriptor) reaches the kernel as
   // params[i] == nullptr, ndims[i] == 0, its dtype, and shapes[i] pointing
@@ -108,6 +115,16 @@ class AotKernelInstance {
                     std::vector<TensorDesc> inputs,
                     std::map<std::string, registry::AttrValue> attrs, AotKernelOptions options);
 
+  // One guarded buffer per workspace size: a set kept from an earlier call
+  // (zeroed here), or a new one.
+  using Workspaces = absl::InlinedVector<std::unique_ptr<guard::GuardedMapping>, 2>;
+  absl::StatusOr<Workspaces> TakeWorkspaces() const;
+  // Keeps `ws` for a later call, within the process's budget for kept
+  // workspaces (kKeptWorkspaceBytes), else unmaps it.
+  void KeepWorkspaces(Workspaces ws) const;
+  // OK, or the error of a kernel that wrote into a workspace's slack.
+  absl::Status CheckWorkspaces(const Workspaces& ws) const;
+
   // Runs Init with inputs_ + `outputs`; sets init_done_ and init_status_.
   absl::Status RunInitLocked(const std::vector<TensorDesc>& outputs) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(call_mu_);
@@ -135,6 +152,13 @@ class AotKernelInstance {
   mutable absl::Status init_status_;
   mutable std::vector<TensorDesc> outputs_;
   mutable std::vector<size_t> workspace_;
+
+  // Workspace sets kept between calls (one per call that ran at once, at
+  // most two), and their bytes. Declared after entry_, which their fault
+  // descriptions point at.
+  mutable Mutex ws_mu_;
+  mutable std::vector<Workspaces> ws_kept_ ABSL_GUARDED_BY(ws_mu_);
+  mutable uint64_t ws_kept_bytes_ ABSL_GUARDED_BY(ws_mu_) = 0;
 };
 
 }  // namespace opjit::runner

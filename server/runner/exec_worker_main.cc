@@ -66,6 +66,7 @@
 #include "server/compiler/kernel_compiler.h"
 #include "server/common/error_info.h"
 #include "proto/opjit/wire/fast_channel.h"
+#include "server/runner/guard_pages.h"
 #include "server/runner/kernel_host.h"
 #include "server/runner/worker_protocol.h"
 
@@ -82,15 +83,47 @@ constexpr size_t kMaxKernels = 128;
 constexpr size_t kMaxInstances = 1024;
 constexpr size_t kMaxRegions = 4096;
 
+// A client's region, mapped between guard pages (guard_pages.h).
 struct Mapping {
-  void* base = nullptr;
-  size_t length = 0;
+  std::unique_ptr<guard::GuardedMapping> map;
   char* data = nullptr;
   uint64_t size = 0;
-  ~Mapping() {
-    if (base != nullptr) ::munmap(base, length);
-  }
 };
+
+// The arena's call slot, for the fault handler.
+wire::SlotHeader* g_slot = nullptr;
+
+// SIGSEGV and SIGBUS (SA_RESETHAND, on an alternate stack): words the fault
+// of the running kernel (which guard page it hit, whose) into the slot's
+// `fault` for the daemon's message, then returns: the faulting access runs
+// again and ends the process with the signal, as before.
+void OnFault(int sig, siginfo_t* info, void* ucontext) {
+  if (g_slot == nullptr || info == nullptr || info->si_code <= 0) return;  // sent, not a fault
+  char line[wire::kFaultBytes];
+  const size_t n = guard::DescribeFault(sig, reinterpret_cast<uintptr_t>(info->si_addr),
+                                        ucontext, line, sizeof line);
+  if (n == 0) return;
+  std::memcpy(g_slot->fault, line, n);
+  g_slot->fault_len.store(static_cast<uint32_t>(n), std::memory_order_release);
+}
+
+void InstallFaultHandler(wire::SlotHeader* slot) {
+  g_slot = slot;
+  static constexpr size_t kAltStack = 64 << 10;
+  void* stack = ::mmap(nullptr, kAltStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                       -1, 0);
+  if (stack == MAP_FAILED) return;
+  stack_t ss{};
+  ss.ss_sp = stack;
+  ss.ss_size = kAltStack;
+  if (::sigaltstack(&ss, nullptr) != 0) return;
+  struct sigaction sa {};
+  sa.sa_sigaction = OnFault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESETHAND;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGSEGV, &sa, nullptr);
+  ::sigaction(SIGBUS, &sa, nullptr);
+}
 
 struct InstanceEntry {
   std::unique_ptr<HostInstance> inst;
@@ -285,19 +318,22 @@ void Worker::HandleControl(wire::Msg type, const std::string& payload, int fd) {
         if (fd >= 0) ::close(fd);
         return ReplyStatus(absl::InvalidArgumentError("bad region frame"));
       }
-      const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+      const uint64_t page = guard::PageSize();
       const uint64_t map_offset = offset - offset % page;
-      auto m = std::make_shared<Mapping>();
-      m->length = static_cast<size_t>(offset - map_offset + size);
-      m->base = ::mmap(nullptr, m->length, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-                       static_cast<off_t>(map_offset));
+      // Between guard pages: a kernel that writes past the region's end
+      // (beyond its last page) faults in its own call.
+      auto map = guard::GuardedMapping::File(fd, map_offset,
+                                             static_cast<size_t>(offset - map_offset + size),
+                                             PROT_READ | PROT_WRITE);
       ::close(fd);
-      if (m->base == MAP_FAILED) {
-        m->base = nullptr;
+      if (!map.ok()) {
         return ReplyStatus(absl::ResourceExhaustedError(
-            absl::StrCat("the executor could not map a region: ", std::strerror(errno))));
+            absl::StrCat("the executor could not map a region: ", map.status().message())));
       }
-      m->data = static_cast<char*>(m->base) + (offset - map_offset);
+      auto m = std::make_shared<Mapping>();
+      m->map = *std::move(map);
+      m->map->Describe(guard::Kind::kRegion, 0, serial, nullptr);
+      m->data = m->map->data() + (offset - map_offset);
       m->size = size;
       regions_.Put(serial, std::move(m));
       return Reply(0, 0, {});
@@ -853,12 +889,17 @@ int Main(int argc, char** argv) {
   // fd opened before needs no path).
   flags.task_fd = ::open("/proc/self/task", O_PATH | O_DIRECTORY | O_CLOEXEC);
 
+  // Between guard pages: a kernel that writes past its inline tensors'
+  // arena faults in its own call.
   const size_t arena_len = wire::kSlotBytes + flags.arena_bytes;
-  void* arena = ::mmap(nullptr, arena_len, PROT_READ | PROT_WRITE, MAP_SHARED, kArena, 0);
-  if (arena == MAP_FAILED) {
-    std::fprintf(stderr, "opjit-exec-worker: cannot map the arena: %s\n", std::strerror(errno));
+  auto arena_map = guard::GuardedMapping::File(kArena, 0, arena_len, PROT_READ | PROT_WRITE);
+  if (!arena_map.ok()) {
+    std::fprintf(stderr, "opjit-exec-worker: cannot map the arena: %s\n",
+                 std::string(arena_map.status().message()).c_str());
     return 4;
   }
+  (*arena_map)->Describe(guard::Kind::kArena, 0, 0, nullptr);
+  void* arena = (*arena_map)->data();
   void* channel = nullptr;
   if (flags.channel_bytes > 0) {
     if (flags.channel_bytes < fast::kChannelBytes) return 2;
@@ -880,6 +921,9 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "opjit-exec-worker: %s\n", host.status().ToString().c_str());
     return 5;
   }
+
+  // After the JIT's set-up (which may install handlers of its own).
+  InstallFaultHandler(static_cast<wire::SlotHeader*>(arena));
 
   sandbox::Policy policy;
   policy.read_only_paths = {"/usr", "/lib", "/lib64", "/etc/ld.so.cache"};

@@ -154,6 +154,20 @@ struct Reply {
 // The most flushed bytes a worker's reply may claim (RunArgs::flushed_bytes).
 constexpr uint64_t kMaxFlushReport = 1ull << 30;
 
+// What the executor's fault handler wrote as it died (SlotHeader::fault),
+// bounded and made printable; "" for nothing, or when it did not die of a
+// fault. Only words for the message: a kernel can write the field too.
+std::string FaultNote(const Worker& w) {
+  if (w.slot == nullptr || (w.term_signal != SIGSEGV && w.term_signal != SIGBUS)) return "";
+  const uint32_t n =
+      std::min<uint32_t>(w.slot->fault_len.load(std::memory_order_acquire), wire::kFaultBytes);
+  std::string note(w.slot->fault, n);
+  for (char& c : note) {
+    if (c < 0x20 || c > 0x7e) c = '?';
+  }
+  return note;
+}
+
 absl::Status StatusOf(const Reply& r) {
   if (r.code == 0) return absl::OkStatus();
   return wire::StatusFromReply(r.code, r.message);
@@ -677,8 +691,11 @@ absl::Status ProcessRunner::Impl::DeathStatus(Worker& w, const absl::Status& s,
   const std::string how =
       w.death.empty() || (w.killed_by_us && !absl::IsOutOfRange(s)) ? "broke the executor protocol"
                                                                     : w.death;
-  log->error("{} (namespace {}): executor process {} {} ({})", label, ns, pid, how,
-             s.ToString());
+  // The executor's own words on the fault (its handler names the kernel
+  // and the guard page it hit), first in the answer a client acts on.
+  const std::string fault = FaultNote(w);
+  log->error("{} (namespace {}): executor process {} {} ({}){}{}", label, ns, pid, how,
+             s.ToString(), fault.empty() ? "" : ": ", fault);
   if (!w.killed_by_us && w.death.find("SIGKILL") != std::string::npos) {
     // Not opjitd's SIGKILL. Near its memory limit it was the OOM killer
     // reacting to this kernel; otherwise someone else sent it (an operator,
@@ -730,10 +747,13 @@ absl::Status ProcessRunner::Impl::DeathStatus(Worker& w, const absl::Status& s,
             "process (Init runs again)")),
         reason::kKernelCrashed, {{"cause", "protocol"}});
   }
-  return WithReason(absl::AbortedError(absl::StrCat("the kernel's executor process ", how,
-                                                    "; only this call failed, and the next one "
-                                                    "runs in a fresh process (Init runs again)")),
-                    reason::kKernelCrashed, {{"cause", "crash"}});
+  return WithReason(
+      absl::AbortedError(absl::StrCat(fault, fault.empty() ? "" : ". ",
+                                      fault.empty() ? "the" : "The", " kernel's executor process ",
+                                      how,
+                                      "; only this call failed, and the next one runs in a fresh "
+                                      "process (Init runs again)")),
+      reason::kKernelCrashed, {{"cause", "crash"}});
 }
 
 
@@ -1161,6 +1181,9 @@ class ChannelImpl : public Channel {
   bool ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq, int64_t* deadline_ns) const;
   // Writes a reply into slot i and wakes its client.
   void PostReply(uint32_t i, const absl::Status& status);
+  // Sets slot i back to kSubmitted (a call that did not run, to be run
+  // again on another channel) and wakes its client.
+  void HandBack(uint32_t i);
   // Sets the ring's closed flag and wakes every waiter.
   void MarkClosed();
 
@@ -1234,6 +1257,15 @@ void ChannelImpl::PostReply(uint32_t i, const absl::Status& status) {
   }
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (!tensor::GuardedCopy(slot + offsetof(fast::Slot, state), &done, 4).ok()) return;
+  fast::FutexWake(reinterpret_cast<std::atomic<uint32_t>*>(slot + offsetof(fast::Slot, state)),
+                  1 << 30);
+}
+
+void ChannelImpl::HandBack(uint32_t i) {
+  const uint32_t submitted = fast::kSubmitted;
+  char* slot = SlotBase(i);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!tensor::GuardedCopy(slot + offsetof(fast::Slot, state), &submitted, 4).ok()) return;
   fast::FutexWake(reinterpret_cast<std::atomic<uint32_t>*>(slot + offsetof(fast::Slot, state)),
                   1 << 30);
 }
@@ -1357,14 +1389,29 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
     const bool named =
         tensor::GuardedCopy(&handle, SlotBase(i) + offsetof(fast::Slot, handle), 8).ok();
     absl::Status reply = answer;
+    bool run_again = false;
     if (!timeout && !client_fault && named) {
       if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
         if (ran_keys_.size() == 1 && ran_keys_.count(k->second) == 1) {
           runner_->NoteCrash(k->second, spec_.label, spec_.ns);
-        } else {
+        } else if (!(w_->term_signal == SIGKILL && !w_->killed_by_us)) {
           // Other kernels ran in this executor first; one of them may have
-          // corrupted it. The ring's call cannot run again in a fresh
-          // executor, so nobody is blamed.
+          // corrupted it. As the pool runs such a call again in a fresh
+          // executor, the ring hands it back to its client as a call that
+          // never ran (kSubmitted on a closed ring): every client then
+          // opens a new channel, with a fresh executor, and submits it
+          // there once (inputs are the client's own memory; outputs are
+          // written again in full). Nobody is blamed here; a crash there
+          // counts against the kernel.
+          Logger("runner")->warn(
+              "{} (namespace {}): fast-channel executor process {} had run {} other kernel(s) "
+              "since it started; the crash is not counted against the running kernel, and "
+              "the call goes back to its client to run again in a fresh executor",
+              spec_.label, spec_.ns, pid_, ran_keys_.size() - ran_keys_.count(k->second));
+          run_again = true;
+        } else {
+          // Killed from outside (an operator, the OOM killer): not run
+          // again, as on the pool; nobody is blamed either.
           Logger("runner")->warn(
               "{} (namespace {}): fast-channel executor process {} had run {} other kernel(s) "
               "since it started; the crash is not counted against the running kernel",
@@ -1382,7 +1429,11 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
         }
       }
     }
-    PostReply(i, reply);
+    if (run_again) {
+      HandBack(i);
+    } else {
+      PostReply(i, reply);
+    }
     // The executor never counted this call (it died in it); the daemon
     // answered it, so the daemon counts it.
     Record(named ? handle : 0, reply.code(), 1, 0);

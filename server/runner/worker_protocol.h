@@ -42,8 +42,9 @@
 
 namespace opjit::runner::wire {
 
-// 5: SlotHeader::flags; 6: kFlushCaches and SlotHeader::flushed_bytes.
-inline constexpr uint32_t kProtocolVersion = 6;
+// 5: SlotHeader::flags; 6: kFlushCaches and SlotHeader::flushed_bytes;
+// 7: SlotHeader::fault.
+inline constexpr uint32_t kProtocolVersion = 7;
 
 // Frame types.
 enum class Msg : uint8_t {
@@ -84,6 +85,7 @@ inline constexpr int32_t kNeedRegion = 102;    // `need` = the region serial
 inline constexpr int32_t kNeedKernel = 103;    // (kNewInstance) the artifact is not loaded
 
 inline constexpr size_t kMessageBytes = 1024;
+inline constexpr size_t kFaultBytes = 512;
 
 // TensorRec::serial of an input without data (HostTensor::null): offset and
 // nbytes are 0 and the kernel gets a null pointer.
@@ -123,6 +125,13 @@ struct alignas(64) SlotHeader {
   std::atomic<uint64_t> fast_call;
   std::atomic<int64_t> fast_deadline_ns;
   std::atomic<uint32_t> fast_slot;
+  // Written by the executor's fault handler as it dies of a fault in a
+  // kernel (guard_pages.h, DescribeFault): "kernel Foo: SIGSEGV, a write 4
+  // bytes past the end of its workspace 0 (16 bytes, ...)". Text for the
+  // dying call's message only: the daemon bounds it and decides nothing on
+  // it (a kernel can write it too).
+  std::atomic<uint32_t> fault_len;
+  char fault[kFaultBytes];
 };
 
 // SlotHeader::flags. kKeepRegionOutputs: the call's outputs in regions

@@ -371,8 +371,15 @@ class PyFastChannel(_Mapped):
             seen = state.value
             if seen == DONE:
                 return DONE, False
+            if self._closed.value != 0:
+                # The daemon sets `closed` once it answered every call in
+                # flight, or handed one back as not run (SUBMITTED: a crash
+                # in an executor other kernels had used; run it again on a
+                # new channel): nothing more will come.
+                seen = state.value
+                return seen, seen != DONE
             now = time.monotonic_ns()
-            gone = self._closed.value != 0 or self._is_closed or not self.worker_alive()
+            gone = self._is_closed or not self.worker_alive()
             if gone:
                 # The daemon writes the status of every call in flight and
                 # sets DONE; give it a moment to do so.

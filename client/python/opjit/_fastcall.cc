@@ -148,6 +148,14 @@ uint32_t WaitDone(Ring& r, fast::Slot* s, int64_t deadline_ns, bool* gone) {
     fast::FutexWait(&s->state, seen, kWaitStepNs);
     seen = s->state.load(std::memory_order_seq_cst);
     if (seen == fast::kDone) return seen;
+    if (r.closed_flag()) {
+      // The daemon sets `closed` once it answered every call in flight, or
+      // handed one back as not run (kSubmitted: a crash in an executor other
+      // kernels had used; run it again on a new channel).
+      seen = s->state.load(std::memory_order_seq_cst);
+      *gone = seen != fast::kDone;
+      return seen;
+    }
     const int64_t now = fast::MonotonicNs();
     bool closing;
     {

@@ -29,7 +29,12 @@
 // Failure. When the executor dies or is killed at a deadline, the daemon
 // writes the call's status into each slot in flight (the same status the
 // gRPC path answers), sets kDone and Header::closed, and wakes every waiter.
-// A closed channel takes no more calls: open another. The channel ends with
+// A crash in an executor that other kernels had run in first is the one
+// exception: the daemon sets that slot back to kSubmitted (a call that did
+// not run), and the client runs it again on a new channel, once, as the
+// pool runs such a call again in a fresh executor. Header::closed is set
+// after every slot in flight was answered or handed back, so a client that
+// sees it waits no longer. A closed channel takes no more calls: open another. The channel ends with
 // its region (lease lapse, ReleaseClient, UnregisterRegion).
 //
 // Trust. The client and the executor share this memory and each may be
