@@ -198,9 +198,12 @@ const ProgramDoc& Program() {
           {"--transport", "auto|shm|inline", "how tensors travel (default auto)",
            "auto shm inline"}}},
         {"grad", "OP", "the op: name or ns/name", "", false,
-         "forward with requires_grad, then backward; writes one input grad per --out", "",
+         "forward with requires_grad, then backward; writes one input grad per --out",
+         "Without --grad-out every output's gradient is ones (MindSpore's default\n"
+         "sensitivity, as ms.grad uses), said on stderr.",
          {in, attr,
-          {"--grad-out", "DY.npy", "the gradient of forward output j (none for a missing one)",
+          {"--grad-out", "DY.npy",
+           "the gradient of forward output j (none for a missing one; default: ones for all)",
            "", true, true},
           {"--out", "DX.npy", "where input i's gradient goes (none skips it)", "", true, true},
           {"--no-grad", "INDEX", "an input that needs no gradient", "", false, true}, version,
@@ -914,6 +917,33 @@ int CmdRun(Client& c, const Globals& g, const Args& a) {
   return 0;
 }
 
+// A tensor of ones shaped and typed like `t` (a forward output), inline:
+// the default gradient of an output (MindSpore's sensitivity).
+absl::StatusOr<opjit::v1::Tensor> OnesLike(const opjit::v1::Tensor& t) {
+  uint64_t n = 1;
+  for (int64_t d : t.shape()) n *= static_cast<uint64_t>(std::max<int64_t>(d, 0));
+  const std::string& dt = t.dtype();
+  std::string one;
+  auto put = [&one](auto v) { one.assign(reinterpret_cast<const char*>(&v), sizeof v); };
+  if (dt == "float32") put(1.0f);
+  else if (dt == "float64") put(1.0);
+  else if (dt == "float16") put(uint16_t{0x3C00});
+  else if (dt == "bfloat16") put(uint16_t{0x3F80});
+  else if (dt == "int8" || dt == "uint8" || dt == "bool") put(uint8_t{1});
+  else if (dt == "int16" || dt == "uint16") put(uint16_t{1});
+  else if (dt == "int32" || dt == "uint32") put(uint32_t{1});
+  else if (dt == "int64" || dt == "uint64") put(uint64_t{1});
+  else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output dtype ", dt, " has no default gradient of ones: pass --grad-out for each output"));
+  }
+  std::string bytes;
+  bytes.reserve(n * one.size());
+  for (uint64_t i = 0; i < n; ++i) bytes += one;
+  return opjit::client::InlineTensor(dt, std::vector<int64_t>(t.shape().begin(), t.shape().end()),
+                                     std::move(bytes));
+}
+
 int CmdGrad(Client& c, const Globals& g, const Args& a) {
   if (a.positional.size() != 1) return UsageError("grad takes one OP");
   std::string ns, name;
@@ -949,7 +979,21 @@ int CmdGrad(Client& c, const Globals& g, const Args& a) {
   opjit::v1::BackwardRequest breq;
   breq.set_namespace_(ns);
   breq.set_context_id(fwd->context_id());
-  for (const auto& path : a.All("--grad-out")) {
+  const auto grad_outs = a.All("--grad-out");
+  if (grad_outs.empty()) {
+    // MindSpore's ms.grad (sens_param=False) and torch's backward of a
+    // scalar seed every output with ones: so do we, and say so (zeros, the
+    // old default, gave all-zero grads without a word).
+    std::fprintf(stderr,
+                 "--grad-out not given: using ones for every output (MindSpore's default "
+                 "sensitivity)\n");
+    for (const auto& out : fwd->outputs()) {
+      auto ones = OnesLike(out);
+      if (!ones.ok()) return Fail(ones.status());
+      *breq.add_grad_outputs() = *std::move(ones);
+    }
+  }
+  for (const auto& path : grad_outs) {
     if (path == "none") {
       breq.add_grad_outputs();
       continue;

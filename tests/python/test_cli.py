@@ -447,3 +447,25 @@ def test_verify_reproduce_line_of_a_scalar_shape_runs(daemon, verify_ops):
     argv = shlex.split(json.loads(r.stdout)["reproduce"])
     again = cli(daemon, *argv[1:])
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_grad_without_grad_out_uses_ones_and_says_so(daemon, grad_ops, tmp_path):
+    # MindSpore's ms.grad seeds every output with ones (its default
+    # sensitivity); `opjit grad` without --grad-out does the same and says so
+    # on stderr (issue 40, item 4: it gave zeros, silently).
+    x = np.array([1, 2, -3, 0.5], dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    dx = str(tmp_path / "dx.npy")
+    r = cli(daemon, "grad", "square", "--in", str(tmp_path / "x.npy"), "--out", dx)
+    assert r.returncode == 0, r.stderr
+    assert ("--grad-out not given: using ones for every output (MindSpore's default "
+            "sensitivity)") in r.stderr, r.stderr
+    np.testing.assert_allclose(np.load(dx), 2 * x)
+    # Given, it is used, and nothing is said.
+    dy = np.array([1, 0, 2, -1], dtype=np.float32)
+    np.save(tmp_path / "dy.npy", dy)
+    r = cli(daemon, "grad", "square", "--in", str(tmp_path / "x.npy"), "--grad-out",
+            str(tmp_path / "dy.npy"), "--out", dx)
+    assert r.returncode == 0, r.stderr
+    assert "--grad-out not given" not in r.stderr, r.stderr
+    np.testing.assert_allclose(np.load(dx), 2 * x * dy)
