@@ -198,6 +198,22 @@ TEST_F(ForwardIT, SharedMemoryInputsAndOutputs) {
   r = c_->Forward(req);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("overlaps"), std::string::npos) << r.status();
+
+  // Exactly its input, in a call that keeps its output bytes (zero-filling
+  // would wipe the input): written in place, an in-place op (opjit.torch's
+  // aliases). Without keep_output_bytes, or partly over it, still refused.
+  req.mutable_outputs(0)->mutable_shm()->set_offset(0);
+  r = c_->Forward(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  req.set_keep_output_bytes(true);
+  r = c_->Forward(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->outputs(0).shm().offset(), 0u);
+  EXPECT_FLOAT_EQ(x[0], -5.12f);
+  EXPECT_FLOAT_EQ(x[1023], 511.0f);
+  req.mutable_outputs(0)->mutable_shm()->set_offset(64);
+  r = c_->Forward(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
 }
 
 TEST_F(ForwardIT, BadOffsetsSizesAndDtypesAreRefusedBeforeAnyKernelRuns) {
