@@ -605,6 +605,8 @@ SECTIONS = [
             ["auth.json"]),
     Section("zero", "Zero-filled outputs (shm, 1 MiB and 256 MiB)", "zero_bench", "zero",
             ["zero.md"], ["zero.json"]),
+    Section("guard", "Guarded workspaces (per call: heap, kept guarded, fresh guarded)",
+            "guard_bench", "guard", ["guard.md"], ["guard.json"]),
     Section("isolation", "Executor namespaces (executor start and tiny calls)",
             "isolation_bench", "isolation", ["isolation.md"], ["isolation.json"]),
     Section("userns", "A non-root daemon: user namespaces and subordinate ids",

@@ -60,6 +60,9 @@ run inline "$PY" bench/inline_bench.py "$OUT/inline.json" --build "$BUILD" --md 
 run auth "$BUILD/bin/auth_bench" "$OUT/auth.json" >"$OUT/auth.md"
 # What zero-filling outputs costs, against a daemon that leaves them as found.
 run zero "$BUILD/bin/zero_bench" "$OUT/zero.json" >"$OUT/zero.md"
+# What guard pages around workspaces cost per call, against the heap
+# workspace of before (in this process; no daemon).
+run guard "$BUILD/bin/guard_bench" "$OUT/guard.json" >"$OUT/guard.md"
 # What the executors' namespaces cost (executor start, tiny calls), against a
 # daemon without them (needs root; otherwise it measures nothing and writes a
 # "skipped: needs root" section).
