@@ -12,6 +12,8 @@ and the client's next calls of other ops run on a new channel. A crash in a
 channel executor that other kernels had used is handed back to the client
 as a call that never ran, and runs once more in a fresh executor (as the
 pool does): a neighbour's corruption is never the reason a call fails.
+A write into a workspace's alignment slack fails its call, and one past the
+executor's inline-tensor arena faults at the arena's guard page.
 """
 
 import numpy as np
@@ -60,6 +62,16 @@ extern "C" int K(int np, void** p, int* nd, int64_t** s, const char** d, void* s
 }
 """
 
+# Writes a byte in each page after its output, as far as it gets: inline, its
+# output is in its executor's arena, whose end is a guard page.
+PAST_THE_ARENA = r"""#include <cstdint>
+extern "C" int K(int np, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  volatile char* y = static_cast<char*>(p[1]);
+  for (int64_t i = 0; i < (int64_t{1} << 32); i += 4096) y[i] = 1;
+  return 0;
+}
+"""
+
 SOFTPLUS = r"""#include <cmath>
 #include <cstdint>
 extern "C" int K(int np, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
@@ -76,12 +88,13 @@ extern "C" int K(int np, void** p, int* nd, int64_t** s, const char** d, void* s
 @pytest.fixture(scope="module")
 def daemon():
     d = TempDaemon()
-    d.spawn("[exec]\nworkers = 1\n", prefix="opjit-gk-", serving=True)
+    # A small arena (2.5 x max_message_mb) for test_a_write_past_the_arena.
+    d.spawn("max_message_mb = 4\n[exec]\nworkers = 1\n", prefix="opjit-gk-", serving=True)
     c = opjit.Client(d.unix_address, timeout=120, fast="off")
     spec = unary_spec("gk_add_with_attr", ADD_WITH_ATTR)
     spec["implementations"][0]["entry"] = "AddWithAttr"
     for s in (spec, unary_spec("gk_softplus", SOFTPLUS), unary_spec("gk_double", unary_kernel()),
-              unary_spec("gk_slack", SLACK)):
+              unary_spec("gk_slack", SLACK), unary_spec("gk_arena", PAST_THE_ARENA)):
         s["output_rules"] = [{"kind": "same_as", "input": 0}]
         c.register(s)
     c.close()
@@ -148,4 +161,15 @@ def test_a_write_into_the_workspace_slack_fails_the_call(daemon):
             assert e.value.reason == "KERNEL_FAILED", str(e.value)
             assert "wrote past the end (or before the start) of its workspace 0 (16 bytes" \
                 in str(e.value), str(e.value)
+        np.testing.assert_array_equal(c.op("gk_double")(x), 2 * x)
+
+
+def test_a_write_past_the_arena_faults_in_its_own_call(daemon):
+    with opjit.Client(daemon.unix_address, timeout=120, fast="off", transport="inline") as c:
+        x = np.ones(16, dtype=np.float32)
+        with pytest.raises(opjit.Aborted) as e:
+            c.op("gk_arena")(x)
+        assert e.value.reason == "KERNEL_CRASHED", str(e.value)
+        assert "kernel K: SIGSEGV, a write" in str(e.value), str(e.value)
+        assert "past the end of the executor's inline-tensor arena" in str(e.value), str(e.value)
         np.testing.assert_array_equal(c.op("gk_double")(x), 2 * x)
