@@ -18,7 +18,8 @@ from opjit.errors import (OpjitError, InvalidArgument, NotFound, AlreadyExists, 
                           GradRuleError, SavedTensorModifiedError, LeafInplaceError, PyLayerError)
 from opjit.client import Client, ShmUnavailableError, default_address, load_spec
 from opjit.regop import CustomRegOp, DataType
-from opjit.autograd import (Tensor, tensor, Function, FunctionCtx, PyLayer, PyLayerContext,
+from opjit.autograd import (Tensor, tensor, to_tensor, Function, FunctionCtx, PyLayer,
+                            PyLayerContext,
                             no_grad, enable_grad, is_grad_enabled, grad, once_differentiable)
 from opjit.op import Op, gradcheck, GradCheckResult, GradCheckInput
 from opjit._check import gradgradcheck, FunctionCheckResult
@@ -30,7 +31,8 @@ from opjit._transport import PreparedCall
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "Op", "CustomRegOp", "DataType", "Tensor", "tensor", "Function", "FunctionCtx",
+    "Client", "Op", "CustomRegOp", "DataType", "Tensor", "tensor", "to_tensor", "Function",
+    "FunctionCtx",
     "PyLayer", "PyLayerContext", "no_grad", "enable_grad", "is_grad_enabled", "grad",
     "gradcheck", "GradCheckResult", "GradCheckInput", "gradgradcheck", "FunctionCheckResult",
     "verify", "bench", "VerifyResult", "VerifyCase", "BenchResult", "Timing",

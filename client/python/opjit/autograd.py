@@ -109,7 +109,7 @@ from opjit._grad_rules import GradShapeError, differentiable, fit_grad
 from opjit.errors import (FailedPrecondition, GradRuleError, InvalidArgument, LeafInplaceError,
                           PyLayerError, SavedTensorModifiedError, StopGradientGradWarning)
 
-__all__ = ["Tensor", "tensor", "no_grad", "enable_grad", "is_grad_enabled", "Function",
+__all__ = ["Tensor", "tensor", "to_tensor", "no_grad", "enable_grad", "is_grad_enabled", "Function",
            "FunctionCtx", "PyLayer", "PyLayerContext", "grad", "once_differentiable"]
 
 _state = threading.local()
@@ -324,6 +324,16 @@ class Tensor:
 def tensor(data, requires_grad=False, dtype=None):
     """opjit.Tensor(data) with ``requires_grad``; ``data`` may be any array-like or DLPack object."""
     return Tensor(data, requires_grad=requires_grad, dtype=dtype)
+
+
+def to_tensor(data, dtype=None, place=None, stop_gradient=True):
+    """Paddle's ``paddle.to_tensor``: an opjit.Tensor of data; ``stop_gradient=False``
+    makes it require grad. ``place`` must be None or the CPU ("cpu"): opjit's
+    tensors live in host memory."""
+    if place is not None and str(place).lower() not in ("cpu", "place(cpu)", "cpuplace"):
+        raise InvalidArgument("to_tensor: place %r is not supported; opjit.Tensor lives in host "
+                              "memory (pass place=None or 'cpu')" % (place,))
+    return Tensor(data, requires_grad=not stop_gradient, dtype=dtype)
 
 
 def _as_grad(g, like):
