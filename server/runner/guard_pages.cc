@@ -7,9 +7,9 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/mutex.h"
 
 namespace opjit::runner::guard {
 namespace {
@@ -30,12 +30,14 @@ struct Entry {
 };
 
 Entry g_table[GuardedMapping::kTableSize];
-std::mutex g_table_mu;  // taken to claim and free entries (never by the handler)
-bool g_used[GuardedMapping::kTableSize];
-size_t g_next = 0;
+// Taken to claim and free entries (never by the handler, which reads only
+// the atomics).
+Mutex g_table_mu;
+bool g_used[GuardedMapping::kTableSize] ABSL_GUARDED_BY(g_table_mu);
+size_t g_next ABSL_GUARDED_BY(g_table_mu) = 0;
 
 int Claim() {
-  std::lock_guard<std::mutex> lock(g_table_mu);
+  MutexLock lock(&g_table_mu);
   for (size_t k = 0; k < GuardedMapping::kTableSize; ++k) {
     const size_t i = (g_next + k) % GuardedMapping::kTableSize;
     if (!g_used[i]) {
@@ -49,7 +51,7 @@ int Claim() {
 
 void Free(int i) {
   g_table[i].before.store(0, std::memory_order_release);
-  std::lock_guard<std::mutex> lock(g_table_mu);
+  MutexLock lock(&g_table_mu);
   g_used[i] = false;
 }
 
