@@ -484,6 +484,16 @@ void AddCompilerKeys(std::vector<KeyRow>& k) {
   k.push_back(Str("compiler.kernel_include_dir", &Cfg::kernel_include_dir,
                   "The opjit kernel headers.")
                   .Default("the installed or source-tree kernels/include"));
+  k.push_back(Strings("compiler.profiles", &Cfg::compiler_profiles,
+                      "Named toolchain profiles offered where installed (\"aten\": PyTorch's "
+                      "C++ API from libtorch-dev, python3-dev and pybind11-dev); a kernel "
+                      "selects one by naming one of its libraries; []: none."));
+  // [toolchains.aten]
+  k.push_back(Strings("toolchains.aten.namespaces", &Cfg::aten_namespaces,
+                      "Namespaces that may select the aten profile; \"*\": every one."));
+  k.push_back(Bool("toolchains.aten.pch_at_start", &Cfg::aten_pch_at_start,
+                   "Build the aten profile's shared PCH (<torch/extension.h>) as the daemon "
+                   "starts; false: at the first compile that selects it."));
 }
 
 // [exec].
@@ -748,6 +758,14 @@ void CheckCombined(Checker& ck, DaemonConfig& cfg) {
     ck.Problem("compiler.uid", absl::StrCat(cfg.compile_uid, " lies in exec.uid_range (",
                                             cfg.uid_range, "), the executors' uids: pick one "
                                             "outside it"));
+  }
+  // The built-in toolchain profiles (compiler::BuiltinProfileNames(); the
+  // config library does not link the compiler, config_test checks the two agree).
+  for (const std::string& p : cfg.compiler_profiles) {
+    if (p != "aten") {
+      ck.Problem("compiler.profiles",
+                 absl::StrCat("unknown toolchain profile \"", p, "\" (known: aten)"));
+    }
   }
   if (cfg.tls_cert.empty() != cfg.tls_key.empty()) {
     ck.Problem(cfg.tls_cert.empty() ? "tls.key" : "tls.cert", "tls cert and key go together");

@@ -121,6 +121,17 @@ struct DaemonConfig {
   std::vector<std::string> extra_include_dirs;
   std::vector<std::string> allowed_libraries;
   std::string kernel_include_dir;  // Default: the installed or source-tree kernels/include
+  // compiler.profiles: the named toolchain profiles this daemon offers
+  // (server/compiler/toolchain_profile.h), each where it is installed (one
+  // that is not is logged and stays off). A kernel selects one by naming
+  // one of its libraries. Default: ["aten"] (PyTorch's C++ API where
+  // libtorch-dev, python3-dev and pybind11-dev are installed).
+  std::vector<std::string> compiler_profiles = {"aten"};
+  // [toolchains.aten]: who may select the "aten" profile ("*": every
+  // namespace), and whether its shared PCH of <torch/extension.h> is built
+  // as the daemon starts (else at the first compile that selects it).
+  std::vector<std::string> aten_namespaces = {"*"};
+  bool aten_pch_at_start = false;
 
   // [exec]
   int exec_threads = 2;                 // execution pool threads

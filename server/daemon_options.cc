@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "server/common/logging.h"
 #include "server/common/paths.h"
 #include "server/common/sha256.h"
@@ -130,6 +131,34 @@ registry::Registry::Options RegistryOptionsFromConfig(const DaemonConfig& cfg,
 
 // ---- [compiler], [cache] ------------------------------------------------
 
+std::vector<compiler::ToolchainProfile> ProfilesFromConfig(const DaemonConfig& cfg, bool log) {
+  std::vector<compiler::ToolchainProfile> out;
+  for (const std::string& name : cfg.compiler_profiles) {
+    if (std::any_of(out.begin(), out.end(), [&](const auto& p) { return p.name == name; })) {
+      continue;
+    }
+    absl::StatusOr<compiler::ToolchainProfile> p = compiler::DetectProfile(name);
+    if (!p.ok()) {
+      if (log) {
+        Logger("main")->info("toolchain profile {} is off: {}", name,
+                             std::string(p.status().message()));
+      }
+      continue;
+    }
+    if (name == "aten") {
+      p->namespaces = cfg.aten_namespaces;
+      p->pch_at_start = cfg.aten_pch_at_start;
+    }
+    if (log) {
+      Logger("main")->info("toolchain profile {}: include dirs {}, libraries {}, namespaces {}",
+                           name, absl::StrJoin(p->include_dirs, ", "),
+                           absl::StrJoin(p->libraries, ", "), absl::StrJoin(p->namespaces, ", "));
+    }
+    out.push_back(*std::move(p));
+  }
+  return out;
+}
+
 compiler::KernelCompilerOptions CompilerOptionsFromConfig(const DaemonConfig& cfg,
                                                           const std::string& helper_dir,
                                                           const std::string& kernel_include_dir,
@@ -143,6 +172,7 @@ compiler::KernelCompilerOptions CompilerOptionsFromConfig(const DaemonConfig& cf
   o.kernel_include_dir = kernel_include_dir;
   o.extra_include_dirs = cfg.extra_include_dirs;
   o.allowed_libraries = cfg.allowed_libraries;
+  o.profiles = ProfilesFromConfig(cfg, /*log=*/true);
   o.memory_entries = cfg.cache_memory_entries;
   o.memory_bytes = static_cast<uint64_t>(cfg.cache_memory_mb) << 20;
   o.disk_bytes = static_cast<uint64_t>(cfg.cache_disk_mb) << 20;
@@ -225,6 +255,16 @@ tensor::RegionManagerOptions RegionOptionsFromConfig(const DaemonConfig& cfg) {
 runner::KernelHostOptions KernelHostOptionsFromConfig(const DaemonConfig& cfg) {
   runner::KernelHostOptions o;
   o.allowed_libraries = cfg.allowed_libraries;
+  // A kernel of a profile links its libraries (the compiler checked the
+  // namespace's policy when it compiled it).
+  for (const compiler::ToolchainProfile& p : ProfilesFromConfig(cfg, /*log=*/false)) {
+    for (const std::string& lib : p.libraries) {
+      if (std::find(o.allowed_libraries.begin(), o.allowed_libraries.end(), lib) ==
+          o.allowed_libraries.end()) {
+        o.allowed_libraries.push_back(lib);
+      }
+    }
+  }
   o.scratch_dir = cfg.state_dir + "/cache/gpu-load";
   return o;
 }

@@ -18,6 +18,7 @@
 #include "server/access/quotas.h"
 #include "server/autograd/autograd.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/compiler/toolchain_profile.h"
 #include "server/config.h"
 #include "server/exec/channels.h"
 #include "server/exec/executor.h"
@@ -72,8 +73,14 @@ registry::Registry::Options RegistryOptionsFromConfig(const DaemonConfig& cfg,
 
 // ---- [compiler], [cache] ------------------------------------------------
 
+// The toolchain profiles compiler.profiles names, each as found on this host
+// with its [toolchains.<name>] policy; one that is not installed is left out
+// (and logged, at info, when `log`). Looks at the host (DetectProfile).
+std::vector<compiler::ToolchainProfile> ProfilesFromConfig(const DaemonConfig& cfg, bool log);
+
 // `remote_key`: cache.remote.key_file's bytes (unused while cache.remote.url
-// is ""). The compile uid is CompileUidFromConfig's.
+// is ""). The compile uid is CompileUidFromConfig's. The profiles are
+// ProfilesFromConfig's (logged).
 compiler::KernelCompilerOptions CompilerOptionsFromConfig(const DaemonConfig& cfg,
                                                           const std::string& helper_dir,
                                                           const std::string& kernel_include_dir,
@@ -91,6 +98,7 @@ tensor::RegionManagerOptions RegionOptionsFromConfig(const DaemonConfig& cfg);
 
 // ---- [exec]: where kernels run ------------------------------------------
 
+// compiler.allowed_libraries and the libraries of the profiles offered here.
 runner::KernelHostOptions KernelHostOptionsFromConfig(const DaemonConfig& cfg);
 
 // isolation = process: the executor processes. Logs which uids they run as

@@ -41,6 +41,9 @@ class CpuBackend : public CompileBackend {
       return absl::InvalidArgumentError(absl::StrCat(
           "language \"", job.language, "\" is not a CPU language (expected c++ or c)"));
     }
+    // A profile's include dirs change what a source compiles to: its name
+    // keys the job (no host path; the headers it read key the final key).
+    if (!job.profile.empty()) return absl::StrCat(cpu_->ToolchainId(), "; profile=", job.profile);
     return cpu_->ToolchainId();
   }
 
@@ -52,6 +55,7 @@ class CpuBackend : public CompileBackend {
     req.options = job.options;
     for (const registry::SourceFile& f : job.files) req.files.emplace_back(f.name, f.content);
     req.tenant = job.ns;
+    req.profile = job.profile;
     OPJIT_ASSIGN_OR_RETURN(CpuCompileOutput out, cpu_->Compile(req));
     BackendOutput result;
     result.kernel = std::make_shared<CompiledKernel>();
@@ -141,6 +145,7 @@ absl::StatusOr<std::unique_ptr<CompileBackend>> MakeCpuBackend(const KernelCompi
   copts.memory_limit_bytes = options.memory_limit_bytes;
   copts.kernel_include_dir = options.kernel_include_dir;
   copts.extra_include_dirs = options.extra_include_dirs;
+  copts.profiles = options.profiles;
   copts.pch_dir = options.cache_dir + "/pch";
   copts.pch_max_bytes = options.disk_bytes;  // PCHs are bounded like the cache they serve
   copts.recycle_after_compiles = options.recycle_after_compiles;

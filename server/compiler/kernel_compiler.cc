@@ -378,6 +378,49 @@ absl::StatusOr<FlightResult> KernelCompiler::Impl::Produce(const CompileJob& job
   return result;
 }
 
+absl::Status SelectProfile(const KernelCompilerOptions& options, CompileJob* job) {
+  job->profile.clear();
+  const auto& allowed = options.allowed_libraries;
+  for (const std::string& lib : job->libraries) {
+    const bool listed = std::find(allowed.begin(), allowed.end(), lib) != allowed.end();
+    const ToolchainProfile* profile = nullptr;
+    for (const ToolchainProfile& p : options.profiles) {
+      if (std::find(p.libraries.begin(), p.libraries.end(), lib) != p.libraries.end()) {
+        profile = &p;
+        break;
+      }
+    }
+    if (profile != nullptr && profile->AllowsNamespace(job->ns)) {
+      if (!job->profile.empty() && job->profile != profile->name) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the libraries name two toolchain profiles (\"", job->profile, "\" and \"",
+            profile->name, "\"): a kernel uses one"));
+      }
+      job->profile = profile->name;
+      continue;
+    }
+    if (listed) continue;
+    if (profile != nullptr) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "library \"", lib, "\" belongs to the toolchain profile \"", profile->name,
+          "\", which namespace \"", Excerpt(job->ns), "\" may not use; ask the operator ",
+          "to add the namespace to [toolchains.", profile->name, "] namespaces"));
+    }
+    if (const std::string known = BuiltinProfileOfLibrary(lib); !known.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "library \"", lib, "\" belongs to the toolchain profile \"", known,
+          "\", which this server does not offer (it is not installed here, or [compiler] ",
+          "profiles leaves it out); ask the operator to enable it: [compiler] profiles = [\"",
+          known, "\"] where its packages are installed (deploy/install-deps.sh)"));
+    }
+    return absl::PermissionDeniedError(absl::StrCat(
+        "library \"", Excerpt(lib), "\" is not on this server's allow-list (",
+        allowed.empty() ? "empty" : absl::StrJoin(allowed, ", "),
+        "); ask the operator to add it to [compiler] allowed_libraries"));
+  }
+  return absl::OkStatus();
+}
+
 CompileJob JobForImplementation(const registry::OpDef& def, const registry::Implementation& impl) {
   CompileJob job;
   job.target = impl.target;
@@ -467,15 +510,9 @@ absl::StatusOr<std::unique_ptr<KernelCompiler>> KernelCompiler::Create(
 void KernelCompiler::CompileAsync(CompileJob job, Callback done) {
   const auto t0 = Clock::now();
   Impl* impl = impl_.get();
-  for (const auto& lib : job.libraries) {
-    const auto& allowed = impl->options.allowed_libraries;
-    if (std::find(allowed.begin(), allowed.end(), lib) == allowed.end()) {
-      done(absl::PermissionDeniedError(absl::StrCat(
-          "library \"", Excerpt(lib), "\" is not on this server's allow-list (",
-          allowed.empty() ? "empty" : absl::StrJoin(allowed, ", "),
-          "); ask the operator to add it to [compiler] allowed_libraries")));
-      return;
-    }
+  if (absl::Status s = SelectProfile(impl->options, &job); !s.ok()) {
+    done(std::move(s));
+    return;
   }
   // One key per source: the compile sees kernel.<ext>; the caller's file
   // name comes back in the diagnostics.

@@ -46,12 +46,14 @@
 
 #include "absl/status/statusor.h"
 #include "server/cache/remote_tier.h"
+#include "server/compiler/toolchain_profile.h"
 #include "server/registry/op_def.h"
 #include "server/registry/validate.h"
 
 namespace opjit::compiler {
 
 class CompileBackend;  // backend.h
+struct KernelCompilerOptions;
 
 // The compile backends of one KernelCompiler, by the target each compiles for
 // (backend.h; MakeDefaultBackends builds the built-in set).
@@ -95,6 +97,11 @@ struct CompileJob {
   // ones (the CPU backend's preamble PCHs) is kept per namespace. Never part
   // of the key (an object is the same bytes for every namespace).
   std::string ns;
+  // The toolchain profile the job uses (toolchain_profile.h): set by
+  // KernelCompiler when a library of an offered profile is named and the
+  // namespace may use it (a caller's value is ignored). Its name enters the
+  // key through the backend's identity.
+  std::string profile;
 };
 
 // What a GPU compile produced (nothing is loaded: that needs a device).
@@ -106,6 +113,15 @@ struct GpuBinary {
   std::vector<std::string> archs;
   size_t bytes() const;
 };
+
+// KernelCompiler's check of a job's libraries, which also picks its
+// toolchain profile (sets job->profile, "" for none): each library must be
+// on options.allowed_libraries or belong to an offered profile the job's
+// namespace may use (at most one profile per job). Errors:
+// PERMISSION_DENIED (off the allow-list, or a profile the namespace may not
+// use), FAILED_PRECONDITION (a built-in profile's library where the profile
+// is not offered), INVALID_ARGUMENT (two profiles). No host path in them.
+absl::Status SelectProfile(const KernelCompilerOptions& options, CompileJob* job);
 
 // The job that compiles an op's implementation; registration and execution
 // use the same one, so execution finds what registration compiled.
@@ -181,6 +197,13 @@ struct KernelCompilerOptions {
   // Extra include dirs and libraries kernels may use. Default: none.
   std::vector<std::string> extra_include_dirs;
   std::vector<std::string> allowed_libraries;
+  // Toolchain profiles offered (found on this host; toolchain_profile.h). A
+  // job that names one of a profile's libraries uses it: its include dirs
+  // and its shared PCH (CPU). Refused (PERMISSION_DENIED) when the job's
+  // namespace is not on the profile's list and the library is not on
+  // allowed_libraries; a library of a built-in profile that is not offered
+  // is FAILED_PRECONDITION. Default: none.
+  std::vector<ToolchainProfile> profiles;
   // In-memory cache bounds. Default: 512 kernels, 512 MiB of object code.
   size_t memory_entries = 512;
   uint64_t memory_bytes = 512ull << 20;

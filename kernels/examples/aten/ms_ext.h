@@ -1,8 +1,9 @@
 // get_torch_tensors() as MindSpore's guide to third-party operator libraries
 // uses it: wraps a kernel's aot parameters as ATen tensors that share the
-// kernel's memory (no copies). Put this directory in [compiler]
-// extra_include_dirs, with libtorch's and Python's include directories (see
-// README.md, "ATen kernels").
+// kernel's memory (no copies). Header-only: it goes with the kernel as one of
+// its files (leaky_relu.json). seed003/ has the guide's own layout, this
+// header's declarations and their code in ms_ext.cpp. Both compile with the
+// daemon's "aten" toolchain profile (README.md, "ATen kernels").
 #pragma once
 
 #include <string.h>

@@ -490,8 +490,9 @@ struct ClangFrontend::Impl {
     for (size_t i = 0; i < req.include_dirs.size(); ++i) {
       a.push_back("-fmacro-prefix-map=" + req.include_dirs[i] + "=include" + std::to_string(i));
     }
-    if (!for_pch && use_pch && unit.empty()) {
-      // A header touched but unchanged keeps the PCH valid.
+    if (!for_pch && use_pch) {
+      // A header touched but unchanged keeps the PCH valid. (An extra unit
+      // loads only a profile's prefix PCH: ipc::WorkerRequest::pch_prefix.)
       a.insert(a.end(), {"-include-pch", VirtualPch(), "-fpch-validate-input-files-content"});
     }
     if (for_pch) {
@@ -572,7 +573,7 @@ struct ClangFrontend::Impl {
         new SandboxFileSystem(llvm::vfs::getRealFileSystem(), dirs, {}, {"/"}));
     llvm::IntrusiveRefCntPtr<llvm::vfs::OverlayFileSystem> fs(
         new llvm::vfs::OverlayFileSystem(sandbox));
-    if (!req.preamble.empty() || !req.files.empty()) {
+    if (!req.preamble.empty() || !req.files.empty() || pch != nullptr) {
       // The same time stamp whenever the PCH is built or loaded: the PCH
       // records it, and the content is the key's (the files' too: the
       // daemon keys a PCH by them).
@@ -615,16 +616,20 @@ struct ClangFrontend::Impl {
     return {out.begin(), out.end()};
   }
 
-  // Compiles `req`, with `pch` (the PCH of its preamble) when not null.
+  // Compiles `req`, with `pch` (the PCH of its preamble, or a profile's
+  // prefix PCH for the units the request names) when not null.
   Attempt Compile(const ipc::WorkerRequest& req, const llvm::MemoryBuffer* pch) {
     Attempt at;
     llvm::raw_string_ostream diag_os(at.diagnostics);
+    const bool main_pch = pch != nullptr && (!req.pch_prefix || req.prefix_main);
     std::shared_ptr<clang::CompilerInvocation> inv =
-        MakeInvocation(DriverArgs(req, /*for_pch=*/false, pch != nullptr), diag_os);
+        MakeInvocation(DriverArgs(req, /*for_pch=*/false, main_pch), diag_os);
     if (inv == nullptr) return at;
-    // With the PCH, the preamble it stands for is blanked (lines stay put).
-    const std::string source =
-        pch == nullptr ? req.source : BlankPreamble(req.source, req.preamble_bytes);
+    // With the preamble's PCH, the preamble it stands for is blanked (lines
+    // stay put); a prefix PCH stands for no bytes of the source.
+    const std::string source = pch == nullptr || req.pch_prefix
+                                   ? req.source
+                                   : BlankPreamble(req.source, req.preamble_bytes);
     inv->getPreprocessorOpts().addRemappedFile(
         req.file_name, llvm::MemoryBuffer::getMemBufferCopy(source, req.file_name).release());
 
@@ -652,7 +657,12 @@ struct ClangFrontend::Impl {
     int link_errors = 0;
     for (const ipc::File& f : req.files) {
       if (!IsUnit(f.name)) continue;
-      std::unique_ptr<llvm::Module> unit = CompileUnit(req, f.name, ctx, diag_os, &dependencies);
+      const bool unit_pch = pch != nullptr && req.pch_prefix &&
+                            std::find(req.prefix_units.begin(), req.prefix_units.end(),
+                                      f.name) != req.prefix_units.end();
+      std::unique_ptr<llvm::Module> unit =
+          CompileUnit(req, f.name, ctx, diag_os, &dependencies, unit_pch ? pch : nullptr,
+                      &at.setup_failed);
       if (unit == nullptr) return at;
       ctx.setDiagnosticHandler(std::make_unique<BackendDiagnostics>(diag_os, &link_errors));
       if (llvm::Linker::linkModules(*module, std::move(unit)) || link_errors > 0) {
@@ -700,18 +710,23 @@ struct ClangFrontend::Impl {
 
   // The extra translation unit `name` of `req` as a module of `ctx` (the -O
   // pipeline run), its reads added to `*dependencies`; null after errors,
-  // which go to `diag_os`.
+  // which go to `diag_os`. With `pch` (a profile's prefix PCH) loaded
+  // ahead of it; `*setup_failed` is set when that PCH could not be loaded.
   std::unique_ptr<llvm::Module> CompileUnit(const ipc::WorkerRequest& req, const std::string& name,
                                             llvm::LLVMContext& ctx, llvm::raw_ostream& diag_os,
-                                            std::vector<std::string>* dependencies) {
-    std::shared_ptr<clang::CompilerInvocation> inv =
-        MakeInvocation(DriverArgs(req, /*for_pch=*/false, false, FilePath(name)), diag_os);
+                                            std::vector<std::string>* dependencies,
+                                            const llvm::MemoryBuffer* pch, bool* setup_failed) {
+    std::shared_ptr<clang::CompilerInvocation> inv = MakeInvocation(
+        DriverArgs(req, /*for_pch=*/false, pch != nullptr, FilePath(name)), diag_os);
     if (inv == nullptr) return nullptr;
     clang::CompilerInstance ci;
-    std::shared_ptr<DependencyRecorder> deps = Prepare(ci, inv, diag_os, req, nullptr);
+    std::shared_ptr<DependencyRecorder> deps = Prepare(ci, inv, diag_os, req, pch);
     if (!ci.createTarget()) return nullptr;
     clang::EmitLLVMOnlyAction action(&ctx);
-    if (!action.BeginSourceFile(ci, inv->getFrontendOpts().Inputs[0])) return nullptr;
+    if (!action.BeginSourceFile(ci, inv->getFrontendOpts().Inputs[0])) {
+      *setup_failed = pch != nullptr;
+      return nullptr;
+    }
     if (llvm::Error e = action.Execute()) {
       diag_os << "error: " << llvm::toString(std::move(e)) << "\n";
       action.EndSourceFile();
@@ -856,9 +871,12 @@ ipc::WorkerResponse ClangFrontend::Handle(const ipc::WorkerRequest& req, int pch
     }
   }
   const bool cxx = req.language == ipc::Language::kCxx;
-  if (req.pch != ipc::PchUse::kNone && (pch_fd < 0 || !cxx || req.preamble.empty())) {
+  if (req.pch != ipc::PchUse::kNone &&
+      (pch_fd < 0 || (req.pch_prefix ? req.pch != ipc::PchUse::kLoad
+                                     : !cxx || req.preamble.empty()))) {
     resp.kind = ipc::ResponseKind::kBadRequest;
-    resp.diagnostics = "a PCH request needs a C++ source, a preamble and a descriptor";
+    resp.diagnostics = "a PCH request needs a C++ source, a preamble and a descriptor "
+                       "(a prefix PCH: a descriptor to load)";
     return resp;
   }
 

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -205,6 +206,17 @@ struct CpuCompiler::Worker {
 CpuCompiler::CpuCompiler(const CpuCompilerOptions& options) : options_(options) {}
 
 CpuCompiler::~CpuCompiler() {
+  // A profile PCH built at start is no one's to wait for: its worker is
+  // ended (the build then fails, and the thread returns).
+  pid_t builder = 0;
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    builder = profile_builder_pid_;
+  }
+  profile_cv_.SignalAll();
+  if (builder > 0 && profile_starter_.joinable()) ::kill(builder, SIGKILL);
+  if (profile_starter_.joinable()) profile_starter_.join();
   std::deque<std::unique_ptr<Worker>> idle;
   {
     MutexLock lock(&mu_);
@@ -267,6 +279,7 @@ absl::StatusOr<std::unique_ptr<CpuCompiler>> CpuCompiler::Create(
   c->Release(std::move(worker));
   log->info("CPU compiler ready: {} workers max, worker {}, preamble PCHs {}",
             options.num_workers, c->worker_path_, c->pch_dir_.empty() ? "off" : c->pch_dir_);
+  c->StartProfilePchs();
   return c;
 }
 
@@ -346,6 +359,11 @@ absl::StatusOr<std::unique_ptr<CpuCompiler::Worker>> CpuCompiler::StartWorker() 
   // Nothing to write: a PCH comes and goes as a descriptor.
   args.insert(args.end(), {"--read-only", kernel_include_dir_});
   for (const auto& d : allowed_extra_dirs_) args.insert(args.end(), {"--read-only", d});
+  // A profile's dirs: a compile reads them only when its request names the
+  // profile (the worker's file system allows a request's dirs alone).
+  for (const ToolchainProfile& p : options_.profiles) {
+    for (const auto& d : p.include_dirs) args.insert(args.end(), {"--read-only", Normalize(d)});
+  }
   // The socket as fd 3, its stderr the daemon's. Namespaces of its own
   // where the daemon can make them: it sees no other process, has no
   // network, and its mounts are its own. Root: the compile uid, never
@@ -526,11 +544,12 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Run(std::unique_ptr<Worker>* worke
                                                   const std::string& payload,
                                                   const std::string& file_name, bool allow_long,
                                                   bool* long_lane, int pass_fd,
-                                                  int* response_flags) {
+                                                  int* response_flags, int timeout_ms) {
   Worker& w = **worker;
   auto log = Logger("compiler");
   if (response_flags != nullptr) *response_flags = 0;
-  absl::Time deadline = absl::Now() + absl::Milliseconds(options_.timeout_ms);
+  if (timeout_ms <= 0) timeout_ms = options_.timeout_ms;
+  absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
   absl::Status s = ipc::WriteFrame(w.fd, payload, deadline, ipc::kToWorker, pass_fd);
   const bool sent = s.ok();
   *long_lane = false;
@@ -713,6 +732,94 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Answer(std::unique_ptr<Worker>* wo
   return absl::InternalError("unreachable");
 }
 
+// What a compile's PCH is: the descriptor the worker gets, and what the
+// daemon does with it afterwards.
+struct CpuCompiler::PchPlan {
+  OwnedFd fd;
+  std::string key;        // the preamble PCH's key ("": none)
+  fs::path file, tmp;     // the preamble PCH, and the file a build writes
+  std::string profile;    // a profile's prefix PCH is used ("": none)
+};
+
+const ToolchainProfile* CpuCompiler::FindProfile(const std::string& name) const {
+  for (const ToolchainProfile& p : options_.profiles) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<std::vector<std::string>> CpuCompiler::IncludeDirsFor(
+    const std::vector<std::string>& extra, const ToolchainProfile* profile) const {
+  std::vector<std::string> dirs;
+  if (!kernel_include_dir_.empty()) dirs.push_back(kernel_include_dir_);
+  for (const std::string& d : extra) {
+    std::string n = Normalize(d);
+    if (std::find(allowed_extra_dirs_.begin(), allowed_extra_dirs_.end(), n) ==
+        allowed_extra_dirs_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("include directory '", d, "' is not allowed by the server configuration"));
+    }
+    dirs.push_back(n);
+  }
+  if (extra.empty()) dirs.insert(dirs.end(), allowed_extra_dirs_.begin(), allowed_extra_dirs_.end());
+  if (profile != nullptr) {
+    for (const std::string& d : profile->include_dirs) dirs.push_back(Normalize(d));
+  }
+  return dirs;
+}
+
+void CpuCompiler::PlanPreamblePch(const CpuCompileRequest& request, ipc::WorkerRequest* req,
+                                  PchPlan* plan) {
+  // The source's own leading #include block, precompiled once per content and
+  // namespace. The worker gets the PCH as a read-only descriptor, or a new
+  // empty file to build it into (published here once whole); never a path.
+  Preamble preamble = ComputePreamble(request.source);
+  if (!preamble.has_include) return;
+  req->pch_options = PchOptions(request.options);
+  // The extra files are on the PCH's search path (first), and the
+  // preamble may include them: their names and contents key it too.
+  std::string keyed = preamble.directives;
+  if (!req->files.empty()) {
+    Sha256 files;
+    for (const ipc::File& f : req->files) {
+      files.UpdateField(f.name);
+      files.UpdateField(f.content);
+    }
+    absl::StrAppend(&keyed, "\nfiles=", files.HexDigest());
+  }
+  plan->key = PchKeyFor(request.tenant, keyed, req->pch_options, req->include_dirs);
+  plan->file = fs::path(pch_dir_) / (plan->key + ".pch");
+  // The directives, beside their PCH, for whoever looks (the worker gets
+  // them in the request).
+  if (absl::Status w = WriteFileIfChanged(fs::path(pch_dir_) / (plan->key + ".h"),
+                                          preamble.directives);
+      !w.ok()) {
+    Logger("compiler")->debug("cannot keep a preamble's text: {}", w.ToString());
+  }
+  plan->fd.fd = ::open(plan->file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (plan->fd.fd >= 0) {
+    req->pch = ipc::PchUse::kLoad;
+  } else {
+    static std::atomic<uint64_t> counter{0};
+    plan->tmp = plan->file;
+    plan->tmp += absl::StrCat(".tmp.", ::getpid(), ".", counter.fetch_add(1));
+    plan->fd.fd = ::open(plan->tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+                         0600);
+    if (plan->fd.fd >= 0) {
+      req->pch = ipc::PchUse::kBuild;
+    } else {
+      Logger("compiler")->warn("compiling without a PCH: cannot create one: {}",
+                               std::strerror(errno));
+      plan->tmp.clear();
+      plan->key.clear();
+    }
+  }
+  if (req->pch != ipc::PchUse::kNone) {
+    req->preamble = preamble.directives;
+    req->preamble_bytes = static_cast<uint32_t>(preamble.bytes);
+  }
+}
+
 absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& request) {
   // The registry's rule (compile_options.h); the worker checks again.
   const char* language = request.language == Language::kC ? "c" : "c++";
@@ -720,6 +827,11 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
     if (!CpuOptionRefusal(language, o).empty()) {
       return absl::InvalidArgumentError(absl::StrCat("compile option '", o, "' is not allowed"));
     }
+  }
+  const ToolchainProfile* profile = nullptr;
+  if (!request.profile.empty() && (profile = FindProfile(request.profile)) == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("toolchain profile \"", request.profile, "\" is not offered here"));
   }
   ipc::WorkerRequest req;
   req.mode = ipc::RequestMode::kCompile;
@@ -731,79 +843,20 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
   }
   req.options = request.options;
   for (const auto& [name, content] : request.files) req.files.push_back({name, content});
-  if (!kernel_include_dir_.empty()) req.include_dirs.push_back(kernel_include_dir_);
-  for (const std::string& d : request.extra_include_dirs) {
-    std::string n = Normalize(d);
-    if (std::find(allowed_extra_dirs_.begin(), allowed_extra_dirs_.end(), n) ==
-        allowed_extra_dirs_.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("include directory '", d, "' is not allowed by the server configuration"));
-    }
-    req.include_dirs.push_back(n);
-  }
-  if (request.extra_include_dirs.empty()) {
-    req.include_dirs.insert(req.include_dirs.end(), allowed_extra_dirs_.begin(),
-                            allowed_extra_dirs_.end());
-  }
-  // The source's own leading #include block, precompiled once per content and
-  // namespace. The worker gets the PCH as a read-only descriptor, or a new
-  // empty file to build it into (published here once whole); never a path.
-  std::string pch_key;
-  fs::path pch_file, pch_tmp;
-  OwnedFd pch_fd;
-  if (request.language == Language::kCxx && !pch_dir_.empty()) {
-    Preamble preamble = ComputePreamble(request.source);
-    if (preamble.has_include) {
-      req.pch_options = PchOptions(request.options);
-      // The extra files are on the PCH's search path (first), and the
-      // preamble may include them: their names and contents key it too.
-      std::string keyed = preamble.directives;
-      if (!req.files.empty()) {
-        Sha256 files;
-        for (const ipc::File& f : req.files) {
-          files.UpdateField(f.name);
-          files.UpdateField(f.content);
-        }
-        absl::StrAppend(&keyed, "\nfiles=", files.HexDigest());
-      }
-      pch_key = PchKeyFor(request.tenant, keyed, req.pch_options, req.include_dirs);
-      pch_file = fs::path(pch_dir_) / (pch_key + ".pch");
-      // The directives, beside their PCH, for whoever looks (the worker gets
-      // them in the request).
-      if (absl::Status w = WriteFileIfChanged(fs::path(pch_dir_) / (pch_key + ".h"),
-                                              preamble.directives);
-          !w.ok()) {
-        Logger("compiler")->debug("cannot keep a preamble's text: {}", w.ToString());
-      }
-      pch_fd.fd = ::open(pch_file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-      if (pch_fd.fd >= 0) {
-        req.pch = ipc::PchUse::kLoad;
-      } else {
-        static std::atomic<uint64_t> counter{0};
-        pch_tmp = pch_file;
-        pch_tmp += absl::StrCat(".tmp.", ::getpid(), ".", counter.fetch_add(1));
-        pch_fd.fd = ::open(pch_tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
-                           0600);
-        if (pch_fd.fd >= 0) {
-          req.pch = ipc::PchUse::kBuild;
-        } else {
-          Logger("compiler")->warn("compiling without a PCH: cannot create one: {}",
-                                   std::strerror(errno));
-          pch_tmp.clear();
-          pch_key.clear();
-        }
-      }
-      if (req.pch != ipc::PchUse::kNone) {
-        req.preamble = preamble.directives;
-        req.preamble_bytes = static_cast<uint32_t>(preamble.bytes);
-      }
+  OPJIT_ASSIGN_OR_RETURN(req.include_dirs, IncludeDirsFor(request.extra_include_dirs, profile));
+  PchPlan plan;
+  if (!pch_dir_.empty()) {
+    // A profile's shared prefix PCH where it serves; else the preamble's.
+    if (profile != nullptr) PlanProfilePch(*profile, &req, &plan);
+    if (plan.profile.empty() && request.language == Language::kCxx) {
+      PlanPreamblePch(request, &req, &plan);
     }
   }
   std::string payload = ipc::Encode(req);
 
   absl::StatusOr<std::unique_ptr<Worker>> acquired = Acquire(request.tenant);
   if (!acquired.ok()) {
-    if (!pch_tmp.empty()) ::unlink(pch_tmp.c_str());
+    if (!plan.tmp.empty()) ::unlink(plan.tmp.c_str());
     return acquired.status();
   }
   std::unique_ptr<Worker> worker = *std::move(acquired);
@@ -812,33 +865,239 @@ absl::StatusOr<CpuCompileOutput> CpuCompiler::Compile(const CpuCompileRequest& r
   bool long_lane = false;
   int flags = 0;
   absl::StatusOr<CpuCompileOutput> out = Run(&worker, payload, req.file_name, /*allow_long=*/true,
-                                             &long_lane, pch_fd.fd, &flags);
-  pch_fd.Reset();
+                                             &long_lane, plan.fd.fd, &flags);
+  plan.fd.Reset();
   // A worker that was given a file to write goes: it could still hold it.
   FinishWith(std::move(worker), long_lane, /*retire=*/req.pch == ipc::PchUse::kBuild);
   bool built = false;
-  if (!pch_tmp.empty()) {
+  if (!plan.tmp.empty()) {
     // Whole, as the (now retired) worker said: publish it. Otherwise drop it.
-    built = (flags & kPchBuilt) != 0 && ::rename(pch_tmp.c_str(), pch_file.c_str()) == 0;
-    if (!built) ::unlink(pch_tmp.c_str());
+    built = (flags & kPchBuilt) != 0 && ::rename(plan.tmp.c_str(), plan.file.c_str()) == 0;
+    if (!built) ::unlink(plan.tmp.c_str());
   }
   if (req.pch == ipc::PchUse::kLoad && (flags & kPchStale) != 0) {
     // Stale (a header changed) or broken: the next compile builds it again.
-    std::error_code ec;
-    fs::remove(pch_file, ec);
+    if (!plan.profile.empty()) {
+      DropProfilePch(plan.profile);
+    } else {
+      std::error_code ec;
+      fs::remove(plan.file, ec);
+    }
   }
-  if (!pch_key.empty()) NotePchUse(pch_key, req.pch == ipc::PchUse::kLoad, built);
+  if (!plan.key.empty()) NotePchUse(plan.key, req.pch == ipc::PchUse::kLoad, built);
   {
     MutexLock lock(&mu_);
     ++stats_.compiles;
     if (!out.ok()) ++stats_.failures;
+    if (!plan.profile.empty()) ++stats_.profile_pch_uses;
   }
   if (out.ok()) {
     Logger("compiler")
-        ->debug("compiled {} in {:.1f} ms ({} bytes)", req.file_name, out->compile_ms,
-                out->object.size());
+        ->debug("compiled {} in {:.1f} ms ({} bytes{})", req.file_name, out->compile_ms,
+                out->object.size(), plan.profile.empty() ? "" : ", with the profile's PCH");
   }
   return out;
+}
+
+// ---- Toolchain profiles' shared prefix PCHs ------------------------------
+
+namespace {
+
+// The namespace no tenant has: a profile's PCH is built in a fresh worker
+// that serves nobody else (and is retired after).
+constexpr char kProfileTenant[] = "\x01profile";
+
+// A profile PCH build may take minutes on a busy machine; it is no tenant's.
+constexpr int kProfilePchTimeoutMs = 600000;
+
+// A failed build is tried again after this long.
+constexpr absl::Duration kProfileRetryAfter = absl::Minutes(10);
+
+std::string PrefixDirectives(const ToolchainProfile& p) {
+  return absl::StrCat("#include <", p.prefix_header, ">\n");
+}
+
+}  // namespace
+
+void CpuCompiler::PlanProfilePch(const ToolchainProfile& profile, ipc::WorkerRequest* req,
+                                 PchPlan* plan) {
+  if (profile.prefix_header.empty() || !PchOptions(req->options).empty()) return;
+  // Which units begin with the prefix header (reading through extra files).
+  auto file = [&](std::string_view name) -> const std::string* {
+    for (const ipc::File& f : req->files) {
+      if (f.name == name) return &f.content;
+    }
+    return nullptr;
+  };
+  const bool main = req->language == ipc::Language::kCxx &&
+                    StartsWithInclude(req->source, profile.prefix_header, file);
+  std::vector<std::string> units;
+  for (const ipc::File& f : req->files) {
+    const std::string& n = f.name;
+    const bool cxx_unit = absl::EndsWith(n, ".cc") || absl::EndsWith(n, ".cpp") ||
+                          absl::EndsWith(n, ".cxx");
+    if (cxx_unit && StartsWithInclude(f.content, profile.prefix_header, file)) {
+      units.push_back(f.name);
+    }
+  }
+  if (!main && units.empty()) return;
+  std::optional<ProfilePch> ready = ProfilePchFor(profile);
+  if (!ready.has_value() || ready->include_dirs != req->include_dirs) return;
+  // An extra file searched first could shadow a header the PCH read.
+  for (const ipc::File& f : req->files) {
+    const std::string tail = "/" + f.name;
+    for (const std::string& d : ready->dependencies) {
+      if (absl::EndsWith(d, tail)) return;
+    }
+  }
+  plan->fd.fd = ::open(ready->file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (plan->fd.fd < 0) {
+    DropProfilePch(profile.name);
+    return;
+  }
+  plan->profile = profile.name;
+  req->pch = ipc::PchUse::kLoad;
+  req->pch_prefix = true;
+  // The PCH's own input, which clang checks as it loads it (not compiled).
+  req->preamble = PrefixDirectives(profile);
+  req->prefix_main = main;
+  req->prefix_units = std::move(units);
+}
+
+std::optional<CpuCompiler::ProfilePch> CpuCompiler::ProfilePchFor(const ToolchainProfile& profile) {
+  {
+    MutexLock lock(&mu_);
+    for (;;) {
+      ProfilePch& p = profile_pch_[profile.name];
+      if (p.state == ProfilePch::State::kReady) return p;
+      if (p.state == ProfilePch::State::kFailed && absl::Now() < p.failed_at + kProfileRetryAfter) {
+        return std::nullopt;
+      }
+      if (stopping_) return std::nullopt;
+      if (p.state != ProfilePch::State::kBuilding) {
+        p.state = ProfilePch::State::kBuilding;
+        break;  // this thread builds it
+      }
+      profile_cv_.Wait(&mu_);
+    }
+  }
+  ProfilePch built = BuildProfilePch(profile);
+  MutexLock lock(&mu_);
+  profile_pch_[profile.name] = built;
+  profile_cv_.SignalAll();
+  if (built.state != ProfilePch::State::kReady) return std::nullopt;
+  return built;
+}
+
+void CpuCompiler::DropProfilePch(const std::string& name) {
+  std::string file;
+  {
+    MutexLock lock(&mu_);
+    auto it = profile_pch_.find(name);
+    if (it == profile_pch_.end() || it->second.state != ProfilePch::State::kReady) return;
+    file = it->second.file;
+    profile_pch_.erase(it);
+  }
+  Logger("compiler")->info("toolchain profile {}: its PCH is stale; it is built again", name);
+  std::error_code ec;
+  fs::remove(file, ec);
+  fs::remove(file + ".deps", ec);
+}
+
+CpuCompiler::ProfilePch CpuCompiler::BuildProfilePch(const ToolchainProfile& profile) {
+  auto log = Logger("compiler");
+  ProfilePch out;
+  out.state = ProfilePch::State::kFailed;
+  out.failed_at = absl::Now();
+  absl::StatusOr<std::vector<std::string>> dirs = IncludeDirsFor({}, &profile);
+  if (!dirs.ok()) return out;
+  out.include_dirs = *dirs;
+  const std::string directives = PrefixDirectives(profile);
+  // Built from the operator's profile alone: its header, the fixed flags,
+  // no option, no file of any tenant.
+  const std::string key = PchKeyFor(kProfileTenant, directives, {}, out.include_dirs);
+  const fs::path dir = fs::path(pch_dir_) / "profiles";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  out.file = (dir / absl::StrCat(profile.name, "-", key, ".pch")).string();
+  if (std::ifstream deps(out.file + ".deps"); deps && fs::exists(out.file, ec)) {
+    // Built by an earlier run (a header changed since: the first compile
+    // that loads it finds it stale, and it is built again).
+    for (std::string line; std::getline(deps, line);) {
+      if (!line.empty()) out.dependencies.push_back(line);
+    }
+    out.state = ProfilePch::State::kReady;
+    return out;
+  }
+  ipc::WorkerRequest req;
+  req.language = ipc::Language::kCxx;
+  req.source = directives;
+  req.file_name = absl::StrCat("profile-", profile.name, ".cc");
+  req.include_dirs = out.include_dirs;
+  req.pch = ipc::PchUse::kBuild;
+  req.preamble = directives;
+  req.preamble_bytes = static_cast<uint32_t>(directives.size());
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = absl::StrCat(out.file, ".tmp.", ::getpid(), ".", counter.fetch_add(1));
+  OwnedFd fd;
+  fd.fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd.fd < 0) {
+    log->warn("toolchain profile {}: cannot create its PCH: {}", profile.name, std::strerror(errno));
+    return out;
+  }
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<std::unique_ptr<Worker>> worker = Acquire(kProfileTenant);
+  absl::StatusOr<CpuCompileOutput> result =
+      worker.ok() ? absl::InternalError("not run") : worker.status();
+  int flags = 0;
+  if (worker.ok()) {
+    (*worker)->assigned = true;
+    (*worker)->tenant = kProfileTenant;
+    {
+      MutexLock lock(&mu_);
+      profile_builder_pid_ = (*worker)->pid;
+    }
+    bool long_lane = false;
+    result = Run(&*worker, ipc::Encode(req), req.file_name, /*allow_long=*/false, &long_lane,
+                 fd.fd, &flags, kProfilePchTimeoutMs);
+    {
+      MutexLock lock(&mu_);
+      profile_builder_pid_ = 0;
+    }
+    fd.Reset();
+    FinishWith(*std::move(worker), long_lane, /*retire=*/true);
+  }
+  if (!result.ok() || (flags & kPchBuilt) == 0 || ::rename(tmp.c_str(), out.file.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    log->warn("toolchain profile {}: building its PCH failed ({}); its compiles go without",
+              profile.name, result.ok() ? "no PCH came back" : result.status().ToString());
+    return out;
+  }
+  out.dependencies = result->dependencies;
+  std::string deps_text;
+  for (const std::string& d : out.dependencies) absl::StrAppend(&deps_text, d, "\n");
+  (void)WriteFileIfChanged(out.file + ".deps", deps_text);
+  {
+    MutexLock lock(&mu_);
+    ++stats_.pch_built;
+    ++stats_.profile_pch_built;
+  }
+  log->info("toolchain profile {}: shared PCH of <{}> built in {:.1f} s ({} headers)", profile.name,
+            profile.prefix_header, absl::ToDoubleSeconds(absl::Now() - t0),
+            out.dependencies.size());
+  out.state = ProfilePch::State::kReady;
+  return out;
+}
+
+void CpuCompiler::StartProfilePchs() {
+  std::vector<const ToolchainProfile*> now;
+  for (const ToolchainProfile& p : options_.profiles) {
+    if (p.pch_at_start && !p.prefix_header.empty()) now.push_back(&p);
+  }
+  if (now.empty() || pch_dir_.empty()) return;
+  profile_starter_ = std::thread([this, now] {
+    for (const ToolchainProfile* p : now) (void)ProfilePchFor(*p);
+  });
 }
 
 CpuCompiler::Stats CpuCompiler::GetStats() const {

@@ -12,19 +12,27 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include <sys/types.h>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "server/common/mutex.h"
+#include "server/compiler/toolchain_profile.h"
 
 struct rusage;
 
 namespace opjit::compiler {
 namespace ipc {
+struct WorkerRequest;
 struct WorkerResponse;
 }  // namespace ipc
 
@@ -52,6 +60,10 @@ struct CpuCompileRequest {
   // (with the preamble, options, include dirs and toolchain), and no compile
   // of another namespace is given them. Not part of any object key.
   std::string tenant;
+  // A toolchain profile of CpuCompilerOptions::profiles ("": none): its
+  // include dirs follow the others, and its shared PCH serves the units
+  // that begin with its prefix header (see the options).
+  std::string profile;
 };
 
 struct CpuCompileOutput {
@@ -78,6 +90,21 @@ struct CpuCompilerOptions {
   // Extra include directories (from the server config): on every compile's
   // include path unless a request names a subset; read-only to workers.
   std::vector<std::string> extra_include_dirs;
+  // Toolchain profiles a request may name (toolchain_profile.h; the
+  // KernelCompiler checked the namespace's right to it). A profile with a
+  // prefix header has one shared PCH, built from `#include <prefix>` alone
+  // with the fixed flags and no user option, in a worker of no namespace,
+  // charged to none, kept in <pch_dir>/profiles/ out of the LRU: at Create
+  // when pch_at_start, else at the first compile that names the profile
+  // (which waits for it, outside its own time limit). A C++ translation
+  // unit of such a compile (the source or an extra .cc/.cpp/.cxx file)
+  // loads it read-only when it compiles as the PCH was built (no option
+  // but warnings, the same include dirs, no extra file that could shadow a
+  // header the PCH read) and its first directives reach the prefix header
+  // through nothing that could change what it means (StartsWithInclude,
+  // preamble.h): as if the header had been included first, which its
+  // include guard makes the same.
+  std::vector<ToolchainProfile> profiles;
   // Where preamble PCHs are kept (see preamble.h); empty = no PCH. Only this
   // process opens it: a worker gets the one PCH its compile uses as a
   // read-only descriptor, or, to build one, a descriptor of a new empty
@@ -155,6 +182,8 @@ class CpuCompiler {
     uint64_t pch_built = 0;        // preamble PCHs built
     uint64_t pch_evicted = 0;      // preamble PCHs removed to stay in bounds
     uint64_t tenant_switches = 0;  // idle workers ended to serve another namespace
+    uint64_t profile_pch_built = 0;  // toolchain profiles' shared PCHs built (also in pch_built)
+    uint64_t profile_pch_uses = 0;   // compiles that loaded one
   };
   Stats GetStats() const;
 
@@ -180,10 +209,11 @@ class CpuCompiler {
   // `allow_long`: the compile may move to the long lane (see the options).
   // `pass_fd` (>= 0) goes with the request (its PCH); `*response_flags`
   // gets the response's PCH flags (kPchBuilt, kPchStale) when not null.
+  // `timeout_ms` > 0 replaces options' (a profile's PCH build).
   absl::StatusOr<CpuCompileOutput> Run(std::unique_ptr<Worker>* worker, const std::string& payload,
                                        const std::string& file_name, bool allow_long,
                                        bool* long_lane, int pass_fd = -1,
-                                       int* response_flags = nullptr);
+                                       int* response_flags = nullptr, int timeout_ms = 0);
   // Run's halves: the error for a worker that hung up mid-compile (it died:
   // reaped, counted, and its death explained), and the answer a worker's
   // response gives (a crash or running out of memory reaps it too).
@@ -216,6 +246,37 @@ class CpuCompiler {
   // the least recently used ones past the bounds.
   void NotePchUse(const std::string& key, bool existed, bool built);
 
+  // The PCH a compile uses (cpu_compiler.cc).
+  struct PchPlan;
+  // A profile's shared prefix PCH, as built (or found from an earlier run).
+  struct ProfilePch {
+    enum class State { kNone, kBuilding, kReady, kFailed };
+    State state = State::kNone;
+    std::string file;                       // <pch_dir>/profiles/<name>-<key>.pch
+    std::vector<std::string> dependencies;  // the headers it read (real paths)
+    std::vector<std::string> include_dirs;  // the -I list it was built with
+    absl::Time failed_at;
+  };
+  const ToolchainProfile* FindProfile(const std::string& name) const;
+  // The -I list of a request: the kernel dir, `extra` (a subset of the
+  // configured ones; empty: all of them), then `profile`'s (when not null).
+  absl::StatusOr<std::vector<std::string>> IncludeDirsFor(const std::vector<std::string>& extra,
+                                                          const ToolchainProfile* profile) const;
+  // The source's preamble PCH (the namespace's own) into *req and *plan.
+  void PlanPreamblePch(const CpuCompileRequest& request, ipc::WorkerRequest* req, PchPlan* plan);
+  // `profile`'s prefix PCH into *req and *plan when some unit of *req may
+  // load it (CpuCompilerOptions::profiles); waits for (or builds) it.
+  void PlanProfilePch(const ToolchainProfile& profile, ipc::WorkerRequest* req, PchPlan* plan);
+  // The profile's PCH once ready: built now on this thread when no one has,
+  // waited for when another thread builds it; nullopt when it failed
+  // (tried again after 10 minutes) or the compiler is stopping.
+  std::optional<ProfilePch> ProfilePchFor(const ToolchainProfile& profile);
+  ProfilePch BuildProfilePch(const ToolchainProfile& profile);
+  // Forgets a stale profile PCH (and removes it): the next use builds it.
+  void DropProfilePch(const std::string& name);
+  // Builds the PCHs of the profiles with pch_at_start, on a thread.
+  void StartProfilePchs();
+
   // Constant after Create().
   CpuCompilerOptions options_;
   std::string kernel_include_dir_;               // normalised
@@ -233,6 +294,11 @@ class CpuCompiler {
   Stats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> warned_pch_ ABSL_GUARDED_BY(mu_);
   Mutex evict_mu_;  // one eviction pass at a time
+  std::map<std::string, ProfilePch> profile_pch_ ABSL_GUARDED_BY(mu_);
+  CondVar profile_cv_;  // signalled when a profile PCH build ends
+  pid_t profile_builder_pid_ ABSL_GUARDED_BY(mu_) = 0;  // the worker building one
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread profile_starter_;  // StartProfilePchs'; joined by the destructor
 };
 
 }  // namespace opjit::compiler

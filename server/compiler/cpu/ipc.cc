@@ -82,6 +82,9 @@ std::string Encode(const WorkerRequest& m) {
     w.Str(f.name);
     w.Str(f.content);
   }
+  w.U8(m.pch_prefix ? 1 : 0);
+  w.U8(m.prefix_main ? 1 : 0);
+  w.Strs(m.prefix_units);
   return w.Take();
 }
 
@@ -134,6 +137,9 @@ absl::StatusOr<WorkerRequest> DecodeRequest(const std::string& payload) {
     f.content = r.Str();
     m.files.push_back(std::move(f));
   }
+  m.pch_prefix = r.U8() != 0;
+  m.prefix_main = r.U8() != 0;
+  m.prefix_units = r.Strs();
   if (absl::Status s = r.Finish("request"); !s.ok()) return s;
   if (m.preamble_bytes > m.source.size()) {
     return absl::InvalidArgumentError("preamble_bytes past the end of the source");

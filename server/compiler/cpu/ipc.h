@@ -27,7 +27,7 @@
 namespace opjit::compiler::ipc {
 
 // Bumped whenever a message layout changes; both ends must agree.
-inline constexpr uint32_t kProtocolVersion = 5;  // 5: extra files (headers, units)
+inline constexpr uint32_t kProtocolVersion = 6;  // 6: a profile's prefix PCH
 // The largest frame each way. A request carries a source (at most 1 MiB,
 // registry/validate.h) and its options; a response carries the object
 // (kernels compile to KiBs, a few MiB with big tables) and the
@@ -104,6 +104,15 @@ struct WorkerRequest {
   // (.c .cc .cpp .cxx) compiled with the same flags and linked into the one
   // object. Served from memory under kFilesVirtualDir.
   std::vector<File> files;
+  // The descriptor (pch == kLoad) is a toolchain profile's shared prefix
+  // PCH (cpu_compiler.h, CpuCompilerOptions::profiles) rather than the
+  // source's preamble's: `preamble` is the header it was built from (clang
+  // checks it as it loads the PCH), and nothing is blanked; it is loaded ahead of
+  // the source when `prefix_main`, and of each extra unit named in
+  // `prefix_units`. Another compile of the request does without it.
+  bool pch_prefix = false;
+  bool prefix_main = false;
+  std::vector<std::string> prefix_units;
 };
 
 enum class ResponseKind : uint8_t {

@@ -1,5 +1,8 @@
 #include "server/compiler/cpu/preamble.h"
 
+#include <algorithm>
+#include <string>
+
 namespace opjit::compiler {
 namespace {
 
@@ -137,6 +140,72 @@ Preamble ComputePreamble(std::string_view source) {
     }
   }
   return best;
+}
+
+namespace {
+
+enum class Reach { kYes, kNo, kEnd };
+
+// StartsWithInclude's walk of one file (`depth`: files entered).
+Reach ReachInclude(std::string_view source, std::string_view header,
+                   const std::function<const std::string*(std::string_view)>& file, int depth) {
+  if (depth > 8) return Reach::kNo;
+  size_t pos = 0;
+  std::string code;
+  int guards = 0;         // open include guards (#ifndef X #define X)
+  std::string guard;      // the macro an #ifndef just named, awaiting its #define
+  bool first = true;      // no directive yet in this file
+  while (pos < source.size()) {
+    if (!ReadLogicalLine(source, &pos, &code)) return Reach::kNo;
+    std::string_view line = Trim(code);
+    if (line.empty()) continue;
+    if (line.front() != '#') return Reach::kNo;
+    std::string_view rest = Trim(line.substr(1));
+    size_t n = 0;
+    while (n < rest.size() && IsIdent(rest[n])) ++n;
+    const std::string_view name = rest.substr(0, n);
+    const std::string_view arg = Trim(rest.substr(n));
+    const bool was_first = first;
+    first = false;
+    if (!guard.empty()) {
+      // Only `#define X` may follow `#ifndef X`.
+      if (name != "define" || arg != guard) return Reach::kNo;
+      guard.clear();
+      ++guards;
+      continue;
+    }
+    if (name == "pragma" && arg == "once") continue;
+    if (name == "ifndef" && was_first && !arg.empty() &&
+        std::all_of(arg.begin(), arg.end(), IsIdent)) {
+      guard = std::string(arg);
+      continue;
+    }
+    if (name == "endif" && guards > 0) {
+      --guards;
+      continue;
+    }
+    if (name != "include" || arg.size() < 3) return Reach::kNo;
+    const char close = arg.front() == '<' ? '>' : arg.front() == '"' ? '"' : 0;
+    if (close == 0 || arg.back() != close) return Reach::kNo;
+    const std::string_view target = arg.substr(1, arg.size() - 2);
+    if (target == header) return Reach::kYes;
+    // An extra file is searched first, <> or "": read through it.
+    const std::string* content = file(target);
+    if (content == nullptr) {
+      if (close == '>') continue;  // another header, included first as written
+      return Reach::kNo;
+    }
+    const Reach r = ReachInclude(*content, header, file, depth + 1);
+    if (r != Reach::kEnd) return r;
+  }
+  return guard.empty() ? Reach::kEnd : Reach::kNo;
+}
+
+}  // namespace
+
+bool StartsWithInclude(std::string_view source, std::string_view header,
+                       const std::function<const std::string*(std::string_view)>& file) {
+  return ReachInclude(source, header, file, 0) == Reach::kYes;
 }
 
 std::string BlankPreamble(std::string_view source, size_t bytes) {

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -33,5 +34,18 @@ Preamble ComputePreamble(std::string_view source);
 // `source` with its first `bytes` bytes blanked: every byte but '\n'
 // becomes a space.
 std::string BlankPreamble(std::string_view source, size_t bytes);
+
+// Whether `source` reaches `#include <header>` (or "header") before anything
+// that could change what the header means, so that a PCH of the header alone,
+// loaded ahead of the source (-include-pch), compiles it as it is written:
+// its include guard (#pragma once) then skips the source's own #include.
+// Before it may come only blank lines, comments, `#pragma once`, an include
+// guard (`#ifndef X` `#define X` opening a file, its `#endif`), `#include
+// <...>` of other headers, and an include of one of the compile's extra
+// files (`file(name)` gives its content, null when it is not one), read
+// through by the same rules. Any other directive, code, or a quoted
+// include of something else answers false.
+bool StartsWithInclude(std::string_view source, std::string_view header,
+                       const std::function<const std::string*(std::string_view)>& file);
 
 }  // namespace opjit::compiler

@@ -13,6 +13,7 @@
 #include <cctype>
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -23,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/compiler/backend.h"
 #include "server/compiler/kernel_compiler.h"
+#include "server/compiler/toolchain_profile.h"
 #include "server/registry/registry.h"
 #include "server/registry/validate.h"
 #include "tests/unit/cache/test_util.h"
@@ -321,6 +323,76 @@ TEST_F(BackendSetTest, ABackendUnderAnotherTargetsKeyOrNoBackendIsRefusedAtCreat
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(KernelCompiler::Create(o, BackendSet{}).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A library of an offered toolchain profile selects it for namespaces its
+// policy names; the refusals say what to ask the operator for, with no host
+// path (toolchain_profile.h).
+TEST(SelectProfileTest, ALibraryOfAnOfferedProfileSelectsItWhereThePolicyAllows) {
+  KernelCompilerOptions o;
+  o.allowed_libraries = {"libm.so.6"};
+  ToolchainProfile aten;
+  aten.name = "aten";
+  aten.include_dirs = {"/host/only/include"};
+  aten.libraries = {"libtorch_cpu.so", "libc10.so"};
+  aten.namespaces = {"team"};
+  o.profiles = {aten};
+  CompileJob job;
+  job.ns = "team";
+  job.libraries = {"libtorch_cpu.so", "libc10.so", "libm.so.6"};
+  job.profile = "forged";
+  ASSERT_TRUE(SelectProfile(o, &job).ok());
+  EXPECT_EQ(job.profile, "aten");
+  job.libraries = {"libm.so.6"};
+  ASSERT_TRUE(SelectProfile(o, &job).ok());
+  EXPECT_EQ(job.profile, "") << "a caller's value is not kept";
+
+  job.ns = "other";
+  job.libraries = {"libtorch_cpu.so"};
+  absl::Status s = SelectProfile(o, &job);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "[toolchains.aten] namespaces")) << s;
+  EXPECT_FALSE(absl::StrContains(s.message(), "/host")) << s;
+  // The operator's own allow-list still lets it link (the old hand config).
+  o.allowed_libraries.push_back("libtorch_cpu.so");
+  EXPECT_TRUE(SelectProfile(o, &job).ok());
+  EXPECT_EQ(job.profile, "");
+
+  // Not offered here: which profile, and what the operator enables.
+  o.profiles.clear();
+  job.libraries = {"libc10.so"};
+  s = SelectProfile(o, &job);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "profiles = [\"aten\"]")) << s;
+  job.libraries = {"libfoo.so"};
+  EXPECT_EQ(SelectProfile(o, &job).code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST(SelectProfileTest, DetectsAtenUnderARootAndSaysWhatIsMissing) {
+  cache::testing::TempDir root;
+  auto touch = [&](const std::string& rel) {
+    std::filesystem::create_directories(std::filesystem::path(root.path() + "/" + rel).parent_path());
+    std::ofstream(root.path() + "/" + rel) << "x";
+  };
+  absl::StatusOr<ToolchainProfile> p = DetectProfile("aten", root.path());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(p.status().message(), "libtorch-dev")) << p.status();
+  for (const char* f : {"usr/include/torch/extension.h",
+                        "usr/include/torch/csrc/api/include/torch/all.h",
+                        "usr/include/ATen/ATen.h", "usr/include/python3.9/Python.h",
+                        "usr/include/python3.11/Python.h", "usr/include/pybind11/pybind11.h",
+                        "usr/lib/libtorch_cpu.so", "usr/lib/libc10.so"}) {
+    touch(f);
+  }
+  p = DetectProfile("aten", root.path());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->prefix_header, "torch/extension.h");
+  EXPECT_EQ(p->libraries, (std::vector<std::string>{"libtorch_cpu.so", "libc10.so"}));
+  ASSERT_EQ(p->include_dirs.size(), 2u);
+  EXPECT_EQ(p->include_dirs[1], root.path() + "/usr/include/python3.11");
+  EXPECT_EQ(DetectProfile("nope").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BuiltinProfileNames(), std::vector<std::string>{"aten"})
+      << "config.cc's check of compiler.profiles lists the same names";
 }
 
 }  // namespace

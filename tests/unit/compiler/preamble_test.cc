@@ -1,6 +1,8 @@
 #include "server/compiler/cpu/preamble.h"
 
+#include <map>
 #include <string>
+#include <string_view>
 
 #include "gtest/gtest.h"
 
@@ -69,6 +71,50 @@ TEST(PreambleTest, BlankingKeepsLines) {
   std::string blank = BlankPreamble(src, p.bytes);
   EXPECT_EQ(blank, std::string(16, ' ') + "\n    \nint x;\n");
   EXPECT_EQ(BlankPreamble("ab", 99), "  ");
+}
+
+// A toolchain profile's prefix PCH (<torch/extension.h> alone) serves a
+// unit only when loading it first compiles the unit as written.
+TEST(PreambleTest, StartsWithIncludeReadsThroughExtraFilesAndGuards) {
+  const std::map<std::string, std::string> files = {
+      {"ms_ext.h", "// decls\n#ifndef MS_EXT_H\n#define MS_EXT_H\n#include <vector>\n"
+                   "#include <torch/extension.h>\nint f();\n#endif\n"},
+      {"once.h", "#pragma once\n#include <torch/extension.h>\n"},
+      {"empty.h", "#pragma once\n#include <cstdint>\n"},
+      {"defines.h", "#pragma once\n#define NDEBUG 1\n#include <torch/extension.h>\n"},
+      {"algorithm", "#define X 1\n"},
+  };
+  auto file = [&](std::string_view name) -> const std::string* {
+    auto it = files.find(std::string(name));
+    return it == files.end() ? nullptr : &it->second;
+  };
+  const std::string h = "torch/extension.h";
+  // The guide's leaky_relu.cpp and ms_ext.cpp.
+  EXPECT_TRUE(StartsWithInclude(
+      "#include <string.h>\n#include <torch/extension.h> // the header part\n"
+      "#include \"ms_ext.h\"\nextern \"C\" int F();\n",
+      h, file));
+  EXPECT_TRUE(StartsWithInclude("/* x */\n#include \"ms_ext.h\"\n#include <string>\n", h, file));
+  EXPECT_TRUE(StartsWithInclude("#include \"once.h\"\n", h, file));
+  EXPECT_TRUE(StartsWithInclude("#include \"empty.h\"\n#include \"torch/extension.h\"\n", h, file));
+  // What could change the header's meaning comes first: no.
+  EXPECT_FALSE(StartsWithInclude("#define NDEBUG\n#include <torch/extension.h>\n", h, file));
+  EXPECT_FALSE(StartsWithInclude("#include \"defines.h\"\n", h, file));
+  EXPECT_FALSE(StartsWithInclude("#include <algorithm>\n#include <torch/extension.h>\n", h, file))
+      << "an extra file named algorithm is searched first";
+  EXPECT_FALSE(StartsWithInclude("#include \"other.h\"\n#include <torch/extension.h>\n", h, file));
+  EXPECT_FALSE(StartsWithInclude("int x;\n#include <torch/extension.h>\n", h, file));
+  EXPECT_FALSE(StartsWithInclude("#if 1\n#include <torch/extension.h>\n#endif\n", h, file));
+  EXPECT_FALSE(StartsWithInclude("#ifndef G\n#define G 2\n#include <torch/extension.h>\n", h,
+                                 file));
+  EXPECT_FALSE(StartsWithInclude("#include <cmath>\n", h, file)) << "never reaches it";
+  EXPECT_FALSE(StartsWithInclude("#include \"empty.h\"\n", h, file));
+  // A file that includes itself does not loop.
+  const std::map<std::string, std::string> loop = {{"a.h", "#include \"a.h\"\n"}};
+  EXPECT_FALSE(StartsWithInclude("#include \"a.h\"\n", h, [&](std::string_view n) {
+    auto it = loop.find(std::string(n));
+    return it == loop.end() ? nullptr : &it->second;
+  }));
 }
 
 }  // namespace

@@ -98,6 +98,33 @@ TEST(ConfigTest, CompilerLaneAndRecyclingKeys) {
   std::filesystem::remove(toml);
 }
 
+// Toolchain profiles (server/compiler/toolchain_profile.h): "aten" offered
+// by default where installed, a policy per profile, unknown names refused.
+TEST(ConfigTest, ToolchainProfileKeys) {
+  auto d = Load({});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->compiler_profiles, std::vector<std::string>{"aten"});
+  EXPECT_EQ(d->aten_namespaces, std::vector<std::string>{"*"});
+  EXPECT_FALSE(d->aten_pch_at_start);
+  const std::string toml = TomlFile(
+      "[compiler]\nprofiles = []\n[toolchains.aten]\nnamespaces = [\"team\"]\n"
+      "pch_at_start = true\n");
+  auto cfg = Load({"--config", toml});
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  EXPECT_TRUE(cfg->compiler_profiles.empty());
+  EXPECT_EQ(cfg->aten_namespaces, std::vector<std::string>{"team"});
+  EXPECT_TRUE(cfg->aten_pch_at_start);
+  std::filesystem::remove(toml);
+  for (const char* bad : {"[compiler]\nprofiles = [\"cuda\"]\n",
+                          "[toolchains.aten]\nnamespace = [\"x\"]\n",
+                          "[toolchains.other]\nnamespaces = [\"x\"]\n"}) {
+    const std::string path = TomlFile(bad);
+    const ConfigResult r = BuildConfig(path, {});
+    EXPECT_FALSE(r.problems.empty()) << bad;
+    std::filesystem::remove(path);
+  }
+}
+
 // A uid range per namespace by default, outside regular users, Debian's
 // subordinate uids and systemd's container range; "" turns it off.
 TEST(ConfigTest, ExecutorUidRangeAndThreadCaps) {
