@@ -168,6 +168,31 @@ std::string FaultNote(const Worker& w) {
   return note;
 }
 
+// Whether a call's region outputs keep their bytes (RunArgs; the worker's
+// kKeepRegionOutputs): such a call is not run again after a crash.
+bool KeepsOutputBytes(const RunArgs* args) {
+  if (args == nullptr) return false;
+  bool keep = false, zero = false;
+  for (const TensorLoc& t : args->outputs) {
+    if (const InRegion* in = t.in_region()) (in->keep_bytes ? keep : zero) = true;
+  }
+  return keep && !zero;
+}
+
+// `crash` (a DeathStatus), saying that it counted against no kernel: other
+// kernels had run in its executor first, and the call did not run again.
+absl::Status NotCounted(const absl::Status& crash) {
+  const auto why = GetReason(crash);
+  return WithReason(
+      WithMessage(crash, absl::StrCat(crash.message(),
+                                      ". The crash was not counted towards the kernel's "
+                                      "quarantine: other kernels had run in its executor before "
+                                      "it, and one of them may have corrupted it")),
+      why ? why->reason : reason::kKernelCrashed,
+      {{"cause", why && why->metadata.count("cause") ? why->metadata.at("cause") : "crash"},
+       {"counted", "false"}});
+}
+
 absl::Status StatusOf(const Reply& r) {
   if (r.code == 0) return absl::OkStatus();
   return wire::StatusFromReply(r.code, r.message);
@@ -866,6 +891,15 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
   // running the call again would undo the operator's kill or double the
   // memory a hog takes.
   const bool killed_from_outside = w.term_signal == SIGKILL && !w.killed_by_us;
+  if (may_retry && !killed_from_outside && KeepsOutputBytes(args)) {
+    // Its outputs keep their bytes (one may lie over an input, written in
+    // place): a run that died part-way may have changed them, so the call
+    // does not run again, and nobody is blamed.
+    log->warn("{} (namespace {}): executor process {} had served other kernels; the call keeps "
+              "its output bytes, so it does not run again, and the crash is counted against no "
+              "kernel", spec_.label, spec_.ns, pid);
+    return NotCounted(death);
+  }
   if (may_retry && !killed_from_outside) {
     // It ran other kernels before: one of them may have corrupted it (a
     // heap overflow that returned OK). Blame nobody yet; the call runs
@@ -1181,6 +1215,9 @@ class ChannelImpl : public Channel {
   bool ReadSlot(uint32_t i, uint32_t* state, uint64_t* seq, int64_t* deadline_ns) const;
   // Writes a reply into slot i and wakes its client.
   void PostReply(uint32_t i, const absl::Status& status);
+  // Whether slot i's call keeps its output bytes (fast::kKeepOutputBytes;
+  // true when the ring cannot be read): such a call is not handed back.
+  bool SlotKeepsOutputBytes(uint32_t i) const;
   // Sets slot i back to kSubmitted (a call that did not run, to be run
   // again on another channel) and wakes its client.
   void HandBack(uint32_t i);
@@ -1259,6 +1296,12 @@ void ChannelImpl::PostReply(uint32_t i, const absl::Status& status) {
   if (!tensor::GuardedCopy(slot + offsetof(fast::Slot, state), &done, 4).ok()) return;
   fast::FutexWake(reinterpret_cast<std::atomic<uint32_t>*>(slot + offsetof(fast::Slot, state)),
                   1 << 30);
+}
+
+bool ChannelImpl::SlotKeepsOutputBytes(uint32_t i) const {
+  uint32_t flags = 0;
+  if (!tensor::GuardedCopy(&flags, SlotBase(i) + offsetof(fast::Slot, flags), 4).ok()) return true;
+  return (flags & fast::kKeepOutputBytes) != 0;
 }
 
 void ChannelImpl::HandBack(uint32_t i) {
@@ -1394,7 +1437,8 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
       if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
         if (ran_keys_.size() == 1 && ran_keys_.count(k->second) == 1) {
           runner_->NoteCrash(k->second, spec_.label, spec_.ns);
-        } else if (!(w_->term_signal == SIGKILL && !w_->killed_by_us)) {
+        } else if (!(w_->term_signal == SIGKILL && !w_->killed_by_us) &&
+                   !SlotKeepsOutputBytes(i)) {
           // Other kernels ran in this executor first; one of them may have
           // corrupted it. As the pool runs such a call again in a fresh
           // executor, the ring hands it back to its client as a call that
@@ -1410,22 +1454,14 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
               spec_.label, spec_.ns, pid_, ran_keys_.size() - ran_keys_.count(k->second));
           run_again = true;
         } else {
-          // Killed from outside (an operator, the OOM killer): not run
-          // again, as on the pool; nobody is blamed either.
+          // Killed from outside (an operator, the OOM killer), or a call
+          // whose outputs keep their bytes (one may lie over an input): not
+          // run again, as on the pool; nobody is blamed either.
           Logger("runner")->warn(
               "{} (namespace {}): fast-channel executor process {} had run {} other kernel(s) "
               "since it started; the crash is not counted against the running kernel",
               spec_.label, spec_.ns, pid_, ran_keys_.size() - ran_keys_.count(k->second));
-          const auto why = GetReason(answer);
-          reply = WithReason(
-              WithMessage(answer, absl::StrCat(answer.message(),
-                                               ". The crash was not counted towards the kernel's "
-                                               "quarantine: other kernels had run in this fast "
-                                               "channel's executor before it, and one of them may "
-                                               "have corrupted it")),
-              why ? why->reason : reason::kKernelCrashed,
-              {{"cause", why && why->metadata.count("cause") ? why->metadata.at("cause") : "crash"},
-               {"counted", "false"}});
+          reply = NotCounted(answer);
         }
       }
     }

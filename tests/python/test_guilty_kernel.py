@@ -173,3 +173,53 @@ def test_a_write_past_the_arena_faults_in_its_own_call(daemon):
         assert "kernel K: SIGSEGV, a write" in str(e.value), str(e.value)
         assert "past the end of the executor's inline-tensor arena" in str(e.value), str(e.value)
         np.testing.assert_array_equal(c.op("gk_double")(x), 2 * x)
+
+
+# A neighbour that corrupts its executor without a fault (it breaks libc's
+# `stdout`), and a healthy kernel that dies of it.
+CORRUPT = r"""#include <cstdint>
+#include <cstdio>
+extern "C" int K(int np, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  stdout = reinterpret_cast<FILE*>(16);
+  static_cast<float*>(p[1])[0] = static_cast<const float*>(p[0])[0];
+  return 0;
+}
+"""
+HEALTHY = r"""#include <cstdint>
+#include <cstdio>
+extern "C" int K(int np, void** p, int* nd, int64_t** s, const char** d, void* st, void* e) {
+  std::fputc('.', stdout);
+  static_cast<float*>(p[1])[0] = 2 * static_cast<const float*>(p[0])[0];
+  return 0;
+}
+"""
+
+
+def test_a_victims_call_runs_again_unless_it_keeps_its_output_bytes(daemon):
+    # The healthy kernel dies in the executor its neighbour broke: its call
+    # is handed back and runs again on a new channel. With keep_output_bytes
+    # (an output may be written in place over an input) a run that died
+    # part-way may have changed its memory: it fails instead, counted
+    # against no kernel.
+    with opjit.Client(daemon.unix_address, timeout=120, fast="off") as admin:
+        for name, src in (("gk_corrupt", CORRUPT), ("gk_healthy", HEALTHY)):
+            s = unary_spec(name, src)
+            s["output_rules"] = [{"kind": "same_as", "input": 0}]
+            admin.register(s)
+    with opjit.Client(daemon.unix_address, timeout=120, fast="on") as c:
+        x = c.asarray(np.full(4, 3, dtype=np.float32))
+        corrupt = c.op("gk_corrupt").prepare(x)
+        healthy = c.op("gk_healthy").prepare(x)
+        kept = c.op("gk_healthy").prepare(x, keep_output_bytes=True)
+        handed_back = "the call goes back to its client to run again"
+        before = daemon.read_log().count(handed_back)
+        corrupt()
+        assert healthy()[0] == 6
+        assert healthy.path == "fast", healthy.path
+        assert daemon.read_log().count(handed_back) == before + 1
+        corrupt()
+        with pytest.raises(opjit.Aborted) as e:
+            kept()
+        assert e.value.reason == "KERNEL_CRASHED", str(e.value)
+        assert "not counted towards the kernel's quarantine" in str(e.value), str(e.value)
+        assert kept()[0] == 6  # on a new channel
