@@ -584,7 +584,10 @@ absl::Status Daemon::StartServer() {
          rpc::CountChannelCalls(m, ns, op, code, calls, kernel_seconds);
        }});
   OPJIT_ASSIGN_OR_RETURN(p.server, rpc::GrpcServer::Start(std::move(sopts), core, *facts_));
-  p.drain_server.Set([s = p.server.get()] {
+  p.drain_server.Set([s = p.server.get(), ev = p.evaluator.get()] {
+    // Running evaluations stop at their next run (UNAVAILABLE), so the
+    // grace below does not wait on them.
+    ev->Stop();
     s->Shutdown(std::chrono::seconds(5));
     s->Wait();
   });

@@ -1,6 +1,10 @@
 #include "server/evaluate/evaluator.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
+#include <deque>
 #include <cmath>
 #include <cstring>
 #include <future>
@@ -16,7 +20,7 @@
 #include "server/common/logging.h"
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
-#include "server/common/thread_pool.h"
+#include "server/common/mutex.h"
 #include "server/tensor/elements.h"
 #include "server/registry/attr_value.h"
 #include "server/registry/registry.h"
@@ -369,12 +373,54 @@ double Percentile(std::vector<double> v, double q) {
 }
 
 // The inputs of one case of a verify (and, for a given case, its outputs).
+// Planned up front; the bytes are filled just before the case runs
+// (FillCase) and freed after (ClearCase), so one case's tensors are in the
+// heap at a time.
 struct CaseInput {
   std::string kind;
   uint64_t seed = 0;
+  bool specials = false;
+  const GivenCase* given = nullptr;  // kind "given"
   std::vector<TensorDesc> cand_in, ref_in;
   std::vector<std::string> cand_bytes, ref_bytes;
   std::vector<OutputBytes> given_outputs;  // kind "given"
+};
+
+uint64_t InputBytes(const CaseInput& ci) {
+  uint64_t n = 0;
+  for (const TensorDesc& d : ci.cand_in) n += Bytes(d);
+  if (ci.given == nullptr) {
+    for (const TensorDesc& d : ci.ref_in) n += Bytes(d);
+  }
+  return n;
+}
+
+void FillCase(const VerifyCall& c, CaseInput* ci) {
+  if (ci->given != nullptr) {
+    for (const exec::TensorArg& t : ci->given->inputs) ci->cand_bytes.emplace_back(t.inline_bytes()->bytes);
+    for (const exec::TensorArg& t : ci->given->outputs) {
+      ci->given_outputs.push_back({t.desc, std::string(t.inline_bytes()->bytes)});
+    }
+    return;
+  }
+  ci->cand_bytes = Generate(ci->cand_in, ci->seed, c.low, c.high, ci->specials);
+  for (size_t i = 0; i < ci->cand_bytes.size(); ++i) {
+    ci->ref_bytes.push_back(Convert(ci->cand_bytes[i], ci->cand_in[i].dtype, ci->ref_in[i].dtype));
+  }
+}
+
+void ClearCase(CaseInput* ci) {
+  std::vector<std::string>().swap(ci->cand_bytes);
+  std::vector<std::string>().swap(ci->ref_bytes);
+  std::vector<OutputBytes>().swap(ci->given_outputs);
+}
+
+// A queued evaluation: `run` does it and answers, `refuse` answers without.
+struct Job {
+  std::string ns;
+  std::function<bool()> cancelled;
+  std::function<void()> run;
+  std::function<void(absl::Status)> refuse;
 };
 
 }  // namespace
@@ -384,12 +430,40 @@ struct Evaluator::Impl {
   registry::Registry* registry;
   exec::Executor* executor;
   tensor::RegionManager* regions;
-  ThreadPool pool;
+
+  // The fair queue: one per namespace, served round-robin (`turn`: the
+  // namespaces with work waiting, in serving order).
+  Mutex mu;
+  CondVar cv;
+  std::map<std::string, std::deque<Job>> queues ABSL_GUARDED_BY(mu);
+  std::deque<std::string> turn ABSL_GUARDED_BY(mu);
+  size_t queued ABSL_GUARDED_BY(mu) = 0;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  std::atomic<bool> stop{false};  // running evaluations: stop at the next run
+  std::vector<std::thread> workers;
 
   Impl(const EvaluatorOptions& o, registry::Registry* r, exec::Executor* e,
        tensor::RegionManager* m)
-      : options(o), registry(r), executor(e), regions(m),
-        pool(std::max(1, o.threads), o.max_queue, "evaluate") {}
+      : options(o), registry(r), executor(e), regions(m) {
+    for (int i = 0; i < std::max(1, o.threads); ++i) {
+      workers.emplace_back([this] { Loop(); });
+      pthread_setname_np(workers.back().native_handle(), "evaluate");
+    }
+  }
+  ~Impl() {
+    Stop();
+    for (std::thread& t : workers) t.join();
+  }
+  void Submit(Job job);
+  void Loop();
+  void Stop();
+  // Between runs: UNAVAILABLE after Stop, CANCELLED when the caller is gone,
+  // DEADLINE_EXCEEDED past `deadline`.
+  absl::Status Interrupted(const std::function<bool()>& cancelled, Clock::time_point deadline,
+                           const char* what) const;
+  Clock::time_point Capped(Clock::time_point deadline) const {
+    return std::min(deadline, Clock::now() + std::chrono::milliseconds(options.max_evaluation_ms));
+  }
 
   absl::StatusOr<VerifyResult> Verify(const VerifyCall& c);
   // The generated cases of a verify against `ref` (dtype rows the reference
@@ -445,6 +519,7 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
   }
   const exec::ForwardCall base = BaseCall(c.ns, c.principal, side, c.attrs, c.deadline);
   for (int r = 0; r < n_runs; ++r) {
+    OPJIT_RETURN_IF_ERROR(Interrupted(c.cancelled, c.deadline, "verify"));
     absl::StatusOr<exec::ForwardResult> res =
         executor->Forward(PlacedCall(base, in, l, *region, r));
     if (!res.ok()) {
@@ -545,6 +620,15 @@ absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, con
     return absl::OkStatus();
   }
   const std::vector<TensorDesc>& cand_out = prepared->outputs;
+  uint64_t case_bytes = InputBytes(in);
+  for (const TensorDesc& d : cand_out) case_bytes += 3 * Bytes(d);  // two runs and the reference's
+  if (case_bytes > kMaxCaseBytes) {
+    return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                          "case ", report->index, " (", report->shapes, ") needs ", case_bytes,
+                          " bytes of inputs and outputs; at most ", kMaxCaseBytes,
+                          " per verify case: give smaller shapes")),
+                      reason::kQuotaExceeded, {{"limit", "verify case bytes"}});
+  }
   if (cand_out.size() != expected.size()) {
     report->message = absl::StrCat("the candidate gives ", cand_out.size(),
                                    " output(s); the reference ", expected.size());
@@ -743,18 +827,39 @@ absl::StatusOr<std::vector<CaseInput>> GivenCases(const VerifyCall& c,
     }
     CaseInput ci;
     ci.kind = "given";
+    ci.given = &gc;
     for (const exec::TensorArg& t : gc.inputs) {
-      OPJIT_ASSIGN_OR_RETURN(std::string_view bytes, GivenBytes(t, g, "input"));
+      OPJIT_RETURN_IF_ERROR(GivenBytes(t, g, "input").status());
       ci.cand_in.push_back(t.desc);
-      ci.cand_bytes.emplace_back(bytes);
     }
     for (const exec::TensorArg& t : gc.outputs) {
-      OPJIT_ASSIGN_OR_RETURN(std::string_view bytes, GivenBytes(t, g, "output"));
-      ci.given_outputs.push_back({t.desc, std::string(bytes)});
+      OPJIT_RETURN_IF_ERROR(GivenBytes(t, g, "output").status());
     }
     cases.push_back(std::move(ci));
   }
   return cases;
+}
+
+// The request's input bytes, before any case is generated.
+absl::Status CheckVerifyBytes(const std::vector<CaseInput>& cases) {
+  uint64_t total = 0;
+  for (const CaseInput& ci : cases) {
+    const uint64_t n = InputBytes(ci);
+    if (n > kMaxCaseBytes) {
+      return TooMany(absl::StrCat("a case of this verify (", Describe(ci.cand_in), ") needs ", n,
+                                  " bytes of inputs; at most ", kMaxCaseBytes,
+                                  " per case: give smaller shapes"),
+                     "verify case bytes");
+    }
+    total += n;
+  }
+  if (total > kMaxVerifyBytes) {
+    return TooMany(absl::StrCat("this verify would generate ", total, " bytes of inputs; at most ",
+                                kMaxVerifyBytes,
+                                " per verify: give fewer or smaller shapes, dtypes or seeds"),
+                   "verify bytes");
+  }
+  return absl::OkStatus();
 }
 
 // The caller's shape sets (else the edge cases), checked.
@@ -895,11 +1000,7 @@ absl::StatusOr<std::vector<CaseInput>> Evaluator::Impl::GeneratedCases(
         ci.seed = Mix(stream);
         ci.cand_in = Descs(row, set);
         ci.ref_in = Descs(ref_row, set);
-        ci.cand_bytes = Generate(ci.cand_in, ci.seed, c.low, c.high, k >= seeds);
-        for (size_t i = 0; i < ci.cand_bytes.size(); ++i) {
-          ci.ref_bytes.push_back(
-              Convert(ci.cand_bytes[i], ci.cand_in[i].dtype, ci.ref_in[i].dtype));
-        }
+        ci.specials = k >= seeds;
         cases.push_back(std::move(ci));
       }
     }
@@ -938,14 +1039,19 @@ absl::StatusOr<VerifyResult> Evaluator::Impl::Verify(const VerifyCall& c) {
   absl::StatusOr<std::vector<CaseInput>> cases =
       ref ? GeneratedCases(c, cdef, *ref, result.seed, &result.tolerances) : GivenCases(c, cdef);
   if (!cases.ok()) return cases.status();
+  OPJIT_RETURN_IF_ERROR(CheckVerifyBytes(*cases));
   std::vector<std::string> dtypes_seen;
   Regions case_regions;
   for (size_t i = 0; i < cases->size(); ++i) {
+    OPJIT_RETURN_IF_ERROR(Interrupted(c.cancelled, Clock::time_point::max(), "verify"));
     if (PastDeadline(c.deadline)) return DeadlineError("verify", i, cases->size());
     CaseReport report;
     report.index = static_cast<int>(i);
-    OPJIT_RETURN_IF_ERROR(
-        RunCase(c, cand, ref ? &*ref : nullptr, (*cases)[i], &case_regions, &report));
+    FillCase(c, &(*cases)[i]);
+    const absl::Status ran =
+        RunCase(c, cand, ref ? &*ref : nullptr, (*cases)[i], &case_regions, &report);
+    ClearCase(&(*cases)[i]);
+    OPJIT_RETURN_IF_ERROR(ran);
     for (const TensorDesc& d : (*cases)[i].cand_in) {
       if (std::find(dtypes_seen.begin(), dtypes_seen.end(), d.dtype) == dtypes_seen.end()) {
         dtypes_seen.push_back(d.dtype);
@@ -964,7 +1070,13 @@ absl::StatusOr<VerifyResult> Evaluator::Impl::Verify(const VerifyCall& c) {
   return result;
 }
 
-absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& c) {
+namespace {
+// The benchmark's own limits, before anything runs.
+absl::Status CheckBenchmarkCall(const BenchmarkCall& c) {
+  if (c.warmup > kMaxWarmup) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("warmup is ", c.warmup, "; at most ", kMaxWarmup, " per benchmark"));
+  }
   if (c.max_reps > kMaxReps || c.min_reps > kMaxReps) {
     return WithReason(absl::ResourceExhaustedError(absl::StrCat(
                           "repetitions are capped at ", kMaxReps, " per benchmark")),
@@ -975,6 +1087,13 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
                           "min_time_ms is capped at ", kMaxTimeMs, " per benchmark")),
                       reason::kQuotaExceeded, {{"limit", "benchmark time"}});
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& c) {
+  OPJIT_RETURN_IF_ERROR(CheckBenchmarkCall(c));
   std::vector<Side> sides(1);
   OPJIT_ASSIGN_OR_RETURN(sides[0].record, registry->GetShared(c.ns, c.op, c.version));
   sides[0].target = TargetOf(sides[0].record->def);
@@ -1051,12 +1170,19 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
   const uint32_t warmup = c.warmup, min_reps = std::max<uint32_t>(1, c.min_reps);
   const uint32_t max_reps = std::max(min_reps, c.max_reps == 0 ? 1000u : c.max_reps);
   for (uint32_t w = 0; w < warmup; ++w) {
+    OPJIT_RETURN_IF_ERROR(Interrupted(c.cancelled, Clock::time_point::max(), "benchmark"));
+    if (PastDeadline(c.deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "benchmark ran past its deadline in warm-up, after ", w, " of ", warmup,
+          " warm-up run(s): give it a longer deadline or fewer warm-up runs"));
+    }
     for (Prepared& r : runs) OPJIT_RETURN_IF_ERROR(run_once(r, false));
   }
   const Clock::time_point start = Clock::now();
   const auto min_time = std::chrono::milliseconds(c.min_time_ms);
   for (uint32_t rep = 0; rep < max_reps; ++rep) {
     if (rep >= min_reps && Clock::now() - start >= min_time) break;
+    OPJIT_RETURN_IF_ERROR(Interrupted(c.cancelled, Clock::time_point::max(), "benchmark"));
     if (PastDeadline(c.deadline)) {
       return absl::DeadlineExceededError(absl::StrCat(
           "benchmark ran past its deadline after ", rep,
@@ -1117,29 +1243,135 @@ Evaluator::Evaluator(const EvaluatorOptions& options, registry::Registry* regist
 
 Evaluator::~Evaluator() = default;
 
-namespace {
-absl::Status Busy(const char* what) {
-  return WithReason(absl::ResourceExhaustedError(absl::StrCat(
-                        "the server is running as many evaluations as it queues; retry ", what,
-                        " later")),
-                    reason::kQuotaExceeded, {{"limit", "evaluations"}});
+void Evaluator::Impl::Submit(Job job) {
+  std::vector<Job> gone;  // queued by callers that have hung up: dropped
+  absl::Status refused;
+  {
+    MutexLock lock(&mu);
+    std::deque<Job>& q = queues[job.ns];
+    for (auto it = q.begin(); it != q.end();) {
+      if (it->cancelled && it->cancelled()) {
+        gone.push_back(std::move(*it));
+        it = q.erase(it);
+        --queued;
+      } else {
+        ++it;
+      }
+    }
+    if (stopping) {
+      refused = absl::UnavailableError("the server is shutting down");
+    } else if (q.size() >= options.max_queue_per_namespace) {
+      refused = WithReason(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "namespace '", job.ns, "' has ", q.size(),
+              " evaluation(s) waiting, the most one namespace may queue (",
+              options.max_queue_per_namespace, "); retry when one has finished")),
+          reason::kQuotaExceeded,
+          {{"limit", "evaluations per namespace"},
+           {"max", absl::StrCat(options.max_queue_per_namespace)}});
+    } else if (queued >= options.max_queue) {
+      refused = WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                               "the server has ", queued,
+                               " evaluations waiting, the most it queues; retry later")),
+                           reason::kQuotaExceeded,
+                           {{"limit", "evaluations"}, {"max", absl::StrCat(options.max_queue)}});
+    } else {
+      if (q.empty()) turn.push_back(job.ns);
+      q.push_back(std::move(job));
+      ++queued;
+    }
+    if (q.empty()) {
+      turn.erase(std::remove(turn.begin(), turn.end(), job.ns), turn.end());
+      queues.erase(job.ns);
+    }
+  }
+  cv.Signal();
+  for (Job& j : gone) j.refuse(absl::CancelledError("the caller cancelled it while it waited"));
+  if (!refused.ok()) job.refuse(refused);
 }
-}  // namespace
+
+void Evaluator::Impl::Loop() {
+  for (;;) {
+    Job job;
+    {
+      MutexLock lock(&mu);
+      while (!stopping && turn.empty()) cv.Wait(&mu);
+      if (stopping) return;  // Stop answered what was queued
+      const std::string ns = turn.front();
+      turn.pop_front();
+      std::deque<Job>& q = queues[ns];
+      job = std::move(q.front());
+      q.pop_front();
+      --queued;
+      if (q.empty()) {
+        queues.erase(ns);
+      } else {
+        turn.push_back(ns);  // its next one waits for every other namespace's
+      }
+    }
+    if (job.cancelled && job.cancelled()) {
+      job.refuse(absl::CancelledError("the caller cancelled it while it waited"));
+      continue;
+    }
+    job.run();
+  }
+}
+
+void Evaluator::Impl::Stop() {
+  std::map<std::string, std::deque<Job>> left;
+  {
+    MutexLock lock(&mu);
+    stopping = true;
+    stop.store(true);
+    left.swap(queues);
+    turn.clear();
+    queued = 0;
+  }
+  cv.SignalAll();
+  for (auto& [ns, q] : left) {
+    for (Job& j : q) j.refuse(absl::UnavailableError("the server is shutting down"));
+  }
+}
+
+absl::Status Evaluator::Impl::Interrupted(const std::function<bool()>& cancelled,
+                                          Clock::time_point deadline, const char* what) const {
+  if (stop.load()) {
+    return absl::UnavailableError(
+        absl::StrCat("the server is shutting down; the ", what, " was stopped"));
+  }
+  if (cancelled && cancelled()) {
+    return absl::CancelledError(absl::StrCat("the caller cancelled the ", what));
+  }
+  if (PastDeadline(deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("the ", what, " ran past its deadline"));
+  }
+  return absl::OkStatus();
+}
+
+void Evaluator::Stop() { impl_->Stop(); }
 
 void Evaluator::VerifyAsync(VerifyCall call, VerifyCallback done) {
   auto shared = std::make_shared<VerifyCall>(std::move(call));
   auto cb = std::make_shared<VerifyCallback>(std::move(done));
-  if (!impl_->pool.Submit([this, shared, cb] { (*cb)(impl_->Verify(*shared)); })) {
-    (*cb)(Busy("the verify"));
-  }
+  Job job{shared->ns, shared->cancelled,
+          [this, shared, cb] {
+            shared->deadline = impl_->Capped(shared->deadline);
+            (*cb)(impl_->Verify(*shared));
+          },
+          [cb](absl::Status s) { (*cb)(std::move(s)); }};
+  impl_->Submit(std::move(job));
 }
 
 void Evaluator::BenchmarkAsync(BenchmarkCall call, BenchmarkCallback done) {
   auto shared = std::make_shared<BenchmarkCall>(std::move(call));
   auto cb = std::make_shared<BenchmarkCallback>(std::move(done));
-  if (!impl_->pool.Submit([this, shared, cb] { (*cb)(impl_->Benchmark(*shared)); })) {
-    (*cb)(Busy("the benchmark"));
-  }
+  Job job{shared->ns, shared->cancelled,
+          [this, shared, cb] {
+            shared->deadline = impl_->Capped(shared->deadline);
+            (*cb)(impl_->Benchmark(*shared));
+          },
+          [cb](absl::Status s) { (*cb)(std::move(s)); }};
+  impl_->Submit(std::move(job));
 }
 
 }  // namespace opjit::evaluate

@@ -28,9 +28,19 @@
 // (exec::ForwardCall::flush_caches: a sweep of the host's caches, or a fill
 // of the GPU's L2); the flush counts in the call's time, not the kernel's.
 //
-// Both run on the evaluator's own pool (one thread by default; a full queue
-// is RESOURCE_EXHAUSTED), under the caller's namespace: its executors, its
-// region quota (the case regions count against it) and the deadline.
+// Both run on the evaluator's own threads (one by default), under the
+// caller's namespace: its executors, its region quota (the case regions
+// count against it) and the deadline. Scheduling is fair between
+// namespaces: a queue per namespace (at most `max_queue_per_namespace`
+// waiting; more is RESOURCE_EXHAUSTED for that namespace only), served
+// round-robin, so one tenant's queue delays another tenant's first request
+// by at most the one evaluation running (itself bounded by
+// `max_evaluation_ms`). Every phase (warm-up, repetitions, each case's
+// runs) checks between runs: the deadline (the caller's, at most
+// `max_evaluation_ms` from the start), the caller's `cancelled` (a client
+// that hung up: CANCELLED, dropped from the queue if still waiting) and
+// Stop() (UNAVAILABLE). Verify generates each case's inputs just before it
+// runs and frees them after; the request's bytes are checked up front.
 //
 // Thread-safety: all methods are thread-safe.
 #pragma once
@@ -62,6 +72,16 @@ inline constexpr int64_t kMaxElementsPerTensor = int64_t{1} << 24;
 inline constexpr uint32_t kMaxSettleMs = 1000;
 inline constexpr uint32_t kMaxReps = 100000;
 inline constexpr uint32_t kMaxTimeMs = 60000;
+// Benchmark warm-up runs: more is INVALID_ARGUMENT.
+inline constexpr uint32_t kMaxWarmup = 1000;
+// The longest one evaluation runs (a request with no deadline, or a later
+// one, gets this): DEADLINE_EXCEEDED past it.
+inline constexpr int64_t kMaxEvaluationMs = 90000;
+// Verify's input bytes (candidate and reference side): of one case, and of
+// all cases of a request together. More is RESOURCE_EXHAUSTED before
+// anything runs; a case's outputs count against kMaxCaseBytes too.
+inline constexpr uint64_t kMaxCaseBytes = uint64_t{512} << 20;
+inline constexpr uint64_t kMaxVerifyBytes = uint64_t{4} << 30;
 
 struct Tolerance {
   std::optional<double> atol, rtol;
@@ -97,6 +117,9 @@ struct VerifyCall {
   std::vector<std::string> inplace_inputs;
   uint32_t settle_ms = 10;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  // True once the caller is gone (its client cancelled or hung up): polled
+  // while queued and between runs. Empty: never.
+  std::function<bool()> cancelled;
 };
 
 struct CaseReport {
@@ -137,6 +160,7 @@ struct BenchmarkCall {
   uint32_t warmup = 5, min_reps = 10, max_reps = 1000, min_time_ms = 500;
   bool flush_cache = false;  // see above
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  std::function<bool()> cancelled;  // as VerifyCall::cancelled
 };
 
 struct TimingStats {
@@ -162,7 +186,9 @@ struct BenchmarkResult {
 
 struct EvaluatorOptions {
   int threads = 1;         // verifies and benchmarks at once
-  size_t max_queue = 8;    // waiting beyond those: RESOURCE_EXHAUSTED
+  size_t max_queue = 64;   // waiting in all namespaces: more is RESOURCE_EXHAUSTED
+  size_t max_queue_per_namespace = 2;  // waiting in one namespace: likewise
+  int64_t max_evaluation_ms = kMaxEvaluationMs;
   int64_t region_lease_ms = 600000;
 };
 
@@ -178,11 +204,17 @@ class Evaluator {
 
   // Errors: NOT_FOUND (an op or version), INVALID_ARGUMENT (the request:
   // shapes, dtypes, a reference whose inputs or outputs differ in count, no
-  // dtype row the reference accepts), RESOURCE_EXHAUSTED (the limits above,
-  // the pool, the region quota), DEADLINE_EXCEEDED. Failing cases are in
+  // dtype row the reference accepts, warm-up over kMaxWarmup),
+  // RESOURCE_EXHAUSTED (the limits above, the queues, the region quota),
+  // DEADLINE_EXCEEDED, CANCELLED (the caller), UNAVAILABLE (Stop). Failing cases are in
   // the result, not errors.
   void VerifyAsync(VerifyCall call, VerifyCallback done);
   void BenchmarkAsync(BenchmarkCall call, BenchmarkCallback done);
+
+  // Shutdown: queued requests are answered UNAVAILABLE now, running ones
+  // stop at their next run and answer UNAVAILABLE; later ones are refused.
+  // Returns at once (the destructor joins).
+  void Stop();
 
  private:
   struct Impl;

@@ -117,6 +117,8 @@ grpc::ServerUnaryReactor* EvaluatorService::Verify(grpc::CallbackServerContext* 
   call.fp64_reference = req->fp64_reference();
   call.inplace_inputs.assign(req->inplace_inputs().begin(), req->inplace_inputs().end());
   call.settle_ms = req->settle_ms() == 0 ? 10 : req->settle_ms();
+  // A client that hangs up: dropped from the queue, or stopped at its next run.
+  call.cancelled = [ctx] { return ctx->IsCancelled(); };
   auto* reactor = ctx->DefaultReactor();
   // The request (and the given bytes the call views) lives until Finish.
   core_.evaluator->VerifyAsync(
@@ -165,6 +167,7 @@ grpc::ServerUnaryReactor* EvaluatorService::Benchmark(grpc::CallbackServerContex
   if (req->max_reps() > 0) call.max_reps = req->max_reps();
   if (req->min_time_ms() > 0) call.min_time_ms = req->min_time_ms();
   call.flush_cache = req->flush_cache();
+  call.cancelled = [ctx] { return ctx->IsCancelled(); };
   auto* reactor = ctx->DefaultReactor();
   core_.evaluator->BenchmarkAsync(
       std::move(call), [reactor, resp](absl::StatusOr<evaluate::BenchmarkResult> r) {

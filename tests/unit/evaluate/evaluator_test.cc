@@ -8,11 +8,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <atomic>
+#include <chrono>
 #include <future>
+#include <mutex>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "server/common/cache_flush.h"
 #include "server/common/error_info.h"
 #include "server/runner/in_process_runner.h"
@@ -449,6 +454,164 @@ TEST_F(EvaluatorTest, BenchmarkAgainstItselfIsWithinNoiseOfOne) {
   EXPECT_GT(r->op.kernel_median_ms, 0);
   EXPECT_GT(r->ratio, 0.5);
   EXPECT_LT(r->ratio, 2.0);
+  ExpectNoRegionsLeft();
+}
+
+// --- Fair, bounded, cancellable (issue 41) ---
+
+using std::chrono::steady_clock;
+
+// A benchmark that runs until `release` (its `cancelled`), on a small input;
+// `started` is set when the evaluator first polls it, i.e. once it left the queue.
+struct Blocker {
+  std::atomic<bool> release{false}, started{false};
+  BenchmarkCall Call() {
+    BenchmarkCall b;
+    b.op = "Good";
+    b.shape = {{64}};
+    b.warmup = kMaxWarmup;
+    b.min_reps = kMaxReps;
+    b.max_reps = kMaxReps;
+    b.min_time_ms = kMaxTimeMs;
+    b.cancelled = [this] {
+      started = true;
+      return release.load();
+    };
+    return b;
+  }
+  void WaitStarted() {
+    while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+};
+
+TEST_F(EvaluatorTest, WarmupIsCapped) {
+  BenchmarkCall b;
+  b.op = "Good";
+  b.warmup = 4294967295u;
+  absl::Status s = Bench(b).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "warmup")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat(kMaxWarmup))) << s;
+}
+
+TEST_F(EvaluatorTest, BenchmarkWithNoDeadlineGetsTheServerMaximum) {
+  EvaluatorOptions o;
+  o.max_evaluation_ms = 300;
+  Evaluator ev(o, stack_->registry.get(), executor_, stack_->regions.get());
+  Blocker never;  // never released: only the maximum ends it
+  const auto t0 = steady_clock::now();
+  std::promise<absl::Status> p;
+  ev.BenchmarkAsync(never.Call(), [&p](absl::StatusOr<BenchmarkResult> r) { p.set_value(r.status()); });
+  absl::Status s = p.get_future().get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(20));
+  ExpectNoRegionsLeft();
+}
+
+TEST_F(EvaluatorTest, CancellationStopsRunningWorkAndDropsQueuedWork) {
+  Blocker running;
+  std::promise<absl::Status> first, queued;
+  evaluator_->BenchmarkAsync(running.Call(), [&](absl::StatusOr<BenchmarkResult> r) {
+    first.set_value(r.status());
+  });
+  running.WaitStarted();
+  // A queued verify whose caller hung up never runs.
+  std::atomic<bool> ran{false};
+  VerifyCall v = Call("Good");
+  v.cancelled = [] { return true; };
+  evaluator_->VerifyAsync(v, [&](absl::StatusOr<VerifyResult> r) {
+    ran = r.ok();
+    queued.set_value(r.status());
+  });
+  const auto t0 = steady_clock::now();
+  running.release = true;
+  EXPECT_EQ(first.get_future().get().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(queued.get_future().get().code(), absl::StatusCode::kCancelled);
+  EXPECT_FALSE(ran);
+  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(10));
+  ExpectNoRegionsLeft();
+}
+
+TEST_F(EvaluatorTest, OneNamespaceQueueNeverDelaysAnotherBeyondOneEvaluation) {
+  Blocker running;
+  std::promise<absl::Status> first;
+  evaluator_->BenchmarkAsync(running.Call(), [&](absl::StatusOr<BenchmarkResult> r) {
+    first.set_value(r.status());
+  });
+  running.WaitStarted();
+  std::mutex mu;
+  std::vector<std::string> order;
+  std::atomic<int> answered{0};
+  auto verify = [&](const std::string& ns, const std::string& tag) {
+    VerifyCall c = Call("Good");
+    c.ns = ns;  // no such op there: NOT_FOUND as soon as it is served
+    evaluator_->VerifyAsync(c, [&, tag](absl::StatusOr<VerifyResult> r) {
+      std::lock_guard<std::mutex> lock(mu);
+      order.push_back(absl::StrCat(tag, ":", absl::StatusCodeToString(r.status().code())));
+      ++answered;
+    });
+  };
+  const EvaluatorOptions defaults;
+  for (size_t i = 0; i < defaults.max_queue_per_namespace; ++i) verify("hog", "hog");
+  // Past its share, the hog is refused at once; nobody else is.
+  std::promise<absl::Status> refused;
+  VerifyCall extra = Call("Good");
+  extra.ns = "hog";
+  evaluator_->VerifyAsync(extra, [&](absl::StatusOr<VerifyResult> r) { refused.set_value(r.status()); });
+  absl::Status s = refused.get_future().get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  ASSERT_TRUE(GetReason(s).has_value());
+  EXPECT_EQ(GetReason(s)->reason, reason::kQuotaExceeded);
+  EXPECT_EQ(GetReason(s)->metadata.at("limit"), "evaluations per namespace");
+  verify("tenant", "tenant");
+  running.release = true;
+  EXPECT_EQ(first.get_future().get().code(), absl::StatusCode::kCancelled);
+  while (answered < static_cast<int>(defaults.max_queue_per_namespace) + 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  // Round-robin: the other tenant's first request is served right after the
+  // hog's first queued one, before the hog's queue drains.
+  ASSERT_EQ(order.size(), defaults.max_queue_per_namespace + 1);
+  EXPECT_EQ(order[1], "tenant:NOT_FOUND") << absl::StrJoin(order, " ");
+}
+
+TEST_F(EvaluatorTest, StopEndsRunningAndQueuedEvaluations) {
+  Blocker running;
+  std::promise<absl::Status> first, queued;
+  evaluator_->BenchmarkAsync(running.Call(), [&](absl::StatusOr<BenchmarkResult> r) {
+    first.set_value(r.status());
+  });
+  running.WaitStarted();
+  evaluator_->VerifyAsync(Call("Good"), [&](absl::StatusOr<VerifyResult> r) {
+    queued.set_value(r.status());
+  });
+  const auto t0 = steady_clock::now();
+  evaluator_->Stop();
+  EXPECT_EQ(queued.get_future().get().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(first.get_future().get().code(), absl::StatusCode::kUnavailable);
+  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(5));  // the daemon's grace
+  std::promise<absl::Status> later;
+  evaluator_->VerifyAsync(Call("Good"), [&](absl::StatusOr<VerifyResult> r) {
+    later.set_value(r.status());
+  });
+  EXPECT_EQ(later.get_future().get().code(), absl::StatusCode::kUnavailable);
+  ExpectNoRegionsLeft();
+}
+
+TEST_F(EvaluatorTest, VerifyBytesAreCheckedBeforeAnyCaseIsGenerated) {
+  // 40 seeds + 1 special case of 2^24 float32 per side: 5.1 GiB of inputs
+  // if generated; refused before one is.
+  VerifyCall c = Call("Good");
+  c.shapes = {{{kMaxElementsPerTensor}}};
+  c.seeds = 40;
+  const auto t0 = steady_clock::now();
+  absl::Status s = Verify(c).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  ASSERT_TRUE(GetReason(s).has_value());
+  EXPECT_EQ(GetReason(s)->metadata.at("limit"), "verify bytes");
+  EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat(kMaxVerifyBytes))) << s;
+  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(5));
   ExpectNoRegionsLeft();
 }
 
