@@ -319,11 +319,16 @@ DAEMON=$(descendant "$RUNUSER" opjitd) || { echo "no opjitd under runuser"; exit
 sock=$(stat -c '%U:%G %a' /run/opjit/opjitd.sock)
 [ "$sock" = "opjit:opjit 660" ] || { echo "socket: $sock"; exit 1; }
 [ "$(stat -c %U /var/lib/opjit/registry.db)" = opjit ] || { echo "state not owned by opjit"; exit 1; }
-# Who may use it: a member of group opjit (usermod -aG, as the README says), not others.
+# Who may use it: a member of group opjit (usermod -aG, as the README says)
+# reaches the socket, not others; under the packaged config the member is no
+# admin, and nobody at all until a [[principal]] names their uid.
 adduser --system --quiet --no-create-home opjit-member
 usermod -aG opjit opjit-member
-runuser -u opjit-member -- /usr/bin/opjit --server "$SOCK" info >/dev/null ||
-  { echo "a member of group opjit cannot use the socket"; exit 1; }
+if runuser -u opjit-member -- /usr/bin/opjit --server "$SOCK" cache clear >"$T/member.txt" 2>&1; then
+  echo "an unlisted member of group opjit cleared the cache"; exit 1
+fi
+grep -q UNAUTHENTICATED "$T/member.txt" ||
+  { echo "a member of group opjit cannot use the socket: $(cat "$T/member.txt")"; exit 1; }
 if runuser -u nobody -- /usr/bin/opjit --server "$SOCK" info >"$T/nobody.txt" 2>&1; then
   echo "nobody could use the socket"; exit 1
 fi

@@ -92,7 +92,7 @@ def test_check_config_accepts_the_shipped_config(tmp):
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
     lines = r.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(path + ": ok: 1 principal(s), registry sqlite"), \
+    assert len(lines) == 1 and lines[0].startswith(path + ": ok: 2 principal(s), registry sqlite"), \
         r.stdout
 
 
