@@ -97,6 +97,29 @@ def opsd():
         d.close()
 
 
+@pytest.fixture(scope="module")
+def remoted(tmp_path_factory):
+    """A daemon whose Redis tier ([cache.remote]) is down (a closed port), so
+    it exports the tier's series: one registration's lookups count errors."""
+    key = tmp_path_factory.mktemp("remote") / "cluster.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    d = Daemon('[cache.remote]\nurl = "redis://127.0.0.1:%d"\nkey_file = "%s"\n'
+               'timeout_ms = 100\n' % (free_port(), key))
+    try:
+        with opjit.Client(d.unix_address, timeout=60, fast="off") as c:
+            c.register(spec("twice"))
+        errors = re.compile(r"^opjit_cache_remote_errors_total [1-9]", re.M)
+        deadline = time.monotonic() + 30
+        d.text = d.scrape()
+        while not errors.search(d.text) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            d.text = d.scrape()
+        yield d
+    finally:
+        d.close()
+
+
 def families(text):
     """{family name: (type, set of label names)} from an exposition; a
     counter's name keeps its _total; histograms lose _bucket/_sum/_count."""
@@ -130,8 +153,10 @@ def opjit_names(expr):
     return set(re.findall(r"\bopjit_[a-z0-9_]+", expr))
 
 
-def exported(opsd):
+def exported(opsd, remoted=None):
     fams = families(opsd.text)
+    if remoted is not None:
+        fams.update(families(remoted.text))
     names = set(fams)
     for name, (kind, _) in fams.items():
         if kind == "histogram":
@@ -151,8 +176,20 @@ def test_the_traffic_shows_in_the_scrape(opsd):
                      r'code="OK",transport="channel"\} 3$', text, re.M), text
     assert re.search(r'^opjit_shm_bytes\{namespace="default"\} [1-9]', text, re.M), text
     assert re.search(r'^opjit_registry_store_up 1$', text, re.M), text
+    # Without [cache.remote] the Redis tier's series are absent.
+    assert "opjit_cache_remote_errors_total" not in text
     # A region's name (made up per client) is not an op label.
     assert not re.search(r'method="CreateRegion",namespace="default",op="[^"]', text), text
+
+
+def test_a_redis_outage_shows_in_the_scrape(remoted):
+    text = remoted.text
+    assert re.search(r"^opjit_cache_remote_errors_total [1-9]", text, re.M), text
+    assert re.search(r"^opjit_cache_remote_rejected_total 0$", text, re.M), text
+    assert re.search(r'^opjit_cache_misses_total\{tier="remote"\} [1-9]', text, re.M), text
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, text=True,
+                       capture_output=True)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
 def test_promtool_check_metrics_passes_on_a_real_scrape(opsd):
@@ -198,7 +235,10 @@ def test_alert_rules_cover_what_an_operator_needs():
               "OpjitExecutorCrashes": "opjit_executor_worker_crashes_total",
               "OpjitQuotaRefusals": "opjit_quota_refusals_total",
               "OpjitCompileFailures": "opjit_compile_failures_total",
-              "OpjitCallLatencyP99High": "opjit_rpc_latency_seconds_bucket"}
+              "OpjitCallLatencyP99High": "opjit_rpc_latency_seconds_bucket",
+              "OpjitRemoteCacheErrors": "opjit_cache_remote_errors_total",
+              "OpjitRemoteCacheRejected": "opjit_cache_remote_rejected_total",
+              "OpjitRegistryWritesRefused": "opjit_rpc_calls_total"}
     for alert, series in wanted.items():
         assert series in by_expr[alert], alert
     assert "histogram_quantile(0.99" in by_expr["OpjitCallLatencyP99High"]
@@ -207,8 +247,8 @@ def test_alert_rules_cover_what_an_operator_needs():
         assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
 
 
-def test_alert_rules_name_only_series_the_daemon_exports(opsd):
-    names = exported(opsd)
+def test_alert_rules_name_only_series_the_daemon_exports(opsd, remoted):
+    names = exported(opsd, remoted)
     for r in alert_rules():
         used = opjit_names(r["expr"])
         assert used or "up{" in r["expr"], r["alert"]
@@ -262,12 +302,15 @@ def test_dashboard_has_the_panels_an_operator_needs():
                    "opjit_compile_failures_total", "opjit_cache_hits_total",
                    "opjit_cache_misses_total", "opjit_executor_workers",
                    "opjit_executor_worker_crashes_total", "opjit_quota_refusals_total",
-                   "opjit_registry_store_up", "opjit_shm_bytes"):
+                   "opjit_registry_store_up", "opjit_shm_bytes",
+                   "opjit_cache_remote_errors_total", "opjit_cache_remote_rejected_total",
+                   'code="UNAVAILABLE"'):
         assert needed in text, needed
 
 
-def test_dashboard_queries_parse_and_name_only_series_the_daemon_exports(opsd, tmp_path):
-    names = exported(opsd)
+def test_dashboard_queries_parse_and_name_only_series_the_daemon_exports(opsd, remoted,
+                                                                       tmp_path):
+    names = exported(opsd, remoted)
     queries = dashboard_queries(dashboard())
     rules = []
     for i, q in enumerate(queries):
@@ -301,9 +344,11 @@ def readme_metric_rows():
     return rows
 
 
-def test_readme_documents_every_exported_family_with_its_type_and_labels(opsd):
+def test_readme_documents_every_exported_family_with_its_type_and_labels(opsd, remoted):
     rows = readme_metric_rows()
-    for name, (kind, labels) in families(opsd.text).items():
+    fams = families(opsd.text)
+    fams.update(families(remoted.text))
+    for name, (kind, labels) in fams.items():
         assert name in rows, "README.md does not document %s" % name
         assert rows[name][0] == kind, (name, rows[name][0], kind)
         assert labels == rows[name][1], (name, labels, rows[name][1])
