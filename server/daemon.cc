@@ -348,9 +348,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   OPJIT_RETURN_IF_ERROR(d->StartRunner());
   OPJIT_RETURN_IF_ERROR(d->StartExecution());
   OPJIT_RETURN_IF_ERROR(d->StartAccess());
+  // Before the server: GetServerInfo tells the bound metrics address.
+  OPJIT_RETURN_IF_ERROR(d->StartMetricsExporter());
   OPJIT_RETURN_IF_ERROR(d->StartServer());
   d->StartHealth();
-  OPJIT_RETURN_IF_ERROR(d->StartMetricsExporter());
   Logger("main")->info("opjitd {} (git {}) ready: state {}, {} op(s), listening on {}",
                        OPJIT_VERSION, OPJIT_GIT_REVISION, d->cfg_.state_dir,
                        d->parts_->registry->Size(),
@@ -703,6 +704,7 @@ absl::Status Daemon::StartMetricsExporter() {
   }
   p.exporter = *std::move(e);
   Logger("main")->info("metrics on http://{}/metrics", p.exporter->address());
+  facts_->metrics_listen = p.exporter->address();
   const std::string path = cfg_.state_dir + "/metrics_endpoint";
   std::ofstream out(path, std::ios::trunc);
   out << p.exporter->address() << "\n";

@@ -562,6 +562,10 @@ int CmdInfo(Client& c, const Globals& g) {
               info->kernel_abi_version(), info->pid(), info->uptime_ms() / 1000.0);
   std::printf("state dir: %s\n", info->state_dir().c_str());
   std::printf("listening: %s\n", absl::StrJoin(info->listen(), ", ").c_str());
+  const std::string metrics = info->metrics_listen().empty()
+                                  ? std::string("off")
+                                  : absl::StrCat("http://", info->metrics_listen(), "/metrics");
+  std::printf("metrics:   %s\n", metrics.c_str());
   std::printf("CPU:       %s, %s\n", info->cpu().triple().c_str(), info->cpu().cpu().c_str());
   std::printf("features:  %s\n", info->cpu().features().c_str());
   std::printf("compiler:  %s\n", info->cpu().compiler().c_str());

@@ -332,6 +332,7 @@ grpc::ServerUnaryReactor* ServerService::GetServerInfo(grpc::CallbackServerConte
     for (const auto& l : bound_.empty() ? facts_.listen : bound_) resp->add_listen(l);
   }
   resp->set_daemon_uid(static_cast<uint32_t>(::geteuid()));  // for RegisterRegion's ACL
+  resp->set_metrics_listen(facts_.metrics_listen);
   FillStores(core_, resp);
   if (!who.admin()) {
     // No host path for non-admins (socket paths, a driver's path in the GPU's

@@ -83,6 +83,7 @@ struct ServerFacts {
   bool gpu_available = false;
   std::string gpu_reason;
   std::vector<std::string> gpu_devices;
+  std::string metrics_listen;  // [metrics] as bound, host:port; "": off
 };
 
 class RegistryService final : public v1::Registry::CallbackService {

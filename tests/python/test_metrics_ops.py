@@ -192,6 +192,16 @@ def test_a_redis_outage_shows_in_the_scrape(remoted):
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
+def test_opjit_info_shows_the_bound_metrics_endpoint(opsd):
+    # The config asked for port 0: info names the port picked.
+    cli = os.path.join(os.path.dirname(os.environ.get("OPJITD", "opjitd")), "opjit")
+    r = subprocess.run([cli, "--server", opsd.unix_address, "info"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not opsd.metrics.endswith(":0"), opsd.metrics
+    assert "\nmetrics:   http://%s/metrics\n" % opsd.metrics in r.stdout, r.stdout
+
+
 def test_promtool_check_metrics_passes_on_a_real_scrape(opsd):
     r = subprocess.run(["promtool", "check", "metrics"], input=opsd.text, text=True,
                        capture_output=True)

@@ -54,7 +54,10 @@ def test_a_group_member_is_no_admin_under_the_packaged_config(packaged):
     assert r.returncode != 0, r.stdout
     assert "UNAUTHENTICATED" in r.stderr, r.stderr
     print("unlisted member:", r.stderr.strip())
-    # Root is the admin.
+    # Root is the admin; the packaged config has no metrics endpoint.
+    r = subprocess.run([cli_binary(), "--server", server, "info"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "\nmetrics:   off\n" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([cli_binary(), "--server", server, "cache", "clear"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
