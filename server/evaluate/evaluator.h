@@ -80,7 +80,7 @@ inline constexpr int64_t kMaxEvaluationMs = 90000;
 // Verify's input bytes (candidate and reference side): of one case, and of
 // all cases of a request together. More is RESOURCE_EXHAUSTED before
 // anything runs; a case's outputs count against kMaxCaseBytes too.
-inline constexpr uint64_t kMaxCaseBytes = uint64_t{512} << 20;
+inline constexpr uint64_t kMaxCaseBytes = uint64_t{1} << 30;
 inline constexpr uint64_t kMaxVerifyBytes = uint64_t{4} << 30;
 
 struct Tolerance {
