@@ -167,6 +167,37 @@ extern "C" int CustomScratch(int nparam, void** params, int* ndims, int64_t** sh
   return 0;
 }
 
+// MindSpore's add_with_attr.cc bug: an N-byte workspace, N*N floats.
+extern "C" int CustomOverrunInit(int* ndims, int64_t** shapes, const char** dtypes,
+                                 AotExtra* extra) {
+  extra->SetWorkSpace({static_cast<size_t>(Count(ndims[0], shapes[0]))});
+  return 0;
+}
+extern "C" int CustomOverrun(int nparam, void** params, int* ndims, int64_t** shapes,
+                             const char** dtypes, void* stream, void* extra) {
+  int64_t n = Count(ndims[0], shapes[0]);
+  float* tmp = static_cast<float*>(params[2]);
+  for (int64_t i = 0; i < n * n; ++i) tmp[i] = 1.0f;
+  return 0;
+}
+// One float past a 16-byte workspace (into its alignment slack), when x[0]
+// is not 0; returns 5 if the workspace did not start zeroed.
+extern "C" int CustomSlackInit(int* ndims, int64_t** shapes, const char** dtypes,
+                               AotExtra* extra) {
+  extra->SetWorkSpace({16});
+  return 0;
+}
+extern "C" int CustomSlack(int nparam, void** params, int* ndims, int64_t** shapes,
+                           const char** dtypes, void* stream, void* extra) {
+  float* ws = static_cast<float*>(params[2]);
+  for (int i = 0; i < 4; ++i) {
+    if (ws[i] != 0) return 5;
+    ws[i] = 7.0f;
+  }
+  if (static_cast<const float*>(params[0])[0] != 0) ws[4] = 1.0f;
+  return 0;
+}
+
 // --- the typed header on top of the same ABI ---
 #include "opjit/kernel.h"
 extern "C" int CustomScale(int nparam, void** params, int* ndims, int64_t** shapes,
@@ -433,6 +464,38 @@ TEST_F(AotKernelTest, Workspaces) {
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_FLOAT_EQ(y[0], 10.0f);
   EXPECT_FLOAT_EQ(y[4], 2.0f);
+}
+
+TEST_F(AotKernelTest, AWriteFarPastAWorkspaceFaultsInItsOwnCall) {
+  // add_with_attr's pattern (256 floats into 16 bytes) ends at the guard
+  // page after the workspace, in this call, instead of corrupting the heap.
+  auto inst = AotKernelInstance::Create(kernel_, "CustomOverrun", {F32({16})}, {F32({16})}, {});
+  ASSERT_TRUE(inst.ok()) << inst.status();
+  float x[16] = {}, y[16] = {};
+  EXPECT_DEATH((void)(*inst)->Run({{x, F32({16})}}, {{y, F32({16})}}), "");
+  // 4 bytes and 16 floats stay inside its 64-byte alignment: seen after the
+  // call instead.
+  auto small = AotKernelInstance::Create(kernel_, "CustomOverrun", {F32({4})}, {F32({4})}, {});
+  ASSERT_TRUE(small.ok()) << small.status();
+  absl::Status st = (*small)->Run({{x, F32({4})}}, {{y, F32({4})}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
+}
+
+TEST_F(AotKernelTest, AWriteIntoAWorkspacesSlackFailsTheCall) {
+  auto inst = AotKernelInstance::Create(kernel_, "CustomSlack", {F32({1})}, {F32({1})}, {});
+  ASSERT_TRUE(inst.ok()) << inst.status();
+  float good = 0, bad = 1, y = 0;
+  absl::Status st = (*inst)->Run({{&bad, F32({1})}}, {{&y, F32({1})}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr("kernel CustomSlack wrote past the end (or before the start) of its "
+                        "workspace 0 (16 bytes"));
+  // The same (kept) workspace, zeroed again, slack included: the next call
+  // is clean.
+  for (int i = 0; i < 3; ++i) {
+    st = (*inst)->Run({{&good, F32({1})}}, {{&y, F32({1})}});
+    EXPECT_TRUE(st.ok()) << st;
+  }
 }
 
 TEST_F(AotKernelTest, OutputsStartZeroed) {
