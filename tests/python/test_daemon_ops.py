@@ -87,8 +87,10 @@ def check(tmp, text):
 def test_check_config_accepts_the_shipped_config(tmp):
     with open(os.path.join(REPO, "deploy", "opjitd.toml")) as f:
         shipped = f.read()
-    path, r = check(tmp, 'state_dir = "%s"\n' % os.path.join(tmp, "named-state") + shipped +
-                    principal_toml("alice", "user", ["alice"], TOKENS["alice"]))
+    assert '\nstate_dir = "/var/lib/opjit"\n' in shipped  # the unit's
+    shipped = shipped.replace('\nstate_dir = "/var/lib/opjit"\n',
+                              '\nstate_dir = "%s"\n' % os.path.join(tmp, "named-state"))
+    path, r = check(tmp, shipped + principal_toml("alice", "user", ["alice"], TOKENS["alice"]))
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
     lines = r.stdout.splitlines()

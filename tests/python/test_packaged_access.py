@@ -6,6 +6,7 @@ their own) may not clear the cache. The daemon runs with the shipped file as
 it is, plus that principal after a SIGHUP."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -45,6 +46,21 @@ def packaged():
     yield d
     d.proc.terminate()
     d.proc.wait(timeout=30)
+
+
+def test_check_config_of_the_packaged_file_reports_the_units_paths(tmp_path):
+    unit = open(os.path.join(SOURCE_DIR, "deploy", "systemd", "opjitd.service")).read()
+    exec_start = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1).split()
+    flag = lambda name: exec_start[exec_start.index(name) + 1]
+    assert flag("--config") == "/etc/opjit/opjitd.toml"
+    env = dict(os.environ, HOME=str(tmp_path / "home"), OPJIT_STATE_DIR=str(tmp_path / "s"))
+    r = subprocess.run([os.environ.get("OPJITD", "opjitd"), "--check-config", SHIPPED],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ", listen %s, " % flag("--listen") in r.stdout, (r.stdout, flag("--listen"))
+    with open(SHIPPED) as f:
+        assert '\nstate_dir = "%s"\n' % flag("--state-dir") in f.read()
+    assert not os.path.exists(tmp_path / "home") and not os.path.exists(tmp_path / "s")
 
 
 def test_a_group_member_is_no_admin_under_the_packaged_config(packaged):
