@@ -19,8 +19,10 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/access/access.h"
 #include "server/common/logging.h"
 #include "server/rpc/decode_guard.h"
 
@@ -139,6 +141,50 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(
   return grpc::SslServerCredentials(ssl);
 }
 
+// Memory gRPC may hold for every guest connection together.
+constexpr int kGuestQuotaBytes = 16 << 20;
+
+using InterceptorFactory = grpc::experimental::ServerInterceptorFactoryInterface;
+
+// One interceptor factory (metrics) installed on both servers.
+class SharedInterceptorFactory final : public InterceptorFactory {
+ public:
+  explicit SharedInterceptorFactory(std::shared_ptr<InterceptorFactory> f) : f_(std::move(f)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return f_->CreateServerInterceptor(info);
+  }
+
+ private:
+  std::shared_ptr<InterceptorFactory> f_;
+};
+
+// The decode guard, then `shared`.
+void SetInterceptors(grpc::ServerBuilder& builder,
+                     const std::vector<std::shared_ptr<InterceptorFactory>>& shared) {
+  std::vector<std::unique_ptr<InterceptorFactory>> interceptors;
+  interceptors.push_back(MakeDecodeGuardFactory());
+  for (const auto& f : shared) interceptors.push_back(std::make_unique<SharedInterceptorFactory>(f));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+}
+
+// Makes opjit's services into `services` and registers them on `builder`;
+// returns the Server service (it is told the bound addresses later).
+ServerService* AddServices(grpc::ServerBuilder& builder, const CoreRefs& core,
+                           const ServerFacts& facts,
+                           std::vector<std::unique_ptr<grpc::Service>>* services) {
+  services->push_back(std::make_unique<RegistryService>(core));
+  services->push_back(std::make_unique<CompilerService>(core));
+  auto server_service = std::make_unique<ServerService>(core, facts);
+  ServerService* server_info = server_service.get();
+  services->push_back(std::move(server_service));
+  if (core.regions != nullptr) services->push_back(std::make_unique<MemoryService>(core));
+  if (core.executor != nullptr) services->push_back(std::make_unique<ExecutorService>(core));
+  if (core.evaluator != nullptr) services->push_back(std::make_unique<EvaluatorService>(core));
+  for (auto& service : *services) builder.RegisterService(service.get());
+  return server_info;
+}
+
 }  // namespace
 
 std::string UnixSocketPath(const std::string& address) {
@@ -155,10 +201,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions 
 
   RouteProtobufLogs();
   grpc::ServerBuilder builder;
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(MakeDecodeGuardFactory());
-  for (auto& f : options.interceptors) interceptors.push_back(std::move(f));
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  std::vector<std::shared_ptr<InterceptorFactory>> shared;
+  for (auto& f : options.interceptors) shared.push_back(std::move(f));
+  SetInterceptors(builder, shared);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   auto tcp_creds = TcpCredentials(options);
@@ -179,15 +224,25 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions 
     builder.AddListeningPort(address, *tcp_creds, ports.back().get());
   }
   facts.listen = options.listen;
-  self->services_.push_back(std::make_unique<RegistryService>(core));
-  self->services_.push_back(std::make_unique<CompilerService>(core));
-  auto server_service = std::make_unique<ServerService>(core, facts);
-  ServerService* server_info = server_service.get();
-  self->services_.push_back(std::move(server_service));
-  if (core.regions != nullptr) self->services_.push_back(std::make_unique<MemoryService>(core));
-  if (core.executor != nullptr) self->services_.push_back(std::make_unique<ExecutorService>(core));
-  if (core.evaluator != nullptr) self->services_.push_back(std::make_unique<EvaluatorService>(core));
-  for (auto& service : self->services_) builder.RegisterService(service.get());
+  ServerService* server_info = AddServices(builder, core, facts, &self->services_);
+  ServerService* guest_info = nullptr;
+  if (!self->unix_fds_.empty() && core.access != nullptr && core.access->enabled()) {
+    // No listening port: AcceptLoop hands it the connections of peers that
+    // map to no principal.
+    grpc::ServerBuilder guest;
+    SetInterceptors(guest, shared);
+    guest.SetMaxReceiveMessageSize(options.guest_max_message_bytes);
+    guest.SetMaxSendMessageSize(options.max_message_bytes);
+    // gRPC's transport buffers a whole message before the size check: the
+    // quota's reclaimer cancels a stream whose buffers outgrow it.
+    grpc::ResourceQuota quota("opjit-guest");
+    quota.Resize(static_cast<size_t>(kGuestQuotaBytes));
+    guest.SetResourceQuota(quota);
+    guest_info = AddServices(guest, core, facts, &self->guest_services_);
+    self->guest_ = guest.BuildAndStart();
+    if (self->guest_ == nullptr) return absl::UnavailableError("could not start the guest server");
+    self->access_ = core.access;
+  }
 
   self->server_ = builder.BuildAndStart();
   if (self->server_ == nullptr) {
@@ -209,6 +264,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions 
     }
   }
   server_info->SetBound(self->bound_);
+  if (guest_info != nullptr) guest_info->SetBound(self->bound_);
   if (!self->unix_fds_.empty()) {
     self->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (self->wake_fd_ < 0) return absl::UnavailableError("eventfd failed");
@@ -216,6 +272,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(GrpcServerOptions 
     self->acceptor_ = std::thread([raw] { raw->AcceptLoop(); });
   }
   self->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (self->guest_) self->guest_->GetHealthCheckService()->SetServingStatus(true);
   return self;
 }
 
@@ -241,10 +298,25 @@ void GrpcServer::AcceptLoop() {
           }
           break;  // EAGAIN, or a connection that went away
         }
-        grpc::AddInsecureChannelFromFd(server_.get(), conn);
+        grpc::AddInsecureChannelFromFd(IsGuest(conn) ? guest_.get() : server_.get(), conn);
       }
     }
   }
+}
+
+bool GrpcServer::IsGuest(int fd) const {
+  if (guest_ == nullptr) return false;
+  access::PeerInfo peer;
+  peer.transport = access::PeerInfo::Transport::kUnix;
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && len == sizeof(cred) &&
+      cred.pid > 0) {
+    peer.uid = cred.uid;
+    peer.gid = cred.gid;
+    peer.pid = cred.pid;
+  }
+  return !access_->Authenticate(peer).ok();
 }
 
 void GrpcServer::StopAccepting() {
@@ -263,9 +335,12 @@ void GrpcServer::SetServing(bool serving) {
   serving_ = serving;
   // gRPC's SetServingStatus(bool) sets every service it knows, ours too:
   // put those back.
-  server_->GetHealthCheckService()->SetServingStatus(serving);
-  for (const auto& [service, up] : service_serving_) {
-    server_->GetHealthCheckService()->SetServingStatus(service, serving && up);
+  for (grpc::Server* s : {server_.get(), guest_.get()}) {
+    if (s == nullptr) continue;
+    s->GetHealthCheckService()->SetServingStatus(serving);
+    for (const auto& [service, up] : service_serving_) {
+      s->GetHealthCheckService()->SetServingStatus(service, serving && up);
+    }
   }
 }
 
@@ -274,13 +349,15 @@ void GrpcServer::SetServiceServing(const std::string& service, bool serving) {
   MutexLock lock(&health_mu_);
   service_serving_[service] = serving;
   server_->GetHealthCheckService()->SetServingStatus(service, serving_ && serving);
+  if (guest_) guest_->GetHealthCheckService()->SetServingStatus(service, serving_ && serving);
 }
 
 GrpcServer::~GrpcServer() {
   StopAccepting();
-  if (server_) {
-    server_->Shutdown(std::chrono::system_clock::now());
-    server_->Wait();
+  for (grpc::Server* s : {guest_.get(), server_.get()}) {
+    if (s == nullptr) continue;
+    s->Shutdown(std::chrono::system_clock::now());
+    s->Wait();
   }
   for (int fd : unix_fds_) close(fd);
   if (wake_fd_ >= 0) close(wake_fd_);
@@ -289,10 +366,18 @@ GrpcServer::~GrpcServer() {
 
 void GrpcServer::Shutdown(std::chrono::milliseconds grace) {
   StopAccepting();
+  const auto deadline = std::chrono::system_clock::now() + grace;
+  if (guest_) {
+    guest_->GetHealthCheckService()->SetServingStatus(false);
+    guest_->Shutdown(deadline);
+  }
   server_->GetHealthCheckService()->SetServingStatus(false);
-  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  server_->Shutdown(deadline);
 }
 
-void GrpcServer::Wait() { server_->Wait(); }
+void GrpcServer::Wait() {
+  if (guest_) guest_->Wait();
+  server_->Wait();
+}
 
 }  // namespace opjit::rpc

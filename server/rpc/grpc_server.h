@@ -25,11 +25,29 @@ class ServerInterceptorFactoryInterface;
 
 namespace opjit::rpc {
 
+// Largest message a unix-socket peer may send when its uid maps to no
+// principal (see GrpcServerOptions::guest_max_message_bytes).
+inline constexpr int kGuestMaxMessageBytes = 64 << 10;
+
 struct GrpcServerOptions {
   // "unix:/path" or "host:port"; port 0 picks a free port. Required.
   std::vector<std::string> listen;
   // Largest message in either direction. Default: 64 MiB.
   int max_message_bytes = 64 << 20;
+  // Identity before bytes. With principals configured, a unix connection
+  // whose SO_PEERCRED uid (or gid) maps to no principal is checked when it is
+  // accepted, before it sends a byte, and served by a second gRPC server
+  // whose largest received message is this (its calls still authenticate:
+  // a bearer token works, for small messages). A larger message is never
+  // decoded: gRPC refuses it RESOURCE_EXHAUSTED, and the guest server's
+  // resource quota (16 MiB for all guest connections, grpc_server.cc) resets
+  // a stream whose buffered bytes outgrow it ("RST_STREAM with error code
+  // 11"), so the daemon holds at most about that much for unknown peers.
+  // A small request is answered UNAUTHENTICATED, naming the uid. A
+  // connection keeps its server until it closes (a reload that maps the uid
+  // applies to new connections). TCP peers are not covered: their token
+  // arrives with the call, after gRPC has read the message.
+  int guest_max_message_bytes = kGuestMaxMessageBytes;
 
   // TLS for every TCP address: PEM files. Empty cert: plaintext TCP.
   std::string tls_cert_file, tls_key_file;
@@ -82,6 +100,11 @@ class GrpcServer {
   GrpcServer() = default;
   std::vector<std::unique_ptr<grpc::Service>> services_;
   std::unique_ptr<grpc::Server> server_;
+  // Unix connections of peers that map to no principal (null: principals
+  // are not configured, or no unix socket), and its own services.
+  std::vector<std::unique_ptr<grpc::Service>> guest_services_;
+  std::unique_ptr<grpc::Server> guest_;
+  access::AccessControl* access_ = nullptr;
   std::vector<std::string> bound_;
   std::vector<std::string> socket_files_;
   // Unix listening sockets and the thread that accepts on them.
@@ -96,6 +119,9 @@ class GrpcServer {
 
   void AcceptLoop();
   void StopAccepting();
+  // Whether the unix connection `fd` goes to guest_: its peer maps to no
+  // principal without a token.
+  bool IsGuest(int fd) const;
 };
 
 // "unix:/a" -> "/a"; "" when `address` is not a unix socket address.
