@@ -4,7 +4,9 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -62,6 +64,21 @@ template <typename T>
 absl::StatusOr<T> Named(absl::StatusOr<T> r, const char* what) {
   if (r.ok()) return r;
   return absl::Status(r.status().code(), absl::StrCat(what, ": ", r.status().ToString()));
+}
+
+// Whether a unix socket at `path` accepts connections (another daemon
+// serves it): checked before anything is created, so a refused start leaves
+// no state dir behind.
+bool UnixSocketIsLive(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  return live;
 }
 
 // Holds an exclusive lock on <state_dir>/opjitd.lock for the daemon's life, so
@@ -381,6 +398,13 @@ absl::Status Daemon::BlockSignals() {
 // helpers a killed predecessor left are ended.
 absl::Status Daemon::PrepareStateDir() {
   auto log = Logger("main");
+  for (const std::string& l : cfg_.listen) {
+    if (l.rfind("unix:", 0) == 0 && UnixSocketIsLive(l.substr(5))) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("another server is already listening on ", l,
+                       "; stop it first or pass a different --listen/--state-dir"));
+    }
+  }
   std::error_code ec;
   std::filesystem::create_directories(cfg_.state_dir, ec);
   if (ec) {

@@ -88,3 +88,15 @@ def test_a_group_member_is_no_admin_under_the_packaged_config(packaged):
     assert r.returncode != 0, r.stdout
     assert "PERMISSION_DENIED" in r.stderr, r.stderr
     print("user member:", r.stderr.strip())
+
+
+def test_a_second_daemon_on_a_live_socket_is_refused_before_it_creates_its_state_dir(packaged):
+    state = os.path.join(packaged.dir, "second-state")
+    r = subprocess.run([os.environ.get("OPJITD", "opjitd"), "--config", SHIPPED, "--state-dir",
+                        state, "--listen", packaged.unix_address],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "already listening on %s" % packaged.unix_address in r.stdout + r.stderr, \
+        r.stdout + r.stderr
+    assert not os.path.exists(state)
+    assert packaged.answers()  # the first one goes on
