@@ -22,7 +22,18 @@ const protoLoader = require('@grpc/proto-loader');
 const protobuf = require(require.resolve('protobufjs',
   { paths: [path.dirname(require.resolve('@grpc/proto-loader/package.json'))] }));
 
-const PROTO_DIR = process.env.OPJIT_PROTO_DIR || path.resolve(__dirname, '..', '..', 'proto');
+// Where proto/opjit/v1/*.proto are: $OPJIT_PROTO_DIR, else the first of the
+// source tree's proto/ (client/node/../../proto), a proto/ packed next to this
+// file, and the installed opjit's share/opjit/proto (/usr, /usr/local).
+const PROTO_CANDIDATES = [
+  path.resolve(__dirname, '..', '..', 'proto'),
+  path.resolve(__dirname, 'proto'),
+  '/usr/share/opjit/proto',
+  '/usr/local/share/opjit/proto',
+];
+const PROTO_DIR = process.env.OPJIT_PROTO_DIR ||
+  PROTO_CANDIDATES.find((d) => fs.existsSync(path.join(d, 'opjit', 'v1', 'server.proto'))) ||
+  PROTO_CANDIDATES[0];
 const PROTO_FILES = ['server', 'op', 'registry', 'compile', 'memory', 'exec'].map(
   (n) => `opjit/v1/${n}.proto`);
 
