@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <system_error>
 #include <thread>
@@ -46,6 +47,10 @@ struct PgConfig {
   int64_t connect_timeout_ms = 5000;
   // How often a wait logs that the server has not answered yet.
   int64_t hang_log_ms = 2000;
+  // Sessions run with synchronous_commit = local; when the url's options set
+  // synchronous_commit (the operator asked for replication waits), its value,
+  // which each write transaction sets locally (postgres_store.h).
+  std::string write_synchronous_commit;
   std::function<void()> before_commit_for_test;
 
   std::string Scrub(std::string text) const {
@@ -149,6 +154,29 @@ absl::Status Unavailable(absl::string_view what) {
                         "the registry database is unavailable (", what,
                         "); registered ops are still served, changes fail until it is back")),
                     reason::kStoreUnavailable);
+}
+
+// A write whose COMMIT was sent but not answered by the deadline: it may
+// still be applied (postgres_store.h), so the caller is not told "refused".
+absl::Status OutcomeUnknown(absl::string_view what, absl::string_view waited,
+                            const std::string& txid) {
+  return WithReason(
+      absl::UnavailableError(absl::StrCat(
+          "the outcome of this write is unknown: the registry database did not answer its "
+          "COMMIT ",
+          waited, " while ", what, " (transaction ", txid,
+          "), so it may have been applied; ask again: an identical registration answers with "
+          "the version it landed as (or registers it now), a deletion that landed finds "
+          "nothing left to delete")),
+      PostgresStore::kOutcomeUnknownReason, {{"transaction", txid}});
+}
+
+// `s`, when its outcome is unknown, with the op it was writing named.
+absl::Status NameOp(absl::Status s, const std::string& ns, const std::string& name) {
+  std::optional<ErrorReason> r = GetReason(s);
+  if (!r.has_value() || r->reason != PostgresStore::kOutcomeUnknownReason) return s;
+  return WithReason(std::move(s), r->reason,
+                    {{"namespace", ns}, {"op", name}, {"transaction", r->metadata["transaction"]}});
 }
 
 // SQLSTATEs that mean "not now" rather than "wrong": connection problems
@@ -498,11 +526,11 @@ class PgConnection {
     if (status == "committed") {
       log->error(
           "{} ({}): a write whose COMMIT was not answered in time (its caller was told "
-          "UNAVAILABLE) committed after all (transaction {}); it is in the database and "
-          "reaches every daemon's registry with the next sync",
+          "STORE_OUTCOME_UNKNOWN) committed after all (transaction {}); it is in the database "
+          "and reaches every daemon's registry with the next sync",
           kWhere, role_, unanswered_txid_);
     } else {
-      log->info("{} ({}): the unanswered COMMIT of transaction {} was rolled back, as reported",
+      log->info("{} ({}): the unanswered COMMIT of transaction {} was rolled back",
                 kWhere, role_, unanswered_txid_);
     }
     unanswered_txid_.clear();
@@ -557,10 +585,12 @@ namespace {
 // write). A transaction that failed on a broken connection before COMMIT was
 // sent is retried once on a fresh connection (the server discarded it) when
 // time is left; a failed COMMIT is not retried: when it went unanswered, its
-// transaction id is noted for a check after the reconnect.
+// transaction id is noted for a check after the reconnect, and the caller is
+// told the outcome is unknown. An `op_write` (a registration or deletion)
+// runs with the url's synchronous_commit, when it gives one.
 absl::Status Transaction(PgConnection& c, absl::string_view what,
                          const std::function<absl::Status(bool* commit)>& body, bool write = true,
-                         const char* begin_sql = "BEGIN") {
+                         const char* begin_sql = "BEGIN", bool op_write = false) {
   const PgConfig& config = c.config();
   for (int attempt = 0;; ++attempt) {
     OPJIT_RETURN_IF_ERROR(c.Ensure());
@@ -568,6 +598,11 @@ absl::Status Transaction(PgConnection& c, absl::string_view what,
     std::string txid;
     absl::Status s = write ? c.EnsureCommitGuard() : absl::OkStatus();
     if (s.ok()) s = c.Exec(what, begin_sql).status();
+    if (s.ok() && op_write && !config.write_synchronous_commit.empty()) {
+      s = c.Exec(what, "SELECT set_config('synchronous_commit', $1, true)",
+                 {config.write_synchronous_commit})
+              .status();
+    }
     if (s.ok() && write) {
       // transaction_timestamp() was taken before BEGIN was answered, so the
       // server's deadline (that + budget) comes before ours.
@@ -589,9 +624,15 @@ absl::Status Transaction(PgConnection& c, absl::string_view what,
     if (s.ok()) s = body(&commit);
     if (s.ok() && commit) {
       if (config.before_commit_for_test) config.before_commit_for_test();
+      const Clock::time_point sent = Clock::now();
       s = c.Exec(what, "COMMIT").status();
-      // Refused by the server: rolled back. Unanswered: see above.
-      if (!s.ok() && !c.connected() && !txid.empty()) c.NoteUnansweredCommit(txid);
+      // Refused by the server: rolled back. Unanswered (the connection is
+      // gone): it may still land, so the caller is told the outcome is
+      // unknown, and the store checks it once connected again.
+      if (!s.ok() && !c.connected() && !txid.empty()) {
+        c.NoteUnansweredCommit(txid);
+        return OutcomeUnknown(what, absl::StrCat("within ", Duration(MsSince(sent))), txid);
+      }
       return s;
     }
     c.Rollback();
@@ -836,8 +877,9 @@ std::string Unescape(const std::string& word) {
   return out;
 }
 
-// The server settings the store bounds, taken out of the url's "options"
-// (the rest is kept as written).
+// The server settings the store bounds (and synchronous_commit, which it
+// applies to writes only), taken out of the url's "options" (the rest is
+// kept as written).
 struct ServerTimeouts {
   std::string other_options;
   std::map<std::string, std::string> found;  // name -> value as written
@@ -845,7 +887,8 @@ struct ServerTimeouts {
 
 ServerTimeouts TakeTimeouts(const std::string& options) {
   static const std::set<std::string> kBounded = {"statement_timeout", "lock_timeout",
-                                                 "idle_in_transaction_session_timeout"};
+                                                 "idle_in_transaction_session_timeout",
+                                                 "synchronous_commit"};
   ServerTimeouts out;
   const std::vector<std::string> words = SplitWords(options);
   std::vector<std::string> kept;
@@ -938,6 +981,18 @@ absl::StatusOr<std::shared_ptr<PgConfig>> MakeConfig(const PostgresStore::Option
   OPJIT_ASSIGN_OR_RETURN(int64_t idle_ms, given_ms("idle_in_transaction_session_timeout"));
   const int64_t idle = std::clamp<int64_t>(idle_ms > 0 ? idle_ms : 2 * timeout, timeout, 600000);
   config->timeout_ms = timeout;
+  if (server.found.count("synchronous_commit") != 0) {
+    static const std::set<std::string> kValues = {"on",  "off", "local", "remote_write",
+                                                  "remote_apply", "true", "false", "yes",
+                                                  "no", "1", "0"};
+    const std::string v = absl::AsciiStrToLower(server.found["synchronous_commit"]);
+    if (kValues.count(v) == 0) {
+      return absl::InvalidArgumentError(
+          "registry: url: synchronous_commit in options is not one of on, off, local, "
+          "remote_write, remote_apply");
+    }
+    config->write_synchronous_commit = v;
+  }
   config->hang_log_ms = std::clamp<int64_t>(timeout / 4, 250, 2000);
 
   // libpq's connect_timeout is in seconds; 0 (or less) means "forever".
@@ -968,7 +1023,8 @@ absl::StatusOr<std::shared_ptr<PgConfig>> MakeConfig(const PostgresStore::Option
       {"tcp_user_timeout", absl::StrCat(user_timeout)},
       {"options", absl::StrCat(server.other_options, server.other_options.empty() ? "" : " ",
                                "-c statement_timeout=", timeout, " -c lock_timeout=", lock,
-                               " -c idle_in_transaction_session_timeout=", idle)},
+                               " -c idle_in_transaction_session_timeout=", idle,
+                               " -c synchronous_commit=local")},
   };
   if (!options.password.empty()) ours["password"] = options.password;
   auto add = [&](const std::string& k, const std::string& v) {
@@ -1113,7 +1169,7 @@ absl::StatusOr<Store::InsertResult> PostgresStore::RegisterVersion(const OpDef& 
   OPJIT_RETURN_IF_ERROR(lease.Take("registering an op"));
   PgConnection& c = *conn_;
   InsertResult result;
-  OPJIT_RETURN_IF_ERROR(Transaction(c, "registering an op", [&](bool* commit) -> absl::Status {
+  absl::Status s = Transaction(c, "registering an op", [&](bool* commit) -> absl::Status {
     result = InsertResult{};
     OPJIT_ASSIGN_OR_RETURN(int64_t mark, LockOp(c, def.ns, def.name));
     OPJIT_ASSIGN_OR_RETURN(
@@ -1172,7 +1228,8 @@ absl::StatusOr<Store::InsertResult> PostgresStore::RegisterVersion(const OpDef& 
     result.record.content_hash = content_hash;
     result.record.created_unix_ms = now_ms;
     return absl::OkStatus();
-  }));
+  }, /*write=*/true, "BEGIN", /*op_write=*/true);
+  if (!s.ok()) return NameOp(std::move(s), def.ns, def.name);
   return result;
 }
 
@@ -1183,7 +1240,7 @@ absl::StatusOr<Store::DeleteResult> PostgresStore::DeleteOp(const std::string& n
   OPJIT_RETURN_IF_ERROR(lease.Take("deleting an op"));
   PgConnection& c = *conn_;
   DeleteResult result;
-  OPJIT_RETURN_IF_ERROR(Transaction(c, "deleting an op", [&](bool* commit) -> absl::Status {
+  absl::Status s = Transaction(c, "deleting an op", [&](bool* commit) -> absl::Status {
     result = DeleteResult{};
     OPJIT_RETURN_IF_ERROR(LockOp(c, ns, name).status());
     OPJIT_ASSIGN_OR_RETURN(
@@ -1202,7 +1259,8 @@ absl::StatusOr<Store::DeleteResult> PostgresStore::DeleteOp(const std::string& n
     }
     OPJIT_ASSIGN_OR_RETURN(result.generation, BumpGeneration(c));
     return absl::OkStatus();
-  }));
+  }, /*write=*/true, "BEGIN", /*op_write=*/true);
+  if (!s.ok()) return NameOp(std::move(s), ns, name);
   return result;
 }
 

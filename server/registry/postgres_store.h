@@ -49,32 +49,60 @@
 //   keepalives_count (1-10) and tcp_user_timeout (1-120 s) likewise;
 //   keepalives is always 1.
 //
-// A write is acknowledged only once its COMMIT was answered; otherwise its
-// caller gets UNAVAILABLE and the write never lands later. Before the COMMIT
-// answer, nothing is committed. A COMMIT that was sent but not answered in
-// time (the server froze, or the network ate the answer) could still be
-// executed when the server runs again, so every write transaction carries a
-// commit guard: each connection creates, before its first write, a temp
-// table pg_temp.opjit_commit_guard(budget_ms) with a deferred constraint
-// trigger, and each write transaction inserts one row holding its budget,
-// right after BEGIN was answered. At COMMIT the trigger raises (SQLSTATE 57014) when the
-// server's clock_timestamp() is past transaction_timestamp() + budget_ms.
-// transaction_timestamp() was taken before BEGIN was answered, and the
-// budget is what was left of the call's deadline at that moment, less a
-// margin (20 ms + 2% of timeout_ms, for the two clocks' rates); so the
-// server can only commit before the client gives up. After an unanswered
-// COMMIT the store remembers the transaction id (txid_current(), returned
-// by the guard row's INSERT) and, once connected again, asks txid_status()
-// and logs the outcome: "rolled back, as reported", or, at error level,
-// "committed after all". The latter needs the server's clock stepped back
-// meanwhile, or a freeze between the trigger and the commit record
-// (microseconds apart), or the connection cut after the commit record was
-// written (the classic in-doubt commit: the write landed before the caller
-// was told, not after). Such a write reaches every registry by the sync. The
-// guard needs the TEMP privilege (PUBLIC has it by default) and plpgsql.
-// Tested against a server frozen with SIGSTOP, before a write and between a
-// write's last statement and its COMMIT (tests/unit/registry/
-// postgres_store_test.cc, Frozen*).
+// A write is acknowledged only once its COMMIT was answered. A write that
+// failed before its COMMIT was sent was rolled back: UNAVAILABLE
+// (STORE_UNAVAILABLE), and it never lands. A write whose COMMIT was sent but
+// not answered by the deadline is answered UNAVAILABLE with reason
+// STORE_OUTCOME_UNKNOWN (kOutcomeUnknownReason; metadata namespace, op and
+// transaction): it is unlikely to land (see below) but it may, so it is never
+// called refused. The caller can ask: registration is idempotent by content,
+// so registering the same definition again answers with the version it
+// landed as, or registers it now (GetOp/describe show it too, once synced).
+//
+// Two mechanisms make an unanswered COMMIT rare and one that lands rarer:
+// - Replication waits. With synchronous_commit = on (or remote_*) and
+//   synchronous_standby_names naming a standby that is not there, a COMMIT
+//   writes and flushes its commit record locally, then waits for the standby
+//   forever; cancelling that wait (our cancel request, or the connection
+//   closing) does not undo it: PostgreSQL logs "canceling wait for synchronous
+//   replication ... the transaction has already committed locally" and the
+//   write becomes visible (issue 41, hole 6: 5 of 5 writes told refused
+//   landed). The commit guard below runs before the commit record, so it
+//   cannot help. Therefore the store's sessions run with synchronous_commit
+//   = local (in the startup options, which win over postgresql.conf, ALTER
+//   ROLE and ALTER DATABASE): opjit's writes (and its schema and guard) are
+//   durable on the primary when acknowledged and never wait for a standby
+//   they did not ask for. An operator who wants opjit's writes to wait for
+//   replication says so in the url: options=-c synchronous_commit=<value>
+//   (on, remote_write, remote_apply, ...; checked at Open) is then set in each
+//   write transaction (set_config(..., is_local = true) after BEGIN); a COMMIT
+//   held by a missing standby is answered STORE_OUTCOME_UNKNOWN at the
+//   deadline, and it lands.
+// - A frozen server or a lost answer. A COMMIT that was sent but not
+//   answered in time (the server froze, or the network ate the answer) could
+//   still be executed when the server runs again, so every write transaction
+//   carries a commit guard: each connection creates, before its first write,
+//   a temp table pg_temp.opjit_commit_guard(budget_ms) with a deferred
+//   constraint trigger, and each write transaction inserts one row holding
+//   its budget, right after BEGIN was answered. At COMMIT the trigger raises
+//   (SQLSTATE 57014) when the server's clock_timestamp() is past
+//   transaction_timestamp() + budget_ms. transaction_timestamp() was taken
+//   before BEGIN was answered, and the budget is what was left of the call's
+//   deadline at that moment, less a margin (20 ms + 2% of timeout_ms, for the
+//   two clocks' rates); so the server can only start committing before the
+//   client gives up. It can still land after: the server's clock stepped
+//   back, a freeze or a slow WAL flush between the trigger and the end of the
+//   commit, or the connection cut after the commit record was written (the
+//   classic in-doubt commit).
+// After an unanswered COMMIT the store remembers the transaction id
+// (txid_current(), returned by the guard row's INSERT) and, once connected
+// again, asks txid_status() and logs the outcome: "rolled back", or, at
+// error level, "committed after all". A write that landed reaches every
+// registry by the sync. The guard needs the TEMP privilege (PUBLIC has it by
+// default) and plpgsql. Tested against a server frozen with SIGSTOP, before a
+// write and between a write's last statement and its COMMIT
+// (tests/unit/registry/postgres_store_test.cc, Frozen*), and against a
+// missing synchronous standby (tests/python/test_store_commit.py).
 //
 // Thread-safe: one connection for writes and loads, used by one call at a
 // time (the wait for it is bounded); each watcher has its own.
@@ -106,6 +134,9 @@ class PostgresStore final : public Store {
   static constexpr char kChannel[] = "opjit_registry";
   // Longest wait between reconnection attempts while the server is down.
   static constexpr int64_t kMaxBackoffMs = 1000;
+  // The reason of an UNAVAILABLE answer to a write whose COMMIT was sent but
+  // not answered in time (see above); metadata namespace, op, transaction.
+  static constexpr char kOutcomeUnknownReason[] = "STORE_OUTCOME_UNKNOWN";
 
   struct Options {
     // A libpq connection string ("host=db dbname=opjit user=opjit") or URI
