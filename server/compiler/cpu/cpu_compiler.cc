@@ -468,6 +468,11 @@ void CpuCompiler::Discard(std::unique_ptr<Worker> worker) {
   idle_cv_.Signal();
 }
 
+bool CpuCompiler::RegularLaneBusy() const {
+  MutexLock lock(&mu_);
+  return live_ > static_cast<int>(idle_.size());
+}
+
 bool CpuCompiler::EnterLongLane(Worker* worker, const std::string& file_name) {
   int in_lane = 0;
   {
@@ -619,7 +624,17 @@ bool CpuCompiler::WaitInLongLane(const Worker& w, const std::string& file_name,
   if (options_.long_timeout_ms <= options_.timeout_ms) return true;
   const absl::Time wall_deadline =
       *deadline + absl::Milliseconds(options_.long_timeout_ms - options_.timeout_ms);
+  bool niced = true;  // EnterLongLane's nice 10
   for (;;) {
+    // Nice 10 only while compiles run in the regular lane: it lets small
+    // compiles go first, and does not starve the compile behind the rest
+    // of the machine's load (a build beside the daemon) when none does.
+    // Back to 0 needs CAP_SYS_NICE (a root daemon's); else it stays at 10.
+    if (const bool others = RegularLaneBusy(); others != niced) {
+      if (::setpriority(PRIO_PROCESS, static_cast<id_t>(w.pid), others ? 10 : 0) == 0) {
+        niced = others;
+      }
+    }
     const absl::Time now = absl::Now();
     if (WaitReadable(w.fd, std::min(wall_deadline, now + absl::Milliseconds(200)))) break;
     if (absl::Now() >= wall_deadline) break;  // ReadFrame times out at once
@@ -917,6 +932,24 @@ std::string PrefixDirectives(const ToolchainProfile& p) {
   return absl::StrCat("#include <", p.prefix_header, ">\n");
 }
 
+// The headers a PCH an earlier run built read (`pch` + ".deps"), when none
+// of them changed since (a package upgrade): else false, and it is built
+// again rather than found stale by a tenant's compile.
+bool ReadFreshDependencies(const std::string& pch, std::vector<std::string>* deps) {
+  std::error_code ec;
+  const fs::file_time_type built = fs::last_write_time(pch, ec);
+  std::ifstream in(pch + ".deps");
+  if (ec || !in) return false;
+  deps->clear();
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const fs::file_time_type t = fs::last_write_time(line, ec);
+    if (ec || t > built) return false;
+    deps->push_back(line);
+  }
+  return !deps->empty();
+}
+
 }  // namespace
 
 void CpuCompiler::PlanProfilePch(const ToolchainProfile& profile, ipc::WorkerRequest* req,
@@ -1020,13 +1053,8 @@ CpuCompiler::ProfilePch CpuCompiler::BuildProfilePch(const ToolchainProfile& pro
   std::error_code ec;
   fs::create_directories(dir, ec);
   out.file = (dir / absl::StrCat(profile.name, "-", key, ".pch")).string();
-  if (std::ifstream deps(out.file + ".deps"); deps && fs::exists(out.file, ec)) {
-    // Built by an earlier run (a header changed since: the first compile
-    // that loads it finds it stale, and it is built again).
-    for (std::string line; std::getline(deps, line);) {
-      if (!line.empty()) out.dependencies.push_back(line);
-    }
-    out.state = ProfilePch::State::kReady;
+  if (ReadFreshDependencies(out.file, &out.dependencies)) {
+    out.state = ProfilePch::State::kReady;  // built by an earlier run
     return out;
   }
   ipc::WorkerRequest req;

@@ -231,6 +231,9 @@ class CpuCompiler {
                    struct rusage* usage = nullptr);
   // Moves a busy worker's slot to the long lane when the lane has room.
   bool EnterLongLane(Worker* worker, const std::string& file_name);
+  // Whether a compile runs (or a worker starts) in the regular lane: then
+  // long-lane compiles run at nice 10 (WaitInLongLane).
+  bool RegularLaneBusy() const;
   // Gives back what a worker held after a compile: the worker (or null when
   // it died), its slot or long-lane place. Recycles healthy workers that are
   // past their compile count or size, and `retire`d ones (a worker that held
