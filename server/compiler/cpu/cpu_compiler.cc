@@ -1086,8 +1086,11 @@ CpuCompiler::ProfilePch CpuCompiler::BuildProfilePch(const ToolchainProfile& pro
       profile_builder_pid_ = (*worker)->pid;
     }
     bool long_lane = false;
+    // An operator who raised the limits (a slow, sanitized build) raised this one too.
+    const int timeout_ms =
+        std::max({kProfilePchTimeoutMs, options_.timeout_ms, options_.long_timeout_ms});
     result = Run(&*worker, ipc::Encode(req), req.file_name, /*allow_long=*/false, &long_lane,
-                 fd.fd, &flags, kProfilePchTimeoutMs);
+                 fd.fd, &flags, timeout_ms);
     {
       MutexLock lock(&mu_);
       profile_builder_pid_ = 0;

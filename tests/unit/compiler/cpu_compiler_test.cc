@@ -489,6 +489,64 @@ TEST_F(CpuCompilerTest, PchsArePerNamespaceAndOutOfReach) {
   }
 }
 
+// A toolchain profile's prefix PCH (CpuCompilerOptions::profiles): built once
+// from the profile's header alone, charged to no compile, shared by every
+// namespace and by each C++ unit that begins with the header (an extra file
+// read through), and not used where it could change the meaning.
+TEST_F(CpuCompilerTest, AProfilesPrefixPchIsSharedByUnitsOfEveryNamespace) {
+  TempDir pch, prof;
+  std::ofstream(prof.path() + "/fakelib.h")
+      << "#pragma once\n#include <vector>\n"
+         "#ifdef FAKE_BIG\n#error the PCH never sees a tenant's macros\n#endif\n"
+         "template <class T> T Twice(T x) { return x + x; }\ninline int Fake() { return 3; }\n";
+  CpuCompilerOptions o = Options();
+  o.pch_dir = pch.path();
+  ToolchainProfile fake;
+  fake.name = "fake";
+  fake.include_dirs = {prof.path()};
+  fake.prefix_header = "fakelib.h";
+  o.profiles = {fake};
+  auto c = Make(o);
+  ASSERT_NE(c, nullptr);
+  auto in = [](const std::string& tenant, const std::string& tag) {
+    CpuCompileRequest r = Cxx("#include <string.h>\n#include <fakelib.h>\n#include \"ext.h\"\n"
+                              "extern \"C\" int K() { return Twice(Fake()) + Ext(); } // " + tag +
+                              "\n");
+    r.files = {{"ext.h", "#ifndef EXT_H\n#define EXT_H\n#include <fakelib.h>\nint Ext();\n#endif\n"},
+               {"ext.cc", "#include \"ext.h\"\nint Ext() { return Twice(2); }\n"}};
+    r.tenant = tenant;
+    r.profile = "fake";
+    return r;
+  };
+  absl::StatusOr<CpuCompileOutput> a = c->Compile(in("alice", "a"));
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(c->Compile(in("bob", "b")).ok());
+  CpuCompiler::Stats st = c->GetStats();
+  EXPECT_EQ(st.profile_pch_built, 1u);
+  EXPECT_EQ(st.pch_built, 1u) << "no namespace built a PCH of its own";
+  EXPECT_EQ(st.profile_pch_uses, 2u);
+  EXPECT_EQ(PchFiles(pch.path()).size(), 0u);
+  EXPECT_EQ(PchFiles(pch.path() + "/profiles").size(), 1u);
+  // A tenant's macro, or an extra file that shadows a header the PCH read,
+  // sends the compile the ordinary way (its own preamble's PCH).
+  CpuCompileRequest defined = in("alice", "c");
+  defined.options = {"-DFAKE_BIG"};
+  absl::StatusOr<CpuCompileOutput> d = c->Compile(defined);
+  ASSERT_FALSE(d.ok());
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "the PCH never sees")) << d.status();
+  CpuCompileRequest shadow = in("alice", "d");
+  shadow.files.push_back({"vector", "#pragma once\n"});
+  ASSERT_TRUE(c->Compile(shadow).ok());
+  EXPECT_EQ(c->GetStats().profile_pch_uses, 2u);
+  // The profile's dirs are on the path of its compiles only.
+  CpuCompileRequest plain = in("alice", "e");
+  plain.profile.clear();
+  absl::StatusOr<CpuCompileOutput> p = c->Compile(plain);
+  ASSERT_FALSE(p.ok());
+  EXPECT_TRUE(absl::StrContains(p.status().message(), "'fakelib.h' file not found")) << p.status();
+  EXPECT_FALSE(absl::StrContains(p.status().message(), prof.path())) << p.status();
+}
+
 // A worker process compiles for one namespace only: with one slot, a compile
 // of another namespace ends the idle worker and starts a fresh one, and
 // compiles of the same namespace keep reusing it.
