@@ -932,20 +932,36 @@ std::string PrefixDirectives(const ToolchainProfile& p) {
   return absl::StrCat("#include <", p.prefix_header, ">\n");
 }
 
-// The headers a PCH an earlier run built read (`pch` + ".deps"), when none
-// of them changed since (a package upgrade): else false, and it is built
-// again rather than found stale by a tenant's compile.
+// A header's stat stamp as clang checks it when it loads a PCH: size and
+// modification time ("" when it cannot be read).
+std::string StatStamp(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return "";
+  return absl::StrCat(st.st_size, " ", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
+}
+
+// `pch` + ".deps": each header the PCH read, with its stamp then.
+std::string DependencyStamps(const std::vector<std::string>& deps) {
+  std::string text;
+  for (const std::string& d : deps) absl::StrAppend(&text, StatStamp(d), "\t", d, "\n");
+  return text;
+}
+
+// The headers a profile PCH read, when every one still has the stamp it had
+// when the PCH was built (an earlier run's PCH is reused; a package upgrade,
+// whatever mtimes it restores, has it built again rather than found stale by
+// a tenant's compile). False when one changed or the list is missing.
 bool ReadFreshDependencies(const std::string& pch, std::vector<std::string>* deps) {
-  std::error_code ec;
-  const fs::file_time_type built = fs::last_write_time(pch, ec);
   std::ifstream in(pch + ".deps");
-  if (ec || !in) return false;
+  std::error_code ec;
+  if (!in || !fs::exists(pch, ec)) return false;
   deps->clear();
   for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
-    const fs::file_time_type t = fs::last_write_time(line, ec);
-    if (ec || t > built) return false;
-    deps->push_back(line);
+    const size_t tab = line.find('\t');
+    if (tab == std::string::npos || tab == 0) return false;
+    const std::string path = line.substr(tab + 1);
+    if (StatStamp(path) != line.substr(0, tab)) return false;
+    deps->push_back(path);
   }
   return !deps->empty();
 }
@@ -1029,6 +1045,21 @@ void CpuCompiler::DropProfilePch(const std::string& name) {
     auto it = profile_pch_.find(name);
     if (it == profile_pch_.end() || it->second.state != ProfilePch::State::kReady) return;
     file = it->second.file;
+  }
+  // A compile worker (a tenant's) said it could not load it: believed only
+  // when a header it read changed, so that no tenant can make the daemon
+  // rebuild it at will (a PCH broken otherwise goes unused until a restart
+  // finds the same; compiles stay right, only slower).
+  std::vector<std::string> unchanged;
+  if (ReadFreshDependencies(file, &unchanged)) {
+    Logger("compiler")->debug("toolchain profile {}: a compile could not load its PCH, whose "
+                             "headers did not change; kept", name);
+    return;
+  }
+  {
+    MutexLock lock(&mu_);
+    auto it = profile_pch_.find(name);
+    if (it == profile_pch_.end() || it->second.file != file) return;
     profile_pch_.erase(it);
   }
   Logger("compiler")->info("toolchain profile {}: its PCH is stale; it is built again", name);
@@ -1105,9 +1136,7 @@ CpuCompiler::ProfilePch CpuCompiler::BuildProfilePch(const ToolchainProfile& pro
     return out;
   }
   out.dependencies = result->dependencies;
-  std::string deps_text;
-  for (const std::string& d : out.dependencies) absl::StrAppend(&deps_text, d, "\n");
-  (void)WriteFileIfChanged(out.file + ".deps", deps_text);
+  (void)WriteFileIfChanged(out.file + ".deps", DependencyStamps(out.dependencies));
   {
     MutexLock lock(&mu_);
     ++stats_.pch_built;

@@ -545,6 +545,21 @@ TEST_F(CpuCompilerTest, AProfilesPrefixPchIsSharedByUnitsOfEveryNamespace) {
   ASSERT_FALSE(p.ok());
   EXPECT_TRUE(absl::StrContains(p.status().message(), "'fakelib.h' file not found")) << p.status();
   EXPECT_FALSE(absl::StrContains(p.status().message(), prof.path())) << p.status();
+  // The next run reuses it; a changed header (a package upgrade) has it built again.
+  c.reset();
+  auto again = Make(o);
+  ASSERT_NE(again, nullptr);
+  ASSERT_TRUE(again->Compile(in("carol", "f")).ok());
+  EXPECT_EQ(again->GetStats().profile_pch_built, 0u);
+  EXPECT_EQ(again->GetStats().profile_pch_uses, 1u);
+  again.reset();
+  std::ofstream(prof.path() + "/fakelib.h", std::ios::app) << "inline int More() { return 4; }\n";
+  auto upgraded = Make(o);
+  ASSERT_NE(upgraded, nullptr);
+  ASSERT_TRUE(upgraded->Compile(in("carol", "g")).ok());
+  EXPECT_EQ(upgraded->GetStats().profile_pch_built, 1u);
+  EXPECT_EQ(upgraded->GetStats().profile_pch_uses, 1u);
+  EXPECT_EQ(PchFiles(pch.path() + "/profiles").size(), 1u) << "the same key: replaced";
 }
 
 // A worker process compiles for one namespace only: with one slot, a compile
