@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -262,12 +263,107 @@ bool SamePrincipals(const std::vector<access::PrincipalConfig>& a,
   return true;
 }
 
+// What a reload takes from one principal that keeps, or loses, its name:
+// every namespace (`all`), or those outside `keep`. `channels_only`: no
+// namespace, but a credential it had (token, uid or gid) is gone, so its
+// fast channels (perhaps opened under that credential) close, and their
+// clients' reopening goes through authentication again.
+struct Revocation {
+  std::string principal;
+  bool all = false;
+  std::set<std::string> keep;
+  bool channels_only = false;
+};
+
+// The revocations that replacing `before` by `after` implies: a principal
+// removed, or changed so that it sees fewer namespaces (a role of metrics
+// sees none over gRPC, an admin every one), or with a credential removed.
+std::vector<Revocation> RevocationsOf(const std::vector<access::PrincipalConfig>& before,
+                                      const std::vector<access::PrincipalConfig>& after) {
+  std::map<std::string, const access::PrincipalConfig*> next;
+  for (const auto& q : after) next[q.name] = &q;
+  auto removed_any = [](const auto& a, const auto& b) {
+    for (const auto& x : a) {
+      if (std::find(b.begin(), b.end(), x) == b.end()) return true;
+    }
+    return false;
+  };
+  std::vector<Revocation> out;
+  for (const auto& p : before) {
+    Revocation r;
+    r.principal = p.name;
+    auto it = next.find(p.name);
+    if (it == next.end()) {
+      r.all = true;
+      out.push_back(std::move(r));
+      continue;
+    }
+    const access::PrincipalConfig& q = *it->second;
+    if (q.role != access::Role::kAdmin) {
+      if (q.role != access::Role::kMetrics) r.keep.insert(q.namespaces.begin(), q.namespaces.end());
+      bool loses = p.role == access::Role::kAdmin;
+      if (p.role != access::Role::kMetrics) {
+        for (const auto& ns : p.namespaces) loses |= r.keep.count(ns) == 0;
+      }
+      if (loses) {
+        out.push_back(std::move(r));
+        continue;
+      }
+    }
+    if (removed_any(p.token_sha256, q.token_sha256) || removed_any(p.uids, q.uids) ||
+        removed_any(p.gids, q.gids)) {
+      r.keep.clear();
+      r.all = true;
+      r.channels_only = true;
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+// Applies revocations: the principal's fast channels close (their executors
+// stop), and unless only a credential went, its regions, prepared handles
+// and backward contexts in the namespaces it lost are released. Calls
+// already running finish; every later one is authenticated anew.
+void Revoke(const std::vector<Revocation>& revocations, tensor::RegionManager* regions,
+            exec::ChannelManager* channels, exec::HandleTable* handles,
+            autograd::Autograd* autograd) {
+  auto log = Logger("main");
+  for (const Revocation& r : revocations) {
+    const std::string prefix = r.principal + "/";
+    auto lost = [&r](const std::string& ns) { return r.all || r.keep.count(ns) == 0; };
+    auto owned = [&](const std::string& ns, const std::string& owner) {
+      return owner.compare(0, prefix.size(), prefix) == 0 && lost(ns);
+    };
+    const int closed = channels->CloseWhere(owned);
+    if (r.channels_only) {
+      log->info("reload: principal \"{}\" lost a credential: {} fast channel(s) closed",
+                r.principal, closed);
+      continue;
+    }
+    const int released = regions->ReleaseWhere(owned);
+    const int prepared = handles->ReleaseWhere(owned);
+    const int contexts = autograd->ReleaseWhere(
+        [&](const std::string& ns, const std::string& caller) {
+          return caller == r.principal && lost(ns);
+        });
+    log->info("reload: principal \"{}\" revoked in {}: {} fast channel(s) closed, {} region(s), "
+              "{} prepared handle(s) and {} backward context(s) released",
+              r.principal,
+              r.all ? std::string("every namespace")
+                    : absl::StrCat("every namespace but [", absl::StrJoin(r.keep, ", "), "]"),
+              closed, released, prepared, contexts);
+  }
+}
+
 // SIGHUP: reads the --config file again and applies what can change while
 // serving (principals and tokens, the QuotaManager's quotas, the namespace
 // bound, the log level), logging each change; other changed keys are logged
 // as needing a restart. A file with problems changes nothing. `running` is
-// what is in force, and is updated to what was applied.
-void Reload(DaemonConfig* running, access::AccessControl* access, access::QuotaManager* quotas) {
+// what is in force, and is updated to what was applied. `revoke` takes
+// what principals lost, once the new ones are in force.
+void Reload(DaemonConfig* running, access::AccessControl* access, access::QuotaManager* quotas,
+            const std::function<void(const std::vector<Revocation>&)>& revoke) {
   auto log = Logger("main");
   if (running->config_file.empty()) {
     log->info("SIGHUP: started without --config, nothing to reload");
@@ -294,8 +390,10 @@ void Reload(DaemonConfig* running, access::AccessControl* access, access::QuotaM
       log->error("SIGHUP: principals not changed: {}", std::string(s.message()));
     } else {
       LogPrincipalChanges(running->principals, next.principals);
+      const std::vector<Revocation> lost = RevocationsOf(running->principals, next.principals);
       running->principals = next.principals;
       ++applied;
+      if (!lost.empty()) revoke(lost);
     }
   }
   auto changed = [&](const char* key, auto before, auto after) {
@@ -507,11 +605,12 @@ absl::Status Daemon::StartRunner() {
     OPJIT_ASSIGN_OR_RETURN(parts_->runner,
                            Named(runner::InProcessRunner::Create(hopts), "runner"));
   } else {
-    OPJIT_ASSIGN_OR_RETURN(
-        parts_->runner,
-        Named(runner::ProcessRunner::Create(
-                  ProcessRunnerOptionsFromConfig(cfg_, hopts, *sub_ids_, HelperDir())),
-              "runner"));
+    runner::ProcessRunnerOptions ropts =
+        ProcessRunnerOptionsFromConfig(cfg_, hopts, *sub_ids_, HelperDir());
+    // Each namespace's uid, claimed host-wide (no two daemons share one).
+    OPJIT_RETURN_IF_ERROR(ClaimUidsFromConfig(cfg_, *sub_ids_, &ropts));
+    OPJIT_ASSIGN_OR_RETURN(parts_->runner,
+                           Named(runner::ProcessRunner::Create(ropts), "runner"));
   }
   return absl::OkStatus();
 }
@@ -747,7 +846,10 @@ int Daemon::Serve() {
   int sig = 0;
   int error = 0;
   while ((error = sigwait(&signals_, &sig)) == 0 && sig == SIGHUP) {
-    Reload(&cfg_, parts_->access.get(), parts_->quotas.get());
+    Parts& p = *parts_;
+    Reload(&cfg_, p.access.get(), p.quotas.get(), [&p](const std::vector<Revocation>& lost) {
+      Revoke(lost, p.regions.get(), p.channels.get(), p.handles.get(), p.autograd.get());
+    });
   }
   if (error != 0) {
     Logger("main")->error("waiting for signals failed: {}; shutting down", std::strerror(error));

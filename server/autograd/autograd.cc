@@ -43,6 +43,7 @@ bool Contains(const std::vector<std::string>& v, const std::string& s) {
 struct Context {
   std::string id;
   std::string ns;
+  std::string caller;  // the principal whose forward left it (ForwardCall::caller)
   std::shared_ptr<const registry::OpRecord> record;
   std::vector<bool> requires_grad;                 // per declared input
   // Per declared input: one per tensor, a copy or a null placeholder (not
@@ -402,6 +403,7 @@ void Autograd::ForwardAsync(exec::ForwardCall call, std::vector<bool> requires_g
   if (!id.ok()) return done(id.status());
   ctx->id = *std::move(id);
   ctx->ns = call.ns;
+  ctx->caller = call.caller;
   ctx->record = *record;
   ctx->requires_grad = std::move(requires_grad);
   ctx->attrs = call.attrs;
@@ -472,6 +474,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   exec::ForwardCall bcall;
   bcall.ns = ctx->ns;
   bcall.principal = call.principal;
+  bcall.caller = ctx->caller;
   bcall.op = bdef.name;
   bcall.version = (*bprop)->version;
   bcall.deadline = call.deadline;
@@ -537,6 +540,17 @@ int Autograd::ExpireContexts(Clock::time_point now) {
   }
   for (const auto& id : expired) impl_->DropLocked(id);
   return static_cast<int>(expired.size());
+}
+
+int Autograd::ReleaseWhere(
+    const std::function<bool(const std::string& ns, const std::string& caller)>& doomed) {
+  MutexLock lock(&impl_->mu);
+  std::vector<std::string> matched;
+  for (const auto& [id, ctx] : impl_->contexts) {
+    if (!ctx->caller.empty() && doomed(ctx->ns, ctx->caller)) matched.push_back(id);
+  }
+  for (const auto& id : matched) impl_->DropLocked(id);
+  return static_cast<int>(matched.size());
 }
 
 std::map<std::string, uint64_t> Autograd::BytesByNamespace() const {

@@ -72,6 +72,7 @@ struct GradForwardResult {
 struct BackwardCall {
   std::string ns = "default";
   std::string principal;  // as exec::ForwardCall::principal
+  runner::Caller quarantine_caller;  // as exec::ForwardCall::quarantine_caller
   std::string context_id;
   // One per forward output; nullopt: a missing grad.
   std::vector<std::optional<exec::TensorArg>> grad_outputs;
@@ -97,6 +98,7 @@ struct BackwardResult {
 struct GradCheckCall {
   std::string ns = "default";
   std::string principal;  // as exec::ForwardCall::principal
+  runner::Caller quarantine_caller;  // as exec::ForwardCall::quarantine_caller
   std::string op;
   int64_t version = 0;
   // Inputs to check at (one group per declared input; may hold inline bytes
@@ -149,6 +151,11 @@ class Autograd {
   // Runs on the autograd's own pool; RESOURCE_EXHAUSTED when it is busy.
   void GradCheckAsync(GradCheckCall call, GradCheckCallback done);
 
+  // Releases the contexts left by forwards of each (ns, caller) for which
+  // `doomed` holds (ForwardCall::caller; a config reload revoking a
+  // principal); returns how many.
+  int ReleaseWhere(
+      const std::function<bool(const std::string& ns, const std::string& caller)>& doomed);
   // Releases contexts idle past the TTL; returns how many.
   int ExpireContexts(std::chrono::steady_clock::time_point now);
   size_t LiveContexts() const;

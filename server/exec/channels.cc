@@ -181,6 +181,21 @@ void ChannelManager::Maintain() {
   for (const auto& [ns, region] : dead) (void)regions_->Unregister(ns, region);
 }
 
+int ChannelManager::CloseWhere(
+    const std::function<bool(const std::string& ns, const std::string& owner)>& doomed) {
+  std::vector<std::pair<std::string, std::string>> matched;  // (ns, region)
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [id, e] : channels_) {
+      if (doomed(e.ns, e.owner)) matched.push_back({e.ns, e.region});
+    }
+  }
+  // Unregistering closes them (OnRegionsRemoved).
+  int n = 0;
+  for (const auto& [ns, region] : matched) n += regions_->Unregister(ns, region).ok();
+  return n;
+}
+
 size_t ChannelManager::size() const {
   MutexLock lock(&mu_);
   return channels_.size();

@@ -117,6 +117,13 @@ class ChannelManager {
 
   void OnRegistryChanged();
   void OnRegionsRemoved(const std::vector<std::shared_ptr<const tensor::Region>>& removed);
+  // Closes every channel for which `doomed(ns, owner)` holds (a config
+  // reload revoking a principal): its region is unregistered, which stops
+  // its executor and marks the ring closed, so the client's next call there
+  // fails at once and its reopen over gRPC meets access control. Returns
+  // how many.
+  int CloseWhere(
+      const std::function<bool(const std::string& ns, const std::string& owner)>& doomed);
   // Closes channels whose executor died (their regions are unregistered, so
   // their clients open new ones). About once a second.
   void Maintain();

@@ -118,6 +118,10 @@ struct ForwardCall {
   // The caller's principal: shm tensors may only name its own regions
   // ("": any region of `ns`, for trusted callers).
   std::string principal;
+  // The caller's principal name, admins' too (`principal` is "" for them):
+  // a backward context it leaves is dropped when a config reload revokes
+  // that principal's access to `ns`. "": nobody's (internal calls).
+  std::string caller;
   std::string op;
   int64_t version = 0;  // 0: latest
   registry::Target target = registry::Target::kCpu;

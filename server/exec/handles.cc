@@ -104,6 +104,20 @@ int HandleTable::Release(const std::string& ns, const std::string& owner,
   return n;
 }
 
+int HandleTable::ReleaseWhere(
+    const std::function<bool(const std::string& ns, const std::string& owner)>& doomed) {
+  std::vector<std::pair<std::string, std::string>> matched;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [key, o] : owners_) {
+      if (doomed(key.first, key.second)) matched.push_back(key);
+    }
+  }
+  int n = 0;
+  for (const auto& [ns, owner] : matched) n += Release(ns, owner, {});
+  return n;
+}
+
 void HandleTable::Renew(const std::string& ns, const std::string& owner) {
   MutexLock lock(&mu_);
   auto o = owners_.find({ns, owner});

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -75,6 +76,10 @@ class HandleTable {
   // Releases the given handles of `owner` (all of them when `ids` is empty);
   // returns how many.
   int Release(const std::string& ns, const std::string& owner, const std::vector<uint64_t>& ids);
+  // Releases every handle of each owner for which `doomed(ns, owner)`
+  // holds (a config reload revoking a principal); returns how many.
+  int ReleaseWhere(
+      const std::function<bool(const std::string& ns, const std::string& owner)>& doomed);
   // Extends the life of `owner`'s handles.
   void Renew(const std::string& ns, const std::string& owner);
   // Drops handles of owners without regions whose lease lapsed; `has_regions`

@@ -227,6 +227,7 @@ grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* 
   }
   if (!call.ok()) return FinishNow(ctx, call.status());
   call->principal = RegionScope(caller);
+  call->caller = caller.name;
   auto* reactor = ctx->DefaultReactor();
   const uint64_t rid = call->request_id;
   // `req` outlives the reactor; names for the log are built only on error.

@@ -392,6 +392,31 @@ absl::StatusOr<int> RegionManager::ReleaseOwner(const std::string& ns, const std
   return static_cast<int>(doomed.size());
 }
 
+int RegionManager::ReleaseWhere(const OwnerPredicate& doomed_if) {
+  std::vector<std::shared_ptr<const Region>> doomed;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto space = namespaces_.begin(); space != namespaces_.end();) {
+      auto& regions = space->second.regions;
+      for (auto it = regions.begin(); it != regions.end();) {
+        auto next = std::next(it);
+        if (doomed_if(space->first, it->second.region->info().owner)) {
+          doomed.push_back(EraseLocked(space->second, it));
+        }
+        it = next;
+      }
+      if (regions.empty() && space->second.pending.empty()) {
+        space = namespaces_.erase(space);
+      } else {
+        ++space;
+      }
+    }
+  }
+  if (!doomed.empty()) Logger("tensor")->debug("released {} region(s) by predicate", doomed.size());
+  NotifyRemoved(doomed);
+  return static_cast<int>(doomed.size());
+}
+
 absl::StatusOr<int64_t> RegionManager::Renew(const std::string& ns, const std::string& owner,
                                              int64_t lease_ms) {
   OPJIT_ASSIGN_OR_RETURN(int64_t lease, EffectiveLeaseMs(lease_ms));

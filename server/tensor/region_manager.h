@@ -161,6 +161,12 @@ class RegionManager {
   // how many. Zero is not an error.
   absl::StatusOr<int> ReleaseOwner(const std::string& ns, const std::string& owner);
 
+  // Unregisters every region, in any namespace, for which `doomed(ns,
+  // owner)` holds (as Unregister does, listener included); returns how
+  // many. A config reload uses it to revoke a removed principal's regions.
+  using OwnerPredicate = std::function<bool(const std::string& ns, const std::string& owner)>;
+  int ReleaseWhere(const OwnerPredicate& doomed);
+
   // Sets the lease of every region of `owner` in `ns` to now + `lease_ms`
   // (0: the default; cut to the maximum) and returns that expiry (Unix ms).
   // NOT_FOUND if the owner has no regions in `ns` (e.g. they already

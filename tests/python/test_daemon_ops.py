@@ -20,12 +20,14 @@ import numpy as np
 import pytest
 
 import opjit
+from opjit import _fast
+from opjit._proto import memory_pb2
 from conftest import (REPO, TempDaemon, health, opjitd_binary, principal_toml, token_sha,
                       unary_kernel, unary_spec, wait_for)
 from services import PG_BIN, Postgres
 
 TOKENS = {"alice": "tok-alice-ops-0123456789", "bob": "tok-bob-ops-0123456789",
-          "admin": "tok-admin-ops-0123456789"}
+          "admin": "tok-admin-ops-0123456789", "carol": "tok-carol-ops-0123456789"}
 
 STORE_SERVICE = "opjit.registry.store"
 
@@ -248,6 +250,60 @@ def test_sighup_reloads_principals_quotas_and_log_level():
     finally:
         d.close()
     assert d.proc.returncode == 0, d.read_log()[-3000:]
+
+
+def regions_of(d, ns):
+    """The names of every region in `ns`, as the daemon's own uid (admin) lists them."""
+    with opjit.Client(d.unix_address, namespace=ns, timeout=30, fast="off") as admin:
+        listed = admin._memory.ListRegions(memory_pb2.ListRegionsRequest(namespace=ns))
+        return sorted(r.name for r in listed.regions)
+
+
+@pytest.mark.skipif(not _fast.supported(), reason="the fast channel is x86-64 Linux only")
+def test_sighup_revokes_what_a_removed_principal_holds():
+    carol = lambda namespaces: principal_toml("carol", "user", namespaces, TOKENS["carol"])
+    d = OpsDaemon(config([ALICE, carol(["carol", "carol2"])], 1000, "info"))
+    clients = []
+    try:
+        calls = {}
+        for ns in ("carol", "carol2"):
+            c = d.client("carol", ns, fast="on")
+            clients.append(c)
+            c.register(spec("twice", "* 2.0f", ns))
+            calls[ns] = c.op("twice").prepare(np.ones(4, np.float32))
+            np.testing.assert_allclose(calls[ns](), 2.0)
+            assert calls[ns].path == "fast"
+            assert any(r.startswith("opjit-channel-") for r in regions_of(d, ns))
+
+        # carol loses one namespace: what she held there goes, the other stays.
+        d.write_config(config([ALICE, carol(["carol2"])], 1000, "info"))
+        d.hup("reloaded: 1 change(s) applied")
+        assert 'principal "carol" revoked in every namespace but [carol2]: 1 fast channel(s) ' \
+               'closed' in d.read_log()
+        assert regions_of(d, "carol") == []
+        with pytest.raises(opjit.NotFound) as e:
+            calls["carol"]()  # its channel closed: reopening it meets access control
+        assert e.value.reason == "NAMESPACE_NOT_FOUND"
+        np.testing.assert_allclose(calls["carol2"](), 2.0)
+        assert calls["carol2"].path == "fast"
+
+        # carol removed: her open channel closes at once, her regions go.
+        d.write_config(config([ALICE], 1000, "info"))
+        d.hup("reloaded: 1 change(s) applied")
+        assert 'principal "carol" revoked in every namespace: 1 fast channel(s) closed' in \
+            d.read_log()
+        assert regions_of(d, "carol2") == []
+        with pytest.raises(opjit.Unauthenticated) as e:
+            calls["carol2"]()
+        assert e.value.reason == "UNAUTHENTICATED"
+        assert health(d.unix_address) == "SERVING"
+    finally:
+        for c in clients:
+            try:
+                c.close()
+            except opjit.OpjitError:
+                pass
+        d.close()
 
 
 def test_sighup_without_a_config_file_reloads_nothing_and_keeps_serving():
