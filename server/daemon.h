@@ -166,7 +166,6 @@ class Daemon {
   void StartHealth();
   absl::Status StartMetricsExporter();
 
-  void DeclareMetrics();
   std::unique_ptr<rpc::ServerFacts> DescribeHost();
 
   DaemonConfig cfg_;

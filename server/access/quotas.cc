@@ -53,11 +53,6 @@ void QuotaManager::EndCompile(const std::string& ns, Clock::time_point start, do
   UsedLocked(space, now);
 }
 
-void QuotaManager::ChargeCompileForTest(const std::string& ns, double seconds) {
-  absl::MutexLock lock(&mu_);
-  spaces_[ns].recent.emplace_back(clock_->Now(), seconds);
-}
-
 absl::Status QuotaManager::AdmitCall(const std::string& ns) {
   return AdmitCalls(ns, 1).status();
 }

@@ -87,9 +87,6 @@ class QuotaManager {
   // calls_per_second is 0 (no bound).
   uint64_t CallCreditBatch() const;
 
-  // For tests: pretend `seconds` of compiling happened now in `ns`.
-  void ChargeCompileForTest(const std::string& ns, double seconds);
-
   // The quotas in force.
   QuotaOptions options() const;
 

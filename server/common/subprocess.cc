@@ -507,7 +507,6 @@ std::vector<std::string> HelperEnvironment() {
 bool Exit::exited() const { return WIFEXITED(wait_status); }
 int Exit::code() const { return WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : -1; }
 int Exit::signal() const { return WIFSIGNALED(wait_status) ? WTERMSIG(wait_status) : 0; }
-bool Exit::core_dumped() const { return WIFSIGNALED(wait_status) && WCOREDUMP(wait_status); }
 uint64_t Exit::peak_rss_bytes() const {
   return usage.ru_maxrss > 0 ? static_cast<uint64_t>(usage.ru_maxrss) * 1024 : 0;
 }

@@ -170,7 +170,6 @@ struct Exit {
   bool exited() const;     // it called exit (code() is valid)
   int code() const;        // its exit code; -1 if it did not exit
   int signal() const;      // the signal that ended it; 0 if it exited
-  bool core_dumped() const;
   uint64_t peak_rss_bytes() const;
   std::string Describe() const;
 };

@@ -52,8 +52,6 @@ class Device {
  public:
   int ordinal() const { return ordinal_; }
   const std::string& name() const { return name_; }
-  int cc_major() const { return cc_major_; }
-  int cc_minor() const { return cc_minor_; }
   // "sm_90" for compute capability 9.0: the CUBIN arch that runs here.
   std::string Arch() const;
   uint64_t total_memory() const { return total_memory_; }

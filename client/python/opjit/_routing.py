@@ -117,10 +117,6 @@ class Endpoint:
         self.healthy = False
         self.down_until = time.monotonic() + DOWN_FOR_S
 
-    def mark_up(self):
-        self.healthy = True
-        self.down_until = 0.0
-
     def close(self):
         self.transport.close()
         self.channel.close()

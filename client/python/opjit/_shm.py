@@ -287,9 +287,6 @@ class ShmPool:
 
     # ---- leases ---------------------------------------------------------------
 
-    def has_regions(self):
-        return bool(self._regions)
-
     def renew(self, force=False):
         """RenewLease for this client in the pool's namespace (when it holds
         regions, or `force`: handles and channels share the lease)."""

@@ -182,10 +182,6 @@ absl::StatusOr<WorkerResponse> DecodeResponse(const std::string& payload) {
   return m;
 }
 
-uint8_t PeekKind(const std::string& payload) {
-  return payload.empty() ? 0 : static_cast<uint8_t>(payload[0]);
-}
-
 absl::Status WriteFrame(int fd, const std::string& payload, absl::Time deadline,
                         const frame_io::ChannelLimits& limits, int pass_fd) {
   return frame_io::WriteFrame(fd, limits, 0, payload, deadline, pass_fd);

@@ -147,9 +147,6 @@ absl::StatusOr<Hello> DecodeHello(const std::string& payload);
 absl::StatusOr<WorkerRequest> DecodeRequest(const std::string& payload);
 absl::StatusOr<WorkerResponse> DecodeResponse(const std::string& payload);
 
-// Returns the kind byte of `payload`, or 0 when it is empty.
-uint8_t PeekKind(const std::string& payload);
-
 // Writes one frame to `fd`, waiting at most until `deadline`
 // (absl::InfiniteFuture() for no limit), refusing a payload over the
 // reader's limit (`limits`: the daemon writes kToWorker, the worker
