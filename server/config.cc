@@ -543,7 +543,10 @@ void AddExecKeys(std::vector<KeyRow>& k) {
                   "The daemon's busy-wait for a call's result before it sleeps, us.", 0,
                   1000000));
   k.push_back(Int("exec.quarantine_after", &Cfg::quarantine_after,
-                  "Crashes in a row that quarantine a kernel."));
+                  "Crashes in a row of one caller's calls that quarantine a kernel for that caller."));
+  k.push_back(Int("exec.quarantine_callers", &Cfg::quarantine_callers,
+                  "Callers (readers not counted) a kernel must be quarantined for before it is "
+                  "quarantined for everyone.", 1));
 }
 
 // [fast], [shm], [autograd], [cache], [cache.remote] and [registry].

@@ -173,7 +173,8 @@ struct DaemonConfig {
   int64_t namespace_memory_mb = 16384;
   int64_t worker_spin_us = 0;            // an executor's busy-wait for its next call (0: sleep at once; see README)
   int64_t wait_spin_us = 50;             // the daemon's busy-wait for a call's result before it sleeps
-  int quarantine_after = 3;              // crashes in a row that quarantine a kernel
+  int quarantine_after = 3;              // crashes in a row of one caller's calls: quarantined for it
+  int quarantine_callers = 2;            // callers (not readers) quarantined: quarantined for everyone
 
   // [fast]: prepared calls and same-host fast channels (server/exec/channels.h)
   bool fast_enabled = true;         // fast channels at all

@@ -300,6 +300,7 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFromConfig(const DaemonConfig& 
       Logger("runner")->warn("exec.uid_range and exec.worker_user are \"\": executors keep root");
     } else if (const passwd* pw = ::getpwnam(cfg.worker_user.c_str())) {
       o.uid = pw->pw_uid;
+  o.quarantine_callers = cfg.quarantine_callers;
       o.gid = pw->pw_gid;
     } else {
       Logger("runner")->warn("exec.worker_user \"{}\" does not exist; executors keep root",

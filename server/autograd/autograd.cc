@@ -474,6 +474,7 @@ void Autograd::BackwardAsync(BackwardCall call, BackwardCallback done) {
   exec::ForwardCall bcall;
   bcall.ns = ctx->ns;
   bcall.principal = call.principal;
+  bcall.quarantine_caller = call.quarantine_caller;
   bcall.caller = ctx->caller;
   bcall.op = bdef.name;
   bcall.version = (*bprop)->version;
@@ -719,6 +720,7 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
       exec::ForwardCall f;
       f.ns = c.ns;
       f.principal = c.principal;
+      f.quarantine_caller = c.quarantine_caller;
       f.op = c.op;
       f.version = (*record)->version;
       f.attrs = c.attrs;
@@ -747,6 +749,7 @@ void Autograd::GradCheckAsync(GradCheckCall call, GradCheckCallback done) {
     BackwardCall bc;
     bc.ns = c.ns;
     bc.principal = c.principal;
+    bc.quarantine_caller = c.quarantine_caller;
     bc.context_id = fwd->context_id;
     for (size_t j = 0; j < fwd->forward.outputs.size(); ++j) {
       const auto& o = fwd->forward.outputs[j];

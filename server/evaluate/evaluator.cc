@@ -184,13 +184,15 @@ registry::Target TargetOf(const registry::OpDef& def) {
   return def.implementations.empty() ? registry::Target::kCpu : def.implementations[0].target;
 }
 
-exec::ForwardCall BaseCall(const std::string& ns, const std::string& principal, const Side& side,
+exec::ForwardCall BaseCall(const std::string& ns, const std::string& principal,
+                           const runner::Caller& quarantine_caller, const Side& side,
                            const std::map<std::string, exec::AttrArg>& attrs,
                            Clock::time_point deadline) {
   exec::ForwardCall c;
   c.ns = ns;
   c.principal = principal;
   c.op = side.record->def.name;
+  c.quarantine_caller = quarantine_caller;
   c.version = side.record->version;
   c.target = side.target;
   c.attrs = attrs;
@@ -526,7 +528,7 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
       std::memset(region->at(l.outputs[r][k]), poisons[r], Bytes(out[k]));
     }
   }
-  const exec::ForwardCall base = BaseCall(c.ns, c.principal, side, c.attrs, c.deadline);
+  const exec::ForwardCall base = BaseCall(c.ns, c.principal, c.quarantine_caller, side, c.attrs, c.deadline);
   for (int r = 0; r < n_runs; ++r) {
     OPJIT_RETURN_IF_ERROR(Interrupted(c.cancelled, c.deadline, "verify"));
     absl::StatusOr<exec::ForwardResult> res =
@@ -593,13 +595,13 @@ absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, con
   report->seed = in.seed;
   report->dtype = in.cand_in.empty() ? "" : in.cand_in[0].dtype;
   report->shapes = Describe(in.cand_in);
-  const exec::ForwardCall cand_base = BaseCall(c.ns, c.principal, cand, c.attrs, c.deadline);
+  const exec::ForwardCall cand_base = BaseCall(c.ns, c.principal, c.quarantine_caller, cand, c.attrs, c.deadline);
 
   // The reference first: a refusal there skips the case.
   std::vector<OutputBytes> expected = in.given_outputs;
   std::vector<TensorDesc> ref_out;
   if (ref != nullptr) {
-    auto prepared = Prepare(executor, BaseCall(c.ns, c.principal, *ref, c.attrs, c.deadline),
+    auto prepared = Prepare(executor, BaseCall(c.ns, c.principal, c.quarantine_caller, *ref, c.attrs, c.deadline),
                             in.ref_in);
     if (!prepared.ok()) {
       if (IsRequestError(prepared.status())) return prepared.status();
@@ -963,7 +965,7 @@ absl::StatusOr<std::vector<CaseInput>> Evaluator::Impl::GeneratedCases(
   OPJIT_ASSIGN_OR_RETURN(auto rows, SelectedRows(c, cdef));
   // A row the reference refuses (probed on a shape set with no empty
   // tensor) is left out, and said so.
-  const exec::ForwardCall ref_base = BaseCall(c.ns, c.principal, ref, c.attrs, c.deadline);
+  const exec::ForwardCall ref_base = BaseCall(c.ns, c.principal, c.quarantine_caller, ref, c.attrs, c.deadline);
   const ShapeSet& probe_set = *std::find_if(shapes.begin(), shapes.end() - 1, [](const ShapeSet& s) {
     return std::all_of(s.begin(), s.end(), [](const auto& d) { return Elements(d) > 0; });
   });
@@ -1149,7 +1151,7 @@ absl::StatusOr<BenchmarkResult> Evaluator::Impl::Benchmark(const BenchmarkCall& 
   };
   std::vector<Prepared> runs;
   for (const Side& side : sides) {
-    exec::ForwardCall base = BaseCall(c.ns, c.principal, side, c.attrs, c.deadline);
+    exec::ForwardCall base = BaseCall(c.ns, c.principal, c.quarantine_caller, side, c.attrs, c.deadline);
     OPJIT_ASSIGN_OR_RETURN(exec::PreparedCall p, Prepare(executor, base, in));
     const Layout l = LayOut(in, p.outputs, 1);
     Prepared r;

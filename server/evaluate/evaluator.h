@@ -100,6 +100,7 @@ struct GivenCase {
 struct VerifyCall {
   std::string ns = "default";
   std::string principal;  // as exec::ForwardCall::principal
+  runner::Caller quarantine_caller;  // as exec::ForwardCall::quarantine_caller
   std::string candidate;
   int64_t candidate_version = 0;
   std::string reference;  // empty: `given`
@@ -149,6 +150,7 @@ struct VerifyResult {
 struct BenchmarkCall {
   std::string ns = "default";
   std::string principal;
+  runner::Caller quarantine_caller;  // as exec::ForwardCall::quarantine_caller
   std::string op;
   int64_t version = 0;
   std::string reference;  // empty: none

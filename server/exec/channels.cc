@@ -39,7 +39,8 @@ void ChannelManager::Shutdown() {
 
 absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const std::string& owner,
                                                  int64_t lease_ms,
-                                                 std::optional<uid_t> client_uid) {
+                                                 std::optional<uid_t> client_uid,
+                                                 runner::Caller caller) {
   if (!options_.enabled) {
     return absl::UnimplementedError("fast channels are disabled on this server ([fast] enabled)");
   }
@@ -69,6 +70,8 @@ absl::StatusOr<ChannelInfo> ChannelManager::Open(const std::string& ns, const st
   runner::ChannelSpec spec;
   spec.ns = ns;
   spec.label = absl::StrCat("channel of ", owner);
+  if (caller.principal.empty()) caller.principal = owner.substr(0, owner.find('/'));
+  spec.caller = std::move(caller);
   spec.memory = *region;
   spec.spin_us = options_.spin_us;
   HandleTable* handles = handles_;

@@ -107,9 +107,12 @@ class ChannelManager {
   // RESOURCE_EXHAUSTED (QUOTA_EXCEEDED) past the namespace's channels; the
   // region manager's errors (shm quota). `client_uid` (SO_PEERCRED, where
   // known) is granted access to the ring as for RegionManager::CreateRegion.
+  // `caller` is whom its calls' crashes count against (runner::Caller; its
+  // principal defaults to the one `owner` names).
   absl::StatusOr<ChannelInfo> Open(const std::string& ns, const std::string& owner,
                                    int64_t lease_ms,
-                                   std::optional<uid_t> client_uid = std::nullopt);
+                                   std::optional<uid_t> client_uid = std::nullopt,
+                                   runner::Caller caller = {});
 
   // Sets how channels opened from now on are charged and counted. Call it
   // before the first Open (channels already open keep what they had).

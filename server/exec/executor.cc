@@ -200,7 +200,7 @@ absl::StatusOr<std::vector<TensorDesc>> Executor::Impl::OutputDescs(const Forwar
             "which GPU implementations do not have; give it a declarative output rule"));
       }
       if (!inferred) {
-        auto s = inst->InferShape();
+        auto s = inst->InferShapeFor(call.quarantine_caller);
         if (!s.ok()) {
           return Annotate(s.status(), absl::StrCat("op ", OpName(def), ": "));
         }
@@ -231,7 +231,7 @@ absl::StatusOr<ForwardResult> Executor::Impl::Execute(const ForwardCall& call, c
   const auto k0 = Clock::now();
   double kernel_ms = -1;
   absl::Status run = inst->Run({placed.inputs, placed.outputs, call.deadline, &kernel_ms,
-                                call.flush_caches, &result.flushed_bytes});
+                                call.flush_caches, &result.flushed_bytes, call.quarantine_caller});
   // The runner's measure when it has one (an executor process reports the
   // kernel alone, not its own start or the hop); else the whole Run.
   result.kernel_ms = kernel_ms >= 0 ? kernel_ms : MsSince(k0);

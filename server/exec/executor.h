@@ -118,6 +118,9 @@ struct ForwardCall {
   // The caller's principal: shm tensors may only name its own regions
   // ("": any region of `ns`, for trusted callers).
   std::string principal;
+  // Whom the kernel's crashes in this call count against (fair quarantine:
+  // runner::Caller); the rpc layer sets it. Default: the daemon's own.
+  runner::Caller quarantine_caller;
   // The caller's principal name, admins' too (`principal` is "" for them):
   // a backward context it leaves is dropped when a config reload revokes
   // that principal's access to `ns`. "": nobody's (internal calls).

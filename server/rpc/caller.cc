@@ -99,4 +99,8 @@ std::string ClientIdOf(const std::string& owner) {
 
 std::string RegionScope(const access::Principal& p) { return p.admin() ? "" : p.name; }
 
+runner::Caller QuarantineCaller(const access::Principal& p) {
+  return {p.name, p.role == access::Role::kReader};
+}
+
 }  // namespace opjit::rpc

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/access/access.h"
+#include "server/runner/kernel_runner.h"
 
 namespace opjit::rpc {
 
@@ -39,6 +40,8 @@ std::string RegionOwner(const access::Principal& p, const std::string& client_id
 std::string ClientIdOf(const std::string& owner);
 // The principal regions are filtered by: "" (all) for admins.
 std::string RegionScope(const access::Principal& p);
+// Whom a call's kernel crashes count against (fair quarantine).
+runner::Caller QuarantineCaller(const access::Principal& p);
 
 }  // namespace opjit::rpc
 

@@ -91,6 +91,7 @@ grpc::ServerUnaryReactor* EvaluatorService::Verify(grpc::CallbackServerContext* 
   OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
   if (absl::Status s = calls_.Admit(call.ns); !s.ok()) return FinishNow(ctx, s);
   call.principal = RegionScope(caller);
+  call.quarantine_caller = QuarantineCaller(caller);
   if (req->candidate().op().empty()) {
     return FinishNow(ctx, absl::InvalidArgumentError("name the candidate op"));
   }
@@ -151,6 +152,7 @@ grpc::ServerUnaryReactor* EvaluatorService::Benchmark(grpc::CallbackServerContex
   OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
   if (absl::Status s = calls_.Admit(call.ns); !s.ok()) return FinishNow(ctx, s);
   call.principal = RegionScope(caller);
+  call.quarantine_caller = QuarantineCaller(caller);
   if (req->op().op().empty()) return FinishNow(ctx, absl::InvalidArgumentError("name the op"));
   call.op = req->op().op();
   call.version = req->op().version();

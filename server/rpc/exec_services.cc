@@ -227,6 +227,7 @@ grpc::ServerUnaryReactor* ExecutorService::Forward(grpc::CallbackServerContext* 
   }
   if (!call.ok()) return FinishNow(ctx, call.status());
   call->principal = RegionScope(caller);
+  call->quarantine_caller = QuarantineCaller(caller);
   call->caller = caller.name;
   auto* reactor = ctx->DefaultReactor();
   const uint64_t rid = call->request_id;
@@ -259,6 +260,7 @@ grpc::ServerUnaryReactor* ExecutorService::Backward(grpc::CallbackServerContext*
   OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
   if (absl::Status s = calls_.Admit(call.ns); !s.ok()) return FinishNow(ctx, s);
   call.principal = RegionScope(caller);
+  call.quarantine_caller = QuarantineCaller(caller);
   call.context_id = req->context_id();
   for (int j = 0; j < req->grad_outputs_size(); ++j) {
     const v1::Tensor& t = req->grad_outputs(j);
@@ -317,6 +319,7 @@ grpc::ServerUnaryReactor* ExecutorService::GradCheck(grpc::CallbackServerContext
   OPJIT_RPC_ADMIT(caller, call.ns, access::Action::kCall);
   if (absl::Status s = calls_.Admit(call.ns); !s.ok()) return FinishNow(ctx, s);
   call.principal = RegionScope(caller);
+  call.quarantine_caller = QuarantineCaller(caller);
   call.op = req->op();
   call.version = req->version();
   auto inputs = InputsFromProto(req->inputs());
@@ -381,6 +384,7 @@ grpc::ServerUnaryReactor* ExecutorService::Prepare(grpc::CallbackServerContext* 
   if (!attrs.ok()) return FinishNow(ctx, attrs.status());
   call.attrs = *std::move(attrs);
   call.principal = RegionScope(caller);
+  call.quarantine_caller = QuarantineCaller(caller);
   call.deadline = SteadyDeadline(*ctx);
   auto* reactor = ctx->DefaultReactor();
   calls_.PrepareAsync(
@@ -427,7 +431,7 @@ grpc::ServerUnaryReactor* ExecutorService::OpenChannel(grpc::CallbackServerConte
     return FinishNow(ctx, absl::UnimplementedError("this server has no fast channels"));
   }
   auto info = core_.channels->Open(ns, RegionOwner(caller, req->client_id()), req->lease_ms(),
-                                   caller.uid);
+                                   caller.uid, QuarantineCaller(caller));
   if (!info.ok()) return FinishNow(ctx, info.status());
   resp->set_channel_id(info->id);
   resp->set_shm_key(info->shm_key);

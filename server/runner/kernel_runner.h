@@ -141,6 +141,17 @@ struct InstanceSpec {
   std::map<std::string, registry::AttrValue> attrs;
 };
 
+// Who a call is for, as the quarantine counts crashes: a kernel whose calls
+// crash on one caller's inputs or attrs is quarantined for that caller
+// alone (ProcessRunnerOptions::quarantine_callers says when for everyone).
+// The rpc layer fills it from the authenticated principal.
+struct Caller {
+  std::string principal;  // "" for the daemon's own calls
+  // A reader-role principal: its crashes never quarantine the kernel for
+  // anyone but itself.
+  bool reader = false;
+};
+
 struct RunArgs {
   absl::Span<const TensorLoc> inputs;
   absl::Span<const TensorLoc> outputs;
@@ -157,6 +168,8 @@ struct RunArgs {
   // When set, receives HostCall::flushed_bytes: what was flushed before the
   // kernel (0 when nothing could be).
   uint64_t* flushed_bytes = nullptr;
+  // Whose call it is (fair quarantine).
+  Caller caller;
 };
 
 // One kernel instance. Thread-safe: Run may be called from many threads
@@ -167,6 +180,12 @@ class KernelInstance {
   // The kernel's InferShape for the instance's inputs: -1 for an unknown
   // dim, {-2} for an unknown rank. FAILED_PRECONDITION when it has none.
   virtual absl::StatusOr<std::vector<int64_t>> InferShape() = 0;
+  // InferShape for `caller`'s call: a crash in it counts towards the
+  // kernel's quarantine for that caller (Caller).
+  virtual absl::StatusOr<std::vector<int64_t>> InferShapeFor(const Caller& caller) {
+    (void)caller;
+    return InferShape();
+  }
   // Runs the kernel. Errors: INVALID_ARGUMENT (mismatched tensors, a wrong
   // attr read, Init failed), ABORTED (non-zero return, or the kernel's
   // process died: the message names the signal), INTERNAL (the kernel
@@ -188,6 +207,9 @@ struct HandleBinding {
 struct ChannelSpec {
   std::string ns;
   std::string label;  // for logs
+  // Whose channel it is: its calls' crashes count towards a kernel's
+  // quarantine for this caller (Caller).
+  Caller caller;
   // The ring, shared with the client (a region of the client's).
   std::shared_ptr<const tensor::Region> memory;
   // The executor's spin for its next call before it sleeps.
@@ -233,7 +255,7 @@ struct RunnerStats {
   uint64_t workers_started = 0;  // since start
   uint64_t worker_crashes = 0;   // died while running a call
   uint64_t worker_timeouts = 0;  // killed at a deadline or the kernel time limit
-  uint64_t quarantined = 0;      // kernels refused after repeated crashes
+  uint64_t quarantined = 0;      // quarantines (a kernel refused to a caller, or to everyone)
 };
 
 class KernelRunner {

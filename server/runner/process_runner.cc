@@ -61,6 +61,16 @@ std::string QuarantineKey(const InstanceSpec& spec) {
   return absl::StrCat(spec.ns, "\x1f", spec.label, "\x1f", spec.kernel->cache_key);
 }
 
+// A short hash of an instance's attrs, naming the attr set a caller's
+// crashing calls used (fair quarantine) without quoting the values.
+std::string AttrsHash(const std::map<std::string, registry::AttrValue>& attrs) {
+  std::string canon;
+  for (const auto& [name, value] : attrs) {
+    absl::StrAppend(&canon, name, "\x1f", registry::FormatAttrValue(value), "\x1e");
+  }
+  return Sha256Hex(canon).substr(0, 16);
+}
+
 // One executor process and its channel. Owned by exactly one thread at a
 // time (the pool hands it out), so its members need no lock.
 struct Worker {
@@ -193,6 +203,14 @@ absl::Status NotCounted(const absl::Status& crash) {
        {"counted", "false"}});
 }
 
+// A frame to an executor could not be sent: it had died before (nothing it
+// was sent since ran). Only Control and Call's sends say this.
+constexpr char kNotReached[] = "the executor process is gone";
+absl::Status NotReached() { return absl::UnavailableError(kNotReached); }
+bool IsNotReached(const absl::Status& s) {
+  return absl::IsUnavailable(s) && s.message() == kNotReached;
+}
+
 absl::Status StatusOf(const Reply& r) {
   if (r.code == 0) return absl::OkStatus();
   return wire::StatusFromReply(r.code, r.message);
@@ -230,7 +248,21 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
                             : int64_t{options.gid_first} + (it->second - options.uid_first);
     return std::pair<int64_t, int64_t>{it->second, gid};
   }
-  std::map<std::string, int> crash_streak ABSL_GUARDED_BY(mu);  // by quarantine key
+  // Fair quarantine: crashes in a row, per kernel (QuarantineKey) and per
+  // caller principal. A caller that reaches options.quarantine_after has
+  // the kernel quarantined for itself alone; once options.quarantine_callers
+  // callers that are not readers have, it is quarantined for everyone.
+  struct CallerCrashes {
+    int streak = 0;
+    bool quarantined = false;
+    bool reader = false;
+    std::string attrs;  // AttrsHash of its last crashing call
+  };
+  struct KernelCrashes {
+    std::map<std::string, CallerCrashes> callers;  // by principal
+    bool everyone = false;
+  };
+  std::map<std::string, KernelCrashes> crash_streak ABSL_GUARDED_BY(mu);  // by quarantine key
   // Each namespace's memory cap over all of its executors; null: none.
   std::unique_ptr<MemoryCgroups> cgroups;
   std::map<std::string, uint64_t> oom_kills_seen ABSL_GUARDED_BY(mu);  // by namespace
@@ -292,22 +324,19 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   // Posts the call in the slot and waits for it.
   absl::StatusOr<Reply> Call(Worker& w, Clock::time_point deadline, int64_t spin_us);
 
-  absl::Status QuarantineCheck(const std::string& key, const std::string& label) {
+  // OK unless the kernel is quarantined for `caller` or for everyone.
+  absl::Status QuarantineCheck(const std::string& key, const Caller& caller) {
     MutexLock lock(&mu);
     auto it = crash_streak.find(key);
-    if (it == crash_streak.end() || it->second < options.quarantine_after) return absl::OkStatus();
-    return WithReason(absl::FailedPreconditionError(absl::StrCat(
-                          "the kernel is quarantined: it crashed its executor process ", it->second,
-                          " times in a row; fix it and register the op again (or an admin "
-                          "lifts it: opjit unquarantine OP)")),
-                      reason::kKernelQuarantined);
-  }
-  void NoteCrash(const std::string& key, const std::string& label, const std::string& ns) {
-    MutexLock lock(&mu);
-    if (++crash_streak[key] == options.quarantine_after) {
-      quarantined.fetch_add(1);
-      Logger("runner")->warn("{} (namespace {}): quarantined after {} crashes in a row", label, ns,
-                             options.quarantine_after);
+    if (it == crash_streak.end()) return absl::OkStatus();
+    if (it->second.everyone) {
+      return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                            "the kernel is quarantined for every caller: it crashed its executor "
+                            "process ", options.quarantine_after, " times in a row on the calls "
+                            "of each of ", options.quarantine_callers, " or more principals; fix "
+                            "it and register the op again (or an admin lifts it: opjit "
+                            "unquarantine OP)")),
+                        reason::kKernelQuarantined, {{"scope", "everyone"}});
     }
   }
   // Forgets the crash streaks of every version of `op` ("ns/name"), in
@@ -319,7 +348,9 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
     for (auto it = crash_streak.begin(); it != crash_streak.end();) {
       const size_t at = it->first.find('\x1f');
       if (at != std::string::npos && it->first.compare(at, prefix.size(), prefix) == 0) {
-        if (it->second >= options.quarantine_after) ++lifted;
+        bool any = it->second.everyone;
+        for (const auto& [who, c] : it->second.callers) any = any || c.quarantined;
+        lifted += any;
         it = crash_streak.erase(it);
       } else {
         ++it;
@@ -327,9 +358,41 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
     }
     return lifted;
   }
-  void NoteSuccess(const std::string& key) {
+  // A call of `caller` succeeded: its streak starts again.
+  void NoteSuccess(const std::string& key, const Caller& caller) {
     MutexLock lock(&mu);
-    crash_streak.erase(key);
+    auto it = crash_streak.find(key);
+    if (it == crash_streak.end()) return;
+    auto c = it->second.callers.find(caller.principal);
+    if (c == it->second.callers.end() || c->second.quarantined) return;
+    it->second.callers.erase(c);
+    if (it->second.callers.empty() && !it->second.everyone) crash_streak.erase(it);
+  }
+  // Whether idle worker `w` of `ns` died since its last call (killed from
+  // outside, the OOM killer): its channel hung up before a call was sent.
+  // Then it is reaped and discarded, counted against no kernel.
+  bool DiedIdle(const std::string& ns, std::unique_ptr<Worker>& w) {
+    pollfd p{w->sock, POLLIN | POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) <= 0 || !(p.revents & (POLLHUP | POLLRDHUP | POLLERR))) return false;
+    (void)IdleDeath(ns, w);
+    return true;
+  }
+  // `w` died between calls (before this call reached it): reaped, logged
+  // and discarded; no crash is counted. The status a call gets if it
+  // cannot run elsewhere.
+  absl::Status IdleDeath(const std::string& ns, std::unique_ptr<Worker>& w) {
+    const pid_t pid = w->pid;
+    w->Reap(/*kill=*/false, /*grace_ms=*/200);
+    Logger("runner")->warn("namespace {}: idle executor process {} {} before a call reached it "
+                           "(killed from outside?); the call runs in a fresh one, and no crash is "
+                           "counted against any kernel",
+                           ns, pid, w->death.empty() ? "died" : w->death);
+    Discard(ns, w, /*kill=*/true);
+    return WithReason(absl::UnavailableError(
+                          "the executor process died while idle, before the call reached it "
+                          "(killed from outside opjitd); nothing was counted against the kernel; "
+                          "call again"),
+                      reason::kWorkerUnavailable, {{"cause", "idle"}});
   }
 };
 
@@ -354,6 +417,45 @@ absl::Status ProcessRunner::Impl::MapArena(Worker& w) {
   w.slot = static_cast<wire::SlotHeader*>(w.map);
   new (w.slot) wire::SlotHeader();
   w.data = static_cast<char*>(w.map) + wire::kSlotBytes;
+    auto c = it->second.callers.find(caller.principal);
+    if (c == it->second.callers.end() || !c->second.quarantined) return absl::OkStatus();
+    return WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "the kernel is quarantined for you (principal \"", caller.principal,
+            "\"): your calls crashed its executor process ", c->second.streak,
+            " times in a row (attrs sha256 ", c->second.attrs,
+            "); other callers still run it. Check the inputs and attrs you pass; the quarantine "
+            "lifts when the op is registered again, or when an admin runs: opjit unquarantine "
+            "OP")),
+        reason::kKernelQuarantined,
+        {{"scope", "caller"}, {"principal", caller.principal}, {"attrs_sha256", c->second.attrs}});
+  }
+  // One crash of the kernel on `caller`'s call, whose instance has attrs
+  // `attrs` (AttrsHash).
+  void NoteCrash(const std::string& key, const std::string& label, const std::string& ns,
+                 const Caller& caller, const std::string& attrs) {
+    MutexLock lock(&mu);
+    KernelCrashes& k = crash_streak[key];
+    CallerCrashes& c = k.callers[caller.principal];
+    c.reader = caller.reader;
+    c.attrs = attrs;
+    if (++c.streak < options.quarantine_after || c.quarantined) return;
+    c.quarantined = true;
+    quarantined.fetch_add(1);
+    // The op's owner reads this (the log, opjit_quarantined_kernels_total).
+    Logger("runner")->warn("{} (namespace {}): quarantined for caller \"{}\"{} after {} crashes "
+                           "in a row of its calls (attrs sha256 {}); other callers still run it",
+                           label, ns, caller.principal, caller.reader ? " (a reader)" : "",
+                           c.streak, attrs);
+    if (k.everyone) return;
+    int writers = 0;
+    for (const auto& [who, cc] : k.callers) writers += cc.quarantined && !cc.reader;
+    if (writers < options.quarantine_callers) return;
+    k.everyone = true;
+    quarantined.fetch_add(1);
+    Logger("runner")->warn("{} (namespace {}): quarantined for every caller: its calls crashed "
+                           "{} times in a row for each of {} principals that are not readers",
+                           label, ns, options.quarantine_after, writers);
   w.data_bytes = options.arena_bytes;
   return absl::OkStatus();
 }
@@ -611,7 +713,7 @@ absl::StatusOr<Reply> ProcessRunner::Impl::Control(Worker& w, wire::Msg type,
                                                    Clock::time_point deadline, int fd) {
   absl::Status s = wire::SendFrame(w.sock, type, payload, fd, ToAbsl(deadline));
   if (absl::IsDeadlineExceeded(s)) return s;  // it does not read: killed as a timeout
-  if (!s.ok()) return absl::UnavailableError("the executor process is gone");
+  if (!s.ok()) return NotReached();
   for (;;) {
     wire::Msg got;
     std::string body;
@@ -639,9 +741,7 @@ absl::StatusOr<Reply> ProcessRunner::Impl::Call(Worker& w, Clock::time_point dea
   slot->seq = ++w.calls;
   const uint32_t prev = slot->state.exchange(wire::kRequest, std::memory_order_acq_rel);
   if (prev & wire::kWorkerSleeping) {
-    if (!wire::SendFrame(w.sock, wire::Msg::kDoorbell, {}).ok()) {
-      return absl::UnavailableError("the executor process is gone");
-    }
+    if (!wire::SendFrame(w.sock, wire::Msg::kDoorbell, {}).ok()) return NotReached();
   }
   // Spin first: a small kernel finishes within it, and a wake-up costs more.
   if (spin_us > 0) {
@@ -792,9 +892,11 @@ class RemoteInstance : public KernelInstance {
       : runner_(std::move(runner)),
         spec_(std::move(spec)),
         id_(id),
-        quarantine_key_(QuarantineKey(spec_)) {}
+        quarantine_key_(QuarantineKey(spec_)),
+        attrs_hash_(AttrsHash(spec_.attrs)) {}
 
-  absl::StatusOr<std::vector<int64_t>> InferShape() override;
+  absl::StatusOr<std::vector<int64_t>> InferShape() override { return InferShapeFor({}); }
+  absl::StatusOr<std::vector<int64_t>> InferShapeFor(const Caller& caller) override;
   absl::Status Run(const RunArgs& args) override;
 
  private:
@@ -802,21 +904,22 @@ class RemoteInstance : public KernelInstance {
   // the kernel and mapping regions there as the worker asks. `op` returns
   // the worker's reply.
   template <typename Op>
-  absl::StatusOr<Reply> OnWorker(Clock::time_point deadline, const RunArgs* args, Op op);
+  absl::StatusOr<Reply> OnWorker(Clock::time_point deadline, const RunArgs* args,
+                                 const Caller& caller, Op op);
   // One try of OnWorker, on a newly started worker with `fresh`. Sets
   // `*retry` when the worker died in it after serving other instances and
   // the call deserves a second try in a fresh one before anyone is blamed.
   template <typename Op>
-  absl::StatusOr<Reply> TryOnWorker(Clock::time_point deadline, const RunArgs* args, Op& op,
-                                    bool fresh, bool* retry);
+  absl::StatusOr<Reply> TryOnWorker(Clock::time_point deadline, const RunArgs* args,
+                                    const Caller& caller, Op& op, bool fresh, bool* retry);
   // The instance's spec as a worker needs it now (outputs once known).
   std::string EncodedSpec() {
     MutexLock lock(&mu_);
     return wire::EncodeInstance(id_, spec_);
   }
   absl::Status Failure(Worker& w, const absl::Status& s, bool timed_out,
-                       Clock::time_point call_deadline, const RunArgs* args, bool may_retry,
-                       bool* retry);
+                       Clock::time_point call_deadline, const RunArgs* args,
+                       const Caller& caller, bool may_retry, bool* retry);
   // After a SIGBUS: the call's shm tensor whose memory its client shrank
   // (the object is now shorter than the worker's mapping of it), as the
   // status the call gets; nullopt when every region is whole.
@@ -866,7 +969,7 @@ std::optional<absl::Status> RemoteInstance::ClientMemoryFault(const RunArgs* arg
 
 absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool timed_out,
                                      Clock::time_point call_deadline, const RunArgs* args,
-                                     bool may_retry, bool* retry) {
+                                     const Caller& caller, bool may_retry, bool* retry) {
   auto log = Logger("runner");
   const pid_t pid = w.pid;
   if (timed_out) {
@@ -910,22 +1013,29 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
     *retry = true;
     return death;
   }
-  runner_->NoteCrash(quarantine_key_, spec_.label, spec_.ns);
+  runner_->NoteCrash(quarantine_key_, spec_.label, spec_.ns, caller, attrs_hash_);
   return death;
 }
 
 template <typename Op>
+  const std::string attrs_hash_;  // AttrsHash(spec_.attrs)
 absl::StatusOr<Reply> RemoteInstance::OnWorker(Clock::time_point call_deadline,
-                                               const RunArgs* args, Op op) {
-  OPJIT_RETURN_IF_ERROR(runner_->QuarantineCheck(quarantine_key_, spec_.label));
+                                               const RunArgs* args, const Caller& caller, Op op) {
+  OPJIT_RETURN_IF_ERROR(runner_->QuarantineCheck(quarantine_key_, caller));
   bool retry = false;
-  absl::StatusOr<Reply> first = TryOnWorker(call_deadline, args, op, /*fresh=*/false, &retry);
+  absl::StatusOr<Reply> first =
+      TryOnWorker(call_deadline, args, caller, op, /*fresh=*/false, &retry);
   if (!retry) return first;
   // The retry runs the kernel again from the start: inline inputs are
   // copied into the new executor's arena again (the caller's copy is
   // intact); outputs the first try wrote in part are written again in
   // full by a kernel that succeeds.
-  absl::StatusOr<Reply> second = TryOnWorker(call_deadline, args, op, /*fresh=*/true, &retry);
+  absl::StatusOr<Reply> second =
+      TryOnWorker(call_deadline, args, caller, op, /*fresh=*/true, &retry);
+  const auto why = GetReason(first.status());
+  if (second.ok() && why && why->metadata.count("cause") && why->metadata.at("cause") == "idle") {
+    return second;  // its executor had died while idle (IdleDeath said so)
+  }
   if (second.ok()) {
     Logger("runner")->warn("{} (namespace {}): the call succeeded in a fresh executor after its "
                            "first executor (shared with other kernels) died; the crash is "
@@ -936,8 +1046,8 @@ absl::StatusOr<Reply> RemoteInstance::OnWorker(Clock::time_point call_deadline,
 
 template <typename Op>
 absl::StatusOr<Reply> RemoteInstance::TryOnWorker(Clock::time_point call_deadline,
-                                                  const RunArgs* args, Op& op, bool fresh,
-                                                  bool* retry) {
+                                                  const RunArgs* args, const Caller& caller,
+                                                  Op& op, bool fresh, bool* retry) {
   *retry = false;
   const auto limit = Clock::now() + std::chrono::milliseconds(runner_->options.kernel_timeout_ms);
   const Clock::time_point deadline = std::min(call_deadline, limit);
@@ -946,9 +1056,16 @@ absl::StatusOr<Reply> RemoteInstance::TryOnWorker(Clock::time_point call_deadlin
   const bool served_others = w->shared || (w->first_instance != 0 && w->first_instance != id_);
   if (w->first_instance == 0) w->first_instance = id_;
   if (w->first_instance != id_) w->shared = true;
-  auto fail = [&](const absl::Status& s) -> absl::Status {
+  auto fail = [&](const absl::Status& s, bool first_send = false) -> absl::Status {
+    if (first_send && IsNotReached(s) && !fresh) {
+      // Its first frame could not be sent: it died before this call reached
+      // it (killed while idle, after the check above); no kernel of this
+      // call ran there. Nobody's crash; the call runs in a fresh one.
+      *retry = true;
+      return runner_->IdleDeath(spec_.ns, w);
+    }
     const bool timed_out = absl::IsDeadlineExceeded(s);
-    absl::Status out = Failure(*w, s, timed_out, call_deadline, args,
+    absl::Status out = Failure(*w, s, timed_out, call_deadline, args, caller,
                                /*may_retry=*/served_others && !fresh, retry);
     runner_->Discard(spec_.ns, w, /*kill=*/true);  // reaped already unless it timed out
     return out;
@@ -957,7 +1074,7 @@ absl::StatusOr<Reply> RemoteInstance::TryOnWorker(Clock::time_point call_deadlin
   const size_t max_rounds = 4 + (args ? args->inputs.size() + args->outputs.size() : 0);
   for (size_t round = 0; round < max_rounds; ++round) {
     absl::StatusOr<Reply> reply = op(*w, deadline);
-    if (!reply.ok()) return fail(reply.status());
+    if (!reply.ok()) return fail(reply.status(), /*first_send=*/round == 0);
     if (reply->code == wire::kNeedInstance) {
       auto created = runner_->Control(*w, wire::Msg::kNewInstance, EncodedSpec(), deadline);
       if (!created.ok()) return fail(created.status());
@@ -1000,14 +1117,14 @@ absl::StatusOr<Reply> RemoteInstance::TryOnWorker(Clock::time_point call_deadlin
       continue;
     }
     runner_->Release(spec_.ns, std::move(w));
-    runner_->NoteSuccess(quarantine_key_);
+    runner_->NoteSuccess(quarantine_key_, caller);
     return reply;
   }
   return fail(absl::DataLossError("the executor process kept asking for more"));
 }
 
-absl::StatusOr<std::vector<int64_t>> RemoteInstance::InferShape() {
-  OPJIT_ASSIGN_OR_RETURN(Reply reply, OnWorker(Clock::time_point::max(), nullptr,
+absl::StatusOr<std::vector<int64_t>> RemoteInstance::InferShapeFor(const Caller& caller) {
+  OPJIT_ASSIGN_OR_RETURN(Reply reply, OnWorker(Clock::time_point::max(), nullptr, caller,
                                                [&](Worker& w, Clock::time_point deadline) {
                                                  wire::Writer wr;
                                                  wr.U64(id_);
@@ -1028,6 +1145,12 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
         absl::StrCat("a call may pass at most ", wire::kMaxTensors, " tensors; this one has ", n));
   }
   {
+  // An idle worker that died since its last call (killed from outside, the
+  // OOM killer) is nobody's crash: the call takes another.
+  for (int dead = 0; runner_->DiedIdle(spec_.ns, w); ++dead) {
+    if (dead >= runner_->options.workers_per_namespace) fresh = true;  // all dead: start one
+    OPJIT_ASSIGN_OR_RETURN(w, runner_->Acquire(spec_.ns, deadline, fresh));
+  }
     // Outputs are fixed per instance: the first run tells workers that
     // create the instance later (Init then runs with them).
     MutexLock lock(&mu_);
@@ -1053,7 +1176,7 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
   const auto t0 = Clock::now();
   OPJIT_ASSIGN_OR_RETURN(
       Reply reply,
-      OnWorker(args.deadline, &args, [&](Worker& w, Clock::time_point deadline) -> absl::StatusOr<Reply> {
+      OnWorker(args.deadline, &args, args.caller, [&](Worker& w, Clock::time_point deadline) -> absl::StatusOr<Reply> {
         wire::SlotHeader* slot = w.slot;
         wire::TensorRec* recs = wire::Records(slot);
         slot->instance_id = id_;
@@ -1334,10 +1457,11 @@ absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_poin
     return absl::InvalidArgumentError(absl::StrCat("the handle's call passes more than ",
                                                    fast::kMaxTensors,
                                                    " tensors, too many for a fast channel"));
+  std::map<uint64_t, std::string> attrs_hashes_;  // handle -> AttrsHash (thread only)
   }
   const std::string qkey = QuarantineKey(b->spec);
   ops_[handle] = b->op;
-  if (absl::Status q = runner_->QuarantineCheck(qkey, b->spec.label); !q.ok()) return q;
+  if (absl::Status q = runner_->QuarantineCheck(qkey, spec_.caller); !q.ok()) return q;
   quarantine_keys_[handle] = qkey;
   ran_keys_.insert(qkey);
   uint64_t& iid = instance_ids_[handle];
@@ -1436,7 +1560,8 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
     if (!timeout && !client_fault && named) {
       if (auto k = quarantine_keys_.find(handle); k != quarantine_keys_.end()) {
         if (ran_keys_.size() == 1 && ran_keys_.count(k->second) == 1) {
-          runner_->NoteCrash(k->second, spec_.label, spec_.ns);
+          runner_->NoteCrash(k->second, spec_.label, spec_.ns, spec_.caller,
+                             attrs_hashes_[handle]);
         } else if (!(w_->term_signal == SIGKILL && !w_->killed_by_us) &&
                    !SlotKeepsOutputBytes(i)) {
           // Other kernels ran in this executor first; one of them may have
@@ -1472,6 +1597,7 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
     }
     // The executor never counted this call (it died in it); the daemon
     // answered it, so the daemon counts it.
+  attrs_hashes_[handle] = AttrsHash(b->spec.attrs);
     Record(named ? handle : 0, reply.code(), 1, 0);
   }
   MarkClosed();
@@ -1520,10 +1646,27 @@ void ChannelImpl::TakeCounts() {
   for (uint64_t i = 0; i < used; ++i) {
     const wire::CallCount& e = table->entries[i];
     const uint64_t handle = e.handle.load(std::memory_order_relaxed);
+  // Whether a call was running: an executor that died with none (killed
+  // from outside while idle) is no crash; its client's next call opens a
+  // new channel.
+  bool running = running_slot >= 0;
+  for (uint32_t i = 0; i < fast::kSlots && !running; ++i) {
+    uint32_t state = 0;
+    uint64_t seq = 0;
+    int64_t deadline_ns = 0;
+    if (!ReadSlot(i, &state, &seq, &deadline_ns)) break;
+    running = state == fast::kRunning;
+  }
     const uint64_t code = e.code.load(std::memory_order_relaxed);
     const uint64_t calls = e.calls.load(std::memory_order_relaxed);
     const uint64_t kernel_ns = e.kernel_ns.load(std::memory_order_relaxed);
     Seen& seen = seen_[i];
+  } else if (!running && (absl::IsOutOfRange(s) || absl::IsUnavailable(s))) {
+    w_->Reap(/*kill=*/false, /*grace_ms=*/200);
+    Logger("runner")->warn("{} (namespace {}): fast-channel executor process {} {} while idle "
+                           "(killed from outside?); no crash is counted, and the client's next "
+                           "call opens a new channel",
+                           spec_.label, spec_.ns, pid_, w_->death.empty() ? "died" : w_->death);
     if (seen.handle != handle || seen.code != code) seen = Seen{handle, code, 0, 0};
     uint64_t dc = calls > seen.calls ? calls - seen.calls : 0;
     uint64_t dk = kernel_ns > seen.kernel_ns ? kernel_ns - seen.kernel_ns : 0;
@@ -1662,7 +1805,8 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
                                             " is missing; build opjit-exec-worker"));
   }
   if (options.workers_per_namespace < 1 || options.kernel_timeout_ms < 1 ||
-      options.quarantine_after < 1 || options.threads_per_executor < 0 ||
+      options.quarantine_after < 1 || options.quarantine_callers < 1 ||
+      options.threads_per_executor < 0 ||
       options.threads_per_namespace < 0 ||
       (options.uid_first != 0 && options.uid_last < options.uid_first)) {
     return absl::InvalidArgumentError("bad process runner options");

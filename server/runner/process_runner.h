@@ -16,10 +16,16 @@
 // with ABORTED naming the signal, and is replaced on the next call (Init
 // runs again there). A call past its deadline or the kernel time limit
 // gets its worker killed (DEADLINE_EXCEEDED), which frees the CPU at once.
-// A kernel that kills its worker `quarantine_after` times in a row is
-// quarantined: its calls answer FAILED_PRECONDITION until the op is
-// registered again (a new version is a new instance label, and registering
-// any version, even the identical one, lifts it), or an admin lifts it.
+// A kernel that kills its worker `quarantine_after` times in a row on one
+// caller's calls (Caller: crashes are counted per kernel and caller
+// principal) is quarantined for that caller: its calls answer
+// FAILED_PRECONDITION, other callers' still run. Once
+// `quarantine_callers` distinct principals that are not readers have it
+// quarantined, it is for everyone. Either lasts until the op is registered
+// again (a new version is a new instance label, and registering any
+// version, even the identical one, lifts it), or an admin lifts it. An idle
+// worker found dead when a call takes it (killed from outside) is replaced
+// and counts against no kernel.
 // Only crashes that are the kernel's count: a SIGBUS on a region its
 // client shrank is the client's (FAILED_PRECONDITION, REGION_TOO_SMALL),
 // and a worker that dies after serving other instances gets the call run
@@ -127,7 +133,8 @@ struct ProcessRunnerOptions {
   // Busy-wait (yielding) of the daemon for a call's result before it sleeps.
   // Default: 50 us.
   int64_t wait_spin_us = 50;
-  // Crashes in a row after which a kernel is quarantined. Default: 3.
+  // Crashes in a row of one caller's calls after which a kernel is
+  // quarantined for that caller. Default: 3.
   int quarantine_after = 3;
   // Room for one call's inline tensors (inputs and outputs), per worker;
   // sparse, so only what calls use is memory. Default: 160 MiB.
@@ -145,6 +152,9 @@ struct ProcessRunnerOptions {
   // time limit always use the steady clock. Not owned; outlives the runner.
   const Clock* clock = nullptr;
 };
+  // Distinct callers, readers not counted, for whom a kernel must be
+  // quarantined before it is quarantined for everyone. Default: 2.
+  int quarantine_callers = 2;
 
 class ProcessRunner : public KernelRunner {
  public:

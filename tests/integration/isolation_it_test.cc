@@ -334,6 +334,37 @@ TEST_F(IsolationIT, ExecutorKilledFromOutsideIsNotCalledAMemoryProblem) {
   ExpectHealthy(2);
 }
 
+// An executor killed from outside while idle (between calls) is nobody's
+// crash: the next call finds it dead before sending anything, runs in a
+// fresh executor and succeeds, and nothing counts towards a quarantine
+// (with quarantine_after = 1, one charge would quarantine the kernel).
+TEST_F(IsolationIT, IdleExecutorKilledFromOutsideCostsNoCallAndNoCrash) {
+  StartDaemon("quarantine_after = 1\n");
+  ASSERT_TRUE(RegisterKernel("default", "double", kCopy).ok());
+  for (int round = 0; round < 3; ++round) {
+    auto r = c_->Forward(Call("default", "double"));
+    ASSERT_TRUE(r.ok()) << r.status() << daemon_->Log();
+    std::map<pid_t, long> workers = ExecWorkers(daemon_->pid());
+    ASSERT_FALSE(workers.empty());
+    for (const auto& [pid, ticks] : workers) ASSERT_EQ(::kill(pid, SIGKILL), 0);
+    // Dead (a zombie until the daemon reaps it) before the next call.
+    for (const auto& [pid, ticks] : workers) {
+      for (int i = 0; i < 500; ++i) {
+        const std::string stat = ReadProcFile("/proc/" + std::to_string(pid) + "/stat");
+        const size_t close = stat.rfind(')');
+        if (close == std::string::npos || stat.compare(close + 2, 1, "Z") == 0) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    }
+    auto next = c_->Forward(Call("default", "double"));
+    ASSERT_TRUE(next.ok()) << next.status() << daemon_->Log();
+    EXPECT_EQ(Floats(next->outputs(0).inline_data())[1], 4.0f);
+  }
+  EXPECT_THAT(daemon_->Log(), HasSubstr("before a call reached it"));
+  EXPECT_THAT(daemon_->Log(), ::testing::Not(HasSubstr("quarantined")));
+  ExpectHealthy(1);
+}
+
 TEST_F(IsolationIT, KernelsCannotReadFilesStartProcessesOpenSocketsOrSignal) {
   const std::string marker = tmp_.path() + "/pwned";
   ASSERT_TRUE(RegisterKernel("default", "escape",
