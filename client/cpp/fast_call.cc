@@ -159,7 +159,8 @@ FastChannel::FastChannel(v1::OpenChannelResponse info, void* base, uint32_t slot
       base_(base),
       slots_(slots),
       max_tensors_(max_tensors),
-      spin_ns_(std::max<int64_t>(0, info_.spin_us()) * 1000) {
+      spin_ns_(std::max<int64_t>(0, info_.spin_us()) * 1000),
+      daemon_(info_.daemon_pid(), fast::kDaemonComm) {
   for (int i = static_cast<int>(slots_) - 1; i >= 0; --i) free_.push_back(i);
 }
 
@@ -299,6 +300,17 @@ FastChannel::Result FastChannel::Call(uint64_t handle, std::span<const FastTenso
     }
     fast::FutexWait(&s->state, state, kWaitSliceNs);
     state = s->state.load(std::memory_order_seq_cst);
+    if (state != fast::kDone && daemon_.Exited() &&
+        (state = s->state.load(std::memory_order_seq_cst)) != fast::kDone) {
+      // Nobody is left to answer (its executors die with it): say so now,
+      // not after the executor's grace. The slot is never used again.
+      broken_ = true;
+      out.status = WithReason(
+          absl::UnavailableError(absl::StrCat("opjitd (pid ", daemon_.pid(),
+                                              ") exited; the call was not answered")),
+          reason::kDaemonExited);
+      return out;
+    }
     if (state != fast::kDone && dead_since == 0 && (is_closed || WorkerGone())) {
       dead_since = fast::MonotonicNs();
     }

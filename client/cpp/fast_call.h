@@ -80,6 +80,9 @@ class FastChannel {
   // Set when a call gave up on a slot that the executor may still write (a
   // lost executor): the channel is not used again.
   std::atomic<bool> broken_{false};
+  // opjitd (info_.daemon_pid): once it exits, nobody answers a call waiting
+  // on this ring.
+  const fast::ProcessWatch daemon_;
 };
 
 // What a Client keeps for the fast path.

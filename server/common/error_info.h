@@ -38,6 +38,9 @@ inline constexpr char kCompileFailed[] = "COMPILE_FAILED";
 inline constexpr char kInvalidSpec[] = "INVALID_SPEC";
 inline constexpr char kMalformedRequest[] = "MALFORMED_REQUEST";
 inline constexpr char kWorkerUnavailable[] = "WORKER_UNAVAILABLE";
+// Client side only: the daemon itself exited while a call waited on its fast
+// channel; the call was not answered (and may or may not have run).
+inline constexpr char kDaemonExited[] = "DAEMON_EXITED";
 // The registry database cannot be reached now; reads are served, writes are not.
 inline constexpr char kStoreUnavailable[] = "STORE_UNAVAILABLE";
 inline constexpr char kNotDifferentiable[] = "NOT_DIFFERENTIABLE";

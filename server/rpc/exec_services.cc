@@ -441,6 +441,7 @@ grpc::ServerUnaryReactor* ExecutorService::OpenChannel(grpc::CallbackServerConte
   resp->set_spin_us(info->spin_us);
   resp->set_worker_pid(info->pid);
   resp->set_region(info->region);
+  resp->set_daemon_pid(static_cast<int32_t>(::getpid()));
   return FinishNow(ctx, absl::OkStatus());
 }
 

@@ -338,6 +338,45 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
                             "unquarantine OP)")),
                         reason::kKernelQuarantined, {{"scope", "everyone"}});
     }
+    auto c = it->second.callers.find(caller.principal);
+    if (c == it->second.callers.end() || !c->second.quarantined) return absl::OkStatus();
+    return WithReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "the kernel is quarantined for you (principal \"", caller.principal,
+            "\"): your calls crashed its executor process ", c->second.streak,
+            " times in a row (attrs sha256 ", c->second.attrs,
+            "); other callers still run it. Check the inputs and attrs you pass; the quarantine "
+            "lifts when the op is registered again, or when an admin runs: opjit unquarantine "
+            "OP")),
+        reason::kKernelQuarantined,
+        {{"scope", "caller"}, {"principal", caller.principal}, {"attrs_sha256", c->second.attrs}});
+  }
+  // One crash of the kernel on `caller`'s call, whose instance has attrs
+  // `attrs` (AttrsHash).
+  void NoteCrash(const std::string& key, const std::string& label, const std::string& ns,
+                 const Caller& caller, const std::string& attrs) {
+    MutexLock lock(&mu);
+    KernelCrashes& k = crash_streak[key];
+    CallerCrashes& c = k.callers[caller.principal];
+    c.reader = caller.reader;
+    c.attrs = attrs;
+    if (++c.streak < options.quarantine_after || c.quarantined) return;
+    c.quarantined = true;
+    quarantined.fetch_add(1);
+    // The op's owner reads this (the log, opjit_quarantined_kernels_total).
+    Logger("runner")->warn("{} (namespace {}): quarantined for caller \"{}\"{} after {} crashes "
+                           "in a row of its calls (attrs sha256 {}); other callers still run it",
+                           label, ns, caller.principal, caller.reader ? " (a reader)" : "",
+                           c.streak, attrs);
+    if (k.everyone) return;
+    int writers = 0;
+    for (const auto& [who, cc] : k.callers) writers += cc.quarantined && !cc.reader;
+    if (writers < options.quarantine_callers) return;
+    k.everyone = true;
+    quarantined.fetch_add(1);
+    Logger("runner")->warn("{} (namespace {}): quarantined for every caller: its calls crashed "
+                           "{} times in a row for each of {} principals that are not readers",
+                           label, ns, options.quarantine_after, writers);
   }
   // Forgets the crash streaks of every version of `op` ("ns/name"), in
   // every namespace that calls it; how many kernels were quarantined.
@@ -417,45 +456,6 @@ absl::Status ProcessRunner::Impl::MapArena(Worker& w) {
   w.slot = static_cast<wire::SlotHeader*>(w.map);
   new (w.slot) wire::SlotHeader();
   w.data = static_cast<char*>(w.map) + wire::kSlotBytes;
-    auto c = it->second.callers.find(caller.principal);
-    if (c == it->second.callers.end() || !c->second.quarantined) return absl::OkStatus();
-    return WithReason(
-        absl::FailedPreconditionError(absl::StrCat(
-            "the kernel is quarantined for you (principal \"", caller.principal,
-            "\"): your calls crashed its executor process ", c->second.streak,
-            " times in a row (attrs sha256 ", c->second.attrs,
-            "); other callers still run it. Check the inputs and attrs you pass; the quarantine "
-            "lifts when the op is registered again, or when an admin runs: opjit unquarantine "
-            "OP")),
-        reason::kKernelQuarantined,
-        {{"scope", "caller"}, {"principal", caller.principal}, {"attrs_sha256", c->second.attrs}});
-  }
-  // One crash of the kernel on `caller`'s call, whose instance has attrs
-  // `attrs` (AttrsHash).
-  void NoteCrash(const std::string& key, const std::string& label, const std::string& ns,
-                 const Caller& caller, const std::string& attrs) {
-    MutexLock lock(&mu);
-    KernelCrashes& k = crash_streak[key];
-    CallerCrashes& c = k.callers[caller.principal];
-    c.reader = caller.reader;
-    c.attrs = attrs;
-    if (++c.streak < options.quarantine_after || c.quarantined) return;
-    c.quarantined = true;
-    quarantined.fetch_add(1);
-    // The op's owner reads this (the log, opjit_quarantined_kernels_total).
-    Logger("runner")->warn("{} (namespace {}): quarantined for caller \"{}\"{} after {} crashes "
-                           "in a row of its calls (attrs sha256 {}); other callers still run it",
-                           label, ns, caller.principal, caller.reader ? " (a reader)" : "",
-                           c.streak, attrs);
-    if (k.everyone) return;
-    int writers = 0;
-    for (const auto& [who, cc] : k.callers) writers += cc.quarantined && !cc.reader;
-    if (writers < options.quarantine_callers) return;
-    k.everyone = true;
-    quarantined.fetch_add(1);
-    Logger("runner")->warn("{} (namespace {}): quarantined for every caller: its calls crashed "
-                           "{} times in a row for each of {} principals that are not readers",
-                           label, ns, options.quarantine_after, writers);
   w.data_bytes = options.arena_bytes;
   return absl::OkStatus();
 }
@@ -932,6 +932,7 @@ class RemoteInstance : public KernelInstance {
   InstanceSpec spec_;
   const uint64_t id_;
   const std::string quarantine_key_;
+  const std::string attrs_hash_;  // AttrsHash(spec_.attrs)
   std::atomic<double> ewma_us_{0};  // recent kernel time, for the spin budget
 };
 
@@ -1018,7 +1019,6 @@ absl::Status RemoteInstance::Failure(Worker& w, const absl::Status& s, bool time
 }
 
 template <typename Op>
-  const std::string attrs_hash_;  // AttrsHash(spec_.attrs)
 absl::StatusOr<Reply> RemoteInstance::OnWorker(Clock::time_point call_deadline,
                                                const RunArgs* args, const Caller& caller, Op op) {
   OPJIT_RETURN_IF_ERROR(runner_->QuarantineCheck(quarantine_key_, caller));
@@ -1052,6 +1052,12 @@ absl::StatusOr<Reply> RemoteInstance::TryOnWorker(Clock::time_point call_deadlin
   const auto limit = Clock::now() + std::chrono::milliseconds(runner_->options.kernel_timeout_ms);
   const Clock::time_point deadline = std::min(call_deadline, limit);
   OPJIT_ASSIGN_OR_RETURN(std::unique_ptr<Worker> w, runner_->Acquire(spec_.ns, deadline, fresh));
+  // An idle worker that died since its last call (killed from outside, the
+  // OOM killer) is nobody's crash: the call takes another.
+  for (int dead = 0; runner_->DiedIdle(spec_.ns, w); ++dead) {
+    if (dead >= runner_->options.workers_per_namespace) fresh = true;  // all dead: start one
+    OPJIT_ASSIGN_OR_RETURN(w, runner_->Acquire(spec_.ns, deadline, fresh));
+  }
   // Whether it ran another instance's code before this call.
   const bool served_others = w->shared || (w->first_instance != 0 && w->first_instance != id_);
   if (w->first_instance == 0) w->first_instance = id_;
@@ -1145,12 +1151,6 @@ absl::Status RemoteInstance::Run(const RunArgs& args) {
         absl::StrCat("a call may pass at most ", wire::kMaxTensors, " tensors; this one has ", n));
   }
   {
-  // An idle worker that died since its last call (killed from outside, the
-  // OOM killer) is nobody's crash: the call takes another.
-  for (int dead = 0; runner_->DiedIdle(spec_.ns, w); ++dead) {
-    if (dead >= runner_->options.workers_per_namespace) fresh = true;  // all dead: start one
-    OPJIT_ASSIGN_OR_RETURN(w, runner_->Acquire(spec_.ns, deadline, fresh));
-  }
     // Outputs are fixed per instance: the first run tells workers that
     // create the instance later (Init then runs with them).
     MutexLock lock(&mu_);
@@ -1366,6 +1366,7 @@ class ChannelImpl : public Channel {
   // a kernel that crashes channel executors is quarantined like one that
   // crashes pool workers.
   std::map<uint64_t, std::string> quarantine_keys_;
+  std::map<uint64_t, std::string> attrs_hashes_;  // handle -> AttrsHash (thread only)
   // The quarantine keys of every kernel bound in this executor since it
   // started (thread only): its Init, and then its calls, ran there. Kept by
   // the daemon as it answers kWantHandle, never read from the executor's
@@ -1457,12 +1458,12 @@ absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_poin
     return absl::InvalidArgumentError(absl::StrCat("the handle's call passes more than ",
                                                    fast::kMaxTensors,
                                                    " tensors, too many for a fast channel"));
-  std::map<uint64_t, std::string> attrs_hashes_;  // handle -> AttrsHash (thread only)
   }
   const std::string qkey = QuarantineKey(b->spec);
   ops_[handle] = b->op;
   if (absl::Status q = runner_->QuarantineCheck(qkey, spec_.caller); !q.ok()) return q;
   quarantine_keys_[handle] = qkey;
+  attrs_hashes_[handle] = AttrsHash(b->spec.attrs);
   ran_keys_.insert(qkey);
   uint64_t& iid = instance_ids_[handle];
   if (iid == 0) iid = runner_->next_instance_id.fetch_add(1);
@@ -1511,10 +1512,27 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
                         int running_slot) {
   absl::Status answer;
   bool client_fault = false;
+  // Whether a call was running: an executor that died with none (killed
+  // from outside while idle) is no crash; its client's next call opens a
+  // new channel.
+  bool running = running_slot >= 0;
+  for (uint32_t i = 0; i < fast::kSlots && !running; ++i) {
+    uint32_t state = 0;
+    uint64_t seq = 0;
+    int64_t deadline_ns = 0;
+    if (!ReadSlot(i, &state, &seq, &deadline_ns)) break;
+    running = state == fast::kRunning;
+  }
   if (timeout) {
     w_->Reap(/*kill=*/true);
     runner_->timeouts.fetch_add(1);
     answer = *timeout;
+  } else if (!running && (absl::IsOutOfRange(s) || absl::IsUnavailable(s))) {
+    w_->Reap(/*kill=*/false, /*grace_ms=*/200);
+    Logger("runner")->warn("{} (namespace {}): fast-channel executor process {} {} while idle "
+                           "(killed from outside?); no crash is counted, and the client's next "
+                           "call opens a new channel",
+                           spec_.label, spec_.ns, pid_, w_->death.empty() ? "died" : w_->death);
   } else {
     runner_->crashes.fetch_add(1);
     answer = runner_->DeathStatus(*w_, s, spec_.label, spec_.ns);
@@ -1597,7 +1615,6 @@ void ChannelImpl::Ended(const absl::Status& s, std::optional<absl::Status> timeo
     }
     // The executor never counted this call (it died in it); the daemon
     // answered it, so the daemon counts it.
-  attrs_hashes_[handle] = AttrsHash(b->spec.attrs);
     Record(named ? handle : 0, reply.code(), 1, 0);
   }
   MarkClosed();
@@ -1646,27 +1663,10 @@ void ChannelImpl::TakeCounts() {
   for (uint64_t i = 0; i < used; ++i) {
     const wire::CallCount& e = table->entries[i];
     const uint64_t handle = e.handle.load(std::memory_order_relaxed);
-  // Whether a call was running: an executor that died with none (killed
-  // from outside while idle) is no crash; its client's next call opens a
-  // new channel.
-  bool running = running_slot >= 0;
-  for (uint32_t i = 0; i < fast::kSlots && !running; ++i) {
-    uint32_t state = 0;
-    uint64_t seq = 0;
-    int64_t deadline_ns = 0;
-    if (!ReadSlot(i, &state, &seq, &deadline_ns)) break;
-    running = state == fast::kRunning;
-  }
     const uint64_t code = e.code.load(std::memory_order_relaxed);
     const uint64_t calls = e.calls.load(std::memory_order_relaxed);
     const uint64_t kernel_ns = e.kernel_ns.load(std::memory_order_relaxed);
     Seen& seen = seen_[i];
-  } else if (!running && (absl::IsOutOfRange(s) || absl::IsUnavailable(s))) {
-    w_->Reap(/*kill=*/false, /*grace_ms=*/200);
-    Logger("runner")->warn("{} (namespace {}): fast-channel executor process {} {} while idle "
-                           "(killed from outside?); no crash is counted, and the client's next "
-                           "call opens a new channel",
-                           spec_.label, spec_.ns, pid_, w_->death.empty() ? "died" : w_->death);
     if (seen.handle != handle || seen.code != code) seen = Seen{handle, code, 0, 0};
     uint64_t dc = calls > seen.calls ? calls - seen.calls : 0;
     uint64_t dk = kernel_ns > seen.kernel_ns ? kernel_ns - seen.kernel_ns : 0;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -490,6 +491,52 @@ TEST_F(FastIT, DeadlineStopsASlowKernel) {
   x[0] = 1.0f;
   auto next = hasty->Forward(ShmCall("sleep", 16, "hasty", 0, 4096));
   ASSERT_TRUE(next.ok()) << next.status() << daemon_->Log();
+}
+
+// opjitd SIGKILLed while a fast call waits on its executor (and left a
+// zombie, unreaped): the call fails at once, UNAVAILABLE / DAEMON_EXITED
+// naming the daemon, not after the executor's grace blaming the executor;
+// the next call fails as fast over gRPC (nothing listens any more).
+TEST_F(FastIT, DaemonKilledMidCallFailsTheCallAtOnceNamingTheDaemon) {
+  Register("mark_sleep", "y[1] = 7.0f;\n" + std::string(kSleep));
+  float* base = MakeRegion("buf", 1 << 16);
+  ASSERT_NE(base, nullptr);
+  base[0] = 1.0f;
+  auto warm = c_->Forward(ShmCall("mark_sleep", 16, "buf", 0, 4096));
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  base[0] = 60000.0f;  // 60 s
+  std::atomic<float>* mark = reinterpret_cast<std::atomic<float>*>(base + 4096 / 4 + 1);
+  mark->store(0.0f);
+  absl::Status got;
+  Clock::time_point answered;
+  std::thread call([&] {
+    got = c_->Forward(ShmCall("mark_sleep", 16, "buf", 0, 4096)).status();
+    answered = Clock::now();
+  });
+  // The kernel runs once it wrote its mark.
+  for (const auto until = Clock::now() + std::chrono::seconds(60);
+       mark->load() != 7.0f && Clock::now() < until;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_EQ(mark->load(), 7.0f);
+  const pid_t pid = daemon_->pid();
+  const auto killed = Clock::now();
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  call.join();
+  const double s = std::chrono::duration<double>(answered - killed).count();
+  std::printf("daemon killed mid-call: answered after %.0f ms\n", s * 1e3);
+  EXPECT_EQ(got.code(), absl::StatusCode::kUnavailable) << got;
+  EXPECT_EQ(ReasonOf(got), reason::kDaemonExited) << got;
+  EXPECT_NE(got.message().find(absl::StrCat("opjitd (pid ", pid, ") exited")), std::string::npos)
+      << got;
+  EXPECT_EQ(got.message().find("executor"), std::string::npos) << got;
+  EXPECT_LT(s, 5.0) << got;
+  const auto t1 = Clock::now();
+  auto next = c_->Forward(ShmCall("mark_sleep", 16, "buf", 0, 4096));
+  const double s1 = std::chrono::duration<double>(Clock::now() - t1).count();
+  std::printf("the next call: answered after %.0f ms\n", s1 * 1e3);
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kUnavailable) << next.status();
+  EXPECT_LT(s1, 5.0) << next.status();
 }
 
 TEST_F(FastIT, ForcedOffAndGrpcOnlyCallsNeverOpenAChannel) {

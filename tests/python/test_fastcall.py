@@ -129,8 +129,33 @@ CHILD = textwrap.dedent(r'''
     out["cases"]["calls"] = {"ok": c.call_counts()}
 
     if daemon_pid:  # the daemon is gone: a prepared call and an Op call fail alike
+        import struct, threading, time
         leaky = prepared["leaky_relu"]
+        # Killed while a call waits on its executor: the call fails at once,
+        # naming the daemon (not the executor, not after its grace).
+        spin = c.op("fc_spin").prepare(np.array([30.0], np.float32))
+        ch = c._transport.channel(c.namespace)
+        answered = []
+        def mid_call():
+            try:
+                spin()
+                answered.append((time.monotonic(), "ok"))
+            except opjit.OpjitError as e:
+                answered.append((time.monotonic(), [type(e).__name__, e.code.name, e.reason,
+                                                    e.message]))
+        t = threading.Thread(target=mid_call)
+        t.start()
+        until = time.monotonic() + 60
+        while time.monotonic() < until and not any(
+                struct.unpack_from("<I", ch._mm, _fast.HEADER_BYTES + i * _fast.SLOT_BYTES)[0]
+                == _fast.RUNNING for i in range(ch.n_slots)):
+            time.sleep(0.002)
+        killed = time.monotonic()
         os.kill(daemon_pid, signal.SIGKILL)
+        t.join(60)
+        when, err = answered[0]
+        out["cases"]["prepared daemon killed mid-call"] = {"error": err}
+        out["mid-call latency s"] = when - killed
         run("prepared daemon gone", leaky)
         run("op daemon gone", lambda: c.op("leaky_relu")(x))
     print(json.dumps(out))
@@ -216,6 +241,7 @@ def test_daemon_gone_fails_alike_on_both_paths():
             with opjit.Client(d.unix_address, timeout=60) as admin:
                 register_ops(admin)
             results.append(run_child(d.unix_address, pure, daemon_pid=d.proc.pid))
+            results[-1]["daemon_pid"] = d.proc.pid
         finally:
             d.close()
     ext, pure = results
@@ -223,6 +249,16 @@ def test_daemon_gone_fails_alike_on_both_paths():
         assert ext["cases"][name] == pure["cases"][name], name
         assert "error" in ext["cases"][name], ext["cases"][name]
     assert ext["cases"]["prepared daemon gone"]["error"][0] == "Unavailable"
+    name = "prepared daemon killed mid-call"
+    for side in (ext, pure):
+        err = side["cases"][name]["error"]
+        assert err[:3] == ["Unavailable", "UNAVAILABLE", "DAEMON_EXITED"], err
+        assert err[3].startswith("opjitd (pid %d) exited" % side["daemon_pid"]), err
+        assert "executor" not in err[3], err
+        # A generous bound (no timed claim): before, 2-3 s and ABORTED.
+        assert side["mid-call latency s"] < 5.0, side["mid-call latency s"]
+    print("daemon killed mid-call, answered after: extension %.0f ms, pure Python %.0f ms"
+          % (ext["mid-call latency s"] * 1e3, pure["mid-call latency s"] * 1e3))
 
 
 # ---- in this process: whichever path it has --------------------------------------------------

@@ -28,7 +28,9 @@ A call (:meth:`FastChannel.call`):
 4. spin on the slot's state for up to ``spin_us``, then announce
    ``client_waiting = 1`` and FUTEX_WAIT on the state word in 50 ms steps,
    watching the header's ``closed`` flag and whether the executor process
-   is still alive;
+   and the daemon itself are still alive (a call waiting when the daemon
+   exits answers UNAVAILABLE / ``DAEMON_EXITED`` at once, and the channel is
+   closed);
 5. read the reply (a gRPC status code, an ErrorInfo reason, a message, the
    kernel's time), then hand the slot back (``state = FREE``).
 
@@ -151,6 +153,7 @@ class _Mapped:
         self.region = info.region
         self.shm_key = info.shm_key
         self.worker_pid = int(info.worker_pid)
+        self.daemon_pid = int(getattr(info, "daemon_pid", 0))
         path = "/dev/shm/" + info.shm_key.lstrip("/")
         fd = os.open(path, os.O_RDWR)
         try:
@@ -188,6 +191,46 @@ class _Mapped:
             return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
         except OSError:
             return True
+
+    def _daemon_watch(self):
+        """A function telling whether the daemon exited (None: not watched).
+
+        A pidfd where the kernel has them (a reused pid is never taken for
+        the daemon); else kill(pid, 0) and a zombie check, as worker_alive.
+        The pid is watched only when /proc/<pid>/comm is "opjitd" (a pid
+        from another pid namespace names some other process here).
+        """
+        pid = self.daemon_pid
+        if pid <= 0:
+            return None
+        try:
+            with open("/proc/%d/comm" % pid, "rb") as f:
+                if f.read().strip() != b"opjitd":
+                    return None
+        except OSError:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            fd = -1
+        if fd >= 0:
+            import select
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            self._daemon_fd = fd  # closed with the object (os.close in __del__)
+            return lambda: bool(poller.poll(0))
+        probe = _Mapped.__new__(_Mapped)
+        probe.worker_pid = pid
+        return lambda: not probe.worker_alive()
+
+    def __del__(self):
+        fd = getattr(self, "_daemon_fd", -1)
+        if fd >= 0:
+            self._daemon_fd = -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _unmap(self):
         try:
@@ -227,6 +270,7 @@ class PyFastChannel(_Mapped):
         self._seq = 0
         self._refs = {}
         self._is_closed = False
+        self._daemon_exited = self._daemon_watch()
         self.bound_calls = 0  # calls PyCall objects completed (status OK)
 
     @property
@@ -307,6 +351,10 @@ class PyFastChannel(_Mapped):
             seen, gone = self._wait(i, deadline_ns)
             if seen != DONE:
                 reusable = False  # in an unknown state: never handed out again
+                if gone == "daemon":
+                    return Reply(14, "DAEMON_EXITED",  # UNAVAILABLE
+                                 "opjitd (pid %d) exited; the call was not answered"
+                                 % self.daemon_pid, 0.0)
                 if gone and seen == SUBMITTED:
                     raise ChannelClosed("the fast channel closed before the call ran")
                 if gone:
@@ -336,7 +384,8 @@ class PyFastChannel(_Mapped):
     def _wait(self, i, deadline_ns):
         """Waits for slot i to be DONE. Returns (state, gone): the last state
         seen (DONE, or what it was left in), and whether the channel closed
-        or its executor died (else the deadline passed long ago)."""
+        or its executor died (else the deadline passed long ago): "daemon"
+        when the daemon itself exited."""
         state = self._state[i]
         if state.value == DONE:
             return DONE, False
@@ -371,6 +420,14 @@ class PyFastChannel(_Mapped):
             seen = state.value
             if seen == DONE:
                 return DONE, False
+            if self._daemon_exited is not None and self._daemon_exited():
+                # Nobody is left to answer (its executors die with it): now,
+                # not after the executor's grace.
+                seen = state.value
+                if seen == DONE:
+                    return DONE, False
+                self._is_closed = True
+                return seen, "daemon"
             if self._closed.value != 0:
                 # The daemon sets `closed` once it answered every call in
                 # flight, or handed one back as not run (SUBMITTED: a crash
@@ -399,7 +456,7 @@ class ExtFastChannel(_Mapped):
         super().__init__(info, spin_us)
         self._ext = EXTENSION.Channel(self._mm, self.n_slots, self.max_tensors, self.spin_ns,
                                       self.worker_pid, ChannelClosed, ChannelError,
-                                      _DEAD_GRACE_NS, _DEADLINE_GRACE_NS)
+                                      _DEAD_GRACE_NS, _DEADLINE_GRACE_NS, self.daemon_pid)
 
     @property
     def native(self):

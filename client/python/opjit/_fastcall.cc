@@ -9,10 +9,13 @@
 // pure-Python path stays the fallback and the reference.
 //
 //   Channel(buffer, n_slots, max_tensors, spin_ns, worker_pid, closed_exc, error_exc,
-//           dead_grace_ns=2e9, deadline_grace_ns=10e9)
+//           dead_grace_ns=2e9, deadline_grace_ns=10e9, daemon_pid=0)
 //     buffer: the writable mapping of the channel (an mmap; held until close()).
 //     The graces are _fast.py's: how long the daemon gets to answer once the
 //     executor is gone, and how long past its deadline a call waits at all.
+//     daemon_pid: opjitd's (OpenChannelResponse.daemon_pid); a call waiting
+//     when it exits answers 14 UNAVAILABLE / DAEMON_EXITED at once, and the
+//     channel is closed.
 //     call(handle, refs, deadline_ns=0, flags=0) -> (code, reason, message, kernel_ms)
 //       refs: [region id, offset, ...] inputs then outputs. Raises closed_exc
 //       when the call did not run (the channel is closed), error_exc for more
@@ -25,7 +28,8 @@
 //     subclass's self._slow(code, reason, message): code None when unbound,
 //     -1 when the channel closed before the call ran, else the gRPC status
 //     code of the reply (10 ABORTED / KERNEL_CRASHED when the executor died
-//     mid-call, 4 DEADLINE_EXCEEDED when nothing answered past the deadline).
+//     mid-call, 14 UNAVAILABLE / DAEMON_EXITED when the daemon did, 4
+//     DEADLINE_EXCEEDED when nothing answered past the deadline).
 //
 // Locks: the GIL, then Ring::mu (held briefly, never while waiting for the
 // GIL). The GIL is released while a call waits for its reply and while it
@@ -44,6 +48,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -71,6 +76,8 @@ struct Ring {
   uint32_t max_tensors = 0;
   int64_t spin_ns = 0;
   pid_t worker_pid = 0;
+  std::unique_ptr<fast::ProcessWatch> daemon;  // opjitd, when it sent its pid
+  std::atomic<bool> daemon_exited{false};      // a call saw it gone: closed
   int64_t dead_grace_ns = 0;
   int64_t deadline_grace_ns = 0;
   // Adaptive spin (_fast.py): the budget halves each time a spin ends
@@ -85,18 +92,20 @@ struct Ring {
   bool closing = false;        // guarded by mu: close() was called
 
   fast::Header* header() const { return fast::HeaderOf(base); }
-  bool closed_flag() const { return header()->closed.load(std::memory_order_seq_cst) != 0; }
+  bool closed_flag() const {
+    return header()->closed.load(std::memory_order_seq_cst) != 0 || daemon_exited.load();
+  }
 };
 
 // How a call ended.
 struct Outcome {
-  enum Kind { kDone, kNotRun, kCrashed, kNoReply } kind = kDone;
+  enum Kind { kDone, kNotRun, kCrashed, kDaemonExited, kNoReply } kind = kDone;
   int32_t code = 0;
   double kernel_ms = 0;
   char reason[fast::kReasonBytes + 1] = {0};
   std::vector<char> message;   // filled on a non-zero code only
   const char* text = nullptr;  // kNotRun, kCrashed, kNoReply: what happened
-  char text_buf[96];           // where `text` points when it is formatted
+  char text_buf[128];          // where `text` points when it is formatted
 };
 
 bool WorkerAlive(pid_t pid) {
@@ -148,6 +157,15 @@ uint32_t WaitDone(Ring& r, fast::Slot* s, int64_t deadline_ns, bool* gone) {
     fast::FutexWait(&s->state, seen, kWaitStepNs);
     seen = s->state.load(std::memory_order_seq_cst);
     if (seen == fast::kDone) return seen;
+    if (r.daemon != nullptr && r.daemon->Exited()) {
+      // Nobody is left to answer (its executors die with it): now, not
+      // after the executor's grace.
+      seen = s->state.load(std::memory_order_seq_cst);
+      if (seen == fast::kDone) return seen;
+      r.daemon_exited.store(true);
+      *gone = true;
+      return seen;
+    }
     if (r.closed_flag()) {
       // The daemon sets `closed` once it answered every call in flight, or
       // handed one back as not run (kSubmitted: a crash in an executor other
@@ -229,7 +247,14 @@ void RunCall(Ring& r, uint64_t handle, const fast::TensorRef* refs, uint32_t n, 
   }
   if (seen != fast::kDone) {
     // In an unknown state: never handed out again.
-    if (gone && seen == fast::kSubmitted) {
+    if (gone && r.daemon_exited.load()) {
+      out->kind = Outcome::kDaemonExited;
+      out->code = 14;  // UNAVAILABLE
+      std::strcpy(out->reason, "DAEMON_EXITED");
+      std::snprintf(out->text_buf, sizeof out->text_buf,
+                    "opjitd (pid %d) exited; the call was not answered", r.daemon->pid());
+      out->text = out->text_buf;
+    } else if (gone && seen == fast::kSubmitted) {
       out->kind = Outcome::kNotRun;
       out->text = "the fast channel closed before the call ran";
     } else if (gone) {
@@ -350,14 +375,14 @@ PyObject* MessageOf(const Outcome& o) {
 int Channel_init(ChannelObject* self, PyObject* args, PyObject* kwds) {
   static const char* kwlist[] = {
       "buffer",     "n_slots",   "max_tensors",   "spin_ns",           "worker_pid",
-      "closed_exc", "error_exc", "dead_grace_ns", "deadline_grace_ns", nullptr};
+      "closed_exc", "error_exc", "dead_grace_ns", "deadline_grace_ns", "daemon_pid", nullptr};
   PyObject *buffer, *closed_exc, *error_exc;
   unsigned int n_slots, max_tensors;
   long long spin_ns, dead_grace_ns = 2'000'000'000, deadline_grace_ns = 10'000'000'000;
-  int worker_pid;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OIILiOO|LL", const_cast<char**>(kwlist), &buffer,
+  int worker_pid, daemon_pid = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OIILiOO|LLi", const_cast<char**>(kwlist), &buffer,
                                    &n_slots, &max_tensors, &spin_ns, &worker_pid, &closed_exc,
-                                   &error_exc, &dead_grace_ns, &deadline_grace_ns)) {
+                                   &error_exc, &dead_grace_ns, &deadline_grace_ns, &daemon_pid)) {
     return -1;
   }
   if (self->ring != nullptr) {
@@ -385,6 +410,9 @@ int Channel_init(ChannelObject* self, PyObject* args, PyObject* kwds) {
   ring->spin_ns = spin_ns > 0 ? spin_ns : 0;
   ring->budget = ring->spin_ns;
   ring->worker_pid = worker_pid;
+  if (daemon_pid > 0) {
+    ring->daemon = std::make_unique<fast::ProcessWatch>(daemon_pid, fast::kDaemonComm);
+  }
   ring->dead_grace_ns = dead_grace_ns;
   ring->deadline_grace_ns = deadline_grace_ns;
   for (uint32_t i = n_slots; i > 0; --i) ring->free.push_back(i - 1);

@@ -53,7 +53,11 @@
 // tests/unit/wire/fast_layout_test.cc checks that mirror against this file.
 #pragma once
 
+#include <errno.h>
+#include <fcntl.h>
 #include <linux/futex.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -61,6 +65,8 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 
 namespace opjit::fast {
 
@@ -152,6 +158,72 @@ inline void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t ti
 inline void FutexWake(std::atomic<uint32_t>* word, int n = 1) {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, n, nullptr, nullptr, 0);
 }
+
+// Whether a process has exited, for a client waiting on a ring: its
+// executor (OpenChannelResponse.worker_pid) or the daemon itself
+// (daemon_pid). Through a pidfd where the kernel has them (a reused pid is
+// never taken for it), else kill(pid, 0) and /proc/<pid>/stat. A zombie
+// (exited, not yet reaped) counts as exited. Not part of the layout.
+class ProcessWatch {
+ public:
+  ProcessWatch() = default;
+  // Watches `pid` (<= 0: nothing; Exited() stays false). With `comm`, only
+  // when /proc/<pid>/comm says so: a pid from another pid namespace names
+  // some other process here, and is not watched.
+  explicit ProcessWatch(int pid, const char* comm = nullptr) {
+    if (pid <= 0) return;
+    if (comm != nullptr && !CommIs(pid, comm)) return;
+    pid_ = pid;
+#ifdef SYS_pidfd_open
+    fd_ = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#endif
+  }
+  ~ProcessWatch() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ProcessWatch(const ProcessWatch&) = delete;
+  ProcessWatch& operator=(const ProcessWatch&) = delete;
+
+  int pid() const { return pid_; }
+  bool Exited() const {
+    if (pid_ <= 0) return false;
+    if (fd_ >= 0) {
+      pollfd p{fd_, POLLIN, 0};
+      return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLIN | POLLHUP)) != 0;
+    }
+    if (::kill(pid_, 0) != 0 && errno == ESRCH) return true;  // EPERM: another uid's, alive
+    char path[64], buf[512];
+    std::snprintf(path, sizeof path, "/proc/%d/stat", pid_);
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+    ::close(fd);
+    if (n <= 0) return false;
+    buf[n] = '\0';
+    const char* close = std::strrchr(buf, ')');
+    return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+  }
+
+ private:
+  static bool CommIs(int pid, const char* comm) {
+    char path[64], buf[32] = {0};
+    std::snprintf(path, sizeof path, "/proc/%d/comm", pid);
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+    ::close(fd);
+    if (n <= 0) return false;
+    buf[n] = '\0';
+    if (buf[n - 1] == '\n') buf[n - 1] = '\0';
+    return std::strcmp(buf, comm) == 0;
+  }
+
+  int pid_ = 0;
+  int fd_ = -1;
+};
+
+// The daemon's process name (/proc/<pid>/comm), for ProcessWatch.
+inline constexpr char kDaemonComm[] = "opjitd";
 
 inline int64_t MonotonicNs() {
   timespec ts;
