@@ -442,7 +442,7 @@ void AddTlsMetricsQuotaKeys(std::vector<KeyRow>& k) {
   k.push_back(Int("quota.namespaces", &Cfg::quota_namespaces,
                   "Namespaces on the daemon (a SIGHUP applies a change)."));
   k.push_back(Int("quota.total_shm_mb", &Cfg::quota_total_shm_mb,
-                  "Shared memory of all namespaces together, MiB; 0: half of /dev/shm."));
+                  "Shared memory of all namespaces together, MiB; 0: a quarter of /dev/shm."));
   k.push_back(Int("quota.total_context_mb", &Cfg::quota_total_context_mb,
                   "Saved tensors of all namespaces' backward contexts together, MiB."));
 }

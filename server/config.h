@@ -83,7 +83,7 @@ struct DaemonConfig {
   int64_t quota_ops = 1000;
   int64_t quota_versions = 100;
   int64_t quota_namespaces = 64;
-  int64_t quota_total_shm_mb = 0;      // 0: half of /dev/shm
+  int64_t quota_total_shm_mb = 0;      // 0: a quarter of /dev/shm
   int64_t quota_total_context_mb = 4096;
   // --verify-cache: check the disk cache and exit instead of serving.
   bool verify_cache = false;

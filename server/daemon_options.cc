@@ -65,10 +65,10 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path, const char* 
   return bytes;
 }
 
-uint64_t HalfOfDevShm() {
+uint64_t QuarterOfDevShm() {
   struct statvfs vfs;
   if (statvfs("/dev/shm", &vfs) != 0) return 0;
-  return static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize / 2;
+  return static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize / 4;
 }
 
 SubordinateIds PickSubordinateIds(const DaemonConfig& cfg) {
@@ -245,7 +245,12 @@ tensor::RegionManagerOptions RegionOptionsFromConfig(const DaemonConfig& cfg) {
   o.namespace_quota_bytes = static_cast<uint64_t>(cfg.shm_quota_mb) << 20;
   o.total_quota_bytes = cfg.quota_total_shm_mb > 0
                             ? static_cast<uint64_t>(cfg.quota_total_shm_mb) << 20
-                            : HalfOfDevShm();
+                            : QuarterOfDevShm();
+  // One namespace never holds more than all of them together: a per-namespace
+  // quota above the total is the total (what its refusals then name).
+  if (o.total_quota_bytes > 0) {
+    o.namespace_quota_bytes = std::min(o.namespace_quota_bytes, o.total_quota_bytes);
+  }
   o.default_lease_ms = cfg.lease_ms;
   return o;
 }

@@ -50,9 +50,10 @@ std::string FindKernelIncludeDir(const DaemonConfig& cfg);
 // others can read is used, with a warning.
 absl::StatusOr<std::string> ReadSecretFile(const std::string& path, const char* what);
 
-// Half of what /dev/shm holds: the default bound on all namespaces' shm
-// (0 when it cannot be read).
-uint64_t HalfOfDevShm();
+// A quarter of what /dev/shm holds: the default bound on all namespaces'
+// shm, leaving the rest to the host's other users of /dev/shm (0 when it
+// cannot be read).
+uint64_t QuarterOfDevShm();
 
 // A daemon without root, with subordinate ids (/etc/subuid, /etc/subgid):
 // each namespace's executors as one of them, and its compile workers as the

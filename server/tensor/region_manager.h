@@ -36,7 +36,7 @@ struct RegionManagerOptions {
 
   // Upper bound on the bytes of all namespaces together, so that the sum of
   // the quotas cannot fill /dev/shm. 0: none.
-  // Default: 0 (opjitd sets half of /dev/shm).
+  // Default: 0 (opjitd sets a quarter of /dev/shm).
   uint64_t total_quota_bytes = 0;
 
   // Upper bound on the number of regions in one namespace. Each region is one

@@ -3,8 +3,10 @@
 // subsystems expect.
 #include "server/daemon_options.h"
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -81,6 +83,21 @@ TEST(DaemonOptionsTest, ExecutionSharedMemoryAndAutograd) {
   EXPECT_EQ(a.namespace_bytes, 2ull << 20);
   EXPECT_EQ(a.total_bytes, 3ull << 20);
   EXPECT_EQ(KernelHostOptionsFromConfig(cfg).scratch_dir, cfg.state_dir + "/cache/gpu-load");
+}
+
+// The shm every namespace together may hold is bounded well below /dev/shm by
+// default, and no namespace's quota exceeds it.
+TEST(DaemonOptionsTest, SharedMemoryQuotasAreBoundedByDevShm) {
+  const tensor::RegionManagerOptions d = RegionOptionsFromConfig(FromToml(""));
+  struct statvfs vfs;
+  ASSERT_EQ(statvfs("/dev/shm", &vfs), 0);
+  const uint64_t dev_shm = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
+  EXPECT_EQ(d.total_quota_bytes, dev_shm / 4);
+  EXPECT_EQ(d.namespace_quota_bytes, std::min<uint64_t>(4096ull << 20, dev_shm / 4));
+  const tensor::RegionManagerOptions over =
+      RegionOptionsFromConfig(FromToml("[shm]\nquota_mb = 20\n[quota]\ntotal_shm_mb = 12\n"));
+  EXPECT_EQ(over.namespace_quota_bytes, 12ull << 20);
+  EXPECT_EQ(over.total_quota_bytes, 12ull << 20);
 }
 
 TEST(DaemonOptionsTest, FastChannelsAreOffWithoutChannels) {
