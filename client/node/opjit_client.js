@@ -23,11 +23,12 @@ const protobuf = require(require.resolve('protobufjs',
   { paths: [path.dirname(require.resolve('@grpc/proto-loader/package.json'))] }));
 
 // Where proto/opjit/v1/*.proto are: $OPJIT_PROTO_DIR, else the first of the
-// source tree's proto/ (client/node/../../proto), a proto/ packed next to this
-// file, and the installed opjit's share/opjit/proto (/usr, /usr/local).
+// package's own proto/ (npm pack puts them there: an installed package needs
+// nothing else), the source tree's proto/ (client/node/../../proto: a
+// checkout) and the installed opjit's share/opjit/proto (/usr, /usr/local).
 const PROTO_CANDIDATES = [
-  path.resolve(__dirname, '..', '..', 'proto'),
   path.resolve(__dirname, 'proto'),
+  path.resolve(__dirname, '..', '..', 'proto'),
   '/usr/share/opjit/proto',
   '/usr/local/share/opjit/proto',
 ];

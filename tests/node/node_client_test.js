@@ -160,6 +160,46 @@ test('multi-output op', async () => {
   q.data.forEach((v, i) => assert.ok(Math.abs(v - a[i] / b[i]) < 1e-6));
 });
 
+// What `npm install <the packed client>` gives: the tarball's files, with its
+// dependencies beside it (here the checkout's own node_modules, linked, so
+// no registry is needed), used from a directory far from this checkout.
+test('the packed npm package carries its protos and calls the daemon from elsewhere', async () => {
+  await client.registerSpecFile(path.join(EXAMPLES, 'leaky_relu.json'));
+  const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'opjit-node-pack-'));
+  try {
+    // prepack copies proto/opjit/v1 into the package; postpack removes it.
+    execFileSync('npm', ['pack', '--pack-destination', tmp], {
+      cwd: NODE_DIR, stdio: ['ignore', 'pipe', 'pipe'], timeout: 120000,
+    });
+    assert.ok(!fs.existsSync(path.join(NODE_DIR, 'proto')), 'postpack left the copy behind');
+    const [tgz] = fs.readdirSync(tmp).filter((n) => n.endsWith('.tgz'));
+    const pkg = path.join(tmp, 'node_modules', 'opjit-node-client');
+    fs.mkdirSync(pkg, { recursive: true });
+    execFileSync('tar', ['-xzf', path.join(tmp, tgz), '-C', pkg, '--strip-components=1']);
+    for (const f of fs.readdirSync(path.join(REPO, 'proto', 'opjit', 'v1'))) {
+      assert.ok(fs.existsSync(path.join(pkg, 'proto', 'opjit', 'v1', f)), `${f} is not in the package`);
+    }
+    fs.symlinkSync(path.join(NODE_DIR, 'node_modules', '@grpc'), path.join(tmp, 'node_modules', '@grpc'));
+    const script = `
+      const { Client, PROTO_DIR } = require('opjit-node-client');
+      const c = new Client(${JSON.stringify(plain.unix)}, { token: '', tls: false });
+      c.forward('leaky_relu', [Float32Array.of(-2, 3)], { alpha: 0.5 }).then(([y]) => {
+        console.log(JSON.stringify({ PROTO_DIR, y: Array.from(y.data) }));
+        c.close();
+      }, (e) => { console.error(String(e)); process.exit(1); });`;
+    const env = { ...process.env };
+    delete env.OPJIT_PROTO_DIR;
+    delete env.OPJIT_SOURCE_DIR;
+    const out = JSON.parse(execFileSync(process.execPath, ['-e', script], {
+      cwd: tmp, env, encoding: 'utf8', timeout: 60000,
+    }).trim().split('\n').pop());
+    assert.equal(fs.realpathSync(out.PROTO_DIR), fs.realpathSync(path.join(pkg, 'proto')));
+    assert.deepEqual(out.y, [-1, 3]);
+  } finally {
+    fs.rmSync(tmp, { recursive: true, force: true });
+  }
+});
+
 test('multi-file kernel: files read by path beside the spec', async () => {
   // kernels/examples/multi_file/poly.json: "files": ["poly_coeffs.h",
   // {"path": "detail/eval.h"}, "poly_eval.cc"] (headers and a second unit).
