@@ -39,6 +39,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/cli_docs.h"
@@ -1265,6 +1266,41 @@ absl::Status AddGivenCase(const Args& a, opjit::v1::VerifyRequest* req) {
   return absl::OkStatus();
 }
 
+// A word as a POSIX shell reads it back: quoted unless plain.
+std::string ShellWord(const std::string& arg) {
+  const bool plain = !arg.empty() && std::all_of(arg.begin(), arg.end(), [](char ch) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(ch)) || std::strchr("_./@:=,+-", ch);
+  });
+  if (plain) return arg;
+  std::string out = "'";
+  for (char ch : arg) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
+// The daemon's reproduce line knows no file: a given case's --in and
+// --expect files (absolute, so the line runs from any directory) are added.
+std::string GivenReproduce(const std::string& line, const Args& a) {
+  std::string out = line;
+  auto absolute = [](const std::string& path) {
+    std::error_code ec;
+    std::filesystem::path p = std::filesystem::absolute(path, ec);
+    return ec ? path : p.string();
+  };
+  for (const auto& spec : a.All("--in")) {
+    std::vector<std::string> paths;
+    if (spec == "none") {
+      paths.push_back(spec);
+    } else {
+      for (const auto& path : SplitComma(spec)) paths.push_back(absolute(path));
+    }
+    absl::StrAppend(&out, " --in ", ShellWord(absl::StrJoin(paths, ",")));
+  }
+  for (const auto& path : a.All("--expect")) {
+    absl::StrAppend(&out, " --expect ", ShellWord(absolute(path)));
+  }
+  return out;
+}
+
 void PrintVerify(const std::string& what, const opjit::v1::VerifyResponse& r) {
   std::vector<std::vector<std::string>> rows = {{"#", "kind", "dtype", "shapes", "result",
                                                  "max abs err", "max rel err", "max ulp",
@@ -1273,15 +1309,19 @@ void PrintVerify(const std::string& what, const opjit::v1::VerifyResponse& r) {
     // The worst element says something where the case failed or differed.
     const bool worst = k.worst_index() >= 0 && !k.skipped() &&
                        (!k.passed() || k.max_abs_error() != 0 || k.max_ulp_error() != 0);
+    // Its values, where they were compared: a case that failed before
+    // (never written, changed after return) says why in its message.
+    const bool compared = worst && (k.max_abs_error() != 0 || k.max_ulp_error() != 0 ||
+                                    k.max_rel_error() != 0);
     rows.push_back({absl::StrCat(k.index()), k.kind(), k.dtype(), k.shapes(),
                     k.skipped() ? "skip" : k.passed() ? "pass" : "FAIL",
                     k.skipped() ? "-" : Num(k.max_abs_error()),
                     k.skipped() ? "-" : Num(k.max_rel_error()),
                     k.skipped() ? "-" : Num(k.max_ulp_error()),
                     worst ? absl::StrCat("out", k.worst_output(), "[", k.worst_index(), "]") : "-",
-                    worst ? absl::StrCat(Value(k.candidate_value(), k.dtype()), " vs ",
-                                         Value(k.reference_value(), k.dtype()))
-                          : "-",
+                    compared ? absl::StrCat(Value(k.candidate_value(), k.dtype()), " vs ",
+                                            Value(k.reference_value(), k.dtype()))
+                             : "-",
                     k.message()});
   }
   PrintTable(rows);
@@ -1308,6 +1348,7 @@ int CmdVerify(Client& c, const Globals& g, const Args& a) {
     r = c.Verify(*req);
   }
   if (!r.ok()) return FailEval(g, r.status());
+  if (!req->has_reference()) r->set_reproduce(GivenReproduce(r->reproduce(), a));
   if (g.json) {
     std::cout << ToJson(*r);
   } else {

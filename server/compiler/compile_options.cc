@@ -108,6 +108,10 @@ std::string CpuOptionRefusal(std::string_view language, std::string_view opt) {
     return language == "c" ? "allowed for c: -std=c11, -std=c17"
                            : "allowed for c++: -std=c++17, -std=c++20";
   }
+  if (StartsWith(opt, "-ffp-contract=")) {
+    const std::string_view v = opt.substr(14);
+    return v == "off" || v == "on" || v == "fast" ? "" : "-ffp-contract= needs off, on or fast";
+  }
   if (IsWarningOption(opt)) return "";
   return "not allowed for " + std::string(language);
 }
@@ -140,6 +144,42 @@ std::string CudaOptionRefusal(std::string_view opt) {
     }
   }
   return "not allowed for cuda";
+}
+
+std::string CpuFpMode(const std::vector<std::string>& options) {
+  // The driver's rule, in order: -ffast-math contracts across statements
+  // (fast), -fno-fast-math goes back to the default, -ffp-contract= wins
+  // where it comes later.
+  std::string contract = "on";
+  bool fast_math = false;
+  for (const std::string& o : options) {
+    if (o == "-ffast-math") {
+      fast_math = true;
+      contract = "fast";
+    } else if (o == "-fno-fast-math") {
+      fast_math = false;
+      if (contract == "fast") contract = "on";
+    } else if (StartsWith(o, "-ffp-contract=")) {
+      contract = o.substr(14);
+    }
+  }
+  return "fp-contract=" + contract + (fast_math ? ", fast-math" : ", no fast-math");
+}
+
+std::string CudaFpMode(const std::vector<std::string>& options) {
+  // --use_fast_math implies --fmad=true, --ftz=true and approximate
+  // division and square root; an explicit --fmad= wins where it comes later.
+  std::string fmad = "true";
+  bool fast_math = false;
+  for (const std::string& o : options) {
+    if (o == "--use_fast_math" || o == "-use_fast_math") {
+      fast_math = true;
+      fmad = "true";
+    } else if (StartsWith(o, "--fmad=")) {
+      fmad = o.substr(7);
+    }
+  }
+  return "fmad=" + fmad + (fast_math ? ", use_fast_math" : ", no fast-math");
 }
 
 }  // namespace opjit::compiler

@@ -7,6 +7,7 @@
 //     -D<macro>[=<value>]  -U<macro>   (<macro> a C identifier, at most 128)
 //     -O0 -O1 -O2 -O3  -ffast-math -fno-fast-math  -fno-math-errno -fmath-errno
 //     -std=c++17 -std=c++20 (c++)      -std=c11 -std=c17 (c)
+//     -ffp-contract=off -ffp-contract=on -ffp-contract=fast
 //     -w  -W<warning>                  (<warning> of [A-Za-z0-9_=+-]: no -Wl, -Wa, -Wp)
 //   GPU (cuda, NVRTC spellings):
 //     -D<macro>[=<value>]  -U<macro>
@@ -39,5 +40,14 @@ std::string CpuOptionRefusal(std::string_view language, std::string_view option)
 // "" when `option` is allowed for a CUDA compile (NVRTC or nvcc); otherwise
 // why not ("not allowed for cuda").
 std::string CudaOptionRefusal(std::string_view option);
+
+// The floating-point mode a compile with `options` (allowed ones) gets, as
+// Verify reports it. CPU: the JIT compiles at -O3 -march=native, where
+// clang's default is fp-contract=on (a*b+c in one expression may become one
+// FMA); -ffast-math makes it fast, -ffp-contract= sets it:
+// "fp-contract=on, no fast-math". CUDA (NVRTC and nvcc): "fmad=true, no
+// fast-math" by default; --fmad=false, --use_fast_math change it.
+std::string CpuFpMode(const std::vector<std::string>& options);
+std::string CudaFpMode(const std::vector<std::string>& options);
 
 }  // namespace opjit::compiler

@@ -21,6 +21,7 @@
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
 #include "server/common/mutex.h"
+#include "server/compiler/compile_options.h"
 #include "server/tensor/elements.h"
 #include "server/registry/attr_value.h"
 #include "server/registry/registry.h"
@@ -588,6 +589,43 @@ absl::Status Evaluator::Impl::RunSide(const VerifyCall& c, const Side& side,
   return absl::OkStatus();
 }
 
+namespace {
+
+// "" when the candidate wrote every element of its outputs in both runs;
+// else what it left unwritten, in words, and where (`*output`, `*first`).
+std::string Unwritten(const registry::OpDef& def, const std::vector<TensorDesc>& cand_out,
+                      const std::vector<std::vector<OutputBytes>>& runs, int* output,
+                      int64_t* first_index) {
+  for (size_t k = 0; k < cand_out.size(); ++k) {
+    const Dtype d = DtypeOf(cand_out[k].dtype);
+    const std::string a(d.size, static_cast<char>(kPoisonA)), b(d.size, static_cast<char>(kPoisonB));
+    const size_t n = runs[0][k].bytes.size() / std::max<size_t>(d.size, 1);
+    size_t unwritten = 0, first = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (runs[0][k].bytes.compare(i * d.size, d.size, a) == 0 &&
+          runs[1][k].bytes.compare(i * d.size, d.size, b) == 0) {
+        if (unwritten++ == 0) first = i;
+      }
+    }
+    if (unwritten == 0) continue;
+    *output = static_cast<int>(k);
+    *first_index = static_cast<int64_t>(first);
+    const std::string name = def.outputs.size() == cand_out.size() && !def.outputs[k].name.empty()
+                                 ? def.outputs[k].name
+                                 : absl::StrCat(k);
+    if (unwritten == n) {
+      return absl::StrCat("output ", name, " was never written: it still holds the poison "
+                          "pattern it starts with");
+    }
+    return absl::StrCat("output ", name, ": ", unwritten, " of ", n,
+                        " element(s) were never written (first: element ", first,
+                        "): they still hold the poison pattern outputs start with");
+  }
+  return "";
+}
+
+}  // namespace
+
 absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, const Side* ref,
                                       const CaseInput& in, Regions* regions,
                                       CaseReport* report) {
@@ -670,27 +708,10 @@ absl::Status Evaluator::Impl::RunCase(const VerifyCall& c, const Side& cand, con
   }
 
   // Written? An element that holds poison A after run 1 and poison B after
-  // run 2 was not.
-  for (size_t k = 0; k < cand_out.size(); ++k) {
-    const Dtype d = DtypeOf(cand_out[k].dtype);
-    const std::string a(d.size, static_cast<char>(kPoisonA)), b(d.size, static_cast<char>(kPoisonB));
-    const size_t n = runs[0][k].bytes.size() / std::max<size_t>(d.size, 1);
-    size_t unwritten = 0, first = 0;
-    for (size_t i = 0; i < n; ++i) {
-      if (runs[0][k].bytes.compare(i * d.size, d.size, a) == 0 &&
-          runs[1][k].bytes.compare(i * d.size, d.size, b) == 0) {
-        if (unwritten++ == 0) first = i;
-      }
-    }
-    if (unwritten > 0) {
-      report->worst_output = static_cast<int>(k);
-      report->worst_index = static_cast<int64_t>(first);
-      report->message = absl::StrCat("the candidate never wrote ", unwritten, " of ", n,
-                                     " element(s) of output ", k, " (first: element ", first,
-                                     "; outputs start as a poison pattern)");
-      return absl::OkStatus();
-    }
-  }
+  // run 2 was not. Said in words: no value was compared (they stay 0).
+  report->message = Unwritten(cand.record->def, cand_out, runs, &report->worst_output,
+                              &report->worst_index);
+  if (!report->message.empty()) return absl::OkStatus();
 
   // The same bits twice?
   for (size_t k = 0; k < cand_out.size(); ++k) {
@@ -774,6 +795,22 @@ std::string OpName(const std::string& ns, const std::string& op, int64_t version
 
 std::string ToleranceText(const std::string& dtype, const ToleranceValues& t) {
   return absl::StrCat(dtype, ": atol=", t.atol, " rtol=", t.rtol, " ulps=", t.ulps);
+}
+
+// How `def`'s kernel for `target` was compiled for floating point, reported
+// beside the tolerances (an exact comparison hangs on it): "candidate fma
+// (cpu): -O3 -march=native, fp-contract=on, no fast-math".
+std::string FpModeText(const char* who, const registry::OpDef& def, registry::Target target) {
+  for (const registry::Implementation& impl : def.implementations) {
+    if (impl.target != target) continue;
+    if (target == registry::Target::kCpu) {
+      return absl::StrCat(who, " ", def.name, " (cpu): -O3 -march=native, ",
+                          compiler::CpuFpMode(impl.compile_options));
+    }
+    return absl::StrCat(who, " ", def.name, " (cuda): ",
+                        compiler::CudaFpMode(impl.compile_options));
+  }
+  return "";
 }
 
 }  // namespace
@@ -1076,6 +1113,11 @@ absl::StatusOr<VerifyResult> Evaluator::Impl::Verify(const VerifyCall& c) {
   }
   for (const std::string& d : dtypes_seen) {
     result.tolerances.push_back(ToleranceText(d, ToleranceFor(c, d)));
+  }
+  if (std::any_of(dtypes_seen.begin(), dtypes_seen.end(),
+                  [](const std::string& d) { return DtypeOf(d).is_float(); })) {
+    result.tolerances.push_back(FpModeText("candidate", cdef, cand.target));
+    if (ref) result.tolerances.push_back(FpModeText("reference", ref->record->def, ref->target));
   }
   result.passed = result.failed_cases == 0 && result.passed_cases > 0;
   result.reproduce = VerifyReproduce(c, result.seed);

@@ -390,6 +390,70 @@ def test_verify_a_given_case(daemon, verify_ops, tmp_path):
     assert r.returncode == 3, r.stdout + r.stderr
     (cells,) = verify_rows(r.stdout).values()
     assert cells[1] == "given" and cells[4] == "FAIL" and cells[8] == "out0[3]", cells
+    # Its reproduce line names the files (absolute): it reruns the case, same verdict.
+    again = run_reproduce_line(daemon, r.stdout)
+    assert again.returncode == 3, again.stdout + again.stderr
+    assert verify_rows(again.stdout) == verify_rows(r.stdout), (r.stdout, again.stdout)
+
+
+def run_reproduce_line(daemon, stdout):
+    """Runs the `reproduce:` line `opjit verify` printed last, as a shell would."""
+    line = stdout.splitlines()[-1]
+    assert line.startswith("reproduce: opjit verify "), stdout
+    argv = shlex.split(line[len("reproduce: "):])
+    return cli(daemon, *argv[1:])
+
+
+def test_verify_an_output_never_written_says_so(daemon, verify_ops, tmp_path):
+    spec = unary_spec_of("cli_v_writes_nothing", "return 0;")
+    assert cli(daemon, "register", write(tmp_path, "n.json", json.dumps(spec))).returncode == 0
+    r = cli(daemon, "verify", "cli_v_writes_nothing", "--against", "cli_v_ref", "--shape", "5",
+            "--seeds", "1", "--no-special")
+    assert r.returncode == 3, r.stdout + r.stderr
+    (cells,) = verify_rows(r.stdout).values()
+    # No "0 vs 0" value columns: nothing was compared.
+    assert cells[4] == "FAIL" and cells[9] == "-", cells
+    assert cells[10] == ("output y was never written: it still holds the poison pattern it "
+                         "starts with"), cells
+    again = run_reproduce_line(daemon, r.stdout)
+    assert again.returncode == 3 and verify_rows(again.stdout) == verify_rows(r.stdout), (
+        r.stdout, again.stdout, again.stderr)
+
+
+def unary_spec_of(name, pre="", body="* 2.0f", **fields):
+    from conftest import unary_kernel, unary_spec
+    return unary_spec(name, unary_kernel(body, pre=pre),
+                      output_rules=[{"kind": "same_as", "input": 0}], **fields)
+
+
+def test_verify_fp_contract_off_matches_numpy_bit_for_bit(daemon, verify_ops, tmp_path):
+    # y = x*x - 1 near x = 1: an FMA keeps x*x unrounded, so a contracted
+    # build differs from numpy's float32 (two roundings) in most elements.
+    # -ffp-contract=off is another artifact (the option keys the compile).
+    for name, options in (("cli_fma_default", []), ("cli_fma_off", ["-ffp-contract=off"])):
+        spec = unary_spec_of(name, body="* x[i] - 1.0f")
+        spec["implementations"][0]["compile_options"] = options
+        r = cli(daemon, "register", write(tmp_path, name + ".json", json.dumps(spec)))
+        assert r.returncode == 0, r.stderr
+    x = np.random.default_rng(3).uniform(0.9, 1.1, 1024).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", x * x - np.float32(1))
+    given = ["--in", str(tmp_path / "x.npy"), "--expect", str(tmp_path / "y.npy"), "--atol", "0",
+             "--rtol", "0"]
+    r = cli(daemon, "verify", "cli_fma_off", *given)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "candidate cli_fma_off (cpu): -O3 -march=native, fp-contract=off, no fast-math" in r.stdout
+    again = run_reproduce_line(daemon, r.stdout)
+    assert again.returncode == 0, again.stdout + again.stderr
+    r = cli(daemon, "verify", "cli_fma_default", *given)
+    assert "candidate cli_fma_default (cpu): -O3 -march=native, fp-contract=on, " in r.stdout, r.stdout
+    with open("/proc/cpuinfo") as f:
+        fma = " fma " in f.read().replace("\n", " ")
+    assert r.returncode == (3 if fma else 0), r.stdout + r.stderr
+    spec = unary_spec_of("cli_fma_bad")
+    spec["implementations"][0]["compile_options"] = ["-ffp-contract=fast-honor-pragmas"]
+    r = cli(daemon, "register", write(tmp_path, "bad.json", json.dumps(spec)))
+    assert r.returncode != 0 and "-ffp-contract= needs off, on or fast" in r.stderr, r.stderr
 
 
 def test_verify_and_bench_an_unknown_op_is_not_found(daemon, verify_ops):

@@ -260,6 +260,17 @@ def test_cheats_fail(vclient, cheat):
         assert not r, "%s passed on [1024]:\n%s" % (cheat, r.table())
 
 
+def test_an_output_never_written_is_said_in_words(vclient):
+    r = opjit.verify("vf_writes_nothing", REF, shapes=[5], seeds=1, special_values=False,
+                     dtypes=["float32"], client=vclient)
+    (c,) = r.failures
+    assert c.message == ("output y was never written: it still holds the poison pattern it "
+                         "starts with"), c
+    # No value was compared: none is shown ("candidate 0 vs reference 0" read as a pass).
+    assert not c.compared and c.worst() == "output 0 [0]", c
+    assert " vs " not in r.summary() and " vs " not in repr(c), r.summary()
+
+
 def test_the_test_shape_cheat_is_right_on_its_shape(vclient):
     """What makes it a cheat: a test on [1024] alone would pass it."""
     assert opjit.verify("vf_test_shape", REF, shapes=[1024], client=vclient)

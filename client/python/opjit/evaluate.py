@@ -256,10 +256,21 @@ class VerifyCase:
     def status(self):
         return "skip" if self.skipped else ("ok" if self.passed else "FAIL")
 
+    @property
+    def compared(self):
+        """Whether the worst element's values were compared: a case that failed
+        before (an output never written, changed after return) says why in
+        ``message``, and its value fields mean nothing."""
+        return self.worst_index >= 0 and bool(self.max_abs_error or self.max_ulp_error
+                                              or self.max_rel_error)
+
     def worst(self):
-        """"output 0 [6]: candidate 1 vs reference 3", or "" when no element was worst."""
+        """"output 0 [6]: candidate 1 vs reference 3" ("output 0 [6]" where no
+        value was compared), or "" when no element was worst."""
         if self.worst_index < 0:
             return ""
+        if not self.compared:
+            return "output %d [%d]" % (self.worst_output, self.worst_index)
         return "output %d [%d]: candidate %.9g vs reference %.9g" % (
             self.worst_output, self.worst_index, self.candidate_value, self.reference_value)
 
@@ -330,8 +341,8 @@ class VerifyResult:
         rows = [head]
         for c in self.cases:
             worst = "" if c.worst_index < 0 else "%d[%d]" % (c.worst_output, c.worst_index)
-            vals = ("", "") if c.worst_index < 0 else (_g(c.candidate_value),
-                                                        _g(c.reference_value))
+            vals = ("", "") if not c.compared else (_g(c.candidate_value),
+                                                     _g(c.reference_value))
             rows.append((str(c.index), c.kind, c.dtype, c.shapes, str(c.seed), c.status,
                          "yes" if c.deterministic else "NO", _g(c.max_abs_error),
                          _g(c.max_rel_error), _g(c.max_ulp_error), worst, vals[0], vals[1],

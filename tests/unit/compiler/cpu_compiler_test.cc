@@ -812,6 +812,32 @@ TEST_F(CpuCompilerTest, MathLoopsVectorizeToLibmvecWithoutErrno) {
   EXPECT_TRUE(vector_calls({}).empty());
 }
 
+// -ffp-contract= reaches clang's FP contraction (LangOptions'
+// DefaultFPContractMode, then the backend): a*b+c is one FMA by default on a
+// CPU with FMA, two roundings with off; the options key the compile, so the
+// two are different objects.
+TEST_F(CpuCompilerTest, FpContractOptionReachesCodegen) {
+#if !defined(__x86_64__)
+  GTEST_SKIP() << "checked on x86-64 (FMA3)";
+#else
+  if (!__builtin_cpu_supports("fma")) GTEST_SKIP() << "this CPU has no FMA";
+  auto c = Make(Options(/*pch=*/false));
+  ASSERT_NE(c, nullptr);
+  auto object = [&](std::vector<std::string> options) {
+    CpuCompileRequest r = Cxx("extern \"C\" float F(float a, float b, float c) { return a * b + c; }\n");
+    r.options = std::move(options);
+    absl::StatusOr<CpuCompileOutput> out = c->Compile(r);
+    EXPECT_TRUE(out.ok()) << out.status();
+    return out.ok() ? out->object : std::string();
+  };
+  const std::string on = object({}), off = object({"-ffp-contract=off"});
+  const std::string fast = object({"-ffp-contract=fast"});
+  ASSERT_FALSE(on.empty() || off.empty() || fast.empty());
+  EXPECT_NE(on, off);
+  EXPECT_EQ(on, fast);  // one expression: on and fast fuse it alike
+#endif
+}
+
 TEST_F(CpuCompilerTest, WorkersAreRecycledAfterNCompiles) {
   CpuCompilerOptions o = Options(/*pch=*/false);
   o.num_workers = 1;

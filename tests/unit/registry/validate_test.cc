@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "server/common/error_info.h"
+#include "server/compiler/compile_options.h"
 #include "tests/unit/registry/test_util.h"
 
 namespace opjit::registry {
@@ -287,10 +288,26 @@ TEST(ValidateTest, ImplementationsBasics) {
   });
 }
 
+// The floating-point mode Verify reports, as the clang driver and NVRTC
+// read the options: the last word wins.
+TEST(ValidateTest, FpModeOfCompileOptions) {
+  using compiler::CpuFpMode;
+  using compiler::CudaFpMode;
+  EXPECT_EQ(CpuFpMode({}), "fp-contract=on, no fast-math");
+  EXPECT_EQ(CpuFpMode({"-O2", "-ffp-contract=off"}), "fp-contract=off, no fast-math");
+  EXPECT_EQ(CpuFpMode({"-ffast-math"}), "fp-contract=fast, fast-math");
+  EXPECT_EQ(CpuFpMode({"-ffast-math", "-ffp-contract=off"}), "fp-contract=off, fast-math");
+  EXPECT_EQ(CpuFpMode({"-ffast-math", "-fno-fast-math"}), "fp-contract=on, no fast-math");
+  EXPECT_EQ(CudaFpMode({}), "fmad=true, no fast-math");
+  EXPECT_EQ(CudaFpMode({"--fmad=false"}), "fmad=false, no fast-math");
+  EXPECT_EQ(CudaFpMode({"--use_fast_math"}), "fmad=true, use_fast_math");
+  EXPECT_EQ(CudaFpMode({"--use_fast_math", "--fmad=false"}), "fmad=false, use_fast_math");
+}
+
 TEST(ValidateTest, CpuCompileOptions) {
   for (const char* ok :
        {"-DN=4", "-DDEBUG", "-DNAME=a b", "-UNDEBUG", "-O0", "-O3", "-ffast-math", "-fno-fast-math",
-        "-std=c++17", "-std=c++20", "-Wall", "-Wno-unused-variable", "-Werror=return-type", "-w"}) {
+        "-ffp-contract=off", "-ffp-contract=on", "-ffp-contract=fast", "-std=c++17", "-std=c++20", "-Wall", "-Wno-unused-variable", "-Werror=return-type", "-w"}) {
     ExpectValid([&](OpDef& d) { d.implementations[0].compile_options = {ok}; });
   }
   for (const char* bad : {"-fopenmp",
@@ -314,6 +331,8 @@ TEST(ValidateTest, CpuCompileOptions) {
                           "-std=c11",
                           "--sysroot=/",
                           "-march=native",
+                          "-ffp-contract=fast-honor-pragmas",
+                          "-ffp-contract=",
                           "-DX"
                           "\x01"}) {
     ExpectInvalid(
