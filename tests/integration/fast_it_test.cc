@@ -504,6 +504,15 @@ TEST_F(FastIT, DaemonKilledMidCallFailsTheCallAtOnceNamingTheDaemon) {
   base[0] = 1.0f;
   auto warm = c_->Forward(ShmCall("mark_sleep", 16, "buf", 0, 4096));
   ASSERT_TRUE(warm.ok()) << warm.status();
+  // A second client with a channel of its own, idle when the daemon dies.
+  auto idle = Connect("on");
+  auto idle_info = idle->CreateRegion("", "idle", 1 << 16);
+  ASSERT_TRUE(idle_info.ok()) << idle_info.status();
+  auto idle_map = client::ShmMapping::Open(idle_info->shm_key(), idle_info->byte_size());
+  ASSERT_TRUE(idle_map.ok());
+  reinterpret_cast<float*>((*idle_map)->data())[0] = 1.0f;
+  auto idle_warm = idle->Forward(ShmCall("mark_sleep", 16, "idle", 0, 4096));
+  ASSERT_TRUE(idle_warm.ok()) << idle_warm.status();
   base[0] = 60000.0f;  // 60 s
   std::atomic<float>* mark = reinterpret_cast<std::atomic<float>*>(base + 4096 / 4 + 1);
   mark->store(0.0f);
@@ -537,6 +546,15 @@ TEST_F(FastIT, DaemonKilledMidCallFailsTheCallAtOnceNamingTheDaemon) {
   std::printf("the next call: answered after %.0f ms\n", s1 * 1e3);
   EXPECT_EQ(next.status().code(), absl::StatusCode::kUnavailable) << next.status();
   EXPECT_LT(s1, 5.0) << next.status();
+  // Between calls: the idle client's channel still looks open; its call
+  // waits for an executor that died with the daemon, and is told so.
+  const auto t2 = Clock::now();
+  auto late = idle->Forward(ShmCall("mark_sleep", 16, "idle", 0, 4096));
+  const double s2 = std::chrono::duration<double>(Clock::now() - t2).count();
+  std::printf("a call on an idle channel after the kill: answered after %.0f ms\n", s2 * 1e3);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kUnavailable) << late.status();
+  EXPECT_EQ(ReasonOf(late.status()), reason::kDaemonExited) << late.status();
+  EXPECT_LT(s2, 5.0) << late.status();
 }
 
 TEST_F(FastIT, ForcedOffAndGrpcOnlyCallsNeverOpenAChannel) {
