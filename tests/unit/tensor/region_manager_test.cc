@@ -232,6 +232,29 @@ TEST_F(RegionManagerTest, ReleaseOwnerDropsOnlyThatOwner) {
   EXPECT_EQ(manager_->GetStats().regions, 2u);
 }
 
+// A reload revoking principal "carol" everywhere but ns2: its regions in
+// other namespaces go (the listener hears them), the rest stay.
+TEST_F(RegionManagerTest, ReleaseWhereDropsMatchingOwnersInEveryNamespace) {
+  ASSERT_TRUE(manager_->CreateRegion("ns", "carol/1", "c1", 10, 0).ok());
+  ASSERT_TRUE(manager_->CreateRegion("ns3", "carol/2", "c2", 10, 0).ok());
+  ASSERT_TRUE(manager_->CreateRegion("ns2", "carol/1", "c3", 10, 0).ok());
+  ASSERT_TRUE(manager_->CreateRegion("ns", "carola/1", "d1", 10, 0).ok());
+  size_t heard = 0;
+  manager_->SetRemovalListener(
+      [&heard](const std::vector<std::shared_ptr<const Region>>& r) { heard += r.size(); });
+  const int n = manager_->ReleaseWhere([](const std::string& ns, const std::string& owner) {
+    return owner.rfind("carol/", 0) == 0 && ns != "ns2";
+  });
+  manager_->SetRemovalListener(nullptr);
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(heard, 2u);
+  ASSERT_EQ(manager_->List("ns").size(), 1u);
+  EXPECT_EQ(manager_->List("ns")[0].name, "d1");
+  EXPECT_TRUE(manager_->List("ns3").empty());
+  EXPECT_EQ(manager_->List("ns2").size(), 1u);
+  EXPECT_EQ(manager_->GetStats().bytes, 20u);
+}
+
 TEST_F(RegionManagerTest, ExpireLeasesUsesGivenTime) {
   auto a = manager_->CreateRegion("ns", "a", "a", 10, 1000);
   auto b = manager_->CreateRegion("ns", "b", "b", 10, 5000);
