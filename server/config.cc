@@ -522,9 +522,15 @@ void AddExecKeys(std::vector<KeyRow>& k) {
                   "keeps root)."));
   k.push_back(Str("exec.uid_range", &Cfg::uid_range,
                   "Started as root, each namespace's executors run as a uid of their own from "
-                  "\"<first>-<last>\"; \"\": all as worker_user."));
+                  "\"<first>-<last>\" (the lowest no daemon on the host holds, claimed in "
+                  "uid_claim_dir); \"\": all as worker_user."));
+  k.push_back(Str("exec.uid_claim_dir", &Cfg::uid_claim_dir,
+                  "Where every opjitd of the host claims the executor uids it hands out "
+                  "(uid_range, or a non-root daemon's subordinate ids), so no two daemons share "
+                  "one: a directory only its owner (root or the daemon's user) writes."));
   k.push_back(Int("exec.threads_per_executor", &Cfg::threads_per_executor,
-                  "Threads an executor may keep after a call.", 8, 1 << 20));
+                  "Threads an executor may keep while no call runs in it (counted after each "
+                  "pool call and every ~100 ms while idle).", 8, 1 << 20));
   k.push_back(Int("exec.threads_per_namespace", &Cfg::threads_per_namespace,
                   "Threads of all of a namespace's executors together (root with "
                   "uid_range).", 8, 1 << 22));
@@ -751,6 +757,10 @@ void CheckCombined(Checker& ck, DaemonConfig& cfg) {
     cfg.uid_last = range->second;
   } else {
     ck.Problem("exec.uid_range", std::string(range.status().message()));
+  }
+  if (cfg.uid_claim_dir.empty() || cfg.uid_claim_dir[0] != '/') {
+    ck.Problem("exec.uid_claim_dir", "must be an absolute path (every opjitd of the host claims "
+                                     "executor uids there)");
   }
   // The compile uid: no executor's (outside exec.uid_range), not nobody's.
   if (cfg.compile_uid == 65534 || cfg.compile_uid == 65535) {

@@ -148,15 +148,24 @@ struct DaemonConfig {
   std::string worker_user = "nobody";    // started as root, executors drop to this user ("" keeps root)
   // Started as root, each namespace's executors run as a uid (and the gid of
   // the same number) of their own from this range, "<first>-<last>": the
-  // lowest one free, held for the daemon's life. The default,
+  // lowest one that no daemon on the host holds (claimed in uid_claim_dir),
+  // held for the daemon's life. The default,
   // 0x70000000 + 64 Ki, lies outside regular users, Debian's subordinate
   // uids (100000-600100000) and systemd's container (524288-1879048191) and
   // foreign (2147352576-2147418111) ranges. "": every namespace's executors
   // run as worker_user, and tenants are not apart by uid (logged).
   std::string uid_range = "1879048192-1879113727";
   uint32_t uid_first = 1879048192, uid_last = 1879113727;  // uid_range, parsed (0, 0: "")
-  // Threads an executor may keep after a call; more fail that call
-  // (RESOURCE_EXHAUSTED) and end the executor.
+  // Where every daemon of the host claims the uids it hands out (uid_range,
+  // or a non-root daemon's subordinate ids), so that no two daemons give
+  // their tenants one uid (server/common/uid_claims.h): a directory only its
+  // owner writes, root's or the daemon user's. A root daemon creates it
+  // (0700); the package's tmpfiles.d makes it for opjit.
+  std::string uid_claim_dir = "/run/opjit-uids";
+  // Threads an executor may keep while no call runs in it: a pool call
+  // that leaves more fails (RESOURCE_EXHAUSTED) and ends its executor; an
+  // idle executor (pool or fast channel) found with more, counted every
+  // ~100 ms, is stopped.
   int64_t threads_per_executor = 256;
   // Threads (and processes) of all of a namespace's executors together
   // (RLIMIT_NPROC of its uid; only with uid_range on a root daemon).

@@ -136,6 +136,11 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
                    {});
   m.DeclareCounter("opjit_executor_worker_timeouts_total",
                    "Executor processes killed at a deadline.", {});
+  m.DeclareCounter("opjit_executor_thread_cap_stops_total",
+                   "Executor processes stopped for keeping more than [exec] "
+                   "threads_per_executor threads, when a call ended (after_call) or while no "
+                   "call ran (idle); never counted as crashes.",
+                   {"when"});
   m.DeclareCounter("opjit_quarantined_kernels_total", "Kernels refused after repeated crashes.",
                    {});
   m.DeclareGauge("opjit_serving", "1 when grpc.health reports SERVING.", {});
@@ -173,6 +178,10 @@ void DeclareCoreMetrics(metrics::Registry& m, compiler::KernelCompiler* compiler
     r.SetCounter("opjit_executor_worker_crashes_total", {}, static_cast<double>(w.worker_crashes));
     r.SetCounter("opjit_executor_worker_timeouts_total", {},
                  static_cast<double>(w.worker_timeouts));
+    r.SetCounter("opjit_executor_thread_cap_stops_total", {"after_call"},
+                 static_cast<double>(w.thread_cap_stops_after_call));
+    r.SetCounter("opjit_executor_thread_cap_stops_total", {"idle"},
+                 static_cast<double>(w.thread_cap_stops_idle));
     r.SetCounter("opjit_quarantined_kernels_total", {}, static_cast<double>(w.quarantined));
     const HealthMonitor* h = health->load();
     r.Set("opjit_serving", {}, (h == nullptr || h->serving()) ? 1.0 : 0.0);

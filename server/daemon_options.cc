@@ -25,6 +25,7 @@
 #include "server/common/sha256.h"
 #include "server/common/subordinate_ids.h"
 #include "server/common/subprocess.h"
+#include "server/common/uid_claims.h"
 
 namespace opjit {
 
@@ -105,6 +106,18 @@ SubordinateIds PickSubordinateIds(const DaemonConfig& cfg) {
                                e.ok() ? e->Describe() : std::string(e.status().message()), ")");
     return out;
   }
+  // Two daemons of this user share these ids: each claims its executors'
+  // uids where every daemon of the host does, or it uses none of them.
+  absl::StatusOr<std::unique_ptr<UidClaims>> claims = UidClaims::Open(cfg.uid_claim_dir);
+  if (!claims.ok()) {
+    out.why_not = absl::StrCat(
+        "it cannot claim its subordinate uids host-wide (", claims.status().message(),
+        "; the package's tmpfiles.d makes it for opjit: install -d -o USER -m 0700 ",
+        cfg.uid_claim_dir, ", or set [exec] uid_claim_dir to a directory of its user's that "
+        "every daemon of the user shares)");
+    return out;
+  }
+  out.claims = *std::move(claims);
   const uint32_t n = std::min(ids->uids.count, ids->gids.count);
   out.uid_first = ids->uids.first;
   out.uid_last = ids->uids.first + n - 2;
@@ -353,6 +366,29 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFromConfig(const DaemonConfig& 
         "still refuses every call aimed at another process");
   }
   return o;
+}
+
+absl::Status ClaimUidsFromConfig(const DaemonConfig& cfg, const SubordinateIds& sub,
+                                 runner::ProcessRunnerOptions* options) {
+  if (options->uid_first == 0) return absl::OkStatus();
+  std::shared_ptr<UidClaims> claims = sub.claims;
+  if (claims == nullptr) {
+    absl::StatusOr<std::unique_ptr<UidClaims>> opened = UidClaims::Open(cfg.uid_claim_dir);
+    if (!opened.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          opened.status().message(), ". Every opjitd of a host claims the executor uids it hands "
+          "out there, so that no two give their tenants one uid: set [exec] uid_claim_dir to a "
+          "directory only root (or the opjit user) writes, shared by every daemon of the host"));
+    }
+    claims = *std::move(opened);
+  }
+  Logger("runner")->info("executor uids of {}-{} are claimed host-wide in {}: each namespace "
+                         "takes the lowest that no daemon of this host holds",
+                         options->uid_first, options->uid_last, claims->dir());
+  options->claim_uid = [claims](uint32_t first, uint32_t last) {
+    return claims->Claim(first, last);
+  };
+  return absl::OkStatus();
 }
 
 exec::ExecutorOptions ExecutorOptionsFromConfig(const DaemonConfig& cfg) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -30,6 +31,8 @@
 #include "server/tensor/region_manager.h"
 
 namespace opjit {
+
+class UidClaims;  // server/common/uid_claims.h
 
 // ---- Host facts ---------------------------------------------------------
 
@@ -62,8 +65,13 @@ struct SubordinateIds {
   uint32_t uid_first = 0, uid_last = 0, gid_first = 0;  // executors
   uint32_t compile_uid = 0, compile_gid = 0;
   std::string why_not;  // empty: use them
+  // Where the executors' uids are claimed host-wide (exec.uid_claim_dir):
+  // two daemons of one user share its subordinate ids, and must not share
+  // a uid. Without it the ids are not used (why_not says so).
+  std::shared_ptr<UidClaims> claims;
 };
-// Starts /bin/true once in a user namespace to prove the ids map.
+// Starts /bin/true once in a user namespace to prove the ids map, and opens
+// the uid claims.
 SubordinateIds PickSubordinateIds(const DaemonConfig& cfg);
 
 // ---- [registry] ---------------------------------------------------------
@@ -108,6 +116,14 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFromConfig(const DaemonConfig& 
                                                             const runner::KernelHostOptions& host,
                                                             const SubordinateIds& sub,
                                                             const std::string& helper_dir);
+
+// Where `options` gives each namespace a uid of its own (uid_first): each
+// is claimed host-wide, in `sub`'s claims (a non-root daemon) or in
+// exec.uid_claim_dir (root, which creates it where missing), so that no two
+// daemons of the host hand out one uid. FAILED_PRECONDITION, saying how to
+// fix it, when a root daemon cannot use the directory.
+absl::Status ClaimUidsFromConfig(const DaemonConfig& cfg, const SubordinateIds& sub,
+                                 runner::ProcessRunnerOptions* options);
 
 exec::ExecutorOptions ExecutorOptionsFromConfig(const DaemonConfig& cfg);
 

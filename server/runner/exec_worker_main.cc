@@ -19,10 +19,12 @@
 // Threads. --max-processes is RLIMIT_NPROC, set before the uid drop: the
 // kernel counts it per uid, so with a uid per namespace it caps all of the
 // namespace's executors together (a kernel's pthread_create beyond it gets
-// EAGAIN). --max-threads is checked after each call (one fstat of
+// EAGAIN). --max-threads is checked after each pool call (one fstat of
 // /proc/self/task, opened before the sandbox): a call that leaves more
-// threads answers RESOURCE_EXHAUSTED; the daemon then stops a pool worker,
-// and a fast-channel worker ends itself after answering.
+// threads answers RESOURCE_EXHAUSTED, and the daemon stops the worker. A
+// fast-channel call is not checked here (no syscall on the fast path): the
+// daemon's channel thread counts the executor's threads every ~100 ms and
+// stops it once it holds more with no call running.
 //
 // Parent death: PR_SET_PDEATHSIG(SIGKILL) at start and again after the
 // sandbox (whose uid change clears it), each time followed by a check that
@@ -220,10 +222,8 @@ class Worker {
   void Answer(int32_t code, uint64_t need, std::string_view message, double kernel_ms,
               uint64_t flushed_bytes = 0);
   // RESOURCE_EXHAUSTED when the process has more threads than
-  // --max-threads (the kernel left them running), else OK.
+  // --max-threads (the kernel left them running), else OK. Pool calls only.
   absl::Status CheckThreads();
-  // Set once CheckThreads failed: a channel worker ends after its answer.
-  bool over_threads_ = false;
 
   // Fast channel.
   void ServeSlot(fast::Slot* slot, uint32_t index);
@@ -394,7 +394,6 @@ absl::Status Worker::CheckThreads() {
   }
   const int64_t threads = static_cast<int64_t>(st.st_nlink) - 2;  // the count plus "." and ".."
   if (threads <= flags_.max_threads) return absl::OkStatus();
-  over_threads_ = true;
   return absl::ResourceExhaustedError(absl::StrCat(
       "the kernel left ", threads, " threads running (an executor process keeps at most ",
       flags_.max_threads, "); its executor process is replaced, and the next call runs in a "
@@ -694,7 +693,8 @@ void Worker::ServeSlot(fast::Slot* slot, uint32_t index) {
     slot_->fast_deadline_ns.store(slot->deadline_ns, std::memory_order_relaxed);
     slot_->fast_call.store(++fast_serial_, std::memory_order_release);
     st = RunSlot(slot, handle, &kernel_ms);
-    if (st.ok()) st = CheckThreads();
+    // No thread count here: the daemon's channel thread counts them while
+    // no call runs (ProcessRunnerOptions::threads_per_executor).
     slot_->fast_call.store(0, std::memory_order_release);
     Count(handle, st.code(), kernel_ms);
   }
@@ -737,14 +737,6 @@ int Worker::ChannelLoop(void* channel) {
       fast::Slot* slot = fast::SlotAt(channel, i);
       if (slot->state.load(std::memory_order_acquire) == fast::kSubmitted) {
         ServeSlot(slot, i);
-        // Its kernel left too many threads: answered; the channel ends here
-        // (the daemon sees the executor go and closes the ring).
-        if (over_threads_) {
-          std::fprintf(stderr, "opjit-exec-worker: a kernel left more than %lld threads running; "
-                       "this fast channel's executor ends\n",
-                       static_cast<long long>(flags_.max_threads));
-          _exit(0);
-        }
         next = i + 1;
         served = true;
         break;

@@ -255,6 +255,11 @@ struct RunnerStats {
   uint64_t workers_started = 0;  // since start
   uint64_t worker_crashes = 0;   // died while running a call
   uint64_t worker_timeouts = 0;  // killed at a deadline or the kernel time limit
+  // Stopped for keeping more than [exec] threads_per_executor threads: when
+  // a call ended (pool), or while no call ran in it (idle pool workers and
+  // fast channels' executors, counted every ~100 ms); neither is a crash.
+  uint64_t thread_cap_stops_after_call = 0;
+  uint64_t thread_cap_stops_idle = 0;
   uint64_t quarantined = 0;      // quarantines (a kernel refused to a caller, or to everyone)
 };
 

@@ -232,6 +232,23 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
     if (options.uid_first == 0) return std::pair<int64_t, int64_t>{options.uid, options.gid};
     MutexLock lock(&mu);
     auto it = ns_uids.find(ns);
+    if (it == ns_uids.end() && options.claim_uid) {
+      // The lowest uid of the range that neither a namespace here nor
+      // another daemon on the host holds (UidClaims), held from now on.
+      absl::StatusOr<uint32_t> claimed = options.claim_uid(options.uid_first, options.uid_last);
+      if (!claimed.ok()) {
+        Logger("runner")->error("namespace {}: no executor uid: {}", ns,
+                                claimed.status().ToString());
+        return WithReason(
+            absl::Status(claimed.status().code(),
+                         absl::StrCat("no executor uid is left for a new namespace: ",
+                                      claimed.status().message())),
+            reason::kWorkerUnavailable);
+      }
+      Logger("runner")->info("namespace {}: executors run as uid {} (claimed on this host)", ns,
+                             *claimed);
+      it = ns_uids.emplace(ns, *claimed).first;
+    }
     if (it == ns_uids.end()) {
       // Never given back, so the lowest free is the next one.
       const uint64_t next = uint64_t{options.uid_first} + ns_uids.size();
@@ -273,6 +290,34 @@ struct ProcessRunner::Impl : std::enable_shared_from_this<Impl> {
   std::string scratch_root;
   std::atomic<uint64_t> scratch_serial{0};  // names workers' scratch directories
   std::atomic<uint64_t> started{0}, crashes{0}, timeouts{0}, quarantined{0}, live{0};
+  // Executors stopped for keeping more than options.threads_per_executor
+  // threads: a pool worker when its call ended (Release), or one that no
+  // call ran in (the watcher, or a fast channel's own thread).
+  std::atomic<uint64_t> thread_cap_stops_after_call{0}, thread_cap_stops_idle{0};
+
+  // The thread watcher: every options.thread_watch_ms, counts the threads
+  // of every idle pool worker (one fstat each, under its pool's lock, never
+  // on a call's path) and stops those over the cap. Started by Create when
+  // the cap is on; stopped by ~ProcessRunner.
+  std::thread watcher;
+  Mutex watch_mu;
+  CondVar watch_cv;
+  bool watch_stop ABSL_GUARDED_BY(watch_mu) = false;
+  void WatchThreads() {
+    MutexLock lock(&watch_mu);
+    while (!watch_stop) {
+      const auto next =
+          std::chrono::steady_clock::now() + std::chrono::milliseconds(options.thread_watch_ms);
+      while (!watch_stop && watch_cv.WaitUntil(&watch_mu, next)) {
+      }
+      if (watch_stop) return;
+      lock.Unlock();
+      StopIdleOverThreads();
+      lock.Lock();
+    }
+  }
+  // One round of the watcher; how many idle workers it stopped.
+  int StopIdleOverThreads();
 
   Pool* PoolFor(const std::string& ns) {
     MutexLock lock(&mu);
@@ -687,6 +732,7 @@ void ProcessRunner::Impl::Release(const std::string& ns, std::unique_ptr<Worker>
       Logger("runner")->warn("namespace {}: executor process {} kept {} threads (at most {}); "
                              "stopped",
                              ns, w->pid, threads, options.threads_per_executor);
+      thread_cap_stops_after_call.fetch_add(1);
       Discard(ns, w, /*kill=*/true);
       return;
     }
@@ -706,6 +752,46 @@ void ProcessRunner::Impl::Discard(const std::string& ns, std::unique_ptr<Worker>
   MutexLock lock(&pool->mu);
   --pool->live;
   pool->cv.Signal();
+}
+
+int ProcessRunner::Impl::StopIdleOverThreads() {
+  const int cap = options.threads_per_executor;
+  if (cap <= 0) return 0;
+  // Pools are never removed, so their pointers outlive the runner's lock.
+  std::vector<std::pair<std::string, Pool*>> all;
+  {
+    MutexLock lock(&mu);
+    all.reserve(pools.size());
+    for (auto& [ns, pool] : pools) all.emplace_back(ns, pool.get());
+  }
+  int stopped = 0;
+  for (auto& [ns, pool] : all) {
+    std::vector<std::pair<std::unique_ptr<Worker>, int>> over;
+    {
+      MutexLock lock(&pool->mu);
+      for (auto it = pool->idle.begin(); it != pool->idle.end();) {
+        // Threads a kernel left that went on starting threads after its
+        // call (the worker's own check, at the call's end, saw few).
+        if (const int threads = (*it)->Threads(); threads > cap) {
+          over.emplace_back(std::move(*it), threads);
+          it = pool->idle.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& [w, threads] : over) {
+      // No call runs in it, so none fails, and no kernel is charged: the
+      // next call of the namespace starts a fresh executor (Init runs again).
+      Logger("runner")->warn("namespace {}: idle executor process {} has {} threads (at most {} "
+                             "while no call runs); stopped, charged to no kernel",
+                             ns, w->pid, threads, cap);
+      thread_cap_stops_idle.fetch_add(1);
+      Discard(ns, w, /*kill=*/true);
+      ++stopped;
+    }
+  }
+  return stopped;
 }
 
 absl::StatusOr<Reply> ProcessRunner::Impl::Control(Worker& w, wire::Msg type,
@@ -1346,6 +1432,11 @@ class ChannelImpl : public Channel {
   void HandBack(uint32_t i);
   // Sets the ring's closed flag and wakes every waiter.
   void MarkClosed();
+  // The executor holds `threads`, more than threads_per_executor, with no
+  // call running (or past the call that ran when it was first seen over):
+  // stopped, charged to no kernel, and the ring closed; a call that had
+  // just begun goes back to its client to run on a new channel.
+  void StopOverThreads(int threads);
 
   char* base() const { return reinterpret_cast<char*>(spec_.memory->data()); }
   char* SlotBase(uint32_t i) const {
@@ -1447,6 +1538,48 @@ void ChannelImpl::MarkClosed() {
     fast::FutexWake(reinterpret_cast<std::atomic<uint32_t>*>(slot + offsetof(fast::Slot, state)),
                     1 << 30);
   }
+}
+
+void ChannelImpl::StopOverThreads(int threads) {
+  Logger("runner")->warn("{} (namespace {}): fast-channel executor process {} has {} threads (at "
+                         "most {} while no call runs); stopped, charged to no kernel; the "
+                         "client's next call opens a new channel",
+                         spec_.label, spec_.ns, pid_, threads,
+                         runner_->options.threads_per_executor);
+  w_->Reap(/*kill=*/true);
+  runner_->live.fetch_sub(1);
+  runner_->thread_cap_stops_idle.fetch_add(1);
+  alive_.store(false);
+  // A call that began after the threads were counted is nobody's fault:
+  // it goes back to its client as one that never ran (kSubmitted on the
+  // closed ring), which runs it once on a new channel, as after a crash in
+  // a shared executor; one whose outputs keep their bytes (one may lie
+  // over an input) fails instead, counted against no kernel.
+  for (uint32_t i = 0; i < fast::kSlots; ++i) {
+    uint32_t state = 0;
+    uint64_t seq = 0, handle = 0;
+    int64_t deadline_ns = 0;
+    if (!ReadSlot(i, &state, &seq, &deadline_ns)) break;
+    if (state != fast::kRunning) continue;
+    if (!SlotKeepsOutputBytes(i)) {
+      HandBack(i);
+      continue;
+    }
+    const bool named =
+        tensor::GuardedCopy(&handle, SlotBase(i) + offsetof(fast::Slot, handle), 8).ok();
+    const absl::Status reply = WithReason(
+        absl::AbortedError(absl::StrCat(
+            "the fast channel's executor process was stopped as the call began: it held ",
+            threads, " threads, more than the ", runner_->options.threads_per_executor,
+            " an executor keeps between calls ([exec] threads_per_executor), left by a kernel "
+            "that ran there before. The call keeps its output bytes, so it does not run again; "
+            "nothing was counted against its kernel; call again")),
+        reason::kWorkerUnavailable, {{"cause", "threads"}, {"counted", "false"}});
+    PostReply(i, reply);
+    Record(named ? handle : 0, reply.code(), 1, 0);
+  }
+  MarkClosed();
+  TakeCounts();
 }
 
 absl::StatusOr<absl::Status> ChannelImpl::Bind(uint64_t handle, Clock::time_point deadline) {
@@ -1691,6 +1824,14 @@ void ChannelImpl::Serve() {
   int64_t watched_since = 0;
   int64_t watched_deadline = 0;
   int64_t last_watch_ns = 0;
+  // The thread cap while no call runs: the executor's threads, counted
+  // every thread_watch_ms (one fstat), and the call that ran when they were
+  // first seen over the cap (0: none), with whether they were.
+  const int thread_cap = runner_->options.threads_per_executor;
+  const int64_t threads_every_ns = runner_->options.thread_watch_ms * 1000000;
+  int64_t last_threads_ns = 0;
+  uint64_t over_call = 0;
+  bool over_seen = false;
   while (!stop_.load()) {
     pollfd p{w_->sock, POLLIN, 0};
     const int r = ::poll(&p, 1, 20);
@@ -1747,6 +1888,21 @@ void ChannelImpl::Serve() {
                    absl::FailedPreconditionError("the channel's memory shrank"), -1);
     }
     const uint64_t call = w_->slot->fast_call.load(std::memory_order_acquire);
+    // Threads past the cap are allowed while a call runs (its kernel's), not
+    // once no call does, nor past the end of the call they were first seen
+    // in (a later call is another serial).
+    if (thread_cap > 0 && threads_every_ns > 0 && now - last_threads_ns >= threads_every_ns) {
+      last_threads_ns = now;
+      const int threads = w_->Threads();
+      if (threads <= thread_cap) {
+        over_seen = false;
+      } else if (call == 0 || (over_seen && over_call != call)) {
+        return StopOverThreads(threads);
+      } else if (!over_seen) {
+        over_seen = true;
+        over_call = call;
+      }
+    }
     if (call == 0) {
       watched = 0;
       continue;
@@ -1849,10 +2005,23 @@ absl::StatusOr<std::unique_ptr<ProcessRunner>> ProcessRunner::Create(
     std::error_code ec;
     std::filesystem::remove_all(impl->scratch_root, ec);
   }
+  // The thread cap while no call runs: idle pool workers (fast channels
+  // watch their own executor).
+  if (options.threads_per_executor > 0 && options.thread_watch_ms > 0) {
+    impl->watcher = std::thread([raw = impl.get()] { raw->WatchThreads(); });
+  }
   return std::unique_ptr<ProcessRunner>(new ProcessRunner(std::move(impl)));
 }
 
 ProcessRunner::~ProcessRunner() {
+  if (impl_->watcher.joinable()) {
+    {
+      MutexLock stop(&impl_->watch_mu);
+      impl_->watch_stop = true;
+    }
+    impl_->watch_cv.SignalAll();
+    impl_->watcher.join();
+  }
   MutexLock lock(&impl_->mu);
   for (auto& [ns, pool] : impl_->pools) {
     MutexLock plock(&pool->mu);
@@ -1922,6 +2091,8 @@ RunnerStats ProcessRunner::Stats() const {
   s.worker_crashes = impl_->crashes.load();
   s.worker_timeouts = impl_->timeouts.load();
   s.quarantined = impl_->quarantined.load();
+  s.thread_cap_stops_after_call = impl_->thread_cap_stops_after_call.load();
+  s.thread_cap_stops_idle = impl_->thread_cap_stops_idle.load();
   return s;
 }
 

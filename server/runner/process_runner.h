@@ -89,11 +89,19 @@ struct ProcessRunnerOptions {
   // Started as root: each namespace's workers (pool and fast channel) run
   // as a uid of their own from [uid_first, uid_last], and the gid of the
   // same number, with no supplementary groups. A namespace takes the lowest
-  // free uid on its first worker and keeps it for the runner's life; two
-  // namespaces never share one. Its scratch directory is that uid's, mode
-  // 0700. When the range is used up, a new namespace's spawn fails with
-  // RESOURCE_EXHAUSTED. 0: off (all namespaces use uid/gid).
+  // free uid on its first worker (claim_uid says which are free) and keeps
+  // it for the runner's life; two namespaces never share one. Its scratch
+  // directory is that uid's, mode 0700. When the range is used up, a new
+  // namespace's spawn fails with RESOURCE_EXHAUSTED. 0: off (all namespaces
+  // use uid/gid).
   uint32_t uid_first = 0, uid_last = 0;
+  // With uid_first: takes the uid for a new namespace, the lowest of
+  // [first, last] free host-wide (the daemon: UidClaims::Claim, so that no
+  // two daemons on one host give their tenants one uid), or the status that
+  // refuses the namespace (RESOURCE_EXHAUSTED when every uid is taken).
+  // Called under the runner's lock, once per namespace. Empty: the runner
+  // counts alone, uid_first + k for its k-th namespace (tests).
+  std::function<absl::StatusOr<uint32_t>(uint32_t first, uint32_t last)> claim_uid;
   // With uid_first: the gid of the namespace that takes uid_first + k is
   // gid_first + k. 0: the gid of the same number as the uid. A daemon
   // without root sets both from its user's subordinate ids
@@ -101,11 +109,19 @@ struct ProcessRunnerOptions {
   // namespaces of their own whose uid 0 is that uid
   // (subprocess::SpawnOptions::user_namespace).
   uint32_t gid_first = 0;
-  // Threads a worker may keep after a call. A worker that has more is
-  // stopped when it comes back to the pool (its call answers
-  // RESOURCE_EXHAUSTED, as the worker itself checks); a fast-channel worker
-  // ends after answering that call. 0: unchecked. Default: 256.
+  // Threads a worker may keep while no call runs in it. A pool worker that
+  // has more when its call ends is stopped (its call answers
+  // RESOURCE_EXHAUSTED, as the worker itself checks); an idle pool worker
+  // and a fast channel's executor are counted every thread_watch_ms (one
+  // fstat of /proc/<pid>/task each, by the runner's watcher thread and the
+  // channel's own thread, never on a call's path), and one over the cap is
+  // stopped there (a channel closes; a call that had just begun in it goes
+  // back to its client to run again), counted in
+  // RunnerStats::thread_cap_stops and charged to no kernel. 0: unchecked.
+  // Default: 256.
   int threads_per_executor = 256;
+  // How often idle executors' threads are counted, ms. Default: 100.
+  int64_t thread_watch_ms = 100;
   // Threads and processes of all a namespace's workers together:
   // RLIMIT_NPROC, which counts per uid, so it is set only with uid_first.
   // Default: 1024.
@@ -136,6 +152,9 @@ struct ProcessRunnerOptions {
   // Crashes in a row of one caller's calls after which a kernel is
   // quarantined for that caller. Default: 3.
   int quarantine_after = 3;
+  // Distinct callers, readers not counted, for whom a kernel must be
+  // quarantined before it is quarantined for everyone. Default: 2.
+  int quarantine_callers = 2;
   // Room for one call's inline tensors (inputs and outputs), per worker;
   // sparse, so only what calls use is memory. Default: 160 MiB.
   uint64_t arena_bytes = 160ull << 20;
@@ -152,9 +171,6 @@ struct ProcessRunnerOptions {
   // time limit always use the steady clock. Not owned; outlives the runner.
   const Clock* clock = nullptr;
 };
-  // Distinct callers, readers not counted, for whom a kernel must be
-  // quarantined before it is quarantined for everyone. Default: 2.
-  int quarantine_callers = 2;
 
 class ProcessRunner : public KernelRunner {
  public:

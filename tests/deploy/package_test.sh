@@ -230,6 +230,8 @@ mount --bind "$T/etc" /etc
 mount --bind "$T/var-lib" /var/lib
 mount --bind "$T/sysusers.d" /usr/lib/sysusers.d
 mount --bind "$T/tmpfiles.d" /usr/lib/tmpfiles.d
+mkdir -p "$T/run"
+mount --bind "$T/run" /run  # tmpfiles.d makes /run/opjit-uids: not on this host's /run
 ! getent passwd opjit >/dev/null || { echo "opjit exists before the postinst"; exit 1; }
 env -u DPKG_ROOT sh "$PKG/../control/postinst" configure ""
 env -u DPKG_ROOT sh "$PKG/../control/postinst" configure 0.1.0  # again: idempotent
@@ -238,6 +240,8 @@ env -u DPKG_ROOT sh "$PKG/../control/postinst" configure 0.1.0  # again: idempot
 [ "$(stat -c '%U:%G %a' /var/lib/opjit)" = "opjit:opjit 750" ] ||
   { echo "/var/lib/opjit: $(stat -c '%U:%G %a' /var/lib/opjit)"; exit 1; }
 [ -d /etc/opjit ] || { echo "no /etc/opjit"; exit 1; }
+[ "$(stat -c '%U:%G %a' /run/opjit-uids)" = "opjit:opjit 700" ] ||
+  { echo "/run/opjit-uids: $(stat -c '%U:%G %a' /run/opjit-uids 2>&1)"; exit 1; }
 for f in subuid subgid; do
   [ "$(grep -c '^opjit:1879048192:65536$' /etc/$f)" = 1 ] ||
     { echo "/etc/$f: $(grep '^opjit:' /etc/$f | tr '\n' ' ')"; exit 1; }
@@ -258,6 +262,7 @@ NOSYSTEMD=(
   'adduser --system --group --home /var/lib/opjit --shell /usr/sbin/nologin opjit'
   'install -d -o opjit -g opjit -m 0750 /var/lib/opjit'
   'install -d -o opjit -g opjit -m 0755 /run/opjit'
+  'install -d -o opjit -g opjit -m 0700 /run/opjit-uids'
   "runuser -u opjit -- sh -c 'umask 0027 && exec /usr/bin/opjitd --config /etc/opjit/opjitd.toml --state-dir /var/lib/opjit --listen unix:/run/opjit/opjitd.sock'"
 )
 for c in "${NOSYSTEMD[@]}"; do
@@ -286,8 +291,8 @@ mount --bind "$T/etc" /etc
 mount --bind "$T/var-lib" /var/lib
 mount --bind "$T/run" /run
 ! getent passwd opjit >/dev/null || { echo "opjit exists before adduser"; exit 1; }
-for c in "${@:1:3}"; do sh -c "$c"; done
-bash -c "exec $4" >"$T/opjitd.log" 2>&1 &
+for c in "${@:1:$#-1}"; do sh -c "$c"; done
+bash -c "exec ${!#}" >"$T/opjitd.log" 2>&1 &
 RUNUSER=$!  # runuser itself (exec), which passes SIGTERM on to its child
 stop() {
   kill -0 "$RUNUSER" 2>/dev/null || return 0

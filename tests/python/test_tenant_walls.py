@@ -216,17 +216,21 @@ class SubuidDaemon(NobodyDaemon):
     executors run as one of them. The daemon runs in a mount namespace of
     its own where /etc/subuid and /etc/subgid are this test's files (what
     newuidmap and newgidmap read), so nothing of the host's changes. The
-    range is random, high, and `count` long: [first, first + count)."""
+    range is random, high, and `count` long: [first, first + count), unless
+    `first` is given (two daemons of one user share its range). It claims
+    its uids in `claims_dir` ([exec] uid_claim_dir), a directory of
+    nobody's, mode 0700 (default: a new one): the host's /run/opjit-uids
+    is root's, and a daemon that cannot claim uses no subordinate ids."""
 
     count = 64
 
-    def __init__(self, config=""):
+    def __init__(self, config="", first=None, claims_dir=None):
         for tool in ("unshare", "newuidmap", "newgidmap"):
             if shutil.which(tool) is None:
                 pytest.skip("%s is missing (util-linux, uidmap)" % tool)
         if not (os.path.exists("/etc/subuid") and os.path.exists("/etc/subgid")):
             pytest.skip("/etc/subuid or /etc/subgid is missing (the passwd package makes them)")
-        self.first = 0x90000000 + random.randrange(1 << 12) * 0x10000
+        self.first = first or 0x90000000 + random.randrange(1 << 12) * 0x10000
         self.gid_first = self.first + 0x8000
         self.ids_dir = tempfile.mkdtemp(prefix="opjit-tw-ids-")
         os.chmod(self.ids_dir, 0o755)
@@ -234,6 +238,11 @@ class SubuidDaemon(NobodyDaemon):
             with open(os.path.join(self.ids_dir, name), "w") as f:
                 f.write("nobody:%d:%d\n" % (first, self.count))
             os.chmod(os.path.join(self.ids_dir, name), 0o644)
+        self.own_claims = claims_dir is None
+        self.claims_dir = claims_dir or subuid_claims_dir()
+        line = 'uid_claim_dir = "%s"\n' % self.claims_dir
+        config = (config.replace("[exec]\n", "[exec]\n" + line, 1) if "[exec]\n" in config
+                  else config + "[exec]\n" + line)
         super().__init__(config)
 
     def wrapper_script(self):
@@ -246,6 +255,19 @@ class SubuidDaemon(NobodyDaemon):
     def close(self):
         super().close()
         shutil.rmtree(self.ids_dir, ignore_errors=True)
+        if self.own_claims:
+            shutil.rmtree(os.path.dirname(self.claims_dir), ignore_errors=True)
+
+
+def subuid_claims_dir():
+    """A uid claim directory for daemons running as nobody: <new temp
+    dir>/claims, nobody's, mode 0700."""
+    top = tempfile.mkdtemp(prefix="opjit-tw-claims-")
+    os.chmod(top, 0o755)
+    d = os.path.join(top, "claims")
+    os.mkdir(d, 0o700)
+    os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
+    return d
 
 
 def _make(kind):

@@ -134,6 +134,7 @@ TEST(ConfigTest, ExecutorUidRangeAndThreadCaps) {
   EXPECT_EQ(d->uid_first, 1879048192u);
   EXPECT_EQ(d->uid_last, 1879113727u);
   EXPECT_GT(d->uid_first, 600100000u);  // past Debian's SUB_UID_MAX and systemd's containers
+  EXPECT_EQ(d->uid_claim_dir, "/run/opjit-uids");  // where every daemon of the host claims
   EXPECT_EQ(d->threads_per_executor, 256);
   EXPECT_EQ(d->threads_per_namespace, 1024);
   EXPECT_EQ(d->scratch_mb, 64);
@@ -260,6 +261,8 @@ TEST(ConfigTest, RangesAndCombinations) {
            {"socket_mode = \"999\"\n", "socket_mode"},
            {"[exec]\nworkers = 1.5\n", "exec.workers"},
            {"[exec]\nuid_range = \"5000\"\n", "exec.uid_range"},
+           {"[exec]\nuid_claim_dir = \"run/opjit-uids\"\n", "exec.uid_claim_dir"},
+           {"[exec]\nuid_claim_dir = \"\"\n", "exec.uid_claim_dir"},
            {"[exec]\nuid_range = \"2000-1000\"\n", "exec.uid_range"},
            {"[exec]\nuid_range = \"0-100\"\n", "exec.uid_range"},
            {"[exec]\nuid_range = \"60000-70000\"\n", "exec.uid_range"},  // holds nobody

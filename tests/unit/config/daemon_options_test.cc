@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "server/common/uid_claims.h"
 #include "server/config.h"
 
 namespace opjit {
@@ -127,6 +128,41 @@ TEST(DaemonOptionsTest, AccessQuotasAndServer) {
   EXPECT_EQ(s.socket_mode, 0600u);
   EXPECT_EQ(s.max_message_bytes, 320 << 20);
   EXPECT_TRUE(s.interceptors.empty());  // the Daemon adds its own
+}
+
+// Each namespace's uid is claimed in exec.uid_claim_dir: two daemons (two
+// option sets here) with one config take two uids; a directory others may
+// write refuses the start; a runner without a uid range claims nothing.
+TEST(DaemonOptionsTest, ExecutorUidsAreClaimedInTheClaimDirectory) {
+  char tmpl[] = "/tmp/opjit-options-claims-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string top = tmpl;
+  DaemonConfig cfg = FromToml(absl::StrCat("[exec]\nuid_claim_dir = \"", top, "/claims\"\n"));
+  SubordinateIds sub;  // a root daemon's: none; a non-root one's claims are opened here too
+  if (::geteuid() != 0) sub.claims = *UidClaims::Open(cfg.uid_claim_dir);
+  runner::ProcessRunnerOptions none;
+  ASSERT_TRUE(ClaimUidsFromConfig(cfg, sub, &none).ok());
+  EXPECT_FALSE(none.claim_uid);  // no range, nothing claimed
+  runner::ProcessRunnerOptions a, b;
+  a.uid_first = b.uid_first = 2000000300u;
+  a.uid_last = b.uid_last = 2000000309u;
+  ASSERT_TRUE(ClaimUidsFromConfig(cfg, sub, &a).ok());
+  ASSERT_TRUE(a.claim_uid);
+  EXPECT_EQ(*a.claim_uid(a.uid_first, a.uid_last), a.uid_first);
+  if (::geteuid() == 0) {
+    // Another daemon: another descriptor, so another uid.
+    ASSERT_TRUE(ClaimUidsFromConfig(cfg, sub, &b).ok());
+    EXPECT_EQ(*b.claim_uid(b.uid_first, b.uid_last), b.uid_first + 1);
+    EXPECT_EQ(*a.claim_uid(a.uid_first, a.uid_last), a.uid_first + 2);
+    // A directory others may write could have its lock file swapped.
+    ASSERT_EQ(::chmod(cfg.uid_claim_dir.c_str(), 0777), 0);
+    runner::ProcessRunnerOptions c = a;
+    c.claim_uid = nullptr;
+    const absl::Status refused = ClaimUidsFromConfig(cfg, sub, &c);
+    EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+    EXPECT_NE(refused.message().find("uid_claim_dir"), std::string::npos) << refused;
+  }
+  std::filesystem::remove_all(top);
 }
 
 }  // namespace

@@ -306,6 +306,38 @@ TEST_F(ProcessRunnerSeamTest, EachNamespaceTakesAUidOfItsOwnAndKeepsIt) {
   EXPECT_EQ(Flag(recorder_.seen()[2].args, "--uid"), std::to_string(o.uid_first));
 }
 
+// The daemon claims each namespace's uid host-wide (ProcessRunnerOptions::
+// claim_uid): a namespace runs as the uid its claim gave, asked once; a
+// refused claim refuses the namespace, before any start, with its code.
+TEST_F(ProcessRunnerSeamTest, ANamespaceRunsAsTheUidItsClaimGaveAndARefusalRefusesIt) {
+  ProcessRunnerOptions o = Options();
+  o.private_namespaces = false;  // ids on the command line, not a user namespace
+  o.uid_first = 2100000000u + static_cast<uint32_t>(::getpid() % 100000) * 4;
+  o.uid_last = o.uid_first + 3;
+  std::vector<std::pair<uint32_t, uint32_t>> asked;
+  o.claim_uid = [&](uint32_t first, uint32_t last) -> absl::StatusOr<uint32_t> {
+    asked.emplace_back(first, last);
+    if (asked.size() == 1) return last;  // others hold the lower ones
+    return absl::ResourceExhaustedError("every uid is taken by other opjitd servers on this host");
+  };
+  auto runner = Make(o);
+  ASSERT_NE(runner, nullptr);
+  auto a = Instance(*runner, "ns-a");
+  auto b = Instance(*runner, "ns-b");
+  ASSERT_TRUE(a && b);
+  EXPECT_TRUE(FromWorker(Touch(*a)));
+  EXPECT_TRUE(FromWorker(Touch(*a)));
+  ASSERT_EQ(recorder_.calls(), 1);
+  EXPECT_EQ(Flag(recorder_.seen()[0].args, "--uid"), std::to_string(o.uid_last));
+  const absl::Status refused = Touch(*b);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_NE(refused.message().find("other opjitd servers"), std::string::npos) << refused;
+  EXPECT_EQ(GetReason(refused)->reason, reason::kWorkerUnavailable);
+  EXPECT_EQ(recorder_.calls(), 1);
+  ASSERT_EQ(asked.size(), 2u);  // once per namespace
+  EXPECT_EQ(asked[0], std::make_pair(o.uid_first, o.uid_last));
+}
+
 TEST_F(ProcessRunnerSeamTest, AFailedStartAnswersUnavailableWithoutPathsAndFreesItsPlace) {
   auto runner = Make(Options());  // one worker per namespace
   ASSERT_NE(runner, nullptr);
