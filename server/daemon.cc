@@ -336,7 +336,7 @@ std::vector<Revocation> RevocationsOf(const std::vector<access::PrincipalConfig>
 // already running finish; every later one is authenticated anew.
 void Revoke(const std::vector<Revocation>& revocations, tensor::RegionManager* regions,
             exec::ChannelManager* channels, exec::HandleTable* handles,
-            autograd::Autograd* autograd) {
+            autograd::Autograd* autograd, bool second_pass = false) {
   auto log = Logger("main");
   for (const Revocation& r : revocations) {
     const std::string prefix = r.principal + "/";
@@ -346,6 +346,7 @@ void Revoke(const std::vector<Revocation>& revocations, tensor::RegionManager* r
     };
     const int closed = channels->CloseWhere(owned);
     if (r.channels_only) {
+      if (second_pass && closed == 0) continue;
       log->info("reload: principal \"{}\" lost a credential: {} fast channel(s) closed",
                 r.principal, closed);
       continue;
@@ -356,6 +357,7 @@ void Revoke(const std::vector<Revocation>& revocations, tensor::RegionManager* r
         [&](const std::string& ns, const std::string& caller) {
           return caller == r.principal && lost(ns);
         });
+    if (second_pass && closed + released + prepared + contexts == 0) continue;
     log->info("reload: principal \"{}\" revoked in {}: {} fast channel(s) closed, {} region(s), "
               "{} prepared handle(s) and {} backward context(s) released",
               r.principal,
@@ -854,10 +856,31 @@ int Daemon::Serve() {
   parts_->ready.StartupDone();
   int sig = 0;
   int error = 0;
-  while ((error = sigwait(&signals_, &sig)) == 0 && sig == SIGHUP) {
-    Parts& p = *parts_;
-    Reload(&cfg_, p.access.get(), p.quotas.get(), [&p](const std::vector<Revocation>& lost) {
+  Parts& p = *parts_;
+  // A reload's revocations run again a second later, for what calls that
+  // were already running at the reload (an OpenChannel, a CreateRegion)
+  // made after the first pass.
+  std::vector<Revocation> again;
+  for (;;) {
+    if (again.empty()) {
+      error = sigwait(&signals_, &sig);
+    } else {
+      const timespec wait = {1, 0};
+      sig = sigtimedwait(&signals_, nullptr, &wait);
+      error = sig >= 0 ? 0 : errno;
+      if (error == EAGAIN || error == EINTR) {
+        if (error == EAGAIN) {
+          Revoke(again, p.regions.get(), p.channels.get(), p.handles.get(), p.autograd.get(),
+                 /*second_pass=*/true);
+          again.clear();
+        }
+        continue;
+      }
+    }
+    if (error != 0 || sig != SIGHUP) break;
+    Reload(&cfg_, p.access.get(), p.quotas.get(), [&](const std::vector<Revocation>& lost) {
       Revoke(lost, p.regions.get(), p.channels.get(), p.handles.get(), p.autograd.get());
+      again = lost;
     });
   }
   if (error != 0) {
