@@ -300,6 +300,7 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFromConfig(const DaemonConfig& 
   o.spin_us = cfg.worker_spin_us;
   o.wait_spin_us = cfg.wait_spin_us;
   o.quarantine_after = cfg.quarantine_after;
+  o.quarantine_callers = cfg.quarantine_callers;
   o.arena_bytes = static_cast<uint64_t>(cfg.max_message_bytes) * 5 / 2;
   o.host = host;
   o.threads_per_executor = static_cast<int>(cfg.threads_per_executor);
@@ -318,7 +319,6 @@ runner::ProcessRunnerOptions ProcessRunnerOptionsFromConfig(const DaemonConfig& 
       Logger("runner")->warn("exec.uid_range and exec.worker_user are \"\": executors keep root");
     } else if (const passwd* pw = ::getpwnam(cfg.worker_user.c_str())) {
       o.uid = pw->pw_uid;
-  o.quarantine_callers = cfg.quarantine_callers;
       o.gid = pw->pw_gid;
     } else {
       Logger("runner")->warn("exec.worker_user \"{}\" does not exist; executors keep root",

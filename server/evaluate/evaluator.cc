@@ -192,8 +192,8 @@ exec::ForwardCall BaseCall(const std::string& ns, const std::string& principal,
   exec::ForwardCall c;
   c.ns = ns;
   c.principal = principal;
-  c.op = side.record->def.name;
   c.quarantine_caller = quarantine_caller;
+  c.op = side.record->def.name;
   c.version = side.record->version;
   c.target = side.target;
   c.attrs = attrs;
