@@ -35,12 +35,16 @@ test-quick: build
 # default under clang: -Wthread-safety -Werror=thread-safety), so a lock
 # annotation violation fails `make test` at this build.
 ASAN_BUILD ?= build-asan
+# -O1 (ASan's own advice) and line tables only: symbolized reports with file
+# and line, about 30% less compile time than -O2 -g.
+ASAN_OPT ?= -O1 -gline-tables-only -DNDEBUG
 FUZZ_SECONDS ?= 60
 SANITIZER_ENV = ASAN_OPTIONS=halt_on_error=1:detect_stack_use_after_return=0:strict_string_checks=1 \
                 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
                 LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp
 test-sanitize: deps
 	CC=clang-16 CXX=clang++-16 cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  "-DCMAKE_C_FLAGS_RELWITHDEBINFO=$(ASAN_OPT)" "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=$(ASAN_OPT)" \
 	  -DOPJIT_SANITIZE=address,undefined -DOPJIT_FUZZ=ON -DOPJIT_FUZZ_SECONDS=$(FUZZ_SECONDS) \
 	  -DOPJIT_BUILD_BENCH=OFF
 	cmake --build $(ASAN_BUILD) -j$(JOBS)
