@@ -51,9 +51,11 @@
 #include "server/common/mutex.h"
 #include "server/common/random.h"
 #include "server/common/sha256.h"
+#include "server/common/shell_word.h"
 
 namespace {
 
+using opjit::ShellWord;
 using opjit::client::Client;
 using opjit::cli::CommandDoc;
 using opjit::cli::FlagDoc;
@@ -1264,17 +1266,6 @@ absl::Status AddGivenCase(const Args& a, opjit::v1::VerifyRequest* req) {
     *given->add_outputs() = opjit::client::InlineTensor(arr->dtype, arr->shape, arr->data);
   }
   return absl::OkStatus();
-}
-
-// A word as a POSIX shell reads it back: quoted unless plain.
-std::string ShellWord(const std::string& arg) {
-  const bool plain = !arg.empty() && std::all_of(arg.begin(), arg.end(), [](char ch) {
-    return absl::ascii_isalnum(static_cast<unsigned char>(ch)) || std::strchr("_./@:=,+-", ch);
-  });
-  if (plain) return arg;
-  std::string out = "'";
-  for (char ch : arg) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-  return out + "'";
 }
 
 // The daemon's reproduce line knows no file: a given case's --in and

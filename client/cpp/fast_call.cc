@@ -187,20 +187,8 @@ void FastChannel::GiveSlot(int slot) {
 }
 
 bool FastChannel::WorkerGone() const {
-  const pid_t pid = info_.worker_pid();
-  if (pid <= 0) return false;
-  if (::kill(pid, 0) == -1) return errno == ESRCH;
-  // Exited but not yet reaped by its parent: a zombie serves nothing.
-  char path[64], buf[256];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
-  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno == ENOENT;
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) return false;
-  buf[n] = '\0';
-  const char* close = std::strrchr(buf, ')');
-  return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+  // Exited, or not yet reaped by its parent: a zombie serves nothing.
+  return fast::PidGone(static_cast<int>(info_.worker_pid()));
 }
 
 FastChannel::Result FastChannel::Call(uint64_t handle, std::span<const FastTensorRef> tensors,

@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "server/common/error_info.h"
 #include "server/common/logging.h"
+#include "server/common/shell_word.h"
 #include "server/common/random.h"
 #include "server/common/status_macros.h"
 #include "server/common/mutex.h"
@@ -76,17 +77,6 @@ std::string Describe(const std::vector<TensorDesc>& descs) {
 // A shape as the CLI's --shape reads it: "4,5", "[]" for a scalar.
 std::string ShapeText(const std::vector<int64_t>& shape) {
   return shape.empty() ? "[]" : absl::StrJoin(shape, ",");
-}
-
-// `arg` as one word of a POSIX shell command line.
-std::string ShellWord(const std::string& arg) {
-  const bool plain = !arg.empty() && std::all_of(arg.begin(), arg.end(), [](char ch) {
-    return absl::ascii_isalnum(static_cast<unsigned char>(ch)) || std::strchr("_./@:=,+-", ch);
-  });
-  if (plain) return arg;
-  std::string out = "'";
-  for (char ch : arg) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-  return out + "'";
 }
 
 // " --attr k=v" for each attr, as the caller gave it.

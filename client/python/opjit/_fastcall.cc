@@ -108,21 +108,8 @@ struct Outcome {
   char text_buf[128];          // where `text` points when it is formatted
 };
 
-bool WorkerAlive(pid_t pid) {
-  if (pid <= 0) return true;
-  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;  // EPERM: another uid, it exists
-  // A zombie (exited, not yet reaped by the daemon) is dead too.
-  char path[64], buf[512];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
-  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return true;
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) return true;
-  buf[n] = '\0';
-  const char* close = std::strrchr(buf, ')');
-  return !(close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
-}
+// A zombie (exited, not yet reaped by the daemon) is dead too.
+bool WorkerAlive(pid_t pid) { return !fast::PidGone(static_cast<int>(pid)); }
 
 // Waits (GIL released by the caller) for slot `s` to be kDone. Returns the
 // last state seen; *gone: the channel closed or its executor died (else the

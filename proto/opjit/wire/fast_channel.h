@@ -159,6 +159,25 @@ inline void FutexWake(std::atomic<uint32_t>* word, int n = 1) {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, n, nullptr, nullptr, 0);
 }
 
+// Whether process `pid` has exited, by kill(pid, 0) and /proc/<pid>/stat:
+// gone (ESRCH, or no /proc entry) or a zombie (exited, not yet reaped by its
+// parent). EPERM means another uid's process: alive. A reused pid reads as
+// alive; ProcessWatch's pidfd does not have that gap.
+inline bool PidGone(int pid) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  char path[64], buf[512];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT;
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')');
+  return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
+
 // Whether a process has exited, for a client waiting on a ring: its
 // executor (OpenChannelResponse.worker_pid) or the daemon itself
 // (daemon_pid). Through a pidfd where the kernel has them (a reused pid is
@@ -191,17 +210,7 @@ class ProcessWatch {
       pollfd p{fd_, POLLIN, 0};
       return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLIN | POLLHUP)) != 0;
     }
-    if (::kill(pid_, 0) != 0 && errno == ESRCH) return true;  // EPERM: another uid's, alive
-    char path[64], buf[512];
-    std::snprintf(path, sizeof path, "/proc/%d/stat", pid_);
-    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return false;
-    const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-    ::close(fd);
-    if (n <= 0) return false;
-    buf[n] = '\0';
-    const char* close = std::strrchr(buf, ')');
-    return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+    return PidGone(pid_);
   }
 
  private:
