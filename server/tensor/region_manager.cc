@@ -392,25 +392,32 @@ absl::StatusOr<int> RegionManager::ReleaseOwner(const std::string& ns, const std
   return static_cast<int>(doomed.size());
 }
 
+std::vector<std::shared_ptr<const Region>> RegionManager::EraseWhereLocked(
+    const std::function<bool(const std::string& ns, const Entry& entry)>& doomed_if) {
+  std::vector<std::shared_ptr<const Region>> doomed;
+  for (auto space = namespaces_.begin(); space != namespaces_.end();) {
+    auto& regions = space->second.regions;
+    for (auto it = regions.begin(); it != regions.end();) {
+      auto next = std::next(it);
+      if (doomed_if(space->first, it->second)) doomed.push_back(EraseLocked(space->second, it));
+      it = next;
+    }
+    if (regions.empty() && space->second.pending.empty()) {
+      space = namespaces_.erase(space);
+    } else {
+      ++space;
+    }
+  }
+  return doomed;
+}
+
 int RegionManager::ReleaseWhere(const OwnerPredicate& doomed_if) {
   std::vector<std::shared_ptr<const Region>> doomed;
   {
     absl::MutexLock lock(&mu_);
-    for (auto space = namespaces_.begin(); space != namespaces_.end();) {
-      auto& regions = space->second.regions;
-      for (auto it = regions.begin(); it != regions.end();) {
-        auto next = std::next(it);
-        if (doomed_if(space->first, it->second.region->info().owner)) {
-          doomed.push_back(EraseLocked(space->second, it));
-        }
-        it = next;
-      }
-      if (regions.empty() && space->second.pending.empty()) {
-        space = namespaces_.erase(space);
-      } else {
-        ++space;
-      }
-    }
+    doomed = EraseWhereLocked([&](const std::string& ns, const Entry& e) {
+      return doomed_if(ns, e.region->info().owner);
+    });
   }
   if (!doomed.empty()) Logger("tensor")->debug("released {} region(s) by predicate", doomed.size());
   NotifyRemoved(doomed);
@@ -442,21 +449,8 @@ int RegionManager::ExpireLeases(int64_t now_unix_ms) {
   std::vector<std::shared_ptr<const Region>> doomed;
   {
     absl::MutexLock lock(&mu_);
-    for (auto space = namespaces_.begin(); space != namespaces_.end();) {
-      auto& regions = space->second.regions;
-      for (auto it = regions.begin(); it != regions.end();) {
-        auto next = std::next(it);
-        if (it->second.lease_expires_unix_ms <= now_unix_ms) {
-          doomed.push_back(EraseLocked(space->second, it));
-        }
-        it = next;
-      }
-      if (regions.empty() && space->second.pending.empty()) {
-        space = namespaces_.erase(space);
-      } else {
-        ++space;
-      }
-    }
+    doomed = EraseWhereLocked(
+        [&](const std::string&, const Entry& e) { return e.lease_expires_unix_ms <= now_unix_ms; });
     expired_ += doomed.size();
   }
   for (const auto& region : doomed) {

@@ -235,6 +235,11 @@ class RegionManager {
   std::shared_ptr<const Region> EraseLocked(Namespace& space,
                                             std::map<std::string, Entry>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases every entry for which `doomed_if(ns, entry)` holds, and every
+  // namespace left with nothing; returns the regions to drop after mu_.
+  std::vector<std::shared_ptr<const Region>> EraseWhereLocked(
+      const std::function<bool(const std::string& ns, const Entry& entry)>& doomed_if)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static RegionInfo InfoOf(const Entry& entry);
 
   // Constant after construction.
