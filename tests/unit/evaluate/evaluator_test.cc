@@ -4,6 +4,7 @@
 // fail with their worst case; every limit answers before anything runs.
 #include "server/evaluate/evaluator.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -474,7 +475,6 @@ TEST_F(EvaluatorTest, BenchmarkAgainstItselfIsWithinNoiseOfOne) {
 
 // --- Fair, bounded, cancellable (issue 41) ---
 
-using std::chrono::steady_clock;
 
 // A benchmark that runs until `release` (its `cancelled`), on a small input;
 // `started` is set when the evaluator first polls it, i.e. once it left the queue.
@@ -513,13 +513,11 @@ TEST_F(EvaluatorTest, BenchmarkWithNoDeadlineGetsTheServerMaximum) {
   EvaluatorOptions o;
   o.max_evaluation_ms = 300;
   Evaluator ev(o, stack_->registry.get(), executor_, stack_->regions.get());
-  Blocker never;  // never released: only the maximum ends it
-  const auto t0 = steady_clock::now();
+  Blocker never;  // never released: only the maximum ends it (else this waits forever)
   std::promise<absl::Status> p;
   ev.BenchmarkAsync(never.Call(), [&p](absl::StatusOr<BenchmarkResult> r) { p.set_value(r.status()); });
   absl::Status s = p.get_future().get();
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(20));
   ExpectNoRegionsLeft();
 }
 
@@ -538,12 +536,10 @@ TEST_F(EvaluatorTest, CancellationStopsRunningWorkAndDropsQueuedWork) {
     ran = r.ok();
     queued.set_value(r.status());
   });
-  const auto t0 = steady_clock::now();
   running.release = true;
   EXPECT_EQ(first.get_future().get().code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(queued.get_future().get().code(), absl::StatusCode::kCancelled);
   EXPECT_FALSE(ran);
-  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(10));
   ExpectNoRegionsLeft();
 }
 
@@ -601,11 +597,9 @@ TEST_F(EvaluatorTest, StopEndsRunningAndQueuedEvaluations) {
   evaluator_->VerifyAsync(Call("Good"), [&](absl::StatusOr<VerifyResult> r) {
     queued.set_value(r.status());
   });
-  const auto t0 = steady_clock::now();
-  evaluator_->Stop();
+  evaluator_->Stop();  // a Stop that waited on the blocker would never return
   EXPECT_EQ(queued.get_future().get().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(first.get_future().get().code(), absl::StatusCode::kUnavailable);
-  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(5));  // the daemon's grace
   std::promise<absl::Status> later;
   evaluator_->VerifyAsync(Call("Good"), [&](absl::StatusOr<VerifyResult> r) {
     later.set_value(r.status());
@@ -620,13 +614,17 @@ TEST_F(EvaluatorTest, VerifyBytesAreCheckedBeforeAnyCaseIsGenerated) {
   VerifyCall c = Call("Good");
   c.shapes = {{{kMaxElementsPerTensor}}};
   c.seeds = 40;
-  const auto t0 = steady_clock::now();
+  rusage before{};
+  ::getrusage(RUSAGE_SELF, &before);
   absl::Status s = Verify(c).status();
+  rusage after{};
+  ::getrusage(RUSAGE_SELF, &after);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   ASSERT_TRUE(GetReason(s).has_value());
   EXPECT_EQ(GetReason(s)->metadata.at("limit"), "verify bytes");
   EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat(kMaxVerifyBytes))) << s;
-  EXPECT_LT(steady_clock::now() - t0, std::chrono::seconds(5));
+  // One generated case would be 64 MiB per tensor: the peak did not move.
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 48 * 1024) << "KiB";
   ExpectNoRegionsLeft();
 }
 
